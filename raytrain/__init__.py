@@ -1,0 +1,9 @@
+"""raytrain: elastic, fault-tolerant data-parallel PyTorch training on Ray."""
+
+from raytrain.config import ConfigError, TrainConfig
+from raytrain.pipeline import Pipeline, context
+from raytrain.trainer import FitResult, RunFailed, fit
+
+__version__ = "0.1.0"
+
+__all__ = ["ConfigError", "FitResult", "Pipeline", "RunFailed", "TrainConfig", "context", "fit"]

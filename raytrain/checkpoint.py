@@ -1,0 +1,121 @@
+"""Checkpoint files: what a checkpoint holds and how it is read back safely.
+
+A checkpoint directory holds `state.pt` (model, optimizer, scheduler, scaler, RNG
+states, position) and `model.pt` (the unwrapped model alone). Both load with
+`torch.load(..., weights_only=True)`: only tensors and plain containers, never pickled
+code, so a checkpoint from elsewhere cannot run anything.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+STATE_FILE = "state.pt"
+MODEL_FILE = "model.pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or run directory that cannot be used, with what to do about it."""
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside DDP (and torch.compile), so saved keys have no `module.` prefix."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {key: value.detach().cpu().clone() for key, value in unwrap(model).state_dict().items()}
+
+
+def save_state(state: dict[str, Any], directory: str | os.PathLike) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    # Written to temporary names and renamed last, so a crash mid-write leaves no file
+    # that looks complete.
+    for name, payload in ((MODEL_FILE, state["model"]), (STATE_FILE, state)):
+        tmp = directory / (name + ".tmp")
+        torch.save(payload, tmp)
+        os.replace(tmp, directory / name)
+
+
+def load_state(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / STATE_FILE
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {directory} has no {STATE_FILE}; it is incomplete or not a raytrain checkpoint")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for truncated or foreign files
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc}); it is corrupt or partial") from None
+
+
+def checkpoint_dirs(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoint directories of a run, oldest first."""
+    run_dir = Path(run_dir)
+    found = [p for p in run_dir.glob("checkpoint_*") if (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Model weights from a run directory (model.pt, else the latest checkpoint), a checkpoint or a .pt file."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; give a run directory, a checkpoint directory or a model .pt file")
+    if path.is_dir():
+        candidates = [path / MODEL_FILE]
+        candidates += [p / MODEL_FILE for p in reversed(checkpoint_dirs(path))]
+        path = next((p for p in candidates if p.is_file()), None)
+        if path is None:
+            raise CheckpointError(f"{path} holds no model.pt and no complete checkpoint; has the run saved one yet?")
+    try:
+        weights = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path} cannot be read as a torch file ({type(exc).__name__}: {exc})") from None
+    if isinstance(weights, dict) and "model" in weights and isinstance(weights["model"], dict):
+        weights = weights["model"]
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise CheckpointError(f"{path} does not hold a model state_dict")
+    return weights
+
+
+# -- RNG states, in types that weights_only loading accepts ----------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": _to_lists(random.getstate()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        ("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"], numpy_state["has_gauss"], numpy_state["gauss"])
+    )
+    random.setstate(_to_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _to_lists(value: Any) -> Any:
+    return [_to_lists(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _to_tuples(value: Any) -> Any:
+    return tuple(_to_tuples(v) for v in value) if isinstance(value, list) else value

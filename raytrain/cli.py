@@ -1,0 +1,265 @@
+"""`raytrain` command line: train, export, doctor.
+
+Exit status: 0 success; 2 bad usage or invalid configuration (one message naming the
+option, the value and the fix); 1 the run failed (the cause, then where the logs are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from raytrain.config import ConfigError, DDPConfig, TrainConfig, flag_name
+
+EXIT_FAILED, EXIT_USAGE = 1, 2
+
+# Flags that take a value, by config field; booleans are handled separately.
+_VALUE_TYPES: dict[str, Callable[[str], Any]] = {
+    "epochs": int,
+    "workers": str,
+    "global_batch_size": int,
+    "batch_size_per_worker": int,
+    "micro_batch_size": int,
+    "lr": float,
+    "lr_scaling": str,
+    "reference_batch_size": int,
+    "warmup_epochs": float,
+    "schedule": str,
+    "weight_decay": float,
+    "precision": str,
+    "seed": int,
+    "max_failures": int,
+    "checkpoint_every_steps": int,
+    "num_checkpoints_to_keep": int,
+    "log_every_steps": int,
+    "storage": str,
+    "name": str,
+    "collective_timeout_s": float,
+    "cpus_per_worker": float,
+    "address": str,
+}
+_DDP_VALUE_TYPES = {"bucket_cap_mb": float}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.handler(args)
+    except UserError as exc:
+        print(f"raytrain {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("raytrain: interrupted", file=sys.stderr)
+        return 130
+
+
+class UserError(Exception):
+    """Anything the user can fix: printed as one message, exit status 2."""
+
+
+# -- parser ------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytrain", description="Elastic, fault-tolerant distributed PyTorch training on Ray.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train a pipeline", description="Train PIPELINE (a built-in name or module:attr).")
+    train.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
+    train.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (flags override it)")
+    help_of = _field_docs()
+    for name, kind in _VALUE_TYPES.items():
+        train.add_argument(flag_name(name), dest=name, type=kind, default=argparse.SUPPRESS, help=help_of.get(name))
+    train.add_argument("--gpu", dest="gpu", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of["gpu"])
+    train.add_argument("--resume", dest="resume", action="store_true", default=argparse.SUPPRESS, help=help_of["resume"])
+    train.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
+    ddp_docs = _field_docs(DDPConfig)
+    for f in dataclasses.fields(DDPConfig):
+        flag = flag_name("ddp_" + f.name)
+        if f.name in _DDP_VALUE_TYPES:
+            train.add_argument(flag, dest="ddp." + f.name, type=_DDP_VALUE_TYPES[f.name], default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
+        else:
+            train.add_argument(flag, dest="ddp." + f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
+    train.set_defaults(handler=cmd_train)
+
+    export = commands.add_parser("export", help="write a plain state_dict from a run or checkpoint")
+    export.add_argument("source", metavar="RUN_DIR|CKPT", help="a run directory, a checkpoint directory or a .pt file")
+    export.add_argument("-o", "--output", required=True, metavar="F.pt", help="where to write the state_dict")
+    export.set_defaults(handler=cmd_export)
+
+    doctor = commands.add_parser("doctor", help="check what the cluster has and whether a run will work")
+    doctor.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
+    doctor.add_argument("--storage", help="storage path runs will use (default ~/raytrain_results)")
+    doctor.set_defaults(handler=cmd_doctor)
+    return parser
+
+
+def _field_docs(cls: type = TrainConfig) -> dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body), for --help."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    docs, body = {}, tree.body[0].body
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant):
+            docs[node.target.id] = str(following.value.value).replace("%", "%%")
+    return docs
+
+
+# -- train -------------------------------------------------------------------------------
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from raytrain.checkpoint import CheckpointError
+    from raytrain.data import DataError
+    from raytrain.pipeline import PipelineError, load_pipeline
+    from raytrain.trainer import RunFailed, fit
+
+    file_values, config_file = load_yaml(args.config) if args.config else ({}, None)
+    spec = args.pipeline or file_values.pop("pipeline", None)
+    file_values.pop("pipeline", None)
+    if not spec:
+        raise UserError("no pipeline: give one (raytrain train digits) or set `pipeline:` in --config")
+    flags = {key: value for key, value in vars(args).items() if key not in ("command", "handler", "pipeline", "config")}
+    try:
+        pipe = load_pipeline(spec)
+        values = merge(pipe.default_config, file_values, flags)
+        cfg = TrainConfig.from_dict(values)
+        result = fit(spec, cfg, echo=lambda line: print(line, flush=True))
+    except ConfigError as exc:
+        raise UserError(exc.render(spelling(flags, config_file))) from None
+    except (PipelineError, CheckpointError, DataError) as exc:
+        raise UserError(str(exc)) from None
+    except RunFailed as exc:
+        print(f"raytrain train: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print_summary(result)
+    return 0
+
+
+def load_yaml(path: str) -> tuple[dict[str, Any], str]:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError(f"--config: file {path} not found; give the path of a YAML file of options")
+    try:
+        values = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"--config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    if not isinstance(values, dict):
+        raise UserError(f"--config {path}: expected a mapping of option: value, got {type(values).__name__}")
+    return values, path
+
+
+def merge(*layers: dict[str, Any]) -> dict[str, Any]:
+    """Later layers win; `ddp.x` flags and `ddp: {x: ..}` mappings merge into one ddp mapping."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            key = key.replace("-", "_")
+            if key.startswith("ddp."):
+                merged.setdefault("ddp", {})[key[4:]] = value
+            elif key == "ddp" and isinstance(value, dict):
+                merged.setdefault("ddp", {}).update(value)
+            else:
+                merged[key] = value
+    return merged
+
+
+def spelling(flags: dict[str, Any], config_file: str | None) -> Callable[[str], str]:
+    """Name an option as the user wrote it: the flag, or the key in their YAML file."""
+
+    def spell(field: str) -> str:
+        if field in flags or not config_file:
+            return flag_name(field.replace(".", "_"))
+        return f"{field} (in {config_file})"
+
+    return spell
+
+
+def print_summary(result) -> None:
+    s = result.summary
+    metrics = "  ".join(f"{k} {v:.4f}" for k, v in s["final_metrics"].items() if isinstance(v, (int, float)))
+    steady = f", {s['steady_samples_per_s']:,.0f} samples/s steady" if s.get("steady_samples_per_s") else ""
+    print(f"Done in {s['wall_time_s']:.1f} s: {s['epochs']} epochs, {s['steps']} steps{steady}; {metrics}")
+    print(f"Run directory: {result.run_dir}")
+    if result.model_path:
+        print(f"Model: {result.model_path} (plain state_dict, loads with strict=True)")
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from raytrain.checkpoint import CheckpointError, load_model_weights
+
+    try:
+        weights = load_model_weights(args.source)
+    except CheckpointError as exc:
+        raise UserError(str(exc)) from None
+    weights = {_strip_wrappers(key): value for key, value in weights.items()}
+    checked = check_against_pipeline(Path(args.source), weights)
+    output = Path(args.output).expanduser()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(weights, output)
+    size_mb = output.stat().st_size / 2**20
+    print(f"Wrote {output}: {len(weights)} tensors, {size_mb:.2f} MiB{checked}")
+    print(f"Load with: model.load_state_dict(torch.load({str(output)!r}, weights_only=True), strict=True)")
+    return 0
+
+
+def _strip_wrappers(key: str) -> str:
+    for prefix in ("module.", "_orig_mod."):
+        while key.startswith(prefix):
+            key = key[len(prefix):]
+    return key
+
+
+def check_against_pipeline(source: Path, weights: dict) -> str:
+    """When the source is a run, load the weights into its pipeline's model with strict=True."""
+    run_dir = source if source.is_dir() else source.parent
+    for candidate in (run_dir, run_dir.parent):
+        config = candidate / "config.yaml"
+        if config.is_file():
+            break
+    else:
+        return ""
+    from raytrain.pipeline import PipelineError, load_pipeline
+
+    values = yaml.safe_load(config.read_text()) or {}
+    try:
+        pipe = load_pipeline(values.pop("pipeline", ""))
+        values.pop("gpu", None)
+        model = pipe.build_model(TrainConfig.from_dict({**values, "resume": False}))
+    except (PipelineError, ConfigError):
+        return ""
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as exc:
+        raise UserError(f"{source}: weights do not match the pipeline's model: {str(exc).splitlines()[0]}") from None
+    return f"; checked: loads into {pipe.name}'s model with strict=True"
+
+
+# -- doctor ------------------------------------------------------------------------------
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from raytrain.doctor import run_doctor
+
+    return run_doctor(address=args.address, storage=args.storage, echo=print)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

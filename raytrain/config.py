@@ -1,0 +1,287 @@
+"""The one typed configuration tree of a run.
+
+Every knob of DESIGN.md lives here, with its meaning and unit. `TrainConfig` checks
+itself in `__post_init__` and raises one `ConfigError` listing every problem, each
+naming the option, the value received and the fix. Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+LR_RULES = ("linear", "sqrt", "none")
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("cosine", "constant")
+DEFAULT_STORAGE = "~/raytrain_results"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def flag_name(field_name: str) -> str:
+    """The command-line spelling of a config field: `global_batch_size` -> `--global-batch-size`."""
+    return "--" + field_name.replace("_", "-")
+
+
+class ConfigError(ValueError):
+    """Invalid user configuration: every problem at once, each with its fix.
+
+    `problems` is a list of (field, message). `render` spells each field the way
+    the user wrote it (a flag, a YAML key, a keyword argument).
+    """
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = list(problems)
+        super().__init__(self.render())
+
+    def render(self, spell: Callable[[str], str] | None = None) -> str:
+        spell = spell or (lambda name: name)
+        lines = [f"{spell(name)}: {message}" if name else message for name, message in self.problems]
+        if len(lines) == 1:
+            return f"Invalid configuration: {lines[0]}"
+        return f"Invalid configuration ({len(lines)} problems):\n" + "\n".join("  " + line for line in lines)
+
+
+@dataclass(kw_only=True)
+class DDPConfig:
+    """DistributedDataParallel performance flags, passed to `prepare_model`."""
+
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size in MiB: larger buckets mean fewer, bigger all-reduces."""
+    gradient_as_bucket_view: bool = True
+    """Gradients alias the communication buckets: saves one copy of the gradients."""
+    static_graph: bool = False
+    """Declare the graph static (same used parameters every step) for extra overlap."""
+    broadcast_buffers: bool = True
+    """Sync buffers (BatchNorm running stats) from rank 0 every forward."""
+    find_unused_parameters: bool = False
+    """Needed only when some parameters get no gradient in a step; costs a graph walk."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything a `raytrain train` run needs to know; see DESIGN.md, 'Meaning of the knobs'."""
+
+    epochs: int = 5
+    """Passes over the training set."""
+    workers: int | str = 2
+    """Worker count `N`, or `MIN:MAX` for an elastic run; 0 runs the loop in this process (debugging)."""
+    gpu: bool | None = None
+    """Train on GPUs (NCCL) or CPUs (gloo); None: GPUs when the cluster has any."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step across all workers, whatever the worker count."""
+    batch_size_per_worker: int | None = None
+    """Samples per optimizer step on each worker (global = this × workers). Default 32."""
+    micro_batch_size: int | None = None
+    """Most samples one worker puts through one forward pass; larger shares use gradient accumulation."""
+    lr: float = 1e-3
+    """Learning rate tuned for `reference_batch_size` (the single-GPU recipe)."""
+    lr_scaling: str = "linear"
+    """How the peak rate follows the global batch: linear, sqrt or none."""
+    reference_batch_size: int | None = None
+    """The batch `lr` was tuned for. Default: the per-worker batch."""
+    warmup_epochs: float = 1.0
+    """Gradual warmup from `lr` to the scaled peak, in epochs (counted in samples)."""
+    schedule: str = "cosine"
+    """After warmup: cosine decay to 0 over the remaining samples, or constant."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    precision: str = "fp32"
+    """fp32, bf16 autocast, or fp16 autocast with a gradient scaler."""
+    seed: int = 0
+    """One seed for model init on every rank and for the data order of every epoch."""
+    max_failures: int = 3
+    """Worker-group restarts allowed before the run fails."""
+    checkpoint_every_steps: int = 0
+    """Also checkpoint every this many optimizer steps (0: at the end of each epoch only)."""
+    num_checkpoints_to_keep: int = 2
+    """Checkpoints kept in storage (the latest is always kept)."""
+    log_every_steps: int = 10
+    """Write a metrics.jsonl row every this many optimizer steps (and at every epoch end)."""
+    storage: str = DEFAULT_STORAGE
+    """Where runs are written: STORAGE/NAME/. Must be shared by all nodes of a multi-node cluster."""
+    name: str | None = None
+    """Run name; default PIPELINE-YYYYmmdd-HHMMSS."""
+    resume: bool = False
+    """Continue the existing run NAME from its last checkpoint."""
+    collective_timeout_s: float = 600.0
+    """A collective (all-reduce, barrier) waiting longer than this fails the attempt."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved by each training worker."""
+    address: str | None = None
+    """Ray cluster address; default RAY_ADDRESS, else an embedded local Ray."""
+    verbose: bool = False
+    """Show Ray's own logs."""
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    """DistributedDataParallel flags."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ddp, Mapping):
+            self.ddp = _build(DDPConfig, dict(self.ddp), prefix="ddp.")
+        if self.global_batch_size is None and self.batch_size_per_worker is None:
+            self.batch_size_per_worker = 32
+        problems = list(_check_types(self)) + list(_check_types(self.ddp, prefix="ddp."))
+        if not problems:
+            problems = list(_check_values(self))
+        if problems:
+            raise ConfigError(problems)
+        if self.storage:
+            self.storage = os.path.abspath(os.path.expanduser(self.storage))
+
+    # -- derived, read-only views --------------------------------------------------------
+    @property
+    def min_workers(self) -> int:
+        return parse_workers(self.workers)[0]
+
+    @property
+    def max_workers(self) -> int:
+        return parse_workers(self.workers)[1]
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers != self.max_workers
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "TrainConfig":
+        """Build from a plain mapping (YAML); unknown keys are errors with a suggestion."""
+        return _build(cls, dict(values))
+
+
+def parse_workers(value: int | str) -> tuple[int, int]:
+    """`4` -> (4, 4); `"2:8"` -> (2, 8). Raises ValueError with the fix."""
+    if isinstance(value, bool):
+        raise ValueError(f"got {value!r}; give a worker count N or MIN:MAX, e.g. 2 or 2:8")
+    if isinstance(value, int):
+        low = high = value
+    else:
+        text = str(value).strip()
+        parts = text.split(":")
+        if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"got {value!r}; give a worker count N or MIN:MAX, e.g. 2 or 2:8")
+        low, high = int(parts[0]), int(parts[-1])
+    if low < 0 or high < low:
+        raise ValueError(f"got {value!r}; need 0 <= MIN <= MAX, e.g. 2:8")
+    if low == 0 and high != 0:
+        raise ValueError(f"got {value!r}; an elastic run needs MIN >= 1, e.g. 1:{high}")
+    return low, high
+
+
+# -- checks ----------------------------------------------------------------------------
+
+_TYPE_HINTS = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+}
+
+
+def _expected_types(cfg_cls: type, name: str) -> tuple[type, ...]:
+    hint = {f.name: f.type for f in dataclasses.fields(cfg_cls)}[name]
+    kinds = []
+    for part in str(hint).replace(" ", "").split("|"):
+        kinds.extend({"int": [int], "float": [float, int], "bool": [bool], "str": [str], "None": [type(None)]}.get(part, []))
+    return tuple(kinds)
+
+
+def _check_types(cfg: Any, prefix: str = "") -> Iterable[tuple[str, str]]:
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            continue
+        kinds = _expected_types(type(cfg), f.name)
+        if not kinds:
+            continue
+        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+        if not ok:
+            wanted = " or ".join(dict.fromkeys(_TYPE_HINTS.get(k, "null") for k in kinds if k is not type(None)))
+            yield prefix + f.name, f"got {value!r} ({type(value).__name__}); expected {wanted}"
+
+
+def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
+    def positive_int(name: str, value: int | None, example: int) -> Iterable[tuple[str, str]]:
+        if value is not None and value < 1:
+            yield name, f"got {value}; must be a positive integer, e.g. {flag_name(name)} {example}"
+
+    yield from positive_int("epochs", c.epochs, 5)
+    yield from positive_int("global_batch_size", c.global_batch_size, 256)
+    yield from positive_int("batch_size_per_worker", c.batch_size_per_worker, 32)
+    yield from positive_int("micro_batch_size", c.micro_batch_size, 16)
+    yield from positive_int("reference_batch_size", c.reference_batch_size, 32)
+    yield from positive_int("log_every_steps", c.log_every_steps, 10)
+    yield from positive_int("num_checkpoints_to_keep", c.num_checkpoints_to_keep, 2)
+
+    try:
+        _, max_workers = parse_workers(c.workers)
+    except ValueError as exc:
+        yield "workers", str(exc)
+        max_workers = None
+
+    if c.global_batch_size is not None and c.batch_size_per_worker is not None:
+        yield (
+            "global_batch_size",
+            f"got {c.global_batch_size} together with --batch-size-per-worker {c.batch_size_per_worker}; "
+            "set exactly one: --global-batch-size keeps the optimizer's batch fixed whatever the worker "
+            "count, --batch-size-per-worker lets it grow with the workers",
+        )
+    elif c.global_batch_size is not None and max_workers and c.global_batch_size < max_workers:
+        yield (
+            "global_batch_size",
+            f"got {c.global_batch_size}, fewer samples per step than the {max_workers} workers asked for; "
+            f"raise it to at least {max_workers} or use fewer --workers",
+        )
+    if not (c.lr > 0 and c.lr < float("inf")):
+        yield "lr", f"got {c.lr}; must be a positive number, e.g. --lr 1e-3"
+    if c.lr_scaling not in LR_RULES:
+        yield "lr_scaling", f"got {c.lr_scaling!r}; choose one of {', '.join(LR_RULES)}{_close(c.lr_scaling, LR_RULES)}"
+    if c.schedule not in SCHEDULES:
+        yield "schedule", f"got {c.schedule!r}; choose one of {', '.join(SCHEDULES)}{_close(c.schedule, SCHEDULES)}"
+    if c.precision not in PRECISIONS:
+        yield "precision", f"got {c.precision!r}; choose one of {', '.join(PRECISIONS)}{_close(c.precision, PRECISIONS)}"
+    if c.warmup_epochs < 0:
+        yield "warmup_epochs", f"got {c.warmup_epochs}; must be 0 or more, e.g. --warmup-epochs 1"
+    elif c.warmup_epochs > c.epochs:
+        yield "warmup_epochs", f"got {c.warmup_epochs}, longer than the {c.epochs} epochs of the run; lower it or raise --epochs"
+    if c.weight_decay < 0:
+        yield "weight_decay", f"got {c.weight_decay}; must be 0 or more"
+    if c.seed < 0:
+        yield "seed", f"got {c.seed}; must be 0 or more"
+    if c.max_failures < -1:
+        yield "max_failures", f"got {c.max_failures}; must be 0 or more (-1 retries forever)"
+    if c.checkpoint_every_steps < 0:
+        yield "checkpoint_every_steps", f"got {c.checkpoint_every_steps}; must be 0 (epoch ends only) or a positive step count"
+    if not c.collective_timeout_s > 0:
+        yield "collective_timeout_s", f"got {c.collective_timeout_s}; must be a positive number of seconds, e.g. 600"
+    if not c.cpus_per_worker > 0:
+        yield "cpus_per_worker", f"got {c.cpus_per_worker}; must be a positive number of CPUs, e.g. 1"
+    if not c.storage:
+        yield "storage", "is empty; give a directory, e.g. --storage ~/raytrain_results"
+    elif "://" in c.storage and not c.storage.startswith("file://"):
+        yield "storage", f"got {c.storage!r}; only file system paths are supported (a shared mount such as NFS/EFS on multi-node clusters)"
+    if c.name is not None and not _NAME_RE.match(c.name):
+        yield "name", f"got {c.name!r}; use letters, digits, '.', '_' and '-' only, e.g. --name digits-lr3e-3"
+    if c.resume and not c.name:
+        yield "resume", "needs the run to continue: add --name RUN (the directory under --storage)"
+    if c.ddp.bucket_cap_mb <= 0:
+        yield "ddp.bucket_cap_mb", f"got {c.ddp.bucket_cap_mb}; must be a positive size in MiB, e.g. 25"
+
+
+def _close(value: Any, choices: Iterable[str]) -> str:
+    match = difflib.get_close_matches(str(value), list(choices), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [key for key in values if key.replace("-", "_") not in names]
+    if unknown:
+        raise ConfigError(
+            [(prefix + key, f"unknown option{_close(key.replace('-', '_'), names)}; known: {', '.join(names)}") for key in unknown]
+        )
+    return cls(**{key.replace("-", "_"): value for key, value in values.items()})

@@ -1,0 +1,425 @@
+"""The per-worker training function: restore → build → loop → report.
+
+Ray Train calls `train_loop_per_worker` once per attempt: at the start, after every
+failure and after every resize. Resume is the only way in: a fresh run is "no
+checkpoint". The batch plan and the learning rate are re-derived from the rules in
+`raytrain.plan` at every attempt, for the world size this attempt has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from raytrain import checkpoint as ckpt
+from raytrain import plan as rules
+from raytrain.config import TrainConfig
+from raytrain.data import Table, read_table
+from raytrain.pipeline import Pipeline, _CONTEXT
+from raytrain.runtime import Runtime
+
+TIMING_WARMUP_STEPS = 3  # steps per attempt left out of the steady throughput (first-step compile/alloc)
+
+
+@dataclass
+class Position:
+    """Where training is: stored in every checkpoint, enough to continue exactly."""
+
+    epoch: int = 0  # epoch being trained, 0-based
+    epoch_offset: int = 0  # rows of this epoch's order already trained on
+    step: int = 0  # optimizer steps taken since the run began
+    samples_seen: int = 0  # training samples since the run began
+    world_sizes: list[int] = field(default_factory=list)
+    steady_samples: int = 0
+    steady_time_s: float = 0.0
+
+
+def train_loop_per_worker(payload: dict[str, Any]) -> None:
+    cfg = TrainConfig.from_dict(payload["config"])
+    pipeline: Pipeline = payload["pipeline"]
+    runtime = Runtime()
+    files = RunFiles(Path(payload["run_dir"]), enabled=runtime.is_rank0)
+
+    # restore
+    state = restore(runtime)
+    position = Position(**state["position"]) if state else Position()
+
+    # build
+    batch_plan = rules.resolve_batch_plan(
+        runtime.world_size,
+        global_batch_size=cfg.global_batch_size,
+        batch_size_per_worker=cfg.batch_size_per_worker,
+        micro_batch_size=cfg.micro_batch_size,
+    )
+    train_table = read_table(runtime.dataset("train"), "train")
+    val_table = read_table(runtime.dataset("val"), "val") if "val" in payload["datasets"] else None
+    trainer = StepRunner.build(pipeline, cfg, runtime, batch_plan, len(train_table), state)
+    trainer.last_log_samples = position.samples_seen
+    files.start_attempt(position, state, trainer, cfg)
+    position.world_sizes = _append_if_new(position.world_sizes, runtime.world_size)
+
+    # loop
+    while position.epoch < cfg.epochs:
+        epoch_start, samples_before = time.perf_counter(), position.samples_seen
+        train_loss = train_epoch(trainer, train_table, position, cfg, files)
+        epoch_samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - epoch_start)
+        val_metrics = evaluate(trainer, val_table) if val_table is not None else {}
+        position.epoch, position.epoch_offset = position.epoch + 1, 0
+        row = trainer.metrics_row(position, loss=train_loss, samples_per_s=epoch_samples_per_s, extra=val_metrics)
+        files.epoch_end(row, cfg.epochs)
+        # report: a barrier on every rank; rank 0 attaches the checkpoint.
+        runtime.report(row, trainer.state(position), ckpt.save_state)
+
+    files.finish(trainer, position)
+
+
+# -- build -------------------------------------------------------------------------------
+
+
+def restore(runtime: Runtime) -> dict[str, Any] | None:
+    checkpoint = runtime.latest_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        return ckpt.load_state(directory)
+
+
+@dataclass
+class StepRunner:
+    """The model, optimizer and rules of one attempt; takes optimizer steps."""
+
+    pipeline: Pipeline
+    cfg: TrainConfig
+    runtime: Runtime
+    batch_plan: rules.BatchPlan
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    peak_lr: float
+    warmup_samples: int
+    total_samples: int
+    loss_sum: torch.Tensor = None  # running sample-weighted loss since the last metrics row
+    loss_count: int = 0
+    last_log_time: float = 0.0
+    last_log_samples: int = 0
+
+    @classmethod
+    def build(cls, pipeline, cfg, runtime, batch_plan, num_train_rows, state) -> "StepRunner":
+        # One seed for model init on every rank: identical replicas before DDP's broadcast.
+        _seed_everything(cfg.seed)
+        model = pipeline.build_model(cfg)
+        if state is not None:
+            model.load_state_dict(state["model"], strict=True)
+        model = runtime.prepare_model(model, dataclasses.asdict(cfg.ddp))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        scaler = torch.amp.GradScaler(runtime.device.type, enabled=cfg.precision == "fp16")
+        if state is not None:
+            optimizer.load_state_dict(state["optimizer"])
+            scaler.load_state_dict(state["scaler"])
+        _restore_rank_rng(cfg.seed, runtime, state)
+        peak = cfg.lr * rules.lr_scale(cfg.lr_scaling, batch_plan.global_batch_size, cfg.reference_batch_size)
+        return cls(
+            pipeline=pipeline,
+            cfg=cfg,
+            runtime=runtime,
+            batch_plan=batch_plan,
+            model=model,
+            optimizer=optimizer,
+            scaler=scaler,
+            peak_lr=peak,
+            warmup_samples=round(cfg.warmup_epochs * num_train_rows),
+            total_samples=cfg.epochs * num_train_rows,
+            loss_sum=torch.zeros((), device=runtime.device),
+            last_log_time=time.perf_counter(),
+        )
+
+    def lr_at(self, samples_seen: int) -> float:
+        return rules.lr_at(
+            samples_seen,
+            base_lr=self.cfg.lr,
+            peak_lr=self.peak_lr,
+            warmup_samples=self.warmup_samples,
+            total_samples=self.total_samples,
+            schedule=self.cfg.schedule,
+        )
+
+    def autocast(self):
+        if self.cfg.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.runtime.device.type, dtype=dtype)
+
+    def optimizer_step(self, table: Table, order: np.ndarray, step: rules.Step, samples_seen: int) -> float:
+        """One optimizer step over this rank's rows of `step`; returns the lr used."""
+        lr = self.lr_at(samples_seen)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        start, end = rules.rank_rows(step, self.runtime.world_rank, self.runtime.world_size)
+        micro = rules.micro_batches(start, end, self.batch_plan.accumulation_steps)
+        for index, (lo, hi) in enumerate(micro):
+            count = hi - lo
+            # A rank with no rows left in the epoch's last step still runs forward and
+            # backward (on one row, weight 0) so that it joins the gradient all-reduce.
+            rows = order[lo:hi] if count else order[:1]
+            # DDP averages gradients over ranks; this weight turns that into the mean
+            # over the samples actually present in the step (tail steps are smaller).
+            weight = count * self.runtime.world_size / step.size
+            last = index == len(micro) - 1
+            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            with sync:
+                with self.autocast():
+                    loss, _ = split_loss(self.pipeline.compute_loss(self.model, table.batch(rows, self.runtime.device)))
+                self.scaler.scale(loss * weight).backward()
+            self.loss_sum += loss.detach().float() * count
+            self.loss_count += count
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    def take_loss(self) -> tuple[float, float]:
+        """Sample-weighted mean training loss over all ranks since the last call, and the
+        sample count it covers (a collective: every rank calls it at the same steps)."""
+        total, count = self.runtime.all_reduce_sum([float(self.loss_sum.item()), float(self.loss_count)])
+        self.loss_sum.zero_()
+        self.loss_count = 0
+        return (total / count if count else float("nan")), count
+
+    def metrics_row(self, position: Position, *, loss: float, samples_per_s: float, extra: dict | None = None) -> dict:
+        return {
+            "epoch": position.epoch if position.epoch_offset == 0 else position.epoch + 1,
+            "step": position.step,
+            "samples_seen": position.samples_seen,
+            "world_size": self.runtime.world_size,
+            "global_batch_size": self.batch_plan.global_batch_size,
+            "lr": self.lr_at(position.samples_seen),
+            "loss": loss,
+            "samples_per_s": samples_per_s,
+            "time_s": time.time(),
+            **(extra or {}),
+        }
+
+    def state(self, position: Position) -> dict[str, Any]:
+        """Everything needed to continue; collected on every rank (RNG states are gathered)."""
+        rng_states = self.runtime.all_gather_object(ckpt.rng_state())
+        return {
+            "model": ckpt.model_state(self.model),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": {"samples_seen": position.samples_seen, "peak_lr": self.peak_lr, "schedule": self.cfg.schedule},
+            "scaler": self.scaler.state_dict(),
+            "rng": rng_states,
+            "position": dataclasses.asdict(position),
+            "batch_plan": dataclasses.asdict(self.batch_plan),
+            "lr": self.lr_at(position.samples_seen),
+        }
+
+
+# -- loop --------------------------------------------------------------------------------
+
+
+def train_epoch(trainer: StepRunner, table: Table, position: Position, cfg: TrainConfig, files: "RunFiles") -> float:
+    """Train the rest of the current epoch; returns its mean training loss over all ranks."""
+    order = rules.epoch_order(len(table), cfg.seed, position.epoch)
+    steps = rules.epoch_steps(len(table), trainer.batch_plan.global_batch_size, position.epoch_offset)
+    trainer.model.train()
+    epoch_loss_sum, epoch_count = 0.0, 0
+    for step in steps:
+        tick = time.perf_counter()
+        _update_context(trainer, position)
+        trainer.optimizer_step(table, order, step, position.samples_seen)
+        position.step += 1
+        position.samples_seen += step.size
+        position.epoch_offset = step.end
+        if step.index >= TIMING_WARMUP_STEPS:
+            position.steady_samples += step.size
+            position.steady_time_s += time.perf_counter() - tick
+        last = step is steps[-1]
+        if position.step % cfg.log_every_steps == 0 or last:
+            loss, count = trainer.take_loss()
+            epoch_loss_sum += loss * count
+            epoch_count += count
+            if not last:
+                files.metrics(trainer.metrics_row(position, loss=loss, samples_per_s=_throughput(trainer, position)))
+        if cfg.checkpoint_every_steps and position.step % cfg.checkpoint_every_steps == 0 and not last:
+            trainer.runtime.report(
+                trainer.metrics_row(position, loss=float("nan"), samples_per_s=0.0), trainer.state(position), ckpt.save_state
+            )
+    return epoch_loss_sum / epoch_count if epoch_count else float("nan")
+
+
+@torch.no_grad()
+def evaluate(trainer: StepRunner, table: Table) -> dict[str, float]:
+    """Validation loss and metrics, averaged over all validation samples of all ranks."""
+    runtime = trainer.runtime
+    trainer.model.eval()
+    start, end = rules.split_range(len(table), runtime.world_size)[runtime.world_rank]
+    batch_size = max(1, trainer.batch_plan.per_worker_max if not trainer.cfg.micro_batch_size else trainer.cfg.micro_batch_size)
+    sums: dict[str, float] = {}
+    count = 0
+    chunks = [(lo, min(end, lo + batch_size)) for lo in range(start, end, batch_size)] or [(0, 0)]
+    for lo, hi in chunks:
+        # A rank without validation rows evaluates one row with weight 0, so every
+        # rank learns the metric names and joins the reduction below.
+        rows = np.arange(lo, hi) if hi > lo else np.arange(0, 1)
+        with trainer.autocast():
+            loss, metrics = split_loss(trainer.pipeline.compute_loss(trainer.model, table.batch(rows, runtime.device)))
+        n = hi - lo
+        for name, value in {"loss": loss, **metrics}.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * n
+        count += n
+    names = sorted(sums)
+    totals = runtime.all_reduce_sum([sums[name] for name in names] + [float(count)])
+    trainer.model.train()
+    return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}
+
+
+def split_loss(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A pipeline's compute_loss returns loss or (loss, metrics)."""
+    if isinstance(output, tuple):
+        loss, metrics = output
+        return loss, dict(metrics or {})
+    return output, {}
+
+
+# -- run files (rank 0) ------------------------------------------------------------------
+
+
+class RunFiles:
+    """metrics.jsonl and events.jsonl in the run directory, written by rank 0 only."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.run_dir = run_dir
+        self.enabled = enabled
+
+    def _append(self, name: str, record: dict) -> None:
+        if self.enabled:
+            with open(self.run_dir / name, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    def event(self, kind: str, message: str, **fields: Any) -> None:
+        self._append("events.jsonl", {"time": time.time(), "kind": kind, "message": message, **fields})
+
+    def metrics(self, row: dict) -> None:
+        self._append("metrics.jsonl", row)
+
+    def start_attempt(self, position: Position, state: dict | None, trainer: StepRunner, cfg: TrainConfig) -> None:
+        if not self.enabled:
+            return
+        # Rows written after the checkpoint we resume from describe training that is
+        # about to be redone: drop them so the curve continues from the checkpoint.
+        _truncate_metrics(self.run_dir / "metrics.jsonl", position.step)
+        plan_text = describe_plan(trainer, cfg)
+        if state is None:
+            self.event("plan", plan_text, world_size=trainer.runtime.world_size)
+            return
+        previous = position.world_sizes[-1] if position.world_sizes else trainer.runtime.world_size
+        lr_now, lr_before = trainer.lr_at(position.samples_seen), state.get("lr", float("nan"))
+        lr_change = "unchanged" if abs(lr_now - lr_before) <= 1e-12 * max(1.0, abs(lr_before)) else f"(was {sci(lr_before)})"
+        plan = trainer.batch_plan
+        if previous != trainer.runtime.world_size:
+            message = (
+                f"Resized {previous} → {trainer.runtime.world_size} workers at step {position.step}: "
+                f"global {plan.global_batch_size} = {plan.world_size} × {plan.per_worker_max} × {plan.accumulation_steps}; "
+                f"lr {sci(lr_now)} {lr_change}"
+            )
+            self.event("resize", message, world_size=trainer.runtime.world_size, previous_world_size=previous, step=position.step)
+        else:
+            message = (
+                f"Restarted from the checkpoint at step {position.step} (epoch {position.epoch + 1}, "
+                f"{position.epoch_offset} samples into it) with {trainer.runtime.world_size} workers; lr {sci(lr_now)} {lr_change}"
+            )
+            self.event("restore", message, world_size=trainer.runtime.world_size, step=position.step)
+
+    def epoch_end(self, row: dict, epochs: int) -> None:
+        self.metrics({**row, "epoch_end": True})
+        parts = [f"epoch {row['epoch']}/{epochs}", f"loss {row['loss']:.4f}"]
+        parts += [f"{key} {value:.4f}" for key, value in row.items() if key.startswith("val_")]
+        parts += [f"lr {row['lr']:.2e}", f"{row['samples_per_s']:,.0f} samples/s"]
+        self.event("epoch", "  ".join(parts), epoch=row["epoch"])
+
+    def finish(self, trainer: StepRunner, position: Position) -> None:
+        if not self.enabled:
+            return
+        weights = ckpt.model_state(trainer.model)
+        tmp = self.run_dir / "model.pt.tmp"
+        torch.save(weights, tmp)
+        tmp.replace(self.run_dir / ckpt.MODEL_FILE)
+        steady = position.steady_samples / position.steady_time_s if position.steady_time_s else None
+        with open(self.run_dir / "progress.json", "w") as handle:
+            json.dump({**dataclasses.asdict(position), "steady_samples_per_s": steady}, handle)
+        self.event("done", f"finished {position.epoch} epochs, {position.step} steps", step=position.step)
+
+
+def sci(value: float) -> str:
+    """2.0e-3, not 2.0e-03."""
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def describe_plan(trainer: StepRunner, cfg: TrainConfig) -> str:
+    """`global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, ...)`."""
+    plan = trainer.batch_plan
+    factor = trainer.peak_lr / cfg.lr
+    rule = {"linear": "linear rule", "sqrt": "square-root rule", "none": "no scaling"}[cfg.lr_scaling]
+    warmup = f"warmup {cfg.warmup_epochs:g} epoch{'s' if cfg.warmup_epochs != 1 else ''}"
+    return (
+        f"{plan.describe()}; lr {sci(trainer.peak_lr)} = {sci(cfg.lr)} × {factor:.3g} "
+        f"({rule}, reference batch {cfg.reference_batch_size}); {warmup}; {trainer.runtime.backend}"
+    )
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _restore_rank_rng(seed: int, runtime: Runtime, state: dict | None) -> None:
+    """Per-rank RNG for dropout and augmentation: restored when the world size is unchanged,
+    else derived from (seed, rank, step) so ranks never share a stream."""
+    stored = (state or {}).get("rng") or []
+    if len(stored) == runtime.world_size:
+        ckpt.set_rng_state(stored[runtime.world_rank])
+        return
+    step = (state or {}).get("position", {}).get("step", 0)
+    _seed_everything(int(np.random.SeedSequence([seed, runtime.world_rank, step]).generate_state(1)[0]))
+
+
+def _update_context(trainer: StepRunner, position: Position) -> None:
+    _CONTEXT.epoch = position.epoch
+    _CONTEXT.step = position.step
+    _CONTEXT.samples_seen = position.samples_seen
+    _CONTEXT.world_rank = trainer.runtime.world_rank
+    _CONTEXT.world_size = trainer.runtime.world_size
+    _CONTEXT.global_batch_size = trainer.batch_plan.global_batch_size
+    _CONTEXT.lr = trainer.lr_at(position.samples_seen)
+
+
+def _throughput(trainer: StepRunner, position: Position) -> float:
+    now = time.perf_counter()
+    rate = (position.samples_seen - trainer.last_log_samples) / max(1e-9, now - trainer.last_log_time)
+    trainer.last_log_time, trainer.last_log_samples = now, position.samples_seen
+    return rate
+
+
+def _append_if_new(sizes: list[int], size: int) -> list[int]:
+    return sizes if sizes and sizes[-1] == size else [*sizes, size]
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))

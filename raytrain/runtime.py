@@ -1,0 +1,100 @@
+"""Worker-side Ray Train and torch.distributed calls, in one place.
+
+The per-worker loop talks to this module only, so it reads the same in local mode
+(`workers=0`: the function runs in the driver, no process group) and in a real
+worker group.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import ray.train
+import torch
+import torch.distributed as dist
+from ray.train import Checkpoint
+
+
+class Runtime:
+    """Rank, world size, device and the collective helpers of the current worker."""
+
+    def __init__(self) -> None:
+        context = ray.train.get_context()
+        self.world_rank = context.get_world_rank()
+        self.world_size = context.get_world_size()
+        self.local_rank = context.get_local_rank()
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.device = ray.train.torch.get_device() if self.distributed else _local_device()
+        self.backend = dist.get_backend() if self.distributed else "none (local mode)"
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.world_rank == 0
+
+    # -- collectives --------------------------------------------------------------------
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum a few floats over all ranks (one collective); identity in local mode."""
+        if not self.distributed or self.world_size == 1:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self._collective_device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor.tolist()
+
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order (a collective)."""
+        if not self.distributed or self.world_size == 1:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def _collective_device(self) -> torch.device:
+        # gloo reduces CPU tensors; NCCL needs them on the GPU.
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    # -- model --------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
+        """Move to the device; wrap in DDP when there is more than one worker."""
+        if not self.distributed:
+            return model.to(self.device)
+        return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=_ddp_kwargs(ddp_kwargs))
+
+    # -- data ---------------------------------------------------------------------------
+    def dataset(self, name: str):
+        """The named dataset's iterator (unsplit: every rank sees all rows and takes its own)."""
+        return ray.train.get_dataset_shard(name)
+
+    # -- checkpoints and reports --------------------------------------------------------
+    def latest_checkpoint(self) -> Checkpoint | None:
+        return ray.train.get_checkpoint()
+
+    def report(self, metrics: dict[str, Any], state: dict[str, Any] | None, save_state) -> None:
+        """Report metrics from every rank (a barrier); rank 0 attaches a checkpoint of `state`."""
+        if state is None or not self.is_rank0:
+            ray.train.report(metrics, checkpoint=None)
+            return
+        directory = tempfile.mkdtemp(prefix="raytrain-ckpt-")
+        try:
+            save_state(state, directory)
+            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Our flag names to this torch's DDP arguments (torch >= 2.12 renamed broadcast_buffers)."""
+    kwargs = dict(kwargs)
+    if "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters:
+        kwargs["forward_sync_buffers"] = kwargs.pop("broadcast_buffers")
+    return kwargs
+
+
+def _local_device() -> torch.device:
+    if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "":
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+

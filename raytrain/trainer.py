@@ -1,0 +1,324 @@
+"""The driver: resolve the run, start or join Ray, fit a TorchTrainer, write the run files.
+
+All driver-side Ray calls live here. The per-worker function is `raytrain.loop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import yaml
+
+from raytrain import plan as rules
+from raytrain.checkpoint import checkpoint_dirs
+from raytrain.config import ConfigError, TrainConfig
+from raytrain.pipeline import Pipeline, load_pipeline
+
+# Without this every print in the train function shows twice (RAY_NOTES).
+WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+
+
+class RunFailed(RuntimeError):
+    """The run started but did not finish: the cause in one paragraph and where the logs are."""
+
+
+@dataclass
+class FitResult:
+    """What `raytrain.fit` returns."""
+
+    metrics: dict[str, Any]
+    checkpoint_path: str | None
+    run_dir: str
+    summary: dict[str, Any]
+    model_path: str | None
+
+
+def fit(pipeline: "str | Pipeline", cfg: TrainConfig | None = None, *, echo: Callable[[str], None] | None = None) -> FitResult:
+    """Train `pipeline` (a built-in name, `module:attr` or an instance) with `cfg`.
+
+    Raises ConfigError (bad configuration, nothing started), RunFailed (the run failed).
+    `echo` receives the run's human-readable lines (plan, epochs, resizes); default: none.
+    """
+    pipe = load_pipeline(pipeline)
+    cfg = resolve_config(pipe, cfg or TrainConfig(**pipe.default_config), pipeline if isinstance(pipeline, str) else pipe.name)
+    run_dir = Path(cfg.storage) / cfg.name
+    check_run_dir(run_dir, cfg)
+    echo = echo or (lambda line: None)
+    with ray_session(cfg):
+        use_gpu = resolve_gpu(cfg)
+        datasets = build_datasets(pipe, cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), "pipeline": pipeline if isinstance(pipeline, str) else pipe.name, "gpu": use_gpu})
+        trainer = build_trainer(pipe, cfg, run_dir, datasets, use_gpu)
+        echo(
+            f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
+            f"({'GPU, nccl' if use_gpu else 'CPU, gloo'}); run directory {run_dir}"
+        )
+        started = time.time()
+        with follow_events(run_dir / "events.jsonl", echo, since=started):
+            try:
+                result = trainer.fit()
+                error = None
+            except Exception as exc:  # Ray wraps worker errors; re-raised below as RunFailed
+                result, error = None, exc
+    summary = write_summary(run_dir, cfg, result, error, started)
+    if error is not None:
+        raise RunFailed(explain_failure(error, run_dir)) from None
+    return FitResult(
+        metrics=summary["final_metrics"],
+        checkpoint_path=summary["best_checkpoint"],
+        run_dir=str(run_dir),
+        summary=summary,
+        model_path=summary["model_path"],
+    )
+
+
+# -- resolving the run -------------------------------------------------------------------
+
+
+def resolve_config(pipe: Pipeline, cfg: TrainConfig, pipeline_name: str) -> TrainConfig:
+    """Fill what depends on the run as a whole: the name, and the reference batch frozen once."""
+    changes: dict[str, Any] = {}
+    if not cfg.name:
+        stem = pipeline_name.split(":")[-1].split(".")[-1].lower() or "run"
+        changes["name"] = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if cfg.reference_batch_size is None:
+        changes["reference_batch_size"] = rules.default_reference_batch_size(
+            max(1, cfg.max_workers), global_batch_size=cfg.global_batch_size, batch_size_per_worker=cfg.batch_size_per_worker
+        )
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def check_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
+    exists = (run_dir / "config.yaml").exists() or bool(checkpoint_dirs(run_dir))
+    if exists and not cfg.resume:
+        raise ConfigError(
+            [("name", f"run {cfg.name!r} already exists in {run_dir.parent}; add --resume to continue it, or choose another --name")]
+        )
+    if cfg.resume and not exists:
+        raise ConfigError([("resume", f"there is no run {cfg.name!r} in {run_dir.parent} to resume; check --name and --storage")])
+
+
+def describe_workers(cfg: TrainConfig) -> str:
+    if cfg.max_workers == 0:
+        return "this process (local mode)"
+    if cfg.elastic:
+        return f"{cfg.min_workers}–{cfg.max_workers} workers (elastic)"
+    return f"{cfg.max_workers} worker{'s' if cfg.max_workers != 1 else ''}"
+
+
+# -- Ray -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def ray_session(cfg: TrainConfig) -> Iterator[None]:
+    """Join the Ray given by --address/RAY_ADDRESS or already initialized; else start an
+    embedded local one (loopback only, isolated from other Rays on the host) and stop it after."""
+    import ray
+    from ray.data import DataContext
+
+    os.environ.update(WORKER_ENV)
+    DataContext.get_current().enable_progress_bars = False
+    if ray.is_initialized():
+        yield
+        return
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    level = logging.INFO if cfg.verbose else logging.ERROR
+    runtime_env = {"env_vars": {**WORKER_ENV, "PYTHONPATH": _driver_pythonpath()}}
+    # Worker and actor output (Ray's per-report lines, data-execution notes, C++
+    # warnings) reaches the console only with -v. The run's own lines come from
+    # events.jsonl and a failure is explained from the exception (rank + traceback),
+    # so quiet mode hides no error; full logs stay under the Ray session directory.
+    quiet = {"logging_level": level, "log_to_driver": cfg.verbose}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, **quiet)
+    else:
+        cpus = max(os.cpu_count() or 1, int(cfg.max_workers * cfg.cpus_per_worker) + 2)
+        ray.init(
+            address="local",
+            num_cpus=cpus,
+            include_dashboard=True,  # Train's placement-group cleaner polls the dashboard (RAY_NOTES)
+            dashboard_host="127.0.0.1",
+            runtime_env=runtime_env,
+            **quiet,
+        )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _driver_pythonpath() -> str:
+    """Workers import `module:attr` pipelines the way the driver does: from its cwd and path."""
+    entries = [os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
+    return os.pathsep.join(dict.fromkeys(entries))
+
+
+def resolve_gpu(cfg: TrainConfig) -> bool:
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if cfg.gpu and not gpus:
+        raise ConfigError([("gpu", "was asked for, but the Ray cluster has no GPUs; drop --gpu or connect to a cluster with GPUs (--address)")])
+    return bool(gpus) if cfg.gpu is None else cfg.gpu
+
+
+def build_datasets(pipe: Pipeline, cfg: TrainConfig) -> dict[str, Any]:
+    import ray.data
+
+    datasets = pipe.build_datasets(cfg)
+    if not isinstance(datasets, dict) or "train" not in datasets:
+        raise ConfigError([("", f"pipeline {pipe.name}: build_datasets must return a dict with a 'train' ray.data.Dataset, got {type(datasets).__name__}")])
+    for name, ds in datasets.items():
+        if not isinstance(ds, ray.data.Dataset):
+            raise ConfigError([("", f"pipeline {pipe.name}: dataset {name!r} is a {type(ds).__name__}, not a ray.data.Dataset")])
+    return datasets
+
+
+def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, datasets: dict[str, Any], use_gpu: bool):
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain.loop import train_loop_per_worker
+
+    workers: int | tuple[int, int] = cfg.max_workers if not cfg.elastic else (cfg.min_workers, cfg.max_workers)
+    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"config": cfg.to_dict(), "pipeline": pipe, "run_dir": str(run_dir), "datasets": sorted(datasets)},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s)),
+        datasets=datasets,
+        # Unsplit: every rank reads all rows and takes its own slice of the epoch's order
+        # (raytrain.data) — Ray's equal split drops tail rows and keeps no position.
+        dataset_config=DataConfig(datasets_to_split=[]),
+        run_config=RunConfig(
+            name=cfg.name,
+            storage_path=cfg.storage,
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
+            logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "ERROR"),
+            worker_runtime_env={"env_vars": dict(WORKER_ENV)},
+        ),
+    )
+
+
+# -- console and run files -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def follow_events(path: Path, echo: Callable[[str], None], since: float, interval_s: float = 0.5) -> Iterator[None]:
+    """Print the messages rank 0 appends to events.jsonl while the run goes on."""
+    stop = threading.Event()
+    offset = path.stat().st_size if path.exists() else 0
+
+    def pump() -> None:
+        nonlocal offset
+        if not path.exists():
+            return
+        with open(path) as handle:
+            handle.seek(offset)
+            while True:
+                line = handle.readline()
+                if not line.endswith("\n"):
+                    break
+                offset += len(line.encode())
+                with contextlib.suppress(ValueError):
+                    event = json.loads(line)
+                    if event.get("time", since) >= since - 1:
+                        echo(event["message"])
+
+    def loop() -> None:
+        while not stop.wait(interval_s):
+            pump()
+
+    thread = threading.Thread(target=loop, name="raytrain-events", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        pump()
+
+
+def write_yaml(path: Path, values: dict[str, Any]) -> None:
+    path.write_text(yaml.safe_dump(values, sort_keys=False))
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            rows.append(json.loads(line))
+    return rows
+
+
+def write_summary(run_dir: Path, cfg: TrainConfig, result: Any, error: Exception | None, started: float) -> dict[str, Any]:
+    progress = json.loads((run_dir / "progress.json").read_text()) if (run_dir / "progress.json").exists() else {}
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    epoch_rows = [row for row in rows if row.get("epoch_end")]
+    last = epoch_rows[-1] if epoch_rows else (rows[-1] if rows else {})
+    events = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("time", 0) >= started - 1]
+    recovered = sum(
+        1 for e in events if e["kind"] == "restore" or (e["kind"] == "resize" and e["world_size"] < e["previous_world_size"])
+    )
+    model_path = run_dir / "model.pt"
+    summary = {
+        "status": "failed" if error is not None else "finished",
+        "epochs": progress.get("epoch", last.get("epoch", 0)),
+        "steps": progress.get("step", last.get("step", 0)),
+        "samples_seen": progress.get("samples_seen", last.get("samples_seen", 0)),
+        "wall_time_s": round(time.time() - started, 3),
+        "steady_samples_per_s": progress.get("steady_samples_per_s"),
+        "world_sizes": progress.get("world_sizes") or sorted({row["world_size"] for row in rows}),
+        "failures_recovered": recovered,
+        "final_metrics": {k: v for k, v in last.items() if k == "loss" or k.startswith("val_")},
+        "best_checkpoint": _best_checkpoint(result, run_dir),
+        "model_path": str(model_path) if model_path.exists() and error is None else None,
+    }
+    if error is not None:
+        summary["error"] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _best_checkpoint(result: Any, run_dir: Path) -> str | None:
+    if result is not None:
+        with contextlib.suppress(Exception):
+            best = result.get_best_checkpoint(metric="val_loss", mode="min")
+            if best is not None:
+                return best.path
+        if result.checkpoint is not None:
+            return result.checkpoint.path
+    found = checkpoint_dirs(run_dir)
+    return str(found[-1]) if found else None
+
+
+def explain_failure(error: Exception, run_dir: Path) -> str:
+    """One paragraph: which rank failed and the first useful lines, then where the logs are."""
+    failures = getattr(error, "worker_failures", None) or {}
+    lines = []
+    for rank, exc in sorted(failures.items())[:4]:
+        text = str(exc).strip().splitlines()
+        tail = [line for line in text if line.strip()][-3:]
+        lines.append(f"rank {rank}: " + " | ".join(tail))
+    if not lines:
+        text = [line for line in str(error).strip().splitlines() if line.strip()]
+        lines.append(" | ".join(text[-4:]) if text else type(error).__name__)
+    return (
+        "The run failed. " + "; ".join(lines) + f"\nRun files: {run_dir} (summary.json, events.jsonl). "
+        "Full worker logs: /tmp/ray/session_latest/logs (or the Ray dashboard); rerun with -v for Ray's own logs."
+    )
