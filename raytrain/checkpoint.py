@@ -73,9 +73,10 @@ def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if path.is_dir():
         candidates = [path / MODEL_FILE]
         candidates += [p / MODEL_FILE for p in reversed(checkpoint_dirs(path))]
-        path = next((p for p in candidates if p.is_file()), None)
-        if path is None:
+        found = next((p for p in candidates if p.is_file()), None)
+        if found is None:
             raise CheckpointError(f"{path} holds no model.pt and no complete checkpoint; has the run saved one yet?")
+        path = found
     try:
         weights = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:

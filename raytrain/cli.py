@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -69,8 +70,15 @@ class UserError(Exception):
 # -- parser ------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad usage in one line instead of the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raytrain", description="Elastic, fault-tolerant distributed PyTorch training on Ray.")
+    parser = _Parser(prog="raytrain", description="Elastic, fault-tolerant distributed PyTorch training on Ray.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     train = commands.add_parser("train", help="train a pipeline", description="Train PIPELINE (a built-in name or module:attr).")
@@ -153,18 +161,48 @@ def load_yaml(path: str) -> tuple[dict[str, Any], str]:
     if not file.is_file():
         raise UserError(f"--config: file {path} not found; give the path of a YAML file of options")
     try:
-        values = yaml.safe_load(file.read_text()) or {}
+        values = yaml.load(file.read_text(), Loader=_ConfigLoader) or {}
     except yaml.YAMLError as exc:
         raise UserError(f"--config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(values, dict):
         raise UserError(f"--config {path}: expected a mapping of option: value, got {type(values).__name__}")
-    return values, path
+    return {str(key): value for key, value in values.items()}, path
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """yaml.safe_load with YAML 1.2 numbers. YAML 1.1 reads `lr: 3e-4` as a string and
+    `workers: 2:8` as the base-60 integer 128; here they are 0.0003 and "2:8"."""
+
+
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+|[-+]?[0-9][0-9_]*\.[0-9_]*"
+        r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
 
 
 def merge(*layers: dict[str, Any]) -> dict[str, Any]:
     """Later layers win; `ddp.x` flags and `ddp: {x: ..}` mappings merge into one ddp mapping."""
     merged: dict[str, Any] = {}
+    batch_knobs = {"global_batch_size", "batch_size_per_worker"}
     for layer in layers:
+        # A layer that sets one batch knob replaces the other from the layers below
+        # (`--global-batch-size` overrides a pipeline's `batch_size_per_worker`).
+        knobs = batch_knobs & {key.replace("-", "_") for key in layer}
+        if len(knobs) == 1:
+            merged.pop(*(batch_knobs - knobs), None)
         for key, value in layer.items():
             key = key.replace("-", "_")
             if key.startswith("ddp."):

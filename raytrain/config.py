@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -121,6 +122,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.ddp, Mapping):
             self.ddp = _build(DDPConfig, dict(self.ddp), prefix="ddp.")
+        if not isinstance(self.ddp, DDPConfig):
+            raise ConfigError([("ddp", f"got {self.ddp!r} ({type(self.ddp).__name__}); expected a mapping of DDP flags, e.g. ddp: {{bucket_cap_mb: 25}}")])
         if self.global_batch_size is None and self.batch_size_per_worker is None:
             self.batch_size_per_worker = 32
         problems = list(_check_types(self)) + list(_check_types(self.ddp, prefix="ddp."))
@@ -129,6 +132,7 @@ class TrainConfig:
         if problems:
             raise ConfigError(problems)
         if self.storage:
+            self.storage = self.storage.removeprefix("file://")
             self.storage = os.path.abspath(os.path.expanduser(self.storage))
 
     # -- derived, read-only views --------------------------------------------------------
@@ -244,11 +248,11 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
         yield "schedule", f"got {c.schedule!r}; choose one of {', '.join(SCHEDULES)}{_close(c.schedule, SCHEDULES)}"
     if c.precision not in PRECISIONS:
         yield "precision", f"got {c.precision!r}; choose one of {', '.join(PRECISIONS)}{_close(c.precision, PRECISIONS)}"
-    if c.warmup_epochs < 0:
+    if not 0 <= c.warmup_epochs < math.inf:
         yield "warmup_epochs", f"got {c.warmup_epochs}; must be 0 or more, e.g. --warmup-epochs 1"
-    elif c.warmup_epochs > c.epochs:
+    elif c.epochs >= 1 and c.warmup_epochs > c.epochs:
         yield "warmup_epochs", f"got {c.warmup_epochs}, longer than the {c.epochs} epochs of the run; lower it or raise --epochs"
-    if c.weight_decay < 0:
+    if not 0 <= c.weight_decay < math.inf:
         yield "weight_decay", f"got {c.weight_decay}; must be 0 or more"
     if c.seed < 0:
         yield "seed", f"got {c.seed}; must be 0 or more"
@@ -256,9 +260,9 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
         yield "max_failures", f"got {c.max_failures}; must be 0 or more (-1 retries forever)"
     if c.checkpoint_every_steps < 0:
         yield "checkpoint_every_steps", f"got {c.checkpoint_every_steps}; must be 0 (epoch ends only) or a positive step count"
-    if not c.collective_timeout_s > 0:
+    if not 0 < c.collective_timeout_s < math.inf:
         yield "collective_timeout_s", f"got {c.collective_timeout_s}; must be a positive number of seconds, e.g. 600"
-    if not c.cpus_per_worker > 0:
+    if not 0 < c.cpus_per_worker < math.inf:
         yield "cpus_per_worker", f"got {c.cpus_per_worker}; must be a positive number of CPUs, e.g. 1"
     if not c.storage:
         yield "storage", "is empty; give a directory, e.g. --storage ~/raytrain_results"
@@ -268,7 +272,7 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
         yield "name", f"got {c.name!r}; use letters, digits, '.', '_' and '-' only, e.g. --name digits-lr3e-3"
     if c.resume and not c.name:
         yield "resume", "needs the run to continue: add --name RUN (the directory under --storage)"
-    if c.ddp.bucket_cap_mb <= 0:
+    if not 0 < c.ddp.bucket_cap_mb < math.inf:
         yield "ddp.bucket_cap_mb", f"got {c.ddp.bucket_cap_mb}; must be a positive size in MiB, e.g. 25"
 
 
@@ -279,6 +283,7 @@ def _close(value: Any, choices: Iterable[str]) -> str:
 
 def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
+    values = {str(key): value for key, value in values.items()}
     unknown = [key for key in values if key.replace("-", "_") not in names]
     if unknown:
         raise ConfigError(

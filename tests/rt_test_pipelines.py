@@ -1,0 +1,98 @@
+"""Pipelines used by the CPU Ray tests. Importable on Ray workers (tests/ is on their PYTHONPATH).
+
+They record what each rank trained on into files, so tests can check invariants from
+the outside: ids per step per rank, weights after a step, a crash on the first attempt.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import raytrain
+from pipelines.digits.pipeline import DigitsPipeline
+
+
+def _table_dataset(columns: dict[str, np.ndarray]):
+    import pyarrow as pa
+    import ray.data
+    from ray.data.extensions import ArrowTensorArray
+
+    return ray.data.from_arrow(
+        pa.table({k: (ArrowTensorArray.from_numpy(v) if v.ndim > 1 else v) for k, v in columns.items()})
+    )
+
+
+class RecordingPipeline(raytrain.Pipeline):
+    """A linear model on `num_rows` random rows with an `id` column; records ids per step.
+
+    `crash_at_step`: on the first attempt only (a marker file in `out_dir`), raise once
+    the run reaches that global step, to exercise failure recovery.
+    """
+
+    def __init__(self, out_dir: str, num_rows: int = 200, crash_at_step: int | None = None):
+        self.out_dir = out_dir
+        self.num_rows = num_rows
+        self.crash_at_step = crash_at_step
+
+    def build_model(self, cfg):
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+    def build_datasets(self, cfg):
+        rng = np.random.default_rng(7)
+        features = rng.normal(size=(self.num_rows, 8)).astype(np.float32)
+        labels = (features[:, 0] > 0).astype(np.int64) + (features[:, 1] > 1).astype(np.int64)
+        ids = np.arange(self.num_rows, dtype=np.int64)
+        return {"train": _table_dataset({"x": features, "y": labels, "id": ids})}
+
+    def compute_loss(self, model, batch):
+        ctx = raytrain.context()
+        if model.training:
+            self._record(ctx, batch)
+        logits = model(batch["x"])
+        return F.cross_entropy(logits, batch["y"])
+
+    def _record(self, ctx, batch):
+        out = Path(self.out_dir)
+        if not hasattr(self, "_attempt"):  # a fresh copy of the pipeline per worker process
+            self._attempt = "second" if (out / "crashed").exists() else "first"
+        if self.crash_at_step is not None and ctx.step == self.crash_at_step and ctx.world_rank == 0 and self._attempt == "first":
+            (out / "crashed").write_text("1")
+            raise RuntimeError(f"injected failure at step {ctx.step}")
+        row = {
+            "attempt": self._attempt,
+            "rank": ctx.world_rank,
+            "world_size": ctx.world_size,
+            "epoch": ctx.epoch,
+            "step": ctx.step,
+            "lr": ctx.lr,
+            "ids": batch["id"].tolist(),
+        }
+        with open(out / f"ids-rank{ctx.world_rank}.jsonl", "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+class WeightProbePipeline(DigitsPipeline):
+    """digits, writing each rank's parameter checksum after its first optimizer step."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+
+    def compute_loss(self, model, batch):
+        ctx = raytrain.context()
+        if model.training and ctx.step == 1:
+            # Called at the start of step 1, i.e. after the first optimizer step.
+            inner = getattr(model, "module", model)
+            flat = torch.cat([p.detach().flatten().double() for p in inner.parameters()])
+            path = Path(self.out_dir) / f"weights-rank{ctx.world_rank}.json"
+            if not path.exists():
+                path.write_text(json.dumps({"sum": float(flat.sum()), "sq": float((flat**2).sum()), "head": flat[:20].tolist()}))
+        return super().compute_loss(model, batch)
+
+    @property
+    def name(self) -> str:
+        return "weight-probe"

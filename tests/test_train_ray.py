@@ -1,0 +1,139 @@
+"""CPU Ray tier: real TorchTrainer runs with gloo on one shared local Ray (4 logical CPUs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import raytrain
+from raytrain import plan as rules
+from raytrain.config import ConfigError
+from rt_test_pipelines import RecordingPipeline, WeightProbePipeline
+
+pytestmark = pytest.mark.ray
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_digits_two_workers_trains_and_leaves_run_files(ray_session, tmp_path):
+    cfg = raytrain.TrainConfig(workers=2, epochs=4, storage=str(tmp_path), name="digits2")
+    result = raytrain.fit("digits", cfg)
+
+    run_dir = Path(result.run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    assert summary["epochs"] == 4 and summary["world_sizes"] == [2] and summary["failures_recovered"] == 0
+    assert summary["final_metrics"]["val_accuracy"] >= 0.90
+    assert summary["steady_samples_per_s"] > 0
+    for key in ("steps", "samples_seen", "wall_time_s", "best_checkpoint", "model_path"):
+        assert summary[key], key
+    assert summary["samples_seen"] == 4 * 1438  # every training sample once per epoch
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    for key in ("epoch", "step", "samples_seen", "world_size", "global_batch_size", "lr", "loss", "samples_per_s", "time_s"):
+        assert all(key in row for row in rows), key
+    epoch_rows = [row for row in rows if row.get("epoch_end")]
+    assert [row["epoch"] for row in epoch_rows] == [1, 2, 3, 4]
+    assert all("val_loss" in row and "val_accuracy" in row for row in epoch_rows)
+    assert all(row["global_batch_size"] == 64 and row["world_size"] == 2 for row in rows)
+
+    from pipelines.digits.model import DigitsCNN
+
+    for path in (run_dir / "model.pt", Path(summary["best_checkpoint"]) / "model.pt"):
+        weights = torch.load(path, weights_only=True)
+        assert not any(key.startswith("module.") for key in weights)
+        DigitsCNN().load_state_dict(weights, strict=True)
+
+    from raytrain.cli import main
+
+    exported = tmp_path / "exported.pt"
+    assert main(["export", str(run_dir), "-o", str(exported)]) == 0
+    DigitsCNN().load_state_dict(torch.load(exported, weights_only=True), strict=True)
+
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert events[0]["message"].startswith(
+        "global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, reference batch 32); warmup 1 epoch; gloo"
+    )
+
+    # The run name is taken now: reusing it without --resume is an error, not a silent resume.
+    with pytest.raises(ConfigError, match="already exists.*--resume"):
+        raytrain.fit("digits", raytrain.TrainConfig(workers=2, epochs=4, storage=str(tmp_path), name="digits2"))
+
+
+def test_all_ranks_hold_identical_weights_after_first_step(ray_session, tmp_path):
+    probe = WeightProbePipeline(str(tmp_path))
+    raytrain.fit(probe, raytrain.TrainConfig(workers=2, epochs=1, storage=str(tmp_path), name="probe"))
+    ranks = [json.loads((tmp_path / f"weights-rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+
+
+def test_worker_failure_resumes_at_checkpoint_step_with_same_lr_and_exactly_once(ray_session, tmp_path):
+    out = tmp_path / "records"
+    out.mkdir()
+    pipeline = RecordingPipeline(str(out), num_rows=203, crash_at_step=9)
+    cfg = raytrain.TrainConfig(
+        workers=2, epochs=2, batch_size_per_worker=8, lr=1e-2, warmup_epochs=1, max_failures=1,
+        checkpoint_every_steps=4, log_every_steps=1, storage=str(tmp_path), name="crash",
+    )
+    result = raytrain.fit(pipeline, cfg)
+    summary = result.summary
+    assert summary["status"] == "finished" and summary["failures_recovered"] == 1
+
+    records = [row for r in range(2) for row in read_jsonl(out / f"ids-rank{r}.jsonl")]
+    first = [row for row in records if row["attempt"] == "first"]
+    second = [row for row in records if row["attempt"] == "second"]
+    resumed_at = min(row["step"] for row in second)
+    assert resumed_at == 8  # the last checkpoint before the crash at step 9
+
+    # The LR at each step is the same in both attempts (derived from samples seen).
+    lr_first = {row["step"]: row["lr"] for row in first}
+    for row in second:
+        if row["step"] in lr_first:
+            assert row["lr"] == pytest.approx(lr_first[row["step"]], rel=1e-12)
+
+    # Epoch 0 was interrupted: steps before the checkpoint come from the first attempt,
+    # the rest from the second; together every row exactly once.
+    trained = [i for row in first if row["epoch"] == 0 and row["step"] < resumed_at for i in row["ids"]]
+    trained += [i for row in second if row["epoch"] == 0 for i in row["ids"]]
+    assert sorted(trained) == list(range(203))
+    epoch1 = [i for row in second if row["epoch"] == 1 for i in row["ids"]]
+    assert sorted(epoch1) == list(range(203))
+
+    # metrics.jsonl continues from the checkpoint: one row per step, no repeats.
+    steps = [row["step"] for row in read_jsonl(Path(result.run_dir) / "metrics.jsonl")]
+    assert steps == sorted(steps) and len(steps) == len(set(steps))
+    events = read_jsonl(Path(result.run_dir) / "events.jsonl")
+    assert any(e["kind"] == "restore" and "step 8" in e["message"] for e in events)
+
+
+def test_local_mode_runs_the_loop_in_process(ray_session, tmp_path):
+    out = tmp_path / "records"
+    out.mkdir()
+    cfg = raytrain.TrainConfig(workers=0, epochs=2, global_batch_size=16, storage=str(tmp_path), name="local", log_every_steps=1)
+    result = raytrain.fit(RecordingPipeline(str(out), num_rows=37), cfg)
+    rows = read_jsonl(out / "ids-rank0.jsonl")
+    for epoch in (0, 1):
+        ids = [i for row in rows if row["epoch"] == epoch for i in row["ids"]]
+        assert sorted(ids) == list(range(37))
+    orders = [[i for row in rows if row["epoch"] == e for i in row["ids"]] for e in (0, 1)]
+    assert orders[0] != orders[1]  # reshuffled every epoch
+    assert result.summary["steps"] == 2 * 3  # ceil(37 / 16) steps per epoch, tail kept
+    expected_lr = rules.lr_at(0, base_lr=1e-3, peak_lr=1e-3, warmup_samples=37, total_samples=74)
+    assert rows[0]["lr"] == pytest.approx(expected_lr)
+
+
+def test_resume_after_the_driver_stopped_continues_from_the_last_checkpoint(ray_session, tmp_path):
+    out = tmp_path / "records"
+    out.mkdir()
+    pipeline = RecordingPipeline(str(out), num_rows=64)
+    base = dict(workers=2, batch_size_per_worker=8, storage=str(tmp_path), name="again", log_every_steps=1, schedule="constant")
+    raytrain.fit(pipeline, raytrain.TrainConfig(epochs=1, **base))
+    result = raytrain.fit(pipeline, raytrain.TrainConfig(epochs=2, resume=True, **base))
+    assert result.summary["epochs"] == 2
+    rows = [row for r in range(2) for row in read_jsonl(out / f"ids-rank{r}.jsonl")]
+    assert sorted({row["step"] for row in rows}) == list(range(8))  # 4 steps per epoch, none repeated
