@@ -41,6 +41,26 @@ class Position:
     world_sizes: list[int] = field(default_factory=list)
     steady_samples: int = 0
     steady_time_s: float = 0.0
+    phase_time_s: dict[str, float] = field(default_factory=dict)  # steady steps only, this rank
+
+    def timer(self, enabled: bool, sync) -> "PhaseTimer":
+        return PhaseTimer(self.phase_time_s if enabled else None, sync)
+
+
+class PhaseTimer:
+    """Splits a step's time into phases (data wait, forward+backward, optimizer)."""
+
+    def __init__(self, totals: dict[str, float] | None, sync):
+        self.totals, self.sync = totals, sync
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.totals is None:
+            return
+        self.sync()
+        now = time.perf_counter()
+        self.totals[phase] = self.totals.get(phase, 0.0) + now - self.last
+        self.last = now
 
 
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
@@ -152,13 +172,19 @@ class StepRunner:
             schedule=self.cfg.schedule,
         )
 
+    def sync_device(self) -> None:
+        # GPU kernels run asynchronously: without a sync, phase times land on whatever
+        # waits next. Only when asked (raytrain bench), as it costs overlap.
+        if self.cfg.time_phases and self.runtime.device.type == "cuda":
+            torch.cuda.synchronize(self.runtime.device)
+
     def autocast(self):
         if self.cfg.precision == "fp32":
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
         return torch.autocast(device_type=self.runtime.device.type, dtype=dtype)
 
-    def optimizer_step(self, table: Table, order: np.ndarray, step: rules.Step, samples_seen: int) -> float:
+    def optimizer_step(self, table: Table, order: np.ndarray, step: rules.Step, samples_seen: int, timer: "PhaseTimer") -> float:
         """One optimizer step over this rank's rows of `step`; returns the lr used."""
         lr = self.lr_at(samples_seen)
         for group in self.optimizer.param_groups:
@@ -175,15 +201,19 @@ class StepRunner:
             weight = count * self.runtime.world_size / step.size
             last = index == len(micro) - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            batch = table.batch(rows, self.runtime.device)
+            timer.lap("data_wait")
             with sync:
                 with self.autocast():
-                    loss, _ = split_loss(self.pipeline.compute_loss(self.model, table.batch(rows, self.runtime.device)))
+                    loss, _ = split_loss(self.pipeline.compute_loss(self.model, batch))
                 self.scaler.scale(loss * weight).backward()
             self.loss_sum += loss.detach().float() * count
             self.loss_count += count
+            timer.lap("forward_backward")  # includes DDP's all-reduce, overlapped with backward
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        timer.lap("optimizer")
         return lr
 
     def take_loss(self) -> tuple[float, float]:
@@ -235,7 +265,8 @@ def train_epoch(trainer: StepRunner, table: Table, position: Position, cfg: Trai
     for step in steps:
         tick = time.perf_counter()
         _update_context(trainer, position)
-        trainer.optimizer_step(table, order, step, position.samples_seen)
+        timer = position.timer(enabled=step.index >= TIMING_WARMUP_STEPS, sync=trainer.sync_device)
+        trainer.optimizer_step(table, order, step, position.samples_seen, timer)
         position.step += 1
         position.samples_seen += step.size
         position.epoch_offset = step.end
