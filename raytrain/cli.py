@@ -1,4 +1,4 @@
-"""`raytrain` command line: train, export, doctor.
+"""`raytrain` command line: train, bench, export, doctor.
 
 Exit status: 0 success; 2 bad usage or invalid configuration (one message naming the
 option, the value and the fix); 1 the run failed (the cause, then where the logs are).
@@ -43,6 +43,11 @@ _VALUE_TYPES: dict[str, Callable[[str], Any]] = {
     "collective_timeout_s": float,
     "cpus_per_worker": float,
     "address": str,
+    "mlflow_uri": str,
+    "mlflow_experiment": str,
+    "wandb_project": str,
+    "progress": str,
+    "progress_interval_s": float,
 }
 _DDP_VALUE_TYPES = {"bucket_cap_mb": float}
 
@@ -98,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             train.add_argument(flag, dest="ddp." + f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
     train.set_defaults(handler=cmd_train)
+    add_tune_parser(commands)
 
     export = commands.add_parser("export", help="write a plain state_dict from a run or checkpoint")
     export.add_argument("source", metavar="RUN_DIR|CKPT", help="a run directory, a checkpoint directory or a .pt file")
@@ -108,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
     doctor.add_argument("--storage", help="storage path runs will use (default ~/raytrain_results)")
     doctor.set_defaults(handler=cmd_doctor)
+
+    report = commands.add_parser("report", help="plots and a Markdown summary of a run", description="Write RUN_DIR/report.md and RUN_DIR/plots/*.png from the run files.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (STORAGE/NAME)")
+    report.set_defaults(handler=cmd_report)
+
+    from raytrain.bench import add_parser as add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 
@@ -144,7 +158,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         pipe = load_pipeline(spec)
         values = merge(pipe.default_config, file_values, flags)
         cfg = TrainConfig.from_dict(values)
-        result = fit(spec, cfg, echo=lambda line: print(line, flush=True))
+        result = fit(spec, cfg, echo=lambda line: print(line, flush=True), progress=True)
     except ConfigError as exc:
         raise UserError(exc.render(spelling(flags, config_file))) from None
     except (PipelineError, CheckpointError, DataError) as exc:
@@ -233,6 +247,112 @@ def print_summary(result) -> None:
     print(f"Run directory: {result.run_dir}")
     if result.model_path:
         print(f"Model: {result.model_path} (plain state_dict, loads with strict=True)")
+    if (Path(result.run_dir) / "report.md").exists():
+        print(f"Report: {Path(result.run_dir) / 'report.md'} (plots in plots/); TensorBoard: tensorboard --logdir {result.run_dir}")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from raytrain.report import ReportError, write_report
+
+    try:
+        path = write_report(args.run_dir)
+    except ReportError as exc:
+        raise UserError(str(exc)) from None
+    plots = sorted((path.parent / "plots").glob("*.png"))
+    print(f"Wrote {path} and {len(plots)} plot{'s' if len(plots) != 1 else ''}: {', '.join(p.name for p in plots) or 'none (no metrics yet)'}")
+    return 0
+
+
+# -- tune --------------------------------------------------------------------------------
+
+# Swept train options: comma-separated lists on the tune command line.
+_TUNE_AXES = {
+    "workers": ("N,N,...", "worker counts to compare, e.g. 1,2,4,8 (default: the config's)"),
+    "lr_scaling": ("RULE,...", "LR scaling rules to compare (default: linear,sqrt,none)"),
+    "warmup_epochs": ("EPOCHS,...", "warmup lengths to compare, e.g. 0,1,5 (default: the config's)"),
+    "lr": ("LR,...", "base learning rates, as a grid, e.g. 1e-4,3e-4 (default: the config's)"),
+}
+# Options of the sweep itself, not of a trial.
+_TUNE_OPTIONS: dict[str, tuple[Callable[[str], Any], str, str]] = {
+    "lr_range": (str, "LO:HI", "draw the base learning rate log-uniformly from [LO, HI] instead of --lr"),
+    "samples": (int, "N", "with --lr-range: learning rates drawn per grid point (default 1)"),
+    "metric": (str, "NAME", "metric that ranks trials and drives early stopping (default val_loss)"),
+    "mode": (str, "min|max", "whether lower (min, default) or higher --metric is better"),
+    "grace_period": (int, "EPOCHS", "ASHA stops no trial before this many epochs (default 1)"),
+    "reduction_factor": (float, "F", "ASHA keeps about 1/F of the trials at each rung (default 2)"),
+    "target": (float, "VALUE", "target --metric: trials.csv and the summary give each trial's time to reach it"),
+    "max_concurrent_trials": (int, "N", "at most N trials at once (default and cap: as many as fit the cluster)"),
+}
+
+
+def add_tune_parser(commands) -> None:
+    tune = commands.add_parser(
+        "tune",
+        help="sweep lr scaling rule × warmup × worker count (× lr)",
+        description="Sweep PIPELINE on Ray Tune: every trial is a `raytrain train` run with the fixed options, "
+        "compared on --metric with ASHA early stopping per worker count.",
+    )
+    tune.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
+    tune.add_argument("--config", metavar="FILE.yaml", help="YAML file of train options fixed for all trials (flags override it)")
+    for name, (metavar, text) in _TUNE_AXES.items():
+        tune.add_argument(flag_name(name), dest=name, metavar=metavar, default=argparse.SUPPRESS, help=text)
+    for name, (kind, metavar, text) in _TUNE_OPTIONS.items():
+        tune.add_argument(flag_name(name), dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS, help=text)
+    tune.add_argument("--no-early-stop", dest="early_stop", action="store_false", default=argparse.SUPPRESS, help="run every trial to the end (no ASHA)")
+    help_of = _field_docs()
+    for name, kind in _VALUE_TYPES.items():
+        if name not in _TUNE_AXES:
+            tune.add_argument(flag_name(name), dest=name, type=kind, default=argparse.SUPPRESS, help=help_of.get(name))
+    tune.add_argument("--gpu", dest="gpu", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of["gpu"])
+    tune.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
+    ddp_docs = _field_docs(DDPConfig)
+    for f in dataclasses.fields(DDPConfig):
+        flag = flag_name("ddp_" + f.name)
+        if f.name in _DDP_VALUE_TYPES:
+            tune.add_argument(flag, dest="ddp." + f.name, type=_DDP_VALUE_TYPES[f.name], default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
+        else:
+            tune.add_argument(flag, dest="ddp." + f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
+    tune.set_defaults(handler=cmd_tune)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from raytrain.checkpoint import CheckpointError
+    from raytrain.data import DataError
+    from raytrain.pipeline import PipelineError, load_pipeline
+    from raytrain.trainer import RunFailed
+    from raytrain.tune import TuneOptions, parse_search_space, tune
+
+    file_values, config_file = load_yaml(args.config) if args.config else ({}, None)
+    spec = args.pipeline or file_values.pop("pipeline", None)
+    file_values.pop("pipeline", None)
+    if not spec:
+        raise UserError("no pipeline: give one (raytrain tune digits) or set `pipeline:` in --config")
+    flags = {key: value for key, value in vars(args).items() if key not in ("command", "handler", "pipeline", "config")}
+    fixed = dict(flags)
+    sweep = {name: fixed.pop(name) for name in _TUNE_OPTIONS if name in fixed}
+    # An axis comes from its flag, else from the YAML file (a list, or one value).
+    axes = {name: fixed.pop(name, None) for name in _TUNE_AXES}
+    for name in _TUNE_AXES:
+        in_file = file_values.pop(name, None)
+        if axes[name] is None and not (name == "lr" and "lr_range" in sweep):
+            axes[name] = in_file
+    try:
+        space = parse_search_space(**axes, lr_range=sweep.pop("lr_range", None), samples=sweep.pop("samples", None))
+        options = TuneOptions(
+            **{("grace_period_epochs" if key == "grace_period" else key): value for key, value in sweep.items()},
+            **({"early_stop": fixed.pop("early_stop")} if "early_stop" in fixed else {}),
+        )
+        pipe = load_pipeline(spec)
+        cfg = TrainConfig.from_dict(merge(pipe.default_config, file_values, fixed))
+        result = tune(spec, cfg, space, options, echo=lambda line: print(line, flush=True))
+    except ConfigError as exc:
+        raise UserError(exc.render(spelling(flags, config_file))) from None
+    except (PipelineError, CheckpointError, DataError) as exc:
+        raise UserError(str(exc)) from None
+    except RunFailed as exc:
+        print(f"raytrain tune: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0 if result.best is not None else EXIT_FAILED
 
 
 # -- export ------------------------------------------------------------------------------
@@ -259,9 +379,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _strip_wrappers(key: str) -> str:
-    for prefix in ("module.", "_orig_mod."):
-        while key.startswith(prefix):
-            key = key[len(prefix):]
+    """`module.` (DDP) and `_orig_mod.` (torch.compile), in any order and nesting."""
+    while key.startswith(("module.", "_orig_mod.")):
+        key = key.split(".", 1)[1]
     return key
 
 

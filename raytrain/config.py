@@ -236,7 +236,7 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
             "set exactly one: --global-batch-size keeps the optimizer's batch fixed whatever the worker "
             "count, --batch-size-per-worker lets it grow with the workers",
         )
-    elif c.global_batch_size is not None and max_workers and c.global_batch_size < max_workers:
+    elif c.global_batch_size is not None and 1 <= c.global_batch_size < (max_workers or 0):
         yield (
             "global_batch_size",
             f"got {c.global_batch_size}, fewer samples per step than the {max_workers} workers asked for; "

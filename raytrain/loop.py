@@ -24,6 +24,7 @@ from raytrain import checkpoint as ckpt
 from raytrain import plan as rules
 from raytrain.config import TrainConfig
 from raytrain.data import Table, read_table
+from raytrain.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
 from raytrain.pipeline import Pipeline, _CONTEXT
 from raytrain.runtime import Runtime
 
@@ -67,10 +68,22 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     cfg = TrainConfig.from_dict(payload["config"])
     pipeline: Pipeline = payload["pipeline"]
     runtime = Runtime()
-    files = RunFiles(Path(payload["run_dir"]), enabled=runtime.is_rank0)
+    run_dir = Path(payload["run_dir"])
+    files = RunFiles(run_dir, enabled=runtime.is_rank0)
+    heartbeat = Heartbeat(run_dir / "heartbeats", runtime.world_rank, enabled=runtime.world_size > 1)
+    try:
+        run_attempt(cfg, pipeline, runtime, files, heartbeat, payload["datasets"])
+    except Exception as exc:
+        if runtime.world_size > 1 and looks_like_timeout(exc):
+            raise StallError(explain_stall(cfg, runtime, heartbeat, run_dir, exc)) from exc
+        raise
+    finally:
+        heartbeat.stop()
 
+
+def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "RunFiles", heartbeat: Heartbeat, dataset_names: list[str]) -> None:
     # restore
-    state = restore(runtime)
+    state = restore(runtime, files.run_dir)
     position = Position(**state["position"]) if state else Position()
 
     # build
@@ -80,9 +93,11 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         batch_size_per_worker=cfg.batch_size_per_worker,
         micro_batch_size=cfg.micro_batch_size,
     )
+    heartbeat.mark(position.step, "data")
     train_table = read_table(runtime.dataset("train"), "train")
-    val_table = read_table(runtime.dataset("val"), "val") if "val" in payload["datasets"] else None
+    val_table = read_table(runtime.dataset("val"), "val") if "val" in dataset_names else None
     trainer = StepRunner.build(pipeline, cfg, runtime, batch_plan, len(train_table), state)
+    trainer.heartbeat = heartbeat
     trainer.last_log_samples = position.samples_seen
     files.start_attempt(position, state, trainer, cfg)
     position.world_sizes = _append_if_new(position.world_sizes, runtime.world_size)
@@ -92,25 +107,55 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         epoch_start, samples_before = time.perf_counter(), position.samples_seen
         train_loss = train_epoch(trainer, train_table, position, cfg, files)
         epoch_samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - epoch_start)
+        heartbeat.mark(position.step, "eval")
         val_metrics = evaluate(trainer, val_table) if val_table is not None else {}
         position.epoch, position.epoch_offset = position.epoch + 1, 0
         row = trainer.metrics_row(position, loss=train_loss, samples_per_s=epoch_samples_per_s, extra=val_metrics)
         files.epoch_end(row, cfg.epochs)
         # report: a barrier on every rank; rank 0 attaches the checkpoint.
+        heartbeat.mark(position.step, "report")
         runtime.report(row, trainer.state(position), ckpt.save_state)
 
     files.finish(trainer, position)
 
 
+class StallError(RuntimeError):
+    """A collective timed out; the message names the stalled rank(s) and where each rank was."""
+
+
+def explain_stall(cfg: TrainConfig, runtime: Runtime, heartbeat: Heartbeat, run_dir: Path, exc: Exception) -> str:
+    heartbeat.write()
+    records = read_heartbeats(run_dir / "heartbeats", runtime.world_size, since=heartbeat.attempt_start)
+    return (
+        f"A collective timed out on rank {runtime.world_rank} after --collective-timeout-s {cfg.collective_timeout_s:g}; "
+        f"{diagnose(records, runtime.world_size, time.time())}\n  cause: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    )
+
+
 # -- build -------------------------------------------------------------------------------
 
 
-def restore(runtime: Runtime) -> dict[str, Any] | None:
+def restore(runtime: Runtime, run_dir: Path) -> dict[str, Any] | None:
+    """The latest usable checkpoint: Ray's latest, else (corrupt or partial) the newest
+    older complete one in the run directory."""
     checkpoint = runtime.latest_checkpoint()
     if checkpoint is None:
         return None
-    with checkpoint.as_directory() as directory:
-        return ckpt.load_state(directory)
+    try:
+        with checkpoint.as_directory() as directory:
+            return ckpt.load_state(directory)
+    except ckpt.CheckpointError as error:
+        for older in reversed(ckpt.checkpoint_dirs(run_dir)):
+            if Path(checkpoint.path).name <= older.name:
+                continue
+            try:
+                state = ckpt.load_state(older)
+            except ckpt.CheckpointError:
+                continue
+            if runtime.is_rank0:
+                print(f"raytrain: {error}; resuming from the previous good checkpoint {older.name}", flush=True)
+            return state
+        raise
 
 
 @dataclass
@@ -131,6 +176,8 @@ class StepRunner:
     loss_count: int = 0
     last_log_time: float = 0.0
     last_log_samples: int = 0
+    heartbeat: Heartbeat = None
+    step_index: int = 0  # global optimizer step being taken, for heartbeats
 
     @classmethod
     def build(cls, pipeline, cfg, runtime, batch_plan, num_train_rows, state) -> "StepRunner":
@@ -196,6 +243,7 @@ class StepRunner:
             # A rank with no rows left in the epoch's last step still runs forward and
             # backward (on one row, weight 0) so that it joins the gradient all-reduce.
             rows = order[lo:hi] if count else order[:1]
+            self.heartbeat.mark(self.step_index, "data")
             # DDP averages gradients over ranks; this weight turns that into the mean
             # over the samples actually present in the step (tail steps are smaller).
             weight = count * self.runtime.world_size / step.size
@@ -204,12 +252,15 @@ class StepRunner:
             batch = table.batch(rows, self.runtime.device)
             timer.lap("data_wait")
             with sync:
+                self.heartbeat.mark(self.step_index, "forward")
                 with self.autocast():
                     loss, _ = split_loss(self.pipeline.compute_loss(self.model, batch))
+                self.heartbeat.mark(self.step_index, "backward")
                 self.scaler.scale(loss * weight).backward()
             self.loss_sum += loss.detach().float() * count
             self.loss_count += count
             timer.lap("forward_backward")  # includes DDP's all-reduce, overlapped with backward
+        self.heartbeat.mark(self.step_index, "optimizer")
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -219,6 +270,7 @@ class StepRunner:
     def take_loss(self) -> tuple[float, float]:
         """Sample-weighted mean training loss over all ranks since the last call, and the
         sample count it covers (a collective: every rank calls it at the same steps)."""
+        self.heartbeat.mark(self.step_index, "all_reduce")
         total, count = self.runtime.all_reduce_sum([float(self.loss_sum.item()), float(self.loss_count)])
         self.loss_sum.zero_()
         self.loss_count = 0
@@ -266,6 +318,7 @@ def train_epoch(trainer: StepRunner, table: Table, position: Position, cfg: Trai
         tick = time.perf_counter()
         _update_context(trainer, position)
         timer = position.timer(enabled=step.index >= TIMING_WARMUP_STEPS, sync=trainer.sync_device)
+        trainer.step_index = position.step
         trainer.optimizer_step(table, order, step, position.samples_seen, timer)
         position.step += 1
         position.samples_seen += step.size
@@ -281,6 +334,7 @@ def train_epoch(trainer: StepRunner, table: Table, position: Position, cfg: Trai
             if not last:
                 files.metrics(trainer.metrics_row(position, loss=loss, samples_per_s=_throughput(trainer, position)))
         if cfg.checkpoint_every_steps and position.step % cfg.checkpoint_every_steps == 0 and not last:
+            trainer.heartbeat.mark(position.step, "report")
             trainer.runtime.report(
                 trainer.metrics_row(position, loss=float("nan"), samples_per_s=0.0), trainer.state(position), ckpt.save_state
             )

@@ -10,22 +10,49 @@ import dataclasses
 import json
 import logging
 import os
+import re
+import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import yaml
 
 from raytrain import plan as rules
+from raytrain import tracking
 from raytrain.checkpoint import checkpoint_dirs
 from raytrain.config import ConfigError, TrainConfig
 from raytrain.pipeline import Pipeline, load_pipeline
 
 # Without this every print in the train function shows twice (RAY_NOTES).
 WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+# Ray checks for a bigger worker group every this many seconds when the run is elastic
+# (Ray's default, 60 s, leaves new nodes idle for a minute).
+ELASTIC_MONITOR_INTERVAL_S = 15.0
+# After a node loss Ray first retries the old size and waits this long for it before
+# trying a smaller one (Ray's default: 60 s of idle cluster per lost node).
+ELASTIC_START_TIMEOUT_S = 30.0
+
+
+_TIMERS_SET_HERE: set[str] = set()
+
+
+def apply_train_timers(cfg: TrainConfig) -> None:
+    """Set Ray Train's timers for this run in the environment, which Train propagates from
+    the driver to its controller and workers; a value the user exported wins."""
+    timers = {
+        # Ray's own barriers (ray.train.report) wait forever by default: a rank stalled
+        # before a report would hang the others with no error.
+        "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(cfg.collective_timeout_s),
+    }
+    if cfg.elastic:
+        timers["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(ELASTIC_START_TIMEOUT_S)
+    for key, value in timers.items():
+        if key not in os.environ or key in _TIMERS_SET_HERE:
+            os.environ[key] = value
+            _TIMERS_SET_HERE.add(key)
 
 
 class RunFailed(RuntimeError):
@@ -43,37 +70,50 @@ class FitResult:
     model_path: str | None
 
 
-def fit(pipeline: "str | Pipeline", cfg: TrainConfig | None = None, *, echo: Callable[[str], None] | None = None) -> FitResult:
+def fit(
+    pipeline: "str | Pipeline",
+    cfg: TrainConfig | None = None,
+    *,
+    echo: Callable[[str], None] | None = None,
+    callbacks: Sequence[Any] = (),
+    progress: bool = False,
+) -> FitResult:
     """Train `pipeline` (a built-in name, `module:attr` or an instance) with `cfg`.
 
     Raises ConfigError (bad configuration, nothing started), RunFailed (the run failed).
     `echo` receives the run's human-readable lines (plan, epochs, resizes); default: none.
+    `progress`: also show progress on stdout (a live bar on a terminal, else plain lines).
+    TensorBoard files, the report and any asked-for trackers: `raytrain.tracking`.
+    `callbacks`: Ray Train `UserCallback`s for the TorchTrainer (raytrain.tune forwards
+    reports to Tune with one).
     """
     pipe = load_pipeline(pipeline)
     cfg = resolve_config(pipe, cfg or TrainConfig(**pipe.default_config), pipeline if isinstance(pipeline, str) else pipe.name)
     run_dir = Path(cfg.storage) / cfg.name
     check_run_dir(run_dir, cfg)
     echo = echo or (lambda line: None)
+    tracker = tracking.RunTracker(cfg, run_dir, pipeline if isinstance(pipeline, str) else pipe.name, echo=echo, progress=progress)
     with ray_session(cfg):
         use_gpu = resolve_gpu(cfg)
         datasets = build_datasets(pipe, cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
         write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), "pipeline": pipeline if isinstance(pipeline, str) else pipe.name, "gpu": use_gpu})
-        trainer = build_trainer(pipe, cfg, run_dir, datasets, use_gpu)
+        trainer = build_trainer(pipe, cfg, run_dir, datasets, use_gpu, callbacks=callbacks)
         echo(
             f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
             f"({'GPU, nccl' if use_gpu else 'CPU, gloo'}); run directory {run_dir}"
         )
         started = time.time()
-        with follow_events(run_dir / "events.jsonl", echo, since=started):
+        with tracker.follow(since=started, datasets=datasets):
             try:
                 result = trainer.fit()
                 error = None
             except Exception as exc:  # Ray wraps worker errors; re-raised below as RunFailed
                 result, error = None, exc
     summary = write_summary(run_dir, cfg, result, error, started)
+    tracker.finish(summary)
     if error is not None:
-        raise RunFailed(explain_failure(error, run_dir)) from None
+        raise RunFailed(explain_failure(error, run_dir, tracker.ray_logs)) from None
     return FitResult(
         metrics=summary["final_metrics"],
         checkpoint_path=summary["best_checkpoint"],
@@ -121,9 +161,11 @@ def describe_workers(cfg: TrainConfig) -> str:
 
 
 @contextlib.contextmanager
-def ray_session(cfg: TrainConfig) -> Iterator[None]:
+def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dict[str, float] | None = None) -> Iterator[None]:
     """Join the Ray given by --address/RAY_ADDRESS or already initialized; else start an
-    embedded local one (loopback only, isolated from other Rays on the host) and stop it after."""
+    embedded local one (loopback only, isolated from other Rays on the host) and stop it after.
+
+    `num_cpus` and `resources` (custom resources) apply to an embedded Ray only."""
     import ray
     from ray.data import DataContext
 
@@ -143,12 +185,18 @@ def ray_session(cfg: TrainConfig) -> Iterator[None]:
     if address:
         ray.init(address=address, runtime_env=runtime_env, **quiet)
     else:
-        cpus = max(os.cpu_count() or 1, int(cfg.max_workers * cfg.cpus_per_worker) + 2)
+        cpus = num_cpus or max(os.cpu_count() or 1, int(cfg.max_workers * cfg.cpus_per_worker) + 2)
+        dashboard_port = free_port()
+        # Train's placement-group cleaner polls the dashboard (RAY_NOTES); name ours, or with
+        # several Rays on one host it cannot tell which one to ask.
+        runtime_env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
         ray.init(
             address="local",
             num_cpus=cpus,
-            include_dashboard=True,  # Train's placement-group cleaner polls the dashboard (RAY_NOTES)
+            resources=resources,
+            include_dashboard=True,
             dashboard_host="127.0.0.1",
+            dashboard_port=dashboard_port,
             runtime_env=runtime_env,
             **quiet,
         )
@@ -156,6 +204,12 @@ def ray_session(cfg: TrainConfig) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _driver_pythonpath() -> str:
@@ -185,7 +239,7 @@ def build_datasets(pipe: Pipeline, cfg: TrainConfig) -> dict[str, Any]:
     return datasets
 
 
-def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, datasets: dict[str, Any], use_gpu: bool):
+def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, datasets: dict[str, Any], use_gpu: bool, callbacks: Sequence[Any] = ()):
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -193,10 +247,12 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, datasets: dic
 
     workers: int | tuple[int, int] = cfg.max_workers if not cfg.elastic else (cfg.min_workers, cfg.max_workers)
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+    apply_train_timers(cfg)
+    elastic = {"elastic_resize_monitor_interval_s": ELASTIC_MONITOR_INTERVAL_S} if cfg.elastic else {}
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "pipeline": pipe, "run_dir": str(run_dir), "datasets": sorted(datasets)},
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources, **elastic),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s)),
         datasets=datasets,
         # Unsplit: every rank reads all rows and takes its own slice of the epoch's order
@@ -205,51 +261,18 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, datasets: dic
         run_config=RunConfig(
             name=cfg.name,
             storage_path=cfg.storage,
-            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            # Node preemptions have their own, unlimited budget: losing a spot node does
+            # not use up --max-failures, which is kept for real errors.
+            failure_config=FailureConfig(max_failures=cfg.max_failures, max_preemption_failures=-1),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
             logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "ERROR"),
             worker_runtime_env={"env_vars": dict(WORKER_ENV)},
+            callbacks=list(callbacks),
         ),
     )
 
 
 # -- console and run files -------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def follow_events(path: Path, echo: Callable[[str], None], since: float, interval_s: float = 0.5) -> Iterator[None]:
-    """Print the messages rank 0 appends to events.jsonl while the run goes on."""
-    stop = threading.Event()
-    offset = path.stat().st_size if path.exists() else 0
-
-    def pump() -> None:
-        nonlocal offset
-        if not path.exists():
-            return
-        with open(path) as handle:
-            handle.seek(offset)
-            while True:
-                line = handle.readline()
-                if not line.endswith("\n"):
-                    break
-                offset += len(line.encode())
-                with contextlib.suppress(ValueError):
-                    event = json.loads(line)
-                    if event.get("time", since) >= since - 1:
-                        echo(event["message"])
-
-    def loop() -> None:
-        while not stop.wait(interval_s):
-            pump()
-
-    thread = threading.Thread(target=loop, name="raytrain-events", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        pump()
 
 
 def write_yaml(path: Path, values: dict[str, Any]) -> None:
@@ -307,18 +330,27 @@ def _best_checkpoint(result: Any, run_dir: Path) -> str | None:
     return str(found[-1]) if found else None
 
 
-def explain_failure(error: Exception, run_dir: Path) -> str:
-    """One paragraph: which rank failed and the first useful lines, then where the logs are."""
-    failures = getattr(error, "worker_failures", None) or {}
-    lines = []
-    for rank, exc in sorted(failures.items())[:4]:
-        text = str(exc).strip().splitlines()
-        tail = [line for line in text if line.strip()][-3:]
-        lines.append(f"rank {rank}: " + " | ".join(tail))
-    if not lines:
-        text = [line for line in str(error).strip().splitlines() if line.strip()]
-        lines.append(" | ".join(text[-4:]) if text else type(error).__name__)
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b[^:]*:")
+
+
+def final_error_lines(text: str, limit: int = 8) -> list[str]:
+    """The last exception of a traceback text: its `Type: message` line and what follows."""
+    lines = [line.rstrip() for line in text.strip().splitlines() if line.strip()]
+    if "Traceback (most recent call last)" not in text:
+        return lines[:limit]  # already just the message
+    starts = [i for i, line in enumerate(lines) if _ERROR_LINE.match(line)]
+    return lines[starts[-1]:][:limit] if starts else lines[-3:]
+
+
+def explain_failure(error: Exception, run_dir: Path, ray_logs: str | None = None) -> str:
+    """Which rank failed with which exception, where in the user's code, then where the logs are."""
+    from raytrain.progress import explain_worker_errors
+
+    lines = explain_worker_errors(error)
+    logs = ray_logs or "/tmp/ray/session_latest/logs"
     return (
-        "The run failed. " + "; ".join(lines) + f"\nRun files: {run_dir} (summary.json, events.jsonl). "
-        "Full worker logs: /tmp/ray/session_latest/logs (or the Ray dashboard); rerun with -v for Ray's own logs."
+        f"The run failed: {lines[0]}\n" + "".join(f"  {line}\n" for line in lines[1:])
+        + f"Run files: {run_dir} (summary.json, events.jsonl, report.md). "
+        f"Full worker logs: {logs} (worker-*.err; train/ for Ray Train), or the Ray dashboard; "
+        "rerun with -v to see Ray's own logs."
     )

@@ -29,14 +29,24 @@ def ray_session():
     import ray
 
     os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    from raytrain.trainer import free_port
+
     pythonpath = os.pathsep.join([str(REPO), str(TESTS), *[p for p in sys.path if p]])
+    dashboard_port = free_port()
+    env_vars = {
+        "PYTHONPATH": pythonpath,
+        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+        # Other Rays may run on this host (the job test starts one): name our dashboard.
+        "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard_port}",
+    }
     ray.init(
         address="local",
         num_cpus=4,
         include_dashboard=True,
         dashboard_host="127.0.0.1",
+        dashboard_port=dashboard_port,
         logging_level="ERROR",
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+        runtime_env={"env_vars": env_vars},
     )
     yield ray
     ray.shutdown()

@@ -96,3 +96,20 @@ class WeightProbePipeline(DigitsPipeline):
     @property
     def name(self) -> str:
         return "weight-probe"
+
+
+class StallingPipeline(RecordingPipeline):
+    """Rank `stall_rank` stops making progress (sleeps) at global step `stall_at_step`."""
+
+    def __init__(self, out_dir: str, stall_rank: int = 1, stall_at_step: int = 3, num_rows: int = 200):
+        super().__init__(out_dir, num_rows=num_rows)
+        self.stall_rank, self.stall_at_step = stall_rank, stall_at_step
+
+    def compute_loss(self, model, batch):
+        ctx = raytrain.context()
+        if model.training and ctx.world_rank == self.stall_rank and ctx.step == self.stall_at_step:
+            import time
+
+            (Path(self.out_dir) / "stalled_at").write_text(repr(time.time()))
+            time.sleep(3600)
+        return super().compute_loss(model, batch)

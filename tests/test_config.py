@@ -208,6 +208,7 @@ def test_edge_values_that_are_allowed():
         ({"workers": [2, 8]}, "workers: got [2, 8] (list); expected an integer or a string"),
         ({"gpu": "yes"}, "gpu: got 'yes' (str); expected true or false"),
         ({"resume": 1}, "resume: got 1 (int); expected true or false"),
+        ({"time_phases": "yes"}, "time_phases: got 'yes' (str); expected true or false"),
         ({"name": 5}, "name: got 5 (int); expected a string"),
         ({"global_batch_size": "64"}, "global_batch_size: got '64' (str); expected an integer"),
         ({"storage": None}, "storage: got None (NoneType); expected a string"),
@@ -271,6 +272,11 @@ def test_warmup_longer_than_the_run():
 def test_bad_epochs_is_not_also_blamed_on_warmup():
     problems = problems_of(epochs=0)
     assert [name for name, _ in problems] == ["epochs"]
+
+
+def test_bad_global_batch_is_not_also_blamed_on_the_workers():
+    problems = problems_of(global_batch_size=0, workers=4)
+    assert problems == [("global_batch_size", "got 0; must be a positive integer, e.g. --global-batch-size 256")]
 
 
 def test_resume_without_name():

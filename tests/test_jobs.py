@@ -51,26 +51,37 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _processes_of(marker: str, temp_dir: str) -> dict[int, str]:
-    """pid -> command line of every live process of this head: it carries the marker in its
-    environment (inherited from `ray start`), or names the head's temp dir on its command line."""
-    found = {}
+def _processes_of(head_sid: int, marker: str, temp_dir: str) -> dict[int, str]:
+    """pid -> command line of every live process of this head: in the session `ray start`
+    leads, or carrying the marker in its environment (inherited from `ray start`; the job
+    driver runs in a session of its own), or naming the head's temp dir on its command line,
+    or a descendant of any of those. (Ray renames many of its processes — ray::IDLE,
+    ray-dashboard-JobHead-0 — which can overwrite both the command line and the environ.)"""
+    table, ours = {}, set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             environ = b""
             with contextlib.suppress(OSError):
                 environ = (entry / "environ").read_bytes()
-        except OSError:  # gone meanwhile, or not ours
+        except OSError:  # gone meanwhile
             continue
+        state, ppid, sid = stat[0], int(stat[1]), int(stat[4])
         if state in ("Z", "X"):  # exited; waiting to be reaped
             continue
-        if f"{MARKER}={marker}".encode() in environ.split(b"\0") or temp_dir in cmdline:
-            found[int(entry.name)] = cmdline
-    return found
+        pid = int(entry.name)
+        table[pid] = (ppid, cmdline)
+        if sid == head_sid or f"{MARKER}={marker}".encode() in environ.split(b"\0") or temp_dir in cmdline:
+            ours.add(pid)
+    grown = True
+    while grown:
+        more = {pid for pid, (ppid, _) in table.items() if ppid in ours} - ours
+        ours |= more
+        grown = bool(more)
+    return {pid: table[pid][1] for pid in sorted(ours)}
 
 
 def _signal_all(pids, sig) -> None:
@@ -105,7 +116,6 @@ class Head:
         cmd = [
             str(BIN / "ray"), "start", "--head", "--block",
             f"--temp-dir={self.temp_dir}",
-            "--node-ip-address=127.0.0.1",
             f"--port={gcs}",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={self.dash_port}",
@@ -152,26 +162,25 @@ class Head:
 
     def stop(self) -> dict[int, str]:
         """End the head's process group, then whatever of it outlived that (agents, workers,
-        the job driver, which runs in a session of its own). Returns what could not be ended."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)  # `ray start --block` ends its children on SIGTERM
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            left = _processes_of(self.marker, self.temp_dir)
+        the job driver, which runs in a session of its own). Returns what could not be ended.
+
+        SIGTERM first; `ray start` then drains for up to 30 s, which a throwaway test head
+        does not need, so what is left after a short grace gets SIGKILL."""
+        for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
+            left = _processes_of(self.proc.pid, self.marker, self.temp_dir)
             _signal_all(left, sig)
             deadline = time.monotonic() + grace
             while left and time.monotonic() < deadline:
                 time.sleep(0.2)
-                left = _processes_of(self.marker, self.temp_dir)
+                left = _processes_of(self.proc.pid, self.marker, self.temp_dir)
             if not left:
                 break
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         self.log.close()
-        left = _processes_of(self.marker, self.temp_dir)
+        left = _processes_of(self.proc.pid, self.marker, self.temp_dir)
         if not left:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
         return left

@@ -1,0 +1,658 @@
+"""`raytrain bench`: the scaling study. Throughput, speedup and where the step time goes.
+
+For each worker count the same pipeline and options run through `raytrain.fit` for just
+enough epochs to measure `--steps` steady steps; the loop leaves the first steps of every
+epoch out (warm-up) and rank 0 splits each steady step into data wait, forward+backward
+and optimizer. From those figures:
+
+- speedup(N) = samples/s at N workers / samples/s at 1 worker (so exactly 1 at 1 worker),
+  efficiency = speedup / N;
+- communication(N) = forward_backward(N) - forward_backward(1) per step, clipped at 0
+  (DDP's all-reduce runs inside backward; at 1 worker there is none). The 1-worker figure
+  is scaled by the per-worker batch when that changes with N (fixed global batch).
+  compute = forward_backward - communication.
+
+Baselines, in the same study: `torchrun` (the classic template, benchmarks/classic_ddp.py,
+under `python -m torch.distributed.run` at each worker count) and `plain` (the same script
+as one process without torch.distributed), measured the same way; reported as ratios.
+
+`--predict` runs nothing: the cost model (`raytrain.costmodel`) from a step time and a
+gradient size, given or taken from a bench directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from raytrain import costmodel
+from raytrain import plan as rules
+from raytrain.config import DEFAULT_STORAGE, ConfigError, DDPConfig, TrainConfig, flag_name
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "benchmarks" / "classic_ddp.py"
+BASELINES = ("torchrun", "plain")
+BASELINE_TIMEOUT_S = 1800
+# Train options bench decides itself (one run per worker count, its own storage layout).
+_BENCH_OWNED = ("workers", "epochs", "storage", "name", "resume", "checkpoint_every_steps", "max_failures")
+METHOD = (
+    "Steady samples/s: rank 0's samples over its time in steady steps (the first {warmup} steps of every "
+    "epoch are warm-up and left out; evaluation, checkpoints and logging between steps are not timed). "
+    "Speedup = samples/s at N workers ÷ samples/s at 1 worker; efficiency = speedup ÷ N. "
+    "Step split (rank 0, ms per steady step): data wait = cutting the batch and moving it to the device; "
+    "communication = forward+backward at N workers − forward+backward at 1 worker (scaled by the per-worker "
+    "batch), clipped at 0 — DDP's all-reduce runs inside backward, so this is the part of it not hidden by "
+    "compute, plus any slowdown from workers sharing the machine; compute = forward+backward − communication; "
+    "optimizer = optimizer step and zero_grad; other = the rest of the step (lr, bookkeeping). "
+    "Baselines are measured the same way by benchmarks/classic_ddp.py."
+)
+
+
+class BenchError(RuntimeError):
+    """A benchmark run failed; the message says which and where its log is."""
+
+
+@dataclass(kw_only=True)
+class BenchOptions:
+    """What `raytrain bench` measures, besides the training options."""
+
+    workers: list[int]
+    """Worker counts to run; 1 is always added (speedups are relative to it)."""
+    steps: int = 100
+    """At least this many steady steps measured at each worker count."""
+    warmup_steps: int = 3
+    """Steps left out at the start of every epoch."""
+    baselines: list[str] = field(default_factory=list)
+    """`torchrun` and/or `plain`."""
+    link: str | None = None
+    """A cost-model link: adds a predicted speedup column."""
+    storage: str = DEFAULT_STORAGE
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.workers or any(n < 1 for n in self.workers):
+            problems.append(("workers", f"got {self.workers}; give worker counts ≥ 1, e.g. --workers 1,2,4"))
+        if self.steps < 1:
+            problems.append(("steps", f"got {self.steps}; must be a positive number of steps, e.g. --steps 100"))
+        if self.warmup_steps < 0:
+            problems.append(("warmup_steps", f"got {self.warmup_steps}; must be 0 or more, e.g. --warmup-steps 3"))
+        for name in self.baselines:
+            if name not in BASELINES:
+                problems.append(("baseline", f"got {name!r}; choose from {', '.join(BASELINES)}"))
+        if self.link is not None and self.link not in costmodel.LINKS:
+            problems.append(("link", f"got {self.link!r}; choose one of {', '.join(costmodel.LINKS)}"))
+        if problems:
+            raise ConfigError(problems)
+        self.workers = sorted({1, *self.workers})
+        self.storage = os.path.abspath(os.path.expanduser(self.storage.removeprefix("file://")))
+
+
+# -- pure: epochs, step split, ratios ------------------------------------------------------
+
+
+def steady_steps_per_epoch(num_rows: int, global_batch_size: int, warmup_steps: int) -> int:
+    return max(0, len(rules.epoch_steps(num_rows, global_batch_size)) - warmup_steps)
+
+
+def epochs_for(num_rows: int, global_batch_size: int, warmup_steps: int, steps: int) -> int:
+    """Fewest epochs that hold `steps` steady steps; ValueError when an epoch has none."""
+    per_epoch = steady_steps_per_epoch(num_rows, global_batch_size, warmup_steps)
+    if per_epoch == 0:
+        raise ValueError(
+            f"an epoch of {num_rows} rows at a global batch of {global_batch_size} has no step after the "
+            f"{warmup_steps} warm-up steps; lower the batch size or use a larger dataset"
+        )
+    return math.ceil(steps / per_epoch)
+
+
+def step_split(phases_s: dict[str, float], steady_time_s: float, steady_steps: int, fb_1worker_ms: float | None, batch_ratio: float = 1.0) -> dict[str, float]:
+    """Milliseconds per steady step: data wait, compute, communication, optimizer, other.
+
+    `fb_1worker_ms` is forward+backward per step at 1 worker (None: this is the 1-worker
+    run); `batch_ratio` = this run's per-worker batch / the 1-worker run's.
+    """
+    per_step = {k: 1e3 * v / steady_steps for k, v in phases_s.items()}
+    step_ms = 1e3 * steady_time_s / steady_steps
+    fb = per_step.get("forward_backward", 0.0)
+    comm = 0.0 if fb_1worker_ms is None else max(0.0, fb - fb_1worker_ms * batch_ratio)
+    data, optimizer = per_step.get("data_wait", 0.0), per_step.get("optimizer", 0.0)
+    return {
+        "step": step_ms,
+        "data_wait": data,
+        "compute": fb - comm,
+        "communication": comm,
+        "optimizer": optimizer,
+        "other": max(0.0, step_ms - data - fb - optimizer),
+    }
+
+
+def scaling_rows(runs: list[dict[str, Any]], grad_bytes: int, link: str | None, bucket_mb: float) -> list[dict[str, Any]]:
+    """Per worker count: throughput, speedup vs 1 worker, efficiency, step split, prediction."""
+    base = next(r for r in runs if r["workers"] == 1)
+    fb_1 = 1e3 * base["phase_time_s"].get("forward_backward", 0.0) / base["steady_steps"]
+    rows = []
+    for run in runs:
+        n = run["workers"]
+        speedup = run["steady_samples_per_s"] / base["steady_samples_per_s"]
+        split = step_split(
+            run["phase_time_s"], run["steady_time_s"], run["steady_steps"],
+            None if n == 1 else fb_1, run["per_worker_batch"] / base["per_worker_batch"],
+        )  # fmt: skip
+        row = {
+            "workers": n,
+            "global_batch_size": run["global_batch_size"],
+            "per_worker_batch": run["per_worker_batch"],
+            "epochs": run["epochs"],
+            "steady_steps": run["steady_steps"],
+            "steady_samples_per_s": run["steady_samples_per_s"],
+            "speedup": speedup,
+            "efficiency": speedup / n,
+            "split_ms": split,
+            "implied_bandwidth_GBps": costmodel.implied_bandwidth_GBps(n, grad_bytes, split["communication"] / 1e3),
+            "run_dir": run["run_dir"],
+        }
+        if link:
+            row["predicted_speedup"] = costmodel.predict(
+                gpus=n, step_time_s=base_step_s(base), grad_bytes=grad_bytes, link=link, bucket_mb=bucket_mb
+            ).speedup
+        rows.append(row)
+    return rows
+
+
+def base_step_s(run: dict[str, Any]) -> float:
+    return run["steady_time_s"] / run["steady_steps"]
+
+
+def baseline_rows(rows: list[dict[str, Any]], baselines: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """raytrain / baseline throughput at each worker count a baseline ran."""
+    ours = {row["workers"]: row["steady_samples_per_s"] for row in rows}
+    out = []
+    for name, results in baselines.items():
+        for result in results:
+            n = result["world_size"]
+            out.append({
+                "baseline": name,
+                "workers": n,
+                "baseline_samples_per_s": result["steady_samples_per_s"],
+                "raytrain_samples_per_s": ours[n],
+                "ratio": ours[n] / result["steady_samples_per_s"],
+                "threads": result["threads"],
+            })  # fmt: skip
+    return out
+
+
+# -- the study -------------------------------------------------------------------------
+
+
+def run_bench(pipeline: str, train_values: dict[str, Any], opts: BenchOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the study, write bench.json, bench.md and scaling.png; return the report."""
+    from raytrain.pipeline import load_pipeline
+    from raytrain.trainer import ray_session
+
+    pipe = load_pipeline(pipeline)
+    name = opts.name or f"bench-{pipeline.split(':')[-1].split('.')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(opts.storage) / name
+    if (out / "bench.json").exists():
+        raise ConfigError([("name", f"bench {name!r} already exists in {opts.storage}; choose another --name")])
+    base_cfg = bench_config(train_values, opts, workers=max(opts.workers), epochs=1, storage=out / "runs", name="probe")
+    grad_bytes, params = gradient_bytes(pipe, base_cfg)
+    runs: list[dict[str, Any]] = []
+    started = time.time()
+    with ray_session(base_cfg):
+        columns = training_columns(pipe, base_cfg)
+        num_rows = len(next(iter(columns.values())))
+        if opts.baselines:
+            (out / "baselines").mkdir(parents=True, exist_ok=True)
+            import numpy as np
+
+            np.savez(out / "baselines" / "train.npz", **columns)
+        for n in opts.workers:
+            runs.append(run_raytrain(pipe, pipeline, train_values, opts, out, n, num_rows, echo))
+    baselines: dict[str, list[dict[str, Any]]] = {}
+    if "plain" in opts.baselines:
+        baselines["plain"] = [run_template(pipeline, runs[0], opts, out, mode="plain", echo=echo)]
+    if "torchrun" in opts.baselines:
+        baselines["torchrun"] = [run_template(pipeline, run, opts, out, mode="torchrun", echo=echo) for run in runs]
+    rows = scaling_rows(runs, grad_bytes, opts.link, base_cfg.ddp.bucket_cap_mb)
+    report = {
+        "pipeline": pipeline,
+        "name": name,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "raytrain " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "raytrain" else None,
+        "machine": machine_facts(),
+        "train_options": {k: v for k, v in base_cfg.to_dict().items() if k not in _BENCH_OWNED},
+        "steps": opts.steps,
+        "warmup_steps": opts.warmup_steps,
+        "num_train_rows": num_rows,
+        "params": params,
+        "grad_bytes": grad_bytes,
+        "link": opts.link,
+        "wall_time_s": round(time.time() - started, 1),
+        "method": METHOD.format(warmup=opts.warmup_steps),
+        "results": rows,
+        "baselines": baseline_rows(rows, baselines),
+        "baseline_runs": baselines,
+    }
+    write_outputs(out, report)
+    echo(render_text(report))
+    echo(f"Wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'scaling.png'}")
+    return report
+
+
+def bench_config(train_values: dict[str, Any], opts: BenchOptions, *, workers: int, epochs: int, storage: Path, name: str) -> TrainConfig:
+    values = {k: v for k, v in train_values.items() if k not in _BENCH_OWNED}
+    values.update(workers=workers, epochs=epochs, storage=str(storage), name=name, max_failures=0, time_phases=True)
+    values["warmup_epochs"] = min(float(values.get("warmup_epochs", 1.0)), float(epochs))
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    if "timing_warmup_steps" in fields:
+        values["timing_warmup_steps"] = opts.warmup_steps
+    else:
+        from raytrain.loop import TIMING_WARMUP_STEPS
+
+        if opts.warmup_steps != TIMING_WARMUP_STEPS:
+            raise ConfigError([(
+                "warmup_steps",
+                f"got {opts.warmup_steps}; the training loop leaves out the first {TIMING_WARMUP_STEPS} steps of every epoch "
+                f"and cannot be told otherwise yet; use --warmup-steps {TIMING_WARMUP_STEPS}",
+            )])  # fmt: skip
+    return TrainConfig.from_dict(values)
+
+
+def gradient_bytes(pipe, cfg: TrainConfig) -> tuple[int, int]:
+    """Bytes of one set of gradients (trainable parameters) and the parameter count."""
+    model = pipe.build_model(cfg)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return sum(p.numel() * p.element_size() for p in trainable), sum(p.numel() for p in trainable)
+
+
+def training_columns(pipe, cfg: TrainConfig) -> dict[str, Any]:
+    """The training rows as numpy columns (what every raytrain worker holds, too)."""
+    from raytrain.data import read_table
+    from raytrain.trainer import build_datasets
+
+    return read_table(build_datasets(pipe, cfg)["train"], "train").columns
+
+
+def run_raytrain(pipe, pipeline: str, train_values: dict, opts: BenchOptions, out: Path, n: int, num_rows: int, echo) -> dict[str, Any]:
+    from raytrain.trainer import fit
+
+    probe = bench_config(train_values, opts, workers=n, epochs=1, storage=out / "runs", name=f"w{n}")
+    batch = rules.resolve_batch_plan(n, global_batch_size=probe.global_batch_size, batch_size_per_worker=probe.batch_size_per_worker)
+    try:
+        epochs = epochs_for(num_rows, batch.global_batch_size, opts.warmup_steps, opts.steps)
+    except ValueError as exc:
+        raise ConfigError([("steps", str(exc))]) from None
+    cfg = bench_config(train_values, opts, workers=n, epochs=epochs, storage=out / "runs", name=f"w{n}")
+    steady_steps = epochs * steady_steps_per_epoch(num_rows, batch.global_batch_size, opts.warmup_steps)
+    echo(f"bench: raytrain on {n} worker{'s' if n > 1 else ''}: {batch.describe()}; {epochs} epoch{'s' if epochs > 1 else ''}, {steady_steps} steady steps")
+    result = fit(pipe, cfg)
+    progress = json.loads((Path(result.run_dir) / "progress.json").read_text())
+    run = {
+        "workers": n,
+        "global_batch_size": batch.global_batch_size,
+        "per_worker_batch": batch.per_worker_max,
+        "epochs": epochs,
+        "steady_steps": steady_steps,
+        "steady_samples": progress["steady_samples"],
+        "steady_time_s": progress["steady_time_s"],
+        "steady_samples_per_s": progress["steady_samples_per_s"],
+        "phase_time_s": progress["phase_time_s"],
+        "run_dir": result.run_dir,
+        "config": cfg.to_dict(),
+    }
+    echo(f"bench: raytrain on {n} worker{'s' if n > 1 else ''}: {run['steady_samples_per_s']:,.0f} samples/s steady")
+    return run
+
+
+def run_template(pipeline: str, run: dict[str, Any], opts: BenchOptions, out: Path, *, mode: str, echo) -> dict[str, Any]:
+    """The classic template with `run`'s config and epochs: under torchrun at `run`'s worker
+    count, or (`mode="plain"`) as one process without torch.distributed."""
+    if not TEMPLATE.is_file():
+        raise BenchError(f"--baseline needs {TEMPLATE}, which ships with the raytrain repository; run from a checkout")
+    workers = run["workers"]
+    folder = out / "baselines"
+    tag = f"{mode}-w{workers}"
+    config_path = folder / f"{tag}.config.json"
+    config_path.write_text(json.dumps(run["config"]))
+    args = [
+        str(TEMPLATE), "--pipeline", pipeline, "--data", str(folder / "train.npz"), "--config", str(config_path),
+        "--epochs", str(run["epochs"]), "--warmup-steps", str(opts.warmup_steps), "--out", str(folder / f"{tag}.json"),
+    ]  # fmt: skip
+    if mode == "plain":
+        command = [sys.executable, *args]
+    else:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(workers),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args,
+        ]  # fmt: skip
+    threads = max(1, int(run["config"].get("cpus_per_worker", 1)))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": template_pythonpath()}
+    echo(f"bench: {mode} baseline on {workers} process{'es' if workers > 1 else ''} ({threads} thread{'s' if threads > 1 else ''} each)")
+    log = folder / f"{tag}.log"
+    with open(log, "w") as handle:
+        try:
+            code = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=BASELINE_TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    if code != 0 or not (folder / f"{tag}.json").exists():
+        tail = " | ".join(log.read_text().strip().splitlines()[-3:])
+        raise BenchError(f"the {mode} baseline on {workers} worker(s) {'timed out' if code is None else f'exited with {code}'}: {tail}\nLog: {log}")
+    result = json.loads((folder / f"{tag}.json").read_text())
+    echo(f"bench: {mode} baseline on {workers}: {result['steady_samples_per_s']:,.0f} samples/s steady")
+    return result
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def template_pythonpath() -> str:
+    """The template imports the pipeline as the driver does: repository, cwd, sys.path."""
+    entries = [str(TEMPLATE.parents[1]), os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
+    return os.pathsep.join(dict.fromkeys(entries))
+
+
+def machine_facts() -> dict[str, Any]:
+    import ray
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "load_average_at_end": [round(x, 2) for x in load] if load else None,
+    }
+
+
+# -- outputs ----------------------------------------------------------------------------
+
+
+def write_outputs(out: Path, report: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "bench.md").write_text(render_markdown(report))
+    plot_scaling(report, out / "scaling.png")
+
+
+def table_lines(report: dict[str, Any]) -> list[list[str]]:
+    predicted = report.get("link") is not None
+    header = ["workers", "global batch", "samples/s", "speedup", "efficiency", "step ms", "data wait", "compute", "comm", "optimizer", "other"]
+    if predicted:
+        header.append(f"predicted ({report['link']})")
+    lines = [header]
+    for row in report["results"]:
+        s = row["split_ms"]
+        line = [
+            str(row["workers"]), str(row["global_batch_size"]), f"{row['steady_samples_per_s']:,.0f}", f"{row['speedup']:.2f}×",
+            f"{row['efficiency']:.0%}", f"{s['step']:.2f}", f"{s['data_wait']:.2f}", f"{s['compute']:.2f}",
+            f"{s['communication']:.2f}", f"{s['optimizer']:.2f}", f"{s['other']:.2f}",
+        ]  # fmt: skip
+        if predicted:
+            line.append(f"{row['predicted_speedup']:.2f}×")
+        lines.append(line)
+    return lines
+
+
+def baseline_lines(report: dict[str, Any]) -> list[list[str]]:
+    lines = [["baseline", "workers", "baseline samples/s", "raytrain samples/s", "raytrain / baseline"]]
+    for b in report["baselines"]:
+        lines.append([b["baseline"], str(b["workers"]), f"{b['baseline_samples_per_s']:,.0f}", f"{b['raytrain_samples_per_s']:,.0f}", f"{b['ratio']:.3f}"])
+    return lines
+
+
+def _aligned(lines: list[list[str]]) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
+
+
+def _markdown(lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(lines[0]) + " |", "|" + "|".join("---:" for _ in lines[0]) + "|"]
+    out += ["| " + " | ".join(line) + " |" for line in lines[1:]]
+    return "\n".join(out)
+
+
+def render_text(report: dict[str, Any]) -> str:
+    text = f"Scaling of {report['pipeline']} (ms per step, rank 0; {report['grad_bytes'] / 1e6:.2f} MB of gradients):\n" + _aligned(table_lines(report))
+    if report["baselines"]:
+        text += "\n\n" + _aligned(baseline_lines(report))
+    return text
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    opts = report["train_options"]
+    ddp = ", ".join(f"{k}={v}" for k, v in opts["ddp"].items())
+    parts = [
+        f"# raytrain bench: {report['pipeline']} ({report['date']})",
+        "",
+        f"Command: `{report['command']}`" if report["command"] else "Command: (Python API)",
+        "",
+        f"Machine: {report['machine']['cpus']} CPUs, GPU {report['machine']['gpu'] or 'none'}, torch {report['machine']['torch']}, "
+        f"ray {report['machine']['ray']}; load average at the end {report['machine']['load_average_at_end']}.",
+        f"Model: {report['params']:,} trainable parameters, {report['grad_bytes'] / 1e6:.2f} MB of gradients. "
+        f"Precision {opts['precision']}; DDP {ddp}. {report['num_train_rows']:,} training rows; "
+        f"at least {report['steps']} steady steps per worker count.",
+        "",
+        "## Scaling (ms per steady step on rank 0)",
+        "",
+        _markdown(table_lines(report)),
+        "",
+    ]
+    if report["baselines"]:
+        parts += ["## Baselines (same model, data, per-worker batch and warm-up)", "", _markdown(baseline_lines(report)), ""]
+    implied = [f"{r['workers']} workers: {r['implied_bandwidth_GBps']:.2f} GB/s" for r in report["results"] if r.get("implied_bandwidth_GBps")]
+    parts += ["## Method", "", report["method"], ""]
+    if implied:
+        parts += [f"All-reduce bus bandwidth implied by the communication estimate: {'; '.join(implied)}.", ""]
+    if report.get("link"):
+        parts += [
+            f"Predicted speedup: `raytrain.costmodel` on link {report['link']} from the 1-worker step time and the gradient size "
+            "(ring all-reduce 2(N−1)/N × bytes / bandwidth, minus the part hidden under backward).",
+            "",
+        ]
+    return "\n".join(parts)
+
+
+def plot_scaling(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workers = [r["workers"] for r in report["results"]]
+    fig, ax = plt.subplots(figsize=(6, 4.2), dpi=110)
+    top = max(workers)
+    ax.plot([1, top], [1, top], "--", color="gray", label="linear (ideal)")
+    ax.plot(workers, [r["speedup"] for r in report["results"]], "o-", color="tab:blue", label="raytrain (measured)")
+    torchrun = {b["workers"]: b["baseline_samples_per_s"] for b in report["baselines"] if b["baseline"] == "torchrun"}
+    if 1 in torchrun and len(torchrun) > 1:
+        xs = sorted(torchrun)
+        ax.plot(xs, [torchrun[n] / torchrun[1] for n in xs], "s:", color="tab:orange", label="torchrun template (measured)")
+    if report.get("link"):
+        ax.plot(workers, [r["predicted_speedup"] for r in report["results"]], "^-.", color="tab:green", label=f"cost model ({report['link']})")
+    for r in report["results"]:
+        ax.annotate(f"{r['efficiency']:.0%}", (r["workers"], r["speedup"]), textcoords="offset points", xytext=(6, -12), fontsize=8)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("speedup vs 1 worker")
+    ax.set_xticks(workers)
+    ax.set_xlim(0.8, top + 0.2)
+    ax.set_ylim(0, top * 1.1)
+    ax.set_title(f"raytrain bench: {report['pipeline']} ({report['date']})")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# -- cost model from the command line ---------------------------------------------------------
+
+
+def predict_from_args(args: argparse.Namespace, echo: Callable[[str], None] = print) -> list[costmodel.Prediction]:
+    """`raytrain bench --predict`: from --step-time-ms/--grad-mb, or a bench directory (--from)."""
+    step_s, grad_bytes, source = None, None, "given"
+    if args.source:
+        report_path = Path(args.source).expanduser() / "bench.json"
+        if not report_path.is_file():
+            raise ConfigError([("from", f"no bench.json in {args.source}; give the directory a `raytrain bench` run wrote")])
+        report = json.loads(report_path.read_text())
+        one = next(r for r in report["results"] if r["workers"] == 1)
+        step_s, grad_bytes = one["split_ms"]["step"] / 1e3, report["grad_bytes"]
+        source = f"measured in {args.source}"
+    if args.step_time_ms is not None:
+        step_s = args.step_time_ms / 1e3
+    if args.grad_mb is not None:
+        grad_bytes = args.grad_mb * 1e6
+    missing = [(name, f"needed by --predict; give {flag_name(name)} or --from BENCH_DIR") for name, v in (("step_time_ms", step_s), ("grad_mb", grad_bytes)) if v is None]
+    if missing:
+        raise ConfigError(missing)
+    link = args.link or (costmodel.DEFAULT_INTRA_LINK if args.nodes == 1 else None)
+    if link is None:
+        raise ConfigError([("link", f"needed with --nodes {args.nodes}: the inter-node link, e.g. --link ib200")])
+    if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:
+        raise ConfigError([("gpus", f"got {args.gpus} over --nodes {args.nodes}; give a positive multiple of the node count")])
+    predictions = []
+    for n, nodes in prediction_points(args.gpus, args.nodes):
+        predictions.append(
+            costmodel.predict(
+                gpus=n, nodes=nodes, step_time_s=step_s, grad_bytes=grad_bytes,
+                link=link if nodes > 1 else (link if args.nodes == 1 else args.intra_link),
+                intra_link=args.intra_link, nics_per_node=args.nics_per_node, bucket_mb=args.bucket_mb, overlap=args.overlap,
+            )
+        )  # fmt: skip
+    echo(f"Cost model ({source}: 1-worker step {step_s * 1e3:.2f} ms, {grad_bytes / 1e6:.2f} MB of gradients):")
+    echo(costmodel.describe(predictions[-1], grad_bytes))
+    lines = [["GPUs", "nodes", "all-reduce ms", "hidden ms", "step ms", "speedup", "efficiency"]]
+    for p in predictions:
+        lines.append([str(p.gpus), str(p.nodes), f"{p.comm_s * 1e3:.2f}", f"{p.hidden_s * 1e3:.2f}", f"{p.step_time_n_s * 1e3:.2f}", f"{p.speedup:.2f}×", f"{p.efficiency:.1%}"])
+    echo(_aligned(lines))
+    return predictions
+
+
+def prediction_points(gpus: int, nodes: int) -> list[tuple[int, int]]:
+    """(GPUs, nodes) to tabulate: powers of two inside one node, then whole nodes up to `nodes`."""
+    per_node = gpus // nodes
+    points = [(n, 1) for n in (1, 2, 4, 8, 16, 32, 64) if n < per_node] + [(per_node, 1)]
+    points += [(k * per_node, k) for k in (2, 4, 8, 16, 32, 64, 128) if k < nodes] + ([(gpus, nodes)] if nodes > 1 else [])
+    return points
+
+
+# -- command line -------------------------------------------------------------------------
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    """The `bench` subcommand: bench options, the cost-model options, and every train option."""
+    from raytrain import cli
+
+    bench = commands.add_parser(
+        "bench",
+        help="scaling study: throughput, speedup and efficiency per worker count",
+        description="Run PIPELINE at each worker count and report throughput, speedup, efficiency and the "
+        "step-time split; with --predict, run nothing and estimate the speedup with the cost model.",
+    )
+    bench.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
+    bench.add_argument("--workers", default="1,2", help="comma-separated worker counts, e.g. 1,2,4 (1 is always run)")
+    bench.add_argument("--steps", type=int, default=100, help="steady steps measured at each worker count (default 100)")
+    bench.add_argument("--warmup-steps", type=int, default=3, help="steps left out at the start of every epoch (default 3)")
+    bench.add_argument("--baseline", action="append", default=[], help="torchrun and/or plain (repeat or comma-separate)")
+    bench.add_argument("--link", help=f"cost-model link for a predicted column / for --predict: {', '.join(costmodel.LINKS)}")
+    bench.add_argument("--storage", default=DEFAULT_STORAGE, help="results go to STORAGE/NAME/ (default ~/raytrain_results)")
+    bench.add_argument("--name", help="default bench-PIPELINE-YYYYmmdd-HHMMSS")
+    bench.add_argument("--config", metavar="FILE.yaml", help="YAML file of train options (flags override it)")
+    predict = bench.add_argument_group("cost model (--predict)")
+    predict.add_argument("--predict", action="store_true", help="estimate the speedup with the cost model; runs nothing")
+    predict.add_argument("--gpus", type=int, default=8)
+    predict.add_argument("--nodes", type=int, default=1)
+    predict.add_argument("--intra-link", default=costmodel.DEFAULT_INTRA_LINK, help="link inside a node when --nodes > 1")
+    predict.add_argument("--nics-per-node", type=int, default=1, help="inter-node NICs per node (--link bandwidth each)")
+    predict.add_argument("--step-time-ms", type=float, help="1-worker step time")
+    predict.add_argument("--grad-mb", type=float, help="gradient size in MB (1e6 bytes): 4 × parameters in fp32")
+    predict.add_argument("--bucket-mb", type=float, default=DDPConfig().bucket_cap_mb, help="DDP bucket size (MiB)")
+    predict.add_argument("--overlap", type=float, help="share of the all-reduce hidden under backward (default: all buckets but the last)")
+    predict.add_argument("--from", dest="source", metavar="BENCH_DIR", help="take the step time and gradient size from a bench run")
+    train = bench.add_argument_group("train options (as for raytrain train)")
+    help_of = cli._field_docs()
+    for name, kind in cli._VALUE_TYPES.items():
+        if name not in _BENCH_OWNED:
+            train.add_argument(flag_name(name), dest=name, type=kind, default=argparse.SUPPRESS, help=help_of.get(name))
+    train.add_argument("--gpu", dest="gpu", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of["gpu"])
+    train.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
+    ddp_docs = cli._field_docs(DDPConfig)
+    for f in dataclasses.fields(DDPConfig):
+        flag = flag_name("ddp_" + f.name)
+        if f.name in cli._DDP_VALUE_TYPES:
+            train.add_argument(flag, dest="ddp." + f.name, type=cli._DDP_VALUE_TYPES[f.name], default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
+        else:
+            train.add_argument(flag, dest="ddp." + f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
+    bench.set_defaults(handler=cmd_bench)
+    return bench
+
+
+_BENCH_ARGS = {
+    "command", "handler", "pipeline", "config", "workers", "steps", "warmup_steps", "baseline", "link", "storage", "name",
+    "predict", "gpus", "nodes", "intra_link", "nics_per_node", "step_time_ms", "grad_mb", "bucket_mb", "overlap", "source",
+}  # fmt: skip
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from raytrain import cli
+    from raytrain.data import DataError
+    from raytrain.pipeline import PipelineError, load_pipeline
+    from raytrain.trainer import RunFailed
+
+    flags = {key: value for key, value in vars(args).items() if key not in _BENCH_ARGS}
+    try:
+        if args.predict:
+            predict_from_args(args)
+            return 0
+        opts = BenchOptions(
+            workers=_int_list(args.workers, "workers"),
+            steps=args.steps,
+            warmup_steps=args.warmup_steps,
+            baselines=[b.strip() for value in args.baseline for b in value.split(",") if b.strip()],
+            link=args.link,
+            storage=args.storage,
+            name=args.name,
+        )
+        file_values, config_file = cli.load_yaml(args.config) if args.config else ({}, None)
+        spec = args.pipeline or file_values.pop("pipeline", None)
+        file_values.pop("pipeline", None)
+        if not spec:
+            raise cli.UserError("no pipeline: give one (raytrain bench digits --workers 1,2) or set `pipeline:` in --config")
+        pipe = load_pipeline(spec)
+        values = cli.merge(pipe.default_config, file_values, flags)
+        bench_config(values, opts, workers=max(opts.workers), epochs=1, storage=Path(opts.storage), name="check")  # validate before starting
+        run_bench(spec, values, opts, echo=lambda line: print(line, flush=True))
+    except ConfigError as exc:
+        raise cli.UserError(exc.render(lambda name: flag_name(name.replace(".", "_")))) from None
+    except costmodel.CostModelError as exc:
+        raise cli.UserError(f"--predict: {exc}") from None
+    except (PipelineError, DataError) as exc:
+        raise cli.UserError(str(exc)) from None
+    except (RunFailed, BenchError) as exc:
+        print(f"raytrain bench: {exc}", file=sys.stderr)
+        return cli.EXIT_FAILED
+    return 0
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        return [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError([(option, f"got {text!r}; give comma-separated integers, e.g. --workers 1,2,4")]) from None

@@ -1,0 +1,356 @@
+"""The driver's console: the run's lines, one live progress bar, and failures explained.
+
+Rank 0's stdout does not reach the driver (Ray forwards worker output only with -v), so
+progress is drawn here, from the rows rank 0 writes (`raytrain.tracking` tails them):
+
+- on a terminal, ONE tqdm bar for the steps of the current epoch, with loss, samples/s
+  and the epoch's ETA; the run's lines (plan, epochs, resizes) print above it;
+- elsewhere (CI, `ray job logs`, a pipe), a plain line every `interval_s` seconds and
+  never a carriage return.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from raytrain.tracking import Sink
+
+BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]"
+BAR_FORMAT_NO_TOTAL = "{desc} {n_fmt} steps [{elapsed}{postfix}]"
+
+
+def is_terminal(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and os.environ.get("TERM", "") != "dumb"
+
+
+# -- where the run is (pure) -----------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """Where rank 0 is, as the display shows it."""
+
+    epoch: int  # 1-based epoch being trained (or just finished)
+    epochs: int
+    epoch_step: int | None  # steps done in this epoch
+    epoch_steps: int | None  # steps this epoch has in all (None: not known yet)
+    loss: float | None
+    samples_per_s: float | None
+    eta_s: float | None  # until the end of this epoch's training steps
+    world_size: int | None
+
+    def line(self) -> str:
+        """The plain progress line: no carriage return, no bar."""
+        parts = [f"epoch {self.epoch}/{self.epochs}"]
+        if self.epoch_step is not None:
+            total = f"/{self.epoch_steps}" if self.epoch_steps else ""
+            percent = f" ({100 * self.epoch_step / self.epoch_steps:.0f}%)" if self.epoch_steps else ""
+            parts.append(f"step {self.epoch_step}{total}{percent}")
+        parts.append(self.postfix().replace(", ", "  "))
+        return "  ".join(part for part in parts if part)
+
+    def postfix(self) -> str:
+        parts = []
+        if self.loss is not None and math.isfinite(self.loss):
+            parts.append(f"loss {self.loss:.4f}")
+        if self.samples_per_s:
+            parts.append(f"{self.samples_per_s:,.0f} samples/s")
+        if self.world_size:
+            parts.append(f"{self.world_size} worker{'s' if self.world_size != 1 else ''}")
+        if self.eta_s is not None:
+            parts.append(f"ETA {format_duration(self.eta_s)}")
+        return ", ".join(parts)
+
+
+class EpochProgress:
+    """Turns metrics/progress rows into Snapshots.
+
+    The epoch's step count comes from the row (`epoch_step`, `epoch_steps`, written by
+    rank 0 in live.jsonl rows), else from the training set size: given, or learned at
+    the first epoch end (every epoch sees every sample once, so samples_seen = epoch × rows).
+    """
+
+    def __init__(self, epochs: int, train_rows: int | None = None):
+        self.epochs = epochs
+        self.train_rows = train_rows
+        self.epoch_start_step: int | None = 0
+
+    def update(self, row: dict[str, Any]) -> Snapshot | None:
+        epoch, step, seen = row.get("epoch"), row.get("step"), row.get("samples_seen")
+        if not isinstance(epoch, int) or not isinstance(step, int):
+            return None
+        if row.get("epoch_end"):
+            return self._epoch_end(row, epoch, step, seen)
+        batch = row.get("global_batch_size") or 0
+        epoch_step, epoch_steps, eta = row.get("epoch_step"), row.get("epoch_steps"), None
+        rows = self.train_rows
+        if rows and isinstance(seen, int) and batch:
+            into = min(rows, max(0, seen - (epoch - 1) * rows))  # samples of this epoch done
+            left = rows - into
+            epoch_step = epoch_step if epoch_step is not None else math.ceil(into / batch)
+            epoch_steps = epoch_steps if epoch_steps is not None else epoch_step + math.ceil(left / batch)
+            rate = row.get("samples_per_s")
+            eta = left / rate if isinstance(rate, (int, float)) and rate > 0 else None
+        elif epoch_step is None and self.epoch_start_step is not None:
+            epoch_step = step - self.epoch_start_step
+        return Snapshot(epoch, self.epochs, epoch_step, epoch_steps, _float(row.get("loss")), _float(row.get("samples_per_s")), eta, row.get("world_size"))
+
+    def _epoch_end(self, row: dict[str, Any], epoch: int, step: int, seen: Any) -> Snapshot:
+        if epoch > 0 and isinstance(seen, int) and seen % epoch == 0:
+            self.train_rows = self.train_rows or seen // epoch
+        steps = step - self.epoch_start_step if self.epoch_start_step is not None else None
+        self.epoch_start_step = step
+        return Snapshot(epoch, self.epochs, steps, steps, _float(row.get("loss")), _float(row.get("samples_per_s")), 0.0, row.get("world_size"))
+
+    def restarted(self) -> None:
+        """After a restore or resize, the epoch's first step is no longer known from rows."""
+        self.epoch_start_step = None
+
+    def next_epoch(self, snapshot: Snapshot, global_batch_size: int | None) -> Snapshot | None:
+        """The empty bar of the epoch after `snapshot` (an epoch end), or None after the last."""
+        if snapshot.epoch >= self.epochs:
+            return None
+        steps = math.ceil(self.train_rows / global_batch_size) if self.train_rows and global_batch_size else None
+        return Snapshot(snapshot.epoch + 1, self.epochs, 0, steps, None, None, None, snapshot.world_size)
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+# -- the console sink ------------------------------------------------------------------------
+
+
+class Console(Sink):
+    """The run's lines through `echo`, plus progress: `bar` (one live tqdm bar), `plain`
+    (a line every interval_s), `off` (lines only), `auto` (bar on a terminal, else plain)."""
+
+    name = "console"
+
+    def __init__(
+        self,
+        echo: Callable[[str], None],
+        *,
+        epochs: int,
+        train_rows: int | None = None,
+        mode: str = "auto",
+        interval_s: float = 10.0,
+        stream: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.echo = echo
+        self.stream = stream if stream is not None else sys.stdout
+        self.mode = ("bar" if is_terminal(self.stream) else "plain") if mode == "auto" else mode
+        self.interval_s = interval_s
+        self.clock = clock
+        self.state = EpochProgress(epochs, train_rows)
+        self.snapshot: Snapshot | None = None
+        self.bar = None
+        self.bar_epoch: int | None = None
+        self.last_line_at = clock()
+        self.fresh = False  # a snapshot not shown in a plain line yet
+
+    # rows
+    def event(self, event: dict[str, Any]) -> None:
+        kind = event.get("kind")
+        if kind in ("restore", "resize"):
+            self.state.restarted()
+        if kind == "done":
+            self._close_bar()
+        message = event.get("message")
+        if message:
+            self.write(str(message))
+
+    def metrics(self, row: dict[str, Any]) -> None:
+        snapshot = self.state.update(row)
+        if snapshot is None:
+            return
+        if row.get("epoch_end"):
+            upcoming = self.state.next_epoch(snapshot, row.get("global_batch_size"))
+            snapshot = upcoming or snapshot
+        self._show(snapshot)
+
+    def progress(self, row: dict[str, Any]) -> None:
+        self.metrics({key: value for key, value in row.items() if key != "epoch_end"})
+
+    def tick(self) -> None:
+        if self.mode == "bar" and self.bar is not None:
+            self.bar.refresh()  # elapsed time moves on between rows
+        elif self.mode == "plain" and self.fresh and self.clock() - self.last_line_at >= self.interval_s:
+            self.echo(self.snapshot.line())
+            self.last_line_at, self.fresh = self.clock(), False
+
+    def stop(self) -> None:
+        self._close_bar()
+
+    # output
+    def write(self, line: str) -> None:
+        """A line above the bar (the bar is cleared, the line printed, the bar redrawn)."""
+        if self.bar is None:
+            self.echo(line)
+            return
+        self.bar.clear()
+        self.echo(line)
+        self.bar.refresh()
+
+    def _show(self, snapshot: Snapshot) -> None:
+        self.snapshot, self.fresh = snapshot, True
+        if self.mode != "bar":
+            return
+        bar = self._bar_for(snapshot)
+        bar.set_postfix_str(snapshot.postfix(), refresh=False)
+        if snapshot.epoch_steps and snapshot.epoch_steps != bar.total:
+            bar.total = snapshot.epoch_steps
+        if snapshot.epoch_step is not None:
+            bar.n = min(snapshot.epoch_step, bar.total or snapshot.epoch_step)
+        bar.refresh()
+
+    def _bar_for(self, snapshot: Snapshot):
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=snapshot.epoch_steps, file=self.stream, dynamic_ncols=True, leave=False, mininterval=0, bar_format=BAR_FORMAT)
+        if self.bar_epoch != snapshot.epoch:
+            self.bar.reset(total=snapshot.epoch_steps)
+            self.bar.set_description_str(f"epoch {snapshot.epoch}/{snapshot.epochs}", refresh=False)
+            self.bar_epoch = snapshot.epoch
+        self.bar.bar_format = BAR_FORMAT if snapshot.epoch_steps else BAR_FORMAT_NO_TOTAL
+        return self.bar
+
+    def _close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()  # leave=False: the bar's line is cleared
+            self.bar = None
+            self.bar_epoch = None
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+_SNIPPET = re.compile(r"^\[Rank ([\d,\s]+) Error Snippet\]:\s*$", re.MULTILINE)
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+?)\s*$')
+_CHAINED = re.compile(r"^(During handling of the above exception|The above exception was the direct cause)", re.MULTILINE)
+_LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/lib/python3", "/ray/", "/torch/")
+_RAYTRAIN_DIR = str(Path(__file__).resolve().parent) + os.sep
+
+
+@dataclass
+class Frame:
+    file: str
+    line: int
+    func: str
+    code: str
+
+    @property
+    def is_user_code(self) -> bool:
+        """Not Python's, a library's or raytrain's own: the pipeline or the user's module."""
+        if self.file.startswith("<"):
+            return False
+        path = os.path.abspath(self.file)
+        return not path.startswith(_RAYTRAIN_DIR) and not any(part in path for part in _LIBRARY_PARTS)
+
+    def describe(self) -> str:
+        return f"{self.file}:{self.line}, in {self.func}" + (f": {self.code}" if self.code else "")
+
+
+@dataclass
+class ErrorSummary:
+    """A traceback reduced to what a user reads first."""
+
+    exception: list[str]  # "KeyError: 'nope'" (a message may span lines)
+    frames: list[Frame]  # where it happened: user frames, innermost last
+
+    def lines(self, max_frames: int = 3, max_message_lines: int = 8) -> list[str]:
+        head = self.exception[:max_message_lines] or ["(no message)"]
+        return head + [f"  at {frame.describe()}" for frame in self.frames[-max_frames:]]
+
+
+def summarize_traceback(text: str) -> ErrorSummary:
+    """Exception type and message, and the innermost frames of user code (else the
+    innermost frames of all), from a formatted Python traceback."""
+    segments = _CHAINED.split(text)
+    last = segments[-1]
+    frames = _frames(last)
+    exception = _exception_lines(last, frames)
+    user = [frame for frame in frames if frame.is_user_code]
+    if not user:  # the error surfaced in a library; the user's call may be in a chained cause
+        for segment in reversed(segments[:-1]):
+            user = [frame for frame in _frames(segment) if frame.is_user_code]
+            if user:
+                break
+    return ErrorSummary(exception=exception, frames=user or frames[-2:])
+
+
+def _frames(text: str) -> list[Frame]:
+    lines = text.splitlines()
+    frames = []
+    for index, line in enumerate(lines):
+        match = _FRAME.match(line)
+        if not match:
+            continue
+        code = lines[index + 1].strip() if index + 1 < len(lines) else ""
+        if _FRAME.match(code) or not code or set(code) <= set("^~ "):
+            code = ""
+        frames.append(Frame(match["file"], int(match["line"]), match["func"], code))
+    return frames
+
+
+def _exception_lines(text: str, frames: list[Frame]) -> list[str]:
+    lines = [line.rstrip() for line in text.splitlines()]
+    start = 0
+    for index, line in enumerate(lines):
+        if _FRAME.match(line):
+            start = index + 1
+            # skip the frame's code and caret lines (indented)
+            while start < len(lines) and lines[start].startswith("    "):
+                start += 1
+    body = [line for line in lines[start:] if line.strip() and not line.startswith("Traceback (most recent call last)")]
+    body = [line for line in body if not _SNIPPET.match(line)]
+    return body
+
+
+def explain_worker_errors(error: BaseException) -> list[str]:
+    """Per failed rank: `rank N raised Type: message`, then the user frames where it happened.
+
+    Ray Train's WorkerGroupError carries each rank's traceback as text ("[Rank N Error
+    Snippet]:", ranks that failed alike grouped as "Rank 0,1"); other errors are
+    summarized from their own text. Only the first error keeps a long message in full.
+    """
+    text = str(error)
+    matches = list(_SNIPPET.finditer(text))
+    failed: list[tuple[list[int], ErrorSummary]] = []
+    for index, match in enumerate(matches):
+        end = matches[index + 1].start() if index + 1 < len(matches) else len(text)
+        ranks = sorted(int(rank) for rank in re.findall(r"\d+", match[1]))
+        failed.append((ranks, summarize_traceback(text[match.end():end])))
+    if not failed:
+        for rank, exc in sorted((getattr(error, "worker_failures", None) or {}).items()):
+            failed.append(([rank], summarize_traceback(f"{type(exc).__name__}: {exc}")))
+    if not failed:
+        summary = summarize_traceback(text)
+        summary.exception = summary.exception or [type(error).__name__]
+        return summary.lines()
+    failed.sort(key=lambda item: item[0])
+    out = []
+    for number, (ranks, summary) in enumerate(failed[:4]):
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        lines = summary.lines(max_message_lines=12 if number == 0 else 1)
+        out.append(f"{who} raised {lines[0]}")
+        out.extend(lines[1:])
+    if len(failed) > 4:
+        out.append(f"(and {len(failed) - 4} more failed ranks: see the logs)")
+    return out

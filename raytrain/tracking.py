@@ -1,0 +1,604 @@
+"""Driver-side observability: tail the files rank 0 writes and feed their rows to sinks.
+
+Rank 0 appends rows to the run directory; the driver (which may sit on another machine,
+reading the same storage) tails them and dispatches every new row, in time order, to a
+list of sinks:
+
+- `events.jsonl`  -> `Sink.event`    plan, epoch, restore, resize and done messages
+- `metrics.jsonl` -> `Sink.metrics`  every `log_every_steps` and at every epoch end
+- `live.jsonl`    -> `Sink.progress` optional rows rank 0 writes about once a second
+
+The sinks are the console (`raytrain.progress`), TensorBoard event files in the run
+directory (always), MLflow (`--mlflow-uri`) and Weights & Biases (`--wandb-project`).
+Tracking never fails a run: a sink that raises is dropped with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from raytrain.config import ConfigError
+
+RUN_FILES = {"metrics.jsonl": "metrics", "live.jsonl": "progress", "events.jsonl": "event"}
+# Metrics of a row that are series over steps (the rest are identifiers or flags).
+STEP_SERIES = ("loss", "lr", "samples_per_s", "global_batch_size", "world_size")
+# Run files logged next to the model when the run ends (MLflow artifacts).
+RUN_ARTIFACTS = ("config.yaml", "summary.json", "metrics.jsonl", "events.jsonl", "report.md")
+
+
+class Sink:
+    """Receives the run's rows. Override what you need; calls come from one thread at a time."""
+
+    name = "sink"
+
+    def event(self, event: dict[str, Any]) -> None:
+        """A row of events.jsonl: {time, kind, message, ...}."""
+
+    def metrics(self, row: dict[str, Any]) -> None:
+        """A row of metrics.jsonl (`epoch_end: true` on the row written at an epoch's end)."""
+
+    def progress(self, row: dict[str, Any]) -> None:
+        """A row of live.jsonl: where rank 0 is within the epoch, about once a second."""
+
+    def tick(self) -> None:
+        """After each poll of the files (flush, refresh a display)."""
+
+    def stop(self) -> None:
+        """Training is over (finished, failed or interrupted): release the console."""
+
+    def finish(self, summary: dict[str, Any] | None, run_dir: Path) -> None:
+        """The run's summary is written (None when the driver was interrupted); close."""
+
+
+@dataclass(frozen=True)
+class TrackingOptions:
+    """The tracking knobs of a run, read from the config (fields may be absent)."""
+
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = "raytrain"
+    wandb_project: str | None = None
+    progress: str = "auto"  # auto (bar on a terminal, lines elsewhere), bar, plain, off
+    progress_interval_s: float = 10.0  # between plain progress lines
+    report: bool = True  # write report.md and plots/ when the run ends
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "TrackingOptions":
+        return cls(
+            mlflow_uri=getattr(cfg, "mlflow_uri", None) or None,
+            mlflow_experiment=getattr(cfg, "mlflow_experiment", None) or "raytrain",
+            wandb_project=getattr(cfg, "wandb_project", None) or None,
+            progress=getattr(cfg, "progress", None) or "auto",
+            progress_interval_s=float(getattr(cfg, "progress_interval_s", None) or 10.0),
+        )
+
+
+# -- tailing ---------------------------------------------------------------------------------
+
+
+class JsonlTail:
+    """The rows appended to a JSONL file since the last `read`.
+
+    Rank 0 rewrites metrics.jsonl when it resumes from a checkpoint, keeping only the
+    rows up to the checkpoint's step: a prefix of what was there. A rewrite is noticed
+    (the last line read is no longer where it was) and only lines after the common
+    prefix are returned. A partial last line is left for the next read.
+    """
+
+    def __init__(self, path: Path, skip_existing: bool = True):
+        self.path = Path(path)
+        self.offset = 0
+        self.hashes: list[bytes] = []  # digest of every complete line read so far
+        self.last_line = b""
+        if skip_existing:
+            self.read()
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            handle = open(self.path, "rb")
+        except FileNotFoundError:
+            return []
+        with handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size < self.offset or not self._last_line_in_place(handle):
+                return self._parse(self._resync(handle))
+            handle.seek(self.offset)
+            chunk = handle.read(size - self.offset)
+        lines = chunk.split(b"\n")[:-1]  # the part after the last newline is incomplete
+        self._consume(lines)
+        return self._parse(lines)
+
+    def _last_line_in_place(self, handle) -> bool:
+        if not self.last_line:
+            return True
+        handle.seek(self.offset - len(self.last_line) - 1)
+        return handle.read(len(self.last_line) + 1) == self.last_line + b"\n"
+
+    def _resync(self, handle) -> list[bytes]:
+        handle.seek(0)
+        lines = handle.read().split(b"\n")[:-1]
+        common = 0
+        for line, seen in zip(lines, self.hashes):
+            if _digest(line) != seen:
+                break
+            common += 1
+        self.offset, self.hashes, self.last_line = 0, [], b""
+        self._consume(lines[:common])
+        new = lines[common:]
+        self._consume(new)
+        return new
+
+    def _consume(self, lines: list[bytes]) -> None:
+        for line in lines:
+            self.offset += len(line) + 1
+            self.hashes.append(_digest(line))
+        if lines:
+            self.last_line = lines[-1]
+
+    @staticmethod
+    def _parse(lines: Iterable[bytes]) -> list[dict[str, Any]]:
+        rows = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if isinstance(row, dict):
+                    rows.append(row)
+        return rows
+
+
+def _digest(line: bytes) -> bytes:
+    return hashlib.blake2b(line, digest_size=8).digest()
+
+
+def row_time(row: dict[str, Any]) -> float:
+    value = row.get("time", row.get("time_s"))
+    return float(value) if isinstance(value, (int, float)) else math.inf
+
+
+class Dispatcher:
+    """Calls every sink; a sink that raises is dropped with one warning, the run goes on."""
+
+    def __init__(self, sinks: Sequence[Sink], warn: Callable[[str], None]):
+        self.sinks = list(sinks)
+        self.warn = warn
+
+    def send(self, method: str, *args: Any) -> None:
+        for sink in list(self.sinks):
+            try:
+                getattr(sink, method)(*args)
+            except Exception as exc:  # a tracker's outage must not fail training
+                self.sinks.remove(sink)
+                self.warn(f"raytrain: {sink.name} stopped tracking this run: {type(exc).__name__}: {_first_line(exc)}")
+
+
+@contextlib.contextmanager
+def follow(run_dir: Path, dispatcher: Dispatcher, since: float, interval_s: float = 0.5) -> Iterator[Callable[[], None]]:
+    """Tail the run files in a background thread while the body runs; each poll sends the
+    new rows of all files to the sinks in time order, then `tick`. Yields `pump` (one poll)."""
+    tails = {kind: JsonlTail(Path(run_dir) / name) for name, kind in RUN_FILES.items()}
+    order = {kind: index for index, kind in enumerate(RUN_FILES.values())}
+    lock = threading.Lock()
+
+    def pump() -> None:
+        with lock:
+            batch = []
+            for kind, tail in tails.items():
+                for row in tail.read():
+                    # events.jsonl outlives a driver: older rows belong to an earlier session.
+                    if kind == "event" and row_time(row) < since - 1:
+                        continue
+                    batch.append((row_time(row), order[kind], len(batch), kind, row))
+            batch.sort(key=lambda item: item[:3])
+            for *_, kind, row in batch:
+                dispatcher.send(kind, row)
+            dispatcher.send("tick")
+
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(interval_s):
+            pump()
+
+    thread = threading.Thread(target=loop, name="raytrain-follow", daemon=True)
+    thread.start()
+    try:
+        yield pump
+    finally:
+        stop.set()
+        thread.join()
+        pump()
+
+
+# -- the tracker of one run ------------------------------------------------------------------
+
+
+class RunTracker:
+    """Everything observability does for one `fit`: sinks opened before training, rows
+    fed while it runs, trackers closed and the report written when it ends.
+
+        tracker = RunTracker(cfg, run_dir, pipeline_name, echo=print, progress=True)
+        with tracker.follow(since=time.time(), datasets=datasets):
+            trainer.fit()
+        tracker.finish(summary)
+
+    Construction checks that the asked-for trackers are installed (ConfigError if not),
+    so a missing extra is reported before Ray starts.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: Path,
+        pipeline_name: str,
+        *,
+        echo: Callable[[str], None] | None = None,
+        progress: bool = False,
+        options: TrackingOptions | None = None,
+        stream: Any = None,
+    ):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.pipeline_name = pipeline_name
+        self.echo = echo or (lambda line: None)
+        self.options = options or TrackingOptions.from_config(cfg)
+        self.progress = progress
+        self.stream = stream
+        self.ray_logs: str | None = None
+        self.dispatcher = Dispatcher([], warn=self.echo)
+        self._finished = False
+        check_installed(self.options)
+
+    def open_sinks(self, train_rows: int | None = None) -> list[Sink]:
+        from raytrain.progress import Console
+
+        params = config_params(self.cfg, self.pipeline_name, self.run_dir)
+        mode = self.options.progress if self.progress else "off"
+        if mode in ("auto", "bar") and getattr(self.cfg, "verbose", False):
+            mode = "plain"  # with -v Ray's worker logs share the console: no bar to break
+        sinks: list[Sink] = [
+            Console(self.echo, epochs=getattr(self.cfg, "epochs", 0), train_rows=train_rows, mode=mode,
+                    interval_s=self.options.progress_interval_s, stream=self.stream),
+            TensorBoardSink(self.run_dir, params),
+        ]
+        if self.options.mlflow_uri:
+            sinks.append(MLflowSink(self.options.mlflow_uri, self.options.mlflow_experiment, self.cfg, params, self.run_dir, echo=self.echo))
+        if self.options.wandb_project:
+            sinks.append(WandbSink(self.options.wandb_project, self.cfg, params, self.run_dir))
+        return sinks
+
+    @contextlib.contextmanager
+    def follow(self, since: float, datasets: dict[str, Any] | None = None) -> Iterator[None]:
+        self.ray_logs = ray_logs_dir()
+        rows = count_rows(datasets.get("train")) if datasets and self.progress else None
+        self.dispatcher.sinks = self.open_sinks(train_rows=rows)
+        try:
+            with follow(self.run_dir, self.dispatcher, since=since):
+                yield
+        except BaseException:
+            self.dispatcher.send("stop")
+            self.finish(None)
+            raise
+        self.dispatcher.send("stop")
+
+    def finish(self, summary: dict[str, Any] | None) -> None:
+        """Close the trackers (MLflow gets the model and the report) once summary.json exists."""
+        if self._finished:
+            return
+        self._finished = True
+        if summary is not None and self.options.report:
+            try:
+                from raytrain.report import write_report
+
+                write_report(self.run_dir)
+            except Exception as exc:  # a plot must never turn a finished run into a failed one
+                self.echo(f"raytrain: could not write the report: {type(exc).__name__}: {_first_line(exc)}")
+        self.dispatcher.send("finish", summary, self.run_dir)
+
+
+def check_installed(options: TrackingOptions) -> None:
+    problems = []
+    if options.mlflow_uri and not _importable("mlflow"):
+        problems.append((
+            "mlflow_uri",
+            f"got {options.mlflow_uri!r}, but MLflow is not installed; install it with "
+            "pip install 'raytrain[mlflow]' (or pip install mlflow), or drop --mlflow-uri",
+        ))
+    if options.wandb_project and not _importable("wandb"):
+        problems.append((
+            "wandb_project",
+            f"got {options.wandb_project!r}, but Weights & Biases is not installed; install it with "
+            "pip install wandb (then wandb login), or drop --wandb-project",
+        ))
+    if options.progress not in ("auto", "bar", "plain", "off"):
+        problems.append(("progress", f"got {options.progress!r}; choose one of auto, bar, plain, off"))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def config_params(cfg: Any, pipeline_name: str, run_dir: Path) -> dict[str, str]:
+    """The resolved configuration, flattened (`ddp.bucket_cap_mb`), as tracker params."""
+    values = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    flat: dict[str, str] = {"pipeline": str(pipeline_name), "run_dir": str(run_dir)}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}{key}.", inner)
+        else:
+            flat[prefix[:-1]] = "" if value is None else str(value)
+
+    walk("", values)
+    return flat
+
+
+def count_rows(dataset: Any) -> int | None:
+    """Training rows, for the progress bar's first epoch; None when not cheap to know."""
+    if dataset is None:
+        return None
+    with contextlib.suppress(Exception):
+        return int(dataset.count())
+    return None
+
+
+def ray_logs_dir() -> str | None:
+    """This Ray session's log directory (worker logs live under it), while Ray is up."""
+    with contextlib.suppress(Exception):
+        import ray
+
+        if ray.is_initialized():
+            node = ray._private.worker._global_node  # no public API gives the session directory
+            if node is not None:
+                return node.get_logs_dir_path()
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def step_scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The scalars of a metrics row, by tracker tag.
+
+    Rows within an epoch give per-step series under `train/`; the row at an epoch's end
+    gives the epoch's mean loss and throughput under `epoch/` and validation under `val/`.
+    """
+    epoch_end = bool(row.get("epoch_end"))
+    scalars: dict[str, float] = {}
+    for key in STEP_SERIES:
+        value = _number(row.get(key))
+        if value is None:
+            continue
+        if epoch_end and key in ("loss", "samples_per_s"):
+            scalars[f"epoch/{'train_loss' if key == 'loss' else key}"] = value
+        else:
+            scalars[f"train/{key}"] = value
+    if epoch_end:
+        if (epoch := _number(row.get("epoch"))) is not None:
+            scalars["epoch/epoch"] = epoch
+        for key, value in row.items():
+            if key.startswith("val_") and (number := _number(value)) is not None:
+                scalars[f"val/{key[4:]}"] = number
+    return scalars
+
+
+# -- TensorBoard -----------------------------------------------------------------------------
+
+
+class TensorBoardSink(Sink):
+    """Event files in the run directory: `tensorboard --logdir RUN_DIR` (or STORAGE, to
+    compare runs). Scalars by step; plan, resizes, restarts and the end as text.
+
+    Each attempt after a restore or resize opens a new event file that purges the steps
+    after the checkpoint, so TensorBoard shows the curve the run really followed.
+    """
+
+    name = "TensorBoard"
+
+    def __init__(self, run_dir: Path, params: dict[str, str], flush_secs: int = 5):
+        self.run_dir = Path(run_dir)
+        self.params = params
+        self.flush_secs = flush_secs
+        self.writer = None
+        self.files_opened = 0
+        self.dirty = False
+
+    def _open(self, purge_step: int | None = None):
+        from tensorboardX import SummaryWriter
+
+        if self.writer is not None:
+            self.writer.close()
+        self.files_opened += 1
+        # Unique per writer: two writers opened within a second would share a file name.
+        suffix = f".{os.getpid()}.{self.files_opened:03d}"
+        self.writer = SummaryWriter(logdir=str(self.run_dir), purge_step=purge_step, flush_secs=self.flush_secs, filename_suffix=suffix)
+        if self.files_opened == 1:
+            table = "\n".join(f"| {key} | {value} |" for key, value in self.params.items())
+            self.writer.add_text("config", "| option | value |\n|---|---|\n" + table, 0)
+        return self.writer
+
+    def metrics(self, row: dict[str, Any]) -> None:
+        writer = self.writer or self._open()
+        step = int(row.get("step", 0))
+        walltime = row_time(row) if math.isfinite(row_time(row)) else None
+        for tag, value in step_scalars(row).items():
+            writer.add_scalar(tag, value, step, walltime=walltime)
+        self.dirty = True
+
+    def event(self, event: dict[str, Any]) -> None:
+        kind, step = event.get("kind", "event"), int(event.get("step", 0) or 0)
+        if kind in ("restore", "resize") and "step" in event:
+            self._open(purge_step=step + 1)  # later rows redo the steps after the checkpoint
+        writer = self.writer or self._open()
+        if kind != "epoch":  # epoch lines are the epoch/ and val/ scalars already
+            writer.add_text("events", f"**{kind}**: {event.get('message', '')}", step, walltime=event.get("time"))
+            self.dirty = True
+
+    def tick(self) -> None:
+        if self.dirty and self.writer is not None:
+            self.writer.flush()
+            self.dirty = False
+
+    def finish(self, summary: dict[str, Any] | None, run_dir: Path) -> None:
+        if summary is not None:
+            writer = self.writer or self._open()
+            lines = [f"| {key} | {value} |" for key, value in summary.items() if not isinstance(value, dict)]
+            lines += [f"| {key} | {value:.6g} |" for key, value in summary.get("final_metrics", {}).items() if isinstance(value, (int, float))]
+            writer.add_text("summary", "| | |\n|---|---|\n" + "\n".join(lines), int(summary.get("steps") or 0))
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+# -- MLflow ----------------------------------------------------------------------------------
+
+
+class MLflowSink(Sink):
+    """One MLflow run per raytrain run: params = the resolved config, per-step metrics
+    (the metrics.jsonl names), the final model.pt, report and run files as artifacts.
+
+    `--resume` continues the MLflow run of the same run directory (tag raytrain.run_dir).
+    Any MLflow URI works: a server (http://...), sqlite:///mlflow.db, file:./mlruns.
+    """
+
+    name = "MLflow"
+
+    def __init__(self, uri: str, experiment: str, cfg: Any, params: dict[str, str], run_dir: Path, echo: Callable[[str], None] = print):
+        if uri.startswith(("/", ".", "~")):
+            uri = Path(uri).expanduser().resolve().as_uri()
+        if uri.startswith("file:"):
+            # MLflow 3 refuses a file store unless told; the user asked for one explicitly.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        self.uri = uri
+        self.run_dir = Path(run_dir)
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        self.run_id = self._existing_run(experiment_id) if getattr(cfg, "resume", False) else None
+        if self.run_id is None:
+            run = self.client.create_run(experiment_id, run_name=getattr(cfg, "name", None), tags={"raytrain.run_dir": str(self.run_dir)})
+            self.run_id = run.info.run_id
+            self._log_params(params)
+        else:
+            self.client.update_run(self.run_id, status="RUNNING")
+        self.pending: list[Any] = []
+        echo(f"MLflow: experiment {experiment!r}, run {self.run_id} at {uri}")
+
+    def _existing_run(self, experiment_id: str) -> str | None:
+        runs = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`raytrain.run_dir` = '{self.run_dir}'", max_results=1, order_by=["attributes.start_time DESC"]
+        )
+        return runs[0].info.run_id if runs else None
+
+    def _log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(key, value[:6000]) for key, value in params.items()]
+        for start in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[start:start + 100])
+
+    def metrics(self, row: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        stamp = int((row_time(row) if math.isfinite(row_time(row)) else time.time()) * 1000)
+        step = int(row.get("step", 0))
+        for key, value in step_scalars(row).items():
+            self.pending.append(Metric(_mlflow_key(key), value, stamp, step))
+
+    def tick(self) -> None:
+        while self.pending:
+            batch, self.pending = self.pending[:1000], self.pending[1000:]
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def finish(self, summary: dict[str, Any] | None, run_dir: Path) -> None:
+        self.tick()
+        if summary is None:
+            self.client.set_terminated(self.run_id, status="KILLED")
+            return
+        for key in ("steady_samples_per_s", "wall_time_s", "failures_recovered", "samples_seen"):
+            if (value := _number(summary.get(key))) is not None:
+                self.client.log_metric(self.run_id, f"summary/{key}", value)
+        self.client.set_tag(self.run_id, "raytrain.world_sizes", " → ".join(map(str, summary.get("world_sizes") or [])))
+        model = run_dir / "model.pt"
+        if model.exists():
+            self.client.log_artifact(self.run_id, str(model), artifact_path="model")
+        for name in RUN_ARTIFACTS:
+            if (run_dir / name).exists():
+                self.client.log_artifact(self.run_id, str(run_dir / name), artifact_path="run")
+        if (run_dir / "plots").is_dir():
+            self.client.log_artifacts(self.run_id, str(run_dir / "plots"), artifact_path="run/plots")
+        self.client.set_terminated(self.run_id, status="FINISHED" if summary.get("status") == "finished" else "FAILED")
+
+
+def _mlflow_key(tag: str) -> str:
+    """MLflow keys as in metrics.jsonl: train/loss -> loss, val/accuracy -> val_accuracy."""
+    group, name = tag.split("/", 1)
+    return {"train": name, "val": f"val_{name}", "epoch": f"epoch_{name}" if name != "epoch" else "epoch"}[group]
+
+
+# -- Weights & Biases ------------------------------------------------------------------------
+
+
+class WandbSink(Sink):
+    """A W&B run (`--wandb-project`); the id derives from the run directory, so `--resume`
+    continues it. Offline runs (WANDB_MODE=offline) land in RUN_DIR/wandb."""
+
+    name = "Weights & Biases"
+
+    def __init__(self, project: str, cfg: Any, params: dict[str, str], run_dir: Path):
+        import wandb
+
+        self.wandb = wandb
+        self.run_dir = Path(run_dir)
+        name = getattr(cfg, "name", None) or self.run_dir.name
+        run_id = re.sub(r"[^A-Za-z0-9_-]", "-", name)[:48] + "-" + hashlib.sha1(str(self.run_dir).encode()).hexdigest()[:8]
+        self.run = wandb.init(
+            project=project, name=name, id=run_id, resume="allow", dir=str(self.run_dir), config=params,
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        self.last_step = -1
+        self.events: list[list[Any]] = []
+
+    def metrics(self, row: dict[str, Any]) -> None:
+        step = int(row.get("step", 0))
+        if step < self.last_step:
+            return  # W&B keeps steps increasing: steps redone after a restart are dropped
+        self.last_step = step
+        self.run.log(step_scalars(row), step=step)
+
+    def event(self, event: dict[str, Any]) -> None:
+        if event.get("kind") != "epoch":
+            self.events.append([event.get("time"), event.get("kind"), event.get("step"), event.get("message")])
+
+    def finish(self, summary: dict[str, Any] | None, run_dir: Path) -> None:
+        if summary is not None:
+            self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+            if self.events:
+                self.run.log({"events": self.wandb.Table(columns=["time", "kind", "step", "message"], data=self.events)})
+            model = run_dir / "model.pt"
+            if model.exists():
+                artifact = self.wandb.Artifact(re.sub(r"[^A-Za-z0-9_.-]", "-", self.run.name or "model") + "-model", type="model")
+                artifact.add_file(str(model))
+                self.run.log_artifact(artifact)
+        self.run.finish(exit_code=0 if summary and summary.get("status") == "finished" else 1)
