@@ -8,6 +8,7 @@ code, so a checkpoint from elsewhere cannot run anything.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 STATE_FILE = "state.pt"
 MODEL_FILE = "model.pt"
+POSITION_FILE = "position.json"
 
 
 class CheckpointError(ValueError):
@@ -46,6 +48,16 @@ def save_state(state: dict[str, Any], directory: str | os.PathLike) -> None:
         tmp = directory / (name + ".tmp")
         torch.save(payload, tmp)
         os.replace(tmp, directory / name)
+    # Small and readable: lets resume rank checkpoints without loading their tensors.
+    (directory / POSITION_FILE).write_text(json.dumps(state.get("position", {})))
+
+
+def stored_step(directory: str | os.PathLike) -> int:
+    """The optimizer step a checkpoint directory was taken at (-1 if unknown)."""
+    try:
+        return int(json.loads((Path(directory) / POSITION_FILE).read_text()).get("step", -1))
+    except (OSError, ValueError, AttributeError):
+        return -1
 
 
 def load_state(directory: str | os.PathLike) -> dict[str, Any]:

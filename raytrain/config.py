@@ -116,6 +116,8 @@ class TrainConfig:
     """Ray cluster address; default RAY_ADDRESS, else an embedded local Ray."""
     verbose: bool = False
     """Show Ray's own logs."""
+    skip_nan_rows: bool = False
+    """Drop rows holding NaN or inf (counted and reported) instead of failing before training."""
     time_phases: bool = False
     """Synchronize the GPU around each step phase so the step-time split is exact (slower; for benchmarks)."""
     ddp: DDPConfig = field(default_factory=DDPConfig)

@@ -23,7 +23,7 @@ import torch
 from raytrain import checkpoint as ckpt
 from raytrain import plan as rules
 from raytrain.config import TrainConfig
-from raytrain.data import Table, read_table
+from raytrain.data import Table, fingerprint, read_table
 from raytrain.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
 from raytrain.pipeline import Pipeline, _CONTEXT
 from raytrain.runtime import Runtime
@@ -94,8 +94,9 @@ def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "
         micro_batch_size=cfg.micro_batch_size,
     )
     heartbeat.mark(position.step, "data")
-    train_table = read_table(runtime.dataset("train"), "train")
-    val_table = read_table(runtime.dataset("val"), "val") if "val" in dataset_names else None
+    train_table = read_table(runtime.dataset("train"), "train", skip_nan_rows=cfg.skip_nan_rows)
+    val_table = read_table(runtime.dataset("val"), "val", skip_nan_rows=cfg.skip_nan_rows) if "val" in dataset_names else None
+    check_same_rows(runtime, {"train": train_table, "val": val_table})
     trainer = StepRunner.build(pipeline, cfg, runtime, batch_plan, len(train_table), state)
     trainer.heartbeat = heartbeat
     trainer.last_log_samples = position.samples_seen
@@ -119,6 +120,19 @@ def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "
     files.finish(trainer, position)
 
 
+def check_same_rows(runtime: Runtime, tables: dict[str, Table | None]) -> None:
+    """Every rank slices the same global order, so every rank must have read the same rows
+    in the same order; a mismatch would break exactly-once silently, so it stops the run."""
+    mine = {name: fingerprint(table) for name, table in tables.items() if table is not None}
+    everyone = runtime.all_gather_object(mine)
+    differing = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differing:
+        raise RuntimeError(
+            f"ranks {differing} read different rows than rank 0 (fingerprints {everyone}); the dataset must yield "
+            "the same rows in the same order on every read (avoid unseeded random_shuffle in build_datasets)"
+        )
+
+
 class StallError(RuntimeError):
     """A collective timed out; the message names the stalled rank(s) and where each rank was."""
 
@@ -136,26 +150,31 @@ def explain_stall(cfg: TrainConfig, runtime: Runtime, heartbeat: Heartbeat, run_
 
 
 def restore(runtime: Runtime, run_dir: Path) -> dict[str, Any] | None:
-    """The latest usable checkpoint: Ray's latest, else (corrupt or partial) the newest
-    older complete one in the run directory."""
-    checkpoint = runtime.latest_checkpoint()
-    if checkpoint is None:
-        return None
-    try:
-        with checkpoint.as_directory() as directory:
-            return ckpt.load_state(directory)
-    except ckpt.CheckpointError as error:
-        for older in reversed(ckpt.checkpoint_dirs(run_dir)):
-            if Path(checkpoint.path).name <= older.name:
-                continue
+    """The state to continue from: the furthest complete checkpoint of this run.
+
+    Ray registers a checkpoint only once its controller has processed the report, so the
+    last one or two written before a crash can be missing from `get_checkpoint()` while
+    complete on storage. Candidates are Ray's latest and every checkpoint directory of
+    the run; the one furthest in training that loads wins, so a failure loses at most
+    --checkpoint-every-steps steps. A corrupt or partial directory is skipped.
+    """
+    latest = runtime.latest_checkpoint()
+    if latest is None:
+        return None  # a fresh run: nothing registered, whatever directories exist
+    with latest.as_directory() as directory:
+        candidates = [Path(directory), *ckpt.checkpoint_dirs(run_dir)]
+        ranked = sorted(candidates, key=ckpt.stored_step, reverse=True)
+        skipped = []
+        for candidate in ranked:
             try:
-                state = ckpt.load_state(older)
-            except ckpt.CheckpointError:
+                state = ckpt.load_state(candidate)
+            except ckpt.CheckpointError as error:
+                skipped.append(str(error))
                 continue
-            if runtime.is_rank0:
-                print(f"raytrain: {error}; resuming from the previous good checkpoint {older.name}", flush=True)
+            if skipped and runtime.is_rank0:
+                print(f"raytrain: skipped unusable checkpoint(s): {'; '.join(skipped)}", flush=True)
             return state
-        raise
+    raise ckpt.CheckpointError(f"no usable checkpoint in {run_dir}: {'; '.join(skipped)}")
 
 
 @dataclass

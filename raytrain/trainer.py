@@ -95,7 +95,7 @@ def fit(
     tracker = tracking.RunTracker(cfg, run_dir, pipeline if isinstance(pipeline, str) else pipe.name, echo=echo, progress=progress)
     with ray_session(cfg):
         use_gpu = resolve_gpu(cfg)
-        datasets = build_datasets(pipe, cfg)
+        datasets = check_datasets(build_datasets(pipe, cfg), cfg, echo)
         run_dir.mkdir(parents=True, exist_ok=True)
         write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), "pipeline": pipeline if isinstance(pipeline, str) else pipe.name, "gpu": use_gpu})
         trainer = build_trainer(pipe, cfg, run_dir, datasets, use_gpu, callbacks=callbacks)
@@ -239,6 +239,24 @@ def build_datasets(pipe: Pipeline, cfg: TrainConfig) -> dict[str, Any]:
     return datasets
 
 
+def check_datasets(datasets: dict[str, Any], cfg: TrainConfig, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Run each dataset once on the driver and check it (DataError before any worker starts).
+
+    The datasets come back materialized, so workers read the checked blocks instead of
+    running the pipeline's reading and preprocessing again.
+    """
+    from raytrain.data import read_table
+
+    checked = {}
+    for name, ds in datasets.items():
+        materialized = ds.materialize()
+        table = read_table(materialized, name, skip_nan_rows=cfg.skip_nan_rows)
+        if table.dropped_rows:
+            echo(f"dataset {name!r}: skipped {table.dropped_rows} row(s) holding NaN or inf (--skip-nan-rows); {len(table)} left")
+        checked[name] = materialized
+    return checked
+
+
 def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, datasets: dict[str, Any], use_gpu: bool, callbacks: Sequence[Any] = ()):
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -257,7 +275,7 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, datasets: dic
         datasets=datasets,
         # Unsplit: every rank reads all rows and takes its own slice of the epoch's order
         # (raytrain.data) — Ray's equal split drops tail rows and keeps no position.
-        dataset_config=DataConfig(datasets_to_split=[]),
+        dataset_config=DataConfig(datasets_to_split=[], execution_options=_same_order_everywhere()),
         run_config=RunConfig(
             name=cfg.name,
             storage_path=cfg.storage,
@@ -270,6 +288,15 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, datasets: dic
             callbacks=list(callbacks),
         ),
     )
+
+
+def _same_order_everywhere():
+    """Ray Data's ingest options with preserve_order: every rank must read the rows in one order."""
+    from ray.train import DataConfig
+
+    options = DataConfig.default_ingest_options()
+    options.preserve_order = True
+    return options
 
 
 # -- console and run files -------------------------------------------------------------------

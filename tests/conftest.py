@@ -42,6 +42,9 @@ def ray_session():
     ray.init(
         address="local",
         num_cpus=4,
+        # raytrain tune places its trial drivers on this custom resource (0 CPUs each), as
+        # its embedded Ray does; a running Ray cannot gain a resource later.
+        resources={"trial_driver": 1000},
         include_dashboard=True,
         dashboard_host="127.0.0.1",
         dashboard_port=dashboard_port,

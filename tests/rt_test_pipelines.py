@@ -34,10 +34,11 @@ class RecordingPipeline(raytrain.Pipeline):
     the run reaches that global step, to exercise failure recovery.
     """
 
-    def __init__(self, out_dir: str, num_rows: int = 200, crash_at_step: int | None = None):
+    def __init__(self, out_dir: str, num_rows: int = 200, crash_at_step: int | None = None, step_sleep_s: float = 0.0):
         self.out_dir = out_dir
         self.num_rows = num_rows
         self.crash_at_step = crash_at_step
+        self.step_sleep_s = step_sleep_s
 
     def build_model(self, cfg):
         return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
@@ -53,6 +54,10 @@ class RecordingPipeline(raytrain.Pipeline):
         ctx = raytrain.context()
         if model.training:
             self._record(ctx, batch)
+            if self.step_sleep_s:
+                import time
+
+                time.sleep(self.step_sleep_s)
         logits = model(batch["x"])
         return F.cross_entropy(logits, batch["y"])
 

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 
 import raytrain
-from rt_test_pipelines import StallingPipeline
+from rt_test_pipelines import RecordingPipeline, StallingPipeline
 
 pytestmark = pytest.mark.ray
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def test_stalled_rank_fails_the_attempt_naming_it_within_the_timeout(ray_session, tmp_path):
@@ -25,3 +31,50 @@ def test_stalled_rank_fails_the_attempt_naming_it_within_the_timeout(ray_session
     assert "stalled rank(s): 1" in message
     assert "rank 1 (STALLED): step 3, in forward" in message
     assert stalled_for_s < timeout_s + 30, stalled_for_s
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(ray_session, tmp_path):
+    from raytrain.checkpoint import checkpoint_dirs
+
+    base = dict(workers=2, batch_size_per_worker=8, storage=str(tmp_path), name="corrupt", num_checkpoints_to_keep=3, schedule="constant")
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    result = raytrain.fit(RecordingPipeline(str(first), num_rows=64), raytrain.TrainConfig(epochs=2, **base))
+    checkpoints = checkpoint_dirs(result.run_dir)
+    assert len(checkpoints) == 2
+    (checkpoints[-1] / "state.pt").write_bytes(b"truncated")  # a crash mid-write, or a bad disk
+
+    resumed = raytrain.fit(RecordingPipeline(str(second), num_rows=64), raytrain.TrainConfig(epochs=3, resume=True, **base))
+    assert resumed.summary["status"] == "finished" and resumed.summary["epochs"] == 3
+    steps = sorted({row["step"] for row in read_jsonl(second / "ids-rank0.jsonl")})
+    assert steps == list(range(4, 12))  # from the epoch-1 checkpoint (step 4), not the corrupt epoch-2 one
+
+
+def test_driver_killed_mid_run_then_resume_finishes_the_run(tmp_path):
+    """The driver (and the embedded Ray it started) dies; `--resume --name` continues from storage."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    raytrain_bin = str(Path(sys.executable).with_name("raytrain"))
+    args = [raytrain_bin, "train", "digits", "--workers", "2", "--epochs", "6", "--storage", str(tmp_path), "--name", "killed"]
+    run_dir = tmp_path / "killed"
+    driver = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not list(run_dir.glob("checkpoint_*/position.json")):
+            time.sleep(0.5)
+        assert list(run_dir.glob("checkpoint_*/position.json")), "no checkpoint before the deadline"
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray it started, as a crash would
+        driver.wait()
+    assert not (run_dir / "summary.json").exists()
+
+    resumed = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Restarted from the checkpoint" in resumed.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["epochs"] == 6
+    assert (run_dir / "model.pt").exists()

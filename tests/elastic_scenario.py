@@ -1,0 +1,108 @@
+"""An elastic run on a simulated 3-node cluster: lose a node, then get one back.
+
+Run as a script (its own Ray cluster, so not inside the shared test Ray):
+    python tests/elastic_scenario.py OUT_DIR
+Writes OUT_DIR/result.json with the run's summary and what the driver observed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.5)
+    raise TimeoutError(f"waited {timeout_s} s for {what}")
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def main(out: Path) -> None:
+    import os
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import raytrain
+    from raytrain.trainer import free_port
+    from rt_test_pipelines import RecordingPipeline
+
+    dashboard_port = free_port()
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port},
+    )
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
+    pythonpath = os.pathsep.join(sys.path)
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_API_SERVER_ADDRESS": os.environ["RAY_API_SERVER_ADDRESS"]}}, logging_level="ERROR")
+    records = out / "records"
+    records.mkdir(parents=True, exist_ok=True)
+    cfg = raytrain.TrainConfig(
+        workers="2:3", epochs=int(os.environ.get("ELASTIC_EPOCHS", "12")), global_batch_size=48, lr=1e-2, warmup_epochs=1, checkpoint_every_steps=4,
+        log_every_steps=1, max_failures=5, storage=str(out), name="elastic",
+    )
+    run_dir = out / "elastic"
+    observed: dict = {}
+    result_box: dict = {}
+
+    def train() -> None:
+        try:
+            result_box["summary"] = raytrain.fit(RecordingPipeline(str(records), num_rows=960, step_sleep_s=0.25), cfg).summary
+        except Exception as exc:  # reported in result.json
+            result_box["error"] = repr(exc)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    try:
+        observed["to_first_plan_s"] = wait_for(lambda: any(e["kind"] == "plan" for e in events(run_dir)), 240, "the first plan")
+        observed["first_world_size"] = next(e["world_size"] for e in events(run_dir) if e["kind"] == "plan")
+        time.sleep(5)
+        removed_at = time.time()
+        cluster.remove_node(nodes[-1])
+        observed["shrink_s"] = wait_for(
+            lambda: any(e["kind"] == "resize" and e["world_size"] == 2 for e in events(run_dir)), 240, "the resize to 2"
+        )
+        time.sleep(5)
+        added_at = time.time()
+        cluster.add_node(num_cpus=1)
+        observed["grow_s"] = wait_for(
+            lambda: any(e["kind"] == "resize" and e["world_size"] == 3 for e in events(run_dir)[1:]), 240, "the resize back to 3"
+        )
+    except TimeoutError as exc:
+        observed["timeout"] = str(exc)
+    thread.join(timeout=600)
+    if "shrink_s" in observed:
+        observed["recovery_s"] = _first_row_after(run_dir, removed_at, world_size=2)
+    if "grow_s" in observed:
+        observed["regrow_first_step_s"] = _first_row_after(run_dir, added_at, world_size=3)
+    result = {"observed": observed, **result_box, "events": [e["message"] for e in events(run_dir)]}
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _first_row_after(run_dir: Path, since: float, world_size: int) -> float | None:
+    """Seconds from `since` to the first metrics row (one per step) at `world_size`."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    later = [row["time_s"] for row in rows if row["time_s"] > since and row["world_size"] == world_size]
+    return round(min(later) - since, 1) if later else None
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
