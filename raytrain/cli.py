@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         train.add_argument(flag_name(name), dest=name, type=kind, default=argparse.SUPPRESS, help=help_of.get(name))
     train.add_argument("--gpu", dest="gpu", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of["gpu"])
     train.add_argument("--resume", dest="resume", action="store_true", default=argparse.SUPPRESS, help=help_of["resume"])
+    train.add_argument(
+        "--pipeline-arg", dest="pipeline_args", action="append", type=_key_value, default=argparse.SUPPRESS, metavar="KEY=VALUE",
+        help="an option of the pipeline itself, repeatable (e.g. the parquet pipeline's --pipeline-arg path=DIR)",
+    )
+    train.add_argument("--skip-nan-rows", dest="skip_nan_rows", action="store_true", default=argparse.SUPPRESS, help=help_of["skip_nan_rows"])
     train.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
     ddp_docs = _field_docs(DDPConfig)
     for f in dataclasses.fields(DDPConfig):
@@ -110,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", required=True, metavar="F.pt", help="where to write the state_dict")
     export.set_defaults(handler=cmd_export)
 
+    data = commands.add_parser("data", help="write a pipeline's datasets as Parquet shards")
+    data.add_argument("pipeline", help="built-in name (digits) or module:attr")
+    data.add_argument("--out", required=True, metavar="DIR", help="directory to write DIR/<dataset>/*.parquet into")
+    data.add_argument("--pipeline-arg", dest="pipeline_args", action="append", type=_key_value, default=[], metavar="KEY=VALUE")
+    data.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
+    data.set_defaults(handler=cmd_data)
+
     doctor = commands.add_parser("doctor", help="check what the cluster has and whether a run will work")
     doctor.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
     doctor.add_argument("--storage", help="storage path runs will use (default ~/raytrain_results)")
@@ -123,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(commands)
     return parser
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected KEY=VALUE, e.g. path=/data/train")
+    return key.strip(), value.strip()
 
 
 def _field_docs(cls: type = TrainConfig) -> dict[str, str]:
@@ -223,6 +242,8 @@ def merge(*layers: dict[str, Any]) -> dict[str, Any]:
                 merged.setdefault("ddp", {})[key[4:]] = value
             elif key == "ddp" and isinstance(value, dict):
                 merged.setdefault("ddp", {}).update(value)
+            elif key == "pipeline_args" and isinstance(value, (dict, list)):
+                merged.setdefault("pipeline_args", {}).update(dict(value))
             else:
                 merged[key] = value
     return merged
@@ -408,6 +429,33 @@ def check_against_pipeline(source: Path, weights: dict) -> str:
     except RuntimeError as exc:
         raise UserError(f"{source}: weights do not match the pipeline's model: {str(exc).splitlines()[0]}") from None
     return f"; checked: loads into {pipe.name}'s model with strict=True"
+
+
+# -- data --------------------------------------------------------------------------------
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from raytrain.data import DataError
+    from raytrain.pipeline import PipelineError, load_pipeline
+    from raytrain.trainer import RunFailed, build_datasets, ray_session
+
+    out = Path(args.out).expanduser().absolute()
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out: {out} is not empty; choose a new directory so no data is overwritten")
+    try:
+        pipe = load_pipeline(args.pipeline)
+        cfg = TrainConfig.from_dict(merge(pipe.default_config, {"pipeline_args": args.pipeline_args, "workers": 1}))
+        with ray_session(dataclasses.replace(cfg, address=args.address)):
+            for name, ds in build_datasets(pipe, cfg).items():
+                ds.write_parquet(str(out / name))
+                files = sorted((out / name).glob("*.parquet"))
+                print(f"{name}: {ds.count()} rows in {len(files)} Parquet file(s) under {out / name}", flush=True)
+    except (ConfigError, PipelineError, DataError) as exc:
+        raise UserError(str(exc)) from None
+    except RunFailed as exc:
+        print(f"raytrain data: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
 
 
 # -- doctor ------------------------------------------------------------------------------

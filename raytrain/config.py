@@ -122,6 +122,8 @@ class TrainConfig:
     """Synchronize the GPU around each step phase so the step-time split is exact (slower; for benchmarks)."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
     """DistributedDataParallel flags."""
+    pipeline_args: dict = field(default_factory=dict)
+    """Options of the pipeline itself (e.g. the parquet pipeline's path and columns): KEY=VALUE."""
 
     def __post_init__(self) -> None:
         if isinstance(self.ddp, Mapping):
@@ -183,6 +185,7 @@ def parse_workers(value: int | str) -> tuple[int, int]:
 # -- checks ----------------------------------------------------------------------------
 
 _TYPE_HINTS = {
+    dict: "a mapping of KEY: value",
     int: "an integer",
     float: "a number",
     bool: "true or false",
@@ -194,7 +197,7 @@ def _expected_types(cfg_cls: type, name: str) -> tuple[type, ...]:
     hint = {f.name: f.type for f in dataclasses.fields(cfg_cls)}[name]
     kinds = []
     for part in str(hint).replace(" ", "").split("|"):
-        kinds.extend({"int": [int], "float": [float, int], "bool": [bool], "str": [str], "None": [type(None)]}.get(part, []))
+        kinds.extend({"int": [int], "float": [float, int], "bool": [bool], "str": [str], "dict": [dict], "None": [type(None)]}.get(part, []))
     return tuple(kinds)
 
 

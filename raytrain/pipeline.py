@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 BUILTIN_PIPELINES = {
     "digits": "pipelines.digits:DigitsPipeline",
+    "parquet": "pipelines.parquet:ParquetPipeline",
 }
 
 

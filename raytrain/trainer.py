@@ -171,6 +171,8 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
 
     os.environ.update(WORKER_ENV)
     DataContext.get_current().enable_progress_bars = False
+    if not cfg.verbose:  # Ray Data's per-execution INFO lines on the driver
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
     if ray.is_initialized():
         yield
         return
@@ -183,23 +185,35 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
     # so quiet mode hides no error; full logs stay under the Ray session directory.
     quiet = {"logging_level": level, "log_to_driver": cfg.verbose}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, **quiet)
+        try:
+            ray.init(address=address, runtime_env=runtime_env, **quiet)
+        except Exception as exc:  # connection errors come in several types
+            raise ConfigError(
+                [("address", f"cannot reach a Ray cluster at {address!r} ({str(exc).splitlines()[0][:200]}); check that its head "
+                  "is running (ray status), the address, and RAY_AUTH_MODE=token if the cluster uses token auth")]
+            ) from None
     else:
         cpus = num_cpus or max(os.cpu_count() or 1, int(cfg.max_workers * cfg.cpus_per_worker) + 2)
         dashboard_port = free_port()
         # Train's placement-group cleaner polls the dashboard (RAY_NOTES); name ours, or with
         # several Rays on one host it cannot tell which one to ask.
         runtime_env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
-        ray.init(
-            address="local",
-            num_cpus=cpus,
-            resources=resources,
-            include_dashboard=True,
-            dashboard_host="127.0.0.1",
-            dashboard_port=dashboard_port,
-            runtime_env=runtime_env,
-            **quiet,
-        )
+        try:
+            ray.init(
+                address="local",
+                num_cpus=cpus,
+                resources=resources,
+                include_dashboard=True,
+                dashboard_host="127.0.0.1",
+                dashboard_port=dashboard_port,
+                runtime_env=runtime_env,
+                **quiet,
+            )
+        except Exception as exc:
+            raise RunFailed(
+                f"could not start the embedded Ray ({str(exc).splitlines()[0][:300]}); "
+                "is the machine overloaded, or /tmp full? Rerun with -v for Ray's logs."
+            ) from None
     try:
         yield
     finally:

@@ -1,0 +1,131 @@
+"""The `parquet` pipeline: columns named by --pipeline-arg, an MLP, cross-entropy or MSE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import raytrain
+from raytrain.data import DataError
+
+SPLIT_SEED = 1234
+
+
+@dataclass
+class Spec:
+    path: str
+    label: str
+    features: list[str] | None
+    task: str | None
+    val_path: str | None
+    val_fraction: float
+    hidden: int
+
+
+def parse_args(args: dict) -> Spec:
+    problems = []
+    known = {"path", "label", "features", "task", "val_path", "val_fraction", "hidden"}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        problems.append(f"unknown --pipeline-arg {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    if not args.get("path"):
+        problems.append("needs --pipeline-arg path=DIR (a Parquet file or directory)")
+    if not args.get("label"):
+        problems.append("needs --pipeline-arg label=COLUMN (the target column)")
+    task = args.get("task")
+    if task not in (None, "classification", "regression"):
+        problems.append(f"--pipeline-arg task: got {task!r}; choose classification or regression")
+    try:
+        val_fraction = float(args.get("val_fraction", 0.1))
+        assert 0 <= val_fraction < 1
+    except (ValueError, AssertionError):
+        problems.append(f"--pipeline-arg val_fraction: got {args.get('val_fraction')!r}; a number in [0, 1)")
+        val_fraction = 0.1
+    try:
+        hidden = int(args.get("hidden", 128))
+        assert hidden > 0
+    except (ValueError, AssertionError):
+        problems.append(f"--pipeline-arg hidden: got {args.get('hidden')!r}; a positive integer")
+        hidden = 128
+    if problems:
+        raise DataError("pipeline parquet: " + "; ".join(problems))
+    features = [c.strip() for c in str(args["features"]).split(",") if c.strip()] if args.get("features") else None
+    return Spec(str(Path(args["path"]).expanduser().absolute()), args["label"], features, task, args.get("val_path"), val_fraction, hidden)
+
+
+def read(path: str):
+    import ray.data
+
+    if not Path(path).exists():
+        raise DataError(f"pipeline parquet: {path} does not exist; point --pipeline-arg path at a Parquet file or directory")
+    try:
+        return ray.data.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several types for unreadable files
+        raise DataError(f"pipeline parquet: cannot read {path}: {str(exc).splitlines()[0][:300]}") from None
+
+
+def pack(ds, spec: Spec, features: list[str], regression: bool):
+    """One float32 `features` tensor column and a `label` column, built in Ray Data."""
+
+    def to_tensors(batch: dict) -> dict:
+        n = len(batch[spec.label])
+        parts = [np.asarray(batch[name], dtype=np.float32).reshape(n, -1) for name in features]
+        label = np.asarray(batch[spec.label])
+        return {"features": np.concatenate(parts, axis=1), "label": label.astype(np.float32 if regression else np.int64)}
+
+    return ds.map_batches(to_tensors, batch_format="numpy")
+
+
+class ParquetPipeline(raytrain.Pipeline):
+    default_config = {"epochs": 5, "batch_size_per_worker": 64, "lr": 1e-3, "warmup_epochs": 1}
+
+    def __init__(self):
+        self.shape: tuple[int, int, bool] | None = None  # (num_features, num_outputs, regression)
+
+    def build_datasets(self, cfg):
+        spec = parse_args(cfg.pipeline_args)
+        ds = read(spec.path)
+        columns = ds.schema().names
+        features = spec.features or [c for c in columns if c != spec.label]
+        missing = [c for c in [spec.label, *features] if c not in columns]
+        if missing:
+            raise DataError(f"pipeline parquet: column(s) {', '.join(missing)} not in {spec.path} (it has: {', '.join(columns)})")
+        label_type = str(ds.schema().field(spec.label).type) if hasattr(ds.schema(), "field") else ""
+        regression = spec.task == "regression" or (spec.task is None and ("float" in label_type or "double" in label_type))
+        train = pack(ds, spec, features, regression)
+        if spec.val_path:
+            val = pack(read(spec.val_path), spec, features, regression)
+        elif spec.val_fraction > 0:
+            train, val = train.train_test_split(test_size=spec.val_fraction, shuffle=True, seed=SPLIT_SEED)
+        else:
+            val = None
+        first = train.take(1)
+        if not first:
+            raise DataError(f"pipeline parquet: {spec.path} holds no rows")
+        num_features = int(np.asarray(first[0]["features"]).size)
+        num_outputs = 1 if regression else int(train.max("label")) + 1
+        self.shape = (num_features, num_outputs, regression)
+        return {"train": train, **({"val": val} if val is not None else {})}
+
+    def build_model(self, cfg):
+        if self.shape is None:  # outside a run (export): the same derivation as build_datasets
+            self.build_datasets(cfg)
+        num_features, num_outputs, _ = self.shape
+        hidden = parse_args(cfg.pipeline_args).hidden
+        return nn.Sequential(nn.Linear(num_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, num_outputs))
+
+    def compute_loss(self, model, batch):
+        out = model(batch["features"]).float()
+        if self.shape[2]:
+            return F.mse_loss(out.squeeze(-1), batch["label"])
+        loss = F.cross_entropy(out, batch["label"])
+        return loss, {"accuracy": (out.argmax(dim=1) == batch["label"]).float().mean()}
+
+    @property
+    def name(self) -> str:
+        return "parquet"

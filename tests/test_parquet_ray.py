@@ -1,0 +1,84 @@
+"""CPU Ray tier: `raytrain data` writes Parquet shards; the `parquet` pipeline trains on them
+and names bad data (missing column, unreadable file, NaN) before training starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raytrain.cli import main
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def digits_parquet(ray_session, tmp_path_factory):
+    out = tmp_path_factory.mktemp("digits-parquet")
+    assert main(["data", "digits", "--out", str(out)]) == 0
+    return out
+
+
+def test_data_command_writes_each_dataset_as_parquet(digits_parquet):
+    train = pq.read_table(sorted((digits_parquet / "train").glob("*.parquet")))
+    val = pq.read_table(sorted((digits_parquet / "val").glob("*.parquet")))
+    assert train.num_rows + val.num_rows == 1797
+    assert set(train.column_names) == {"image", "label"}
+
+
+def test_parquet_pipeline_trains_on_written_shards(digits_parquet, tmp_path):
+    code = main([
+        "train", "parquet", "--pipeline-arg", f"path={digits_parquet / 'train'}", "--pipeline-arg", f"val_path={digits_parquet / 'val'}",
+        "--pipeline-arg", "label=label", "--workers", "2", "--epochs", "4", "--storage", str(tmp_path), "--name", "pq",
+    ])
+    assert code == 0
+    summary = json.loads((tmp_path / "pq" / "summary.json").read_text())
+    assert summary["samples_seen"] == 4 * 1438 and summary["final_metrics"]["val_accuracy"] >= 0.9
+
+
+def bad_run(tmp_path, capsys, *pipeline_args) -> str:
+    args = ["train", "parquet", "--workers", "2", "--epochs", "1", "--storage", str(tmp_path)]
+    for arg in pipeline_args:
+        args += ["--pipeline-arg", arg]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and not list(tmp_path.glob("*/checkpoint_*"))
+    return err
+
+
+def write(path: Path, **columns) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path / "part-0.parquet")
+    return path
+
+
+def test_missing_column_is_named(ray_session, tmp_path, capsys):
+    data = write(tmp_path / "d", a=np.arange(10.0), b=np.arange(10.0), y=np.arange(10) % 2)
+    err = bad_run(tmp_path, capsys, f"path={data}", "label=target")
+    assert "column(s) target not in" in err and "a, b, y" in err
+
+
+def test_unreadable_parquet_file_is_named(ray_session, tmp_path, capsys):
+    data = tmp_path / "broken"
+    data.mkdir()
+    (data / "part-0.parquet").write_bytes(b"not parquet at all")
+    err = bad_run(tmp_path, capsys, f"path={data}", "label=y")
+    assert "cannot read" in err and "part-0.parquet" in err or "Parquet" in err
+
+
+def test_nan_in_features_fails_with_the_row_unless_skipped(ray_session, tmp_path, capsys):
+    x = np.arange(40.0)
+    x[17] = np.nan
+    data = write(tmp_path / "nan", x=x, y=np.arange(40) % 2)
+    err = bad_run(tmp_path, capsys, f"path={data}", "label=y", "val_fraction=0")
+    assert "NaN or inf, the first is row 17 in column 'features'" in err and "--skip-nan-rows" in err
+    code = main([
+        "train", "parquet", "--pipeline-arg", f"path={data}", "--pipeline-arg", "label=y", "--pipeline-arg", "val_fraction=0",
+        "--workers", "2", "--epochs", "1", "--storage", str(tmp_path), "--name", "skipped", "--skip-nan-rows",
+    ])
+    assert code == 0
+    assert json.loads((tmp_path / "skipped" / "summary.json").read_text())["samples_seen"] == 39
