@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
 BUILTIN_PIPELINES = {
     "digits": "pipelines.digits:DigitsPipeline",
     "parquet": "pipelines.parquet:ParquetPipeline",
+    "charlm": "pipelines.charlm:CharLMPipeline",
 }
 
 
