@@ -39,7 +39,7 @@ def main(out: Path) -> None:
 
     import raytrain
     from raytrain.trainer import free_port
-    from rt_test_pipelines import RecordingPipeline
+    from rt_test_pipelines import RecordingPipeline, SlowDigitsPipeline
 
     dashboard_port = free_port()
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
@@ -62,7 +62,12 @@ def main(out: Path) -> None:
 
     def train() -> None:
         try:
-            result_box["summary"] = raytrain.fit(RecordingPipeline(str(records), num_rows=960, step_sleep_s=0.25), cfg).summary
+            pipeline = (
+                SlowDigitsPipeline(step_sleep_s=0.25)
+                if os.environ.get("ELASTIC_PIPELINE") == "digits"
+                else RecordingPipeline(str(records), num_rows=960, step_sleep_s=0.25)
+            )
+            result_box["summary"] = raytrain.fit(pipeline, cfg).summary
         except Exception as exc:  # reported in result.json
             result_box["error"] = repr(exc)
 

@@ -118,3 +118,17 @@ class StallingPipeline(RecordingPipeline):
             (Path(self.out_dir) / "stalled_at").write_text(repr(time.time()))
             time.sleep(3600)
         return super().compute_loss(model, batch)
+
+
+class SlowDigitsPipeline(DigitsPipeline):
+    """digits with a pause per training forward, so a run lasts long enough to resize it."""
+
+    def __init__(self, step_sleep_s: float = 0.25):
+        self.step_sleep_s = step_sleep_s
+
+    def compute_loss(self, model, batch):
+        if model.training and self.step_sleep_s:
+            import time
+
+            time.sleep(self.step_sleep_s)
+        return super().compute_loss(model, batch)
