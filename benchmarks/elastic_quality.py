@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COMMON = ["--epochs", "12", "--global-batch-size", "48", "--lr", "1e-2", "--warmup-epochs", "1", "--checkpoint-every-steps", "4"]
+COMMON = ["--epochs", "12", "--global-batch-size", "48", "--lr", "2e-3", "--warmup-epochs", "1", "--checkpoint-every-steps", "4"]
 
 
 def fixed_run(out: Path, workers: int, seed: int) -> float:
@@ -37,7 +37,7 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     started = time.time()
     fixed = {(w, s): fixed_run(args.out, w, s) for w in (2, 3) for s in seeds}
-    env = {**os.environ, "ELASTIC_PIPELINE": "digits", "ELASTIC_EPOCHS": "12"}
+    env = {**os.environ, "ELASTIC_PIPELINE": "digits", "ELASTIC_EPOCHS": "12", "ELASTIC_LR": "2e-3"}
     subprocess.run([sys.executable, str(REPO / "tests" / "elastic_scenario.py"), str(args.out / "elastic-run")], check=True, env=env,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     result = json.loads((args.out / "elastic-run" / "result.json").read_text())

@@ -53,7 +53,7 @@ def main(out: Path) -> None:
     records = out / "records"
     records.mkdir(parents=True, exist_ok=True)
     cfg = raytrain.TrainConfig(
-        workers="2:3", epochs=int(os.environ.get("ELASTIC_EPOCHS", "12")), global_batch_size=48, lr=1e-2, warmup_epochs=1, checkpoint_every_steps=4,
+        workers="2:3", epochs=int(os.environ.get("ELASTIC_EPOCHS", "12")), global_batch_size=48, lr=float(os.environ.get("ELASTIC_LR", "1e-2")), warmup_epochs=1, checkpoint_every_steps=4,
         log_every_steps=1, max_failures=5, storage=str(out), name="elastic",
     )
     run_dir = out / "elastic"
