@@ -66,7 +66,7 @@ class RecordingPipeline(raytrain.Pipeline):
         if not hasattr(self, "_attempt"):  # a fresh copy of the pipeline per worker process
             self._attempt = "second" if (out / "crashed").exists() else "first"
         if self.crash_at_step is not None and ctx.step == self.crash_at_step and ctx.world_rank == 0 and self._attempt == "first":
-            (out / "crashed").write_text("1")
+            (out / "crashed").write_text(repr(__import__("time").time()))
             raise RuntimeError(f"injected failure at step {ctx.step}")
         row = {
             "attempt": self._attempt,
@@ -75,6 +75,7 @@ class RecordingPipeline(raytrain.Pipeline):
             "epoch": ctx.epoch,
             "step": ctx.step,
             "lr": ctx.lr,
+            "time": __import__("time").time(),
             "ids": batch["id"].tolist(),
         }
         with open(out / f"ids-rank{ctx.world_rank}.jsonl", "a") as handle:
