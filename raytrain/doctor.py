@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raytrain.config import DEFAULT_STORAGE
+from raytrain.trainer import address_problem
 
 PROBE_TIMEOUT_S = 90.0
 _NETWORK_FS = {
@@ -65,6 +66,13 @@ def run_doctor(address: str | None, storage: str | None, echo: Callable[[str], N
     state = inspect_storage(storage)
     address = address or os.environ.get("RAY_ADDRESS")
     started_here = not ray.is_initialized()
+    unreachable = address_problem(address) if started_here and address else None
+    if unreachable:
+        # ray.init retries an address that does not answer for minutes, deaf to Ctrl-C.
+        echo(f"FAIL cannot reach Ray at {address}: {unreachable}")
+        echo(f"  fix: {_CONNECT_FIX}")
+        _remove_marker(state)
+        return 1
     if started_here:
         try:
             if address:
@@ -75,11 +83,7 @@ def run_doctor(address: str | None, storage: str | None, echo: Callable[[str], N
         except Exception as exc:  # connection and auth errors come in several types
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             echo(f"FAIL cannot reach Ray at {address or 'a new local instance'}: {first}")
-            echo(
-                "  fix: check --address/RAY_ADDRESS (the head's GCS address, e.g. 10.0.0.5:6379; `ray status` on the head "
-                "prints it), that the head is running, and for a token-auth cluster export RAY_AUTH_MODE=token with the "
-                "cluster's token in ~/.ray/auth_token (or RAY_AUTH_TOKEN_PATH)"
-            )
+            echo(f"  fix: {_CONNECT_FIX}")
             _remove_marker(state)
             return 1
     try:
@@ -103,6 +107,14 @@ def run_doctor(address: str | None, storage: str | None, echo: Callable[[str], N
         echo(f"FAIL {problem}")
     echo("OK: a run will work here." if not report.problems else f"{len(report.problems)} problem(s) found.")
     return 1 if report.problems else 0
+
+
+_CONNECT_FIX = (
+    "check --address/RAY_ADDRESS (the head's GCS address, e.g. 10.0.0.5:6379, or `auto` on a cluster node; "
+    "`ray status` on the head prints it), that the head is running and this machine can reach it, and for a "
+    "token-auth cluster export RAY_AUTH_MODE=token with the cluster's token in ~/.ray/auth_token (or "
+    "RAY_AUTH_TOKEN_PATH). From a laptop, run doctor as a job instead: ray job submit -- raytrain doctor"
+)
 
 
 # -- storage -------------------------------------------------------------------------------

@@ -185,6 +185,13 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
     # so quiet mode hides no error; full logs stay under the Ray session directory.
     quiet = {"logging_level": level, "log_to_driver": cfg.verbose}
     if address:
+        problem = address_problem(address)
+        if problem:
+            raise ConfigError([("address", f"got {address!r}: {problem}; give the head's HOST:PORT (e.g. 10.0.0.5:6379) or leave it out for a local Ray")])
+        # Inside `ray job submit` the job's runtime_env may set the same variables; Ray
+        # refuses to merge two values for one key, and the job's choice should win.
+        job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}").get("runtime_env", {}).get("env_vars", {})
+        runtime_env["env_vars"] = {k: v for k, v in runtime_env["env_vars"].items() if k not in job_env}
         try:
             ray.init(address=address, runtime_env=runtime_env, **quiet)
         except Exception as exc:  # connection errors come in several types
@@ -218,6 +225,22 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
         yield
     finally:
         ray.shutdown()
+
+
+def address_problem(address: str) -> str | None:
+    """Why `address` cannot be a GCS address that answers, judged in a few seconds; None if it may."""
+    if address.startswith(("http://", "https://")):
+        return "that is the dashboard/Jobs API URL (for `ray job submit`); Ray needs the GCS address, HOST:6379"
+    if address in ("auto", "local") or "://" in address:
+        return None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as exc:
+        return f"nothing answers there ({exc.strerror or type(exc).__name__})"
+    return None
 
 
 def free_port() -> int:

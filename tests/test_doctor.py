@@ -92,6 +92,29 @@ def test_doctor_unwritable_storage(tmp_path, session_address):
     assert "Traceback" not in out
 
 
+def test_doctor_unreachable_address_fails_fast():
+    port = _closed_port()
+    run = doctor("--address", f"127.0.0.1:{port}", timeout=120)
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    assert f"FAIL cannot reach Ray at 127.0.0.1:{port}" in out and "fix:" in out and "RAY_AUTH_MODE=token" in out
+
+
+def test_dashboard_url_is_not_a_ray_address():
+    from raytrain.doctor import _unreachable
+
+    assert "GCS address" in _unreachable("http://127.0.0.1:8265")
+    assert _unreachable("auto") is None
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # -- verdicts without Ray ------------------------------------------------------------------
 
 LOCAL = {"torch": "2.13.0", "cuda": None, "cuda_usable": False, "nccl": False, "gloo": True}
