@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 LR_RULES = ("linear", "sqrt", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "constant")
+PROGRESS_MODES = ("auto", "bar", "plain", "off")
 DEFAULT_STORAGE = "~/raytrain_results"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
@@ -116,6 +117,16 @@ class TrainConfig:
     """Ray cluster address; default RAY_ADDRESS, else an embedded local Ray."""
     verbose: bool = False
     """Show Ray's own logs."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI (http://HOST:5000, sqlite:///mlflow.db, or a directory): params, per-step metrics and the final model. Needs pip install 'raytrain[mlflow]'."""
+    mlflow_experiment: str = "raytrain"
+    """MLflow experiment the run is logged under."""
+    wandb_project: str | None = None
+    """Weights & Biases project (needs pip install wandb and wandb login; WANDB_MODE=offline works)."""
+    progress: str = "auto"
+    """Console progress: auto (a live bar on a terminal, plain lines otherwise), bar, plain or off."""
+    progress_interval_s: float = 10.0
+    """Seconds between plain progress lines when the output is not a terminal."""
     skip_nan_rows: bool = False
     """Drop rows holding NaN or inf (counted and reported) instead of failing before training."""
     time_phases: bool = False
@@ -279,6 +290,10 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
         yield "name", f"got {c.name!r}; use letters, digits, '.', '_' and '-' only, e.g. --name digits-lr3e-3"
     if c.resume and not c.name:
         yield "resume", "needs the run to continue: add --name RUN (the directory under --storage)"
+    if c.progress not in PROGRESS_MODES:
+        yield "progress", f"got {c.progress!r}; choose one of {', '.join(PROGRESS_MODES)}{_close(c.progress, PROGRESS_MODES)}"
+    if not 0 < c.progress_interval_s < math.inf:
+        yield "progress_interval_s", f"got {c.progress_interval_s}; must be a positive number of seconds, e.g. 10"
     if not 0 < c.ddp.bucket_cap_mb < math.inf:
         yield "ddp.bucket_cap_mb", f"got {c.ddp.bucket_cap_mb}; must be a positive size in MiB, e.g. 25"
 

@@ -54,28 +54,29 @@ class Snapshot:
             total = f"/{self.epoch_steps}" if self.epoch_steps else ""
             percent = f" ({100 * self.epoch_step / self.epoch_steps:.0f}%)" if self.epoch_steps else ""
             parts.append(f"step {self.epoch_step}{total}{percent}")
-        parts.append(self.postfix().replace(", ", "  "))
+        parts.append(self.postfix(workers=True).replace(", ", "  "))
         return "  ".join(part for part in parts if part)
 
-    def postfix(self) -> str:
+    def postfix(self, workers: bool = False) -> str:
+        """`ETA 0:05, loss 0.2500, 2,346 samples/s`: what matters first (a narrow terminal cuts the end)."""
         parts = []
+        if self.eta_s is not None:
+            parts.append(f"ETA {format_duration(self.eta_s)}")
         if self.loss is not None and math.isfinite(self.loss):
             parts.append(f"loss {self.loss:.4f}")
         if self.samples_per_s:
             parts.append(f"{self.samples_per_s:,.0f} samples/s")
-        if self.world_size:
+        if workers and self.world_size:
             parts.append(f"{self.world_size} worker{'s' if self.world_size != 1 else ''}")
-        if self.eta_s is not None:
-            parts.append(f"ETA {format_duration(self.eta_s)}")
         return ", ".join(parts)
 
 
 class EpochProgress:
     """Turns metrics/progress rows into Snapshots.
 
-    The epoch's step count comes from the row (`epoch_step`, `epoch_steps`, written by
-    rank 0 in live.jsonl rows), else from the training set size: given, or learned at
-    the first epoch end (every epoch sees every sample once, so samples_seen = epoch × rows).
+    The epoch's step count comes from the row (`epoch_step`, `epoch_steps`), else from the
+    training set size: in the row (`epoch_rows`, live.jsonl), given, or learned at the
+    first epoch end (every epoch sees every sample once, so samples_seen = epoch × rows).
     """
 
     def __init__(self, epochs: int, train_rows: int | None = None):
@@ -89,6 +90,8 @@ class EpochProgress:
             return None
         if row.get("epoch_end"):
             return self._epoch_end(row, epoch, step, seen)
+        if isinstance(row.get("epoch_rows"), int) and row["epoch_rows"] > 0:
+            self.train_rows = row["epoch_rows"]  # live.jsonl rows say it
         batch = row.get("global_batch_size") or 0
         epoch_step, epoch_steps, eta = row.get("epoch_step"), row.get("epoch_steps"), None
         rows = self.train_rows
@@ -342,7 +345,9 @@ def explain_worker_errors(error: BaseException) -> list[str]:
             failed.append(([rank], summarize_traceback(f"{type(exc).__name__}: {exc}")))
     if not failed:
         summary = summarize_traceback(text)
-        summary.exception = summary.exception or [type(error).__name__]
+        if "Traceback (most recent call last)" not in text:
+            summary.exception = [f"{type(error).__name__}: {text.strip()}".strip().rstrip(":")]
+            summary.exception = summary.exception[0].splitlines()
         return summary.lines()
     failed.sort(key=lambda item: item[0])
     out = []

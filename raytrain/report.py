@@ -123,9 +123,10 @@ def _mark_epochs_and_events(axes, run: RunRecord) -> None:
     """Dotted lines at epoch ends, red dashes at resizes and restarts (by step)."""
     for row in run.epoch_rows:
         axes.axvline(row["step"], color="0.85", linewidth=0.8, linestyle=":", zorder=0)
-    for event in run.events:
-        if event.get("kind") in MARKED_EVENTS and _finite(event.get("step")):
-            axes.axvline(event["step"], color="tab:red", linewidth=1, linestyle="--", alpha=0.6, zorder=0)
+    marked = [e for e in run.events if e.get("kind") in MARKED_EVENTS and _finite(e.get("step"))]
+    for index, event in enumerate(marked):
+        label = "resize / restart (from step)" if index == 0 else None
+        axes.axvline(event["step"], color="tab:red", linewidth=1, linestyle="--", alpha=0.6, zorder=0, label=label)
 
 
 def _plot_loss(run: RunRecord, figure) -> bool:
@@ -141,9 +142,9 @@ def _plot_loss(run: RunRecord, figure) -> bool:
         axes.plot(x, y, "s-", color="tab:orange", label="validation")
     if not axes.lines:
         return False
-    _mark_epochs_and_events(axes, run)
     if all(v > 0 for line in axes.lines for v in line.get_ydata()) and _spread(axes) > 20:
-        axes.set_yscale("log")
+        axes.set_yscale("log")  # losses spanning orders of magnitude
+    _mark_epochs_and_events(axes, run)
     axes.set(title="Loss", xlabel="optimizer step", ylabel="loss")
     axes.legend(fontsize="small")
     axes.grid(alpha=0.3)
@@ -174,6 +175,8 @@ def _plot_lr(run: RunRecord, figure) -> bool:
     _mark_epochs_and_events(axes, run)
     axes.set(title="Learning rate", xlabel="optimizer step", ylabel="lr")
     axes.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize="small")
     axes.grid(alpha=0.3)
     return True
 
@@ -184,19 +187,20 @@ def _plot_workers(run: RunRecord, figure) -> bool:
     if start is None or not rows:
         return False
     rows.sort(key=lambda row: row["time_s"])
-    minutes = [(row["time_s"] - start) / 60 for row in rows]
+    scale, unit = _time_unit(rows[-1]["time_s"] - start)
+    times = [(row["time_s"] - start) / scale for row in rows]
     axes = figure.add_subplot()
-    axes.step(minutes, [row["world_size"] for row in rows], where="post", color="tab:purple", label="workers")
-    axes.set(title="Workers over time", xlabel="minutes since start", ylabel="world size")
+    axes.step(times, [row["world_size"] for row in rows], where="post", color="tab:purple", label="workers")
+    axes.set(title="Workers over time", xlabel=f"{unit} since start", ylabel="world size")
     axes.set_ylim(0, max(row["world_size"] for row in rows) + 1)
     axes.yaxis.get_major_locator().set_params(integer=True)
     batch = axes.twinx()
-    batch.step(minutes, [row.get("global_batch_size", math.nan) for row in rows], where="post", color="tab:gray", linestyle="--", label="global batch")
+    batch.step(times, [row.get("global_batch_size", math.nan) for row in rows], where="post", color="tab:gray", linestyle="--", label="global batch")
     batch.set_ylabel("global batch")
     batch.set_ylim(0, max((row.get("global_batch_size") or 0) for row in rows) * 1.2 + 1)
     for event in run.events:
         if event.get("kind") in MARKED_EVENTS and _finite(event.get("time")):
-            at = (event["time"] - start) / 60
+            at = (event["time"] - start) / scale
             axes.axvline(at, color="tab:red", linewidth=1, linestyle="--", alpha=0.6)
             axes.annotate(event["kind"], (at, axes.get_ylim()[1] * 0.95), fontsize="x-small", color="tab:red", rotation=90, va="top", ha="right")
     handles = axes.get_legend_handles_labels()[0] + batch.get_legend_handles_labels()[0]
@@ -224,6 +228,12 @@ def _plot_throughput(run: RunRecord, figure) -> bool:
     axes.legend(fontsize="small")
     axes.grid(alpha=0.3)
     return True
+
+
+def _time_unit(span_s: float) -> tuple[float, str]:
+    if span_s < 120:
+        return 1.0, "seconds"
+    return (60.0, "minutes") if span_s < 7200 else (3600.0, "hours")
 
 
 def _spread(axes) -> float:
@@ -259,7 +269,7 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
     if cfg:
         lines += ["## Configuration", "", "| option | value |", "|---|---|"]
         for key, value in _flatten(cfg).items():
-            lines.append(f"| {key} | {_fmt(value)} |")
+            lines.append(f"| {key} | {_fmt(value, 'option')} |")
         lines.append("")
     plan = next((e.get("message") for e in run.events if e.get("kind") == "plan"), None)
     if plan:
@@ -316,17 +326,17 @@ def _epoch_table(run: RunRecord) -> list[str]:
 
 
 def _fmt(value: Any, key: str = "") -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool) or isinstance(value, int):
-        return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) and key != "epoch" else str(value)
-    if isinstance(value, float):
+    """A table cell: thousands separators for counts and rates, 4 decimals for losses and
+    metrics, scientific for learning rates."""
+    if isinstance(value, float) and math.isfinite(value) and key != "option":
         if key == "lr":
             return f"{value:.2e}"
-        if key == "samples/s":
+        if abs(value) >= 1000:
             return f"{value:,.0f}"
-        return f"{value:.4g}"
-    return str(value).replace("|", "\\|").replace("\n", " ")
+        return f"{value:.4f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.3e}"
+    if isinstance(value, int) and not isinstance(value, bool) and key not in ("epoch", "option"):
+        return f"{value:,}"
+    return "" if value is None else str(value).replace("|", "\\|").replace("\n", " ")
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -256,6 +256,8 @@ class RunTracker:
         self.dispatcher = Dispatcher([], warn=self.echo)
         self._finished = False
         check_installed(self.options)
+        if self.options.mlflow_uri:
+            check_mlflow_uri(self.options.mlflow_uri)
 
     def open_sinks(self, train_rows: int | None = None) -> list[Sink]:
         from raytrain.progress import Console
@@ -270,16 +272,24 @@ class RunTracker:
             TensorBoardSink(self.run_dir, params),
         ]
         if self.options.mlflow_uri:
-            sinks.append(MLflowSink(self.options.mlflow_uri, self.options.mlflow_experiment, self.cfg, params, self.run_dir, echo=self.echo))
+            self._start(sinks, "MLflow", lambda: MLflowSink(self.options.mlflow_uri, self.options.mlflow_experiment, self.cfg, params, self.run_dir, echo=self.echo))
         if self.options.wandb_project:
-            sinks.append(WandbSink(self.options.wandb_project, self.cfg, params, self.run_dir))
+            self._start(sinks, "Weights & Biases", lambda: WandbSink(self.options.wandb_project, self.cfg, params, self.run_dir))
         return sinks
+
+    def _start(self, sinks: list[Sink], tracker: str, make: Callable[[], Sink]) -> None:
+        """Training goes on when a tracker cannot start (server down, not logged in): one warning."""
+        try:
+            sinks.append(make())
+        except Exception as exc:
+            self.echo(f"raytrain: {tracker} could not start a run, training without it: {type(exc).__name__}: {_first_line(exc)}")
 
     @contextlib.contextmanager
     def follow(self, since: float, datasets: dict[str, Any] | None = None) -> Iterator[None]:
         self.ray_logs = ray_logs_dir()
         rows = count_rows(datasets.get("train")) if datasets and self.progress else None
         self.dispatcher.sinks = self.open_sinks(train_rows=rows)
+        self.dispatcher.warn = self.dispatcher.sinks[0].write  # the console: above the bar, if any
         try:
             with follow(self.run_dir, self.dispatcher, since=since):
                 yield
@@ -304,15 +314,17 @@ class RunTracker:
         self.dispatcher.send("finish", summary, self.run_dir)
 
 
-def check_installed(options: TrackingOptions) -> None:
+def check_installed(options: TrackingOptions, importable: Callable[[str], bool] | None = None) -> None:
+    """ConfigError naming the fix when a tracker is asked for but not installed."""
+    importable = importable or _importable
     problems = []
-    if options.mlflow_uri and not _importable("mlflow"):
+    if options.mlflow_uri and not importable("mlflow"):
         problems.append((
             "mlflow_uri",
             f"got {options.mlflow_uri!r}, but MLflow is not installed; install it with "
             "pip install 'raytrain[mlflow]' (or pip install mlflow), or drop --mlflow-uri",
         ))
-    if options.wandb_project and not _importable("wandb"):
+    if options.wandb_project and not importable("wandb"):
         problems.append((
             "wandb_project",
             f"got {options.wandb_project!r}, but Weights & Biases is not installed; install it with "
@@ -322,6 +334,33 @@ def check_installed(options: TrackingOptions) -> None:
         problems.append(("progress", f"got {options.progress!r}; choose one of auto, bar, plain, off"))
     if problems:
         raise ConfigError(problems)
+
+
+def check_mlflow_uri(uri: str) -> None:
+    """Reach the tracking store before anything starts: a typo is a usage error (exit 2)."""
+    from mlflow.tracking import MlflowClient
+
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}  # not minutes of retries
+    saved = {key: os.environ.get(key) for key in quick}
+    os.environ.update(quick)
+    try:
+        MlflowClient(tracking_uri=mlflow_store_uri(uri)).search_experiments(max_results=1)
+    except Exception as exc:
+        raise ConfigError([("mlflow_uri", f"got {uri!r}, but MLflow cannot use it: {type(exc).__name__}: {_first_line(exc)}; "
+                            "give a server (http://HOST:5000), sqlite:///mlflow.db or a directory")]) from None
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+
+
+def mlflow_store_uri(uri: str) -> str:
+    """A directory becomes a file: URI; MLflow 3 refuses file stores unless told, and the
+    user asked for one explicitly."""
+    if uri.startswith(("/", ".", "~")):
+        uri = Path(uri).expanduser().resolve().as_uri()
+    if uri.startswith("file:"):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return uri
 
 
 def _importable(module: str) -> bool:
@@ -483,11 +522,7 @@ class MLflowSink(Sink):
     name = "MLflow"
 
     def __init__(self, uri: str, experiment: str, cfg: Any, params: dict[str, str], run_dir: Path, echo: Callable[[str], None] = print):
-        if uri.startswith(("/", ".", "~")):
-            uri = Path(uri).expanduser().resolve().as_uri()
-        if uri.startswith("file:"):
-            # MLflow 3 refuses a file store unless told; the user asked for one explicitly.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        uri = mlflow_store_uri(uri)
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)

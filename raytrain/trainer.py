@@ -10,7 +10,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import socket
 import sys
 import time
@@ -392,18 +391,6 @@ def _best_checkpoint(result: Any, run_dir: Path) -> str | None:
             return result.checkpoint.path
     found = checkpoint_dirs(run_dir)
     return str(found[-1]) if found else None
-
-
-_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b[^:]*:")
-
-
-def final_error_lines(text: str, limit: int = 8) -> list[str]:
-    """The last exception of a traceback text: its `Type: message` line and what follows."""
-    lines = [line.rstrip() for line in text.strip().splitlines() if line.strip()]
-    if "Traceback (most recent call last)" not in text:
-        return lines[:limit]  # already just the message
-    starts = [i for i, line in enumerate(lines) if _ERROR_LINE.match(line)]
-    return lines[starts[-1]:][:limit] if starts else lines[-3:]
 
 
 def explain_failure(error: Exception, run_dir: Path, ray_logs: str | None = None) -> str:

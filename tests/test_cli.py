@@ -187,7 +187,7 @@ def test_no_pipeline(train):
 @pytest.mark.parametrize(
     "spec, expected",
     [
-        ("nosuch", "pipeline: unknown name 'nosuch'; use a built-in one (digits) or point at your own as module:attr"),
+        ("nosuch", "pipeline: unknown name 'nosuch'; use a built-in one (digits, parquet, charlm) or point at your own as module:attr"),
         ("digit", "pipeline: unknown name 'digit'"),
         ("no_such_module_xyz:Pipe", "pipeline 'no_such_module_xyz:Pipe': cannot import module 'no_such_module_xyz'"),
         ("pipelines.digits:Missing", "pipeline 'pipelines.digits:Missing': module 'pipelines.digits' has no attribute 'Missing'"),

@@ -1,0 +1,405 @@
+"""Driver-side tracking: tailing the run files, TensorBoard, MLflow, W&B.
+
+Pure tests feed crafted metrics.jsonl / events.jsonl rows to the tailer and the sinks and
+read the results back with the trackers' own readers; one CPU Ray test trains digits
+through the command line and checks the TensorBoard files and the report.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import raytrain
+from raytrain.config import ConfigError
+from raytrain.tracking import (
+    Dispatcher,
+    JsonlTail,
+    MLflowSink,
+    RunTracker,
+    Sink,
+    TensorBoardSink,
+    TrackingOptions,
+    WandbSink,
+    check_installed,
+    config_params,
+    follow,
+    step_scalars,
+)
+
+T0 = 1_800_000_000.0
+
+
+def append(path: Path, *rows: dict, newline: bool = True) -> None:
+    with open(path, "a") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + ("\n" if newline else ""))
+
+
+def metrics_row(step: int, *, epoch: int = 1, loss: float = 1.0, world_size: int = 2, epoch_end: bool = False, **extra) -> dict:
+    row = {
+        "epoch": epoch, "step": step, "samples_seen": step * 64, "world_size": world_size,
+        "global_batch_size": 32 * world_size, "lr": 1e-3 * step, "loss": loss, "samples_per_s": 1000.0 + step,
+        "time_s": T0 + step,
+    }
+    if epoch_end:
+        row["epoch_end"] = True
+    return {**row, **extra}
+
+
+def event(kind: str, message: str, at: float, **fields) -> dict:
+    return {"time": at, "kind": kind, "message": message, **fields}
+
+
+class Recorder(Sink):
+    name = "recorder"
+
+    def __init__(self):
+        self.calls: list[tuple[str, object]] = []
+
+    def event(self, e):
+        self.calls.append(("event", e["message"]))
+
+    def metrics(self, row):
+        self.calls.append(("metrics", row["step"]))
+
+    def progress(self, row):
+        self.calls.append(("progress", row["step"]))
+
+
+# -- tailing -------------------------------------------------------------------------------
+
+
+def test_tail_returns_new_complete_lines_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = JsonlTail(path)
+    assert tail.read() == []  # no file yet
+    append(path, {"step": 1}, {"step": 2})
+    append(path, {"step": 3}, newline=False)  # rank 0 is mid-write
+    assert [row["step"] for row in tail.read()] == [1, 2]
+    with open(path, "a") as handle:
+        handle.write("\nnot json\n")
+    assert [row["step"] for row in tail.read()] == [3]
+    assert tail.read() == []
+
+
+def test_tail_skips_what_was_there_before(tmp_path):
+    path = tmp_path / "events.jsonl"
+    append(path, {"step": 1})
+    tail = JsonlTail(path)
+    append(path, {"step": 2})
+    assert [row["step"] for row in tail.read()] == [2]
+
+
+@pytest.mark.parametrize("new_rows", [[], [{"step": 3, "attempt": 2}], [{"step": 3, "attempt": 2}, {"step": 4, "attempt": 2}, {"step": 5, "attempt": 2}]])
+def test_tail_follows_a_rewrite_that_keeps_a_prefix(tmp_path, new_rows):
+    """Rank 0 drops the rows after the checkpoint it resumes from, then appends again."""
+    path = tmp_path / "metrics.jsonl"
+    tail = JsonlTail(path)
+    append(path, *[{"step": s} for s in range(1, 6)])
+    assert len(tail.read()) == 5
+    kept = [json.dumps({"step": s}) + "\n" for s in (1, 2)]
+    path.write_text("".join(kept))  # truncated to the checkpoint at step 2
+    append(path, *new_rows)
+    assert tail.read() == new_rows
+    append(path, {"step": 9})
+    assert tail.read() == [{"step": 9}]
+
+
+def test_follow_sends_rows_of_all_files_in_time_order(tmp_path):
+    recorder = Recorder()
+    since = T0
+    append(tmp_path / "events.jsonl", event("plan", "old session", T0 - 100))
+    with follow(tmp_path, Dispatcher([recorder], warn=print), since=since, interval_s=0.05) as pump:
+        append(tmp_path / "events.jsonl", event("plan", "stale", T0 - 50))  # an earlier driver's row
+        append(tmp_path / "events.jsonl", event("plan", "plan", T0 + 0.5), event("epoch", "epoch 1", T0 + 3.5))
+        append(tmp_path / "metrics.jsonl", metrics_row(1), metrics_row(3, epoch_end=True))
+        append(tmp_path / "live.jsonl", {"time": T0 + 2, "step": 2})
+        pump()
+    assert recorder.calls == [("event", "plan"), ("metrics", 1), ("progress", 2), ("metrics", 3), ("event", "epoch 1")]
+
+
+def test_a_failing_sink_is_dropped_with_one_warning_and_the_others_go_on(tmp_path):
+    class Broken(Sink):
+        name = "Broken tracker"
+
+        def metrics(self, row):
+            raise ConnectionError("server gone\nmore detail")
+
+    warnings, recorder = [], Recorder()
+    with follow(tmp_path, Dispatcher([Broken(), recorder], warn=warnings.append), since=T0) as pump:
+        append(tmp_path / "metrics.jsonl", metrics_row(1), metrics_row(2))
+        pump()
+    assert warnings == ["raytrain: Broken tracker stopped tracking this run: ConnectionError: server gone"]
+    assert recorder.calls == [("metrics", 1), ("metrics", 2)]
+
+
+# -- what trackers get ---------------------------------------------------------------------
+
+
+def test_step_scalars_split_window_epoch_and_validation_series():
+    assert step_scalars(metrics_row(10)) == {
+        "train/loss": 1.0, "train/lr": 1e-2, "train/samples_per_s": 1010.0, "train/global_batch_size": 64.0, "train/world_size": 2.0,
+    }
+    end = step_scalars(metrics_row(23, epoch_end=True, val_loss=0.5, val_accuracy=0.9))
+    assert end == {
+        "epoch/train_loss": 1.0, "epoch/samples_per_s": 1023.0, "train/lr": pytest.approx(0.023),
+        "train/global_batch_size": 64.0, "train/world_size": 2.0, "epoch/epoch": 1.0, "val/loss": 0.5, "val/accuracy": 0.9,
+    }
+
+
+def test_config_params_are_the_resolved_config_flattened(tmp_path):
+    params = config_params(raytrain.TrainConfig(epochs=3, workers="1:4", lr=3e-4), "digits", tmp_path)
+    assert params["epochs"] == "3" and params["workers"] == "1:4" and params["lr"] == "0.0003"
+    assert params["ddp.bucket_cap_mb"] == "25.0" and params["pipeline"] == "digits" and params["name"] == ""
+
+
+def test_missing_trackers_are_configuration_errors_naming_the_fix():
+    nothing = lambda module: False  # noqa: E731
+    with pytest.raises(ConfigError, match=r"mlflow_uri: got 'sqlite:///m.db', but MLflow is not installed.*raytrain\[mlflow\]") as error:
+        check_installed(TrackingOptions(mlflow_uri="sqlite:///m.db", wandb_project="p"), importable=nothing)
+    assert "wandb_project: got 'p', but Weights & Biases is not installed; install it with pip install wandb" in str(error.value)
+    with pytest.raises(ConfigError, match="progress: got 'fancy'; choose one of auto, bar, plain, off"):
+        check_installed(TrackingOptions(progress="fancy"))
+    check_installed(TrackingOptions())  # nothing asked for: fine
+
+
+@pytest.mark.parametrize("bad", ["http://127.0.0.1:1", "nosuchstore://x"])
+def test_an_mlflow_uri_that_cannot_work_is_a_configuration_error_before_anything_starts(tmp_path, bad):
+    pytest.importorskip("mlflow")
+    cfg = raytrain.TrainConfig(epochs=1, name="x", storage=str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"mlflow_uri: got '{bad}', but MLflow cannot use it: .*give a server"):
+        RunTracker(cfg, tmp_path / "x", "digits", options=TrackingOptions(mlflow_uri=bad))
+
+
+def test_a_tracker_that_cannot_start_warns_and_training_goes_on(tmp_path):
+    lines: list[str] = []
+    tracker = RunTracker(raytrain.TrainConfig(epochs=1), tmp_path, "digits", echo=lines.append)
+    sinks: list[Sink] = []
+
+    def refuse():
+        raise PermissionError("not logged in\nrun wandb login")
+
+    tracker._start(sinks, "Weights & Biases", refuse)
+    assert sinks == [] and lines == ["raytrain: Weights & Biases could not start a run, training without it: PermissionError: not logged in"]
+
+
+# -- TensorBoard ---------------------------------------------------------------------------
+
+
+def load_tensorboard(run_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def series(accumulator, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of a scalar tag; values rounded (TensorBoard stores float32)."""
+    return [(e.step, round(e.value, 5)) for e in accumulator.Scalars(tag)]
+
+
+def texts(accumulator, tag: str) -> list[tuple[int, str]]:
+    return [(e.step, e.tensor_proto.string_val[0].decode()) for e in accumulator.Tensors(tag)]
+
+
+def test_tensorboard_events_have_step_series_validation_and_text_events(tmp_path):
+    sink = TensorBoardSink(tmp_path, {"lr": "0.001", "epochs": "2"})
+    sink.event(event("plan", "global 64 = 2 workers × 32 per worker", T0))
+    for step in (5, 10, 15):
+        sink.metrics(metrics_row(step, loss=2.0 / step))
+    sink.metrics(metrics_row(20, epoch_end=True, loss=0.4, val_loss=0.5, val_accuracy=0.875))
+    sink.event(event("resize", "Resized 2 → 1 workers at step 20", T0 + 30, step=20, world_size=1, previous_world_size=2))
+    sink.metrics(metrics_row(25, epoch=2, world_size=1, loss=0.3))
+    sink.tick()
+    sink.finish({"status": "finished", "steps": 25, "final_metrics": {"val_loss": 0.5}}, tmp_path)
+
+    tb = load_tensorboard(tmp_path)
+    scalars = set(tb.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/samples_per_s", "train/global_batch_size", "train/world_size"} <= scalars
+    assert {"val/loss", "val/accuracy", "epoch/train_loss", "epoch/samples_per_s", "epoch/epoch"} <= scalars
+    assert series(tb, "train/loss") == [(5, 0.4), (10, 0.2), (15, 0.13333), (25, 0.3)]
+    assert series(tb, "train/world_size") == [(5, 2), (10, 2), (15, 2), (20, 2), (25, 1)]
+    assert series(tb, "val/accuracy") == [(20, 0.875)]
+    assert texts(tb, "events/text_summary") == [
+        (0, "**plan**: global 64 = 2 workers × 32 per worker"), (20, "**resize**: Resized 2 → 1 workers at step 20"),
+    ]
+    assert "| lr | 0.001 |" in texts(tb, "config/text_summary")[0][1]
+    assert "| status | finished |" in texts(tb, "summary/text_summary")[0][1]
+
+
+def test_tensorboard_shows_the_redone_steps_after_a_restart_once(tmp_path):
+    """Steps after the checkpoint are trained again: TensorBoard keeps the second attempt's."""
+    sink = TensorBoardSink(tmp_path, {})
+    for step in (2, 4, 6):
+        sink.metrics(metrics_row(step, loss=10.0 + step))
+    sink.event(event("restore", "Restarted from the checkpoint at step 4", T0 + 50, step=4, world_size=2))
+    for step in (6, 8):
+        sink.metrics(metrics_row(step, loss=float(step)))
+    sink.finish(None, tmp_path)
+    tb = load_tensorboard(tmp_path)
+    assert series(tb, "train/loss") == [(2, 12.0), (4, 14.0), (6, 6.0), (8, 8.0)]
+
+
+# -- MLflow --------------------------------------------------------------------------------
+
+
+def mlflow_uri(kind: str, tmp_path: Path) -> str:
+    return f"file:{tmp_path / 'mlruns'}" if kind == "file" else f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+def test_mlflow_run_holds_params_step_metrics_and_the_model(tmp_path, monkeypatch, kind):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)  # a sqlite store keeps artifacts in ./mlruns
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = raytrain.TrainConfig(epochs=2, workers=2, name="mlrun", storage=str(tmp_path))
+    uri = mlflow_uri(kind, tmp_path)
+    lines = []
+    sink = MLflowSink(uri, "raytrain-tests", cfg, config_params(cfg, "digits", run_dir), run_dir, echo=lines.append)
+    for step in (5, 10):
+        sink.metrics(metrics_row(step, loss=1.0 / step))
+    sink.metrics(metrics_row(12, epoch_end=True, loss=0.3, val_loss=0.25, val_accuracy=0.9))
+    sink.tick()
+    (run_dir / "model.pt").write_bytes(b"weights")
+    (run_dir / "config.yaml").write_text("epochs: 2\n")
+    sink.finish({"status": "finished", "steady_samples_per_s": 1234.5, "wall_time_s": 9.0, "world_sizes": [2]}, run_dir)
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(sink.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "mlrun"
+    assert lines == [f"MLflow: experiment 'raytrain-tests', run {sink.run_id} at {uri}"]
+    params = run.data.params
+    assert params["epochs"] == "2" and params["workers"] == "2" and params["pipeline"] == "digits" and params["ddp.static_graph"] == "False"
+    assert [(m.step, m.value) for m in client.get_metric_history(sink.run_id, "loss")] == [(5, 0.2), (10, 0.1)]
+    assert [(m.step, m.value) for m in client.get_metric_history(sink.run_id, "val_accuracy")] == [(12, 0.9)]
+    assert {"lr", "samples_per_s", "global_batch_size", "world_size", "epoch_train_loss", "val_loss", "summary/steady_samples_per_s"} <= set(run.data.metrics)
+    assert [a.path for a in client.list_artifacts(sink.run_id, "model")] == ["model/model.pt"]
+    assert "run/config.yaml" in [a.path for a in client.list_artifacts(sink.run_id, "run")]
+    assert run.data.tags["raytrain.world_sizes"] == "2"
+
+
+def test_mlflow_resume_continues_the_same_run(tmp_path):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    uri, run_dir = mlflow_uri("file", tmp_path), tmp_path / "run"
+    first_cfg = raytrain.TrainConfig(epochs=1, name="again", storage=str(tmp_path))
+    first = MLflowSink(uri, "raytrain", first_cfg, config_params(first_cfg, "digits", run_dir), run_dir, echo=lambda line: None)
+    first.metrics(metrics_row(1))
+    first.finish(None, run_dir)  # the driver was interrupted
+    again_cfg = raytrain.TrainConfig(epochs=2, name="again", storage=str(tmp_path), resume=True)
+    again = MLflowSink(uri, "raytrain", again_cfg, config_params(again_cfg, "digits", run_dir), run_dir, echo=lambda line: None)
+    again.metrics(metrics_row(2))
+    again.finish({"status": "finished"}, run_dir)
+    assert again.run_id == first.run_id
+    client = MlflowClient(tracking_uri=uri)
+    assert [m.step for m in client.get_metric_history(again.run_id, "loss")] == [1, 2]
+    assert client.get_run(again.run_id).info.status == "FINISHED"
+
+
+# -- Weights & Biases ------------------------------------------------------------------------
+
+
+def test_wandb_offline_run_gets_the_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = raytrain.TrainConfig(epochs=1, name="wb", storage=str(tmp_path))
+    sink = WandbSink("raytrain-tests", cfg, config_params(cfg, "digits", tmp_path), tmp_path)
+    sink.metrics(metrics_row(5))
+    sink.metrics(metrics_row(3))  # a step redone after a restart: W&B needs increasing steps
+    sink.metrics(metrics_row(10, epoch_end=True, val_loss=0.5))
+    sink.event(event("resize", "Resized 2 → 1 workers", T0, step=10))
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    sink.finish({"status": "finished", "steps": 10}, tmp_path)
+    assert sink.last_step == 10
+    (offline,) = (tmp_path / "wandb").glob("offline-run-*-wb-*")  # the id derives from the run name
+    (table,) = offline.glob("files/media/table/events_*.table.json")  # events, logged at the last step
+    assert json.loads(table.read_text())["data"][0][1:] == ["resize", 10, "Resized 2 → 1 workers"]
+
+
+# -- one run's tracker, without Ray ----------------------------------------------------------
+
+
+def test_run_tracker_feeds_tensorboard_mlflow_and_writes_the_report(tmp_path):
+    pytest.importorskip("mlflow")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = raytrain.TrainConfig(epochs=2, workers=2, name="run", storage=str(tmp_path))
+    lines: list[str] = []
+    options = TrackingOptions(mlflow_uri=mlflow_uri("file", tmp_path))
+    tracker = RunTracker(cfg, run_dir, "digits", echo=lines.append, progress=True, options=options)
+    with tracker.follow(since=T0 - 1):
+        # what rank 0 writes while training
+        append(run_dir / "events.jsonl", event("plan", "global 64 = 2 workers", T0))
+        append(run_dir / "metrics.jsonl", metrics_row(10), metrics_row(23, epoch_end=True, val_loss=0.5))
+        append(run_dir / "events.jsonl", event("epoch", "epoch 1/2  loss 1.0", T0 + 24))
+    summary = {"status": "finished", "epochs": 1, "steps": 23, "samples_seen": 1472, "wall_time_s": 3.0, "world_sizes": [2], "failures_recovered": 0, "final_metrics": {"val_loss": 0.5}}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    tracker.finish(summary)
+
+    assert lines[0].startswith("MLflow: experiment 'raytrain', run ")
+    assert lines[1:] == ["global 64 = 2 workers", "epoch 1/2  loss 1.0"]  # not a terminal: no bar
+    assert "train/loss" in load_tensorboard(run_dir).Tags()["scalars"]
+    assert (run_dir / "report.md").exists() and (run_dir / "plots" / "loss.png").exists()
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=options.mlflow_uri)
+    run = client.search_runs([client.get_experiment_by_name("raytrain").experiment_id])[0]
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "run")} >= {"run/report.md", "run/plots"}
+
+
+# -- CPU Ray: digits end to end through the command line -------------------------------------
+
+
+def _mlflow_flags(tmp_path: Path) -> list[str]:
+    """--mlflow-uri once TrainConfig has the field and MLflow is installed."""
+    import dataclasses
+    import importlib.util
+
+    if "mlflow_uri" not in {f.name for f in dataclasses.fields(raytrain.TrainConfig)} or not importlib.util.find_spec("mlflow"):
+        return []
+    return ["--mlflow-uri", f"file:{tmp_path / 'mlruns'}"]
+
+
+@pytest.mark.ray
+def test_digits_run_leaves_tensorboard_files_and_a_report(ray_session, tmp_path, capsys):
+    from raytrain.cli import main
+
+    mlflow_flags = _mlflow_flags(tmp_path)
+    code = main(["train", "digits", "--workers", "2", "--epochs", "2", "--log-every-steps", "5", "--storage", str(tmp_path), "--name", "tracked", *mlflow_flags])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    run_dir = tmp_path / "tracked"
+    assert "\r" not in out  # stdout is not a terminal here: plain lines, no bar
+    assert f"Report: {run_dir / 'report.md'}" in out
+    if mlflow_flags:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=mlflow_flags[1])
+        (run,) = client.search_runs([client.get_experiment_by_name("raytrain").experiment_id])
+        assert run.info.status == "FINISHED" and run.data.params["workers"] == "2"
+        assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.pt"]
+        assert len(client.get_metric_history(run.info.run_id, "loss")) > 3
+
+    tb = load_tensorboard(run_dir)
+    assert {"train/loss", "train/lr", "train/samples_per_s", "train/global_batch_size", "train/world_size", "val/loss", "val/accuracy"} <= set(tb.Tags()["scalars"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e.step for e in tb.Scalars("train/loss")] == [row["step"] for row in rows if not row.get("epoch_end")]
+    assert [e.step for e in tb.Scalars("val/accuracy")] == [row["step"] for row in rows if row.get("epoch_end")]
+    assert [step for step, _ in texts(tb, "events/text_summary")][-1] == rows[-1]["step"]  # the "done" event
+
+    from PIL import Image
+
+    for name in ("loss", "val", "lr", "workers", "throughput"):
+        with Image.open(run_dir / "plots" / f"{name}.png") as image:
+            assert image.format == "PNG" and image.size[0] > 300
+    report = (run_dir / "report.md").read_text()
+    assert "**finished**" in report and "| 2 | 46 |" in report and "![loss](plots/loss.png)" in report
