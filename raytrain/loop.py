@@ -28,6 +28,7 @@ from raytrain.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_hea
 from raytrain.pipeline import Pipeline, _CONTEXT
 from raytrain.runtime import Runtime
 
+LIVE_INTERVAL_S = 1.0  # rank 0 writes live.jsonl at most this often
 TIMING_WARMUP_STEPS = 3  # steps per attempt left out of the steady throughput (first-step compile/alloc)
 
 
@@ -346,6 +347,7 @@ def train_epoch(trainer: StepRunner, table: Table, position: Position, cfg: Trai
             position.steady_samples += step.size
             position.steady_time_s += time.perf_counter() - tick
         last = step is steps[-1]
+        files.live(trainer, position, len(table))
         if position.step % cfg.log_every_steps == 0 or last:
             loss, count = trainer.take_loss()
             epoch_loss_sum += loss * count
@@ -403,6 +405,8 @@ class RunFiles:
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir = run_dir
         self.enabled = enabled
+        self.last_live = 0.0
+        self.live_mark: tuple[float, int] | None = None
 
     def _append(self, name: str, record: dict) -> None:
         if self.enabled:
@@ -414,6 +418,28 @@ class RunFiles:
 
     def metrics(self, row: dict) -> None:
         self._append("metrics.jsonl", row)
+
+    def live(self, trainer: "StepRunner", position: Position, epoch_rows: int) -> None:
+        """About once a second, where rank 0 is in the epoch (for the driver's progress bar).
+        Rank 0's own running loss: no collective, so it costs the other ranks nothing."""
+        now = time.time()
+        if not self.enabled or now - self.last_live < LIVE_INTERVAL_S:
+            return
+        previous, self.live_mark = self.live_mark, (now, position.samples_seen)
+        rate = (position.samples_seen - previous[1]) / (now - previous[0]) if previous and now > previous[0] else None
+        self.last_live = now
+        count = trainer.loss_count
+        self._append("live.jsonl", {
+            "time": now,
+            "epoch": position.epoch + 1,
+            "step": position.step,
+            "samples_seen": position.samples_seen,
+            "epoch_rows": epoch_rows,
+            "global_batch_size": trainer.batch_plan.global_batch_size,
+            "world_size": trainer.runtime.world_size,
+            "loss": float(trainer.loss_sum.item()) / count if count else None,
+            "samples_per_s": rate,
+        })
 
     def start_attempt(self, position: Position, state: dict | None, trainer: StepRunner, cfg: TrainConfig) -> None:
         if not self.enabled:
