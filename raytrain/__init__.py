@@ -3,7 +3,8 @@
 from raytrain.config import ConfigError, TrainConfig
 from raytrain.pipeline import Pipeline, context
 from raytrain.trainer import FitResult, RunFailed, fit
+from raytrain.tune import tune
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "FitResult", "Pipeline", "RunFailed", "TrainConfig", "context", "fit"]
+__all__ = ["ConfigError", "FitResult", "Pipeline", "RunFailed", "TrainConfig", "context", "fit", "tune"]

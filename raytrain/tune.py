@@ -89,8 +89,10 @@ class TuneOptions:
     """min or max: whether lower or higher `metric` is better."""
     early_stop: bool = True
     """ASHA early stopping (per worker count); False runs every trial to the end."""
-    grace_period_epochs: int = 1
-    """ASHA never stops a trial before this many epochs."""
+    grace_period_epochs: int | None = None
+    """ASHA never stops a trial before this many epochs. Default: one epoch after the longest
+    warmup (before that, a warming-up trial is judged mid-ramp, at a lower rate than its
+    rivals), at most the trials' epochs."""
     reduction_factor: float = 2.0
     """ASHA keeps about 1/this of the trials at each rung."""
     target: float | None = None
@@ -104,7 +106,7 @@ class TuneOptions:
             problems.append(("metric", "is empty; give a reported metric, e.g. --metric val_loss"))
         if self.mode not in MODES:
             problems.append(("mode", f"got {self.mode!r}; choose min (lower is better) or max"))
-        if self.grace_period_epochs < 1:
+        if self.grace_period_epochs is not None and self.grace_period_epochs < 1:
             problems.append(("grace_period", f"got {self.grace_period_epochs}; must be at least 1 epoch"))
         if not self.reduction_factor > 1:
             problems.append(("reduction_factor", f"got {self.reduction_factor}; must be more than 1, e.g. 2"))
@@ -156,40 +158,44 @@ def _check_space(s: SearchSpace) -> Iterable[tuple[str, str]]:
         yield "samples", f"got {s.samples} without --lr-range; a grid has nothing to draw: add --lr-range LO:HI or drop --samples"
 
 
-def parse_list(text: Any, kind: Callable[[str], Any], option: str) -> list[Any]:
-    """`"1,2,4"` -> [1, 2, 4]; a YAML list or a single value -> a list. Duplicates dropped,
-    order kept. Raises ConfigError naming `option` and the bad item."""
+def parse_list(text: Any, kind: str, option: str) -> list[Any]:
+    """`"1,2,4"` -> [1, 2, 4] (`kind` int, float or str); a YAML list or a single value -> a
+    list. Duplicates dropped, order kept. Raises ConfigError naming `option` and the bad item."""
+    convert, described = _KINDS[kind]
     items = text if isinstance(text, (list, tuple)) else str(text).split(",")
     values, problems = [], []
     for item in items:
         raw = str(item).strip()
-        try:
-            value = kind(raw) if isinstance(item, str) or kind is str else kind(item)
-            if kind is int and isinstance(item, float) and item != int(item):
-                raise ValueError
-        except (TypeError, ValueError):
-            problems.append((option, f"got {raw!r} in {_show(text)}; give a comma-separated list of {_KIND_NAMES[kind]}"))
+        if not raw:
+            problems.append((option, f"has an empty item in {_show(text)}; give a comma-separated list of {described}"))
             continue
-        if raw == "" and kind is not str:
-            problems.append((option, f"has an empty item in {_show(text)}; give a comma-separated list, e.g. 1,2"))
-        elif value not in values:
+        try:
+            value = convert(raw)
+        except ValueError:
+            problems.append((option, f"got {raw!r} in {_show(text)}; give a comma-separated list of {described}"))
+            continue
+        if value not in values:
             values.append(value)
     if problems:
         raise ConfigError(problems)
     return values
 
 
-_KIND_NAMES = {int: "whole numbers, e.g. 1,2,4", float: "numbers, e.g. 1e-4,3e-4", str: "names, e.g. linear,sqrt"}
+def _int(text: str) -> int:
+    if text.lstrip("+").isdigit():
+        return int(text)
+    raise ValueError(text)
+
+
+_KINDS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "int": (_int, "whole numbers, e.g. 1,2,4"),
+    "float": (float, "numbers, e.g. 1e-4,3e-4"),
+    "str": (str, "names, e.g. linear,sqrt"),
+}
 
 
 def _show(text: Any) -> str:
     return repr(",".join(map(str, text)) if isinstance(text, (list, tuple)) else str(text))
-
-
-def _int(text: str) -> int:
-    if str(text).strip().lstrip("+").isdigit():
-        return int(text)
-    raise ValueError(text)
 
 
 def parse_search_space(
@@ -205,7 +211,7 @@ def parse_search_space(
     Every problem of every axis in one ConfigError."""
     values: dict[str, Any] = {}
     problems: list[tuple[str, str]] = []
-    for name, raw, kind in (("workers", workers, _int), ("lr_scaling", lr_scaling, str), ("warmup_epochs", warmup_epochs, float), ("lr", lr, float)):
+    for name, raw, kind in (("workers", workers, "int"), ("lr_scaling", lr_scaling, "str"), ("warmup_epochs", warmup_epochs, "float"), ("lr", lr, "float")):
         if raw is None:
             continue
         if name == "workers" and any(":" in str(item) for item in (raw if isinstance(raw, (list, tuple)) else [raw])):
@@ -294,11 +300,20 @@ def check_trials(base: TrainConfig, space: SearchSpace, options: TuneOptions) ->
             trial_config(base, {**point, **({"lr": lr} if lr is not None else {})})
         except ConfigError as exc:
             problems += [p for p in exc.problems if p not in problems]
-    if options.early_stop and options.grace_period_epochs > base.epochs:
+    if options.early_stop and options.grace_period_epochs is not None and options.grace_period_epochs > base.epochs:
         problems.append(("grace_period", f"got {options.grace_period_epochs} epochs, longer than the {base.epochs} epochs of each trial; lower it or raise --epochs"))
     if problems:
         raise ConfigError(problems)
     return points
+
+
+def grace_period(options: TuneOptions, points: list[dict[str, Any]], epochs: int) -> int:
+    """ASHA's grace period in epochs: as given, else one epoch after the longest warmup,
+    at most `epochs` (then no trial is stopped before its last epoch)."""
+    if options.grace_period_epochs is not None:
+        return options.grace_period_epochs
+    longest = max((p["warmup_epochs"] for p in points), default=0.0)
+    return min(epochs, math.ceil(longest) + 1)
 
 
 def trial_name(index: int, point: dict[str, Any]) -> str:
@@ -422,7 +437,7 @@ def _report_to_tune(metric: str, mode: str):
 # -- scheduling (driver) ---------------------------------------------------------------------
 
 
-def _scheduler(options: TuneOptions, epochs: int):
+def _scheduler(options: TuneOptions, epochs: int, grace: int):
     from ray.tune.schedulers import AsyncHyperBandScheduler, FIFOScheduler, TrialScheduler
 
     if not options.early_stop:
@@ -437,7 +452,6 @@ def _scheduler(options: TuneOptions, epochs: int):
             super().__init__()
             self._metric, self._mode = options.metric, options.mode
             self.groups: dict[int, AsyncHyperBandScheduler] = {}
-            self.stopped_at: dict[str, int] = {}
 
         def set_search_properties(self, metric, mode, **spec) -> bool:
             return not (metric and metric != self._metric) and not (mode and mode != self._mode)
@@ -447,7 +461,7 @@ def _scheduler(options: TuneOptions, epochs: int):
             if key not in self.groups:
                 self.groups[key] = AsyncHyperBandScheduler(
                     time_attr="epoch", metric=options.metric, mode=options.mode, max_t=epochs,
-                    grace_period=options.grace_period_epochs, reduction_factor=options.reduction_factor,
+                    grace_period=grace, reduction_factor=options.reduction_factor,
                     brackets=1, stop_last_trials=False,
                 )
             return self.groups[key]
@@ -459,8 +473,6 @@ def _scheduler(options: TuneOptions, epochs: int):
             decision = self._group(trial).on_trial_result(tune_controller, trial, result)
             if decision == TrialScheduler.STOP and result.get("epoch", 0) >= epochs:
                 return TrialScheduler.CONTINUE
-            if decision == TrialScheduler.STOP:
-                self.stopped_at[trial.trial_id] = int(result.get("epoch", 0))
             return decision
 
         def on_trial_complete(self, tune_controller, trial, result) -> None:
@@ -488,16 +500,17 @@ def _console_callback(total: int, epochs: int, options: TuneOptions, echo: Calla
             self.started: dict[str, float] = {}
             self.ended: dict[str, float] = {}
             self.errors: dict[str, str] = {}
-            self.trials: list = []
+            self.trials: dict[str, Any] = {}  # trial id -> Trial, for the rows of trials.csv
 
         def on_experiment_end(self, trials, **info):
-            self.trials = list(trials)
+            self.trials.update((trial.trial_id, trial) for trial in trials)
 
         def _label(self, trial) -> str:
             return f"[{trial_index(trial) + 1:>{len(str(total))}}/{total} {_describe_point(trial_point(trial))}]"
 
         def on_trial_start(self, iteration, trials, trial, **info):
             self.started[trial.trial_id] = time.time()
+            self.trials[trial.trial_id] = trial
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             metrics = "  ".join(f"{k} {result[k]:.4f}" for k in sorted(result) if k.startswith("val_") and isinstance(result[k], (int, float)))
@@ -516,9 +529,9 @@ def _console_callback(total: int, epochs: int, options: TuneOptions, echo: Calla
 
         def on_trial_error(self, iteration, trials, trial, **info):
             self.ended[trial.trial_id] = time.time()
-            message = _first_line(getattr(trial, "error_message", None) or _read_error(trial) or "failed")
+            message = _first_line(_read_error(trial) or "failed")
             self.errors[trial.trial_id] = message
-            echo(f"{self._label(trial)} FAILED: {message}")
+            echo(f"{self._label(trial)} FAILED: {message} (run files: trials/{_trial_name_creator(trial)}/)")
 
     return Console()
 
@@ -541,16 +554,20 @@ def _describe_point(point: dict[str, Any]) -> str:
 
 
 def _read_error(trial) -> str | None:
+    """The trial's exception as Tune stored it (a RunFailed from fit, wrapped by Ray)."""
     with contextlib.suppress(Exception):
-        path = getattr(trial, "error_file", None) or getattr(getattr(trial, "run_metadata", None), "error_filename", None)
-        if path and os.path.exists(path):
-            return Path(path).read_text()
+        error = trial.get_pickled_error()
+        if error is not None:
+            return str(error)
+    with contextlib.suppress(Exception):
+        if trial.error_file and os.path.exists(trial.error_file):
+            return Path(trial.error_file).read_text()
     return None
 
 
 def _first_line(text: str) -> str:
     lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    useful = [line for line in lines if "RunFailed" in line or "The run failed" in line]
+    useful = [line[line.index("The run failed"):] for line in lines if "The run failed" in line]
     return (useful or lines[-1:] or ["failed"])[0][:400]
 
 
@@ -586,7 +603,7 @@ def tune(
     Writes trials.csv, best.yaml and trials.png under STORAGE/NAME/."""
     import ray
 
-    from raytrain.trainer import build_datasets, ray_session, resolve_gpu
+    from raytrain.trainer import build_datasets, ray_session, resolve_gpu, write_yaml
 
     echo = echo or (lambda line: None)
     options = options or TuneOptions()
@@ -600,34 +617,47 @@ def tune(
         raise ConfigError([("name", f"sweep {base.name!r} already exists in {base.storage}; choose another --name")])
     worker_counts = sorted({p["workers"] for p in points})
 
-    num_cpus = None
-    joining = ray.is_initialized() or bool(base.address or os.environ.get("RAY_ADDRESS"))
-    if not joining:  # decide before starting anything
-        num_cpus = embedded_cpus(trial_cpus(max(worker_counts), base.cpus_per_worker), os.cpu_count() or 1)
-        if base.gpu is not True:
-            max_concurrent_trials(worker_counts, cpus_per_worker=base.cpus_per_worker, cluster_cpus=num_cpus,
-                                  where=f"this machine's embedded Ray ({num_cpus} logical CPUs on {os.cpu_count()} cores)")
-
+    num_cpus = _embedded_ray_cpus(base, worker_counts)  # a trial too big for this machine fails here
     started = time.time()
     with ray_session(base, num_cpus=num_cpus, resources={TRIAL_DRIVER_RESOURCE: EMBEDDED_TRIAL_DRIVER_SLOTS}):
         use_gpu = resolve_gpu(base)
         resources = ray.cluster_resources()
-        concurrency = max_concurrent_trials(
+        total = len(points) * space.samples
+        concurrency = min(total, max_concurrent_trials(
             worker_counts, cpus_per_worker=base.cpus_per_worker, cluster_cpus=resources.get("CPU", 0), use_gpu=use_gpu,
             cluster_gpus=resources.get("GPU", 0), requested=options.max_concurrent_trials,
-        )
+        ))
         _check_metric_source(pipe, base, options, build_datasets)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        total = len(points) * space.samples
+        write_yaml(sweep_dir / "sweep.yaml", {
+            "pipeline": spec, "space": dataclasses.asdict(space), "options": dataclasses.asdict(options),
+            "grace_period_epochs": grace_period(options, points, base.epochs), "max_concurrent_trials": concurrency,
+            "trial_config": base.to_dict(),
+        })
         echo(_describe_sweep(spec, base, space, options, points, total, concurrency, resources, use_gpu, sweep_dir))
         pgs_before = _placement_groups()
-        tuner, console, scheduler = _build_tuner(pipeline, base, space, options, points, concurrency, resources, sweep_dir, total, echo)
-        with _legacy_tune_output():
-            results = tuner.fit()
+        tuner, console = _build_tuner(pipeline, base, space, options, points, concurrency, resources, sweep_dir, total, echo)
+        with _quiet_tune(base.verbose):
+            tuner.fit()
         leaked = _free_leaked_placement_groups(pgs_before, echo)
         wall = time.time() - started
-        rows = [_trial_row(t, base, options, sweep_dir, console, scheduler) for t in sorted(console.trials or _trials(results), key=trial_index)]
+        rows = [_trial_row(t, base, options, sweep_dir, console) for t in sorted(console.trials.values(), key=trial_index)]
     return _write_outputs(spec, base, options, rows, sweep_dir, wall, leaked, echo)
+
+
+def _embedded_ray_cpus(base: TrainConfig, worker_counts: list[int]) -> int | None:
+    """Logical CPUs for an embedded Ray (None when joining one), checked against the largest
+    trial before anything starts."""
+    import ray
+
+    if ray.is_initialized() or base.address or os.environ.get("RAY_ADDRESS"):
+        return None
+    cores = os.cpu_count() or 1
+    num_cpus = embedded_cpus(trial_cpus(max(worker_counts), base.cpus_per_worker), cores)
+    if base.gpu is not True:  # GPU runs are sized by GPUs, known once Ray is up
+        max_concurrent_trials(worker_counts, cpus_per_worker=base.cpus_per_worker, cluster_cpus=num_cpus,
+                              where=f"this machine's embedded Ray ({num_cpus} logical CPUs on {cores} cores)")
+    return num_cpus
 
 
 def _check_metric_source(pipe: Pipeline, base: TrainConfig, options: TuneOptions, build_datasets) -> None:
@@ -645,12 +675,11 @@ def _build_tuner(pipeline, base, space, options, points, concurrency, resources,
     if space.lr_range:
         param_space["lr"] = tune.loguniform(*space.lr_range)
     console = _console_callback(total, base.epochs, options, echo)
-    scheduler = _scheduler(options, base.epochs)
     tuner = tune.Tuner(
         trainable,
         param_space=param_space,
         tune_config=tune.TuneConfig(
-            scheduler=scheduler,
+            scheduler=_scheduler(options, base.epochs, grace_period(options, points, base.epochs)),
             # Tune ignores max_concurrent_trials when given a search algorithm: the limit goes here.
             search_alg=BasicVariantGenerator(random_state=base.seed, max_concurrent=concurrency),
             num_samples=space.samples,
@@ -659,27 +688,31 @@ def _build_tuner(pipeline, base, space, options, points, concurrency, resources,
         ),
         run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir), verbose=0, callbacks=[console]),
     )
-    return tuner, console, scheduler
+    return tuner, console
 
 
 @contextlib.contextmanager
-def _legacy_tune_output():
-    """Tune's new output engine prints its own banner and table even at verbose=0; the
-    legacy one stays silent. The console gets raytrain's lines instead."""
+def _quiet_tune(verbose: bool):
+    """The console gets raytrain's lines, not Tune's: Tune's new output engine prints its own
+    banner and table even at verbose=0 (the legacy one stays silent), and Tune logs each failed
+    trial's whole traceback, which raytrain reports as one line (the cause and the run
+    directory; the traceback stays in tune/<trial>/error.txt). -v keeps Tune's logs."""
+    import logging
+
     before = os.environ.get("RAY_AIR_NEW_OUTPUT")
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    tune_logger = logging.getLogger("ray.tune")
+    level = tune_logger.level
+    if not verbose:
+        tune_logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
+        tune_logger.setLevel(level)
         if before is None:
             os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
         else:
             os.environ["RAY_AIR_NEW_OUTPUT"] = before
-
-
-def _trials(results) -> list:
-    """The Trial objects behind a ResultGrid (for status, timing and the point)."""
-    return list(results._experiment_analysis.trials)
 
 
 def _placement_groups() -> dict[str, str]:
@@ -712,13 +745,15 @@ def _free_leaked_placement_groups(before: dict[str, str], echo: Callable[[str], 
 # -- results -----------------------------------------------------------------------------
 
 
-def _trial_row(trial, base, options, sweep_dir, console, scheduler) -> dict[str, Any]:
+def _trial_row(trial, base, options, sweep_dir, console) -> dict[str, Any]:
     point = trial_point(trial)
     name = trial_name(trial_index(trial), point)
     run_dir = sweep_dir / "trials" / name
     reported = (trial.last_result or {}).get("epoch", 0) or 0
     if trial.status == "ERROR":
         status = "failed"
+    elif trial.status != "TERMINATED":
+        status = str(trial.status).lower()  # never ran: the sweep was interrupted
     elif reported < base.epochs:
         status = "stopped"
     else:
@@ -726,9 +761,11 @@ def _trial_row(trial, base, options, sweep_dir, console, scheduler) -> dict[str,
     # A stopped trial may have trained on for a moment before it was stopped: its result is
     # what ASHA judged, the epochs reported to Tune.
     horizon = reported if status == "stopped" else base.epochs
-    summary = trial_summary(run_dir, options, horizon)
     started = console.started.get(trial.trial_id)
     ended = console.ended.get(trial.trial_id)
+    if status == "stopped":
+        mark_stopped(run_dir, trial_config(base, point, name=name, storage=str(run_dir.parent)), reported, started, ended)
+    summary = trial_summary(run_dir, options, horizon)
     row = {
         "trial": name,
         "workers": point["workers"],
@@ -739,10 +776,29 @@ def _trial_row(trial, base, options, sweep_dir, console, scheduler) -> dict[str,
         "status": status,
         **summary,
         "wall_time_s": round(ended - started, 1) if started and ended else None,
-        "error": console.errors.get(trial.trial_id, "") if status == "failed" else "",
+        "error": (console.errors.get(trial.trial_id) or _first_line(_read_error(trial) or "failed")) if status == "failed" else "",
         "run_dir": str(run_dir),
     }
     return row
+
+
+def mark_stopped(run_dir: Path, cfg: TrainConfig, epoch: int, started: float | None, ended: float | None) -> None:
+    """A trial stopped by ASHA ends with its actor and Train controller killed: its run has no
+    summary.json, or one that records the kill as a failure ("actor died"). Say what happened."""
+    from raytrain.trainer import write_summary
+
+    path = run_dir / "summary.json"
+    with contextlib.suppress(OSError, ValueError):
+        if not path.exists():
+            write_summary(run_dir, cfg, None, RuntimeError("stopped by ASHA"), started or time.time())
+            if started and ended:
+                summary = json.loads(path.read_text())
+                summary["wall_time_s"] = round(ended - started, 3)
+                path.write_text(json.dumps(summary, indent=2) + "\n")
+        summary = json.loads(path.read_text())
+        summary.pop("error", None)
+        summary.update(status="stopped", stopped_by="ASHA", stopped_after_epoch=epoch)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def trial_summary(run_dir: Path, options: TuneOptions, horizon: int) -> dict[str, Any]:
@@ -828,9 +884,13 @@ def _write_outputs(spec, base, options, rows, sweep_dir, wall, leaked, echo) -> 
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    columns: list[str] = []
+    """Columns: the trial and its swept values, the final then the best metrics, the rest."""
+    seen: list[str] = []
     for row in rows:
-        columns += [k for k in row if k not in columns]
+        seen += [k for k in row if k not in seen]
+    metrics = sorted(k for k in seen if k.startswith("final_")) + sorted(k for k in seen if k.startswith("best_") and k != "best_epoch")
+    lead = ["trial", *SWEPT]
+    columns = lead + metrics + [k for k in seen if k not in lead and k not in metrics]
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
@@ -847,7 +907,7 @@ def closing_table(rows, per_workers, best, options, wall, sweep_dir, best_path) 
     lines = [
         "",
         f"Best per worker count ({ranking}final {metric}, {options.mode}; finished trials{target}):",
-        f"  {'workers':>7}  {'lr_scaling':<10}  {'warmup':>6}  {'lr':>7}  {metric:>10}  {'time to target':<18}",
+        f"  {'workers':>7}  {'lr_scaling':<16}  {'warmup':>6}  {'lr':>7}  {metric:>10}  {'time to target':<18}",
     ]
     for workers in sorted({r["workers"] for r in rows}):
         row = per_workers.get(workers)
@@ -855,7 +915,7 @@ def closing_table(rows, per_workers, best, options, wall, sweep_dir, best_path) 
             lines.append(f"  {workers:>7}  no trial finished")
             continue
         lines.append(
-            f"  {workers:>7}  {row['lr_scaling']:<10}  {row['warmup_epochs']:>6g}  {_sci(row['lr']):>7}  "
+            f"  {workers:>7}  {tied_rules(rows, row, metric):<16}  {row['warmup_epochs']:>6g}  {_sci(row['lr']):>7}  "
             f"{row[f'final_{metric}']:>10.4f}  {_target_text(row, options):<18}"
         )
     lines.append(
@@ -870,6 +930,17 @@ def closing_table(rows, per_workers, best, options, wall, sweep_dir, best_path) 
     else:
         lines.append("No trial finished: no best.yaml. See trials.csv (status, error) and the trials/ run directories.")
     return lines
+
+
+def tied_rules(rows: list[dict[str, Any]], row: dict[str, Any], metric: str) -> str:
+    """`linear=sqrt=none` when finished trials of the same count, warmup and lr ended on the
+    same `metric` as `row` (at the reference batch the rules coincide: same run, same seed)."""
+    same = [
+        r["lr_scaling"] for r in rows
+        if r["status"] == "finished" and (r["workers"], r["warmup_epochs"], r["lr"]) == (row["workers"], row["warmup_epochs"], row["lr"])
+        and _finite(r.get(f"final_{metric}")) and abs(r[f"final_{metric}"] - row[f"final_{metric}"]) <= 1e-9 * max(1.0, abs(row[f"final_{metric}"]))
+    ]
+    return "=".join(dict.fromkeys([row["lr_scaling"], *same]))
 
 
 def _workers(count: int) -> str:
@@ -887,19 +958,23 @@ def _target_text(row: dict[str, Any], options: TuneOptions) -> str:
 
 def plot_trials(path: Path, rows: list[dict[str, Any]], epochs: int, options: TuneOptions) -> None:
     """Validation `metric` per trial vs epoch: one panel per worker count, colour = lr
-    scaling rule, line style = warmup; a trial stopped by ASHA ends with ×."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    scaling rule, line style = warmup, marker = base lr; a trial stopped by ASHA ends with ×.
+    Drawn on matplotlib's Agg canvas directly (no pyplot, no global backend change)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     from raytrain.trainer import read_jsonl
 
     counts = sorted({r["workers"] for r in rows}) or [1]
-    fig, axes = plt.subplots(1, len(counts), figsize=(4.2 * len(counts) + 1.5, 4), sharey=True, squeeze=False)
+    fig = Figure(figsize=(4.2 * len(counts) + 1.5, 4))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(counts), sharey=True, squeeze=False)
     colors = {"linear": "tab:blue", "sqrt": "tab:orange", "none": "tab:green"}
     warmups = sorted({r["warmup_epochs"] for r in rows})
     styles = dict(zip(warmups, ["-", "--", ":", "-."] * 4))
+    lrs = sorted({r["lr"] for r in rows})
+    markers = dict(zip(lrs, "osD^vP*X<>" * (len(lrs) // 10 + 1)))
     positive = True
     for ax, workers in zip(axes[0], counts):
         for row in (r for r in rows if r["workers"] == workers):
@@ -913,25 +988,25 @@ def plot_trials(path: Path, rows: list[dict[str, Any]], epochs: int, options: Tu
                 continue
             xs, ys = zip(*points)
             positive = positive and min(ys) > 0
-            label = f"{row['lr_scaling']}, warmup {row['warmup_epochs']:g}" + (f", lr {_sci(row['lr'])}" if len({r['lr'] for r in rows}) > 1 else "")
-            ax.plot(xs, ys, styles[row["warmup_epochs"]], color=colors.get(row["lr_scaling"]), marker="o", markersize=3, label=label)
+            label = f"{row['lr_scaling']}, warmup {row['warmup_epochs']:g}" + (f", lr {_sci(row['lr'])}" if len(lrs) > 1 else "")
+            ax.plot(xs, ys, styles[row["warmup_epochs"]], color=colors.get(row["lr_scaling"]), marker=markers[row["lr"]], markersize=4, label=label)
             if row["status"] == "stopped":
                 ax.plot(xs[-1:], ys[-1:], "x", color="black", markersize=8)
         if options.target is not None:
             ax.axhline(options.target, color="grey", linestyle=":", linewidth=1)
         ax.set_title(_workers(workers))
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlim(0.8, epochs + 0.2)
         ax.grid(alpha=0.3)
         if ax.lines:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, handlelength=3)
     axes[0][0].set_ylabel(options.metric)
     if positive:
         axes[0][0].set_yscale("log")
     fig.suptitle(f"{options.metric} per trial (× = stopped by ASHA)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _describe_sweep(spec, base, space, options, points, total, concurrency, resources, use_gpu, sweep_dir) -> str:
@@ -943,14 +1018,16 @@ def _describe_sweep(spec, base, space, options, points, total, concurrency, reso
          else "lr " + ",".join(_sci(lr) for lr in sorted({p["lr"] for p in points}))),
     ]
     batch = f"global batch {base.global_batch_size}" if base.global_batch_size else f"{base.batch_size_per_worker} per worker"
+    grace = grace_period(options, points, base.epochs)
     stopping = (
-        f"ASHA on {options.metric} ({options.mode}) per worker count, grace {options.grace_period_epochs} epoch(s), reduction {options.reduction_factor:g}"
+        f"ASHA on {options.metric} ({options.mode}) per worker count from epoch {grace}, reduction {options.reduction_factor:g}"
+        + (" (= --epochs: no trial will be stopped early; raise --epochs or lower --grace-period)" if grace >= base.epochs else "")
         if options.early_stop else "no early stopping"
     )
     unit = f"{resources.get('GPU', 0):g} GPUs" if use_gpu else f"{resources.get('CPU', 0):g} CPUs"
     return (
         f"raytrain tune: {base.name} — {total} trials of {spec}: {' × '.join(axes)}\n"
-        f"Every trial: {base.epochs} epochs, seed {base.seed}, {batch}, reference batch {base.reference_batch_size}; {stopping}\n"
+        f"Every trial: {base.epochs} epoch{'s' if base.epochs != 1 else ''}, seed {base.seed}, {batch}, reference batch {base.reference_batch_size}; {stopping}\n"
         f"{concurrency} trial(s) at a time on {unit}; sweep directory {sweep_dir}"
     )
 
