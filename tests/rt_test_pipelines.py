@@ -7,6 +7,7 @@ the outside: ids per step per rank, weights after a step, a crash on the first a
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +31,8 @@ def _table_dataset(columns: dict[str, np.ndarray]):
 class RecordingPipeline(raytrain.Pipeline):
     """A linear model on `num_rows` random rows with an `id` column; records ids per step.
 
-    `crash_at_step`: on the first attempt only (a marker file in `out_dir`), raise once
-    the run reaches that global step, to exercise failure recovery.
+    `crash_at_step`: on the first attempt only (a marker file in `out_dir`), rank 0's
+    process exits once the run reaches that global step, to exercise failure recovery.
     """
 
     def __init__(self, out_dir: str, num_rows: int = 200, crash_at_step: int | None = None, step_sleep_s: float = 0.0):
@@ -67,7 +68,7 @@ class RecordingPipeline(raytrain.Pipeline):
             self._attempt = "second" if (out / "crashed").exists() else "first"
         if self.crash_at_step is not None and ctx.step == self.crash_at_step and ctx.world_rank == 0 and self._attempt == "first":
             (out / "crashed").write_text(repr(__import__("time").time()))
-            raise RuntimeError(f"injected failure at step {ctx.step}")
+            os._exit(1)  # the worker process dies, as on a crash or an OOM kill
         row = {
             "attempt": self._attempt,
             "rank": ctx.world_rank,
