@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -330,7 +331,9 @@ def _same_order_everywhere():
     """Ray Data's ingest options with preserve_order: every rank must read the rows in one order."""
     from ray.train import DataConfig
 
-    options = DataConfig.default_ingest_options()
+    with warnings.catch_warnings():  # Ray's own defaults use a field it has deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        options = DataConfig.default_ingest_options()
     options.preserve_order = True
     return options
 
