@@ -42,19 +42,25 @@ from raytrain.config import DEFAULT_STORAGE, ConfigError, DDPConfig, TrainConfig
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "benchmarks" / "classic_ddp.py"
 BASELINES = ("torchrun", "plain")
+STATISTICS = ("median", "best")
 BASELINE_TIMEOUT_S = 1800
 # Train options bench decides itself (one run per worker count, its own storage layout).
 _BENCH_OWNED = ("workers", "epochs", "storage", "name", "resume", "checkpoint_every_steps", "max_failures")
 METHOD = (
-    "Steady samples/s: rank 0's samples over its time in steady steps (the first {warmup} steps of every "
-    "epoch are warm-up and left out; evaluation, checkpoints and logging between steps are not timed). "
-    "Speedup = samples/s at N workers ÷ samples/s at 1 worker; efficiency = speedup ÷ N. "
+    "Steady samples/s: the samples of all workers in the steady steps over rank 0's time in those steps (the "
+    "first {warmup} steps of every epoch are warm-up and left out; evaluation, checkpoints and logging between "
+    "steps are not timed). Speedup = samples/s at N workers ÷ samples/s at 1 worker; efficiency = speedup ÷ N. "
     "Step split (rank 0, ms per steady step): data wait = cutting the batch and moving it to the device; "
     "communication = forward+backward at N workers − forward+backward at 1 worker (scaled by the per-worker "
     "batch), clipped at 0 — DDP's all-reduce runs inside backward, so this is the part of it not hidden by "
     "compute, plus any slowdown from workers sharing the machine; compute = forward+backward − communication; "
     "optimizer = optimizer step and zero_grad; other = the rest of the step (lr, bookkeeping). "
-    "Baselines are measured the same way by benchmarks/classic_ddp.py."
+    "Baselines (benchmarks/classic_ddp.py) are timed the same way, with the same epochs, per-worker batch, "
+    "model, data and DDP flags, and OMP_NUM_THREADS = the CPUs Ray gives each worker, with the study's embedded "
+    "Ray stopped (as a user runs them; when the study joined a running Ray, they run beside it and the CPU its "
+    "processes took meanwhile is reported). With --repeat R, rounds alternate raytrain-first and "
+    "baselines-first and every figure is the {statistic} round of R (best: the fastest, as timeit does — "
+    "interference from other work on the machine only ever slows a run down)."
 )
 
 
@@ -74,6 +80,10 @@ class BenchOptions:
     """Steps left out at the start of every epoch."""
     baselines: list[str] = field(default_factory=list)
     """`torchrun` and/or `plain`."""
+    repeat: int = 1
+    """Rounds of every configuration."""
+    statistic: str = "median"
+    """Which round stands for a configuration: `median` or `best` (the fastest)."""
     link: str | None = None
     """A cost-model link: adds a predicted speedup column."""
     storage: str = DEFAULT_STORAGE
@@ -85,6 +95,10 @@ class BenchOptions:
             problems.append(("workers", f"got {self.workers}; give worker counts ≥ 1, e.g. --workers 1,2,4"))
         if self.steps < 1:
             problems.append(("steps", f"got {self.steps}; must be a positive number of steps, e.g. --steps 100"))
+        if self.repeat < 1:
+            problems.append(("repeat", f"got {self.repeat}; must be a positive number of rounds, e.g. --repeat 3"))
+        if self.statistic not in STATISTICS:
+            problems.append(("statistic", f"got {self.statistic!r}; choose one of {', '.join(STATISTICS)}"))
         if self.warmup_steps < 0:
             problems.append(("warmup_steps", f"got {self.warmup_steps}; must be 0 or more, e.g. --warmup-steps 3"))
         for name in self.baselines:
@@ -188,6 +202,8 @@ def baseline_rows(rows: list[dict[str, Any]], baselines: dict[str, list[dict[str
                 "raytrain_samples_per_s": ours[n],
                 "ratio": ours[n] / result["steady_samples_per_s"],
                 "threads": result["threads"],
+                "ray_beside": result.get("ray_beside"),
+                "ray_background_cpu_share": result.get("ray_background_cpu_share"),
             })  # fmt: skip
     return out
 
@@ -196,7 +212,12 @@ def baseline_rows(rows: list[dict[str, Any]], baselines: dict[str, list[dict[str
 
 
 def run_bench(pipeline: str, train_values: dict[str, Any], opts: BenchOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the study, write bench.json, bench.md and scaling.png; return the report."""
+    """Run the study, write bench.json, bench.md and scaling.png; return the report.
+
+    With `opts.repeat` > 1 every configuration runs that many times in rounds that
+    alternate raytrain-first and baselines-first; each figure is the round picked by
+    `opts.statistic` (a loaded machine slows single runs by several times).
+    """
     from raytrain.pipeline import load_pipeline
     from raytrain.trainer import ray_session
 
@@ -207,23 +228,40 @@ def run_bench(pipeline: str, train_values: dict[str, Any], opts: BenchOptions, e
         raise ConfigError([("name", f"bench {name!r} already exists in {opts.storage}; choose another --name")])
     base_cfg = bench_config(train_values, opts, workers=max(opts.workers), epochs=1, storage=out / "runs", name="probe")
     grad_bytes, params = gradient_bytes(pipe, base_cfg)
-    runs: list[dict[str, Any]] = []
     started = time.time()
-    with ray_session(base_cfg):
-        columns = training_columns(pipe, base_cfg)
-        num_rows = len(next(iter(columns.values())))
-        if opts.baselines:
-            (out / "baselines").mkdir(parents=True, exist_ok=True)
-            import numpy as np
+    measured: dict[str, dict[int, list[dict[str, Any]]]] = {"raytrain": {}, **{b: {} for b in opts.baselines}}
 
-            np.savez(out / "baselines" / "train.npz", **columns)
-        for n in opts.workers:
-            runs.append(run_raytrain(pipe, pipeline, train_values, opts, out, n, num_rows, echo))
-    baselines: dict[str, list[dict[str, Any]]] = {}
-    if "plain" in opts.baselines:
-        baselines["plain"] = [run_template(pipeline, runs[0], opts, out, mode="plain", echo=echo)]
-    if "torchrun" in opts.baselines:
-        baselines["torchrun"] = [run_template(pipeline, run, opts, out, mode="torchrun", echo=echo) for run in runs]
+    def baselines(tag: str) -> None:
+        for mode in opts.baselines:
+            for run in planned if mode == "torchrun" else planned[:1]:
+                measured[mode].setdefault(run.workers, []).append(run_template(pipeline, run, opts, out, mode=mode, tag=tag, echo=echo))
+
+    # Rounds alternate raytrain-first and baselines-first, so drift in the machine's load
+    # hits both alike. raytrain runs on its embedded Ray (started once per stretch of
+    # raytrain runs); the baselines run with that Ray stopped, as a user runs them.
+    blocks: list[tuple[str, str]] = []
+    for index in range(opts.repeat):
+        tag = f"r{index + 1}" if opts.repeat > 1 else ""
+        pair = [("raytrain", tag), ("baselines", tag)] if opts.baselines else [("raytrain", tag)]
+        blocks += pair if index % 2 == 0 else pair[::-1]
+    planned: list[PlannedRun] = []
+    while blocks:
+        if blocks[0][0] == "baselines":
+            baselines(blocks.pop(0)[1])
+            continue
+        with ray_session(base_cfg):
+            if not planned:
+                num_rows = prepare_data(pipe, base_cfg, out if opts.baselines else None, verbose=base_cfg.verbose)
+                planned = plan_runs(train_values, opts, out, num_rows)
+            while blocks and blocks[0][0] == "raytrain":
+                tag = blocks.pop(0)[1]
+                for run in planned:
+                    measured["raytrain"].setdefault(run.workers, []).append(run_raytrain(pipe, run, tag, echo))
+
+    runs = [pick_run(measured["raytrain"][run.workers], opts.statistic) for run in planned]
+    chosen = {
+        mode: [pick_run(results, opts.statistic) for _, results in sorted(by_n.items())] for mode, by_n in measured.items() if mode != "raytrain"
+    }
     rows = scaling_rows(runs, grad_bytes, opts.link, base_cfg.ddp.bucket_cap_mb)
     report = {
         "pipeline": pipeline,
@@ -234,20 +272,58 @@ def run_bench(pipeline: str, train_values: dict[str, Any], opts: BenchOptions, e
         "train_options": {k: v for k, v in base_cfg.to_dict().items() if k not in _BENCH_OWNED},
         "steps": opts.steps,
         "warmup_steps": opts.warmup_steps,
-        "num_train_rows": num_rows,
+        "repeat": opts.repeat,
+        "statistic": opts.statistic,
+        "num_train_rows": planned[0].num_rows,
         "params": params,
         "grad_bytes": grad_bytes,
         "link": opts.link,
         "wall_time_s": round(time.time() - started, 1),
-        "method": METHOD.format(warmup=opts.warmup_steps),
+        "method": METHOD.format(warmup=opts.warmup_steps, statistic=opts.statistic),
         "results": rows,
-        "baselines": baseline_rows(rows, baselines),
-        "baseline_runs": baselines,
+        "baselines": baseline_rows(rows, chosen),
+        "rounds": {mode: {str(n): [r["steady_samples_per_s"] for r in results] for n, results in sorted(by_n.items())} for mode, by_n in measured.items()},
+        "baseline_runs": chosen,
     }
     write_outputs(out, report)
     echo(render_text(report))
     echo(f"Wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'scaling.png'}")
     return report
+
+
+def pick_run(results: list[dict[str, Any]], statistic: str = "median") -> dict[str, Any]:
+    """The round standing for a configuration: the median throughput (the lower of the middle
+    two for an even count) or the best."""
+    ordered = sorted(results, key=lambda r: r["steady_samples_per_s"])
+    return ordered[-1] if statistic == "best" else ordered[(len(ordered) - 1) // 2]
+
+
+@dataclass
+class PlannedRun:
+    """One worker count of the study: its config (epochs chosen for the steady steps asked)."""
+
+    workers: int
+    cfg: TrainConfig
+    batch: rules.BatchPlan
+    epochs: int
+    steady_steps: int
+    num_rows: int
+    out: Path
+
+
+def plan_runs(train_values: dict[str, Any], opts: BenchOptions, out: Path, num_rows: int) -> list[PlannedRun]:
+    planned = []
+    for n in opts.workers:
+        probe = bench_config(train_values, opts, workers=n, epochs=1, storage=out / "runs", name=f"w{n}")
+        batch = rules.resolve_batch_plan(n, global_batch_size=probe.global_batch_size, batch_size_per_worker=probe.batch_size_per_worker)
+        try:
+            epochs = epochs_for(num_rows, batch.global_batch_size, opts.warmup_steps, opts.steps)
+        except ValueError as exc:
+            raise ConfigError([("steps", str(exc))]) from None
+        cfg = bench_config(train_values, opts, workers=n, epochs=epochs, storage=out / "runs", name=f"w{n}")
+        steady = epochs * steady_steps_per_epoch(num_rows, batch.global_batch_size, opts.warmup_steps)
+        planned.append(PlannedRun(workers=n, cfg=cfg, batch=batch, epochs=epochs, steady_steps=steady, num_rows=num_rows, out=out))
+    return planned
 
 
 def bench_config(train_values: dict[str, Any], opts: BenchOptions, *, workers: int, epochs: int, storage: Path, name: str) -> TrainConfig:
@@ -276,58 +352,68 @@ def gradient_bytes(pipe, cfg: TrainConfig) -> tuple[int, int]:
     return sum(p.numel() * p.element_size() for p in trainable), sum(p.numel() for p in trainable)
 
 
-def training_columns(pipe, cfg: TrainConfig) -> dict[str, Any]:
-    """The training rows as numpy columns (what every raytrain worker holds, too)."""
+def prepare_data(pipe, cfg: TrainConfig, out: Path | None, verbose: bool = False) -> int:
+    """Read the training rows (as every raytrain worker does); save them for the baselines
+    under OUT/baselines/train.npz when `out` is given. Returns the row count."""
+    import logging
+
+    import numpy as np
+
     from raytrain.data import read_table
     from raytrain.trainer import build_datasets
 
-    return read_table(build_datasets(pipe, cfg)["train"], "train").columns
+    data_logger = logging.getLogger("ray.data")
+    level = data_logger.level
+    data_logger.setLevel(logging.INFO if verbose else logging.ERROR)
+    try:
+        dataset = build_datasets(pipe, cfg)["train"]
+        if out is None:
+            return dataset.count()
+        columns = read_table(dataset, "train").columns
+    finally:
+        data_logger.setLevel(level)
+    (out / "baselines").mkdir(parents=True, exist_ok=True)
+    np.savez(out / "baselines" / "train.npz", **columns)
+    return len(next(iter(columns.values())))
 
 
-def run_raytrain(pipe, pipeline: str, train_values: dict, opts: BenchOptions, out: Path, n: int, num_rows: int, echo) -> dict[str, Any]:
+def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
     from raytrain.trainer import fit
 
-    probe = bench_config(train_values, opts, workers=n, epochs=1, storage=out / "runs", name=f"w{n}")
-    batch = rules.resolve_batch_plan(n, global_batch_size=probe.global_batch_size, batch_size_per_worker=probe.batch_size_per_worker)
-    try:
-        epochs = epochs_for(num_rows, batch.global_batch_size, opts.warmup_steps, opts.steps)
-    except ValueError as exc:
-        raise ConfigError([("steps", str(exc))]) from None
-    cfg = bench_config(train_values, opts, workers=n, epochs=epochs, storage=out / "runs", name=f"w{n}")
-    steady_steps = epochs * steady_steps_per_epoch(num_rows, batch.global_batch_size, opts.warmup_steps)
-    echo(f"bench: raytrain on {n} worker{'s' if n > 1 else ''}: {batch.describe()}; {epochs} epoch{'s' if epochs > 1 else ''}, {steady_steps} steady steps")
+    cfg = dataclasses.replace(run.cfg, name=f"w{run.workers}" + (f"-{tag}" if tag else ""))
+    what = f"raytrain on {run.workers} worker{'s' if run.workers > 1 else ''}" + (f" ({tag})" if tag else "")
+    echo(f"bench: {what}: {run.batch.describe()}; {run.epochs} epoch{'s' if run.epochs > 1 else ''}, {run.steady_steps} steady steps")
     result = fit(pipe, cfg)
     progress = json.loads((Path(result.run_dir) / "progress.json").read_text())
-    run = {
-        "workers": n,
-        "global_batch_size": batch.global_batch_size,
-        "per_worker_batch": batch.per_worker_max,
-        "epochs": epochs,
-        "steady_steps": steady_steps,
+    measured = {
+        "workers": run.workers,
+        "global_batch_size": run.batch.global_batch_size,
+        "per_worker_batch": run.batch.per_worker_max,
+        "epochs": run.epochs,
+        "steady_steps": run.steady_steps,
         "steady_samples": progress["steady_samples"],
         "steady_time_s": progress["steady_time_s"],
         "steady_samples_per_s": progress["steady_samples_per_s"],
         "phase_time_s": progress["phase_time_s"],
         "run_dir": result.run_dir,
-        "config": cfg.to_dict(),
     }
-    echo(f"bench: raytrain on {n} worker{'s' if n > 1 else ''}: {run['steady_samples_per_s']:,.0f} samples/s steady")
-    return run
+    echo(f"bench: {what}: {measured['steady_samples_per_s']:,.0f} samples/s steady")
+    return measured
 
 
-def run_template(pipeline: str, run: dict[str, Any], opts: BenchOptions, out: Path, *, mode: str, echo) -> dict[str, Any]:
+def run_template(pipeline: str, run: PlannedRun, opts: BenchOptions, out: Path, *, mode: str, tag: str, echo) -> dict[str, Any]:
     """The classic template with `run`'s config and epochs: under torchrun at `run`'s worker
     count, or (`mode="plain"`) as one process without torch.distributed."""
     if not TEMPLATE.is_file():
         raise BenchError(f"--baseline needs {TEMPLATE}, which ships with the raytrain repository; run from a checkout")
-    workers = run["workers"]
+    workers = run.workers
     folder = out / "baselines"
-    tag = f"{mode}-w{workers}"
-    config_path = folder / f"{tag}.config.json"
-    config_path.write_text(json.dumps(run["config"]))
+    name = f"{mode}-w{workers}" + (f"-{tag}" if tag else "")
+    config_path = folder / f"{name}.config.json"
+    config_path.write_text(json.dumps(run.cfg.to_dict()))
     args = [
         str(TEMPLATE), "--pipeline", pipeline, "--data", str(folder / "train.npz"), "--config", str(config_path),
-        "--epochs", str(run["epochs"]), "--warmup-steps", str(opts.warmup_steps), "--out", str(folder / f"{tag}.json"),
+        "--epochs", str(run.epochs), "--warmup-steps", str(opts.warmup_steps), "--out", str(folder / f"{name}.json"),
     ]  # fmt: skip
     if mode == "plain":
         command = [sys.executable, *args]
@@ -336,21 +422,80 @@ def run_template(pipeline: str, run: dict[str, Any], opts: BenchOptions, out: Pa
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(workers),
             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args,
         ]  # fmt: skip
-    threads = max(1, int(run["config"].get("cpus_per_worker", 1)))
+    # Ray gives each worker OMP_NUM_THREADS = its whole CPUs; the template gets the same.
+    threads = max(1, int(run.cfg.cpus_per_worker))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": template_pythonpath()}
-    echo(f"bench: {mode} baseline on {workers} process{'es' if workers > 1 else ''} ({threads} thread{'s' if threads > 1 else ''} each)")
-    log = folder / f"{tag}.log"
+    what = f"{mode} baseline on {workers} process{'es' if workers > 1 else ''}" + (f" ({tag})" if tag else "")
+    echo(f"bench: {what}, {threads} thread{'s' if threads > 1 else ''} each")
+    log = folder / f"{name}.log"
+    background = BackgroundCPU()
     with open(log, "w") as handle:
         try:
             code = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=BASELINE_TIMEOUT_S).returncode
         except subprocess.TimeoutExpired:
             code = None
-    if code != 0 or not (folder / f"{tag}.json").exists():
+    ray_share = background.share()
+    import ray
+
+    ray_beside = "running" if ray.is_initialized() else "stopped"
+    if code != 0 or not (folder / f"{name}.json").exists():
         tail = " | ".join(log.read_text().strip().splitlines()[-3:])
-        raise BenchError(f"the {mode} baseline on {workers} worker(s) {'timed out' if code is None else f'exited with {code}'}: {tail}\nLog: {log}")
-    result = json.loads((folder / f"{tag}.json").read_text())
-    echo(f"bench: {mode} baseline on {workers}: {result['steady_samples_per_s']:,.0f} samples/s steady")
+        raise BenchError(f"the {what} {'timed out' if code is None else f'exited with {code}'}: {tail}\nLog: {log}")
+    result = json.loads((folder / f"{name}.json").read_text())
+    result["ray_beside"] = ray_beside  # "running": a Ray the study did not start (e.g. --address)
+    result["ray_background_cpu_share"] = ray_share if ray_beside == "running" else None
+    echo(f"bench: {what}: {result['steady_samples_per_s']:,.0f} samples/s steady")
     return result
+
+
+class BackgroundCPU:
+    """CPU taken by this process's descendants (the embedded Ray's processes) from now until
+    `share()`, as a share of one CPU. Linux /proc only; None elsewhere or when Ray is not
+    a child of this process (a joined cluster)."""
+
+    def __init__(self) -> None:
+        self.pids = _descendants(os.getpid())
+        self.start_cpu, self.start = _cpu_seconds(self.pids), time.perf_counter()
+
+    def share(self) -> float | None:
+        if not self.pids:
+            return None
+        return (_cpu_seconds(self.pids) - self.start_cpu) / max(1e-9, time.perf_counter() - self.start)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()  # fields after the command name, from `state`
+
+
+def _descendants(root: int) -> list[int]:
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    parent = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))):
+            parent[int(entry.name)] = int(fields[1])
+    found, frontier = [], [root]
+    while frontier:
+        current = frontier.pop()
+        children = [pid for pid, ppid in parent.items() if ppid == current]
+        found += children
+        frontier += children
+    return found
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0
+    for pid in pids:
+        fields = _stat_fields(pid)
+        if fields:  # utime and stime are fields 14 and 15 of /proc/PID/stat
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
 
 
 def free_port() -> int:
@@ -411,10 +556,20 @@ def table_lines(report: dict[str, Any]) -> list[list[str]]:
 
 
 def baseline_lines(report: dict[str, Any]) -> list[list[str]]:
-    lines = [["baseline", "workers", "baseline samples/s", "raytrain samples/s", "raytrain / baseline"]]
+    lines = [["baseline", "workers", "baseline samples/s", "raytrain samples/s", "raytrain / baseline", "Ray meanwhile"]]
     for b in report["baselines"]:
-        lines.append([b["baseline"], str(b["workers"]), f"{b['baseline_samples_per_s']:,.0f}", f"{b['raytrain_samples_per_s']:,.0f}", f"{b['ratio']:.3f}"])
+        lines.append([
+            b["baseline"], str(b["workers"]), f"{b['baseline_samples_per_s']:,.0f}", f"{b['raytrain_samples_per_s']:,.0f}",
+            f"{b['ratio']:.3f}", _ray_beside(b),
+        ])  # fmt: skip
     return lines
+
+
+def _ray_beside(b: dict[str, Any]) -> str:
+    if b.get("ray_beside") != "running":
+        return "stopped"
+    share = b.get("ray_background_cpu_share")
+    return "running" + ("" if share is None else f", {share:.0%} of a CPU")
 
 
 def _aligned(lines: list[list[str]]) -> str:
@@ -456,6 +611,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     if report["baselines"]:
         parts += ["## Baselines (same model, data, per-worker batch and warm-up)", "", _markdown(baseline_lines(report)), ""]
+    if report.get("repeat", 1) > 1:
+        parts += [f"## Rounds (steady samples/s; each figure above is the {report.get('statistic', 'median')} round of {report['repeat']})", ""]
+        for mode, by_n in report["rounds"].items():
+            parts += [f"- {mode}: " + "; ".join(f"{n} worker{'s' if n != '1' else ''}: " + ", ".join(f"{x:,.0f}" for x in xs) for n, xs in by_n.items())]
+        parts += [""]
     implied = [f"{r['workers']} workers: {r['implied_bandwidth_GBps']:.2f} GB/s" for r in report["results"] if r.get("implied_bandwidth_GBps")]
     parts += ["## Method", "", report["method"], ""]
     if implied:
@@ -470,14 +630,15 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def plot_scaling(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Speedup vs workers against the linear ideal (Agg canvas: no display, no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     workers = [r["workers"] for r in report["results"]]
-    fig, ax = plt.subplots(figsize=(6, 4.2), dpi=110)
     top = max(workers)
+    fig = Figure(figsize=(6, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     ax.plot([1, top], [1, top], "--", color="gray", label="linear (ideal)")
     ax.plot(workers, [r["speedup"] for r in report["results"]], "o-", color="tab:blue", label="raytrain (measured)")
     torchrun = {b["workers"]: b["baseline_samples_per_s"] for b in report["baselines"] if b["baseline"] == "torchrun"}
@@ -498,7 +659,6 @@ def plot_scaling(report: dict[str, Any], path: Path) -> None:
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
 
 
 # -- cost model from the command line ---------------------------------------------------------
@@ -570,6 +730,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--workers", default="1,2", help="comma-separated worker counts, e.g. 1,2,4 (1 is always run)")
     bench.add_argument("--steps", type=int, default=100, help="steady steps measured at each worker count (default 100)")
     bench.add_argument("--warmup-steps", type=int, default=3, help="steps left out at the start of every epoch (default 3)")
+    bench.add_argument("--repeat", type=int, default=1, help="rounds of every configuration (default 1)")
+    bench.add_argument("--statistic", choices=STATISTICS, default="median", help="which round stands for a configuration with --repeat (default median)")
     bench.add_argument("--baseline", action="append", default=[], help="torchrun and/or plain (repeat or comma-separate)")
     bench.add_argument("--link", help=f"cost-model link for a predicted column / for --predict: {', '.join(costmodel.LINKS)}")
     bench.add_argument("--storage", default=DEFAULT_STORAGE, help="results go to STORAGE/NAME/ (default ~/raytrain_results)")
@@ -605,7 +767,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 _BENCH_ARGS = {
-    "command", "handler", "pipeline", "config", "workers", "steps", "warmup_steps", "baseline", "link", "storage", "name",
+    "command", "handler", "pipeline", "config", "workers", "steps", "warmup_steps", "repeat", "statistic", "baseline", "link", "storage", "name",
     "predict", "gpus", "nodes", "intra_link", "nics_per_node", "step_time_ms", "grad_mb", "bucket_mb", "overlap", "source",
 }  # fmt: skip
 
@@ -625,6 +787,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             workers=_int_list(args.workers, "workers"),
             steps=args.steps,
             warmup_steps=args.warmup_steps,
+            repeat=args.repeat,
+            statistic=args.statistic,
             baselines=[b.strip() for value in args.baseline for b in value.split(",") if b.strip()],
             link=args.link,
             storage=args.storage,
