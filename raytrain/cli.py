@@ -167,12 +167,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from raytrain.pipeline import PipelineError, load_pipeline
     from raytrain.trainer import RunFailed, fit
 
-    file_values, config_file = load_yaml(args.config) if args.config else ({}, None)
-    spec = args.pipeline or file_values.pop("pipeline", None)
-    file_values.pop("pipeline", None)
-    if not spec:
-        raise UserError("no pipeline: give one (raytrain train digits) or set `pipeline:` in --config")
-    flags = {key: value for key, value in vars(args).items() if key not in ("command", "handler", "pipeline", "config")}
+    spec, file_values, config_file, flags = read_run_options(args)
     try:
         pipe = load_pipeline(spec)
         values = merge(pipe.default_config, file_values, flags)
@@ -187,6 +182,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     print_summary(result)
     return 0
+
+
+def read_run_options(args: argparse.Namespace) -> tuple[str, dict[str, Any], str | None, dict[str, Any]]:
+    """The pipeline (argument, else `pipeline:` in --config), the YAML values, its path, the flags given."""
+    file_values, config_file = load_yaml(args.config) if args.config else ({}, None)
+    spec = args.pipeline or file_values.pop("pipeline", None)
+    file_values.pop("pipeline", None)
+    if not spec:
+        raise UserError(f"no pipeline: give one (raytrain {args.command} digits) or set `pipeline:` in --config")
+    flags = {key: value for key, value in vars(args).items() if key not in ("command", "handler", "pipeline", "config")}
+    return spec, file_values, config_file, flags
 
 
 def load_yaml(path: str) -> tuple[dict[str, Any], str]:
@@ -343,12 +349,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from raytrain.trainer import RunFailed
     from raytrain.tune import TuneOptions, parse_search_space, tune
 
-    file_values, config_file = load_yaml(args.config) if args.config else ({}, None)
-    spec = args.pipeline or file_values.pop("pipeline", None)
-    file_values.pop("pipeline", None)
-    if not spec:
-        raise UserError("no pipeline: give one (raytrain tune digits) or set `pipeline:` in --config")
-    flags = {key: value for key, value in vars(args).items() if key not in ("command", "handler", "pipeline", "config")}
+    spec, file_values, config_file, flags = read_run_options(args)
     fixed = dict(flags)
     sweep = {name: fixed.pop(name) for name in _TUNE_OPTIONS if name in fixed}
     # An axis comes from its flag, else from the YAML file (a list, or one value).
