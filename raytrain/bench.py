@@ -755,13 +755,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
             train.add_argument(flag_name(name), dest=name, type=kind, default=argparse.SUPPRESS, help=help_of.get(name))
     train.add_argument("--gpu", dest="gpu", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of["gpu"])
     train.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
-    ddp_docs = cli._field_docs(DDPConfig)
-    for f in dataclasses.fields(DDPConfig):
-        flag = flag_name("ddp_" + f.name)
-        if f.name in cli._DDP_VALUE_TYPES:
-            train.add_argument(flag, dest="ddp." + f.name, type=cli._DDP_VALUE_TYPES[f.name], default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
-        else:
-            train.add_argument(flag, dest="ddp." + f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
+    cli.add_ddp_flags(train)
     bench.set_defaults(handler=cmd_bench)
     return bench
 

@@ -100,13 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--skip-nan-rows", dest="skip_nan_rows", action="store_true", default=argparse.SUPPRESS, help=help_of["skip_nan_rows"])
     train.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
-    ddp_docs = _field_docs(DDPConfig)
-    for f in dataclasses.fields(DDPConfig):
-        flag = flag_name("ddp_" + f.name)
-        if f.name in _DDP_VALUE_TYPES:
-            train.add_argument(flag, dest="ddp." + f.name, type=_DDP_VALUE_TYPES[f.name], default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
-        else:
-            train.add_argument(flag, dest="ddp." + f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
+    add_ddp_flags(train)
     train.set_defaults(handler=cmd_train)
     add_tune_parser(commands)
 
@@ -135,6 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(commands)
     return parser
+
+
+def add_ddp_flags(parser: argparse.ArgumentParser) -> None:
+    """`--ddp-<field>` for every DDPConfig field, stored as `ddp.<field>` for `merge`."""
+    docs = _field_docs(DDPConfig)
+    for f in dataclasses.fields(DDPConfig):
+        flag = flag_name("ddp_" + f.name)
+        if f.name in _DDP_VALUE_TYPES:
+            parser.add_argument(flag, dest="ddp." + f.name, type=_DDP_VALUE_TYPES[f.name], default=argparse.SUPPRESS, help=docs.get(f.name))
+        else:
+            parser.add_argument(flag, dest="ddp." + f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=docs.get(f.name))
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -332,13 +337,7 @@ def add_tune_parser(commands) -> None:
             tune.add_argument(flag_name(name), dest=name, type=kind, default=argparse.SUPPRESS, help=help_of.get(name))
     tune.add_argument("--gpu", dest="gpu", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of["gpu"])
     tune.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
-    ddp_docs = _field_docs(DDPConfig)
-    for f in dataclasses.fields(DDPConfig):
-        flag = flag_name("ddp_" + f.name)
-        if f.name in _DDP_VALUE_TYPES:
-            tune.add_argument(flag, dest="ddp." + f.name, type=_DDP_VALUE_TYPES[f.name], default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
-        else:
-            tune.add_argument(flag, dest="ddp." + f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=ddp_docs.get(f.name))
+    add_ddp_flags(tune)
     tune.set_defaults(handler=cmd_tune)
 
 
