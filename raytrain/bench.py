@@ -749,13 +749,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     predict.add_argument("--overlap", type=float, help="share of the all-reduce hidden under backward (default: all buckets but the last)")
     predict.add_argument("--from", dest="source", metavar="BENCH_DIR", help="take the step time and gradient size from a bench run")
     train = bench.add_argument_group("train options (as for raytrain train)")
-    help_of = cli._field_docs()
-    for name, kind in cli._VALUE_TYPES.items():
-        if name not in _BENCH_OWNED:
-            train.add_argument(flag_name(name), dest=name, type=kind, default=argparse.SUPPRESS, help=help_of.get(name))
-    train.add_argument("--gpu", dest="gpu", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of["gpu"])
-    train.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
-    cli.add_ddp_flags(train)
+    cli.add_run_flags(train, skip=_BENCH_OWNED)
     bench.set_defaults(handler=cmd_bench)
     return bench
 

@@ -89,18 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a pipeline", description="Train PIPELINE (a built-in name or module:attr).")
     train.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
     train.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (flags override it)")
-    help_of = _field_docs()
-    for name, kind in _VALUE_TYPES.items():
-        train.add_argument(flag_name(name), dest=name, type=kind, default=argparse.SUPPRESS, help=help_of.get(name))
-    train.add_argument("--gpu", dest="gpu", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of["gpu"])
+    help_of = add_run_flags(train)
     train.add_argument("--resume", dest="resume", action="store_true", default=argparse.SUPPRESS, help=help_of["resume"])
     train.add_argument(
         "--pipeline-arg", dest="pipeline_args", action="append", type=_key_value, default=argparse.SUPPRESS, metavar="KEY=VALUE",
         help="an option of the pipeline itself, repeatable (e.g. the parquet pipeline's --pipeline-arg path=DIR)",
     )
     train.add_argument("--skip-nan-rows", dest="skip_nan_rows", action="store_true", default=argparse.SUPPRESS, help=help_of["skip_nan_rows"])
-    train.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
-    add_ddp_flags(train)
     train.set_defaults(handler=cmd_train)
     add_tune_parser(commands)
 
@@ -129,6 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(commands)
     return parser
+
+
+def add_run_flags(parser, skip=()) -> dict[str, str]:
+    """The train options every run command takes (value flags but `skip`, --gpu, -v, DDP
+    flags), all defaulting to 'not given'; returns the field docs for further flags."""
+    help_of = _field_docs()
+    for name, kind in _VALUE_TYPES.items():
+        if name not in skip:
+            parser.add_argument(flag_name(name), dest=name, type=kind, default=argparse.SUPPRESS, help=help_of.get(name))
+    parser.add_argument("--gpu", dest="gpu", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of["gpu"])
+    parser.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
+    add_ddp_flags(parser)
+    return help_of
 
 
 def add_ddp_flags(parser: argparse.ArgumentParser) -> None:
@@ -331,13 +339,7 @@ def add_tune_parser(commands) -> None:
     for name, (kind, metavar, text) in _TUNE_OPTIONS.items():
         tune.add_argument(flag_name(name), dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS, help=text)
     tune.add_argument("--no-early-stop", dest="early_stop", action="store_false", default=argparse.SUPPRESS, help="run every trial to the end (no ASHA)")
-    help_of = _field_docs()
-    for name, kind in _VALUE_TYPES.items():
-        if name not in _TUNE_AXES:
-            tune.add_argument(flag_name(name), dest=name, type=kind, default=argparse.SUPPRESS, help=help_of.get(name))
-    tune.add_argument("--gpu", dest="gpu", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of["gpu"])
-    tune.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
-    add_ddp_flags(tune)
+    add_run_flags(tune, skip=_TUNE_AXES)
     tune.set_defaults(handler=cmd_tune)
 
 
