@@ -48,6 +48,7 @@ _VALUE_TYPES: dict[str, Callable[[str], Any]] = {
     "wandb_project": str,
     "progress": str,
     "progress_interval_s": float,
+    "shuffle_window_rows": int,
 }
 _DDP_VALUE_TYPES = {"bucket_cap_mb": float}
 
@@ -109,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--out", required=True, metavar="DIR", help="directory to write DIR/<dataset>/*.parquet into")
     data.add_argument("--pipeline-arg", dest="pipeline_args", action="append", type=_key_value, default=[], metavar="KEY=VALUE")
     data.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
+    data.add_argument(
+        "--shuffle-seed", type=int, default=0,
+        help="rows are written in a random order drawn with this seed, so that a streamed run's window shuffle "
+        "(--shuffle-window-rows) mixes rows from the whole dataset (default 0); -1 keeps the pipeline's order",
+    )  # fmt: skip
     data.set_defaults(handler=cmd_data)
 
     doctor = commands.add_parser("doctor", help="check what the cluster has and whether a run will work")
@@ -449,6 +455,8 @@ def cmd_data(args: argparse.Namespace) -> int:
         cfg = TrainConfig.from_dict(merge(pipe.default_config, {"pipeline_args": args.pipeline_args, "workers": 1}))
         with ray_session(dataclasses.replace(cfg, address=args.address)):
             for name, ds in build_datasets(pipe, cfg).items():
+                if args.shuffle_seed >= 0:
+                    ds = ds.random_shuffle(seed=args.shuffle_seed)
                 ds.write_parquet(str(out / name))
                 files = sorted((out / name).glob("*.parquet"))
                 print(f"{name}: {ds.count()} rows in {len(files)} Parquet file(s) under {out / name}", flush=True)

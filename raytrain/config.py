@@ -129,6 +129,8 @@ class TrainConfig:
     """Seconds between plain progress lines when the output is not a terminal."""
     skip_nan_rows: bool = False
     """Drop rows holding NaN or inf (counted and reported) instead of failing before training."""
+    shuffle_window_rows: int | None = None
+    """How the training set is held: 0 loads it into every worker (a full shuffle each epoch); N streams it from Ray Data, shuffling within windows of N rows (for data larger than memory); unset: in memory up to 1 GiB, streamed beyond."""
     time_phases: bool = False
     """Synchronize the GPU around each step phase so the step-time split is exact (slower; for benchmarks)."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
@@ -276,6 +278,8 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
         yield "seed", f"got {c.seed}; must be 0 or more"
     if c.max_failures < -1:
         yield "max_failures", f"got {c.max_failures}; must be 0 or more (-1 retries forever)"
+    if c.shuffle_window_rows is not None and c.shuffle_window_rows < 0:
+        yield "shuffle_window_rows", f"got {c.shuffle_window_rows}; must be 0 (hold the data in memory) or a row count, e.g. --shuffle-window-rows 65536"
     if c.checkpoint_every_steps < 0:
         yield "checkpoint_every_steps", f"got {c.checkpoint_every_steps}; must be 0 (epoch ends only) or a positive step count"
     if not 0 < c.collective_timeout_s < math.inf:

@@ -23,7 +23,7 @@ import torch
 from raytrain import checkpoint as ckpt
 from raytrain import plan as rules
 from raytrain.config import TrainConfig
-from raytrain.data import Table, fingerprint, read_table
+from raytrain.data import Stream, StreamEpoch, Table, TableEpoch
 from raytrain.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
 from raytrain.pipeline import Pipeline, _CONTEXT
 from raytrain.runtime import Runtime
@@ -73,7 +73,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     files = RunFiles(run_dir, enabled=runtime.is_rank0)
     heartbeat = Heartbeat(run_dir / "heartbeats", runtime.world_rank, enabled=runtime.world_size > 1)
     try:
-        run_attempt(cfg, pipeline, runtime, files, heartbeat, payload["datasets"])
+        run_attempt(cfg, pipeline, runtime, files, heartbeat, payload["sources"])
     except Exception as exc:
         if runtime.world_size > 1 and looks_like_timeout(exc):
             raise StallError(explain_stall(cfg, runtime, heartbeat, run_dir, exc)) from exc
@@ -82,7 +82,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         heartbeat.stop()
 
 
-def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "RunFiles", heartbeat: Heartbeat, dataset_names: list[str]) -> None:
+def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "RunFiles", heartbeat: Heartbeat, sources: dict[str, dict]) -> None:
     # restore
     state = restore(runtime, files.run_dir)
     position = Position(**state["position"]) if state else Position()
@@ -95,10 +95,9 @@ def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "
         micro_batch_size=cfg.micro_batch_size,
     )
     heartbeat.mark(position.step, "data")
-    train_table = read_table(runtime.dataset("train"), "train", skip_nan_rows=cfg.skip_nan_rows)
-    val_table = read_table(runtime.dataset("val"), "val", skip_nan_rows=cfg.skip_nan_rows) if "val" in dataset_names else None
-    check_same_rows(runtime, {"train": train_table, "val": val_table})
-    trainer = StepRunner.build(pipeline, cfg, runtime, batch_plan, len(train_table), state)
+    train_data = open_source("train", sources["train"], runtime)
+    val_data = open_source("val", sources["val"], runtime) if "val" in sources else None
+    trainer = StepRunner.build(pipeline, cfg, runtime, batch_plan, len(train_data), state)
     trainer.heartbeat = heartbeat
     trainer.last_log_samples = position.samples_seen
     files.start_attempt(position, state, trainer, cfg)
@@ -107,10 +106,10 @@ def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "
     # loop
     while position.epoch < cfg.epochs:
         epoch_start, samples_before = time.perf_counter(), position.samples_seen
-        train_loss = train_epoch(trainer, train_table, position, cfg, files)
+        train_loss = train_epoch(trainer, train_data, position, cfg, files)
         epoch_samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - epoch_start)
         heartbeat.mark(position.step, "eval")
-        val_metrics = evaluate(trainer, val_table) if val_table is not None else {}
+        val_metrics = evaluate(trainer, val_data) if val_data is not None else {}
         position.epoch, position.epoch_offset = position.epoch + 1, 0
         row = trainer.metrics_row(position, loss=train_loss, samples_per_s=epoch_samples_per_s, extra=val_metrics)
         files.epoch_end(row, cfg.epochs)
@@ -121,17 +120,13 @@ def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "
     files.finish(trainer, position)
 
 
-def check_same_rows(runtime: Runtime, tables: dict[str, Table | None]) -> None:
-    """Every rank slices the same global order, so every rank must have read the same rows
-    in the same order; a mismatch would break exactly-once silently, so it stops the run."""
-    mine = {name: fingerprint(table) for name, table in tables.items() if table is not None}
-    everyone = runtime.all_gather_object(mine)
-    differing = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if differing:
-        raise RuntimeError(
-            f"ranks {differing} read different rows than rank 0 (fingerprints {everyone}); the dataset must yield "
-            "the same rows in the same order on every read (avoid unseeded random_shuffle in build_datasets)"
-        )
+def open_source(name: str, source: dict[str, Any], runtime: Runtime) -> Table | Stream:
+    """A dataset as the driver prepared it (raytrain.trainer.check_datasets): checked
+    columns in the object store — the same object for every rank, mapped, not copied —
+    or a stream each rank reads itself and checks window by window."""
+    if source["kind"] == "memory":
+        return Table(runtime.get_object(source["columns"]))
+    return Stream(runtime.dataset(name), name, source["rows"], source["window_rows"], source["digests"])
 
 
 class StallError(RuntimeError):
@@ -251,7 +246,7 @@ class StepRunner:
         dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
         return torch.autocast(device_type=self.runtime.device.type, dtype=dtype)
 
-    def optimizer_step(self, table: Table, order: np.ndarray, step: rules.Step, samples_seen: int, timer: "PhaseTimer") -> float:
+    def optimizer_step(self, data: TableEpoch | StreamEpoch, step: rules.Step, samples_seen: int, timer: "PhaseTimer") -> float:
         """One optimizer step over this rank's rows of `step`; returns the lr used."""
         lr = self.lr_at(samples_seen)
         for group in self.optimizer.param_groups:
@@ -261,15 +256,15 @@ class StepRunner:
         for index, (lo, hi) in enumerate(micro):
             count = hi - lo
             # A rank with no rows left in the epoch's last step still runs forward and
-            # backward (on one row, weight 0) so that it joins the gradient all-reduce.
-            rows = order[lo:hi] if count else order[:1]
+            # backward (the data gives one row for an empty range; weight 0 below) so
+            # that it joins the gradient all-reduce.
             self.heartbeat.mark(self.step_index, "data")
             # DDP averages gradients over ranks; this weight turns that into the mean
             # over the samples actually present in the step (tail steps are smaller).
             weight = count * self.runtime.world_size / step.size
             last = index == len(micro) - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-            batch = table.batch(rows, self.runtime.device)
+            batch = data.batch(lo, hi, self.runtime.device)
             timer.lap("data_wait")
             with sync:
                 self.heartbeat.mark(self.step_index, "forward")
@@ -328,10 +323,10 @@ class StepRunner:
 # -- loop --------------------------------------------------------------------------------
 
 
-def train_epoch(trainer: StepRunner, table: Table, position: Position, cfg: TrainConfig, files: "RunFiles") -> float:
+def train_epoch(trainer: StepRunner, source: Table | Stream, position: Position, cfg: TrainConfig, files: "RunFiles") -> float:
     """Train the rest of the current epoch; returns its mean training loss over all ranks."""
-    order = rules.epoch_order(len(table), cfg.seed, position.epoch)
-    steps = rules.epoch_steps(len(table), trainer.batch_plan.global_batch_size, position.epoch_offset)
+    data = source.epoch(cfg.seed, position.epoch, position.epoch_offset)
+    steps = rules.epoch_steps(len(source), trainer.batch_plan.global_batch_size, position.epoch_offset)
     trainer.model.train()
     epoch_loss_sum, epoch_count = 0.0, 0
     for step in steps:
@@ -339,7 +334,7 @@ def train_epoch(trainer: StepRunner, table: Table, position: Position, cfg: Trai
         _update_context(trainer, position)
         timer = position.timer(enabled=step.index >= TIMING_WARMUP_STEPS, sync=trainer.sync_device)
         trainer.step_index = position.step
-        trainer.optimizer_step(table, order, step, position.samples_seen, timer)
+        trainer.optimizer_step(data, step, position.samples_seen, timer)
         position.step += 1
         position.samples_seen += step.size
         position.epoch_offset = step.end
@@ -347,7 +342,7 @@ def train_epoch(trainer: StepRunner, table: Table, position: Position, cfg: Trai
             position.steady_samples += step.size
             position.steady_time_s += time.perf_counter() - tick
         last = step is steps[-1]
-        files.live(trainer, position, len(table))
+        files.live(trainer, position, len(source))
         if position.step % cfg.log_every_steps == 0 or last:
             loss, count = trainer.take_loss()
             epoch_loss_sum += loss * count
@@ -363,22 +358,19 @@ def train_epoch(trainer: StepRunner, table: Table, position: Position, cfg: Trai
 
 
 @torch.no_grad()
-def evaluate(trainer: StepRunner, table: Table) -> dict[str, float]:
+def evaluate(trainer: StepRunner, source: Table | Stream) -> dict[str, float]:
     """Validation loss and metrics, averaged over all validation samples of all ranks."""
     runtime = trainer.runtime
     trainer.model.eval()
-    start, end = rules.split_range(len(table), runtime.world_size)[runtime.world_rank]
+    start, end = rules.split_range(len(source), runtime.world_size)[runtime.world_rank]
     batch_size = max(1, trainer.batch_plan.per_worker_max if not trainer.cfg.micro_batch_size else trainer.cfg.micro_batch_size)
     sums: dict[str, float] = {}
     count = 0
-    chunks = [(lo, min(end, lo + batch_size)) for lo in range(start, end, batch_size)] or [(0, 0)]
-    for lo, hi in chunks:
-        # A rank without validation rows evaluates one row with weight 0, so every
-        # rank learns the metric names and joins the reduction below.
-        rows = np.arange(lo, hi) if hi > lo else np.arange(0, 1)
+    # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
+    # rank learns the metric names and joins the reduction below.
+    for n, batch in source.eval_batches(start, end, batch_size, runtime.device):
         with trainer.autocast():
-            loss, metrics = split_loss(trainer.pipeline.compute_loss(trainer.model, table.batch(rows, runtime.device)))
-        n = hi - lo
+            loss, metrics = split_loss(trainer.pipeline.compute_loss(trainer.model, batch))
         for name, value in {"loss": loss, **metrics}.items():
             sums[name] = sums.get(name, 0.0) + float(value) * n
         count += n

@@ -68,6 +68,10 @@ class Runtime:
         """The named dataset's iterator (unsplit: every rank sees all rows and takes its own)."""
         return ray.train.get_dataset_shard(name)
 
+    def get_object(self, ref: Any) -> Any:
+        """An object the driver put in Ray's object store (numpy arrays come back zero-copy)."""
+        return ray.get(ref)
+
     # -- checkpoints and reports --------------------------------------------------------
     def latest_checkpoint(self) -> Checkpoint | None:
         return ray.train.get_checkpoint()

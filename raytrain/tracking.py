@@ -226,7 +226,7 @@ class RunTracker:
     fed while it runs, trackers closed and the report written when it ends.
 
         tracker = RunTracker(cfg, run_dir, pipeline_name, echo=print, progress=True)
-        with tracker.follow(since=time.time(), datasets=datasets):
+        with tracker.follow(since=time.time(), train_rows=rows):
             trainer.fit()
         tracker.finish(summary)
 
@@ -285,10 +285,9 @@ class RunTracker:
             self.echo(f"raytrain: {tracker} could not start a run, training without it: {type(exc).__name__}: {_first_line(exc)}")
 
     @contextlib.contextmanager
-    def follow(self, since: float, datasets: dict[str, Any] | None = None) -> Iterator[None]:
+    def follow(self, since: float, train_rows: int | None = None) -> Iterator[None]:
         self.ray_logs = ray_logs_dir()
-        rows = count_rows(datasets.get("train")) if datasets and self.progress else None
-        self.dispatcher.sinks = self.open_sinks(train_rows=rows)
+        self.dispatcher.sinks = self.open_sinks(train_rows=train_rows if self.progress else None)
         self.dispatcher.warn = self.dispatcher.sinks[0].write  # the console: above the bar, if any
         try:
             with follow(self.run_dir, self.dispatcher, since=since):
@@ -383,15 +382,6 @@ def config_params(cfg: Any, pipeline_name: str, run_dir: Path) -> dict[str, str]
 
     walk("", values)
     return flat
-
-
-def count_rows(dataset: Any) -> int | None:
-    """Training rows, for the progress bar's first epoch; None when not cheap to know."""
-    if dataset is None:
-        return None
-    with contextlib.suppress(Exception):
-        return int(dataset.count())
-    return None
 
 
 def ray_logs_dir() -> str | None:

@@ -95,16 +95,16 @@ def fit(
     tracker = tracking.RunTracker(cfg, run_dir, pipeline if isinstance(pipeline, str) else pipe.name, echo=echo, progress=progress)
     with ray_session(cfg):
         use_gpu = resolve_gpu(cfg)
-        datasets = check_datasets(build_datasets(pipe, cfg), cfg, echo)
+        sources, datasets = check_datasets(build_datasets(pipe, cfg), cfg, echo)
         run_dir.mkdir(parents=True, exist_ok=True)
         write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), "pipeline": pipeline if isinstance(pipeline, str) else pipe.name, "gpu": use_gpu})
-        trainer = build_trainer(pipe, cfg, run_dir, datasets, use_gpu, callbacks=callbacks)
+        trainer = build_trainer(pipe, cfg, run_dir, sources, datasets, use_gpu, callbacks=callbacks)
         echo(
             f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
             f"({'GPU, nccl' if use_gpu else 'CPU, gloo'}); run directory {run_dir}"
         )
         started = time.time()
-        with tracker.follow(since=started, datasets=datasets):
+        with tracker.follow(since=started, train_rows=sources["train"]["rows"]):
             try:
                 result = trainer.fit()
                 error = None
@@ -276,25 +276,46 @@ def build_datasets(pipe: Pipeline, cfg: TrainConfig) -> dict[str, Any]:
     return datasets
 
 
-def check_datasets(datasets: dict[str, Any], cfg: TrainConfig, echo: Callable[[str], None]) -> dict[str, Any]:
-    """Run each dataset once on the driver and check it (DataError before any worker starts).
+def check_datasets(datasets: dict[str, Any], cfg: TrainConfig, echo: Callable[[str], None]) -> tuple[dict[str, dict], dict[str, Any]]:
+    """Read each dataset once on the driver, check it (DataError before any worker starts)
+    and choose how the workers get it (docs/data.md):
 
-    The datasets come back materialized, so workers read the checked blocks instead of
-    running the pipeline's reading and preprocessing again.
+    - in memory: the checked columns go into Ray's object store once; workers map them;
+    - streamed (`--shuffle-window-rows N`, or more than IN_MEMORY_LIMIT_BYTES): the dataset
+      goes to Train unsplit; every worker streams it and checks each window against the
+      digest taken here.
+
+    Returns the descriptors the workers open (`raytrain.loop.open_source`) and the datasets
+    Train must carry.
     """
-    from raytrain.data import read_table
+    import ray
 
-    checked = {}
+    from raytrain import data
+
+    sources, streamed = {}, {}
     for name, ds in datasets.items():
-        materialized = ds.materialize()
-        table = read_table(materialized, name, skip_nan_rows=cfg.skip_nan_rows)
-        if table.dropped_rows:
-            echo(f"dataset {name!r}: skipped {table.dropped_rows} row(s) holding NaN or inf (--skip-nan-rows); {len(table)} left")
-        checked[name] = materialized
-    return checked
+        # --shuffle-window-rows is about the training set; other sets stream only when big.
+        window = cfg.shuffle_window_rows if name == "train" or cfg.shuffle_window_rows == 0 else None
+        keep = {0: float("inf"), None: data.IN_MEMORY_LIMIT_BYTES}.get(window, 0)
+        scan = data.scan(ds, name, skip_nan_rows=cfg.skip_nan_rows, keep_bytes=keep, window_rows=window)
+        if scan.dropped_rows:
+            echo(f"dataset {name!r}: skipped {scan.dropped_rows} row(s) holding NaN or inf (--skip-nan-rows); {scan.num_rows} left")
+        if scan.table is not None:
+            sources[name] = {"kind": "memory", "rows": scan.num_rows, "columns": ray.put(scan.table.columns)}
+            continue
+        # The stream must yield exactly the rows the scan counted: the same filter, in Ray Data.
+        streamed[name] = ds.map_batches(data.drop_non_finite_rows, batch_format="numpy") if scan.dropped_rows else ds
+        sources[name] = {"kind": "stream", "rows": scan.num_rows, "window_rows": scan.window_rows, "digests": scan.window_digests}
+        echo(
+            f"dataset {name!r}: {scan.num_rows:,} rows ({scan.num_bytes / 2**20:,.0f} MiB) streamed by every worker, "
+            f"shuffled within windows of {scan.window_rows:,} rows (~{scan.window_rows * scan.num_bytes / scan.num_rows / 2**20:,.0f} MiB)"
+        )
+    return sources, streamed
 
 
-def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, datasets: dict[str, Any], use_gpu: bool, callbacks: Sequence[Any] = ()):
+def build_trainer(
+    pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict[str, dict], datasets: dict[str, Any], use_gpu: bool, callbacks: Sequence[Any] = ()
+):
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -306,12 +327,13 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, datasets: dic
     elastic = {"elastic_resize_monitor_interval_s": ELASTIC_MONITOR_INTERVAL_S} if cfg.elastic else {}
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": cfg.to_dict(), "pipeline": pipe, "run_dir": str(run_dir), "datasets": sorted(datasets)},
+        train_loop_config={"config": cfg.to_dict(), "pipeline": pipe, "run_dir": str(run_dir), "sources": sources},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources, **elastic),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s)),
         datasets=datasets,
-        # Unsplit: every rank reads all rows and takes its own slice of the epoch's order
-        # (raytrain.data) — Ray's equal split drops tail rows and keeps no position.
+        # Streamed sets only, unsplit: every rank reads all rows and takes its own slice of
+        # the epoch's order (raytrain.data); Ray's equal split drops tail rows and keeps no
+        # position. In-memory sets travel as object refs in the config.
         dataset_config=DataConfig(datasets_to_split=[], execution_options=_same_order_everywhere()),
         run_config=RunConfig(
             name=cfg.name,

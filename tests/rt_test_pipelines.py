@@ -18,6 +18,10 @@ import raytrain
 from pipelines.digits.pipeline import DigitsPipeline
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def _table_dataset(columns: dict[str, np.ndarray]):
     import pyarrow as pa
     import ray.data

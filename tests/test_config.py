@@ -156,6 +156,8 @@ def test_positive_integers(name, example, value):
         ({"seed": -1}, "seed: got -1; must be 0 or more"),
         ({"max_failures": -2}, "max_failures: got -2; must be 0 or more (-1 retries forever)"),
         ({"checkpoint_every_steps": -1}, "checkpoint_every_steps: got -1; must be 0 (epoch ends only) or a positive step count"),
+        ({"shuffle_window_rows": -5}, "shuffle_window_rows: got -5; must be 0 (hold the data in memory) or a row count"),
+        ({"shuffle_window_rows": "big"}, "shuffle_window_rows: got 'big' (str); expected an integer"),
         ({"collective_timeout_s": 0.0}, "collective_timeout_s: got 0.0; must be a positive number of seconds, e.g. 600"),
         ({"collective_timeout_s": math.inf}, "collective_timeout_s: got inf; must be a positive number of seconds"),
         ({"cpus_per_worker": 0.0}, "cpus_per_worker: got 0.0; must be a positive number of CPUs, e.g. 1"),
@@ -188,7 +190,7 @@ def test_good_run_name(name):
 
 def test_edge_values_that_are_allowed():
     cfg = TrainConfig(
-        workers=0, warmup_epochs=0, weight_decay=0, max_failures=-1, checkpoint_every_steps=0, seed=0, lr=1, ddp={"bucket_cap_mb": 1}
+        workers=0, warmup_epochs=0, weight_decay=0, max_failures=-1, checkpoint_every_steps=0, shuffle_window_rows=0, seed=0, lr=1, ddp={"bucket_cap_mb": 1}
     )
     assert cfg.lr == 1 and cfg.ddp.bucket_cap_mb == 1
 

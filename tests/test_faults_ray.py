@@ -9,13 +9,11 @@ from pathlib import Path
 import pytest
 
 import raytrain
-from rt_test_pipelines import RecordingPipeline, StallingPipeline
+from rt_test_pipelines import RecordingPipeline, StallingPipeline, read_jsonl
 
 pytestmark = pytest.mark.ray
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def test_stalled_rank_fails_the_attempt_naming_it_within_the_timeout(ray_session, tmp_path):

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipelines.digits.pipeline import load_arrays, split
 from raytrain.cli import main
 
 pytestmark = pytest.mark.ray
@@ -28,14 +29,23 @@ def test_data_command_writes_each_dataset_as_parquet(digits_parquet):
     val = pq.read_table(sorted((digits_parquet / "val").glob("*.parquet")))
     assert train.num_rows + val.num_rows == 1797
     assert set(train.column_names) == {"image", "label"}
+    # Written in a seeded random order (--shuffle-seed 0), not the pipeline's: the same
+    # rows, in another order.
+    _, labels = load_arrays()
+    train_rows, _ = split(len(labels))
+    written = train.column("label").to_numpy()
+    assert sorted(written) == sorted(labels[train_rows]) and not np.array_equal(written, labels[train_rows])
 
 
-def test_parquet_pipeline_trains_on_written_shards(digits_parquet, tmp_path):
+def test_parquet_pipeline_streams_written_shards(digits_parquet, tmp_path, capsys):
     code = main([
         "train", "parquet", "--pipeline-arg", f"path={digits_parquet / 'train'}", "--pipeline-arg", f"val_path={digits_parquet / 'val'}",
         "--pipeline-arg", "label=label", "--workers", "2", "--epochs", "4", "--storage", str(tmp_path), "--name", "pq",
-    ])
+        "--shuffle-window-rows", "300",
+    ])  # fmt: skip
     assert code == 0
+    # streamed from the Parquet files by every worker (the small val set stays in memory)
+    assert "dataset 'train': 1,438 rows" in capsys.readouterr().out
     summary = json.loads((tmp_path / "pq" / "summary.json").read_text())
     assert summary["samples_seen"] == 4 * 1438 and summary["final_metrics"]["val_accuracy"] >= 0.9
 

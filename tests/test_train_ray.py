@@ -11,13 +11,11 @@ import torch
 import raytrain
 from raytrain import plan as rules
 from raytrain.config import ConfigError
-from rt_test_pipelines import RecordingPipeline, WeightProbePipeline
+from rt_test_pipelines import RecordingPipeline, WeightProbePipeline, read_jsonl
 
 pytestmark = pytest.mark.ray
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_digits_two_workers_trains_and_leaves_run_files(ray_session, tmp_path):
