@@ -48,6 +48,7 @@ _VALUE_TYPES: dict[str, Callable[[str], Any]] = {
     "wandb_project": str,
     "progress": str,
     "progress_interval_s": float,
+    "timing_warmup_steps": int,
 }
 _DDP_VALUE_TYPES = {"bucket_cap_mb": float}
 

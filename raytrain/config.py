@@ -131,6 +131,8 @@ class TrainConfig:
     """Drop rows holding NaN or inf (counted and reported) instead of failing before training."""
     time_phases: bool = False
     """Synchronize the GPU around each step phase so the step-time split is exact (slower; for benchmarks)."""
+    timing_warmup_steps: int = 3
+    """Steps at the start of every epoch left out of the steady throughput (first-step allocation, caches)."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
     """DistributedDataParallel flags."""
     pipeline_args: dict = field(default_factory=dict)
@@ -276,6 +278,8 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
         yield "seed", f"got {c.seed}; must be 0 or more"
     if c.max_failures < -1:
         yield "max_failures", f"got {c.max_failures}; must be 0 or more (-1 retries forever)"
+    if c.timing_warmup_steps < 0:
+        yield "timing_warmup_steps", f"got {c.timing_warmup_steps}; must be 0 or more, e.g. --timing-warmup-steps 3"
     if c.checkpoint_every_steps < 0:
         yield "checkpoint_every_steps", f"got {c.checkpoint_every_steps}; must be 0 (epoch ends only) or a positive step count"
     if not 0 < c.collective_timeout_s < math.inf:

@@ -29,7 +29,6 @@ from raytrain.pipeline import Pipeline, _CONTEXT
 from raytrain.runtime import Runtime
 
 LIVE_INTERVAL_S = 1.0  # rank 0 writes live.jsonl at most this often
-TIMING_WARMUP_STEPS = 3  # steps per attempt left out of the steady throughput (first-step compile/alloc)
 
 
 @dataclass
@@ -337,13 +336,14 @@ def train_epoch(trainer: StepRunner, table: Table, position: Position, cfg: Trai
     for step in steps:
         tick = time.perf_counter()
         _update_context(trainer, position)
-        timer = position.timer(enabled=step.index >= TIMING_WARMUP_STEPS, sync=trainer.sync_device)
+        steady = step.index >= cfg.timing_warmup_steps
+        timer = position.timer(enabled=steady, sync=trainer.sync_device)
         trainer.step_index = position.step
         trainer.optimizer_step(table, order, step, position.samples_seen, timer)
         position.step += 1
         position.samples_seen += step.size
         position.epoch_offset = step.end
-        if step.index >= TIMING_WARMUP_STEPS:
+        if steady:
             position.steady_samples += step.size
             position.steady_time_s += time.perf_counter() - tick
         last = step is steps[-1]
