@@ -379,7 +379,7 @@ def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
         "global_batch_size": run.batch.global_batch_size,
         "per_worker_batch": run.batch.per_worker_max,
         "epochs": run.epochs,
-        "steady_steps": run.steady_steps,
+        "steady_steps": progress.get("steady_steps", run.steady_steps),
         "steady_samples": progress["steady_samples"],
         "steady_time_s": progress["steady_time_s"],
         "steady_samples_per_s": progress["steady_samples_per_s"],

@@ -40,6 +40,7 @@ class Position:
     step: int = 0  # optimizer steps taken since the run began
     samples_seen: int = 0  # training samples since the run began
     world_sizes: list[int] = field(default_factory=list)
+    steady_steps: int = 0  # steps timed for the steady throughput (past --timing-warmup-steps)
     steady_samples: int = 0
     steady_time_s: float = 0.0
     phase_time_s: dict[str, float] = field(default_factory=dict)  # steady steps only, this rank
@@ -344,6 +345,7 @@ def train_epoch(trainer: StepRunner, table: Table, position: Position, cfg: Trai
         position.samples_seen += step.size
         position.epoch_offset = step.end
         if steady:
+            position.steady_steps += 1
             position.steady_samples += step.size
             position.steady_time_s += time.perf_counter() - tick
         last = step is steps[-1]

@@ -372,6 +372,7 @@ def write_summary(run_dir: Path, cfg: TrainConfig, result: Any, error: Exception
         "samples_seen": progress.get("samples_seen", last.get("samples_seen", 0)),
         "wall_time_s": round(time.time() - started, 3),
         "steady_samples_per_s": progress.get("steady_samples_per_s"),
+        "steady_steps": progress.get("steady_steps"),
         "world_sizes": progress.get("world_sizes") or sorted({row["world_size"] for row in rows}),
         "failures_recovered": recovered,
         "final_metrics": {k: v for k, v in last.items() if k == "loss" or k.startswith("val_")},

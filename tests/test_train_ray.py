@@ -118,7 +118,9 @@ def test_worker_failure_resumes_at_checkpoint_step_with_same_lr_and_exactly_once
 def test_local_mode_runs_the_loop_in_process(ray_session, tmp_path):
     out = tmp_path / "records"
     out.mkdir()
-    cfg = raytrain.TrainConfig(workers=0, epochs=2, global_batch_size=16, storage=str(tmp_path), name="local", log_every_steps=1)
+    cfg = raytrain.TrainConfig(
+        workers=0, epochs=2, global_batch_size=16, storage=str(tmp_path), name="local", log_every_steps=1, timing_warmup_steps=1
+    )
     result = raytrain.fit(RecordingPipeline(str(out), num_rows=37), cfg)
     rows = read_jsonl(out / "ids-rank0.jsonl")
     for epoch in (0, 1):
@@ -127,6 +129,7 @@ def test_local_mode_runs_the_loop_in_process(ray_session, tmp_path):
     orders = [[i for row in rows if row["epoch"] == e for i in row["ids"]] for e in (0, 1)]
     assert orders[0] != orders[1]  # reshuffled every epoch
     assert result.summary["steps"] == 2 * 3  # ceil(37 / 16) steps per epoch, tail kept
+    assert result.summary["steady_steps"] == 2 * (3 - 1)  # the first step of every epoch is warm-up
     expected_lr = rules.lr_at(0, base_lr=1e-3, peak_lr=1e-3, warmup_samples=37, total_samples=74)
     assert rows[0]["lr"] == pytest.approx(expected_lr)
 
