@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,3 +147,18 @@ def test_resume_after_the_driver_stopped_continues_from_the_last_checkpoint(ray_
     assert result.summary["epochs"] == 2
     rows = [row for r in range(2) for row in read_jsonl(out / f"ids-rank{r}.jsonl")]
     assert sorted({row["step"] for row in rows}) == list(range(8))  # 4 steps per epoch, none repeated
+
+
+def test_embedded_ray_starts_its_workers_at_niceness_0(tmp_path):
+    # A fresh process: the session's shared Ray would be joined instead of starting one.
+    script = (
+        "import os, ray\n"
+        "from raytrain.config import TrainConfig\n"
+        "from raytrain.trainer import ray_session\n"
+        "with ray_session(TrainConfig(workers=1, storage='unused')):\n"
+        "    print('niceness', ray.get(ray.remote(lambda: os.nice(0)).remote()))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_worker_niceness", "RAY_ADDRESS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "niceness 0" in done.stdout, done.stderr[-2000:]
