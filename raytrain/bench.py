@@ -45,7 +45,7 @@ BASELINES = ("torchrun", "plain")
 STATISTICS = ("median", "best")
 BASELINE_TIMEOUT_S = 1800
 # Train options bench decides itself (one run per worker count, its own storage layout).
-_BENCH_OWNED = ("workers", "epochs", "storage", "name", "resume", "checkpoint_every_steps", "max_failures")
+_BENCH_OWNED = ("workers", "epochs", "storage", "name", "resume", "checkpoint_every_steps", "max_failures", "timing_warmup_steps")
 METHOD = (
     "Steady samples/s: the samples of all workers in the steady steps over rank 0's time in those steps (the "
     "first {warmup} steps of every epoch are warm-up and left out; evaluation, checkpoints and logging between "
@@ -330,18 +330,7 @@ def bench_config(train_values: dict[str, Any], opts: BenchOptions, *, workers: i
     values = {k: v for k, v in train_values.items() if k not in _BENCH_OWNED}
     values.update(workers=workers, epochs=epochs, storage=str(storage), name=name, max_failures=0, time_phases=True)
     values["warmup_epochs"] = min(float(values.get("warmup_epochs", 1.0)), float(epochs))
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    if "timing_warmup_steps" in fields:
-        values["timing_warmup_steps"] = opts.warmup_steps
-    else:
-        from raytrain.loop import TIMING_WARMUP_STEPS
-
-        if opts.warmup_steps != TIMING_WARMUP_STEPS:
-            raise ConfigError([(
-                "warmup_steps",
-                f"got {opts.warmup_steps}; the training loop leaves out the first {TIMING_WARMUP_STEPS} steps of every epoch "
-                f"and cannot be told otherwise yet; use --warmup-steps {TIMING_WARMUP_STEPS}",
-            )])  # fmt: skip
+    values["timing_warmup_steps"] = opts.warmup_steps
     return TrainConfig.from_dict(values)
 
 
@@ -390,7 +379,7 @@ def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
         "global_batch_size": run.batch.global_batch_size,
         "per_worker_batch": run.batch.per_worker_max,
         "epochs": run.epochs,
-        "steady_steps": run.steady_steps,
+        "steady_steps": progress.get("steady_steps", run.steady_steps),
         "steady_samples": progress["steady_samples"],
         "steady_time_s": progress["steady_time_s"],
         "steady_samples_per_s": progress["steady_samples_per_s"],
@@ -729,7 +718,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
     bench.add_argument("--workers", default="1,2", help="comma-separated worker counts, e.g. 1,2,4 (1 is always run)")
     bench.add_argument("--steps", type=int, default=100, help="steady steps measured at each worker count (default 100)")
-    bench.add_argument("--warmup-steps", type=int, default=3, help="steps left out at the start of every epoch (default 3)")
+    bench.add_argument(
+        "--warmup-steps", "--timing-warmup-steps", dest="warmup_steps", type=int, default=TrainConfig().timing_warmup_steps,
+        help="steps left out at the start of every epoch, by raytrain and the baselines (default %(default)s)",
+    )
     bench.add_argument("--repeat", type=int, default=1, help="rounds of every configuration (default 1)")
     bench.add_argument("--statistic", choices=STATISTICS, default="median", help="which round stands for a configuration with --repeat (default median)")
     bench.add_argument("--baseline", action="append", default=[], help="torchrun and/or plain (repeat or comma-separate)")

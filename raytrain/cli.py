@@ -49,6 +49,7 @@ _VALUE_TYPES: dict[str, Callable[[str], Any]] = {
     "progress": str,
     "progress_interval_s": float,
     "shuffle_window_rows": int,
+    "timing_warmup_steps": int,
 }
 _DDP_VALUE_TYPES = {"bucket_cap_mb": float}
 

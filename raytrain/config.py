@@ -133,6 +133,8 @@ class TrainConfig:
     """How the training set is held: 0 loads it into every worker (a full shuffle each epoch); N streams it from Ray Data, shuffling within windows of N rows (for data larger than memory); unset: in memory up to 1 GiB, streamed beyond."""
     time_phases: bool = False
     """Synchronize the GPU around each step phase so the step-time split is exact (slower; for benchmarks)."""
+    timing_warmup_steps: int = 3
+    """Steps at the start of every epoch left out of the steady throughput (first-step allocation, caches)."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
     """DistributedDataParallel flags."""
     pipeline_args: dict = field(default_factory=dict)
@@ -280,6 +282,8 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
         yield "max_failures", f"got {c.max_failures}; must be 0 or more (-1 retries forever)"
     if c.shuffle_window_rows is not None and c.shuffle_window_rows < 0:
         yield "shuffle_window_rows", f"got {c.shuffle_window_rows}; must be 0 (hold the data in memory) or a row count, e.g. --shuffle-window-rows 65536"
+    if c.timing_warmup_steps < 0:
+        yield "timing_warmup_steps", f"got {c.timing_warmup_steps}; must be 0 or more, e.g. --timing-warmup-steps 3"
     if c.checkpoint_every_steps < 0:
         yield "checkpoint_every_steps", f"got {c.checkpoint_every_steps}; must be 0 (epoch ends only) or a positive step count"
     if not 0 < c.collective_timeout_s < math.inf:

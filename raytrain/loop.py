@@ -29,7 +29,6 @@ from raytrain.pipeline import Pipeline, _CONTEXT
 from raytrain.runtime import Runtime
 
 LIVE_INTERVAL_S = 1.0  # rank 0 writes live.jsonl at most this often
-TIMING_WARMUP_STEPS = 3  # steps per attempt left out of the steady throughput (first-step compile/alloc)
 
 
 @dataclass
@@ -41,6 +40,7 @@ class Position:
     step: int = 0  # optimizer steps taken since the run began
     samples_seen: int = 0  # training samples since the run began
     world_sizes: list[int] = field(default_factory=list)
+    steady_steps: int = 0  # steps timed for the steady throughput (past --timing-warmup-steps)
     steady_samples: int = 0
     steady_time_s: float = 0.0
     phase_time_s: dict[str, float] = field(default_factory=dict)  # steady steps only, this rank
@@ -332,13 +332,15 @@ def train_epoch(trainer: StepRunner, source: Table | Stream, position: Position,
     for step in steps:
         tick = time.perf_counter()
         _update_context(trainer, position)
-        timer = position.timer(enabled=step.index >= TIMING_WARMUP_STEPS, sync=trainer.sync_device)
+        steady = step.index >= cfg.timing_warmup_steps
+        timer = position.timer(enabled=steady, sync=trainer.sync_device)
         trainer.step_index = position.step
         trainer.optimizer_step(data, step, position.samples_seen, timer)
         position.step += 1
         position.samples_seen += step.size
         position.epoch_offset = step.end
-        if step.index >= TIMING_WARMUP_STEPS:
+        if steady:
+            position.steady_steps += 1
             position.steady_samples += step.size
             position.steady_time_s += time.perf_counter() - tick
         last = step is steps[-1]

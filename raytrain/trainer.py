@@ -28,6 +28,12 @@ from raytrain.pipeline import Pipeline, load_pipeline
 
 # Without this every print in the train function shows twice (RAY_NOTES).
 WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+# Ray starts its workers at nice 15, below its own processes at 0. When the training workers
+# fill every core (2 workers on 2 CPUs), each wake-up of the raylet, GCS or dashboard (or of
+# anything else on the machine) then preempts a rank while the others wait for it in the
+# all-reduce; an embedded Ray starts its workers at this niceness instead (RAY_worker_niceness,
+# if exported, wins). benchmarks/RESULTS.md, section 1.
+EMBEDDED_WORKER_NICENESS = "0"
 # Ray checks for a bigger worker group every this many seconds when the run is elastic
 # (Ray's default, 60 s, leaves new nodes idle for a minute).
 ELASTIC_MONITOR_INTERVAL_S = 15.0
@@ -205,6 +211,7 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
         # Train's placement-group cleaner polls the dashboard (RAY_NOTES); name ours, or with
         # several Rays on one host it cannot tell which one to ask.
         runtime_env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
+        os.environ.setdefault("RAY_worker_niceness", EMBEDDED_WORKER_NICENESS)  # read by the raylet it starts
         try:
             ray.init(
                 address="local",
@@ -394,6 +401,7 @@ def write_summary(run_dir: Path, cfg: TrainConfig, result: Any, error: Exception
         "samples_seen": progress.get("samples_seen", last.get("samples_seen", 0)),
         "wall_time_s": round(time.time() - started, 3),
         "steady_samples_per_s": progress.get("steady_samples_per_s"),
+        "steady_steps": progress.get("steady_steps"),
         "world_sizes": progress.get("world_sizes") or sorted({row["world_size"] for row in rows}),
         "failures_recovered": recovered,
         "final_metrics": {k: v for k, v in last.items() if k == "loss" or k.startswith("val_")},

@@ -35,6 +35,12 @@ def test_epochs_hold_the_steady_steps_asked():
         epochs_for(100, 64, 3, 10)
 
 
+def test_bench_warmup_steps_reach_the_loop_through_the_config(tmp_path):
+    opts = BenchOptions(workers=[2], warmup_steps=5, storage=str(tmp_path))
+    cfg = bench.bench_config({"timing_warmup_steps": 1}, opts, workers=2, epochs=1, storage=tmp_path, name="w2")
+    assert cfg.timing_warmup_steps == 5  # bench owns it: the baselines leave out as many
+
+
 def test_step_split_estimates_communication_from_forward_backward():
     phases = {"data_wait": 0.02, "forward_backward": 0.30, "optimizer": 0.05}
     split = step_split(phases, steady_time_s=0.40, steady_steps=10, fb_1worker_ms=20.0)
@@ -167,7 +173,8 @@ def test_cli_predict(capsys):
     [
         (["bench", "digits", "--baseline", "deepspeed"], "--baseline: got 'deepspeed'"),
         (["bench", "digits", "--workers", "1,two"], "--workers: got '1,two'"),
-        (["bench", "digits", "--warmup-steps", "5"], "--warmup-steps 3"),
+        (["bench", "digits", "--warmup-steps", "-1"], "--warmup-steps: got -1; must be 0 or more"),
+        (["bench", "digits", "--timing-warmup-steps", "-1"], "--warmup-steps: got -1; must be 0 or more"),
         (["bench", "digits", "--lr", "-1"], "--lr: got -1.0"),
         (["bench", "--predict", "--gpus", "8"], "--step-time-ms: needed by --predict"),
         (["bench", "--predict", "--gpus", "16", "--nodes", "2", "--link", "nvlink", "--step-time-ms", "80", "--grad-mb", "1"], "inter-node link"),

@@ -96,6 +96,7 @@ FLAG_CASES = [
     (["--max-failures", "-2"], "--max-failures: got -2; must be 0 or more (-1 retries forever)"),
     (["--checkpoint-every-steps", "-1"], "--checkpoint-every-steps: got -1; must be 0 (epoch ends only) or a positive step count"),
     (["--num-checkpoints-to-keep", "0"], "--num-checkpoints-to-keep: got 0; must be a positive integer"),
+    (["--timing-warmup-steps", "-1"], "--timing-warmup-steps: got -1; must be 0 or more, e.g. --timing-warmup-steps 3"),
     (["--log-every-steps", "0"], "--log-every-steps: got 0; must be a positive integer"),
     (["--collective-timeout-s", "0"], "--collective-timeout-s: got 0.0; must be a positive number of seconds, e.g. 600"),
     (["--collective-timeout-s", "inf"], "--collective-timeout-s: got inf; must be a positive number of seconds"),

@@ -32,6 +32,11 @@ def test_defaults_resolve_to_32_per_worker():
     assert isinstance(cfg.ddp, DDPConfig)
 
 
+def test_timing_warmup_defaults_to_three_steps_per_epoch():
+    assert TrainConfig().timing_warmup_steps == 3
+    assert TrainConfig.from_dict({"timing-warmup-steps": 0}).timing_warmup_steps == 0
+
+
 def test_global_batch_leaves_per_worker_unset():
     cfg = TrainConfig(global_batch_size=64)
     assert cfg.global_batch_size == 64
@@ -158,6 +163,7 @@ def test_positive_integers(name, example, value):
         ({"checkpoint_every_steps": -1}, "checkpoint_every_steps: got -1; must be 0 (epoch ends only) or a positive step count"),
         ({"shuffle_window_rows": -5}, "shuffle_window_rows: got -5; must be 0 (hold the data in memory) or a row count"),
         ({"shuffle_window_rows": "big"}, "shuffle_window_rows: got 'big' (str); expected an integer"),
+        ({"timing_warmup_steps": -1}, "timing_warmup_steps: got -1; must be 0 or more, e.g. --timing-warmup-steps 3"),
         ({"collective_timeout_s": 0.0}, "collective_timeout_s: got 0.0; must be a positive number of seconds, e.g. 600"),
         ({"collective_timeout_s": math.inf}, "collective_timeout_s: got inf; must be a positive number of seconds"),
         ({"cpus_per_worker": 0.0}, "cpus_per_worker: got 0.0; must be a positive number of CPUs, e.g. 1"),
@@ -190,9 +196,10 @@ def test_good_run_name(name):
 
 def test_edge_values_that_are_allowed():
     cfg = TrainConfig(
-        workers=0, warmup_epochs=0, weight_decay=0, max_failures=-1, checkpoint_every_steps=0, shuffle_window_rows=0, seed=0, lr=1, ddp={"bucket_cap_mb": 1}
+        workers=0, warmup_epochs=0, weight_decay=0, max_failures=-1, checkpoint_every_steps=0, seed=0, lr=1, ddp={"bucket_cap_mb": 1},
+        timing_warmup_steps=0, shuffle_window_rows=0,
     )
-    assert cfg.lr == 1 and cfg.ddp.bucket_cap_mb == 1
+    assert cfg.lr == 1 and cfg.ddp.bucket_cap_mb == 1 and cfg.timing_warmup_steps == 0
 
 
 # -- types ------------------------------------------------------------------------------------
@@ -211,6 +218,7 @@ def test_edge_values_that_are_allowed():
         ({"gpu": "yes"}, "gpu: got 'yes' (str); expected true or false"),
         ({"resume": 1}, "resume: got 1 (int); expected true or false"),
         ({"time_phases": "yes"}, "time_phases: got 'yes' (str); expected true or false"),
+        ({"timing_warmup_steps": 2.5}, "timing_warmup_steps: got 2.5 (float); expected an integer"),
         ({"name": 5}, "name: got 5 (int); expected a string"),
         ({"global_batch_size": "64"}, "global_batch_size: got '64' (str); expected an integer"),
         ({"storage": None}, "storage: got None (NoneType); expected a string"),

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,7 +119,9 @@ def test_worker_failure_resumes_at_checkpoint_step_with_same_lr_and_exactly_once
 def test_local_mode_runs_the_loop_in_process(ray_session, tmp_path):
     out = tmp_path / "records"
     out.mkdir()
-    cfg = raytrain.TrainConfig(workers=0, epochs=2, global_batch_size=16, storage=str(tmp_path), name="local", log_every_steps=1)
+    cfg = raytrain.TrainConfig(
+        workers=0, epochs=2, global_batch_size=16, storage=str(tmp_path), name="local", log_every_steps=1, timing_warmup_steps=1
+    )
     result = raytrain.fit(RecordingPipeline(str(out), num_rows=37), cfg)
     rows = read_jsonl(out / "ids-rank0.jsonl")
     for epoch in (0, 1):
@@ -125,6 +130,7 @@ def test_local_mode_runs_the_loop_in_process(ray_session, tmp_path):
     orders = [[i for row in rows if row["epoch"] == e for i in row["ids"]] for e in (0, 1)]
     assert orders[0] != orders[1]  # reshuffled every epoch
     assert result.summary["steps"] == 2 * 3  # ceil(37 / 16) steps per epoch, tail kept
+    assert result.summary["steady_steps"] == 2 * (3 - 1)  # the first step of every epoch is warm-up
     expected_lr = rules.lr_at(0, base_lr=1e-3, peak_lr=1e-3, warmup_samples=37, total_samples=74)
     assert rows[0]["lr"] == pytest.approx(expected_lr)
 
@@ -139,3 +145,18 @@ def test_resume_after_the_driver_stopped_continues_from_the_last_checkpoint(ray_
     assert result.summary["epochs"] == 2
     rows = [row for r in range(2) for row in read_jsonl(out / f"ids-rank{r}.jsonl")]
     assert sorted({row["step"] for row in rows}) == list(range(8))  # 4 steps per epoch, none repeated
+
+
+def test_embedded_ray_starts_its_workers_at_niceness_0(tmp_path):
+    # A fresh process: the session's shared Ray would be joined instead of starting one.
+    script = (
+        "import os, ray\n"
+        "from raytrain.config import TrainConfig\n"
+        "from raytrain.trainer import ray_session\n"
+        "with ray_session(TrainConfig(workers=1, storage='unused')):\n"
+        "    print('niceness', ray.get(ray.remote(lambda: os.nice(0)).remote()))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_worker_niceness", "RAY_ADDRESS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "niceness 0" in done.stdout, done.stderr[-2000:]

@@ -1,0 +1,247 @@
+"""Where the time to the first step goes: `raytrain train` and the bare TorchTrainer, phase by phase.
+
+Each contender runs in a fresh process, as in benchmarks/startup.py, with raytrain's and
+Ray's phase functions wrapped to note wall-clock times (driver and workers append to one
+file). The timeline runs from just before the process starts to rank 0's first training
+forward pass. Contenders:
+
+- raytrain: `raytrain train benchmarks.startup_phases:PhasedDigits --workers N --epochs 1`
+  (the CLI's `main`, called after noting the interpreter's start and the CLI's import);
+- raytrain-nice15: the same with RAY_worker_niceness=15, Ray's default worker niceness, which
+  raytrain's embedded Ray no longer uses;
+- bare, bare+data: `benchmarks/startup.py`'s floor (ray.init + TorchTrainer + prepare_model
+  + one step, with and without reading the dataset once per worker).
+
+Rounds alternate the order; each phase's figure is the median over rounds. Usage:
+
+    python benchmarks/startup_phases.py --workers 2 --rounds 3 [--contenders raytrain,bare] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.time()  # noqa: E402 — before any import worth timing
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES_ENV = "RAYTRAIN_PHASES_FILE"
+CONTENDERS = ("raytrain", "raytrain-nice15", "bare", "bare+data")
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from pipelines.digits import DigitsPipeline  # noqa: E402
+
+
+def note(label: str, at: float | None = None, path: str | None = None) -> None:
+    """Append one timestamped line (this process) to the phases file; no-op without one."""
+    path = path or os.environ.get(PHASES_ENV)
+    if path:
+        with open(path, "a") as handle:
+            handle.write(json.dumps({"time": at or time.time(), "pid": os.getpid(), "label": label}) + "\n")
+
+
+def timed(owner, attr: str, label: str, describe=None) -> None:
+    """Replace owner.attr by a wrapper noting '<label> start' and '<label> end' around each call."""
+    original = getattr(owner, attr)
+    if getattr(original, "_phased", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        name = f"{label} {describe(*args, **kwargs)}" if describe else label
+        note(f"{name} start")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            note(f"{name} end")
+
+    wrapper._phased = True
+    setattr(owner, attr, wrapper)
+
+
+def wrap_driver() -> None:
+    import ray
+    from ray.train.torch import TorchTrainer
+
+    from raytrain import tracking, trainer
+
+    timed(ray, "init", "ray.init")
+    timed(TorchTrainer, "fit", "TorchTrainer.fit")
+    timed(tracking, "RunTracker", "run tracker")
+    for name in ("resolve_gpu", "build_datasets", "check_datasets", "write_yaml", "build_trainer"):
+        timed(trainer, name, name)
+
+
+_WRAPPED: list[bool] = []  # non-empty once this process's worker wrappers are in place
+
+
+def wrap_worker() -> None:
+    from raytrain import loop, runtime
+
+    _WRAPPED.append(True)
+
+    timed(loop, "Runtime", "worker context")
+    timed(loop, "restore", "restore")
+    timed(loop, "read_table", "read_table", describe=lambda iterator, name, **kw: name)
+    timed(loop, "check_same_rows", "check_same_rows")
+    timed(loop.StepRunner, "build", "StepRunner.build")
+    timed(runtime.Runtime, "prepare_model", "prepare_model")
+    timed(loop.RunFiles, "start_attempt", "start_attempt")
+
+
+class PhasedDigits(DigitsPipeline):
+    """`digits`, noting its phases on the workers and when rank 0 starts its first step."""
+
+    def __init__(self) -> None:
+        self.phases_file = os.environ.get(PHASES_ENV)  # read on the driver, pickled to the workers
+        self.marked = False
+
+    def __setstate__(self, state: dict) -> None:
+        # Unpickled on a worker just before the train function runs: install the wrappers.
+        self.__dict__.update(state)
+        if self.phases_file and not _WRAPPED:
+            os.environ[PHASES_ENV] = self.phases_file
+            note("train function received")
+            wrap_worker()
+
+    def build_model(self, cfg):
+        note("build_model")
+        return super().build_model(cfg)
+
+    def compute_loss(self, model, batch):
+        if not self.marked and model.training:
+            self.marked = True
+            note("first step")
+        return super().compute_loss(model, batch)
+
+    @property
+    def name(self) -> str:
+        return "digits"
+
+
+# -- the child processes --------------------------------------------------------------------
+
+
+def child_raytrain(argv: list[str]) -> int:
+    note("python started", at=STARTED)
+    from raytrain.cli import main
+
+    note("CLI imported")
+    wrap_driver()
+    note("phase wrappers installed (imports ray.train.torch)")
+    return main(argv)
+
+
+def child_bare(workers: int, with_data: bool) -> None:
+    from benchmarks import startup
+
+    note("python started", at=STARTED)
+    wrap_driver()
+    note("phase wrappers installed (imports ray.train.torch)")
+    mark = Path(tempfile.mkstemp(prefix="startup-phases-")[1])
+    os.environ[startup.MARK_ENV] = str(mark)
+    startup.bare(workers, with_data)
+    note("first step", at=float(mark.read_text()))
+    mark.unlink()
+
+
+# -- the parent ---------------------------------------------------------------------------------
+
+
+def measure(kind: str, workers: int, storage: str) -> list[tuple[str, str, float]]:
+    """(process, label, seconds since the start) for the driver and rank 0, in time order."""
+    phases = Path(tempfile.mkstemp(prefix=f"phases-{kind}-")[1])
+    env = {**os.environ, PHASES_ENV: str(phases), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("RAY_worker_niceness", None)  # Ray's default (15) for the bare floor; raytrain sets its own
+    if kind == "raytrain-nice15":
+        env["RAY_worker_niceness"] = "15"
+    if kind.startswith("raytrain"):
+        spec = "benchmarks.startup_phases:PhasedDigits"
+        command = [sys.executable, __file__, "--child", "train", spec, "--workers", str(workers), "--epochs", "1", "--storage", storage]
+    else:
+        command = [sys.executable, __file__, "--child-bare", "--workers", str(workers)] + (["--with-data"] if kind == "bare+data" else [])
+    started = time.time()
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"{kind} failed ({done.returncode}): {done.stderr[-2000:]}")
+    records = [json.loads(line) for line in phases.read_text().splitlines() if line.strip()]
+    phases.unlink()
+    return timeline(records, started)
+
+
+def timeline(records: list[dict], started: float) -> list[tuple[str, str, float]]:
+    """The driver's records and rank 0's (the worker that noted the first step), up to that step."""
+    driver = records[0]["pid"]
+    first = next(r for r in records if r["label"] == "first step")
+    kept = [r for r in records if r["pid"] in (driver, first["pid"]) and r["time"] <= first["time"]]
+    kept.sort(key=lambda r: r["time"])
+    return [("driver" if r["pid"] == driver else "rank 0", r["label"], r["time"] - started) for r in kept]
+
+
+def phase_table(runs: list[list[tuple[str, str, float]]]) -> list[dict]:
+    """Per step of the timeline: median seconds since the previous step and since the start."""
+    rows = []
+    for index, (process, label, _) in enumerate(runs[0]):
+        same = [run for run in runs if len(run) > index and run[index][1] == label]
+        since_start = [run[index][2] for run in same]
+        gap = [run[index][2] - (run[index - 1][2] if index else 0.0) for run in same]
+        previous = runs[0][index - 1][1] if index else "process start"
+        rows.append({
+            "process": process, "from": previous, "to": label,
+            "seconds": statistics.median(gap), "at": statistics.median(since_start), "rounds": len(same),
+        })  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated, from {', '.join(CONTENDERS)}")
+    parser.add_argument("--json", help="write the timelines and tables here")
+    parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.add_argument("--child-bare", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--with-data", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        sys.exit(child_raytrain(args.child))
+    if args.child_bare:
+        child_bare(args.workers, args.with_data)
+        return
+    kinds = [k for k in args.contenders.split(",") if k]
+    unknown = [k for k in kinds if k not in CONTENDERS]
+    if unknown:
+        parser.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
+    storage = tempfile.mkdtemp(prefix="raytrain-startup-phases-")
+    runs: dict[str, list] = {kind: [] for kind in kinds}
+    for index in range(args.rounds):
+        for kind in kinds if index % 2 == 0 else kinds[::-1]:
+            run = measure(kind, args.workers, storage)
+            runs[kind].append(run)
+            print(f"round {index + 1}: {kind:9s} first step after {run[-1][2]:.1f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+    tables = {kind: phase_table(kind_runs) for kind, kind_runs in runs.items()}
+    for kind, rows in tables.items():
+        print(f"\n{kind}: median over {args.rounds} round(s), seconds")
+        for row in rows:
+            print(f"  {row['at']:6.2f}  +{row['seconds']:5.2f}  {row['process']:6s}  {row['to']}")
+    if args.json:
+        summary = {
+            "date": time.strftime("%Y-%m-%d"), "workers": args.workers, "rounds": args.rounds,
+            "load_average_at_end": list(os.getloadavg()), "tables": tables, "runs": runs,
+        }  # fmt: skip
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
