@@ -97,9 +97,10 @@ def scan(
 ) -> Scan:
     """One streaming pass over a dataset that checks every batch and counts its rows.
 
-    Keeps the rows as a Table while they take at most `keep_bytes`. With `window_rows`
-    (None: chosen from the row size; 0: no windows) it also digests every window of that
-    many rows as a `Stream` cuts them, so that workers can verify they read what was checked.
+    Keeps the rows as a Table while they take at most `keep_bytes`. Beyond that, with
+    `window_rows` (None: chosen from the row size; 0: no windows), it digests every window of
+    that many rows as a `Stream` cuts them, so that workers can verify they read what was
+    checked.
 
     Raises DataError naming the dataset, column and row for: no rows, columns that change
     between blocks, non-numeric or ragged values, NaN/inf values (unless `skip_nan_rows`:
@@ -137,8 +138,13 @@ def scan(
             if kept is not None and result.num_bytes <= keep_bytes:
                 for column, values in batch.items():
                     kept.setdefault(column, []).append(values)
-            else:
-                kept = None  # too big to hold: only checked and counted
+                continue
+            # Too big to hold: streamed, so only checked, counted and digested from here on
+            # (an in-memory dataset needs no digests: every rank maps the same object).
+            if kept is not None and result.window_rows:
+                for index in range(len(next(iter(kept.values()), []))):
+                    windows.add({c: parts[index] for c, parts in kept.items()})
+            kept = None
             if result.window_rows:
                 windows.add(batch)
     except DataError:
@@ -351,7 +357,8 @@ class TableEpoch:
 
 
 def fingerprint(table: Table) -> str:
-    """A digest of the table's rows in order: ranks compare it to be sure they read the same rows."""
+    """A digest of the table's rows in order: a streaming rank compares each window's with the
+    driver's, to be sure it reads the rows that were checked."""
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(table.columns):
         values = np.ascontiguousarray(table.columns[name])

@@ -183,7 +183,7 @@ def test_scan_keeps_small_datasets_and_counts_bytes():
 
 
 def test_scan_chooses_a_window_from_the_row_size_when_asked():
-    checked = scan(RowsDataset(rows(30)), "train", window_rows=None)
+    checked = scan(RowsDataset(rows(30)), "train", keep_bytes=0, window_rows=None)
     assert checked.window_rows >= 1024 and len(checked.window_digests) == 1
 
 
@@ -209,3 +209,11 @@ def test_stream_serves_a_rank_with_an_empty_micro_batch_after_its_rows():
     assert data.batch(13, 20, torch.device("cpu"))["id"].tolist() == streamed_epoch_order(40, 10, 0, 0)[13:20].tolist()
     fresh = stream.epoch(0, 1, 30)
     assert len(fresh.batch(40, 40, torch.device("cpu"))["id"]) == 1  # nothing loaded yet: the last window
+
+
+def test_a_dataset_that_outgrows_the_memory_limit_mid_scan_is_digested_from_its_first_row():
+    streamed = scan(RowsDataset(rows(50)), "train", keep_bytes=0, window_rows=8, read_batch_size=7)
+    outgrown = scan(RowsDataset(rows(50)), "train", keep_bytes=300, window_rows=8, read_batch_size=7)  # 20 B per row
+    kept = scan(RowsDataset(rows(50)), "train", window_rows=8, read_batch_size=7)
+    assert outgrown.table is None and outgrown.window_digests == streamed.window_digests and len(streamed.window_digests) == 7
+    assert kept.table is not None and kept.window_digests == []  # held in memory: nothing to digest
