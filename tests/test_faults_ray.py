@@ -61,10 +61,12 @@ def test_driver_killed_mid_run_then_resume_finishes_the_run(tmp_path):
     run_dir = tmp_path / "killed"
     driver = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        # Wait for a checkpoint that loads: Ray copies a checkpoint's files into storage one by
+        # one, and a kill mid-copy leaves a partial one that resume (rightly) skips.
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not list(run_dir.glob("checkpoint_*/position.json")):
+        while time.monotonic() < deadline and not _loadable_checkpoint(run_dir):
             time.sleep(0.5)
-        assert list(run_dir.glob("checkpoint_*/position.json")), "no checkpoint before the deadline"
+        assert _loadable_checkpoint(run_dir), "no complete checkpoint before the deadline"
     finally:
         os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray it started, as a crash would
         driver.wait()
@@ -76,3 +78,15 @@ def test_driver_killed_mid_run_then_resume_finishes_the_run(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["epochs"] == 6
     assert (run_dir / "model.pt").exists()
+
+
+def _loadable_checkpoint(run_dir: Path) -> bool:
+    from raytrain import checkpoint as ckpt
+
+    for directory in ckpt.checkpoint_dirs(run_dir):
+        try:
+            ckpt.load_state(directory)
+            return True
+        except ckpt.CheckpointError:
+            continue
+    return False
