@@ -40,6 +40,12 @@ ELASTIC_MONITOR_INTERVAL_S = 15.0
 # After a node loss Ray first retries the old size and waits this long for it before
 # trying a smaller one (Ray's default: 60 s of idle cluster per lost node).
 ELASTIC_START_TIMEOUT_S = 30.0
+# Ray Train's controller takes a rank's report only when it polls the workers, every
+# RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray's default 2 s), and a rank's next report blocks
+# until then: with epochs (or checkpoint intervals) shorter than that, every report idled
+# the ranks (digits, 8 epochs on 1 worker: 34 s → 20 s end to end; benchmarks/RESULTS.md,
+# section 1). A poll is one small actor call per worker; it also finds a dead worker sooner.
+REPORT_POLL_INTERVAL_S = 0.25
 
 
 _TIMERS_SET_HERE: set[str] = set()
@@ -52,6 +58,7 @@ def apply_train_timers(cfg: TrainConfig) -> None:
         # Ray's own barriers (ray.train.report) wait forever by default: a rank stalled
         # before a report would hang the others with no error.
         "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(cfg.collective_timeout_s),
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(REPORT_POLL_INTERVAL_S),
     }
     if cfg.elastic:
         timers["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(ELASTIC_START_TIMEOUT_S)
