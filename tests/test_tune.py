@@ -407,9 +407,14 @@ def test_sweep_writes_trials_csv_best_yaml_and_plot_and_best_yaml_trains(ray_ses
 @pytest.mark.ray
 def test_asha_stops_a_diverging_trial_early(ray_session, tmp_path):
     held_before = set(held_placement_groups())
+    from rt_test_pipelines import SlowDigitsPipeline
+
     # One trial at a time, the good lr first: the bad one meets a recorded result at epoch 1.
+    # ASHA's stop reaches a trial a moment after its report; a pause per step (≈ 2 s an
+    # epoch) keeps the bad trial from finishing its 4 epochs (a last epoch is never stopped)
+    # in that moment on a quiet machine.
     result = tune(
-        "digits",
+        SlowDigitsPipeline(step_sleep_s=0.04),
         TrainConfig(epochs=4, storage=str(tmp_path), name="asha"),
         SearchSpace(workers=[1], lr_scaling=["none"], warmup_epochs=[0], lr=[1e-3, 10.0]),
         TuneOptions(max_concurrent_trials=1),
