@@ -93,8 +93,7 @@ def wrap_worker() -> None:
 
     timed(loop, "Runtime", "worker context")
     timed(loop, "restore", "restore")
-    timed(loop, "read_table", "read_table", describe=lambda iterator, name, **kw: name)
-    timed(loop, "check_same_rows", "check_same_rows")
+    timed(loop, "open_source", "open_source", describe=lambda name, source, runtime: f"{name} ({source['kind']})")
     timed(loop.StepRunner, "build", "StepRunner.build")
     timed(runtime.Runtime, "prepare_model", "prepare_model")
     timed(loop.RunFiles, "start_attempt", "start_attempt")
