@@ -107,7 +107,7 @@ def scan(
     those rows are dropped and counted in `dropped_rows`).
     """
     result = Scan(name)
-    kept: dict[str, list[np.ndarray]] | None = {}
+    kept: list[dict[str, np.ndarray]] | None = []  # checked batches, while they fit keep_bytes
     shapes: dict[str, tuple] = {}
     first_bad: tuple[int, str] | None = None
     windows = _Windows(result)
@@ -136,14 +136,13 @@ def scan(
             result.num_rows += rows
             result.num_bytes += size
             if kept is not None and result.num_bytes <= keep_bytes:
-                for column, values in batch.items():
-                    kept.setdefault(column, []).append(values)
+                kept.append(batch)
                 continue
             # Too big to hold: streamed, so only checked, counted and digested from here on
             # (an in-memory dataset needs no digests: every rank maps the same object).
             if kept is not None and result.window_rows:
-                for index in range(len(next(iter(kept.values()), []))):
-                    windows.add({c: parts[index] for c, parts in kept.items()})
+                for earlier in kept:
+                    windows.add(earlier)
             kept = None
             if result.window_rows:
                 windows.add(batch)
@@ -163,7 +162,7 @@ def scan(
         raise DataError(f"dataset {name!r}: every row holds NaN or inf; nothing is left to train on")
     windows.finish()
     if kept is not None:
-        result.table = Table({c: np.concatenate(parts) for c, parts in kept.items()}, dropped_rows=result.dropped_rows)
+        result.table = Table(_concat(kept), dropped_rows=result.dropped_rows)
     return result
 
 
