@@ -348,8 +348,9 @@ def prepare_data(pipe, cfg: TrainConfig, out: Path | None, verbose: bool = False
 
     import numpy as np
 
-    from raytrain.data import read_table
-    from raytrain.trainer import build_datasets
+    from raytrain import shards
+    from raytrain.data import Schema, load_table
+    from raytrain.trainer import build_datasets, read_probe
 
     data_logger = logging.getLogger("ray.data")
     level = data_logger.level
@@ -358,7 +359,10 @@ def prepare_data(pipe, cfg: TrainConfig, out: Path | None, verbose: bool = False
         dataset = build_datasets(pipe, cfg)["train"]
         if out is None:
             return dataset.count()
-        columns = read_table(dataset, "train").columns
+        units = shards.split(dataset)
+        units = units if not isinstance(units, str) else shards.split(dataset.materialize())
+        schema = Schema.of(read_probe(units, "train", skip_nan_rows=False))
+        columns = load_table(units, "train", schema, skip_nan_rows=False)["columns"]
     finally:
         data_logger.setLevel(level)
     (out / "baselines").mkdir(parents=True, exist_ok=True)

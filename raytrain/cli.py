@@ -49,6 +49,7 @@ _VALUE_TYPES: dict[str, Callable[[str], Any]] = {
     "progress": str,
     "progress_interval_s": float,
     "shuffle_window_rows": int,
+    "data_partitions": int,
     "timing_warmup_steps": int,
 }
 _DDP_VALUE_TYPES = {"bucket_cap_mb": float}
@@ -115,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--shuffle-seed", type=int, default=0,
         help="rows are written in a random order drawn with this seed, so that a streamed run's window shuffle "
         "(--shuffle-window-rows) mixes rows from the whole dataset (default 0); -1 keeps the pipeline's order",
+    )  # fmt: skip
+    data.add_argument(
+        "--row-group-rows", type=int, default=None, metavar="N",
+        help="rows per Parquet row group, the unit a streamed run reads and deals to its workers "
+        f"(default: the rows split in at least {DATA_UNITS} groups, at most {DATA_GROUP_ROWS:,} rows each)",
     )  # fmt: skip
     data.set_defaults(handler=cmd_data)
 
@@ -183,7 +189,7 @@ def _field_docs(cls: type = TrainConfig) -> dict[str, str]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from raytrain.checkpoint import CheckpointError
-    from raytrain.data import DataError
+    from raytrain.errors import UserFault
     from raytrain.pipeline import PipelineError, load_pipeline
     from raytrain.trainer import RunFailed, fit
 
@@ -195,7 +201,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         result = fit(spec, cfg, echo=lambda line: print(line, flush=True), progress=True)
     except ConfigError as exc:
         raise UserError(exc.render(spelling(flags, config_file))) from None
-    except (PipelineError, CheckpointError, DataError) as exc:
+    except (PipelineError, CheckpointError, UserFault) as exc:
         raise UserError(str(exc)) from None
     except RunFailed as exc:
         print(f"raytrain train: {exc}", file=sys.stderr)
@@ -352,7 +358,7 @@ def add_tune_parser(commands) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from raytrain.checkpoint import CheckpointError
-    from raytrain.data import DataError
+    from raytrain.errors import UserFault
     from raytrain.pipeline import PipelineError, load_pipeline
     from raytrain.trainer import RunFailed
     from raytrain.tune import TuneOptions, parse_search_space, tune
@@ -377,7 +383,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         result = tune(spec, cfg, space, options, echo=lambda line: print(line, flush=True))
     except ConfigError as exc:
         raise UserError(exc.render(spelling(flags, config_file))) from None
-    except (PipelineError, CheckpointError, DataError) as exc:
+    except (PipelineError, CheckpointError, UserFault) as exc:
         raise UserError(str(exc)) from None
     except RunFailed as exc:
         print(f"raytrain tune: {exc}", file=sys.stderr)
@@ -443,12 +449,26 @@ def check_against_pipeline(source: Path, weights: dict) -> str:
 # -- data --------------------------------------------------------------------------------
 
 
+# `raytrain data` writes at least this many row groups (the units a streamed run deals to its
+# partitions and workers: a few per partition), of at most DATA_GROUP_ROWS rows each, and
+# DATA_GROUPS_PER_FILE row groups per file.
+DATA_UNITS, DATA_GROUP_ROWS, DATA_GROUPS_PER_FILE = 96, 8192, 16
+
+
+def parquet_layout(rows: int, group_rows: int | None = None) -> tuple[int, int]:
+    """(rows per row group, files) for writing `rows` rows."""
+    group_rows = group_rows or max(1, min(DATA_GROUP_ROWS, -(-rows // DATA_UNITS)))
+    return group_rows, max(1, -(-rows // (group_rows * DATA_GROUPS_PER_FILE)))
+
+
 def cmd_data(args: argparse.Namespace) -> int:
-    from raytrain.data import DataError
+    from raytrain.errors import UserFault
     from raytrain.pipeline import PipelineError, load_pipeline
     from raytrain.trainer import RunFailed, build_datasets, ray_session
 
     out = Path(args.out).expanduser().absolute()
+    if args.row_group_rows is not None and args.row_group_rows < 1:
+        raise UserError(f"--row-group-rows: got {args.row_group_rows}; must be a positive row count, e.g. 8192")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out: {out} is not empty; choose a new directory so no data is overwritten")
     try:
@@ -456,12 +476,17 @@ def cmd_data(args: argparse.Namespace) -> int:
         cfg = TrainConfig.from_dict(merge(pipe.default_config, {"pipeline_args": args.pipeline_args, "workers": 1}))
         with ray_session(dataclasses.replace(cfg, address=args.address)):
             for name, ds in build_datasets(pipe, cfg).items():
+                rows = ds.count()
+                group_rows, num_files = parquet_layout(rows, args.row_group_rows)
                 if args.shuffle_seed >= 0:
                     ds = ds.random_shuffle(seed=args.shuffle_seed)
-                ds.write_parquet(str(out / name))
+                ds.repartition(num_files).write_parquet(str(out / name), row_group_size=group_rows)
                 files = sorted((out / name).glob("*.parquet"))
-                print(f"{name}: {ds.count()} rows in {len(files)} Parquet file(s) under {out / name}", flush=True)
-    except (ConfigError, PipelineError, DataError) as exc:
+                print(
+                    f"{name}: {rows:,} rows in {len(files)} Parquet file(s) of row groups of up to {group_rows:,} rows "
+                    f"under {out / name}", flush=True,
+                )  # fmt: skip
+    except (ConfigError, PipelineError, UserFault) as exc:
         raise UserError(str(exc)) from None
     except RunFailed as exc:
         print(f"raytrain data: {exc}", file=sys.stderr)

@@ -130,7 +130,9 @@ class TrainConfig:
     skip_nan_rows: bool = False
     """Drop rows holding NaN or inf (counted and reported) instead of failing before training."""
     shuffle_window_rows: int | None = None
-    """How the training set is held: 0 loads it into every worker (a full shuffle each epoch); N streams it from Ray Data, shuffling within windows of N rows (for data larger than memory); unset: in memory up to 1 GiB, streamed beyond."""
+    """How the training set is held: 0 reads it once into memory, shared by every worker (a full shuffle each epoch); N streams it from Ray Data, each worker reading only its share, shuffled within a window of about N rows across the job (for data larger than memory); unset: in memory up to about 1 GiB, streamed beyond."""
+    data_partitions: int = 24
+    """Streamed training sets: each epoch their files (row groups) or blocks are dealt into this many partitions, each read by one worker. The order depends on it, not on the worker count; workers share partitions evenly when they divide it (24: 1, 2, 3, 4, 6, 8, 12 or 24 workers)."""
     time_phases: bool = False
     """Synchronize the GPU around each step phase so the step-time split is exact (slower; for benchmarks)."""
     timing_warmup_steps: int = 3
@@ -282,6 +284,8 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
         yield "max_failures", f"got {c.max_failures}; must be 0 or more (-1 retries forever)"
     if c.shuffle_window_rows is not None and c.shuffle_window_rows < 0:
         yield "shuffle_window_rows", f"got {c.shuffle_window_rows}; must be 0 (hold the data in memory) or a row count, e.g. --shuffle-window-rows 65536"
+    if c.data_partitions < 1:
+        yield "data_partitions", f"got {c.data_partitions}; must be a positive integer, e.g. --data-partitions 24"
     if c.timing_warmup_steps < 0:
         yield "timing_warmup_steps", f"got {c.timing_warmup_steps}; must be 0 or more, e.g. --timing-warmup-steps 3"
     if c.checkpoint_every_steps < 0:

@@ -95,8 +95,8 @@ def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "
         micro_batch_size=cfg.micro_batch_size,
     )
     heartbeat.mark(position.step, "data")
-    train_data = open_source("train", sources["train"], runtime)
-    val_data = open_source("val", sources["val"], runtime) if "val" in sources else None
+    train_data = open_source("train", sources["train"], runtime, cfg)
+    val_data = open_source("val", sources["val"], runtime, cfg) if "val" in sources else None
     trainer = StepRunner.build(pipeline, cfg, runtime, batch_plan, len(train_data), state)
     trainer.heartbeat = heartbeat
     trainer.last_log_samples = position.samples_seen
@@ -120,13 +120,14 @@ def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "
     files.finish(trainer, position)
 
 
-def open_source(name: str, source: dict[str, Any], runtime: Runtime) -> Table | Stream:
-    """A dataset as the driver prepared it (raytrain.trainer.check_datasets): checked
-    columns in the object store — the same object for every rank, mapped, not copied —
-    or a stream each rank reads itself and checks window by window."""
+def open_source(name: str, source: dict[str, Any], runtime: Runtime, cfg: TrainConfig) -> Table | Stream:
+    """A dataset as the driver prepared it (raytrain.trainer.prepare_datasets): an in-memory
+    table in the object store (the same object for every rank, mapped, not copied), or a
+    stream of units each rank reads its own share of."""
     if source["kind"] == "memory":
-        return Table(runtime.get_object(source["columns"]))
-    return Stream(runtime.dataset(name), name, source["rows"], source["window_rows"], source["digests"])
+        loaded = runtime.get_object(source["table"])
+        return Table(loaded["columns"], dropped_rows=loaded["dropped_rows"])
+    return Stream(name, source["units"], source["layout"], source["schema"], source["sample"], skip_nan_rows=cfg.skip_nan_rows)
 
 
 class StallError(RuntimeError):
@@ -251,21 +252,19 @@ class StepRunner:
         lr = self.lr_at(samples_seen)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        start, end = rules.rank_rows(step, self.runtime.world_rank, self.runtime.world_size)
-        micro = rules.micro_batches(start, end, self.batch_plan.accumulation_steps)
-        for index, (lo, hi) in enumerate(micro):
-            count = hi - lo
-            # A rank with no rows left in the epoch's last step still runs forward and
-            # backward (the data gives one row for an empty range; weight 0 below) so
-            # that it joins the gradient all-reduce.
+        rows = data.rows(step)
+        for index, piece in enumerate(split_rows(rows, self.batch_plan.accumulation_steps)):
+            # A rank with no rows in a (micro-)step still runs forward and backward (the data
+            # gives one row for an empty piece; weight 0 below) so that it joins the
+            # gradient all-reduce.
             self.heartbeat.mark(self.step_index, "data")
+            batch, count = data.batch(piece, self.runtime.device)
+            timer.lap("data_wait")
             # DDP averages gradients over ranks; this weight turns that into the mean
             # over the samples actually present in the step (tail steps are smaller).
             weight = count * self.runtime.world_size / step.size
-            last = index == len(micro) - 1
+            last = index == self.batch_plan.accumulation_steps - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-            batch = data.batch(lo, hi, self.runtime.device)
-            timer.lap("data_wait")
             with sync:
                 self.heartbeat.mark(self.step_index, "forward")
                 with self.autocast():
@@ -325,7 +324,7 @@ class StepRunner:
 
 def train_epoch(trainer: StepRunner, source: Table | Stream, position: Position, cfg: TrainConfig, files: "RunFiles") -> float:
     """Train the rest of the current epoch; returns its mean training loss over all ranks."""
-    data = source.epoch(cfg.seed, position.epoch, position.epoch_offset)
+    data = source.epoch(cfg.seed, position.epoch, position.epoch_offset, trainer.runtime.world_rank, trainer.runtime.world_size)
     steps = rules.epoch_steps(len(source), trainer.batch_plan.global_batch_size, position.epoch_offset)
     trainer.model.train()
     epoch_loss_sum, epoch_count = 0.0, 0
@@ -364,13 +363,12 @@ def evaluate(trainer: StepRunner, source: Table | Stream) -> dict[str, float]:
     """Validation loss and metrics, averaged over all validation samples of all ranks."""
     runtime = trainer.runtime
     trainer.model.eval()
-    start, end = rules.split_range(len(source), runtime.world_size)[runtime.world_rank]
     batch_size = max(1, trainer.batch_plan.per_worker_max if not trainer.cfg.micro_batch_size else trainer.cfg.micro_batch_size)
     sums: dict[str, float] = {}
     count = 0
     # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
     # rank learns the metric names and joins the reduction below.
-    for n, batch in source.eval_batches(start, end, batch_size, runtime.device):
+    for n, batch in source.eval_batches(runtime.world_rank, runtime.world_size, batch_size, runtime.device):
         with trainer.autocast():
             loss, metrics = split_loss(trainer.pipeline.compute_loss(trainer.model, batch))
         for name, value in {"loss": loss, **metrics}.items():
@@ -380,6 +378,26 @@ def evaluate(trainer: StepRunner, source: Table | Stream) -> dict[str, float]:
     totals = runtime.all_reduce_sum([sums[name] for name in names] + [float(count)])
     trainer.model.train()
     return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}
+
+
+def split_rows(rows: list[tuple], parts: int) -> list[list[tuple]]:
+    """A rank's rows of a step — ranges whose last two fields are (lo, hi) — cut into `parts`
+    micro-batches of near-equal size (some may be empty)."""
+    sizes = [r[-1] - r[-2] for r in rows]
+    out: list[list[tuple]] = [[] for _ in range(parts)]
+    taken = 0  # rows of `rows` handed out so far
+    for part, (start, end) in enumerate(rules.split_range(sum(sizes), parts)):
+        while taken < end:
+            offset = taken
+            for r, size in zip(rows, sizes):
+                if offset < size:
+                    lo = r[-2] + offset
+                    hi = min(r[-1], lo + end - taken)
+                    out[part].append((*r[:-2], lo, hi))
+                    taken += hi - lo
+                    break
+                offset -= size
+    return out
 
 
 def split_loss(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -145,25 +145,6 @@ def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
     return rng.permutation(num_rows)
 
 
-def window_order(window_rows: int, seed: int, epoch: int, window: int) -> np.ndarray:
-    """The order of the rows inside window `window` of a streamed epoch (a permutation).
-
-    A streamed dataset is read in its own order, `window_rows` at a time; epoch position
-    `p` is row `window_order(...)[p % W]` of window `p // W`. Like `epoch_order` it depends
-    on (seed, epoch) only, never on the worker count.
-    """
-    return np.random.default_rng([seed, epoch, 1 + window]).permutation(window_rows)
-
-
-def streamed_epoch_order(num_rows: int, window_rows: int, seed: int, epoch: int) -> np.ndarray:
-    """The whole order a streamed epoch trains, as row indices of the stream (for checks)."""
-    parts = []
-    for window, start in enumerate(range(0, num_rows, window_rows)):
-        size = min(window_rows, num_rows - start)
-        parts.append(start + window_order(size, seed, epoch, window))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
 @dataclass(frozen=True)
 class Step:
     """One optimizer step of an epoch: rows [start, end) of the epoch's order."""

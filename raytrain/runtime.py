@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from ray.train import Checkpoint
 
+from raytrain.errors import find_user_fault
+
 
 class Runtime:
     """Rank, world size, device and the collective helpers of the current worker."""
@@ -69,8 +71,15 @@ class Runtime:
         return ray.train.get_dataset_shard(name)
 
     def get_object(self, ref: Any) -> Any:
-        """An object the driver put in Ray's object store (numpy arrays come back zero-copy)."""
-        return ray.get(ref)
+        """An object the driver put in Ray's object store, or a task's result (numpy arrays
+        come back zero-copy). A task that failed on bad input raises that error itself."""
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            fault = find_user_fault(exc)
+            if fault is not None:
+                raise fault from None
+            raise
 
     # -- checkpoints and reports --------------------------------------------------------
     def latest_checkpoint(self) -> Checkpoint | None:

@@ -13,17 +13,18 @@ import os
 import socket
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import yaml
 
 from raytrain import plan as rules
 from raytrain import tracking
 from raytrain.checkpoint import checkpoint_dirs
 from raytrain.config import ConfigError, TrainConfig
+from raytrain.errors import find_user_fault
 from raytrain.pipeline import Pipeline, load_pipeline
 
 # Without this every print in the train function shows twice (RAY_NOTES).
@@ -108,10 +109,10 @@ def fit(
     tracker = tracking.RunTracker(cfg, run_dir, pipeline if isinstance(pipeline, str) else pipe.name, echo=echo, progress=progress)
     with ray_session(cfg):
         use_gpu = resolve_gpu(cfg)
-        sources, datasets = check_datasets(build_datasets(pipe, cfg), cfg, echo)
+        sources = prepare_datasets(build_datasets(pipe, cfg), cfg, echo)
         run_dir.mkdir(parents=True, exist_ok=True)
         write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), "pipeline": pipeline if isinstance(pipeline, str) else pipe.name, "gpu": use_gpu})
-        trainer = build_trainer(pipe, cfg, run_dir, sources, datasets, use_gpu, callbacks=callbacks)
+        trainer = build_trainer(pipe, cfg, run_dir, sources, use_gpu, callbacks=callbacks)
         echo(
             f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
             f"({'GPU, nccl' if use_gpu else 'CPU, gloo'}); run directory {run_dir}"
@@ -126,6 +127,9 @@ def fit(
     summary = write_summary(run_dir, cfg, result, error, started)
     tracker.finish(summary)
     if error is not None:
+        fault = find_user_fault(error)
+        if fault is not None:  # bad data, configuration or pipeline code: the user's to fix (exit 2)
+            raise fault from None
         raise RunFailed(explain_failure(error, run_dir, tracker.ray_logs)) from None
     return FitResult(
         metrics=summary["final_metrics"],
@@ -186,6 +190,7 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
     DataContext.get_current().enable_progress_bars = False
     if not cfg.verbose:  # Ray Data's per-execution INFO lines on the driver
         logging.getLogger("ray.data").setLevel(logging.WARNING)
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
     if ray.is_initialized():
         yield
         return
@@ -290,65 +295,95 @@ def build_datasets(pipe: Pipeline, cfg: TrainConfig) -> dict[str, Any]:
     return datasets
 
 
-def check_datasets(datasets: dict[str, Any], cfg: TrainConfig, echo: Callable[[str], None]) -> tuple[dict[str, dict], dict[str, Any]]:
-    """Read each dataset once on the driver, check it (DataError before any worker starts)
-    and choose how the workers get it (docs/data.md):
+# Rows of the first unit the driver reads to learn the columns (and check them) before training.
+PROBE_ROWS = 16
 
-    - in memory: the checked columns go into Ray's object store once; workers map them;
-    - streamed (`--shuffle-window-rows N`, or more than IN_MEMORY_LIMIT_BYTES): the dataset
-      goes to Train unsplit; every worker streams it and checks each window against the
-      digest taken here.
 
-    Returns the descriptors the workers open (`raytrain.loop.open_source`) and the datasets
-    Train must carry.
+def prepare_datasets(datasets: dict[str, Any], cfg: TrainConfig, echo: Callable[[str], None]) -> dict[str, dict]:
+    """Decide, from metadata and one small first batch, how the workers get each dataset
+    (docs/data.md); the driver reads no full pass:
+
+    - in memory (small, or `--shuffle-window-rows 0`): one Ray task reads and checks it
+      while the workers start; every worker maps the result from the object store;
+    - streamed: the dataset's units (`raytrain.shards`) and the run's `StreamLayout`; each
+      rank reads only the units of its lanes (`raytrain.order`).
+
+    Returns the descriptors the workers open (`raytrain.loop.open_source`).
     """
     import ray
 
+    from raytrain import data, order, shards
+
+    sources = {}
+    for name, ds in datasets.items():
+        units = shards.split(ds)
+        if isinstance(units, str):
+            echo(
+                f"dataset {name!r}: {units}; Ray Data computes it once before training (materialize) and workers read its "
+                "blocks. To read it sharded instead, keep such steps out of build_datasets (e.g. write the data with raytrain data)"
+            )
+            units = shards.split(ds.materialize())
+        if not units.num_rows:
+            raise data.DataError(f"dataset {name!r} is empty: it has no rows; check the pipeline's build_datasets and its input files")
+        probe = read_probe(units, name, cfg.skip_nan_rows)
+        schema = data.Schema.of(probe)
+        window = cfg.shuffle_window_rows if name == "train" or cfg.shuffle_window_rows == 0 else None
+        estimate = schema.row_bytes() * units.num_rows
+        sample = {c: np.nan_to_num(v[:1]) if np.issubdtype(v.dtype, np.floating) else v[:1] for c, v in probe.items()}
+        if window == 0 or (window is None and estimate <= data.IN_MEMORY_LIMIT_BYTES):
+            load = ray.remote(num_cpus=0)(data.load_table)
+            sources[name] = {"kind": "memory", "rows": units.num_rows, "table": load.remote(units, name, schema, cfg.skip_nan_rows)}
+            echo(f"dataset {name!r}: {units.num_rows:,} rows (~{estimate / 2**20:,.0f} MiB) in memory, read once and shared by every worker")
+            continue
+        layout = order.StreamLayout(units.rows, window or data.auto_window_rows(schema.row_bytes()), cfg.data_partitions)
+        sources[name] = {"kind": "stream", "rows": units.num_rows, "units": units, "layout": layout, "schema": schema, "sample": sample}
+        echo(
+            f"dataset {name!r}: {units.num_rows:,} rows (~{estimate / 2**20:,.0f} MiB) in {len(units.rows):,} {_unit_word(units.kind)}, "
+            f"streamed in {layout.lanes} partition{'s' if layout.lanes != 1 else ''}, each read by one worker; "
+            f"shuffled within windows of {layout.window_rows:,} rows"
+        )
+    return sources
+
+
+def read_probe(units, name: str, skip_nan_rows: bool) -> dict[str, np.ndarray]:
+    """The first few rows of the first unit, through the pipeline's steps, checked."""
     from raytrain import data
 
-    sources, streamed = {}, {}
-    for name, ds in datasets.items():
-        # --shuffle-window-rows is about the training set; other sets stream only when big.
-        window = cfg.shuffle_window_rows if name == "train" or cfg.shuffle_window_rows == 0 else None
-        keep = {0: float("inf"), None: data.IN_MEMORY_LIMIT_BYTES}.get(window, 0)
-        scan = data.scan(ds, name, skip_nan_rows=cfg.skip_nan_rows, keep_bytes=keep, window_rows=window)
-        if scan.dropped_rows:
-            echo(f"dataset {name!r}: skipped {scan.dropped_rows} row(s) holding NaN or inf (--skip-nan-rows); {scan.num_rows} left")
-        if scan.table is not None:
-            sources[name] = {"kind": "memory", "rows": scan.num_rows, "columns": ray.put(scan.table.columns)}
-            continue
-        # The stream must yield exactly the rows the scan counted: the same filter, in Ray Data.
-        streamed[name] = ds.map_batches(data.drop_non_finite_rows, batch_format="numpy") if scan.dropped_rows else ds
-        sources[name] = {"kind": "stream", "rows": scan.num_rows, "window_rows": scan.window_rows, "digests": scan.window_digests}
-        echo(
-            f"dataset {name!r}: {scan.num_rows:,} rows ({scan.num_bytes / 2**20:,.0f} MiB) streamed by every worker, "
-            f"shuffled within windows of {scan.window_rows:,} rows (~{scan.window_rows * scan.num_bytes / scan.num_rows / 2**20:,.0f} MiB)"
-        )
-    return sources, streamed
+    first = next(i for i, rows in enumerate(units.rows) if rows)
+    try:
+        batch = units.dataset([first], limit=PROBE_ROWS).take_batch(PROBE_ROWS, batch_format="numpy")
+    except Exception as exc:
+        raise data.DataError(f"dataset {name!r} cannot be read: {data.first_error_line(exc)}") from None
+    columns = data.check_columns(batch, name, units.labels[first])
+    bad = data.non_finite(columns)
+    if bad.any() and not skip_nan_rows:
+        raise data.nan_error(name, units.labels[first], columns, bad)
+    return columns
 
 
-def build_trainer(
-    pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict[str, dict], datasets: dict[str, Any], use_gpu: bool, callbacks: Sequence[Any] = ()
-):
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+def _unit_word(kind: str) -> str:
+    return {"files": "Parquet row groups/files", "tasks": "read tasks", "blocks": "blocks"}[kind]
 
+
+def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict[str, dict], use_gpu: bool, callbacks: Sequence[Any] = ()):
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig
+
+    from raytrain.failfast import FailFastTrainer
     from raytrain.loop import train_loop_per_worker
 
     workers: int | tuple[int, int] = cfg.max_workers if not cfg.elastic else (cfg.min_workers, cfg.max_workers)
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
     apply_train_timers(cfg)
     elastic = {"elastic_resize_monitor_interval_s": ELASTIC_MONITOR_INTERVAL_S} if cfg.elastic else {}
-    return TorchTrainer(
+    return FailFastTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "pipeline": pipe, "run_dir": str(run_dir), "sources": sources},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources, **elastic),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s)),
-        datasets=datasets,
-        # Streamed sets only, unsplit: every rank reads all rows and takes its own slice of
-        # the epoch's order (raytrain.data); Ray's equal split drops tail rows and keeps no
-        # position. In-memory sets travel as object refs in the config.
-        dataset_config=DataConfig(datasets_to_split=[], execution_options=_same_order_everywhere()),
+        # No `datasets=`: Ray's equal split drops tail rows and keeps no position. The
+        # datasets travel in the config as descriptors (`prepare_datasets`), and each rank
+        # reads its own units of a stream (raytrain.data).
         run_config=RunConfig(
             name=cfg.name,
             storage_path=cfg.storage,
@@ -361,17 +396,6 @@ def build_trainer(
             callbacks=list(callbacks),
         ),
     )
-
-
-def _same_order_everywhere():
-    """Ray Data's ingest options with preserve_order: every rank must read the rows in one order."""
-    from ray.train import DataConfig
-
-    with warnings.catch_warnings():  # Ray's own defaults use a field it has deprecated
-        warnings.simplefilter("ignore", DeprecationWarning)
-        options = DataConfig.default_ingest_options()
-    options.preserve_order = True
-    return options
 
 
 # -- console and run files -------------------------------------------------------------------

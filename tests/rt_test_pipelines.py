@@ -138,3 +138,74 @@ class SlowDigitsPipeline(DigitsPipeline):
 
             time.sleep(self.step_sleep_s)
         return super().compute_loss(model, batch)
+
+
+def count_preprocessed(out_dir: str):
+    """A map_batches step that appends how many rows it preprocessed (from any process)."""
+
+    def step(batch: dict) -> dict:
+        with open(Path(out_dir) / "preprocessed.txt", "a") as handle:
+            handle.write(f"{len(batch['id'])}\n")
+        return {"x": np.asarray(batch["x"], dtype=np.float32), "y": np.asarray(batch["y"], dtype=np.int64), "id": np.asarray(batch["id"])}
+
+    return step
+
+
+def preprocessed_rows(out_dir) -> int:
+    path = Path(out_dir) / "preprocessed.txt"
+    return sum(int(line) for line in path.read_text().split()) if path.exists() else 0
+
+
+def write_id_parquet(directory: Path, num_rows: int, num_files: int, nan_at_id: int | None = None, row_group_rows: int | None = None) -> Path:
+    """`num_rows` rows (id, x: 8 floats, y) in `num_files` Parquet files of near-equal size
+    (each one row group, or row groups of `row_group_rows`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(7)
+    features = rng.normal(size=(num_rows, 8)).astype(np.float32)
+    if nan_at_id is not None:
+        features[nan_at_id, 3] = np.nan
+    labels = (features[:, 0] > 0).astype(np.int64) + (features[:, 1] > 1).astype(np.int64)
+    for index, (lo, hi) in enumerate(_split(num_rows, num_files)):
+        table = pa.table({"id": np.arange(lo, hi), "y": labels[lo:hi], **{f"f{j}": features[lo:hi, j] for j in range(8)}})
+        pq.write_table(table, directory / f"part-{index:03d}.parquet", row_group_size=row_group_rows)
+    return directory
+
+
+def _split(count: int, parts: int) -> list[tuple[int, int]]:
+    base, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class ShardedRecordingPipeline(RecordingPipeline):
+    """RecordingPipeline over a multi-file Parquet directory (`path`) or, without one, over
+    `from_items` in `num_blocks` blocks; its map_batches counts the rows it preprocesses."""
+
+    def __init__(self, out_dir: str = "", path: str | None = None, num_rows: int = 1003, num_blocks: int = 6, crash_at_step: int | None = None):
+        super().__init__(out_dir, num_rows=num_rows, crash_at_step=crash_at_step)
+        self.path, self.num_blocks = path, num_blocks
+
+    def build_datasets(self, cfg):
+        import ray.data
+
+        # From the command line: --pipeline-arg out=DIR --pipeline-arg path=DIR
+        args = getattr(cfg, "pipeline_args", None) or {}
+        self.out_dir, self.path = args.get("out", self.out_dir), args.get("path", self.path)
+
+        if self.path:
+            def pack(batch: dict) -> dict:
+                return {"id": batch["id"], "y": batch["y"], "x": np.stack([batch[f"f{j}"] for j in range(8)], axis=1)}
+
+            ds = ray.data.read_parquet(self.path).map_batches(pack, batch_format="numpy")
+        else:
+            rng = np.random.default_rng(7)
+            rows = [{"id": i, "x": rng.normal(size=8).astype(np.float32), "y": i % 3} for i in range(self.num_rows)]
+            ds = ray.data.from_items(rows, override_num_blocks=self.num_blocks)
+        return {"train": ds.map_batches(count_preprocessed(self.out_dir), batch_format="numpy")}

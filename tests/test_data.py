@@ -1,4 +1,5 @@
-"""Pure tests of the data layer's checks: bad data is named before training starts."""
+"""Pure tests of the data layer: checks that name bad data, and the streamed epoch serving each
+rank exactly its rows of every step while reading only its own units (fake Ray Data units)."""
 
 from __future__ import annotations
 
@@ -6,214 +7,213 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain.data import DataError, fingerprint, read_table
+from raytrain import order
+from raytrain.data import DataError, Schema, Stream, check_columns, check_units, load_table
+from raytrain.loop import split_rows
+from raytrain.order import StreamLayout
+from raytrain.plan import epoch_steps
+
+CPU = torch.device("cpu")
 
 
-class FakeIterator:
-    """Stands in for a Ray Data iterator: yields the given numpy batches."""
+class FakeUnits:
+    """Stands in for raytrain.shards.Units: each unit a numpy batch, read in the asked order,
+    in pieces of `piece` rows (as Ray Data yields blocks), recording what was read."""
 
-    def __init__(self, *batches):
-        self.batches = batches
+    kind = "blocks"
 
-    def iter_batches(self, batch_size, batch_format):
-        assert batch_format == "numpy"
-        yield from self.batches
+    def __init__(self, unit_columns: list[dict[str, np.ndarray]], piece: int = 7, change=None):
+        self.unit_columns = unit_columns
+        self.rows = tuple(len(next(iter(u.values()))) for u in unit_columns)
+        self.labels = [f"file-{i}.parquet" for i in range(len(unit_columns))]
+        self.piece, self.change = piece, change
+        self.read: list[int] = []
 
+    def dataset(self, ids, *, limit=None):
+        fake = self
 
-def batch(n=4, start=0, **extra):
-    return {"x": np.arange(start, start + n, dtype=np.float32).reshape(n, 1).repeat(2, axis=1), "y": np.arange(n), **extra}
+        class _Dataset:
+            def iter_batches(self, batch_size, batch_format, prefetch_batches=1):
+                assert batch_format == "numpy" and batch_size is None
+                joined = {c: np.concatenate([fake.unit_columns[i][c] for i in ids]) for c in fake.unit_columns[0]}
+                if fake.change:
+                    joined = fake.change(joined)
+                fake.read.extend(ids)
+                n = len(next(iter(joined.values())))
+                for lo in range(0, n, fake.piece):
+                    yield {c: v[lo : lo + fake.piece] for c, v in joined.items()}
 
-
-def test_reads_all_batches_in_order():
-    table = read_table(FakeIterator(batch(3), batch(2, start=3)), "train")
-    assert len(table) == 5 and table.columns["x"][:, 0].tolist() == [0, 1, 2, 3, 4]
-
-
-def test_empty_dataset_is_named():
-    with pytest.raises(DataError, match="dataset 'train' is empty"):
-        read_table(FakeIterator(), "train")
-
-
-def test_nan_fails_with_row_and_column_by_default():
-    bad = batch(4)
-    bad["x"][2, 1] = np.nan
-    with pytest.raises(DataError, match=r"1 row\(s\) hold NaN or inf, the first is row 6 in column 'x'.*--skip-nan-rows"):
-        read_table(FakeIterator(batch(4), bad), "train")
+        return _Dataset()
 
 
-def test_nan_rows_can_be_skipped_and_counted():
-    bad = batch(4)
-    bad["x"][[0, 3], 0] = [np.nan, np.inf]
-    table = read_table(FakeIterator(bad), "val", skip_nan_rows=True)
-    assert table.dropped_rows == 2 and len(table) == 2 and np.isfinite(table.columns["x"]).all()
+def make_units(sizes, piece=7, change=None):
+    units, start = [], 0
+    for n in sizes:
+        ids = np.arange(start, start + n)
+        units.append({"id": ids, "x": ids.astype(np.float32).reshape(n, 1).repeat(3, axis=1)})
+        start += n
+    return FakeUnits(units, piece=piece, change=change)
 
 
-def test_all_rows_nan_is_an_error_even_when_skipping():
-    bad = batch(2)
-    bad["x"][:] = np.nan
-    with pytest.raises(DataError, match="every row holds NaN"):
-        read_table(FakeIterator(bad), "train", skip_nan_rows=True)
+def schema_of(units):
+    return Schema.of({c: v[:1] for c, v in units.unit_columns[0].items()})
+
+
+def stream_of(units, window, partitions=24, skip_nan_rows=False):
+    layout = StreamLayout(units.rows, window, partitions)
+    sample = {c: v[:1] for c, v in units.unit_columns[0].items()}
+    return Stream("train", units, layout, schema_of(units), sample, skip_nan_rows=skip_nan_rows)
+
+
+def train_ids(stream, world_size, epoch, global_batch, accumulation=1, start=0, stop_after=None):
+    """What each rank trains, per step, as the loop asks for it: {step index: ids of all ranks}."""
+    epochs = [stream.epoch(seed=5, epoch=epoch, start=start, rank=r, world_size=world_size) for r in range(world_size)]
+    out, skipped_before = {}, 0
+    for step in epoch_steps(len(stream), global_batch, start)[:stop_after]:
+        ids, counts = [], []
+        for data in epochs:
+            for piece in split_rows(data.rows(step), accumulation):
+                batch, count = data.batch(piece, CPU)
+                counts.append(count)
+                ids.extend(batch["id"].tolist()[:count])
+        out[step.start] = sorted(ids)
+        assert sum(counts) + sum(e.skipped_rows for e in epochs) - skipped_before == step.size
+        skipped_before = sum(e.skipped_rows for e in epochs)
+    return out, epochs
+
+
+@pytest.mark.parametrize("sizes", [(200, 201, 202, 200, 200), (1003,), (64, 64, 64, 8, 0, 90)])
+@pytest.mark.parametrize("world_size, accumulation", [(1, 1), (2, 1), (3, 2)])
+def test_stream_serves_every_rank_its_rows_of_each_step_exactly_once(sizes, world_size, accumulation):
+    units = make_units(sizes)
+    stream = stream_of(units, window=100)
+    for epoch in range(2):
+        got, _ = train_ids(stream, world_size, epoch, 48, accumulation)
+        reference = order.epoch_step_ids(stream.layout, 5, epoch, 48)
+        assert list(got.values()) == [ids.tolist() for ids in reference]
+        assert sorted(i for ids in got.values() for i in ids) == list(range(sum(sizes)))
+
+
+def test_each_rank_reads_only_its_own_units_once_per_epoch():
+    units = make_units([100] * 12)
+    stream = stream_of(units, window=240, partitions=6)
+    train_ids(stream, 3, 0, 48)
+    assert sorted(units.read) == list(range(12))  # 1.0 pass over the units across the ranks
+
+
+def test_a_restart_mid_epoch_skips_the_finished_units_and_trains_the_rest_once():
+    units = make_units([50] * 20)
+    stream = stream_of(units, window=200, partitions=4)
+    before, _ = train_ids(stream, 2, 0, 40, stop_after=13)
+    offset = 13 * 40
+    units.read.clear()
+    after, _ = train_ids(stream, 3, 0, 30, start=offset)
+    trained = [i for ids in (*before.values(), *after.values()) for i in ids]
+    assert sorted(trained) == list(range(1000))
+    assert len(units.read) <= 20 // 2 + 4  # the unread half, plus the units being read when it stopped
+
+
+def test_nan_row_stops_the_stream_naming_the_file_and_row():
+    def poison(columns):
+        columns["x"][columns["id"] == 230, 1] = np.nan
+        return columns
+
+    units = make_units([200, 200], change=poison)
+    stream = stream_of(units, window=400, partitions=1)
+    with pytest.raises(DataError, match=r"row 30 of file-1.parquet holds NaN or inf in column 'x'.*--skip-nan-rows.*--resume"):
+        train_ids(stream, 1, 0, 400)
+
+
+def test_nan_rows_are_skipped_and_counted_with_skip_nan_rows():
+    def poison(columns):
+        columns["x"][columns["id"] == 3, 0] = np.nan
+        columns["x"][columns["id"] == 250, 0] = np.inf
+        return columns
+
+    units = make_units([200, 200], change=poison)
+    stream = stream_of(units, window=100, skip_nan_rows=True)
+    got, epochs = train_ids(stream, 2, 0, 64)
+    trained = sorted(i for ids in got.values() for i in ids)
+    assert len(trained) == 398 and 3 not in trained and 250 not in trained
+    assert sum(e.skipped_rows for e in epochs) == 2
+
+
+def test_preprocessing_that_drops_rows_is_named():
+    units = make_units([100, 100], change=lambda c: {k: v[(c["id"] < 150) | (c["id"] >= 200)] for k, v in c.items()})
+    stream = stream_of(units, window=50, partitions=1)
+    with pytest.raises(DataError, match=r"yielded 50 row\(s\) fewer than its metadata counts.*keeps every row"):
+        train_ids(stream, 1, 0, 200)
+
+
+def test_preprocessing_that_adds_rows_is_named():
+    units = make_units([10], change=lambda c: {k: np.concatenate([v, v]) for k, v in c.items()})
+    with pytest.raises(DataError, match="yielded more rows than the 10 its metadata counts"):
+        list(check_units(units, [0], "train", schema_of(units), skip_nan_rows=False))
+
+
+def test_load_table_reads_every_unit_once_and_drops_nan_rows_when_asked():
+    def poison(columns):
+        columns["x"][columns["id"] == 5, 0] = np.nan
+        return columns
+
+    units = make_units([30, 0, 20], change=poison)
+    loaded = load_table(units, "train", schema_of(units), skip_nan_rows=True)
+    assert loaded["dropped_rows"] == 1 and len(loaded["columns"]["id"]) == 49 and units.read == [0, 2]
+    with pytest.raises(DataError, match="row 5 of file-0.parquet"):
+        load_table(make_units([30], change=poison), "train", schema_of(units), skip_nan_rows=False)
+
+
+def test_streamed_eval_covers_each_row_once_across_ranks():
+    units = make_units([40, 41, 42, 5])
+    stream = stream_of(units, window=50)
+    seen = []
+    for rank in range(3):
+        for n, batch in stream.eval_batches(rank, 3, 16, CPU):
+            seen.extend(batch["id"].tolist()[:n])
+    assert sorted(seen) == list(range(128))
+    idle = list(stream_of(make_units([10]), window=50).eval_batches(1, 2, 16, CPU))
+    assert [n for n, _ in idle] == [0]
+
+
+def test_split_rows_cuts_lane_ranges_into_micro_batches():
+    rows = [(0, 10, 15), (3, 0, 4)]
+    parts = split_rows(rows, 3)
+    assert [sum(hi - lo for *_, lo, hi in part) for part in parts] == [3, 3, 3]
+    assert [r for part in parts for r in part] == [(0, 10, 13), (0, 13, 15), (3, 0, 1), (3, 1, 4)]
+    assert split_rows([(2, 5)], 2) == [[(2, 4)], [(4, 5)]]
+    assert split_rows([], 2) == [[], []]
+
+
+# -- checks --------------------------------------------------------------------------------------
 
 
 def test_non_numeric_column_is_named():
-    with pytest.raises(DataError, match="column 'name': dtype <U1 is not numeric"):
-        read_table(FakeIterator(batch(2, name=np.array(["a", "b"]))), "train")
+    with pytest.raises(DataError, match=r"column 'name' \(file-0\): dtype <U1 is not numeric"):
+        check_columns({"name": np.array(["a", "b"])}, "train", "file-0")
 
 
-def test_ragged_rows_are_named():
-    with pytest.raises(DataError, match="column 'x': rows of different shapes"):
-        read_table(FakeIterator(batch(2), {"x": np.zeros((2, 3), np.float32), "y": np.arange(2)}), "train")
-
-
-def test_changing_columns_are_named():
-    with pytest.raises(DataError, match="columns changed between blocks"):
-        read_table(FakeIterator(batch(2), {"x": np.zeros((2, 2), np.float32)}), "train")
+def test_ragged_rows_and_changed_columns_are_named():
+    schema = Schema.of({"x": np.zeros((1, 2), np.float32), "y": np.zeros(1)})
+    with pytest.raises(DataError, match=r"column 'x' \(f\): rows of shape \(3,\) where the first batch had \(2,\)"):
+        check_columns({"x": np.zeros((2, 3), np.float32), "y": np.zeros(2)}, "train", "f", schema)
+    with pytest.raises(DataError, match=r"columns \['x'\] differ from the first batch's \['x', 'y'\]"):
+        check_columns({"x": np.zeros((2, 2), np.float32)}, "train", "f", schema)
 
 
 def test_read_failure_inside_ray_data_becomes_a_data_error():
-    class Broken:
-        def iter_batches(self, **_):
-            raise RuntimeError("Traceback...\npyarrow.lib.ArrowInvalid: Could not open Parquet input source 'x.parquet'")
-            yield
+    class Broken(FakeUnits):
+        def dataset(self, ids, *, limit=None):
+            class _Dataset:
+                def iter_batches(self, **_):
+                    raise RuntimeError("Traceback...\npyarrow.lib.ArrowInvalid: Could not open Parquet input source 'x.parquet'")
+                    yield
 
+            return _Dataset()
+
+    units = Broken([{"x": np.zeros(3)}])
     with pytest.raises(DataError, match="dataset 'train' cannot be read: pyarrow.lib.ArrowInvalid: Could not open Parquet"):
-        read_table(Broken(), "train")
+        list(check_units(units, [0], "train", Schema.of({"x": np.zeros(1)}), skip_nan_rows=False))
 
 
-def test_fingerprint_follows_order_and_content():
-    a = read_table(FakeIterator(batch(3), batch(2, start=3)), "t")
-    b = read_table(FakeIterator(batch(3), batch(2, start=3)), "t")
-    c = read_table(FakeIterator(batch(2, start=3), batch(3)), "t")
-    assert fingerprint(a) == fingerprint(b) != fingerprint(c)
-
-
-# -- streamed datasets -------------------------------------------------------------------
-
-from raytrain.data import Stream, drop_non_finite_rows, scan  # noqa: E402
-from raytrain.plan import streamed_epoch_order  # noqa: E402
-
-
-class RowsDataset:
-    """Stands in for a Ray Data dataset: yields its rows in order, `batch_size` at a time."""
-
-    def __init__(self, columns):
-        self.columns = columns
-
-    def iter_batches(self, batch_size, batch_format, prefetch_batches=1):
-        assert batch_format == "numpy"
-        n = len(next(iter(self.columns.values())))
-        for lo in range(0, n, batch_size):
-            yield {c: v[lo : lo + batch_size] for c, v in self.columns.items()}
-
-
-def rows(n):
-    return {"id": np.arange(n), "x": np.arange(n, dtype=np.float32).reshape(n, 1).repeat(3, axis=1)}
-
-
-def stream_of(columns, window_rows):
-    checked = scan(RowsDataset(columns), "train", keep_bytes=0, window_rows=window_rows, read_batch_size=7)
-    assert checked.table is None  # too big to keep: only counted, checked and digested
-    return Stream(RowsDataset(columns), "train", checked.num_rows, checked.window_rows, checked.window_digests)
-
-
-def epoch_ids(stream, seed, epoch, start=0, chunk=5):
-    data = stream.epoch(seed, epoch, start)
-    out = []
-    for lo in range(start, len(stream), chunk):
-        out.extend(data.batch(lo, min(len(stream), lo + chunk), torch.device("cpu"))["id"].tolist())
-    return out
-
-
-@pytest.mark.parametrize("num_rows, window_rows", [(37, 10), (37, 37), (37, 100), (1001, 64), (7, 2), (1, 4)])
-def test_stream_trains_the_windowed_order_exactly_once(num_rows, window_rows):
-    stream = stream_of(rows(num_rows), window_rows)
-    assert len(stream.digests) == -(-num_rows // window_rows)
-    for epoch in (0, 1):
-        ids = epoch_ids(stream, seed=3, epoch=epoch)
-        assert ids == streamed_epoch_order(num_rows, window_rows, 3, epoch).tolist()
-        assert sorted(ids) == list(range(num_rows))
-
-
-
-def test_stream_starts_mid_epoch_at_the_stored_offset():
-    stream = stream_of(rows(101), 16)
-    full = epoch_ids(stream, seed=1, epoch=2)
-    for offset in (0, 15, 16, 50, 100):
-        assert epoch_ids(stream, seed=1, epoch=2, start=offset, chunk=9) == full[offset:]
-
-
-def test_stream_reshuffles_each_epoch_and_repeats_for_a_seed():
-    stream = stream_of(rows(200), 50)
-    assert epoch_ids(stream, 0, 0) != epoch_ids(stream, 0, 1)
-    assert epoch_ids(stream, 0, 1) == epoch_ids(stream_of(rows(200), 50), 0, 1)
-    assert epoch_ids(stream, 0, 1) != epoch_ids(stream, 1, 1)
-
-
-def test_stream_that_changed_since_the_check_is_named():
-    stream = stream_of(rows(40), 10)
-    changed = rows(40)
-    changed["x"][25, 0] = -1.0
-    stream.dataset = RowsDataset(changed)
-    data = stream.epoch(0, 0, 0)
-    data.batch(0, 20, torch.device("cpu"))  # windows 0 and 1 are unchanged
-    with pytest.raises(DataError, match=r"window 2 of the stream \(rows from 20\) differs from what the driver checked"):
-        data.batch(20, 30, torch.device("cpu"))
-
-
-def test_stream_that_ends_early_is_named():
-    stream = stream_of(rows(40), 10)
-    stream.dataset = RowsDataset(rows(25))
-    data = stream.epoch(0, 0, 0)
-    with pytest.raises(DataError):
-        data.batch(20, 40, torch.device("cpu"))
-
-
-def test_stream_eval_batches_cover_a_contiguous_range():
-    stream = stream_of(rows(23), 10)
-    got = [(n, b["id"].tolist()) for n, b in stream.eval_batches(5, 17, 4, torch.device("cpu"))]
-    assert sum(n for n, _ in got) == 12 and [i for _, ids in got for i in ids] == list(range(5, 17))
-    empty = list(stream.eval_batches(23, 23, 4, torch.device("cpu")))
-    assert len(empty) == 1 and empty[0][0] == 0 and len(empty[0][1]["id"]) == 1  # weight 0, joins the reduction
-
-
-def test_scan_keeps_small_datasets_and_counts_bytes():
-    checked = scan(RowsDataset(rows(30)), "train", read_batch_size=8)
-    assert checked.table is not None and len(checked.table) == 30
-    assert checked.num_bytes == 30 * (8 + 12) and checked.window_digests == []
-
-
-def test_scan_chooses_a_window_from_the_row_size_when_asked():
-    checked = scan(RowsDataset(rows(30)), "train", keep_bytes=0, window_rows=None)
-    assert checked.window_rows >= 1024 and len(checked.window_digests) == 1
-
-
-def test_skipped_nan_rows_are_the_rows_the_stream_filter_drops():
-    columns = rows(30)
-    columns["x"][[3, 17], 1] = np.nan
-    checked = scan(RowsDataset(columns), "train", skip_nan_rows=True, keep_bytes=0, window_rows=8, read_batch_size=5)
-    assert checked.dropped_rows == 2 and checked.num_rows == 28
-    filtered = drop_non_finite_rows(columns)
-    stream = Stream(RowsDataset(filtered), "train", checked.num_rows, 8, checked.window_digests)
-    ids = epoch_ids(stream, 0, 0)
-    assert sorted(ids) == sorted(set(range(30)) - {3, 17})
-
-
-def test_stream_serves_a_rank_with_an_empty_micro_batch_after_its_rows():
-    """Accumulation can give a rank an empty micro-batch after a non-empty one: one row of
-    a window at hand, never a step back in the stream."""
-    stream = stream_of(rows(40), 10)
-    data = stream.epoch(0, 0, 0)
-    data.batch(8, 12, torch.device("cpu"))  # spans windows 0 and 1
-    data.batch(12, 13, torch.device("cpu"))  # window 0 dropped
-    assert len(data.batch(5, 5, torch.device("cpu"))["id"]) == 1
-    assert data.batch(13, 20, torch.device("cpu"))["id"].tolist() == streamed_epoch_order(40, 10, 0, 0)[13:20].tolist()
-    fresh = stream.epoch(0, 1, 30)
-    assert len(fresh.batch(40, 40, torch.device("cpu"))["id"]) == 1  # nothing loaded yet: the last window
-
-
-def test_a_dataset_that_outgrows_the_memory_limit_mid_scan_is_digested_from_its_first_row():
-    streamed = scan(RowsDataset(rows(50)), "train", keep_bytes=0, window_rows=8, read_batch_size=7)
-    outgrown = scan(RowsDataset(rows(50)), "train", keep_bytes=300, window_rows=8, read_batch_size=7)  # 20 B per row
-    kept = scan(RowsDataset(rows(50)), "train", window_rows=8, read_batch_size=7)
-    assert outgrown.table is None and outgrown.window_digests == streamed.window_digests and len(streamed.window_digests) == 7
-    assert kept.table is not None and kept.window_digests == []  # held in memory: nothing to digest
+def test_schema_row_bytes():
+    assert Schema.of({"x": np.zeros((1, 8, 8), np.float32), "y": np.zeros(1, np.int64)}).row_bytes() == 8 * 8 * 4 + 8

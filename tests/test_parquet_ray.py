@@ -56,8 +56,11 @@ def bad_run(tmp_path, capsys, *pipeline_args) -> str:
         args += ["--pipeline-arg", arg]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and not list(tmp_path.glob("*/checkpoint_*"))
-    return err
+    # raytrain's answer is one line (the shared test Ray also forwards its workers' logs).
+    ours = [line for line in err.splitlines() if line.startswith("raytrain train:")]
+    assert len(ours) == 1, err
+    assert not list(tmp_path.glob("*/checkpoint_*"))
+    return ours[0]
 
 
 def write(path: Path, **columns) -> Path:
@@ -85,7 +88,7 @@ def test_nan_in_features_fails_with_the_row_unless_skipped(ray_session, tmp_path
     x[17] = np.nan
     data = write(tmp_path / "nan", x=x, y=np.arange(40) % 2)
     err = bad_run(tmp_path, capsys, f"path={data}", "label=y", "val_fraction=0")
-    assert "NaN or inf, the first is row 17 in column 'features'" in err and "--skip-nan-rows" in err
+    assert "row 17 of" in err and "part-0.parquet" in err and "NaN or inf in column 'features'" in err and "--skip-nan-rows" in err
     code = main([
         "train", "parquet", "--pipeline-arg", f"path={data}", "--pipeline-arg", "label=y", "--pipeline-arg", "val_fraction=0",
         "--workers", "2", "--epochs", "1", "--storage", str(tmp_path), "--name", "skipped", "--skip-nan-rows",

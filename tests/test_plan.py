@@ -25,7 +25,6 @@ from raytrain.plan import (
     rank_rows,
     resolve_batch_plan,
     split_range,
-    streamed_epoch_order,
 )
 
 # -- batch plan ------------------------------------------------------------------------------
@@ -314,14 +313,3 @@ def test_plan_is_pure():
     """The rules module imports neither Ray nor torch."""
     source = open(plan.__file__).read()
     assert "import ray" not in source and "import torch" not in source
-
-
-@pytest.mark.parametrize("rows, window", [(1001, 64), (1001, 1001), (1001, 5000), (7, 2), (1, 3), (100, 7)])
-def test_streamed_order_is_a_seeded_permutation_within_windows(rows, window):
-    order = streamed_epoch_order(rows, window, seed=7, epoch=3)
-    assert sorted(order.tolist()) == list(range(rows))
-    assert np.array_equal(order, streamed_epoch_order(rows, window, seed=7, epoch=3))
-    positions = np.arange(rows)
-    assert np.array_equal(order // window, positions // window)  # rows move only inside their window
-    if rows > 10:  # (tiny windows of 2 rows can keep their order by chance)
-        assert not np.array_equal(order, streamed_epoch_order(rows, window, seed=7, epoch=4))

@@ -1,50 +1,134 @@
-"""Streamed datasets (--shuffle-window-rows) on CPU Ray workers: the windowed order, every
-row exactly once per epoch, and an interrupted epoch finished at another worker count."""
+"""Streamed, sharded datasets on CPU Ray workers: multi-file Parquet and multi-block sources,
+every row exactly once per epoch at 1, 2 and 3 workers, each row preprocessed about once per
+epoch across the whole run, a rank killed mid-epoch and the run resumed at another worker
+count, and a bad row that stops the run once, with exit 2, naming the row."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
-from rt_test_pipelines import RecordingPipeline, read_jsonl
+from rt_test_pipelines import ShardedRecordingPipeline, preprocessed_rows, read_jsonl, write_id_parquet
 
 import raytrain
-from raytrain import plan
+from raytrain import order, shards
+from raytrain.cli import main
+from raytrain.trainer import PROBE_ROWS
 
 pytestmark = pytest.mark.ray
 
-ROWS, WINDOW, SEED = 203, 50, 5
+ROWS, GLOBAL_BATCH, WINDOW, SEED, EPOCHS = 1003, 48, 120, 5, 2
 
 
-def test_crash_then_resume_at_another_worker_count_trains_each_row_once(ray_session, tmp_path):
+@pytest.fixture(scope="module")
+def parquet_dir(tmp_path_factory):
+    return write_id_parquet(tmp_path_factory.mktemp("ids") / "train", ROWS, num_files=7)
+
+
+def records(out: Path) -> list[dict]:
+    return [row for path in sorted(out.glob("ids-rank*.jsonl")) for row in read_jsonl(path)]
+
+
+def steps_by_epoch(rows: list[dict]) -> dict[int, dict[int, list[int]]]:
+    """{epoch: {global step: sorted ids of every rank}}, and each step's ranks agree on it."""
+    out: dict[int, dict[int, list[int]]] = {}
+    for row in rows:
+        out.setdefault(row["epoch"], {}).setdefault(row["step"], []).extend(row["ids"])
+    return {epoch: {step: sorted(ids) for step, ids in steps.items()} for epoch, steps in out.items()}
+
+
+def run(pipeline, tmp_path, name, **overrides):
+    cfg = dict(
+        epochs=EPOCHS, global_batch_size=GLOBAL_BATCH, shuffle_window_rows=WINDOW, seed=SEED, log_every_steps=5,
+        storage=str(tmp_path), name=name, max_failures=0, schedule="constant",
+    )  # fmt: skip
+    return raytrain.fit(pipeline, raytrain.TrainConfig(**{**cfg, **overrides}))
+
+
+def test_units_of_multi_file_parquet_and_multi_block_items(ray_session, parquet_dir, tmp_path):
+    pipeline = ShardedRecordingPipeline(str(tmp_path), path=str(parquet_dir))
+    units = shards.split(pipeline.build_datasets(None)["train"])
+    assert units.kind == "files" and len(units.rows) == 7 and units.num_rows == ROWS
+    ids = [int(i) for b in units.dataset([4, 0]).iter_batches(batch_size=None, batch_format="numpy") for i in b["id"]]
+    assert ids == list(range(574, 717)) + list(range(0, 144))  # units 4 then 0, each whole, in that order
+    items = shards.split(ShardedRecordingPipeline(str(tmp_path), num_blocks=6).build_datasets(None)["train"])
+    assert items.kind == "blocks" and len(items.rows) == 6 and items.num_rows == ROWS
+    import ray.data
+
+    assert "random_shuffle" in shards.split(ray.data.range(10).random_shuffle())
+
+
+@pytest.mark.parametrize("workers, source", [(1, "parquet"), (2, "items"), (3, "parquet")])
+def test_every_row_once_per_epoch_the_same_steps_at_any_worker_count_read_once(ray_session, parquet_dir, tmp_path, workers, source):
     out = tmp_path / "records"
     out.mkdir()
-    pipeline = RecordingPipeline(str(out), num_rows=ROWS, crash_at_step=9)
-    base = dict(
-        epochs=2, global_batch_size=12, shuffle_window_rows=WINDOW, seed=SEED, checkpoint_every_steps=4,
-        log_every_steps=1, storage=str(tmp_path), name="streamed", max_failures=0,
-    )  # fmt: skip
-    # Rank 0's process dies at step 9 of epoch 0 and no retry is allowed: the run fails
-    # with its step-8 checkpoint in storage.
+    pipeline = ShardedRecordingPipeline(str(out), path=str(parquet_dir) if source == "parquet" else None, num_blocks=6)
+    result = run(pipeline, tmp_path, "sharded", workers=workers)
+    assert result.summary["status"] == "finished" and result.summary["samples_seen"] == EPOCHS * ROWS
+
+    rows = records(out)
+    by_epoch = steps_by_epoch(rows)
+    units = shards.split(pipeline.build_datasets(None)["train"])
+    layout = order.StreamLayout(units.rows, WINDOW, 24)
+    for epoch in range(EPOCHS):
+        steps = by_epoch[epoch]
+        expected = order.epoch_step_ids(layout, SEED, epoch, GLOBAL_BATCH)
+        # Each step trains the rows the plan names — which do not depend on the worker count —
+        # and the epoch trains every row once.
+        assert list(steps.values()) == [ids.tolist() for ids in expected]
+        assert sorted(i for ids in steps.values() for i in ids) == list(range(ROWS))
+        per_rank_steps = {r: sorted({row["step"] for row in rows if row["rank"] == r and row["epoch"] == epoch}) for r in range(workers)}
+        assert len({tuple(s) for s in per_rank_steps.values()}) == 1  # every rank ran the same steps
+    assert by_epoch[0] != by_epoch[1]
+    # Sharded: the pipeline's preprocessing handled each row about once per epoch, across all
+    # processes of the run (the driver's first-batch probe included).
+    passes = preprocessed_rows(out) / (EPOCHS * ROWS)
+    assert passes <= 1.1, passes
+
+
+def test_rank_killed_mid_epoch_then_resumed_at_another_worker_count(ray_session, tmp_path):
+    # 7 files of 4 row groups (36 rows) each: 28 units in 4 partitions of 7 units.
+    data = write_id_parquet(tmp_path / "train", ROWS, num_files=7, row_group_rows=36)
+    out = tmp_path / "records"
+    out.mkdir()
+    pipeline = ShardedRecordingPipeline(str(out), path=str(data), crash_at_step=13)
+    # Rank 0's process dies at step 13 of epoch 0; no retry allowed: the run fails with its
+    # step-12 checkpoint in storage, then continues on 3 workers instead of 2.
     with pytest.raises(raytrain.RunFailed):
-        raytrain.fit(pipeline, raytrain.TrainConfig(workers=2, **base))
-    # Continued on 3 workers instead of 2: the same global batch, the epoch from offset 96.
-    result = raytrain.fit(pipeline, raytrain.TrainConfig(workers=3, resume=True, **base))
-    assert result.summary["status"] == "finished"
-    assert result.summary["samples_seen"] == 2 * ROWS
+        run(pipeline, tmp_path, "killed", workers=2, checkpoint_every_steps=4, data_partitions=4)
+    before = preprocessed_rows(out)
+    result = run(pipeline, tmp_path, "killed", workers=3, checkpoint_every_steps=4, data_partitions=4, resume=True)
+    assert result.summary["status"] == "finished" and result.summary["samples_seen"] == EPOCHS * ROWS
 
-    records = [row for rank in range(3) if (out / f"ids-rank{rank}.jsonl").exists() for row in read_jsonl(out / f"ids-rank{rank}.jsonl")]
-    first = [row for row in records if row["attempt"] == "first"]
-    second = [row for row in records if row["attempt"] == "second"]
-    assert {row["world_size"] for row in first} == {2} and {row["world_size"] for row in second} == {3}
-    resumed_at = min(row["step"] for row in second)
-    assert resumed_at == 8
+    rows = records(out)
+    second = [r for r in rows if r["attempt"] == "second"]
+    resumed_at = min(r["step"] for r in second)
+    assert resumed_at == 12 and {r["world_size"] for r in second} == {3}
+    kept = [r for r in rows if r["attempt"] == "first" and r["step"] < resumed_at] + second
+    for epoch, steps in steps_by_epoch(kept).items():
+        assert sorted(i for ids in steps.values() for i in ids) == list(range(ROWS)), epoch
+    # The resumed attempt skipped the finished units of epoch 0 from metadata: it preprocessed
+    # the rest of epoch 0 — again, per partition, at most the shuffle block (30 rows) and the
+    # unit (36 rows) it was in when it stopped — plus epoch 1, not two whole epochs.
+    rest = ROWS - resumed_at * GLOBAL_BATCH
+    assert preprocessed_rows(out) - before <= rest + 4 * (30 + 36) + ROWS + PROBE_ROWS
 
-    def trained(rows):  # ids in epoch order: by step, then by rank (ranks hold contiguous slices)
-        return [i for row in sorted(rows, key=lambda r: (r["step"], r["rank"])) for i in row["ids"]]
 
-    epoch0 = trained([r for r in first if r["epoch"] == 0 and r["step"] < resumed_at]) + trained([r for r in second if r["epoch"] == 0])
-    epoch1 = trained([r for r in second if r["epoch"] == 1])
-    # Each epoch: every row exactly once, in the windowed order the plan defines (the
-    # dataset's own order is the ids 0..202), whatever the worker count.
-    for epoch, ids in ((0, epoch0), (1, epoch1)):
-        assert ids == plan.streamed_epoch_order(ROWS, WINDOW, SEED, epoch).tolist()
-    assert epoch0 != epoch1
+def test_bad_row_stops_the_run_once_with_exit_2_naming_the_row(ray_session, tmp_path, capsys):
+    data = write_id_parquet(tmp_path / "bad", ROWS, num_files=7, nan_at_id=600)  # row 26 of part-004
+    out = tmp_path / "records"
+    out.mkdir()
+    code = main([
+        "train", "rt_test_pipelines:ShardedRecordingPipeline", "--pipeline-arg", f"path={data}", "--pipeline-arg", f"out={out}",
+        "--workers", "2", "--epochs", "1", "--global-batch-size", "48", "--shuffle-window-rows", "120",
+        "--max-failures", "3", "--storage", str(tmp_path), "--name", "bad",
+    ])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    # raytrain's own answer is one line (the shared test Ray also forwards the workers' logs).
+    ours = [line for line in err.splitlines() if line.startswith("raytrain train:")]
+    assert len(ours) == 1, err
+    assert "row 26 of" in ours[0] and "part-004.parquet" in ours[0] and "column 'x'" in ours[0] and "--skip-nan-rows" in ours[0]
+    assert {r["attempt"] for r in records(out)} == {"first"}  # not retried, though --max-failures 3 allowed it
+    assert json.loads((tmp_path / "bad" / "summary.json").read_text())["status"] == "failed"

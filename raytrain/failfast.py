@@ -1,0 +1,33 @@
+"""Ray Train's failure policy, but deterministic errors are not retried.
+
+Ray Train retries every worker error up to `FailureConfig(max_failures)`. A `UserFault`
+(bad data, configuration, pipeline code, storage; `raytrain.errors`) would fail the same
+way on every attempt, so the policy ends the run at the first one. Worker deaths, lost
+nodes and collective timeouts keep Ray's policy and --max-failures.
+"""
+
+from __future__ import annotations
+
+from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
+
+from raytrain.errors import find_user_fault
+
+
+class FailFastPolicy(FailurePolicy):
+    def __init__(self, inner: FailurePolicy):
+        super().__init__(inner.failure_config)
+        self.inner = inner
+
+    def make_decision(self, training_failed_error) -> FailureDecision:
+        if find_user_fault(training_failed_error) is not None:
+            return FailureDecision.RAISE
+        return self.inner.make_decision(training_failed_error)
+
+
+class FailFastTrainer(TorchTrainer):
+    """A TorchTrainer whose controller uses FailFastPolicy around Ray's own policy."""
+
+    def _initialize_and_run_controller(self, **kwargs):
+        kwargs["failure_policy"] = FailFastPolicy(kwargs["failure_policy"])
+        return super()._initialize_and_run_controller(**kwargs)
