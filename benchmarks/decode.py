@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -88,9 +89,15 @@ def build_cnn():
     )  # fmt: skip
 
 
+@dataclass
+class DecodeJpegArgs:
+    path: str
+
+
 class DecodeJpeg(raytrain.Pipeline):
     """--pipeline-arg path=DIR: read the JPEG Parquet files and decode them in map_batches."""
 
+    Args = DecodeJpegArgs
     default_config = {"epochs": 3, "global_batch_size": 128, "lr": 2e-3, "warmup_epochs": 0}
 
     def build_datasets(self, cfg):

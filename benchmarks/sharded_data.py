@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -64,10 +65,17 @@ def write_data(directory: Path, rows: int, unit_rows: int, groups_per_file: int 
     return directory
 
 
+@dataclass
+class CountingParquetArgs:
+    path: str
+    out: str
+
+
 class CountingParquet(raytrain.Pipeline):
     """--pipeline-arg path=DIR --pipeline-arg out=DIR: an MLP on the Parquet files; counts the rows
     its map_batches preprocesses, notes rank 0's first step and each worker's peak RSS."""
 
+    Args = CountingParquetArgs
     default_config = {"epochs": 1, "global_batch_size": 256, "lr": 1e-3}
 
     def __init__(self):

@@ -8,21 +8,26 @@ code, so a checkpoint from elsewhere cannot run anything.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from raytrain.errors import UserFault
+
 STATE_FILE = "state.pt"
 MODEL_FILE = "model.pt"
 POSITION_FILE = "position.json"
+STAGING = ".staging"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserFault, ValueError):
     """A checkpoint or run directory that cannot be used, with what to do about it."""
 
 
@@ -40,16 +45,34 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_state(state: dict[str, Any], directory: str | os.PathLike) -> None:
+    """Write a checkpoint directory (OSError, with its errno, if the file system refuses)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # Written to temporary names and renamed last, so a crash mid-write leaves no file
-    # that looks complete.
+    # that looks complete (raytrain also writes the directory under a staging name).
     for name, payload in ((MODEL_FILE, state["model"]), (STATE_FILE, state)):
         tmp = directory / (name + ".tmp")
-        torch.save(payload, tmp)
+        save_torch(payload, tmp)
         os.replace(tmp, directory / name)
     # Small and readable: lets resume rank checkpoints without loading their tensors.
     (directory / POSITION_FILE).write_text(json.dumps(state.get("position", {})))
+
+
+def save_torch(payload: Any, path: str | os.PathLike) -> None:
+    """torch.save, flushed to disk; a write the file system refuses is an OSError with its
+    errno (torch itself reports a full disk as a RuntimeError about stream positions)."""
+    path = Path(path)
+    try:
+        with open(path, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError:
+        raise
+    except RuntimeError as exc:
+        stats = os.statvfs(path.parent)
+        code = errno.ENOSPC if stats.f_bavail * stats.f_frsize < (1 << 20) else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} ({str(exc).splitlines()[0][:120]})", str(path)) from exc
 
 
 def stored_step(directory: str | os.PathLike) -> int:
@@ -71,10 +94,31 @@ def load_state(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def checkpoint_dirs(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoint directories of a run, oldest first."""
+    """Checkpoint directories of a run that hold a state file, oldest first.
+
+    raytrain writes a checkpoint under RUN_DIR/.staging/ and renames it into place when it is
+    complete, so a directory here is whole; older runs (Ray's own copy) may hold partial
+    ones, which `load_state` rejects."""
     run_dir = Path(run_dir)
     found = [p for p in run_dir.glob("checkpoint_*") if (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: p.name)
+    return sorted(found, key=lambda p: (stored_step(p), p.name))
+
+
+def latest_complete(run_dir: str | os.PathLike) -> Path | None:
+    """The furthest checkpoint of a run (by its stored step), or None."""
+    found = checkpoint_dirs(run_dir)
+    return found[-1] if found else None
+
+
+def checkpoint_name(step: int) -> str:
+    """`checkpoint_s000000412_20261201-101530-123456`: step-major, unique per write."""
+    now = time.time()
+    return f"checkpoint_s{step:09d}_{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{int(now * 1e6) % 1_000_000:06d}"
+
+
+def staging_dir(run_dir: str | os.PathLike) -> Path:
+    """Where checkpoints are written before they are renamed into place."""
+    return Path(run_dir) / STAGING
 
 
 def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,14 +63,56 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return EXIT_USAGE
+    return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a command's handler; every error becomes one message and an exit status:
+    2 for what the user must fix (configuration, data, pipeline code, checkpoint, storage),
+    1 for a run that failed or diverged, 130/143 for SIGINT/SIGTERM. No traceback."""
+    from raytrain.errors import UserFault
+    from raytrain.interrupts import Interrupted
+    from raytrain.rundir import storage_error
+    from raytrain.trainer import RunFailed
+
+    def say(message: str) -> None:
+        print(f"raytrain {args.command}: {message}", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
     try:
         return args.handler(args)
-    except UserError as exc:
-        print(f"raytrain {args.command}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except Interrupted as exc:
+        say(str(exc))
+        return exc.exit_status
     except KeyboardInterrupt:
-        print("raytrain: interrupted", file=sys.stderr)
+        say("interrupted")
         return 130
+    except Terminated:
+        say("terminated")
+        return 143
+    except RunFailed as exc:
+        say(str(exc))
+        return EXIT_FAILED
+    except FloatingPointError as exc:  # raytrain.loop.TrainingDiverged: the run failed, status "diverged"
+        say(str(exc))
+        return EXIT_FAILED
+    except (UserError, UserFault) as exc:
+        say(str(exc))
+        return EXIT_USAGE
+    except OSError as exc:  # the file system said no somewhere this command writes or reads
+        say(str(storage_error(exc, exc.filename or "a file", "use")))
+        return EXIT_USAGE
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(Exception):
+    """SIGTERM outside a run (a run handles it itself: raytrain.interrupts)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 class UserError(Exception):
@@ -105,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write a plain state_dict from a run or checkpoint")
     export.add_argument("source", metavar="RUN_DIR|CKPT", help="a run directory, a checkpoint directory or a .pt file")
     export.add_argument("-o", "--output", required=True, metavar="F.pt", help="where to write the state_dict")
+    export.add_argument(
+        "--pipeline", metavar="PIPELINE",
+        help="also check that the weights load into this pipeline's model with strict=True (imports the pipeline's code; "
+        "without it, export reads only the weights)",
+    )  # fmt: skip
     export.set_defaults(handler=cmd_export)
 
     data = commands.add_parser("data", help="write a pipeline's datasets as Parquet shards")
@@ -188,26 +237,48 @@ def _field_docs(cls: type = TrainConfig) -> dict[str, str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from raytrain.checkpoint import CheckpointError
-    from raytrain.errors import UserFault
-    from raytrain.pipeline import PipelineError, load_pipeline
-    from raytrain.trainer import RunFailed, fit
+    from raytrain.pipeline import load_pipeline
+    from raytrain.trainer import fit
 
     spec, file_values, config_file, flags = read_run_options(args)
     try:
-        pipe = load_pipeline(spec)
-        values = merge(pipe.default_config, file_values, flags)
+        if flags.get("resume") or file_values.get("resume"):
+            spec, values = resume_values(spec, file_values, flags)
+        else:
+            values = merge(load_pipeline(spec).default_config, file_values, flags)
         cfg = TrainConfig.from_dict(values)
+        check_pipeline_args(load_pipeline(spec), cfg)
         result = fit(spec, cfg, echo=lambda line: print(line, flush=True), progress=True)
     except ConfigError as exc:
         raise UserError(exc.render(spelling(flags, config_file))) from None
-    except (PipelineError, CheckpointError, UserFault) as exc:
-        raise UserError(str(exc)) from None
-    except RunFailed as exc:
-        print(f"raytrain train: {exc}", file=sys.stderr)
-        return EXIT_FAILED
     print_summary(result)
     return 0
+
+
+def resume_values(spec: str | None, file_values: dict[str, Any], flags: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A resumed run's options: its own config.yaml, then the --config file and flags given
+    now, each overriding only what it names. The pipeline defaults to the run's."""
+    from raytrain.config import DEFAULT_STORAGE
+    from raytrain.resume import read_stored_run
+
+    name = flags.get("name") or file_values.get("name")
+    if not name:
+        raise ConfigError([("resume", "needs the run to continue: add --name RUN (the directory under --storage)")])
+    storage = flags.get("storage") or file_values.get("storage") or DEFAULT_STORAGE
+    stored = read_stored_run(Path(storage).expanduser() / name)
+    if not stored.config:
+        raise ConfigError([("resume", f"there is no run {name!r} in {Path(storage).expanduser()} to resume; check --name and --storage")])
+    spec = spec or stored.pipeline
+    if not spec:
+        raise UserError(f"run {name!r} does not say which pipeline it trains; give it: raytrain train PIPELINE --name {name} --resume")
+    return spec, merge(stored.config, file_values, flags)
+
+
+def check_pipeline_args(pipe, cfg: TrainConfig) -> None:
+    """--pipeline-arg keys the pipeline does not declare are refused, listing those it does."""
+    from raytrain.pipeline import parse_pipeline_args
+
+    parse_pipeline_args(pipe, cfg.pipeline_args)
 
 
 def read_run_options(args: argparse.Namespace) -> tuple[str, dict[str, Any], str | None, dict[str, Any]]:
@@ -215,7 +286,8 @@ def read_run_options(args: argparse.Namespace) -> tuple[str, dict[str, Any], str
     file_values, config_file = load_yaml(args.config) if args.config else ({}, None)
     spec = args.pipeline or file_values.pop("pipeline", None)
     file_values.pop("pipeline", None)
-    if not spec:
+    resuming = getattr(args, "resume", False) or file_values.get("resume")
+    if not spec and not resuming:
         raise UserError(f"no pipeline: give one (raytrain {args.command} digits) or set `pipeline:` in --config")
     flags = {key: value for key, value in vars(args).items() if key not in ("command", "handler", "pipeline", "config")}
     return spec, file_values, config_file, flags
@@ -305,12 +377,9 @@ def print_summary(result) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from raytrain.report import ReportError, write_report
+    from raytrain.report import write_report
 
-    try:
-        path = write_report(args.run_dir)
-    except ReportError as exc:
-        raise UserError(str(exc)) from None
+    path = write_report(args.run_dir)
     plots = sorted((path.parent / "plots").glob("*.png"))
     print(f"Wrote {path} and {len(plots)} plot{'s' if len(plots) != 1 else ''}: {', '.join(p.name for p in plots) or 'none (no metrics yet)'}")
     return 0
@@ -357,10 +426,7 @@ def add_tune_parser(commands) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from raytrain.checkpoint import CheckpointError
-    from raytrain.errors import UserFault
-    from raytrain.pipeline import PipelineError, load_pipeline
-    from raytrain.trainer import RunFailed
+    from raytrain.pipeline import load_pipeline
     from raytrain.tune import TuneOptions, parse_search_space, tune
 
     spec, file_values, config_file, flags = read_run_options(args)
@@ -380,14 +446,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         )
         pipe = load_pipeline(spec)
         cfg = TrainConfig.from_dict(merge(pipe.default_config, file_values, fixed))
+        check_pipeline_args(pipe, cfg)
         result = tune(spec, cfg, space, options, echo=lambda line: print(line, flush=True))
     except ConfigError as exc:
         raise UserError(exc.render(spelling(flags, config_file))) from None
-    except (PipelineError, CheckpointError, UserFault) as exc:
-        raise UserError(str(exc)) from None
-    except RunFailed as exc:
-        print(f"raytrain tune: {exc}", file=sys.stderr)
-        return EXIT_FAILED
     return 0 if result.best is not None else EXIT_FAILED
 
 
@@ -397,17 +459,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from raytrain.checkpoint import CheckpointError, load_model_weights
+    from raytrain.checkpoint import load_model_weights
+    from raytrain.rundir import storage_errors
 
-    try:
-        weights = load_model_weights(args.source)
-    except CheckpointError as exc:
-        raise UserError(str(exc)) from None
+    weights = load_model_weights(args.source)
     weights = {_strip_wrappers(key): value for key, value in weights.items()}
-    checked = check_against_pipeline(Path(args.source), weights)
+    checked = check_against_pipeline(args.pipeline, Path(args.source), weights) if args.pipeline else ""
     output = Path(args.output).expanduser()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(weights, output)
+    if output.is_dir():
+        raise UserError(f"-o {output}: is a directory; give a file name, e.g. -o {output / 'model.pt'}")
+    with storage_errors(output, "write"):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = output.with_name(f".{output.name}.tmp")
+        torch.save(weights, tmp)
+        tmp.replace(output)
     size_mb = output.stat().st_size / 2**20
     print(f"Wrote {output}: {len(weights)} tensors, {size_mb:.2f} MiB{checked}")
     print(f"Load with: model.load_state_dict(torch.load({str(output)!r}, weights_only=True), strict=True)")
@@ -421,28 +486,29 @@ def _strip_wrappers(key: str) -> str:
     return key
 
 
-def check_against_pipeline(source: Path, weights: dict) -> str:
-    """When the source is a run, load the weights into its pipeline's model with strict=True."""
-    run_dir = source if source.is_dir() else source.parent
-    for candidate in (run_dir, run_dir.parent):
-        config = candidate / "config.yaml"
-        if config.is_file():
-            break
-    else:
-        return ""
-    from raytrain.pipeline import PipelineError, load_pipeline
+def check_against_pipeline(spec: str, source: Path, weights: dict) -> str:
+    """With --pipeline: load the weights into that pipeline's model with strict=True (the
+    run's own options, from its config.yaml when the source is a run, build the model)."""
+    from raytrain.pipeline import load_pipeline
 
-    values = yaml.safe_load(config.read_text()) or {}
-    try:
-        pipe = load_pipeline(values.pop("pipeline", ""))
-        values.pop("gpu", None)
-        model = pipe.build_model(TrainConfig.from_dict({**values, "resume": False}))
-    except (PipelineError, ConfigError):
-        return ""
+    pipe = load_pipeline(spec)
+    run_dir = source if source.is_dir() else source.parent
+    values: dict[str, Any] = {}
+    for candidate in (run_dir, run_dir.parent):
+        if (candidate / "config.yaml").is_file():
+            values = yaml.safe_load((candidate / "config.yaml").read_text()) or {}
+            break
+    values.pop("pipeline", None)
+    values.pop("gpu", None)
+    cfg = TrainConfig.from_dict(merge(pipe.default_config, values, {"resume": False}))
+    from raytrain.errors import pipeline_code
+
+    with pipeline_code(pipe, "build_model"):
+        model = pipe.build_model(cfg)
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
-        raise UserError(f"{source}: weights do not match the pipeline's model: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"{source}: weights do not match {pipe.name}'s model: {str(exc).splitlines()[0]}") from None
     return f"; checked: loads into {pipe.name}'s model with strict=True"
 
 
@@ -462,9 +528,8 @@ def parquet_layout(rows: int, group_rows: int | None = None) -> tuple[int, int]:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from raytrain.errors import UserFault
-    from raytrain.pipeline import PipelineError, load_pipeline
-    from raytrain.trainer import RunFailed, build_datasets, ray_session
+    from raytrain.pipeline import load_pipeline
+    from raytrain.trainer import build_datasets, ray_session
 
     out = Path(args.out).expanduser().absolute()
     if args.row_group_rows is not None and args.row_group_rows < 1:
@@ -486,11 +551,8 @@ def cmd_data(args: argparse.Namespace) -> int:
                     f"{name}: {rows:,} rows in {len(files)} Parquet file(s) of row groups of up to {group_rows:,} rows "
                     f"under {out / name}", flush=True,
                 )  # fmt: skip
-    except (ConfigError, PipelineError, UserFault) as exc:
-        raise UserError(str(exc)) from None
-    except RunFailed as exc:
-        print(f"raytrain data: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    except ConfigError as exc:
+        raise UserError(exc.render(lambda name: flag_name(name))) from None
     return 0
 
 

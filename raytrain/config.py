@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from raytrain.errors import UserFault
+
 LR_RULES = ("linear", "sqrt", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "constant")
@@ -28,7 +30,7 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserFault, ValueError):
     """Invalid user configuration: every problem at once, each with its fix.
 
     `problems` is a list of (field, message). `render` spells each field the way

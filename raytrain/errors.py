@@ -8,6 +8,24 @@ deaths, lost nodes and collective timeouts are not UserFaults: they keep --max-f
 
 from __future__ import annotations
 
+import contextlib
+import os
+import traceback
+from pathlib import Path
+from typing import Iterator
+
+# Paths that are not the user's code: Python's, libraries', raytrain's own.
+_LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/lib/python3", "/ray/", "/torch/")
+_RAYTRAIN_DIR = str(Path(__file__).resolve().parent) + os.sep
+
+
+def is_user_file(path: str) -> bool:
+    """Not Python's, a library's or raytrain's own: the pipeline or the user's module."""
+    if path.startswith("<"):
+        return False
+    path = os.path.abspath(path)
+    return not path.startswith(_RAYTRAIN_DIR) and not any(part in path for part in _LIBRARY_PARTS)
+
 
 class UserFault(Exception):
     """An error the user must fix; retrying cannot help."""
@@ -19,6 +37,9 @@ class DataError(UserFault, ValueError):
 
 class StorageError(UserFault, OSError):
     """A run file that cannot be written or read: the path, the errno and what to do."""
+
+    def __str__(self) -> str:
+        return str(self.strerror if self.strerror is not None else super().__str__())
 
 
 class PipelineCodeError(UserFault, RuntimeError):
@@ -46,3 +67,24 @@ def find_user_fault(error: BaseException | None) -> UserFault | None:
         failures = getattr(current, "worker_failures", None) or {}
         stack.extend(failures[rank] for rank in sorted(failures, reverse=True))
     return None
+
+
+def user_frames(exc: BaseException, limit: int = 3) -> list[str]:
+    """`file:line, in function: code` for the innermost frames of user code in `exc`'s traceback."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
+    return [f"{f.filename}:{f.lineno}, in {f.name}" + (f": {f.line.strip()}" if f.line else "") for f in frames[-limit:]]
+
+
+@contextlib.contextmanager
+def pipeline_code(pipeline, method: str) -> Iterator[None]:
+    """Run a pipeline method; an exception from it (the user's code) becomes a
+    PipelineCodeError naming the method, the error and where in the user's code."""
+    try:
+        yield
+    except UserFault:
+        raise
+    except Exception as exc:
+        lines = str(exc).strip().splitlines()
+        where = user_frames(exc)
+        message = f"pipeline {pipeline.name}: {method} raised {type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+        raise PipelineCodeError(message + "".join(f"\n  at {frame}" for frame in where)) from exc

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
+import math
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +22,11 @@ import numpy as np
 import torch
 
 from raytrain import checkpoint as ckpt
+from raytrain import rundir
 from raytrain import plan as rules
 from raytrain.config import TrainConfig
-from raytrain.data import Stream, StreamEpoch, Table, TableEpoch
+from raytrain.data import DataError, Stream, StreamEpoch, Table, TableEpoch
+from raytrain.errors import PipelineCodeError, UserFault, pipeline_code
 from raytrain.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
 from raytrain.pipeline import Pipeline, _CONTEXT
 from raytrain.runtime import Runtime
@@ -44,6 +47,7 @@ class Position:
     steady_samples: int = 0
     steady_time_s: float = 0.0
     phase_time_s: dict[str, float] = field(default_factory=dict)  # steady steps only, this rank
+    data: dict[str, Any] = field(default_factory=dict)  # what the training set was (its layout): resume needs the same
 
     def timer(self, enabled: bool, sync) -> "PhaseTimer":
         return PhaseTimer(self.phase_time_s if enabled else None, sync)
@@ -72,6 +76,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     run_dir = Path(payload["run_dir"])
     files = RunFiles(run_dir, enabled=runtime.is_rank0)
     heartbeat = Heartbeat(run_dir / "heartbeats", runtime.world_rank, enabled=runtime.world_size > 1)
+    files.clear_staging()
     try:
         run_attempt(cfg, pipeline, runtime, files, heartbeat, payload["sources"])
     except Exception as exc:
@@ -84,7 +89,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
 
 def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "RunFiles", heartbeat: Heartbeat, sources: dict[str, dict]) -> None:
     # restore
-    state = restore(runtime, files.run_dir)
+    state = restore(runtime, files)
     position = Position(**state["position"]) if state else Position()
 
     # build
@@ -97,16 +102,21 @@ def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "
     heartbeat.mark(position.step, "data")
     train_data = open_source("train", sources["train"], runtime, cfg)
     val_data = open_source("val", sources["val"], runtime, cfg) if "val" in sources else None
-    trainer = StepRunner.build(pipeline, cfg, runtime, batch_plan, len(train_data), state)
+    position.data = check_same_data(position, train_data)
+    trainer = StepRunner.build(pipeline, cfg, runtime, files.run_dir, batch_plan, len(train_data), state)
     trainer.heartbeat = heartbeat
     trainer.last_log_samples = position.samples_seen
     files.start_attempt(position, state, trainer, cfg)
+    files.partition_notes(train_data, runtime.world_size)
     position.world_sizes = _append_if_new(position.world_sizes, runtime.world_size)
 
     # loop
     while position.epoch < cfg.epochs:
         epoch_start, samples_before = time.perf_counter(), position.samples_seen
-        train_loss = train_epoch(trainer, train_data, position, cfg, files)
+        train_loss, stop = train_epoch(trainer, train_data, position, cfg, files)
+        if stop and position.epoch_offset < len(train_data):  # asked to stop mid-epoch: checkpointed at this step
+            files.interrupted(position)
+            return
         epoch_samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - epoch_start)
         heartbeat.mark(position.step, "eval")
         val_metrics = evaluate(trainer, val_data) if val_data is not None else {}
@@ -115,7 +125,10 @@ def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "
         files.epoch_end(row, cfg.epochs)
         # report: a barrier on every rank; rank 0 attaches the checkpoint.
         heartbeat.mark(position.step, "report")
-        runtime.report(row, trainer.state(position), ckpt.save_state)
+        runtime.report(row, trainer.state(position), ckpt.save_state, files.run_dir)
+        if stop and position.epoch < cfg.epochs:
+            files.interrupted(position)
+            return
 
     files.finish(trainer, position)
 
@@ -128,6 +141,19 @@ def open_source(name: str, source: dict[str, Any], runtime: Runtime, cfg: TrainC
         loaded = runtime.get_object(source["table"])
         return Table(loaded["columns"], dropped_rows=loaded["dropped_rows"])
     return Stream(name, source["units"], source["layout"], source["schema"], source["sample"], skip_nan_rows=cfg.skip_nan_rows)
+
+
+def check_same_data(position: Position, train_data: Table | Stream) -> dict[str, Any]:
+    """What the training set is now; a checkpoint's position is an offset into its order, so
+    resuming on other data (rows, units, window, partitions) is refused."""
+    now = train_data.layout.digest() if isinstance(train_data, Stream) else {"rows": len(train_data)}
+    if position.data and position.data != now and position.epoch_offset:
+        raise DataError(
+            f"dataset 'train' is not the one the checkpoint at step {position.step} was trained on "
+            f"(then {position.data}, now {now}); resume with the same data and --shuffle-window-rows/--data-partitions, "
+            "or start a new run with another --name"
+        )
+    return now
 
 
 class StallError(RuntimeError):
@@ -146,32 +172,33 @@ def explain_stall(cfg: TrainConfig, runtime: Runtime, heartbeat: Heartbeat, run_
 # -- build -------------------------------------------------------------------------------
 
 
-def restore(runtime: Runtime, run_dir: Path) -> dict[str, Any] | None:
-    """The state to continue from: the furthest complete checkpoint of this run.
+def restore(runtime: Runtime, files: "RunFiles") -> dict[str, Any] | None:
+    """The state to continue from: the furthest checkpoint of this run that loads.
 
     Ray registers a checkpoint only once its controller has processed the report, so the
     last one or two written before a crash can be missing from `get_checkpoint()` while
-    complete on storage. Candidates are Ray's latest and every checkpoint directory of
-    the run; the one furthest in training that loads wins, so a failure loses at most
-    --checkpoint-every-steps steps. A corrupt or partial directory is skipped.
+    complete on storage; and after a driver loss Ray's own record may be older than the
+    run directory. Candidates are Ray's latest and every checkpoint directory of the run;
+    the one furthest in training that loads wins, so a failure loses at most
+    --checkpoint-every-steps steps. A corrupt or partial directory is skipped, and said.
+    (A fresh run has neither: reusing a run name needs --resume.)
     """
     latest = runtime.latest_checkpoint()
-    if latest is None:
-        return None  # a fresh run: nothing registered, whatever directories exist
-    with latest.as_directory() as directory:
-        candidates = [Path(directory), *ckpt.checkpoint_dirs(run_dir)]
-        ranked = sorted(candidates, key=ckpt.stored_step, reverse=True)
+    with (latest.as_directory() if latest is not None else contextlib.nullcontext(None)) as directory:
+        candidates = ([Path(directory)] if directory else []) + ckpt.checkpoint_dirs(files.run_dir)
+        if not candidates:
+            return None
         skipped = []
-        for candidate in ranked:
+        for candidate in sorted(candidates, key=ckpt.stored_step, reverse=True):
             try:
                 state = ckpt.load_state(candidate)
             except ckpt.CheckpointError as error:
                 skipped.append(str(error))
                 continue
-            if skipped and runtime.is_rank0:
-                print(f"raytrain: skipped unusable checkpoint(s): {'; '.join(skipped)}", flush=True)
+            if skipped:
+                files.event("restore", f"skipped unusable checkpoint(s): {'; '.join(skipped)}")
             return state
-    raise ckpt.CheckpointError(f"no usable checkpoint in {run_dir}: {'; '.join(skipped)}")
+    raise ckpt.CheckpointError(f"no usable checkpoint in {files.run_dir}: {'; '.join(skipped)}")
 
 
 @dataclass
@@ -181,6 +208,7 @@ class StepRunner:
     pipeline: Pipeline
     cfg: TrainConfig
     runtime: Runtime
+    runtime_run_dir: str
     batch_plan: rules.BatchPlan
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -194,12 +222,17 @@ class StepRunner:
     last_log_samples: int = 0
     heartbeat: Heartbeat = None
     step_index: int = 0  # global optimizer step being taken, for heartbeats
+    first_bad_step: torch.Tensor = None  # first step whose loss was NaN/inf since the last sync (inf: none); on the device
+    loss_checked: bool = False  # compute_loss's result was checked (on the first call)
 
     @classmethod
-    def build(cls, pipeline, cfg, runtime, batch_plan, num_train_rows, state) -> "StepRunner":
+    def build(cls, pipeline, cfg, runtime, run_dir, batch_plan, num_train_rows, state) -> "StepRunner":
         # One seed for model init on every rank: identical replicas before DDP's broadcast.
         _seed_everything(cfg.seed)
-        model = pipeline.build_model(cfg)
+        with pipeline_code(pipeline, "build_model"):
+            model = pipeline.build_model(cfg)
+            if not isinstance(model, torch.nn.Module):
+                raise PipelineCodeError(f"pipeline {pipeline.name}: build_model returned a {type(model).__name__}, not a torch.nn.Module")
         if state is not None:
             model.load_state_dict(state["model"], strict=True)
         model = runtime.prepare_model(model, dataclasses.asdict(cfg.ddp))
@@ -214,6 +247,7 @@ class StepRunner:
             pipeline=pipeline,
             cfg=cfg,
             runtime=runtime,
+            runtime_run_dir=str(run_dir),
             batch_plan=batch_plan,
             model=model,
             optimizer=optimizer,
@@ -222,6 +256,7 @@ class StepRunner:
             warmup_samples=round(cfg.warmup_epochs * num_train_rows),
             total_samples=cfg.epochs * num_train_rows,
             loss_sum=torch.zeros((), device=runtime.device),
+            first_bad_step=torch.full((), math.inf, dtype=torch.float64, device=runtime.device),
             last_log_time=time.perf_counter(),
         )
 
@@ -267,11 +302,14 @@ class StepRunner:
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
                 self.heartbeat.mark(self.step_index, "forward")
-                with self.autocast():
-                    loss, _ = split_loss(self.pipeline.compute_loss(self.model, batch))
+                loss, _ = self.compute_loss(batch)
                 self.heartbeat.mark(self.step_index, "backward")
                 self.scaler.scale(loss * weight).backward()
-            self.loss_sum += loss.detach().float() * count
+            detached = loss.detach().float()
+            # Divergence is noted on the device, without a host sync; `sync` reads it.
+            bad = ~torch.isfinite(detached) & torch.isinf(self.first_bad_step)
+            self.first_bad_step = torch.where(bad, torch.full_like(self.first_bad_step, self.step_index), self.first_bad_step)
+            self.loss_sum += torch.nan_to_num(detached, nan=0.0, posinf=0.0, neginf=0.0) * count
             self.loss_count += count
             timer.lap("forward_backward")  # includes DDP's all-reduce, overlapped with backward
         self.heartbeat.mark(self.step_index, "optimizer")
@@ -281,14 +319,57 @@ class StepRunner:
         timer.lap("optimizer")
         return lr
 
-    def take_loss(self) -> tuple[float, float]:
-        """Sample-weighted mean training loss over all ranks since the last call, and the
-        sample count it covers (a collective: every rank calls it at the same steps)."""
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The pipeline's compute_loss under autocast; its first result is checked, and an
+        exception from it is the pipeline's (not retried), unless a collective failed in it."""
+        try:
+            with self.autocast():
+                output = self.pipeline.compute_loss(self.model, batch)
+        except Exception as exc:
+            if is_collective_failure(exc):
+                raise  # a peer died or stalled inside DDP's forward: a worker fault, retried
+            with pipeline_code(self.pipeline, "compute_loss"):
+                raise
+        if not self.loss_checked:
+            check_loss_output(self.pipeline, output, training=self.model.training)
+            self.loss_checked = True
+        return split_loss(output)
+
+    def sync(self, stop_requested: bool = False) -> tuple[float, int, bool]:
+        """One collective at the logging cadence (every rank calls it at the same steps): the
+        sample-weighted mean training loss over all ranks since the last call, the samples it
+        covers, and whether any rank was asked to stop. A NaN/inf loss on any rank since the
+        last call ends the run here (TrainingDiverged), before its weights are saved."""
         self.heartbeat.mark(self.step_index, "all_reduce")
-        total, count = self.runtime.all_reduce_sum([float(self.loss_sum.item()), float(self.loss_count)])
+        world, rank = self.runtime.world_size, self.runtime.world_rank
+        first_bad = [math.inf] * world
+        first_bad[rank] = float(self.first_bad_step.item())
+        # Sum-reduce: each rank fills only its own slot of the first-bad-step vector (others 0).
+        slots = [value if index == rank else 0.0 for index, value in enumerate(first_bad)]
+        totals = self.runtime.all_reduce_sum([float(self.loss_sum.item()), float(self.loss_count), float(stop_requested), *slots])
+        total, count, stop, bad_steps = totals[0], int(totals[1]), totals[2] > 0, totals[3:]
         self.loss_sum.zero_()
         self.loss_count = 0
-        return (total / count if count else float("nan")), count
+        diverged = {r: int(step) for r, step in enumerate(bad_steps) if math.isfinite(step)}
+        if diverged:
+            raise TrainingDiverged(self.divergence_message(diverged))
+        self.first_bad_step.fill_(math.inf)
+        return (total / count if count else float("nan")), count, stop
+
+    def divergence_message(self, diverged: dict[int, int]) -> str:
+        step = min(diverged.values())
+        ranks = ", ".join(str(r) for r, s in sorted(diverged.items()) if s == step)
+        good = ckpt.latest_complete(Path(self.runtime_run_dir)) if self.runtime_run_dir else None
+        precision = (
+            " or train in bf16 or fp32 instead of fp16 (--precision)" if self.cfg.precision == "fp16" else
+            " or use --precision fp32" if self.cfg.precision == "bf16" else ""
+        )  # fmt: skip
+        return (
+            f"The training loss became NaN or inf at step {step} on rank {ranks}; the run stopped at step {self.step_index + 1} "
+            f"and saved nothing from these weights. Last good checkpoint: {good or 'none yet'}. Lower the learning rate "
+            f"(--lr, now {sci(self.cfg.lr)}, peak {sci(self.peak_lr)}; or a longer --warmup-epochs){precision}, "
+            "then --resume continues from that checkpoint"
+        )
 
     def metrics_row(self, position: Position, *, loss: float, samples_per_s: float, extra: dict | None = None) -> dict:
         return {
@@ -322,12 +403,13 @@ class StepRunner:
 # -- loop --------------------------------------------------------------------------------
 
 
-def train_epoch(trainer: StepRunner, source: Table | Stream, position: Position, cfg: TrainConfig, files: "RunFiles") -> float:
-    """Train the rest of the current epoch; returns its mean training loss over all ranks."""
+def train_epoch(trainer: StepRunner, source: Table | Stream, position: Position, cfg: TrainConfig, files: "RunFiles") -> tuple[float, bool]:
+    """Train the rest of the current epoch: (its mean training loss over all ranks, whether
+    the run was asked to stop — then a checkpoint at the current step has been reported)."""
     data = source.epoch(cfg.seed, position.epoch, position.epoch_offset, trainer.runtime.world_rank, trainer.runtime.world_size)
     steps = rules.epoch_steps(len(source), trainer.batch_plan.global_batch_size, position.epoch_offset)
     trainer.model.train()
-    epoch_loss_sum, epoch_count = 0.0, 0
+    epoch_loss_sum, epoch_count, stop = 0.0, 0, False
     for step in steps:
         tick = time.perf_counter()
         _update_context(trainer, position)
@@ -344,18 +426,31 @@ def train_epoch(trainer: StepRunner, source: Table | Stream, position: Position,
             position.steady_time_s += time.perf_counter() - tick
         last = step is steps[-1]
         files.live(trainer, position, len(source))
-        if position.step % cfg.log_every_steps == 0 or last:
-            loss, count = trainer.take_loss()
+        checkpoint_now = bool(cfg.checkpoint_every_steps) and position.step % cfg.checkpoint_every_steps == 0 and not last
+        if position.step % cfg.log_every_steps == 0 or last or checkpoint_now:
+            # Every checkpoint follows a sync: weights are saved only after their loss was seen finite.
+            loss, count, stop = trainer.sync(stop_requested=files.stop_requested())
             epoch_loss_sum += loss * count
             epoch_count += count
             if not last:
                 files.metrics(trainer.metrics_row(position, loss=loss, samples_per_s=_throughput(trainer, position)))
-        if cfg.checkpoint_every_steps and position.step % cfg.checkpoint_every_steps == 0 and not last:
-            trainer.heartbeat.mark(position.step, "report")
-            trainer.runtime.report(
-                trainer.metrics_row(position, loss=float("nan"), samples_per_s=0.0), trainer.state(position), ckpt.save_state
-            )
-    return epoch_loss_sum / epoch_count if epoch_count else float("nan")
+            if stop and not last:
+                report_checkpoint(trainer, position)
+                return float("nan"), True
+        if checkpoint_now:
+            report_checkpoint(trainer, position)
+    if cfg.skip_nan_rows and isinstance(data, StreamEpoch):  # a collective: every rank, at the epoch's end
+        skipped = int(trainer.runtime.all_reduce_sum([float(data.skipped_rows)])[0])
+        if skipped:
+            files.event("data", f"epoch {position.epoch + 1}: skipped {skipped:,} row(s) holding NaN or inf (--skip-nan-rows)")
+    return (epoch_loss_sum / epoch_count if epoch_count else float("nan")), stop
+
+
+def report_checkpoint(trainer: StepRunner, position: Position) -> None:
+    """A mid-epoch checkpoint at the current step (a barrier on every rank)."""
+    trainer.heartbeat.mark(position.step, "report")
+    row = trainer.metrics_row(position, loss=float("nan"), samples_per_s=0.0)
+    trainer.runtime.report(row, trainer.state(position), ckpt.save_state, trainer.runtime_run_dir)
 
 
 @torch.no_grad()
@@ -369,8 +464,7 @@ def evaluate(trainer: StepRunner, source: Table | Stream) -> dict[str, float]:
     # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
     # rank learns the metric names and joins the reduction below.
     for n, batch in source.eval_batches(runtime.world_rank, runtime.world_size, batch_size, runtime.device):
-        with trainer.autocast():
-            loss, metrics = split_loss(trainer.pipeline.compute_loss(trainer.model, batch))
+        loss, metrics = trainer.compute_loss(batch)
         for name, value in {"loss": loss, **metrics}.items():
             sums[name] = sums.get(name, 0.0) + float(value) * n
         count += n
@@ -400,6 +494,35 @@ def split_rows(rows: list[tuple], parts: int) -> list[list[tuple]]:
     return out
 
 
+class TrainingDiverged(UserFault, FloatingPointError):
+    """A NaN/inf training loss: retrying from the last checkpoint would diverge the same way."""
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """An error from torch.distributed (a peer that died or stalled), not from user code."""
+    dist_errors = tuple(getattr(torch.distributed, name) for name in ("DistError",) if hasattr(torch.distributed, name))
+    if dist_errors and isinstance(exc, dist_errors):
+        return True
+    text = str(exc)
+    return looks_like_timeout(exc) or any(mark in text for mark in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "ProcessGroup"))
+
+
+def check_loss_output(pipeline: Pipeline, output: Any, *, training: bool) -> None:
+    """compute_loss must return a scalar tensor (with grad, when training) or (loss, dict)."""
+    what = f"pipeline {pipeline.name}: compute_loss must return a scalar loss tensor or (loss, {{name: value}})"
+    loss, metrics = output if isinstance(output, tuple) and len(output) == 2 else (output, {})
+    if isinstance(output, tuple) and len(output) != 2:
+        raise PipelineCodeError(f"{what}; it returned a tuple of {len(output)}")
+    if not isinstance(loss, torch.Tensor):
+        raise PipelineCodeError(f"{what}; it returned a {type(loss).__name__} ({str(loss)[:60]}): return the torch tensor itself, not .item() or a float")
+    if loss.numel() != 1:
+        raise PipelineCodeError(f"{what}; its loss has shape {tuple(loss.shape)}: reduce it, e.g. F.cross_entropy(..., reduction='mean') or loss.mean()")
+    if training and not loss.requires_grad:
+        raise PipelineCodeError(f"{what}; its loss has no gradient (requires_grad=False): compute it from the model's output, without .detach() or torch.no_grad()")
+    if not isinstance(metrics, dict):
+        raise PipelineCodeError(f"{what}; its second item is a {type(metrics).__name__}, not a dict of metrics")
+
+
 def split_loss(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     """A pipeline's compute_loss returns loss or (loss, metrics)."""
     if isinstance(output, tuple):
@@ -412,7 +535,8 @@ def split_loss(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
 
 
 class RunFiles:
-    """metrics.jsonl and events.jsonl in the run directory, written by rank 0 only."""
+    """The run directory's files written from the workers: by rank 0 only, strict JSON,
+    and any OSError as one StorageError naming the path and errno (not retried)."""
 
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir = run_dir
@@ -422,14 +546,23 @@ class RunFiles:
 
     def _append(self, name: str, record: dict) -> None:
         if self.enabled:
-            with open(self.run_dir / name, "a") as handle:
-                handle.write(json.dumps(record) + "\n")
+            rundir.append_jsonl(self.run_dir / name, record)
 
     def event(self, kind: str, message: str, **fields: Any) -> None:
         self._append("events.jsonl", {"time": time.time(), "kind": kind, "message": message, **fields})
 
     def metrics(self, row: dict) -> None:
         self._append("metrics.jsonl", row)
+
+    def stop_requested(self) -> bool:
+        """The driver asks the run to stop (SIGINT/SIGTERM) with a file; rank 0 looks, and the
+        next sync tells every rank."""
+        return self.enabled and (self.run_dir / rundir.STOP_FILE).exists()
+
+    def clear_staging(self) -> None:
+        """Checkpoints half-written by an attempt that died: never published, so removed."""
+        if self.enabled:
+            shutil.rmtree(ckpt.staging_dir(self.run_dir), ignore_errors=True)
 
     def live(self, trainer: "StepRunner", position: Position, epoch_rows: int) -> None:
         """About once a second, where rank 0 is in the epoch (for the driver's progress bar).
@@ -454,6 +587,8 @@ class RunFiles:
         })
 
     def start_attempt(self, position: Position, state: dict | None, trainer: StepRunner, cfg: TrainConfig) -> None:
+        """The plan, or on a restart, resize or resume the line saying where training continues
+        and with what plan and rate (the rules' rate for this worker count and batch)."""
         if not self.enabled:
             return
         # Rows written after the checkpoint we resume from describe training that is
@@ -465,21 +600,31 @@ class RunFiles:
             return
         previous = position.world_sizes[-1] if position.world_sizes else trainer.runtime.world_size
         lr_now, lr_before = trainer.lr_at(position.samples_seen), state.get("lr", float("nan"))
-        lr_change = "unchanged" if abs(lr_now - lr_before) <= 1e-12 * max(1.0, abs(lr_before)) else f"(was {sci(lr_before)})"
-        plan = trainer.batch_plan
+        lr_change = "unchanged" if abs(lr_now - lr_before) <= 1e-9 * max(1e-12, abs(lr_before)) else f"(was {sci(lr_before)})"
+        where = f"step {position.step} (epoch {position.epoch + 1}, {position.epoch_offset:,} samples into it)"
+        plan = f"{plan_text}; lr now {sci(lr_now)} {lr_change}"
         if previous != trainer.runtime.world_size:
-            message = (
-                f"Resized {previous} → {trainer.runtime.world_size} workers at step {position.step}: "
-                f"global {plan.global_batch_size} = {plan.world_size} × {plan.per_worker_max} × {plan.accumulation_steps}; "
-                f"lr {sci(lr_now)} {lr_change}"
-            )
+            message = f"Resized {previous} → {trainer.runtime.world_size} workers at {where}: {plan}"
             self.event("resize", message, world_size=trainer.runtime.world_size, previous_world_size=previous, step=position.step)
         else:
-            message = (
-                f"Restarted from the checkpoint at step {position.step} (epoch {position.epoch + 1}, "
-                f"{position.epoch_offset} samples into it) with {trainer.runtime.world_size} workers; lr {sci(lr_now)} {lr_change}"
-            )
+            message = f"Restarted from the checkpoint at {where} with {trainer.runtime.world_size} workers: {plan}"
             self.event("restore", message, world_size=trainer.runtime.world_size, step=position.step)
+
+    def partition_notes(self, data: Table | Stream, world_size: int) -> None:
+        """Say when the stream's partitions cannot keep every worker equally busy."""
+        if not self.enabled or not isinstance(data, Stream) or world_size == 1:
+            return
+        lanes = data.layout.lanes
+        if lanes < world_size:
+            self.event("data", (
+                f"dataset 'train' has {lanes} partition(s) for {world_size} workers: {world_size - lanes} worker(s) get no rows "
+                f"and wait for the others; give it more files or row groups (raytrain data), or raise --data-partitions"
+            ))  # fmt: skip
+        elif lanes % world_size:
+            self.event("data", (
+                f"dataset 'train': {lanes} partitions over {world_size} workers leave some with one partition more, "
+                "and the busiest sets the pace; a worker count that divides --data-partitions keeps them even"
+            ))  # fmt: skip
 
     def epoch_end(self, row: dict, epochs: int) -> None:
         self.metrics({**row, "epoch_end": True})
@@ -491,14 +636,23 @@ class RunFiles:
     def finish(self, trainer: StepRunner, position: Position) -> None:
         if not self.enabled:
             return
-        weights = ckpt.model_state(trainer.model)
-        tmp = self.run_dir / "model.pt.tmp"
-        torch.save(weights, tmp)
-        tmp.replace(self.run_dir / ckpt.MODEL_FILE)
-        steady = position.steady_samples / position.steady_time_s if position.steady_time_s else None
-        with open(self.run_dir / "progress.json", "w") as handle:
-            json.dump({**dataclasses.asdict(position), "steady_samples_per_s": steady}, handle)
+        with rundir.storage_errors(self.run_dir / ckpt.MODEL_FILE, "write the final model"):
+            tmp = self.run_dir / f".{ckpt.MODEL_FILE}.tmp"
+            ckpt.save_torch(ckpt.model_state(trainer.model), tmp)
+            tmp.replace(self.run_dir / ckpt.MODEL_FILE)
+        self._progress(position, status="finished")
         self.event("done", f"finished {position.epoch} epochs, {position.step} steps", step=position.step)
+
+    def interrupted(self, position: Position) -> None:
+        """Stopped on request after a checkpoint at this step: no final model, resumable."""
+        if self.enabled:
+            self._progress(position, status="interrupted")
+            self.event("interrupted", f"stopped at step {position.step} with a checkpoint there", step=position.step)
+
+    def _progress(self, position: Position, status: str) -> None:
+        steady = position.steady_samples / position.steady_time_s if position.steady_time_s else None
+        record = {**dataclasses.asdict(position), "steady_samples_per_s": steady, "status": status, "time": time.time()}
+        rundir.write_json(self.run_dir / "progress.json", record)
 
 
 def sci(value: float) -> str:
@@ -563,5 +717,5 @@ def _append_if_new(sizes: list[int], size: int) -> list[int]:
 def _truncate_metrics(path: Path, last_step: int) -> None:
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = [row for row in rundir.read_jsonl(path) if row.get("step", 0) <= last_step]
+    rundir.write_atomic(path, "".join(rundir.dumps(row) + "\n" for row in kept))

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
+import os
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from raytrain.errors import UserFault
 
 if TYPE_CHECKING:  # pragma: no cover
     import ray.data
@@ -24,9 +30,20 @@ class Pipeline:
 
     `default_config` holds this pipeline's recipe (epochs, lr, batch, ...): the command
     line uses it under the user's YAML and flags.
+
+    `Args`, optional: a dataclass of the pipeline's own options (`--pipeline-arg KEY=VALUE`,
+    YAML `pipeline_args:`). Values are converted to the field types (int, float, bool, str,
+    `X | None`), unknown keys and bad values are refused before Ray starts, and
+    `self.args(cfg)` returns the instance; its `__post_init__` may raise ValueError with the
+    fix. A pipeline without `Args` takes no --pipeline-arg.
     """
 
     default_config: ClassVar[dict[str, Any]] = {}
+    Args: ClassVar[type | None] = None
+
+    def args(self, cfg: "TrainConfig") -> Any:
+        """This pipeline's options from `cfg.pipeline_args`, typed (an `Args` instance)."""
+        return parse_pipeline_args(self, cfg.pipeline_args)
 
     def build_model(self, cfg: "TrainConfig") -> "torch.nn.Module":
         raise NotImplementedError("a Pipeline must implement build_model(cfg) -> torch.nn.Module")
@@ -44,8 +61,81 @@ class Pipeline:
         return type(self).__name__
 
 
-class PipelineError(ValueError):
+class PipelineError(UserFault, ValueError):
     """The pipeline named by the user cannot be found or is not a Pipeline."""
+
+
+def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:
+    """`raw` (KEY=VALUE strings, or YAML values) as the pipeline's `Args`; PipelineError
+    listing every problem (unknown keys with the known ones, missing or unconvertible values)."""
+    raw = dict(raw or {})
+    spec = pipeline.Args
+    if spec is None:
+        if raw:
+            raise PipelineError(
+                f"pipeline {pipeline.name} takes no --pipeline-arg (got {', '.join(sorted(raw))}); "
+                "a pipeline declares its options as a dataclass `Args` on the class"
+            )
+        return None
+    fields = {f.name: f for f in dataclasses.fields(spec)}
+    problems, values = [], {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            close = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"unknown --pipeline-arg {key}{hint}; {pipeline.name} knows: {', '.join(fields)}")
+            continue
+        try:
+            values[name] = _convert(value, fields[name].type)
+        except ValueError:
+            problems.append(f"--pipeline-arg {key}: got {value!r}; expected {_type_words(fields[name].type)}")
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and name not in values and not any(p.startswith(f"--pipeline-arg {name}:") for p in problems):
+            problems.append(f"needs --pipeline-arg {name}=VALUE ({_type_words(f.type)})")
+    if not problems:
+        try:
+            return spec(**values)
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
+    raise PipelineError(f"pipeline {pipeline.name}: " + "; ".join(problems))
+
+
+def _convert(value: Any, kind: Any) -> Any:
+    text = str(kind).replace(" ", "").replace("typing.", "")
+    options = text.split("|") if "|" in text else [text.removeprefix("Optional[").removesuffix("]")] + (["None"] if text.startswith("Optional[") else [])
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if "None" in options:
+            return None
+    for option in options:
+        if option in ("int", "<class'int'>") and not isinstance(value, bool):
+            if isinstance(value, float) and not value.is_integer():
+                continue
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                continue
+        if option in ("float", "<class'float'>") and not isinstance(value, bool):
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                continue
+        if option in ("bool", "<class'bool'>"):
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "yes", "1", "false", "no", "0"):
+                return str(value).lower() in ("true", "yes", "1")
+            continue
+        if option in ("str", "<class'str'>"):
+            return str(value)
+    raise ValueError(value)
+
+
+def _type_words(kind: Any) -> str:
+    text = str(kind).replace("<class '", "").replace("'>", "").replace("typing.", "")
+    words = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "None": "none"}
+    return " or ".join(words.get(part.strip(), part.strip()) for part in text.replace("Optional[", "").rstrip("]").split("|"))
 
 
 def load_pipeline(spec: "str | Pipeline") -> Pipeline:
@@ -61,6 +151,11 @@ def load_pipeline(spec: "str | Pipeline") -> Pipeline:
             "or point at your own as module:attr, e.g. my_project.train:MyPipeline"
         )
     module_name, attr = target.split(":", 1)
+    # `raytrain train my_project.train:MyPipeline` from the directory holding my_project/:
+    # the console script's path does not include the working directory (workers get it
+    # through the runtime environment: raytrain.trainer.ray_session).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

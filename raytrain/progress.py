@@ -17,9 +17,9 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
+from raytrain.errors import is_user_file
 from raytrain.tracking import Sink
 
 BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]"
@@ -247,8 +247,6 @@ class Console(Sink):
 _SNIPPET = re.compile(r"^\[Rank ([\d,\s]+) Error Snippet\]:\s*$", re.MULTILINE)
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+?)\s*$')
 _CHAINED = re.compile(r"^(During handling of the above exception|The above exception was the direct cause)", re.MULTILINE)
-_LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/lib/python3", "/ray/", "/torch/")
-_RAYTRAIN_DIR = str(Path(__file__).resolve().parent) + os.sep
 
 
 @dataclass
@@ -261,10 +259,7 @@ class Frame:
     @property
     def is_user_code(self) -> bool:
         """Not Python's, a library's or raytrain's own: the pipeline or the user's module."""
-        if self.file.startswith("<"):
-            return False
-        path = os.path.abspath(self.file)
-        return not path.startswith(_RAYTRAIN_DIR) and not any(part in path for part in _LIBRARY_PARTS)
+        return is_user_file(self.file)
 
     def describe(self) -> str:
         return f"{self.file}:{self.line}, in {self.func}" + (f": {self.code}" if self.code else "")

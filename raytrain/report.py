@@ -24,13 +24,15 @@ from typing import Any
 
 import yaml
 
+from raytrain.errors import UserFault
+
 PLOTS_DIR = "plots"
 REPORT_FILE = "report.md"
 # Events worth a line in the report and a mark on the plots.
 MARKED_EVENTS = ("resize", "restore")
 
 
-class ReportError(ValueError):
+class ReportError(UserFault, ValueError):
     """RUN_DIR is not a run directory."""
 
 

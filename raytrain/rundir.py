@@ -25,17 +25,18 @@ import yaml
 from raytrain.errors import StorageError
 
 LOCK_FILE = ".lock"
+STOP_FILE = ".stop"  # the driver asks the workers to stop (SIGINT/SIGTERM) with this file
 
 _FIXES = {
-    errno_codes.ENOSPC: "free space on that file system or point --storage elsewhere",
-    errno_codes.EDQUOT: "free space (quota exceeded) or point --storage elsewhere",
-    errno_codes.EROFS: "that file system is read-only: point --storage at a writable directory",
-    errno_codes.EACCES: "you may not write there: fix its permissions or point --storage elsewhere",
-    errno_codes.EPERM: "you may not write there: fix its permissions or point --storage elsewhere",
-    errno_codes.ENAMETOOLONG: "the path is too long: choose a shorter --name or --storage",
-    errno_codes.ENOTDIR: "part of the path is a file, not a directory: check --storage and --name",
-    errno_codes.EISDIR: "a directory is in the way of a file: check --storage and --name",
-    errno_codes.ENOENT: "the directory vanished: check --storage (a mount that went away?)",
+    errno_codes.ENOSPC: "the file system is full: free space there or use another one (--storage)",
+    errno_codes.EDQUOT: "the disk quota is exceeded: free space or use another file system (--storage)",
+    errno_codes.EROFS: "that file system is read-only: use a writable directory (--storage)",
+    errno_codes.EACCES: "no permission to write there: fix its permissions or use another directory",
+    errno_codes.EPERM: "no permission to write there: fix its permissions or use another directory",
+    errno_codes.ENAMETOOLONG: "the path is too long: choose a shorter name (--name, --storage)",
+    errno_codes.ENOTDIR: "part of the path is a file, not a directory",
+    errno_codes.EISDIR: "a directory is in the way of a file",
+    errno_codes.ENOENT: "the directory vanished (a mount that went away?)",
 }
 
 
@@ -43,7 +44,7 @@ def storage_error(exc: OSError, path: str | os.PathLike, doing: str) -> StorageE
     """One message for an OSError: what, where, the errno and the fix."""
     code = exc.errno or 0
     name = errno_codes.errorcode.get(code, str(code))
-    fix = _FIXES.get(code, "check the storage path and its file system")
+    fix = _FIXES.get(code, "check the path and its file system")
     return StorageError(code, f"cannot {doing} {path}: {exc.strerror or exc} ({name}); {fix}")
 
 
@@ -55,6 +56,21 @@ def storage_errors(path: str | os.PathLike, doing: str) -> Iterator[None]:
         raise
     except OSError as exc:
         raise storage_error(exc, getattr(exc, "filename", None) or path, doing) from None
+
+
+def check_storage(storage: str | os.PathLike, run_dir: str | os.PathLike) -> None:
+    """Before Ray starts: the run directory can be created and written (StorageError if not)."""
+    storage, run_dir = Path(storage), Path(run_dir)
+    if storage.exists() and not storage.is_dir():
+        raise StorageError(errno_codes.ENOTDIR, f"--storage {storage} is a file, not a directory; point --storage at a directory")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise StorageError(errno_codes.ENOTDIR, f"run directory {run_dir} is a file, not a directory; choose another --name")
+    with storage_errors(run_dir, "create the run directory"):
+        run_dir.mkdir(parents=True, exist_ok=True)
+    probe = run_dir / f".write-test-{os.getpid()}"
+    with storage_errors(run_dir, "write in the run directory"):
+        probe.write_bytes(b"raytrain")
+        probe.unlink()
 
 
 def strict(value: Any) -> Any:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
-import shutil
-import tempfile
+from pathlib import Path
 from typing import Any
 
 import ray.train
@@ -18,7 +17,9 @@ import torch
 import torch.distributed as dist
 from ray.train import Checkpoint
 
+from raytrain import checkpoint as ckpt
 from raytrain.errors import find_user_fault
+from raytrain.rundir import storage_errors
 
 
 class Runtime:
@@ -85,17 +86,32 @@ class Runtime:
     def latest_checkpoint(self) -> Checkpoint | None:
         return ray.train.get_checkpoint()
 
-    def report(self, metrics: dict[str, Any], state: dict[str, Any] | None, save_state) -> None:
-        """Report metrics from every rank (a barrier); rank 0 attaches a checkpoint of `state`."""
+    def report(self, metrics: dict[str, Any], state: dict[str, Any] | None, save_state, run_dir: Path) -> None:
+        """Report metrics from every rank (a barrier); rank 0 attaches a checkpoint of `state`.
+
+        The checkpoint is written under RUN_DIR/.staging/ and renamed into the run directory
+        when complete (Ray calls the rename as its upload step), so a checkpoint directory
+        is never seen half-written; a storage error names the path and errno."""
         if state is None or not self.is_rank0:
             ray.train.report(metrics, checkpoint=None)
             return
-        directory = tempfile.mkdtemp(prefix="raytrain-ckpt-")
-        try:
-            save_state(state, directory)
-            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory))
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+        name = ckpt.checkpoint_name(state["position"]["step"])
+        staging, final = ckpt.staging_dir(run_dir) / name, Path(run_dir) / name
+        with storage_errors(staging, "write the checkpoint"):
+            save_state(state, staging)
+
+        def publish(checkpoint: Checkpoint, dir_name: str) -> Checkpoint:
+            with storage_errors(final, "publish the checkpoint"):
+                os.rename(staging, final)
+            return Checkpoint.from_directory(str(final))
+
+        if not self.distributed:  # local mode: Ray keeps the checkpoint in memory only
+            ray.train.report(metrics, checkpoint=publish(None, name))
+            return
+        ray.train.report(
+            metrics, checkpoint=Checkpoint.from_directory(str(staging)), checkpoint_dir_name=name,
+            checkpoint_upload_fn=publish, delete_local_checkpoint_after_upload=False,
+        )  # fmt: skip
 
 
 def _ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from typing import Any, Sequence
 
 # Units asked of a datasource whose read tasks Ray would otherwise size to the cluster.
 READ_TASK_UNITS = 64
+# File units (Parquet row-group runs) read by one Ray Data task, in order.
+FILE_UNITS_PER_BUNDLE = 8
 
 
 @dataclass
@@ -37,10 +39,11 @@ class Units:
     kind: str  # "files", "tasks" or "blocks"
     rows: tuple[int, ...]
     labels: list[str]  # what a message names for each unit (a file and row group, a block)
-    payload: list[Any]  # per unit: a 1-row file manifest, a ReadTask or a (block ref, metadata) pair
+    payload: list[Any]  # per unit: a file manifest row (a dict), a ReadTask or a (block ref, metadata, schema)
     above: list[Any] = field(repr=False, default_factory=list)  # logical ops over the source, source side first
     source: Any = field(repr=False, default=None)  # the original source op (tasks: the Read to copy)
     context: Any = field(repr=False, default=None)  # the dataset's DataContext
+    manifest_schema: Any = field(repr=False, default=None)  # files: the schema of a file manifest row
 
     @property
     def num_rows(self) -> int:
@@ -69,6 +72,7 @@ class Units:
         return Dataset(LogicalPlan(op, context), context, DatasetStats(metadata={}, parent=None))
 
     def _source_op(self, ids: Sequence[int]):
+        import pyarrow as pa
         import ray
         from ray.data._internal.execution.interfaces import BlockEntry, RefBundle
         from ray.data._internal.logical.operators import InputData
@@ -79,14 +83,15 @@ class Units:
             source = _ReadTaskList(tasks, self.source.datasource)
             return dataclasses.replace(self.source, datasource=source, datasource_or_legacy_reader=source, parallelism=len(tasks))
         bundles = []
-        for i in ids:
-            if self.kind == "files":
-                table = self.payload[i]
-                ref, meta = ray.put(table), BlockAccessor.for_block(table).get_metadata(input_files=None, block_exec_stats=None)
-                schema = BlockAccessor.for_block(table).schema()
-            else:
+        if self.kind == "files":  # one-row manifests, a few per bundle (each bundle is one put and one read task)
+            for start in range(0, len(ids), FILE_UNITS_PER_BUNDLE):
+                table = pa.Table.from_pylist([self.payload[i] for i in ids[start : start + FILE_UNITS_PER_BUNDLE]], schema=self.manifest_schema)
+                meta = BlockAccessor.for_block(table).get_metadata(input_files=None, block_exec_stats=None)
+                bundles.append(RefBundle((BlockEntry(ray.put(table), meta),), owns_blocks=False, schema=table.schema))
+        else:
+            for i in ids:
                 ref, meta, schema = self.payload[i]
-            bundles.append(RefBundle((BlockEntry(ref, meta),), owns_blocks=False, schema=schema))
+                bundles.append(RefBundle((BlockEntry(ref, meta),), owns_blocks=False, schema=schema))
         return InputData(input_data=bundles)
 
 
@@ -159,6 +164,7 @@ def _file_units(listing, above, context) -> Units | str:
     class _Task:  # list_files_for_each_block reads excluded ids from the task context
         kwargs: dict = {}
 
+    _right_size_footer_readers(listing.file_indexer)
     blocks = list_files_for_each_block(
         [pa.table({PATH_COLUMN_NAME: list(listing.paths)})], _Task(),
         indexer=listing.file_indexer, filesystem=listing.filesystem, file_extensions=listing.file_extensions,
@@ -175,8 +181,28 @@ def _file_units(listing, above, context) -> Units | str:
         return "some of its files have no row counts in their metadata"
     paths = manifest.column(PATH_COLUMN_NAME).to_pylist()
     labels = [f"{path} (row groups {_ranges(chunk.get('row_group_ids') or [])})" for path, chunk in zip(paths, chunks)]
-    payload = [manifest.slice(i, 1) for i in range(manifest.num_rows)]
-    return Units("files", tuple(int(c["num_rows"]) for c in chunks), labels, payload, above, listing, context)
+    # Plain rows, turned back into one-row manifests only for the units a worker reads: a
+    # slice of the manifest table would pickle (and ship to every worker) all of its buffers.
+    payload = manifest.to_pylist()
+    units = Units("files", tuple(int(c["num_rows"]) for c in chunks), labels, payload, above, listing, context)
+    units.manifest_schema = manifest.schema
+    return units
+
+
+def _right_size_footer_readers(indexer) -> None:
+    """Ray Data starts 32 footer-reading actors per listing (RAY_DATA_PARQUET_FOOTER_NUM_ACTORS),
+    whatever the cluster: on a small machine their start-up dominates the listing. Unless the
+    user set that variable, use no more actors than the cluster has CPUs."""
+    import os
+
+    import ray
+
+    if "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS" in os.environ or not hasattr(indexer, "_num_actors"):
+        return
+    cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else 1
+    indexer._num_actors = max(1, min(indexer._num_actors, cpus))
+    if hasattr(indexer, "_max_inflight_batches"):
+        indexer._max_inflight_batches = 2 * indexer._num_actors
 
 
 def _task_units(read, above, context) -> Units | str:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import time
@@ -18,13 +19,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-import yaml
 
 from raytrain import plan as rules
 from raytrain import tracking
-from raytrain.checkpoint import checkpoint_dirs
+from raytrain import interrupts, rundir
+from raytrain.checkpoint import checkpoint_dirs, staging_dir
+from raytrain.data import DataError
+from raytrain.resume import StoredRun, describe_changes, read_stored_run
+from raytrain.resume import changes as resume_changes
 from raytrain.config import ConfigError, TrainConfig
-from raytrain.errors import find_user_fault
+from raytrain.errors import PipelineCodeError, StorageError, find_user_fault, pipeline_code
 from raytrain.pipeline import Pipeline, load_pipeline
 
 # Without this every print in the train function shows twice (RAY_NOTES).
@@ -94,41 +98,59 @@ def fit(
 ) -> FitResult:
     """Train `pipeline` (a built-in name, `module:attr` or an instance) with `cfg`.
 
-    Raises ConfigError (bad configuration, nothing started), RunFailed (the run failed).
-    `echo` receives the run's human-readable lines (plan, epochs, resizes); default: none.
-    `progress`: also show progress on stdout (a live bar on a terminal, else plain lines).
-    TensorBoard files, the report and any asked-for trackers: `raytrain.tracking`.
-    `callbacks`: Ray Train `UserCallback`s for the TorchTrainer (raytrain.tune forwards
-    reports to Tune with one).
+    Raises ConfigError (bad configuration, nothing started), another UserFault (bad data,
+    pipeline code, checkpoint or storage: the user's to fix), TrainingDiverged (the loss
+    became NaN/inf), Interrupted (SIGINT/SIGTERM; the run is resumable), RunFailed (the run
+    failed otherwise). `echo` receives the run's human-readable lines (plan, epochs,
+    resizes); default: none. `progress`: also show progress on stdout (a live bar on a
+    terminal, else plain lines). TensorBoard files, the report and any asked-for trackers:
+    `raytrain.tracking`. `callbacks`: Ray Train `UserCallback`s for the TorchTrainer
+    (raytrain.tune forwards reports to Tune with one).
+
+    With `cfg.resume`, `cfg` is checked against the run's own config.yaml and checkpoint
+    (`raytrain.resume`) before anything is written; the CLI builds `cfg` from that file.
     """
     pipe = load_pipeline(pipeline)
-    cfg = resolve_config(pipe, cfg or TrainConfig(**pipe.default_config), pipeline if isinstance(pipeline, str) else pipe.name)
+    spec = pipeline if isinstance(pipeline, str) else pipe.name
+    cfg = resolve_config(pipe, cfg or TrainConfig(**pipe.default_config), spec)
     run_dir = Path(cfg.storage) / cfg.name
-    check_run_dir(run_dir, cfg)
     echo = echo or (lambda line: None)
-    tracker = tracking.RunTracker(cfg, run_dir, pipeline if isinstance(pipeline, str) else pipe.name, echo=echo, progress=progress)
-    with ray_session(cfg):
-        use_gpu = resolve_gpu(cfg)
-        sources = prepare_datasets(build_datasets(pipe, cfg), cfg, echo)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), "pipeline": pipeline if isinstance(pipeline, str) else pipe.name, "gpu": use_gpu})
-        trainer = build_trainer(pipe, cfg, run_dir, sources, use_gpu, callbacks=callbacks)
-        echo(
-            f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
-            f"({'GPU, nccl' if use_gpu else 'CPU, gloo'}); run directory {run_dir}"
-        )
-        started = time.time()
-        with tracker.follow(since=started, train_rows=sources["train"]["rows"]):
-            try:
-                result = trainer.fit()
-                error = None
-            except Exception as exc:  # Ray wraps worker errors; re-raised below as RunFailed
-                result, error = None, exc
-    summary = write_summary(run_dir, cfg, result, error, started)
-    tracker.finish(summary)
+    rundir.check_storage(cfg.storage, run_dir)  # before Ray: a path that cannot hold the run is exit 2
+    lock = rundir.RunLock(run_dir)
+    lock.acquire()
+    try:
+        stored = check_run_dir(run_dir, cfg, spec)
+        tracker = tracking.RunTracker(cfg, run_dir, spec, echo=echo, progress=progress)
+        with ray_session(cfg), interrupts.stop_on_signals(run_dir, echo) as stop:
+            use_gpu = resolve_gpu(cfg)
+            sources = prepare_datasets(build_datasets(pipe, cfg), cfg, echo)
+            if stored is not None:
+                check_resume(pipe, cfg, stored, sources, echo)
+            rundir.write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), "pipeline": spec, "gpu": use_gpu})
+            trainer = build_trainer(pipe, cfg, run_dir, sources, use_gpu, callbacks=callbacks)
+            echo(
+                f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
+                f"({'GPU, nccl' if use_gpu else 'CPU, gloo'}); run directory {run_dir}"
+            )
+            started = time.time()
+            with tracker.follow(since=started, train_rows=sources["train"]["rows"]):
+                try:
+                    result = trainer.fit()
+                    error = None
+                except Exception as exc:  # Ray wraps worker errors; re-raised below
+                    result, error = None, exc
+        summary = write_summary(run_dir, cfg, result, error, started, interrupted=stop.signal)
+        tracker.finish(summary)
+    finally:
+        lock.release()
+        shutil.rmtree(staging_dir(run_dir), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (run_dir / rundir.STOP_FILE).unlink()
+    if stop.signal:
+        raise interrupts.Interrupted(stop.signal, run_dir, cfg, spec)
     if error is not None:
         fault = find_user_fault(error)
-        if fault is not None:  # bad data, configuration or pipeline code: the user's to fix (exit 2)
+        if fault is not None:  # bad data, configuration, pipeline code or storage, or divergence: the user's to fix
             raise fault from None
         raise RunFailed(explain_failure(error, run_dir, tracker.ray_logs)) from None
     return FitResult(
@@ -156,7 +178,8 @@ def resolve_config(pipe: Pipeline, cfg: TrainConfig, pipeline_name: str) -> Trai
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
-def check_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
+def check_run_dir(run_dir: Path, cfg: TrainConfig, spec: str) -> StoredRun | None:
+    """A new run needs a new name; a resume needs the run, and options it can honour."""
     exists = (run_dir / "config.yaml").exists() or bool(checkpoint_dirs(run_dir))
     if exists and not cfg.resume:
         raise ConfigError(
@@ -164,6 +187,45 @@ def check_run_dir(run_dir: Path, cfg: TrainConfig) -> None:
         )
     if cfg.resume and not exists:
         raise ConfigError([("resume", f"there is no run {cfg.name!r} in {run_dir.parent} to resume; check --name and --storage")])
+    if not cfg.resume:
+        return None
+    stored = read_stored_run(run_dir)
+    _, refused = resume_changes(stored, cfg.to_dict(), spec)
+    if refused:
+        raise ConfigError(refused)
+    return stored
+
+
+def check_resume(pipe: Pipeline, cfg: TrainConfig, stored: StoredRun, sources: dict[str, dict], echo: Callable[[str], None]) -> None:
+    """Before anything is written: the pipeline's model must load the checkpoint, and an
+    epoch half done must continue on the same data; then say what the resume changes."""
+    from raytrain import checkpoint as ckpt
+
+    if stored.checkpoint is not None:
+        with pipeline_code(pipe, "build_model"):
+            model = pipe.build_model(cfg)
+        weights = ckpt.load_model_weights(stored.checkpoint)
+        try:
+            model.load_state_dict(weights, strict=True)
+        except RuntimeError as exc:
+            raise ckpt.CheckpointError(
+                f"the pipeline's model does not load the run's checkpoint {stored.checkpoint.name} "
+                f"({str(exc).splitlines()[0]}); resume with the pipeline and options the run was trained with"
+            ) from None
+        train = sources["train"]
+        before = stored.position.get("data") or {}
+        now = train["layout"].digest() if train["kind"] == "stream" else before  # in memory: checked on the workers
+        if stored.mid_epoch and before and before != now:
+            raise DataError(
+                f"dataset 'train' is not the one the checkpoint at step {stored.position.get('step')} was trained on "
+                f"(then {before}, now {now}); an epoch half done must finish on the same data"
+            )
+    changed, _ = resume_changes(stored, cfg.to_dict(), stored.pipeline or "")
+    where = (
+        f"from step {stored.position.get('step', 0)} (epoch {int(stored.position.get('epoch', 0)) + 1})"
+        if stored.checkpoint is not None else "from the start (it has no checkpoint yet)"
+    )  # fmt: skip
+    echo(f"Resuming {cfg.name} {where}; {describe_changes(changed)}")
 
 
 def describe_workers(cfg: TrainConfig) -> str:
@@ -218,6 +280,7 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
                   "is running (ray status), the address, and RAY_AUTH_MODE=token if the cluster uses token auth")]
             ) from None
     else:
+        check_embedded_capacity(cfg)
         cpus = num_cpus or max(os.cpu_count() or 1, int(cfg.max_workers * cfg.cpus_per_worker) + 2)
         dashboard_port = free_port()
         # Train's placement-group cleaner polls the dashboard (RAY_NOTES); name ours, or with
@@ -233,6 +296,10 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
                 dashboard_host="127.0.0.1",
                 dashboard_port=dashboard_port,
                 runtime_env=runtime_env,
+                # Ray binds its servers to the node's address even when asked for 127.0.0.1
+                # (services.resolve_ip_for_localhost); its gRPC ports need the session token,
+                # but the Prometheus /metrics exporters answer anyone: not started here.
+                _system_config={"enable_metrics_collection": False},
                 **quiet,
             )
         except Exception as exc:
@@ -256,10 +323,62 @@ def address_problem(address: str) -> str | None:
     if not host or not port.isdigit():
         return None
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        connection = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
     except OSError as exc:
         return f"nothing answers there ({exc.strerror or type(exc).__name__})"
+    with connection:
+        if not speaks_grpc(connection):
+            return "something answers there, but not a Ray cluster (its GCS speaks gRPC)"
     return None
+
+
+def speaks_grpc(connection: socket.socket, timeout_s: float = 5.0) -> bool:
+    """Whether the server on `connection` answers an HTTP/2 client preface with a SETTINGS
+    frame, as a gRPC server such as Ray's GCS does; other servers answer otherwise or not at
+    all (ray.init would then wait minutes for them)."""
+    connection.settimeout(timeout_s)
+    try:
+        # The HTTP/2 client preface, then an empty SETTINGS frame (length 0, type 4).
+        connection.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        header = b""
+        while len(header) < 9:
+            chunk = connection.recv(9 - len(header))
+            if not chunk:
+                return False
+            header += chunk
+    except OSError:
+        return False
+    return header[3] == 0x04
+
+
+# An embedded Ray runs every worker on this machine: at most this many workers per CPU
+# (more only thrashes; a little oversubscription is useful for testing, with a warning).
+MAX_WORKERS_PER_CPU = 2
+# Memory one training worker takes before any data (Ray's worker process with torch imported).
+WORKER_BASE_MEMORY_BYTES = 600 << 20
+
+
+def check_embedded_capacity(cfg: TrainConfig, echo: Callable[[str], None] = print) -> None:
+    """Refuse a worker count this machine can never hold; warn about a small oversubscription."""
+    import psutil
+
+    cpus = os.cpu_count() or 1
+    need = cfg.max_workers * cfg.cpus_per_worker
+    if need > MAX_WORKERS_PER_CPU * cpus:
+        raise ConfigError([("workers", (
+            f"got {cfg.workers} workers × {cfg.cpus_per_worker:g} CPU = {need:g} CPUs, but this machine has {cpus} and an embedded "
+            f"Ray runs every worker here; use at most {int(MAX_WORKERS_PER_CPU * cpus // cfg.cpus_per_worker)} "
+            "(or fewer --cpus-per-worker), or join a cluster with --address"
+        ))])  # fmt: skip
+    available = psutil.virtual_memory().available
+    if cfg.max_workers * WORKER_BASE_MEMORY_BYTES > available:
+        raise ConfigError([("workers", (
+            f"got {cfg.workers} workers; each takes about {WORKER_BASE_MEMORY_BYTES / 2**30:.1f} GiB before any data and this "
+            f"machine has {available / 2**30:.1f} GiB available; use at most {max(1, int(available // WORKER_BASE_MEMORY_BYTES))}, "
+            "or join a cluster with --address"
+        ))])  # fmt: skip
+    if need > cpus:
+        echo(f"raytrain: note: {cfg.max_workers} workers × {cfg.cpus_per_worker:g} CPU on a {cpus}-CPU machine: oversubscribed — fine for a test, slow for training")
 
 
 def free_port() -> int:
@@ -286,12 +405,14 @@ def resolve_gpu(cfg: TrainConfig) -> bool:
 def build_datasets(pipe: Pipeline, cfg: TrainConfig) -> dict[str, Any]:
     import ray.data
 
-    datasets = pipe.build_datasets(cfg)
+    with pipeline_code(pipe, "build_datasets"):
+        datasets = pipe.build_datasets(cfg)
     if not isinstance(datasets, dict) or "train" not in datasets:
-        raise ConfigError([("", f"pipeline {pipe.name}: build_datasets must return a dict with a 'train' ray.data.Dataset, got {type(datasets).__name__}")])
+        got = f"a dict with keys {sorted(map(str, datasets))}" if isinstance(datasets, dict) else f"a {type(datasets).__name__}"
+        raise PipelineCodeError(f"pipeline {pipe.name}: build_datasets must return a dict with a 'train' ray.data.Dataset (and optionally 'val'); it returned {got}")
     for name, ds in datasets.items():
         if not isinstance(ds, ray.data.Dataset):
-            raise ConfigError([("", f"pipeline {pipe.name}: dataset {name!r} is a {type(ds).__name__}, not a ray.data.Dataset")])
+            raise PipelineCodeError(f"pipeline {pipe.name}: build_datasets returned dataset {name!r} as a {type(ds).__name__}, not a ray.data.Dataset")
     return datasets
 
 
@@ -401,48 +522,62 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict
 # -- console and run files -------------------------------------------------------------------
 
 
-def write_yaml(path: Path, values: dict[str, Any]) -> None:
-    path.write_text(yaml.safe_dump(values, sort_keys=False))
+write_yaml = rundir.write_yaml
+read_jsonl = rundir.read_jsonl
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            rows.append(json.loads(line))
-    return rows
-
-
-def write_summary(run_dir: Path, cfg: TrainConfig, result: Any, error: Exception | None, started: float) -> dict[str, Any]:
-    progress = json.loads((run_dir / "progress.json").read_text()) if (run_dir / "progress.json").exists() else {}
+def write_summary(
+    run_dir: Path, cfg: TrainConfig, result: Any, error: Exception | None, started: float, *, interrupted: int = 0, status: str | None = None
+) -> dict[str, Any]:
+    """summary.json (strict JSON, written atomically) from the run files of this invocation."""
+    progress = read_json(run_dir / "progress.json")
+    if progress.get("time", 0) < started:  # left by an earlier invocation
+        progress = {}
     rows = read_jsonl(run_dir / "metrics.jsonl")
     epoch_rows = [row for row in rows if row.get("epoch_end")]
     last = epoch_rows[-1] if epoch_rows else (rows[-1] if rows else {})
     events = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("time", 0) >= started - 1]
     recovered = sum(
-        1 for e in events if e["kind"] == "restore" or (e["kind"] == "resize" and e["world_size"] < e["previous_world_size"])
+        1 for e in events if e.get("kind") == "restore" or (e.get("kind") == "resize" and e["world_size"] < e["previous_world_size"])
     )
+    fault = find_user_fault(error)
+    if status is None:
+        status = (
+            "interrupted" if interrupted else
+            "diverged" if isinstance(fault, FloatingPointError) else
+            "failed" if error is not None else "finished"
+        )  # fmt: skip
     model_path = run_dir / "model.pt"
     summary = {
-        "status": "failed" if error is not None else "finished",
+        "status": status,
         "epochs": progress.get("epoch", last.get("epoch", 0)),
         "steps": progress.get("step", last.get("step", 0)),
         "samples_seen": progress.get("samples_seen", last.get("samples_seen", 0)),
         "wall_time_s": round(time.time() - started, 3),
         "steady_samples_per_s": progress.get("steady_samples_per_s"),
         "steady_steps": progress.get("steady_steps"),
-        "world_sizes": progress.get("world_sizes") or sorted({row["world_size"] for row in rows}),
+        "world_sizes": progress.get("world_sizes") or sorted({row["world_size"] for row in rows if "world_size" in row}),
         "failures_recovered": recovered,
         "final_metrics": {k: v for k, v in last.items() if k == "loss" or k.startswith("val_")},
         "best_checkpoint": _best_checkpoint(result, run_dir),
-        "model_path": str(model_path) if model_path.exists() and error is None else None,
+        "model_path": str(model_path) if model_path.exists() and status == "finished" else None,
     }
     if error is not None:
-        summary["error"] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+        text = str(fault if fault is not None else error).strip()
+        summary["error"] = text.splitlines()[0] if text else type(error).__name__
+    try:
+        rundir.write_json(run_dir / "summary.json", summary)
+    except StorageError as exc:  # a full disk must not hide the run's own error
+        summary["summary_error"] = str(exc)
+    return rundir.strict(summary)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _best_checkpoint(result: Any, run_dir: Path) -> str | None:

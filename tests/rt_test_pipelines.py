@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -184,9 +185,17 @@ def _split(count: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+@dataclass
+class ShardedArgs:
+    out: str = ""  # where the ids and counts are recorded
+    path: str | None = None  # a Parquet directory (default: from_items)
+
+
 class ShardedRecordingPipeline(RecordingPipeline):
     """RecordingPipeline over a multi-file Parquet directory (`path`) or, without one, over
     `from_items` in `num_blocks` blocks; its map_batches counts the rows it preprocesses."""
+
+    Args = ShardedArgs
 
     def __init__(self, out_dir: str = "", path: str | None = None, num_rows: int = 1003, num_blocks: int = 6, crash_at_step: int | None = None):
         super().__init__(out_dir, num_rows=num_rows, crash_at_step=crash_at_step)
@@ -196,8 +205,8 @@ class ShardedRecordingPipeline(RecordingPipeline):
         import ray.data
 
         # From the command line: --pipeline-arg out=DIR --pipeline-arg path=DIR
-        args = getattr(cfg, "pipeline_args", None) or {}
-        self.out_dir, self.path = args.get("out", self.out_dir), args.get("path", self.path)
+        args = self.args(cfg) if cfg is not None else ShardedArgs()
+        self.out_dir, self.path = args.out or self.out_dir, args.path or self.path
 
         if self.path:
             def pack(batch: dict) -> dict:
@@ -209,3 +218,60 @@ class ShardedRecordingPipeline(RecordingPipeline):
             rows = [{"id": i, "x": rng.normal(size=8).astype(np.float32), "y": i % 3} for i in range(self.num_rows)]
             ds = ray.data.from_items(rows, override_num_blocks=self.num_blocks)
         return {"train": ds.map_batches(count_preprocessed(self.out_dir), batch_format="numpy")}
+
+
+class DivergingPipeline(RecordingPipeline):
+    """The loss turns NaN from global step `nan_at_step` on rank `nan_rank`."""
+
+    def __init__(self, out_dir: str, nan_at_step: int = 20, nan_rank: int = 1, num_rows: int = 400):
+        super().__init__(out_dir, num_rows=num_rows)
+        self.nan_at_step, self.nan_rank = nan_at_step, nan_rank
+
+    def compute_loss(self, model, batch):
+        loss = super().compute_loss(model, batch)
+        ctx = raytrain.context()
+        if model.training and ctx.step >= self.nan_at_step and ctx.world_rank == self.nan_rank:
+            return loss * float("nan")
+        return loss
+
+
+class BrokenPipeline(RecordingPipeline):
+    """User code that fails the same way on every attempt: `where` is build_model, a label out
+    of range in compute_loss, or a compute_loss that returns a vector."""
+
+    def __init__(self, out_dir: str, where: str = "build_model"):
+        super().__init__(out_dir, num_rows=64)
+        self.where = where
+
+    def build_model(self, cfg):
+        if self.where == "build_model":
+            self._note_attempt()
+            return self.make_layers(cfg)
+        return super().build_model(cfg)
+
+    def make_layers(self, cfg):
+        raise KeyError("hidden_size")  # the user's own bug
+
+    def compute_loss(self, model, batch):
+        self._note_attempt()
+        logits = model(batch["x"])
+        if self.where == "label":
+            return F.cross_entropy(logits, batch["y"] + 10)  # labels beyond the 3 classes
+        if self.where == "vector":
+            return F.cross_entropy(logits, batch["y"], reduction="none")
+        return F.cross_entropy(logits, batch["y"])
+
+    def _note_attempt(self):
+        marker = Path(self.out_dir) / f"attempt-{os.getpid()}"
+        marker.touch()
+
+
+class OtherShapePipeline(RecordingPipeline):
+    """RecordingPipeline with a wider hidden layer: its model cannot load the other's checkpoints."""
+
+    def build_model(self, cfg):
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+
+    @property
+    def name(self) -> str:
+        return "RecordingPipeline"

@@ -470,7 +470,7 @@ def test_export_checks_a_runs_weights_against_its_pipeline(capsys, tmp_path):
     config = {**TrainConfig(name="run", storage=str(tmp_path)).to_dict(), "pipeline": "digits", "gpu": False}
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     torch.save({"module." + k: v for k, v in DigitsCNN().state_dict().items()}, run / "model.pt")
-    code, out, err = cli(capsys, "export", str(run), "-o", str(tmp_path / "digits.pt"))
+    code, out, err = cli(capsys, "export", str(run), "-o", str(tmp_path / "digits.pt"), "--pipeline", "digits")
     assert code == 0, err
     assert "checked: loads into digits's model with strict=True" in out
     DigitsCNN().load_state_dict(torch.load(tmp_path / "digits.pt", weights_only=True), strict=True)
@@ -482,9 +482,38 @@ def test_export_rejects_weights_of_another_model(capsys, tmp_path):
     config = {**TrainConfig(name="run", storage=str(tmp_path)).to_dict(), "pipeline": "digits", "gpu": False}
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     torch.save(small_model().state_dict(), run / "model.pt")
-    code, out, err = cli(capsys, "export", str(run), "-o", str(tmp_path / "out.pt"))
-    assert_usage_error(code, out, err, f"raytrain export: {run}: weights do not match the pipeline's model")
+    code, out, err = cli(capsys, "export", str(run), "-o", str(tmp_path / "out.pt"), "--pipeline", "digits")
+    assert_usage_error(code, out, err, f"raytrain export: {run}: weights do not match digits's model")
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_export_reads_weights_without_importing_the_code_a_run_names(capsys, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    planted = tmp_path / "planted.py"
+    planted.write_text("raise SystemExit('imported!')\n")
+    config = {**TrainConfig(name="run", storage=str(tmp_path)).to_dict(), "pipeline": "planted:Anything", "gpu": False}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    torch.save(small_model().state_dict(), run / "model.pt")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        code, out, err = cli(capsys, "export", str(run), "-o", str(tmp_path / "out.pt"))
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert code == 0, err
+    assert "planted" not in sys.modules and (tmp_path / "out.pt").exists()
+
+
+def test_export_onto_a_directory_or_an_unwritable_path_is_named(capsys, tmp_path):
+    model = tmp_path / "model.pt"
+    torch.save(small_model().state_dict(), model)
+    (tmp_path / "outdir").mkdir()
+    code, out, err = cli(capsys, "export", str(model), "-o", str(tmp_path / "outdir"))
+    assert_usage_error(code, out, err, "is a directory; give a file name")
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a directory should be")
+    code, out, err = cli(capsys, "export", str(model), "-o", str(blocker / "sub" / "m.pt"))
+    assert_usage_error(code, out, err, "raytrain export: cannot write", "(ENOTDIR)", "part of the path is a file")
 
 
 def test_export_of_a_missing_path(capsys, tmp_path):

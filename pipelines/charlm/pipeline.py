@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,21 +16,25 @@ from pipelines.charlm.model import CharGPT
 from raytrain.data import DataError
 
 VAL_FRACTION = 0.05
-DEFAULTS = {"corpus_mb": 1.0, "block": 128, "width": 128, "layers": 2, "heads": 4}
+@dataclass
+class CharLMArgs:
+    """--pipeline-arg options of the charlm pipeline."""
+
+    corpus_mb: float = 1.0  # megabytes of the stdlib's .py sources
+    block: int = 128  # context length in bytes
+    width: int = 128
+    layers: int = 2
+    heads: int = 4
+
+    def __post_init__(self):
+        if min(self.corpus_mb, self.block, self.width, self.layers, self.heads) <= 0:
+            raise ValueError("every --pipeline-arg of charlm must be positive")
+        if self.width % self.heads:
+            raise ValueError(f"--pipeline-arg width {self.width} must be divisible by heads {self.heads}")
 
 
 def options(cfg) -> dict:
-    args = {**DEFAULTS, **cfg.pipeline_args}
-    unknown = sorted(set(args) - set(DEFAULTS))
-    if unknown:
-        raise DataError(f"pipeline charlm: unknown --pipeline-arg {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
-    try:
-        parsed = {"corpus_mb": float(args["corpus_mb"]), **{k: int(args[k]) for k in ("block", "width", "layers", "heads")}}
-    except ValueError as exc:
-        raise DataError(f"pipeline charlm: --pipeline-arg values must be numbers ({exc})") from None
-    if parsed["width"] % parsed["heads"]:
-        raise DataError(f"pipeline charlm: width {parsed['width']} must be divisible by heads {parsed['heads']}")
-    return parsed
+    return dataclasses.asdict(CharLMPipeline().args(cfg))
 
 
 def corpus(megabytes: float) -> np.ndarray:
@@ -54,6 +60,7 @@ def unigram_bits_per_byte(text: np.ndarray) -> float:
 
 class CharLMPipeline(raytrain.Pipeline):
     default_config = {"epochs": 3, "batch_size_per_worker": 32, "lr": 1e-3, "warmup_epochs": 0.5, "log_every_steps": 20}
+    Args = CharLMArgs
 
     def build_datasets(self, cfg):
         import ray.data

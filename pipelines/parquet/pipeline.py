@@ -16,45 +16,32 @@ SPLIT_SEED = 1234
 
 
 @dataclass
-class Spec:
-    path: str
-    label: str
-    features: list[str] | None
-    task: str | None
-    val_path: str | None
-    val_fraction: float
-    hidden: int
+class ParquetArgs:
+    """--pipeline-arg options of the parquet pipeline."""
 
+    path: str  # a Parquet file or directory
+    label: str  # the target column
+    features: str | None = None  # comma-separated feature columns (default: every other column)
+    task: str | None = None  # classification or regression (default: from the label's type)
+    val_path: str | None = None  # a separate validation set
+    val_fraction: float = 0.1  # else this share of the training rows, held out
+    hidden: int = 128  # MLP width
 
-def parse_args(args: dict) -> Spec:
-    problems = []
-    known = {"path", "label", "features", "task", "val_path", "val_fraction", "hidden"}
-    unknown = sorted(set(args) - known)
-    if unknown:
-        problems.append(f"unknown --pipeline-arg {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    if not args.get("path"):
-        problems.append("needs --pipeline-arg path=DIR (a Parquet file or directory)")
-    if not args.get("label"):
-        problems.append("needs --pipeline-arg label=COLUMN (the target column)")
-    task = args.get("task")
-    if task not in (None, "classification", "regression"):
-        problems.append(f"--pipeline-arg task: got {task!r}; choose classification or regression")
-    try:
-        val_fraction = float(args.get("val_fraction", 0.1))
-        assert 0 <= val_fraction < 1
-    except (ValueError, AssertionError):
-        problems.append(f"--pipeline-arg val_fraction: got {args.get('val_fraction')!r}; a number in [0, 1)")
-        val_fraction = 0.1
-    try:
-        hidden = int(args.get("hidden", 128))
-        assert hidden > 0
-    except (ValueError, AssertionError):
-        problems.append(f"--pipeline-arg hidden: got {args.get('hidden')!r}; a positive integer")
-        hidden = 128
-    if problems:
-        raise DataError("pipeline parquet: " + "; ".join(problems))
-    features = [c.strip() for c in str(args["features"]).split(",") if c.strip()] if args.get("features") else None
-    return Spec(str(Path(args["path"]).expanduser().absolute()), args["label"], features, task, args.get("val_path"), val_fraction, hidden)
+    def __post_init__(self):
+        problems = []
+        if self.task not in (None, "classification", "regression"):
+            problems.append(f"--pipeline-arg task: got {self.task!r}; choose classification or regression")
+        if not 0 <= self.val_fraction < 1:
+            problems.append(f"--pipeline-arg val_fraction: got {self.val_fraction}; a number in [0, 1)")
+        if self.hidden < 1:
+            problems.append(f"--pipeline-arg hidden: got {self.hidden}; a positive integer")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.path = str(Path(self.path).expanduser().absolute())
+
+    @property
+    def feature_list(self) -> list[str] | None:
+        return [c.strip() for c in self.features.split(",") if c.strip()] if self.features else None
 
 
 def read(path: str):
@@ -68,7 +55,7 @@ def read(path: str):
         raise DataError(f"pipeline parquet: cannot read {path}: {str(exc).splitlines()[0][:300]}") from None
 
 
-def pack(ds, spec: Spec, features: list[str], regression: bool):
+def pack(ds, spec: ParquetArgs, features: list[str], regression: bool):
     """One float32 `features` tensor column and a `label` column, built in Ray Data."""
 
     def to_tensors(batch: dict) -> dict:
@@ -82,15 +69,16 @@ def pack(ds, spec: Spec, features: list[str], regression: bool):
 
 class ParquetPipeline(raytrain.Pipeline):
     default_config = {"epochs": 5, "batch_size_per_worker": 64, "lr": 1e-3, "warmup_epochs": 1}
+    Args = ParquetArgs
 
     def __init__(self):
         self.shape: tuple[int, int, bool] | None = None  # (num_features, num_outputs, regression)
 
     def build_datasets(self, cfg):
-        spec = parse_args(cfg.pipeline_args)
+        spec = self.args(cfg)
         ds = read(spec.path)
         columns = ds.schema().names
-        features = spec.features or [c for c in columns if c != spec.label]
+        features = spec.feature_list or [c for c in columns if c != spec.label]
         missing = [c for c in [spec.label, *features] if c not in columns]
         if missing:
             raise DataError(f"pipeline parquet: column(s) {', '.join(missing)} not in {spec.path} (it has: {', '.join(columns)})")
@@ -115,7 +103,7 @@ class ParquetPipeline(raytrain.Pipeline):
         if self.shape is None:  # outside a run (export): the same derivation as build_datasets
             self.build_datasets(cfg)
         num_features, num_outputs, _ = self.shape
-        hidden = parse_args(cfg.pipeline_args).hidden
+        hidden = self.args(cfg).hidden
         return nn.Sequential(nn.Linear(num_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, num_outputs))
 
     def compute_loss(self, model, batch):

@@ -1,0 +1,107 @@
+"""SIGINT and SIGTERM during a run: stop within seconds, keep the run resumable.
+
+First signal: the driver writes RUN_DIR/.stop; rank 0 sees it, the next sync (every
+--log-every-steps steps) tells every rank, and they report a checkpoint at that step and
+return. If that does not happen within STOP_GRACE_S, or on a second signal, the driver
+aborts Ray Train's controller (the workers are stopped; the last checkpoint stands). A
+third signal exits at once. `fit` then writes summary.json with status "interrupted" and
+raises `Interrupted`, which the CLI turns into exit status 130 (SIGINT) or 143 (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+# Seconds the workers get to checkpoint and stop on their own before the run is aborted.
+STOP_GRACE_S = 30.0
+EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+# The running controller (set by raytrain.failfast.FailFastTrainer), to abort it.
+_controller: Any = None
+
+
+def set_controller(controller: Any) -> None:
+    global _controller
+    _controller = controller
+
+
+class Interrupted(Exception):
+    """The run was stopped by a signal; it is resumable."""
+
+    def __init__(self, signum: int, run_dir: Path, cfg: Any = None, spec: str | None = None):
+        self.signum, self.run_dir = signum, run_dir
+        name = signal.Signals(signum).name
+        again = f"raytrain train {spec or 'PIPELINE'} --name {run_dir.name}" + (f" --storage {run_dir.parent}" if cfg is not None else "") + " --resume"
+        super().__init__(f"stopped by {name}; the run is resumable from its last checkpoint: {again}")
+
+    @property
+    def exit_status(self) -> int:
+        return EXIT_STATUS.get(self.signum, 128 + self.signum)
+
+
+@dataclass
+class StopRequest:
+    run_dir: Path
+    echo: Callable[[str], None]
+    signal: int = 0  # the first signal received (0: none)
+    count: int = 0
+    _timer: threading.Timer | None = field(default=None, repr=False)
+
+    def handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1:
+            self.signal = signum
+            from raytrain import rundir
+
+            with contextlib.suppress(Exception):
+                rundir.write_atomic(self.run_dir / rundir.STOP_FILE, str(time.time()))
+            self.echo(
+                f"raytrain: {signal.Signals(signum).name}: stopping — the workers save a checkpoint at their next sync "
+                f"(within {STOP_GRACE_S:.0f} s, else the run is aborted); press Ctrl-C again to stop at once"
+            )
+            self._timer = threading.Timer(STOP_GRACE_S, self.abort, args=("the workers did not stop in time",))
+            self._timer.daemon = True
+            self._timer.start()
+        elif self.count == 2:
+            self.abort("asked again")
+        else:
+            os._exit(EXIT_STATUS.get(self.signal, 130))
+
+    def abort(self, why: str) -> None:
+        self.echo(f"raytrain: aborting the run ({why}); it resumes from its last checkpoint")
+        if _controller is not None:
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.get(_controller.abort.remote(), timeout=30)
+
+    def cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+@contextlib.contextmanager
+def stop_on_signals(run_dir: Path, echo: Callable[[str], None]) -> Iterator[StopRequest]:
+    """Handle SIGINT and SIGTERM as above while the block runs (main thread only; elsewhere,
+    as in a Tune trial, signals are left to the caller)."""
+    request = StopRequest(Path(run_dir), echo)
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, request.handle)
+    try:
+        yield request
+    finally:
+        request.cancel_timer()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        set_controller(None)
