@@ -71,8 +71,9 @@ def save_torch(payload: Any, path: str | os.PathLike) -> None:
         raise
     except RuntimeError as exc:
         stats = os.statvfs(path.parent)
-        code = errno.ENOSPC if stats.f_bavail * stats.f_frsize < (1 << 20) else errno.EIO
-        raise OSError(code, f"{os.strerror(code)} ({str(exc).splitlines()[0][:120]})", str(path)) from exc
+        if stats.f_bavail * stats.f_frsize < (1 << 20):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
+        raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} ({str(exc).splitlines()[0][:120]})", str(path)) from exc
 
 
 def stored_step(directory: str | os.PathLike) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from raytrain import order, plan
-from raytrain.errors import DataError
+from raytrain.errors import DataError, innermost_error
 
 __all__ = ["DataError", "Schema", "Stream", "Table", "check_units", "load_table"]
 
@@ -183,13 +183,7 @@ def load_table(units, name: str, schema: Schema, skip_nan_rows: bool) -> dict[st
 
 def first_error_line(exc: BaseException) -> str:
     """The innermost `Type: message` line of a (possibly Ray-wrapped) exception."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    typed = [
-        line for line in lines
-        if ":" in line and line.split(":", 1)[0].replace(".", "").replace("_", "").isalnum()
-        and line.split(":", 1)[0].endswith(("Error", "Exception", "Invalid"))
-    ]  # fmt: skip
-    return (typed[-1] if typed else (lines[-1] if lines else type(exc).__name__))[:500]
+    return innermost_error(exc)
 
 
 # -- in memory ----------------------------------------------------------------------------------

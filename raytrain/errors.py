@@ -84,7 +84,32 @@ def pipeline_code(pipeline, method: str) -> Iterator[None]:
     except UserFault:
         raise
     except Exception as exc:
-        lines = str(exc).strip().splitlines()
         where = user_frames(exc)
-        message = f"pipeline {pipeline.name}: {method} raised {type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+        message = f"pipeline {pipeline.name}: {method} raised {innermost_error(exc)}".rstrip(": ")
         raise PipelineCodeError(message + "".join(f"\n  at {frame}" for frame in where)) from exc
+
+
+def innermost_error(exc: BaseException) -> str:
+    """`Type: message` of what the user's code actually raised: the deepest cause of an
+    exception that is not one of Ray's wrappers, else the last such line of a Ray task's
+    traceback text."""
+    chain, current = [], exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = getattr(current, "cause", None) or current.__cause__
+    own = [e for e in chain if not type(e).__module__.startswith("ray.")]
+    if own:
+        deepest = own[-1]
+        lines = [line.strip() for line in str(deepest).splitlines() if line.strip()]
+        if len(lines) <= 1:
+            return f"{type(deepest).__name__}: {lines[0] if lines else ''}"[:500]
+    lines = [line.strip() for e in chain for line in str(e).splitlines() if line.strip()]
+    typed = [
+        line for line in lines
+        if ":" in line and line.split(":", 1)[0].replace(".", "").replace("_", "").isalnum()
+        and line.split(":", 1)[0].endswith(("Error", "Exception", "Invalid", "Interrupt", "Exit"))
+        and not line.startswith(("ray.", "Ray"))
+    ]  # fmt: skip
+    if typed:
+        return typed[-1][:500]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]

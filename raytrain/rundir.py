@@ -36,7 +36,7 @@ _FIXES = {
     errno_codes.ENAMETOOLONG: "the path is too long: choose a shorter name (--name, --storage)",
     errno_codes.ENOTDIR: "part of the path is a file, not a directory",
     errno_codes.EISDIR: "a directory is in the way of a file",
-    errno_codes.ENOENT: "the directory vanished (a mount that went away?)",
+    errno_codes.ENOENT: "a directory on that path is missing and cannot be created there (a mount that went away?)",
 }
 
 
@@ -153,9 +153,9 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                holder = self.holder()
-                if holder is not None and self._alive(holder):
-                    raise RunLocked(self.path.parent, holder) from None
+                holder = self._wait_for_holder()
+                if holder is None or self._alive(holder):
+                    raise RunLocked(self.path.parent, holder or {}) from None
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()  # a stale lock: its process is gone
                 continue
@@ -173,6 +173,22 @@ class RunLock:
             with contextlib.suppress(OSError):
                 if (self.holder() or {}).get("pid") == os.getpid():
                     self.path.unlink()
+
+    def _wait_for_holder(self, wait_s: float = 2.0) -> dict[str, Any] | None:
+        """The holder's record; a lock just created may not be written yet, so wait a moment
+        (a lock that stays empty is held by a process that died writing it: stale, {})."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            holder = self.holder()
+            if holder is not None:
+                return holder
+            try:
+                age_s = time.time() - self.path.stat().st_mtime
+            except FileNotFoundError:
+                return {"pid": -1, "host": socket.gethostname()}  # released meanwhile: take it
+            if age_s > wait_s or time.monotonic() > deadline:
+                return {"pid": -1, "host": socket.gethostname()} if age_s > wait_s else None
+            time.sleep(0.05)
 
     def holder(self) -> dict[str, Any] | None:
         try:

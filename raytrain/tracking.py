@@ -164,6 +164,30 @@ def row_time(row: dict[str, Any]) -> float:
     return float(value) if isinstance(value, (int, float)) else math.inf
 
 
+_WATCHED: list = []  # TensorBoard sinks whose writer threads report to them
+
+
+def _watch_writer_threads(sink) -> None:
+    """tensorboardX writes and flushes in its own thread, where an OSError (a full disk)
+    would print a traceback; route such an error to the sink instead, which then fails on
+    its next call and is dropped with one warning."""
+    if sink not in _WATCHED:
+        _WATCHED.append(sink)
+    if getattr(threading.excepthook, "_raytrain", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args):
+        if isinstance(args.exc_value, OSError) and "tensorboardX" in type(args.thread).__module__:
+            for watched in _WATCHED:
+                watched.failed = watched.failed or args.exc_value
+            return
+        previous(args)
+
+    hook._raytrain = True
+    threading.excepthook = hook
+
+
 class Dispatcher:
     """Calls every sink; a sink that raises is dropped with one warning, the run goes on."""
 
@@ -177,6 +201,8 @@ class Dispatcher:
                 getattr(sink, method)(*args)
             except Exception as exc:  # a tracker's outage must not fail training
                 self.sinks.remove(sink)
+                with contextlib.suppress(Exception):
+                    getattr(sink, "abandon", lambda: None)()
                 self.warn(f"raytrain: {sink.name} stopped tracking this run: {type(exc).__name__}: {_first_line(exc)}")
 
 
@@ -456,6 +482,7 @@ class TensorBoardSink(Sink):
 
         if self.writer is not None:
             self.writer.close()
+        _watch_writer_threads(self)
         self.files_opened += 1
         # Unique per writer: two writers opened within a second would share a file name.
         suffix = f".{os.getpid()}.{self.files_opened:03d}"
@@ -466,6 +493,7 @@ class TensorBoardSink(Sink):
         return self.writer
 
     def metrics(self, row: dict[str, Any]) -> None:
+        self._raise_if_failed()  # (a dead writer thread would block add_scalar on its full queue)
         writer = self.writer or self._open()
         step = int(row.get("step", 0))
         walltime = row_time(row) if math.isfinite(row_time(row)) else None
@@ -474,6 +502,7 @@ class TensorBoardSink(Sink):
         self.dirty = True
 
     def event(self, event: dict[str, Any]) -> None:
+        self._raise_if_failed()
         kind, step = event.get("kind", "event"), int(event.get("step", 0) or 0)
         if kind in ("restore", "resize") and "step" in event:
             self._open(purge_step=step + 1)  # later rows redo the steps after the checkpoint
@@ -483,11 +512,29 @@ class TensorBoardSink(Sink):
             self.dirty = True
 
     def tick(self) -> None:
+        self._raise_if_failed()
         if self.dirty and self.writer is not None:
             self.writer.flush()
             self.dirty = False
 
+    failed: BaseException | None = None  # set by the writer's own thread (a full disk, say)
+
+    def _raise_if_failed(self) -> None:
+        if self.failed is not None:
+            raise self.failed
+
+    def abandon(self) -> None:
+        """Stop writing after a failure: close what can be closed, and make tensorboardX's
+        exit hook a no-op (it would retry the failed flush at interpreter exit)."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:
+                writer.event_writer._closed = True
+
     def finish(self, summary: dict[str, Any] | None, run_dir: Path) -> None:
+        self._raise_if_failed()
         if summary is not None:
             writer = self.writer or self._open()
             lines = [f"| {key} | {value} |" for key, value in summary.items() if not isinstance(value, dict)]

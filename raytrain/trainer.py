@@ -115,6 +115,9 @@ def fit(
     cfg = resolve_config(pipe, cfg or TrainConfig(**pipe.default_config), spec)
     run_dir = Path(cfg.storage) / cfg.name
     echo = echo or (lambda line: None)
+    if will_embed_ray(cfg):
+        check_embedded_capacity(cfg, echo=echo)  # before anything is written or started
+    created = not run_dir.exists()
     rundir.check_storage(cfg.storage, run_dir)  # before Ray: a path that cannot hold the run is exit 2
     lock = rundir.RunLock(run_dir)
     lock.acquire()
@@ -140,12 +143,17 @@ def fit(
                 except Exception as exc:  # Ray wraps worker errors; re-raised below
                     result, error = None, exc
         summary = write_summary(run_dir, cfg, result, error, started, interrupted=stop.signal)
+        if summary.get("summary_error"):
+            echo(f"raytrain: summary.json not written: {summary['summary_error']}")
         tracker.finish(summary)
     finally:
         lock.release()
         shutil.rmtree(staging_dir(run_dir), ignore_errors=True)
         with contextlib.suppress(OSError):
             (run_dir / rundir.STOP_FILE).unlink()
+        if created:  # refused before the run began: leave no empty run directory behind
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
     if stop.signal:
         raise interrupts.Interrupted(stop.signal, run_dir, cfg, spec)
     if error is not None:
@@ -254,6 +262,7 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
     if ray.is_initialized():
+        note_cluster_capacity(cfg)
         yield
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
@@ -280,7 +289,6 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
                   "is running (ray status), the address, and RAY_AUTH_MODE=token if the cluster uses token auth")]
             ) from None
     else:
-        check_embedded_capacity(cfg)
         cpus = num_cpus or max(os.cpu_count() or 1, int(cfg.max_workers * cfg.cpus_per_worker) + 2)
         dashboard_port = free_port()
         # Train's placement-group cleaner polls the dashboard (RAY_NOTES); name ours, or with
@@ -307,6 +315,7 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
                 f"could not start the embedded Ray ({str(exc).splitlines()[0][:300]}); "
                 "is the machine overloaded, or /tmp full? Rerun with -v for Ray's logs."
             ) from None
+    note_cluster_capacity(cfg)
     try:
         yield
     finally:
@@ -356,6 +365,27 @@ def speaks_grpc(connection: socket.socket, timeout_s: float = 5.0) -> bool:
 MAX_WORKERS_PER_CPU = 2
 # Memory one training worker takes before any data (Ray's worker process with torch imported).
 WORKER_BASE_MEMORY_BYTES = 600 << 20
+
+
+def will_embed_ray(cfg: TrainConfig) -> bool:
+    """Whether ray_session would start an embedded Ray (no address, none running)."""
+    import ray
+
+    return not (ray.is_initialized() or cfg.address or os.environ.get("RAY_ADDRESS"))
+
+
+def note_cluster_capacity(cfg: TrainConfig, echo: Callable[[str], None] = print) -> None:
+    """On a cluster that cannot hold MIN workers now, say that the run waits for nodes (an
+    autoscaler may add them; nothing can be started until then)."""
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 0)
+    need = cfg.min_workers * cfg.cpus_per_worker
+    if need > cpus:
+        echo(
+            f"raytrain: note: the cluster has {cpus:g} CPUs and {cfg.min_workers} workers × {cfg.cpus_per_worker:g} CPU need {need:g}: "
+            "training starts when nodes join (an autoscaler); without one, stop it with Ctrl-C and use fewer --workers"
+        )
 
 
 def check_embedded_capacity(cfg: TrainConfig, echo: Callable[[str], None] = print) -> None:

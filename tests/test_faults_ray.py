@@ -47,6 +47,9 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(ray_sessi
     assert resumed.summary["status"] == "finished" and resumed.summary["epochs"] == 3
     steps = sorted({row["step"] for row in read_jsonl(second / "ids-rank0.jsonl")})
     assert steps == list(range(4, 12))  # from the epoch-1 checkpoint (step 4), not the corrupt epoch-2 one
+    # ...and it says so, at the default verbosity (an event line, echoed by the driver).
+    skipped = [e for e in read_jsonl(Path(result.run_dir) / "events.jsonl") if "skipped unusable checkpoint" in e["message"]]
+    assert skipped and checkpoints[-1].name in skipped[0]["message"]
 
 
 def test_driver_killed_mid_run_then_resume_finishes_the_run(tmp_path):

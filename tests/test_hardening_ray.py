@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 from rt_test_pipelines import BrokenPipeline, DivergingPipeline, OtherShapePipeline, RecordingPipeline, read_jsonl

@@ -67,6 +67,32 @@ def pack(ds, spec: ParquetArgs, features: list[str], regression: bool):
     return ds.map_batches(to_tensors, batch_format="numpy")
 
 
+def label_max(path: str, label: str, dataset) -> int:
+    """The largest label, from the Parquet footers' statistics (no pass over the data);
+    a full aggregation only when some file has none."""
+    import pyarrow.parquet as pq
+
+    files = sorted(Path(path).rglob("*.parquet")) if Path(path).is_dir() else [Path(path)]
+    best = None
+    try:
+        for file in files:
+            metadata = pq.ParquetFile(file).metadata
+            column = metadata.schema.names.index(label)
+            for group in range(metadata.num_row_groups):
+                stats = metadata.row_group(group).column(column).statistics
+                if stats is None or not stats.has_min_max:
+                    raise ValueError("no statistics")
+                best = stats.max if best is None else max(best, stats.max)
+    except (ValueError, OSError):
+        best = None
+    if best is None:
+        best = dataset.max("label")
+    try:
+        return int(best)
+    except (TypeError, ValueError):
+        raise DataError(f"pipeline parquet: label column {label!r} holds {best!r}; a classification label must be an integer class index") from None
+
+
 class ParquetPipeline(raytrain.Pipeline):
     default_config = {"epochs": 5, "batch_size_per_worker": 64, "lr": 1e-3, "warmup_epochs": 1}
     Args = ParquetArgs
@@ -91,11 +117,11 @@ class ParquetPipeline(raytrain.Pipeline):
             train, val = train.train_test_split(test_size=spec.val_fraction, shuffle=True, seed=SPLIT_SEED)
         else:
             val = None
-        first = train.take(1)
+        first = train.take(1)  # one row through the packing: the feature count
         if not first:
             raise DataError(f"pipeline parquet: {spec.path} holds no rows")
         num_features = int(np.asarray(first[0]["features"]).size)
-        num_outputs = 1 if regression else int(train.max("label")) + 1
+        num_outputs = 1 if regression else label_max(spec.path, spec.label, train) + 1
         self.shape = (num_features, num_outputs, regression)
         return {"train": train, **({"val": val} if val is not None else {})}
 

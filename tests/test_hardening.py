@@ -1,0 +1,268 @@
+"""Pure tier: the pieces that keep bad input and faults to one message and nothing lost — strict
+JSON, atomic writes, storage errors by errno, the run lock, resume rules, typed pipeline
+arguments, compute_loss checks, the address probe, the embedded Ray's capacity check, and the
+CLI's exit statuses for each."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import raytrain
+from raytrain import rundir
+from raytrain.cli import main
+from raytrain.config import ConfigError, TrainConfig
+from raytrain.errors import PipelineCodeError, StorageError, find_user_fault, pipeline_code
+from raytrain.loop import check_loss_output, is_collective_failure
+from raytrain.pipeline import PipelineError, parse_pipeline_args
+from raytrain.resume import StoredRun, changes
+from raytrain.trainer import address_problem, check_embedded_capacity, write_summary
+
+
+def test_run_files_are_strict_json():
+    assert rundir.dumps({"loss": float("nan"), "lr": [float("inf"), 1.0]}) == '{"loss": null, "lr": [null, 1.0]}'
+
+
+def test_summary_is_strict_and_says_diverged_for_a_nan_loss(tmp_path):
+    from raytrain.loop import TrainingDiverged
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "step": 5, "loss": float("nan"), "world_size": 2, "epoch_end": True}) + "\n")
+    summary = write_summary(tmp_path, TrainConfig(), None, TrainingDiverged("the loss became NaN"), time.time())
+    text = (tmp_path / "summary.json").read_text()
+    assert summary["status"] == "diverged" and "NaN" not in text.replace("the loss became NaN", "")
+    json.loads(text, parse_constant=lambda c: pytest.fail(c))
+
+
+def test_atomic_write_leaves_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
+    target = tmp_path / "summary.json"
+    rundir.write_json(target, {"status": "finished"})
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(StorageError, match=r"cannot write .*summary.json: No space left on device \(ENOSPC\); the file system is full"):
+        rundir.write_json(target, {"status": "failed"})
+    assert json.loads(target.read_text()) == {"status": "finished"}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("code, fix", [
+    (errno.EROFS, "read-only"), (errno.EACCES, "no permission"), (errno.ENAMETOOLONG, "too long"), (errno.ENOTDIR, "is a file"),
+])  # fmt: skip
+def test_storage_errors_name_path_errno_and_fix(code, fix):
+    error = rundir.storage_error(OSError(code, os.strerror(code)), "/runs/x", "write")
+    assert isinstance(error, StorageError) and error.errno == code
+    assert str(error).startswith("cannot write /runs/x:") and f"({errno.errorcode[code]})" in str(error) and fix in str(error)
+
+
+def test_storage_that_is_a_file_or_unwritable_is_refused_before_ray(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code = main(["train", "digits", "--storage", str(blocker), "--name", "r"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is a file, not a directory" in err and len(err.strip().splitlines()) == 1
+    code = main(["train", "digits", "--storage", "/proc/raytrain-test", "--name", "r"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot create the run directory /proc/raytrain-test" in err and "(ENOENT)" in err
+
+
+def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path):
+    first, second = rundir.RunLock(tmp_path), rundir.RunLock(tmp_path)
+    first.acquire()
+    with pytest.raises(rundir.RunLocked, match=f"in use by process {os.getpid()}"):
+        second.acquire()
+    first.release()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / ".lock").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "since": 0}))
+    second.acquire()
+    assert second.holder()["pid"] == os.getpid()
+    second.release()
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_the_lock_is_atomic_under_racing_starters(tmp_path):
+    winners, errors = [], []
+
+    def race():
+        lock = rundir.RunLock(tmp_path)
+        try:
+            lock.acquire()
+            winners.append(lock)
+        except rundir.RunLocked as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=race) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(winners) == 1 and len(errors) == 7
+
+
+def stored(position=None, **config):
+    return StoredRun(Path("/runs/r"), {"seed": 0, "epochs": 3, "shuffle_window_rows": None, **config}, "digits", None, position or {})
+
+
+def test_resume_refuses_another_pipeline_and_order_changes_mid_epoch():
+    _, refused = changes(stored(), {"seed": 0, "epochs": 3, "shuffle_window_rows": None}, "parquet")
+    assert refused and refused[0][0] == "pipeline" and "trains 'digits', not 'parquet'" in refused[0][1]
+    mid = stored({"epoch": 1, "epoch_offset": 320, "step": 40})
+    changed, refused = changes(mid, {"seed": 7, "epochs": 5, "shuffle_window_rows": None}, "digits")
+    assert [name for name, _ in refused] == ["seed"] and "320 samples into epoch 2" in refused[0][1]
+    assert changed == [("epochs", 3, 5)]
+    at_boundary = stored({"epoch": 2, "epoch_offset": 0, "step": 80})
+    changed, refused = changes(at_boundary, {"seed": 7, "epochs": 3, "shuffle_window_rows": None}, "digits")
+    assert not refused and changed == [("seed", 0, 7)]
+
+
+@dataclass
+class Options:
+    path: str
+    size: int = 4
+    rate: float = 0.5
+    fast: bool = False
+    note: str | None = None
+
+    def __post_init__(self):
+        if self.size < 1:
+            raise ValueError(f"--pipeline-arg size: got {self.size}; a positive integer")
+
+
+class WithArgs(raytrain.Pipeline):
+    Args = Options
+
+
+def test_pipeline_args_are_typed_and_unknown_keys_refused_with_the_known_ones():
+    args = parse_pipeline_args(WithArgs(), {"path": "/d", "size": "8", "rate": "1e-3", "fast": "true", "note": "none"})
+    assert args == Options("/d", 8, 1e-3, True, None)
+    with pytest.raises(PipelineError) as failure:
+        parse_pipeline_args(WithArgs(), {"pth": "/d", "size": "x"})
+    message = str(failure.value)
+    assert "unknown --pipeline-arg pth (did you mean 'path'?); WithArgs knows: path, size, rate, fast, note" in message
+    assert "--pipeline-arg size: got 'x'; expected an integer" in message and "needs --pipeline-arg path=VALUE" in message
+    with pytest.raises(PipelineError, match="size: got 0; a positive integer"):
+        parse_pipeline_args(WithArgs(), {"path": "/d", "size": "0"})
+    with pytest.raises(PipelineError, match="takes no --pipeline-arg"):
+        parse_pipeline_args(raytrain.Pipeline(), {"x": "1"})
+
+
+def test_unknown_pipeline_arg_is_refused_by_the_cli_before_ray(capsys):
+    code = main(["train", "parquet", "--pipeline-arg", "path=/d", "--pipeline-arg", "label=y", "--pipeline-arg", "hiden=64"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown --pipeline-arg hiden (did you mean 'hidden'?)" in err and "label, features, task" in err
+
+
+@pytest.mark.parametrize("output, expected", [
+    (torch.ones(3, requires_grad=True), "its loss has shape (3,)"),
+    (1.5, "it returned a float"),
+    (torch.tensor(1.0), "has no gradient"),
+    ((torch.ones((), requires_grad=True), [1]), "second item is a list"),
+    ((torch.ones(()), {}, 3), "a tuple of 3"),
+])  # fmt: skip
+def test_compute_loss_results_are_checked_with_a_message_naming_compute_loss(output, expected):
+    with pytest.raises(PipelineCodeError, match="compute_loss must return a scalar loss tensor") as failure:
+        check_loss_output(raytrain.Pipeline(), output, training=True)
+    assert expected in str(failure.value)
+    check_loss_output(raytrain.Pipeline(), torch.ones((), requires_grad=True), training=True)
+    check_loss_output(raytrain.Pipeline(), (torch.ones(()), {"accuracy": 1.0}), training=False)
+
+
+def test_pipeline_code_errors_name_the_method_and_the_users_frame():
+    def users_code():
+        return {}["missing"]
+
+    with pytest.raises(PipelineCodeError) as failure:
+        with pipeline_code(raytrain.Pipeline(), "build_model"):
+            users_code()
+    message = str(failure.value)
+    assert message.startswith("pipeline Pipeline: build_model raised KeyError: 'missing'")
+    assert "test_hardening.py" in message and "in users_code" in message
+    assert find_user_fault(RuntimeError("wrapper")) is None and find_user_fault(failure.value) is failure.value
+
+
+def test_collective_failures_are_not_the_pipelines_fault():
+    assert is_collective_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    assert not is_collective_failure(IndexError("Target 12 is out of bounds."))
+
+
+def test_an_address_that_is_not_ray_is_answered_within_seconds():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+
+    def http_like():
+        connection, _ = server.accept()
+        connection.recv(64)
+        connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        connection.close()
+
+    threading.Thread(target=http_like, daemon=True).start()
+    started = time.monotonic()
+    assert "not a Ray cluster" in address_problem(f"127.0.0.1:{port}")
+    assert time.monotonic() - started < 10
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # accepts, never answers
+    started = time.monotonic()
+    assert "not a Ray cluster" in address_problem(f"127.0.0.1:{silent.getsockname()[1]}")
+    assert time.monotonic() - started < 30
+    server.close()
+    silent.close()
+
+
+def test_a_worker_count_this_machine_cannot_hold_is_refused_with_the_numbers(tmp_path):
+    cpus = os.cpu_count() or 1
+    with pytest.raises(ConfigError, match=rf"got 64 workers × 1 CPU = 64 CPUs, but this machine has {cpus}"):
+        check_embedded_capacity(TrainConfig(workers=64), echo=lambda line: None)
+    notes = []
+    check_embedded_capacity(TrainConfig(workers=cpus + 1), echo=notes.append)
+    assert notes and "oversubscribed" in notes[0]
+    # The CLI, as a user runs it (a fresh process: its own embedded Ray, refused before it starts).
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("raytrain")), "train", "digits", "--workers", "64", "--name", "big", "--storage", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "use at most" in done.stderr and not (tmp_path / "big").exists()
+
+
+def test_build_datasets_without_train_lists_the_keys(ray_free_build):
+    from raytrain.trainer import build_datasets
+
+    class NoTrain(raytrain.Pipeline):
+        def build_datasets(self, cfg):
+            return {"training": None, "val": None}
+
+    with pytest.raises(PipelineCodeError, match=r"returned a dict with keys \['training', 'val'\]"):
+        build_datasets(NoTrain(), TrainConfig())
+
+
+@pytest.fixture
+def ray_free_build():
+    yield
+
+
+def test_the_readme_example_imports_from_the_working_directory(tmp_path):
+    project = tmp_path / "my_project"
+    project.mkdir()
+    (project / "__init__.py").write_text("")
+    (project / "train.py").write_text("import raytrain\nclass Regression(raytrain.Pipeline):\n    pass\n")
+    code = (
+        "import os, sys; sys.path = [p for p in sys.path if p not in ('', os.getcwd())];"
+        "from raytrain.pipeline import load_pipeline; print(type(load_pipeline('my_project.train:Regression')).__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "Regression", done.stderr
