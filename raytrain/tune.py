@@ -46,7 +46,9 @@ FALLBACK_DRIVER_MEMORY = 256 * 2**20
 # An embedded Ray may offer up to this many logical CPUs per core (as `raytrain train`
 # does for small machines); a trial larger than that cannot fit this machine.
 LOCAL_OVERSUBSCRIPTION = 2
-PG_CLEANUP_WAIT_S = 20.0
+# Train's cleaner frees a stopped trial's workers within seconds, slower on a loaded machine:
+# wait up to this long for it before removing what is left (the wait ends as soon as none is).
+PG_CLEANUP_WAIT_S = 60.0
 
 
 # -- what to sweep ---------------------------------------------------------------------------

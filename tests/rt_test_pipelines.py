@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import raytrain
 from pipelines.digits.pipeline import DigitsPipeline
+from raytrain.plan import split_range
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -169,20 +170,10 @@ def write_id_parquet(directory: Path, num_rows: int, num_files: int, nan_at_id: 
     if nan_at_id is not None:
         features[nan_at_id, 3] = np.nan
     labels = (features[:, 0] > 0).astype(np.int64) + (features[:, 1] > 1).astype(np.int64)
-    for index, (lo, hi) in enumerate(_split(num_rows, num_files)):
+    for index, (lo, hi) in enumerate(split_range(num_rows, num_files)):
         table = pa.table({"id": np.arange(lo, hi), "y": labels[lo:hi], **{f"f{j}": features[lo:hi, j] for j in range(8)}})
         pq.write_table(table, directory / f"part-{index:03d}.parquet", row_group_size=row_group_rows)
     return directory
-
-
-def _split(count: int, parts: int) -> list[tuple[int, int]]:
-    base, extra = divmod(count, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 @dataclass

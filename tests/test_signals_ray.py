@@ -41,22 +41,31 @@ def wait_for_training(run_dir: Path, process: subprocess.Popen, timeout_s: float
     raise AssertionError("the run did not start training in time")
 
 
+def stop_with(tmp_path: Path, name: str, *signals: int) -> tuple[subprocess.Popen, str, str, float]:
+    """Start a run, send `signals` (half a second apart) once it trains; (process, stdout,
+    stderr, seconds from the last signal to its exit)."""
+    process = start(tmp_path, name)
+    try:
+        wait_for_training(tmp_path / name, process)
+        for index, signum in enumerate(signals):
+            if index:
+                time.sleep(0.5)
+            process.send_signal(signum)
+        sent = time.monotonic()
+        out, err = process.communicate(timeout=120)
+        return process, out, err, time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
 def staging_left(run_dir: Path) -> list[str]:
     return [str(p) for p in (run_dir / ".staging").glob("*")] if (run_dir / ".staging").exists() else []
 
 
 def test_sigterm_stops_with_a_checkpoint_status_interrupted_exit_143_and_resumes(tmp_path):
     run_dir = tmp_path / "term"
-    process = start(tmp_path, "term")
-    try:
-        wait_for_training(run_dir, process)
-        sent = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=120)
-        stopped_after_s = time.monotonic() - sent
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    process, out, err, stopped_after_s = stop_with(tmp_path, "term", signal.SIGTERM)
     assert process.returncode == 143, (out, err)
     assert stopped_after_s < 60, stopped_after_s
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -78,18 +87,7 @@ def test_sigterm_stops_with_a_checkpoint_status_interrupted_exit_143_and_resumes
 def test_two_ctrl_c_stop_at_once_with_exit_130(tmp_path):
     run_dir = tmp_path / "int"
     before = set(Path("/tmp").glob("raytrain-ckpt-*"))
-    process = start(tmp_path, "int")
-    try:
-        wait_for_training(run_dir, process)
-        process.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        sent = time.monotonic()
-        process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=120)
-        stopped_after_s = time.monotonic() - sent
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    process, out, err, stopped_after_s = stop_with(tmp_path, "int", signal.SIGINT, signal.SIGINT)
     assert process.returncode == 130, (out, err)
     assert stopped_after_s < 45, stopped_after_s
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
