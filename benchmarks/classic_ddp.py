@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, required=True)
     parser.add_argument("--warmup-steps", type=int, default=3, help="steps left out at the start of every epoch")
     parser.add_argument("--out", required=True, help="where rank 0 writes its figures (JSON)")
+    parser.add_argument("--val", help=".npz of validation columns: the final validation loss is written too")
     return parser.parse_args()
 
 
@@ -94,6 +95,7 @@ def main() -> None:
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
+        epoch_loss = torch.zeros(2, dtype=torch.float64)  # sample-weighted sum, samples
         batches = iter(loader)
         for step in range(len(loader)):
             tick = time.perf_counter()
@@ -122,6 +124,16 @@ def main() -> None:
                 phases["optimizer"] += done - t_backward
             if step % 10 == 0 and rank == 0:
                 last_loss = loss.item()  # what the template logs; outside the timed step
+            epoch_loss += torch.tensor([float(loss.detach()) * len(columns[0]), len(columns[0])], dtype=torch.float64)
+    if ddp:
+        dist.all_reduce(epoch_loss)
+    final = {"train_loss": float(epoch_loss[0] / epoch_loss[1])}
+    if args.val:
+        with np.load(args.val) as data, torch.no_grad():
+            model.eval()
+            val = {name: torch.from_numpy(data[name]).to(device) for name in data.files}
+            output = pipeline.compute_loss(model, val)
+            final["val_loss"] = float(output[0] if isinstance(output, tuple) else output)
 
     if rank == 0:
         result = {
@@ -136,6 +148,7 @@ def main() -> None:
             "steady_samples_per_s": steady_samples / steady_time if steady_time else None,
             "phase_time_s": phases,
             "last_loss": last_loss,
+            **final,
         }
         with open(args.out, "w") as handle:
             json.dump(result, handle, indent=2)

@@ -21,6 +21,15 @@ from raytrain.config import ConfigError, DDPConfig, TrainConfig, flag_name
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
+def _numbers(text: str) -> list[float | int]:
+    """`30,60,80` -> [30, 60, 80] (epochs may be fractional: 0.5,1.5)."""
+    try:
+        values = [float(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected comma-separated numbers, e.g. 30,60") from None
+    return [int(v) if v.is_integer() else v for v in values]
+
+
 # Flags that take a value, by config field; booleans are handled separately.
 _VALUE_TYPES: dict[str, Callable[[str], Any]] = {
     "epochs": int,
@@ -52,6 +61,12 @@ _VALUE_TYPES: dict[str, Callable[[str], Any]] = {
     "progress_interval_s": float,
     "shuffle_window_rows": int,
     "data_partitions": int,
+    "optimizer": str,
+    "momentum": float,
+    "grad_clip_norm": float,
+    "lr_milestones": _numbers,
+    "lr_gamma": float,
+    "warmup_start_factor": float,
     "timing_warmup_steps": int,
 }
 _DDP_VALUE_TYPES = {"bucket_cap_mb": float}
@@ -196,6 +211,8 @@ def add_run_flags(parser, skip=()) -> dict[str, str]:
         if name not in skip:
             parser.add_argument(flag_name(name), dest=name, type=kind, default=argparse.SUPPRESS, help=help_of.get(name))
     parser.add_argument("--gpu", dest="gpu", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of["gpu"])
+    for name in ("nesterov", "decay_norm_and_bias"):
+        parser.add_argument(flag_name(name), dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of[name])
     parser.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
     add_ddp_flags(parser)
     return help_of

@@ -19,7 +19,8 @@ from raytrain.errors import UserFault
 
 LR_RULES = ("linear", "sqrt", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
-SCHEDULES = ("cosine", "constant")
+SCHEDULES = ("cosine", "constant", "linear", "step", "onecycle")
+OPTIMIZERS = ("adamw", "sgd", "lamb")
 PROGRESS_MODES = ("auto", "bar", "plain", "off")
 DEFAULT_STORAGE = "~/raytrain_results"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -90,9 +91,25 @@ class TrainConfig:
     warmup_epochs: float = 1.0
     """Gradual warmup from `lr` to the scaled peak, in epochs (counted in samples)."""
     schedule: str = "cosine"
-    """After warmup: cosine decay to 0 over the remaining samples, or constant."""
+    """After warmup: cosine (to 0), constant, linear (to 0), step (×lr_gamma at each of lr_milestones) or onecycle; a pipeline's lr_factor(progress) replaces it."""
+    lr_milestones: list | None = None
+    """With --schedule step: the epochs at which the rate is multiplied by lr_gamma, e.g. 30,60,80."""
+    lr_gamma: float = 0.1
+    """With --schedule step: the factor applied at each milestone."""
+    warmup_start_factor: float | None = None
+    """Warmup starts at this fraction of the peak rate (e.g. 0.01); default: at lr, the unscaled rate (Goyal et al.)."""
+    optimizer: str = "adamw"
+    """adamw, sgd (momentum, optionally Nesterov) or lamb (large-batch Adam, from pytorch-optimizer); a pipeline's build_optimizer replaces it."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    nesterov: bool = False
+    """SGD with Nesterov momentum."""
     weight_decay: float = 0.01
-    """AdamW weight decay."""
+    """Weight decay (decoupled for adamw and lamb, L2 for sgd)."""
+    decay_norm_and_bias: bool = True
+    """Apply weight decay to biases and normalization weights too (--no-decay-norm-and-bias: only to weight matrices and kernels)."""
+    grad_clip_norm: float | None = None
+    """Clip the global gradient norm to this (after unscaling, under fp16); none by default."""
     precision: str = "fp32"
     """fp32, bf16 autocast, or fp16 autocast with a gradient scaler."""
     seed: int = 0
@@ -205,6 +222,7 @@ def parse_workers(value: int | str) -> tuple[int, int]:
 
 _TYPE_HINTS = {
     dict: "a mapping of KEY: value",
+    list: "a list, e.g. [30, 60]",
     int: "an integer",
     float: "a number",
     bool: "true or false",
@@ -216,7 +234,7 @@ def _expected_types(cfg_cls: type, name: str) -> tuple[type, ...]:
     hint = {f.name: f.type for f in dataclasses.fields(cfg_cls)}[name]
     kinds = []
     for part in str(hint).replace(" ", "").split("|"):
-        kinds.extend({"int": [int], "float": [float, int], "bool": [bool], "str": [str], "dict": [dict], "None": [type(None)]}.get(part, []))
+        kinds.extend({"int": [int], "float": [float, int], "bool": [bool], "str": [str], "dict": [dict], "list": [list], "None": [type(None)]}.get(part, []))
     return tuple(kinds)
 
 
@@ -272,6 +290,19 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
         yield "lr_scaling", f"got {c.lr_scaling!r}; choose one of {', '.join(LR_RULES)}{_close(c.lr_scaling, LR_RULES)}"
     if c.schedule not in SCHEDULES:
         yield "schedule", f"got {c.schedule!r}; choose one of {', '.join(SCHEDULES)}{_close(c.schedule, SCHEDULES)}"
+    yield from _check_milestones(c)
+    if not 0 < c.lr_gamma <= 1:
+        yield "lr_gamma", f"got {c.lr_gamma}; must be in (0, 1], e.g. --lr-gamma 0.1"
+    if c.warmup_start_factor is not None and not 0 <= c.warmup_start_factor <= 1:
+        yield "warmup_start_factor", f"got {c.warmup_start_factor}; must be in [0, 1], e.g. --warmup-start-factor 0.01"
+    if c.optimizer not in OPTIMIZERS:
+        yield "optimizer", f"got {c.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}{_close(c.optimizer, OPTIMIZERS)}"
+    if not 0 <= c.momentum < 1:
+        yield "momentum", f"got {c.momentum}; must be in [0, 1), e.g. --momentum 0.9"
+    if c.nesterov and (c.optimizer != "sgd" or c.momentum == 0):
+        yield "nesterov", "applies to --optimizer sgd with a --momentum above 0"
+    if c.grad_clip_norm is not None and not 0 < c.grad_clip_norm < math.inf:
+        yield "grad_clip_norm", f"got {c.grad_clip_norm}; must be a positive norm, e.g. --grad-clip-norm 1.0"
     if c.precision not in PRECISIONS:
         yield "precision", f"got {c.precision!r}; choose one of {', '.join(PRECISIONS)}{_close(c.precision, PRECISIONS)}"
     if not 0 <= c.warmup_epochs < math.inf:
@@ -310,6 +341,21 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
         yield "progress_interval_s", f"got {c.progress_interval_s}; must be a positive number of seconds, e.g. 10"
     if not 0 < c.ddp.bucket_cap_mb < math.inf:
         yield "ddp.bucket_cap_mb", f"got {c.ddp.bucket_cap_mb}; must be a positive size in MiB, e.g. 25"
+
+
+def _check_milestones(c: "TrainConfig") -> Iterable[tuple[str, str]]:
+    milestones = c.lr_milestones
+    if c.schedule == "step" and not milestones:
+        yield "lr_milestones", "--schedule step needs the epochs at which to decay, e.g. --lr-milestones 30,60"
+    if milestones is None:
+        return
+    if c.schedule != "step":
+        yield "lr_milestones", f"got {milestones}; milestones apply to --schedule step only (the schedule is {c.schedule})"
+        return
+    if not all(isinstance(m, (int, float)) and not isinstance(m, bool) for m in milestones):
+        yield "lr_milestones", f"got {milestones}; give epochs as numbers, e.g. --lr-milestones 30,60"
+    elif any(b <= a for a, b in zip(milestones, milestones[1:])) or milestones[0] <= 0:
+        yield "lr_milestones", f"got {milestones}; epochs must be positive and increasing, e.g. --lr-milestones 30,60"
 
 
 def _close(value: Any, choices: Iterable[str]) -> str:

@@ -22,13 +22,13 @@ import numpy as np
 import torch
 
 from raytrain import checkpoint as ckpt
-from raytrain import rundir
+from raytrain import optim, rundir
 from raytrain import plan as rules
 from raytrain.config import TrainConfig
 from raytrain.data import DataError, Stream, StreamEpoch, Table, TableEpoch
 from raytrain.errors import PipelineCodeError, UserFault, pipeline_code
 from raytrain.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
-from raytrain.pipeline import Pipeline, _CONTEXT
+from raytrain.pipeline import _CONTEXT, Pipeline, overrides
 from raytrain.runtime import Runtime
 
 LIVE_INTERVAL_S = 1.0  # rank 0 writes live.jsonl at most this often
@@ -213,9 +213,8 @@ class StepRunner:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    peak_lr: float
-    warmup_samples: int
-    total_samples: int
+    schedule: rules.Schedule
+    rate_multipliers: list[float]  # per parameter group: its rate at build / --lr
     loss_sum: torch.Tensor = None  # running sample-weighted loss since the last metrics row
     loss_count: int = 0
     last_log_time: float = 0.0
@@ -236,13 +235,17 @@ class StepRunner:
         if state is not None:
             model.load_state_dict(state["model"], strict=True)
         model = runtime.prepare_model(model, dataclasses.asdict(cfg.ddp))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        with pipeline_code(pipeline, "build_optimizer"):
+            optimizer = pipeline.build_optimizer(ckpt.unwrap(model), cfg)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise PipelineCodeError(f"pipeline {pipeline.name}: build_optimizer returned a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        multipliers = optim.rate_multipliers(optimizer, cfg.lr)  # before a checkpoint's state overwrites the rates
         scaler = torch.amp.GradScaler(runtime.device.type, enabled=cfg.precision == "fp16")
         if state is not None:
-            optimizer.load_state_dict(state["optimizer"])
+            with pipeline_code(pipeline, "build_optimizer"):  # another optimizer than the checkpoint's is the pipeline's doing
+                optimizer.load_state_dict(state["optimizer"])
             scaler.load_state_dict(state["scaler"])
         _restore_rank_rng(cfg.seed, runtime, state)
-        peak = cfg.lr * rules.lr_scale(cfg.lr_scaling, batch_plan.global_batch_size, cfg.reference_batch_size)
         return cls(
             pipeline=pipeline,
             cfg=cfg,
@@ -252,23 +255,20 @@ class StepRunner:
             model=model,
             optimizer=optimizer,
             scaler=scaler,
-            peak_lr=peak,
-            warmup_samples=round(cfg.warmup_epochs * num_train_rows),
-            total_samples=cfg.epochs * num_train_rows,
+            schedule=run_schedule(cfg, batch_plan, num_train_rows),
+            rate_multipliers=multipliers,
             loss_sum=torch.zeros((), device=runtime.device),
             first_bad_step=torch.full((), math.inf, dtype=torch.float64, device=runtime.device),
             last_log_time=time.perf_counter(),
         )
 
+    @property
+    def peak_lr(self) -> float:
+        return self.schedule.peak_lr
+
     def lr_at(self, samples_seen: int) -> float:
-        return rules.lr_at(
-            samples_seen,
-            base_lr=self.cfg.lr,
-            peak_lr=self.peak_lr,
-            warmup_samples=self.warmup_samples,
-            total_samples=self.total_samples,
-            schedule=self.cfg.schedule,
-        )
+        factor = self.pipeline.lr_factor if overrides(self.pipeline, "lr_factor") else None
+        return self.schedule.lr(samples_seen, factor)
 
     def sync_device(self) -> None:
         # GPU kernels run asynchronously: without a sync, phase times land on whatever
@@ -285,8 +285,7 @@ class StepRunner:
     def optimizer_step(self, data: TableEpoch | StreamEpoch, step: rules.Step, samples_seen: int, timer: "PhaseTimer") -> float:
         """One optimizer step over this rank's rows of `step`; returns the lr used."""
         lr = self.lr_at(samples_seen)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        optim.set_rates(self.optimizer, lr, self.rate_multipliers)
         rows = data.rows(step)
         for index, piece in enumerate(split_rows(rows, self.batch_plan.accumulation_steps)):
             # A rank with no rows in a (micro-)step still runs forward and backward (the data
@@ -294,6 +293,7 @@ class StepRunner:
             # gradient all-reduce.
             self.heartbeat.mark(self.step_index, "data")
             batch, count = data.batch(piece, self.runtime.device)
+            batch = self.augment(batch, index)
             timer.lap("data_wait")
             # DDP averages gradients over ranks; this weight turns that into the mean
             # over the samples actually present in the step (tail steps are smaller).
@@ -306,25 +306,54 @@ class StepRunner:
                 self.heartbeat.mark(self.step_index, "backward")
                 self.scaler.scale(loss * weight).backward()
             detached = loss.detach().float()
-            # Divergence is noted on the device, without a host sync; `sync` reads it.
-            bad = ~torch.isfinite(detached) & torch.isinf(self.first_bad_step)
-            self.first_bad_step = torch.where(bad, torch.full_like(self.first_bad_step, self.step_index), self.first_bad_step)
+            self.note_if_bad(detached)
             self.loss_sum += torch.nan_to_num(detached, nan=0.0, posinf=0.0, neginf=0.0) * count
             self.loss_count += count
             timer.lap("forward_backward")  # includes DDP's all-reduce, overlapped with backward
         self.heartbeat.mark(self.step_index, "optimizer")
+        if self.cfg.grad_clip_norm is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16's scaled ones
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
+            if not self.scaler.is_enabled():  # under fp16 an inf norm is an overflow the scaler skips, not divergence
+                self.note_if_bad(norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         timer.lap("optimizer")
         return lr
 
+    def note_if_bad(self, value: torch.Tensor) -> None:
+        """Note the step if `value` (a loss, a gradient norm) is NaN/inf — on the device, without
+        a host sync; `sync` reads it."""
+        bad = ~torch.isfinite(value) & torch.isinf(self.first_bad_step)
+        self.first_bad_step = torch.where(bad, torch.full_like(self.first_bad_step, self.step_index), self.first_bad_step)
+
+    def augment(self, batch: dict[str, torch.Tensor], micro_index: int) -> dict[str, torch.Tensor]:
+        """The pipeline's transform_batch under generators seeded from (seed, epoch, step, rank,
+        micro-batch): new every epoch, the same after a resume; the run's own streams untouched."""
+        if not overrides(self.pipeline, "transform_batch"):
+            return batch
+        seed = int(np.random.SeedSequence([self.cfg.seed, _CONTEXT.epoch, self.step_index, self.runtime.world_rank, micro_index]).generate_state(1)[0])
+        devices = [self.runtime.device] if self.runtime.device.type == "cuda" else []
+        numpy_state = np.random.get_state()
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            np.random.seed(seed)
+            try:
+                with pipeline_code(self.pipeline, "transform_batch"):
+                    out = self.pipeline.transform_batch(Batch(batch), _CONTEXT)
+            finally:
+                np.random.set_state(numpy_state)
+        if not isinstance(out, dict):
+            raise PipelineCodeError(f"pipeline {self.pipeline.name}: transform_batch must return the batch (a dict of tensors); it returned a {type(out).__name__}")
+        return out
+
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         """The pipeline's compute_loss under autocast; its first result is checked, and an
         exception from it is the pipeline's (not retried), unless a collective failed in it."""
         try:
             with self.autocast():
-                output = self.pipeline.compute_loss(self.model, batch)
+                output = self.pipeline.compute_loss(self.model, Batch(batch))
         except Exception as exc:
             if is_collective_failure(exc):
                 raise  # a peer died or stalled inside DDP's forward: a worker fault, retried
@@ -391,7 +420,7 @@ class StepRunner:
         return {
             "model": ckpt.model_state(self.model),
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": {"samples_seen": position.samples_seen, "peak_lr": self.peak_lr, "schedule": self.cfg.schedule},
+            "scheduler": {"samples_seen": position.samples_seen, "peak_lr": self.peak_lr, "schedule": self.cfg.schedule, "rate_multipliers": self.rate_multipliers},
             "scaler": self.scaler.state_dict(),
             "rng": rng_states,
             "position": dataclasses.asdict(position),
@@ -492,6 +521,23 @@ def split_rows(rows: list[tuple], parts: int) -> list[list[tuple]]:
                     break
                 offset -= size
     return out
+
+
+def run_schedule(cfg: TrainConfig, batch_plan: rules.BatchPlan, num_train_rows: int) -> rules.Schedule:
+    """The rate at every sample count: the scaling rule's peak, warmup and schedule (plan.Schedule)."""
+    peak = cfg.lr * rules.lr_scale(cfg.lr_scaling, batch_plan.global_batch_size, cfg.reference_batch_size)
+    start = cfg.lr if cfg.warmup_start_factor is None else peak * cfg.warmup_start_factor
+    milestones = tuple(round(m * num_train_rows) for m in (cfg.lr_milestones or ()))
+    return rules.Schedule(
+        cfg.schedule, peak, start, round(cfg.warmup_epochs * num_train_rows), cfg.epochs * num_train_rows, milestones, cfg.lr_gamma
+    )
+
+
+class Batch(dict):
+    """A batch whose missing key names the keys it has (what compute_loss sees)."""
+
+    def __missing__(self, key):
+        raise KeyError(f"{key!r}: the batch has no such column; it has {', '.join(map(repr, self))} (columns of the dataset)")
 
 
 class TrainingDiverged(UserFault, FloatingPointError):
@@ -667,9 +713,15 @@ def describe_plan(trainer: StepRunner, cfg: TrainConfig) -> str:
     factor = trainer.peak_lr / cfg.lr
     rule = {"linear": "linear rule", "sqrt": "square-root rule", "none": "no scaling"}[cfg.lr_scaling]
     warmup = f"warmup {cfg.warmup_epochs:g} epoch{'s' if cfg.warmup_epochs != 1 else ''}"
+    if cfg.warmup_epochs and cfg.warmup_start_factor is not None:
+        warmup += f" from {sci(trainer.schedule.warmup_start_lr)}"
+    schedule = "own lr_factor" if overrides(trainer.pipeline, "lr_factor") else cfg.schedule
+    if cfg.schedule == "step" and schedule == "step":
+        schedule += f" ×{cfg.lr_gamma:g} at epochs {', '.join(f'{m:g}' for m in cfg.lr_milestones or [])}"
+    optimizer = "own optimizer" if overrides(trainer.pipeline, "build_optimizer") else cfg.optimizer
     return (
         f"{plan.describe()}; lr {sci(trainer.peak_lr)} = {sci(cfg.lr)} × {factor:.3g} "
-        f"({rule}, reference batch {cfg.reference_batch_size}); {warmup}; {trainer.runtime.backend}"
+        f"({rule}, reference batch {cfg.reference_batch_size}); {warmup}; {schedule}; {optimizer}; {trainer.runtime.backend}"
     )
 
 

@@ -56,6 +56,28 @@ class Pipeline:
         """Mean loss over `batch`, or (loss, {"name": value}) with per-batch mean metrics."""
         raise NotImplementedError("a Pipeline must implement compute_loss(model, batch) -> loss")
 
+    # -- optional --------------------------------------------------------------------------
+
+    def build_optimizer(self, model: "torch.nn.Module", cfg: "TrainConfig") -> "torch.optim.Optimizer":
+        """The optimizer over `model` (the plain module, not DDP's wrapper). Default: --optimizer
+        (adamw, sgd or lamb) with --weight-decay (--no-decay-norm-and-bias: none on biases and
+        norms). raytrain sets every group's rate each step: the rules' rate × the group's rate
+        at build / --lr (build a group with lr=cfg.lr * 0.1 for a tenth)."""
+        from raytrain.optim import build_default_optimizer
+
+        return build_default_optimizer(model, cfg)
+
+    def transform_batch(self, batch: dict[str, "torch.Tensor"], ctx: "RunContext") -> dict[str, "torch.Tensor"]:
+        """Training-time augmentation of a training batch, on the worker's device. torch's and
+        numpy's random generators are seeded from (seed, epoch, step, rank, micro-batch) for
+        the call: a new augmentation every epoch, the same one after a resume. Default: none."""
+        return batch
+
+    def lr_factor(self, progress: float) -> float:
+        """A schedule of your own: the rate is peak × lr_factor(progress), with progress going
+        from 0 at the end of warmup to 1 at the end of training. Used only when overridden."""
+        raise NotImplementedError
+
     @property
     def name(self) -> str:
         return type(self).__name__
@@ -175,6 +197,11 @@ def load_pipeline(spec: "str | Pipeline") -> Pipeline:
         f"pipeline {spec!r}: {attr} is a {type(obj).__name__}, not a raytrain.Pipeline; "
         "subclass raytrain.Pipeline and implement build_model, build_datasets, compute_loss"
     )
+
+
+def overrides(pipeline: Pipeline, method: str) -> bool:
+    """Whether the pipeline defines `method` itself (an optional hook)."""
+    return getattr(type(pipeline), method, None) is not getattr(Pipeline, method)
 
 
 @dataclass

@@ -96,6 +96,62 @@ def lr_scale(rule: str, global_batch_size: int, reference_batch_size: int) -> fl
     raise ValueError(f"unknown lr scaling rule {rule!r}")
 
 
+SCHEDULES = ("cosine", "constant", "linear", "step", "onecycle")
+ONECYCLE_FINAL_FACTOR = 1e-4  # one-cycle ends at this fraction of the peak rate
+ONECYCLE_DEFAULT_RISE = 0.3  # without a warmup, one-cycle rises over this share of the run
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The learning rate as a function of samples seen (never of steps or workers).
+
+    Warmup rises linearly from `warmup_start_lr` (Goyal et al. 2017: the unscaled rate) to
+    `peak_lr` over `warmup_samples`; then, with p the progress from the end of warmup (0) to
+    the end of training (1):
+
+    - cosine: peak · ½(1 + cos πp), to 0;
+    - constant: peak;
+    - linear: peak · (1 − p), to 0;
+    - step: peak · gamma^k, k = milestones passed (in samples; given in epochs);
+    - onecycle: a cosine rise from the warmup start to the peak over the warmup (or the first
+      30 % of training without one), then a cosine fall to peak · 1e-4;
+    - `factor(p)`, a pipeline's own `lr_factor`, replaces the kind: peak · factor(p).
+    """
+
+    kind: str
+    peak_lr: float
+    warmup_start_lr: float
+    warmup_samples: int
+    total_samples: int
+    milestones_samples: tuple[int, ...] = ()
+    gamma: float = 0.1
+
+    def lr(self, samples_seen: int, factor=None) -> float:
+        warmup = self.warmup_samples
+        if self.kind == "onecycle" and warmup <= 0:
+            warmup = round(ONECYCLE_DEFAULT_RISE * self.total_samples)
+        if warmup > 0 and samples_seen < warmup:
+            rise = samples_seen / warmup
+            if self.kind == "onecycle":
+                rise = 0.5 * (1.0 - math.cos(math.pi * rise))
+            return self.warmup_start_lr + (self.peak_lr - self.warmup_start_lr) * rise
+        progress = min(1.0, max(0.0, (samples_seen - warmup) / max(1, self.total_samples - warmup)))
+        if factor is not None:
+            return self.peak_lr * float(factor(progress))
+        if self.kind == "constant":
+            return self.peak_lr
+        if self.kind == "linear":
+            return self.peak_lr * (1.0 - progress)
+        if self.kind == "step":
+            return self.peak_lr * self.gamma ** sum(samples_seen >= m for m in self.milestones_samples)
+        if self.kind == "onecycle":
+            low = self.peak_lr * ONECYCLE_FINAL_FACTOR
+            return low + (self.peak_lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        if self.kind == "cosine":
+            return self.peak_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+        raise ValueError(f"unknown schedule {self.kind!r}")
+
+
 def lr_at(
     samples_seen: int,
     *,
@@ -105,20 +161,8 @@ def lr_at(
     total_samples: int,
     schedule: str = "cosine",
 ) -> float:
-    """Learning rate after `samples_seen` training samples.
-
-    Gradual warmup (Goyal et al. 2017) rises linearly from `base_lr` to `peak_lr` over
-    `warmup_samples`; then cosine decay to 0 at `total_samples`, or constant. Keyed to
-    samples, not steps, so a change of worker count or global batch neither restarts
-    nor stretches the warmup.
-    """
-    if warmup_samples > 0 and samples_seen < warmup_samples:
-        return base_lr + (peak_lr - base_lr) * samples_seen / warmup_samples
-    if schedule == "constant":
-        return peak_lr
-    span = max(1, total_samples - warmup_samples)
-    progress = min(1.0, max(0.0, (samples_seen - warmup_samples) / span))
-    return peak_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    """Learning rate after `samples_seen` training samples, warmup from `base_lr` (see Schedule)."""
+    return Schedule(schedule, peak_lr, base_lr, warmup_samples, total_samples).lr(samples_seen)
 
 
 # -- data order ------------------------------------------------------------------------

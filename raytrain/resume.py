@@ -27,6 +27,8 @@ from raytrain import checkpoint as ckpt
 
 # Fields that change the order of an epoch: refused on a resume in the middle of one.
 ORDER_FIELDS = ("seed", "shuffle_window_rows", "data_partitions")
+# Fields whose change the checkpoint's optimizer state cannot follow.
+STATE_FIELDS = ("optimizer", "decay_norm_and_bias")
 # Fields that are about this invocation, not the run: never reported as changes.
 INVOCATION_FIELDS = ("resume", "address", "verbose", "progress", "progress_interval_s", "name", "storage")
 
@@ -82,6 +84,12 @@ def changes(stored: StoredRun, new_config: dict[str, Any], new_pipeline: str) ->
             continue
         before, now = stored.config.get(name), new_config.get(name)
         if before == now:
+            continue
+        if name in STATE_FIELDS and stored.checkpoint is not None:
+            refused.append((name, (
+                f"got {now!r}, but the run's checkpoint holds the state of its optimizer with {before!r}; resume with {before!r}, "
+                "or start a new run with another --name"
+            )))  # fmt: skip
             continue
         if name in ORDER_FIELDS and stored.mid_epoch:
             epoch = int(stored.position.get("epoch", 0)) + 1

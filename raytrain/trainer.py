@@ -433,17 +433,25 @@ def resolve_gpu(cfg: TrainConfig) -> bool:
 
 
 def build_datasets(pipe: Pipeline, cfg: TrainConfig) -> dict[str, Any]:
+    """The pipeline's datasets as Ray Datasets (map-style torch Datasets are converted)."""
     import ray.data
+    import torch.utils.data
+
+    from raytrain.data import from_torch_dataset
 
     with pipeline_code(pipe, "build_datasets"):
         datasets = pipe.build_datasets(cfg)
     if not isinstance(datasets, dict) or "train" not in datasets:
         got = f"a dict with keys {sorted(map(str, datasets))}" if isinstance(datasets, dict) else f"a {type(datasets).__name__}"
-        raise PipelineCodeError(f"pipeline {pipe.name}: build_datasets must return a dict with a 'train' ray.data.Dataset (and optionally 'val'); it returned {got}")
+        raise PipelineCodeError(f"pipeline {pipe.name}: build_datasets must return a dict with a 'train' dataset (and optionally 'val'); it returned {got}")
+    out = {}
     for name, ds in datasets.items():
+        if isinstance(ds, torch.utils.data.Dataset) and not isinstance(ds, ray.data.Dataset):
+            ds = from_torch_dataset(ds, name)
         if not isinstance(ds, ray.data.Dataset):
-            raise PipelineCodeError(f"pipeline {pipe.name}: build_datasets returned dataset {name!r} as a {type(ds).__name__}, not a ray.data.Dataset")
-    return datasets
+            raise PipelineCodeError(f"pipeline {pipe.name}: build_datasets returned dataset {name!r} as a {type(ds).__name__}, not a ray.data.Dataset or a torch Dataset")
+        out[name] = ds
+    return out
 
 
 # Rows of the first unit the driver reads to learn the columns (and check them) before training.

@@ -266,3 +266,57 @@ class OtherShapePipeline(RecordingPipeline):
     @property
     def name(self) -> str:
         return "RecordingPipeline"
+
+
+class OptimizerProbePipeline(RecordingPipeline):
+    """RecordingPipeline that notes, at its first training step of each attempt, the sum of
+    every tensor in the optimizer's state (momentum buffers, Adam/LAMB moments)."""
+
+    def build_optimizer(self, model, cfg):
+        self._optimizer = super().build_optimizer(model, cfg)
+        return self._optimizer
+
+    def compute_loss(self, model, batch):
+        if model.training and not getattr(self, "_probed", False):
+            self._probed = True
+            ctx = raytrain.context()
+            total = sum(float(v.double().sum()) for s in self._optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1)
+            with open(Path(self.out_dir) / f"optimizer-state-rank{ctx.world_rank}.jsonl", "a") as handle:
+                handle.write(json.dumps({"step": ctx.step, "world_size": ctx.world_size, "state_sum": total}) + "\n")
+        return super().compute_loss(model, batch)
+
+
+class AugmentingPipeline(RecordingPipeline):
+    """RecordingPipeline whose transform_batch adds torch noise to x and records its first values."""
+
+    def transform_batch(self, batch, ctx):
+        noise = torch.rand(batch["x"].shape)
+        with open(Path(self.out_dir) / f"noise-rank{ctx.world_rank}.jsonl", "a") as handle:
+            attempt = "second" if (Path(self.out_dir) / "crashed").exists() else "first"
+            handle.write(json.dumps({"attempt": attempt, "epoch": ctx.epoch, "step": ctx.step, "noise": noise.flatten()[:4].tolist()}) + "\n")
+        return {**batch, "x": batch["x"] + 0.01 * noise}
+
+
+class IdTorchDataset(torch.utils.data.Dataset):
+    """A map-style torch Dataset of (features, label, id) tuples."""
+
+    def __init__(self, num_rows: int):
+        rng = np.random.default_rng(3)
+        self.x = rng.normal(size=(num_rows, 8)).astype(np.float32)
+        self.y = (self.x[:, 0] > 0).astype(np.int64)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return torch.from_numpy(self.x[index]), int(self.y[index]), index
+
+
+class TorchDatasetPipeline(RecordingPipeline):
+    """A torch Dataset returned from build_datasets: its fields arrive as columns '0', '1', '2'."""
+
+    def build_datasets(self, cfg):
+        return {"train": IdTorchDataset(self.num_rows)}
+
+    def compute_loss(self, model, batch):
+        return super().compute_loss(model, {"x": batch["0"], "y": batch["1"], "id": batch["2"]})

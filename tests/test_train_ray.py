@@ -58,7 +58,7 @@ def test_digits_two_workers_trains_and_leaves_run_files(ray_session, tmp_path):
 
     events = read_jsonl(run_dir / "events.jsonl")
     assert events[0]["message"].startswith(
-        "global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, reference batch 32); warmup 1 epoch; gloo"
+        "global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, reference batch 32); warmup 1 epoch; cosine; adamw; gloo"
     )
 
     # The run name is taken now: reusing it without --resume is an error, not a silent resume.
