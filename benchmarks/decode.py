@@ -80,7 +80,6 @@ def decode(jpegs) -> np.ndarray:
 
 
 def build_cnn():
-    import torch
     from torch import nn
 
     return nn.Sequential(

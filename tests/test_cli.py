@@ -79,7 +79,9 @@ FLAG_CASES = [
     (["--lr-scaling", "cubic"], "--lr-scaling: got 'cubic'; choose one of linear, sqrt, none"),
     (["--lr-scaling", "lineer"], "--lr-scaling: got 'lineer'; choose one of linear, sqrt, none (did you mean 'linear'?)"),
     (["--precision", "fp8"], "--precision: got 'fp8'; choose one of fp32, bf16, fp16"),
-    (["--schedule", "step"], "--schedule: got 'step'; choose one of cosine, constant"),
+    (["--schedule", "cosin"], "--schedule: got 'cosin'; choose one of cosine, constant, linear, step, onecycle (did you mean 'cosine'?)"),
+    (["--schedule", "step"], "--lr-milestones: --schedule step needs the epochs at which to decay, e.g. --lr-milestones 30,60"),
+    (["--optimizer", "adam"], "--optimizer: got 'adam'; choose one of adamw, sgd, lamb (did you mean 'adamw'?)"),
     (
         ["--global-batch-size", "64", "--batch-size-per-worker", "32"],
         "--global-batch-size: got 64 together with --batch-size-per-worker 32; set exactly one",
@@ -118,6 +120,7 @@ def test_invalid_flag_values(train, args, expected):
 
 
 ARGPARSE_CASES = [
+    (["--lr-milestones", "3,x"], "argument --lr-milestones: got '3,x'; expected comma-separated numbers, e.g. 30,60"),
     (["--epochs", "abc"], "argument --epochs: invalid int value: 'abc'"),
     (["--epochs", "2.5"], "argument --epochs: invalid int value: '2.5'"),
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
