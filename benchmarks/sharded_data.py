@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -121,8 +122,9 @@ class CountingParquet(raytrain.Pipeline):
         return "counting-parquet"
 
 
-def train(data: Path, workers: int, epochs: int, extra: list[str]) -> tuple[Path, float]:
-    """One `raytrain train` process; returns its out directory and wall time."""
+def train(data: Path, workers: int, epochs: int, extra: list[str], until_first_step: bool = False) -> tuple[Path, float]:
+    """One `raytrain train` process; returns its out directory and start time. With
+    `until_first_step`, the run is stopped (SIGTERM) once rank 0 has begun its first step."""
     out = Path(tempfile.mkdtemp(prefix="sharded-bench-"))
     command = [
         str(Path(sys.executable).with_name("raytrain")), "train", "benchmarks.sharded_data:CountingParquet",
@@ -130,10 +132,16 @@ def train(data: Path, workers: int, epochs: int, extra: list[str]) -> tuple[Path
         "--storage", str(out / "runs"), "--progress", "off", *extra,
     ]  # fmt: skip
     started = time.time()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"raytrain train failed ({done.returncode}):\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}")
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    if until_first_step:
+        while process.poll() is None and not (out / "first_step").exists():
+            time.sleep(0.2)
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=3600)
+    if process.returncode not in (0, 143):
+        raise RuntimeError(f"raytrain train failed ({process.returncode}):\n{stdout[-1500:]}\n{stderr[-3000:]}")
     return out, started
 
 
@@ -162,7 +170,7 @@ def study_startup(args) -> dict:
         for mode, extra in (("streamed", ["--shuffle-window-rows", str(args.window)]), ("default", [])):
             for scale in scales if round_index % 2 == 0 else scales[::-1]:
                 data = Path(args.data_dir) / f"rows-{args.rows * scale}"
-                out, started = train(data, args.workers_one, 1, extra + ["--epochs", "1"])
+                out, started = train(data, args.workers_one, 1, extra + ["--epochs", "1"], until_first_step=True)
                 seconds = float((out / "first_step").read_text()) - started
                 results[mode].setdefault(scale, []).append(seconds)
                 print(f"startup: round {round_index + 1}, {mode}, {args.rows * scale:,} rows: first step after {seconds:.1f} s", flush=True)

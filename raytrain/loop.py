@@ -107,7 +107,7 @@ def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: "
     trainer.heartbeat = heartbeat
     trainer.last_log_samples = position.samples_seen
     files.start_attempt(position, state, trainer, cfg)
-    files.partition_notes(train_data, runtime.world_size)
+    files.data_notes(train_data, runtime.world_size)
     position.world_sizes = _append_if_new(position.world_sizes, runtime.world_size)
 
     # loop
@@ -656,9 +656,14 @@ class RunFiles:
             message = f"Restarted from the checkpoint at {where} with {trainer.runtime.world_size} workers: {plan}"
             self.event("restore", message, world_size=trainer.runtime.world_size, step=position.step)
 
-    def partition_notes(self, data: Table | Stream, world_size: int) -> None:
-        """Say when the stream's partitions cannot keep every worker equally busy."""
-        if not self.enabled or not isinstance(data, Stream) or world_size == 1:
+    def data_notes(self, data: Table | Stream, world_size: int) -> None:
+        """Say what the data costs the run: rows skipped in memory, and stream partitions
+        that cannot keep every worker equally busy."""
+        if not self.enabled:
+            return
+        if isinstance(data, Table) and data.dropped_rows:
+            self.event("data", f"dataset 'train': skipped {data.dropped_rows:,} row(s) holding NaN or inf (--skip-nan-rows); {len(data):,} left")
+        if not isinstance(data, Stream) or world_size == 1:
             return
         lanes = data.layout.lanes
         if lanes < world_size:
