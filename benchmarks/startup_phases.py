@@ -79,8 +79,9 @@ def wrap_driver() -> None:
     timed(ray, "init", "ray.init")
     timed(TorchTrainer, "fit", "TorchTrainer.fit")
     timed(tracking, "RunTracker", "run tracker")
-    for name in ("resolve_gpu", "build_datasets", "check_datasets", "write_yaml", "build_trainer"):
+    for name in ("resolve_gpu", "build_datasets", "prepare_datasets", "build_trainer"):
         timed(trainer, name, name)
+    timed(trainer.rundir, "write_yaml", "write_yaml")
 
 
 _WRAPPED: list[bool] = []  # non-empty once this process's worker wrappers are in place
@@ -93,7 +94,7 @@ def wrap_worker() -> None:
 
     timed(loop, "Runtime", "worker context")
     timed(loop, "restore", "restore")
-    timed(loop, "open_source", "open_source", describe=lambda name, source, runtime: f"{name} ({source['kind']})")
+    timed(loop, "open_source", "open_source", describe=lambda name, source, runtime, cfg: f"{name} ({source['kind']})")
     timed(loop.StepRunner, "build", "StepRunner.build")
     timed(runtime.Runtime, "prepare_model", "prepare_model")
     timed(loop.RunFiles, "start_attempt", "start_attempt")
