@@ -8,7 +8,8 @@ studies, each a set of fresh `raytrain train` processes on an embedded Ray:
 - reads: rows preprocessed per epoch / rows, at 1, 2 and 3 workers (target <= 1.1);
 - startup: seconds from the command to rank 0's first step, at 1×, 10× and 100× `--rows`
   (target: ratio <= 1.2), streamed (`--shuffle-window-rows`) and with the default choice;
-- memory: peak RSS of each training worker while streaming, at 1× and 10× the rows.
+- memory: peak RSS of each training worker while streaming, and its private part (RSS minus
+  the shared object-store pages it has mapped), at 1× and 10× the rows.
 
 Usage:
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -83,6 +85,7 @@ class CountingParquet(raytrain.Pipeline):
         self.out = None
         self.first_marked = False
         self.steps = 0
+        self.peak_private_mib = 0.0
 
     def build_datasets(self, cfg):
         import ray.data
@@ -113,8 +116,13 @@ class CountingParquet(raytrain.Pipeline):
                 Path(self.out, "first_step").write_text(repr(time.time()))
             self.steps += 1
             if self.steps % 20 == 1:
+                # RSS counts the object-store pages this process has mapped (shared, bounded by
+                # the store); the private part (RSS - shared) is what the worker itself holds.
+                info = psutil.Process().memory_info()
+                self.peak_private_mib = max(self.peak_private_mib, (info.rss - info.shared) / 2**20)
                 peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 Path(self.out, f"rss-rank{ctx.world_rank}.txt").write_text(f"{peak_mib:.1f}\n")
+                Path(self.out, f"private-rank{ctx.world_rank}.txt").write_text(f"{self.peak_private_mib:.1f}\n")
         return F.cross_entropy(model(batch["x"]), batch["y"])
 
     @property
@@ -188,10 +196,12 @@ def study_memory(args) -> dict:
         data = write_data(Path(args.data_dir) / f"rows-{rows}", rows, args.unit_rows)
         out, _ = train(data, args.workers_one, 1, ["--shuffle-window-rows", str(args.window)])
         peaks = {p.stem: float(p.read_text()) for p in sorted(out.glob("rss-rank*.txt"))}
+        private = {p.stem: float(p.read_text()) for p in sorted(out.glob("private-rank*.txt"))}
         dataset_mib = rows * (FEATURES * 4 + 8) / 2**20
-        results[rows] = {"peak_rss_mib": peaks, "dataset_mib": dataset_mib}
+        results[rows] = {"peak_rss_mib": peaks, "peak_private_mib": private, "dataset_mib": dataset_mib}
         print(f"memory: {rows:,} rows (~{dataset_mib:,.0f} MiB as arrays), {args.workers_one} workers: peak RSS "
-              + ", ".join(f"{k} {v:,.0f} MiB" for k, v in peaks.items()), flush=True)  # fmt: skip
+              + ", ".join(f"{k} {v:,.0f} MiB" for k, v in peaks.items()) + "; peak private (RSS - shared) "
+              + ", ".join(f"{k} {v:,.0f} MiB" for k, v in private.items()), flush=True)  # fmt: skip
     return {"window": args.window, "unit_rows": args.unit_rows, "results": results}
 
 

@@ -67,6 +67,34 @@ def pack(ds, spec: ParquetArgs, features: list[str], regression: bool):
     return ds.map_batches(to_tensors, batch_format="numpy")
 
 
+def check_numeric(spec: ParquetArgs, features: list[str], types: dict) -> None:
+    """DataError naming every label or feature column that holds text or bytes, from the schema
+    (before any row is read)."""
+    import pyarrow as pa
+
+    def textual(name: str) -> bool:
+        kind = types[name]
+        if isinstance(kind, pa.DictionaryType):
+            kind = kind.value_type
+        return isinstance(kind, pa.DataType) and (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind))
+
+    problems = []
+    if textual(spec.label):
+        problems.append(
+            f"label column {spec.label!r} holds text ({types[spec.label]}); a classification label must be an integer class "
+            f"index and a regression target a number: map the names to ids when writing the files, "
+            f"e.g. df[{spec.label!r}] = df[{spec.label!r}].astype('category').cat.codes"
+        )
+    text_features = [name for name in features if textual(name)]
+    if text_features:
+        problems.append(
+            f"feature column(s) {', '.join(text_features)} hold text; features must be numbers: encode them when writing the "
+            f"files, or choose the numeric ones with --pipeline-arg features=COL,COL"
+        )
+    if problems:
+        raise DataError(f"pipeline parquet: {spec.path}: " + "; ".join(problems))
+
+
 def label_max(path: str, label: str, dataset) -> int:
     """The largest label, from the Parquet footers' statistics (no pass over the data);
     a full aggregation only when some file has none."""
@@ -108,7 +136,9 @@ class ParquetPipeline(raytrain.Pipeline):
         missing = [c for c in [spec.label, *features] if c not in columns]
         if missing:
             raise DataError(f"pipeline parquet: column(s) {', '.join(missing)} not in {spec.path} (it has: {', '.join(columns)})")
-        label_type = str(ds.schema().field(spec.label).type) if hasattr(ds.schema(), "field") else ""
+        types = dict(zip(columns, ds.schema().types))
+        check_numeric(spec, features, types)
+        label_type = str(types[spec.label])
         regression = spec.task == "regression" or (spec.task is None and ("float" in label_type or "double" in label_type))
         train = pack(ds, spec, features, regression)
         if spec.val_path:
