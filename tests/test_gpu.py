@@ -1,0 +1,46 @@
+"""GPU tier (mark `gpu`, skipped without a CUDA GPU): the CLI on one GPU with NCCL, bf16 and fp16
+autocast, a checkpointed resume and an export. `benchmarks/gpu_smoke.sh` adds the throughput
+figures against the plain loop and the torchrun template."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RAYTRAIN = str(Path(sys.executable).with_name("raytrain"))
+
+pytestmark = pytest.mark.gpu
+
+
+def raytrain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [RAYTRAIN, *args], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_digits_trains_on_one_gpu_with_nccl_under_autocast_and_resumes(tmp_path, precision):
+    common = ["--gpu", "--workers", "1", "--precision", precision, "--storage", str(tmp_path), "--name", precision, "--progress", "plain"]
+    first = raytrain("train", "digits", *common, "--epochs", "2", "--checkpoint-every-steps", "10")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "nccl" in first.stdout and "GPU" in first.stdout
+    summary = json.loads((tmp_path / precision / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["final_metrics"]["val_loss"] < 1.5
+
+    resumed = raytrain("train", "--storage", str(tmp_path), "--name", precision, "--resume", "--epochs", "3", "--progress", "plain")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"from step {summary['steps']}" in resumed.stdout
+    exported = raytrain("export", str(tmp_path / precision), "-o", str(tmp_path / f"{precision}.pt"), "--pipeline", "digits")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+
+    import torch
+
+    state = torch.load(tmp_path / f"{precision}.pt", map_location="cpu", weights_only=True)
+    assert not any(key.startswith("module.") for key in state)
+    assert all(torch.isfinite(value).all() for value in state.values() if value.is_floating_point())
