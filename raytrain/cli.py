@@ -1,7 +1,8 @@
-"""`raytrain` command line: train, bench, export, doctor.
+"""`raytrain` command line: train, tune, bench, report, export, data, doctor.
 
-Exit status: 0 success; 2 bad usage or invalid configuration (one message naming the
-option, the value and the fix); 1 the run failed (the cause, then where the logs are).
+Exit status: 0 success; 2 what the user must fix (usage, configuration, data, pipeline code,
+checkpoint, storage: one message naming what is wrong and the fix); 1 a run that failed or
+diverged (the cause, then where the logs are); 130/143 stopped by SIGINT/SIGTERM.
 """
 
 from __future__ import annotations

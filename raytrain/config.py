@@ -89,7 +89,7 @@ class TrainConfig:
     reference_batch_size: int | None = None
     """The batch `lr` was tuned for. Default: the per-worker batch."""
     warmup_epochs: float = 1.0
-    """Gradual warmup from `lr` to the scaled peak, in epochs (counted in samples)."""
+    """Gradual warmup from `lr` (or from warmup_start_factor × the peak) to the scaled peak, in epochs (counted in samples)."""
     schedule: str = "cosine"
     """After warmup: cosine (to 0), constant, linear (to 0), step (×lr_gamma at each of lr_milestones) or onecycle; a pipeline's lr_factor(progress) replaces it."""
     lr_milestones: list | None = None
@@ -135,7 +135,7 @@ class TrainConfig:
     address: str | None = None
     """Ray cluster address; default RAY_ADDRESS, else an embedded local Ray."""
     verbose: bool = False
-    """Show Ray's own logs."""
+    """Show Ray's own logs and the workers' output."""
     mlflow_uri: str | None = None
     """MLflow tracking URI (http://HOST:5000, sqlite:///mlflow.db, or a directory): params, per-step metrics and the final model. Needs pip install 'raytrain[mlflow]'."""
     mlflow_experiment: str = "raytrain"
@@ -147,7 +147,7 @@ class TrainConfig:
     progress_interval_s: float = 10.0
     """Seconds between plain progress lines when the output is not a terminal."""
     skip_nan_rows: bool = False
-    """Drop rows holding NaN or inf (counted and reported) instead of failing before training."""
+    """Drop rows holding NaN or inf (counted and reported) instead of stopping the run at the first one."""
     shuffle_window_rows: int | None = None
     """How the training set is held: 0 reads it once into memory, shared by every worker (a full shuffle each epoch); N streams it from Ray Data, each worker reading only its share, shuffled within a window of about N rows across the job (for data larger than memory); unset: in memory up to about 1 GiB, streamed beyond."""
     data_partitions: int = 24

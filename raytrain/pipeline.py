@@ -48,8 +48,9 @@ class Pipeline:
     def build_model(self, cfg: "TrainConfig") -> "torch.nn.Module":
         raise NotImplementedError("a Pipeline must implement build_model(cfg) -> torch.nn.Module")
 
-    def build_datasets(self, cfg: "TrainConfig") -> dict[str, "ray.data.Dataset"]:
-        """{"train": Dataset, optional "val": Dataset}; columns become the batch's tensors."""
+    def build_datasets(self, cfg: "TrainConfig") -> dict[str, "ray.data.Dataset | torch.utils.data.Dataset"]:
+        """{"train": Dataset, optional "val": Dataset}, each a Ray Dataset or a map-style torch
+        Dataset; columns become the batch's tensors."""
         raise NotImplementedError("a Pipeline must implement build_datasets(cfg) -> {'train': ray.data.Dataset}")
 
     def compute_loss(self, model: "torch.nn.Module", batch: dict[str, "torch.Tensor"]) -> Any:

@@ -14,7 +14,7 @@ from raytrain.checkpoint import checkpoint_dirs, load_state
 pytestmark = pytest.mark.ray
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "lamb"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lamb"])
 def test_optimizer_state_round_trips_a_kill_and_a_resume_at_another_worker_count(ray_session, tmp_path, optimizer):
     out = tmp_path / "records"
     out.mkdir()
