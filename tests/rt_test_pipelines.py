@@ -291,9 +291,10 @@ class AugmentingPipeline(RecordingPipeline):
 
     def transform_batch(self, batch, ctx):
         noise = torch.rand(batch["x"].shape)
+        if not hasattr(self, "_attempt"):  # once per worker process: rank 1 may see the marker mid-attempt
+            self._attempt = "second" if (Path(self.out_dir) / "crashed").exists() else "first"
         with open(Path(self.out_dir) / f"noise-rank{ctx.world_rank}.jsonl", "a") as handle:
-            attempt = "second" if (Path(self.out_dir) / "crashed").exists() else "first"
-            handle.write(json.dumps({"attempt": attempt, "epoch": ctx.epoch, "step": ctx.step, "noise": noise.flatten()[:4].tolist()}) + "\n")
+            handle.write(json.dumps({"attempt": self._attempt, "epoch": ctx.epoch, "step": ctx.step, "noise": noise.flatten()[:4].tolist()}) + "\n")
         return {**batch, "x": batch["x"] + 0.01 * noise}
 
 

@@ -46,7 +46,9 @@ def test_transform_batch_differs_each_epoch_and_repeats_after_a_resume(ray_sessi
     first = {(r["epoch"], r["step"]): r["noise"] for r in rows if r["attempt"] == "first"}
     second = {(r["epoch"], r["step"]): r["noise"] for r in rows if r["attempt"] == "second"}
     redone = set(first) & set(second)
-    assert {step for _, step in redone} == {4, 5} and all(first[k] == second[k] for k in redone)  # redone: the same noise
+    # Resumed from the step-4 checkpoint: step 4 is redone, and step 5 too when rank 1 reached
+    # it before rank 0's crash there ended the attempt; redone steps get the same noise.
+    assert {4} <= {step for _, step in redone} <= {4, 5} and all(first[k] == second[k] for k in redone)
     # 8 steps an epoch: step 4 of epoch 0 and step 12 (the same place in epoch 1) differ, as all do.
     assert second[(0, 4)] != second[(1, 12)] and len({tuple(v) for v in second.values()}) == len(second)
 

@@ -427,7 +427,10 @@ def test_asha_stops_a_diverging_trial_early(ray_session, tmp_path):
     assert max(r["epoch"] for r in trained if r.get("epoch_end")) < 4
     summary = json.loads((Path(bad["run_dir"]) / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["stopped_by"] == "ASHA"
-    assert result.leaked_placement_groups == 0 and set(held_placement_groups()) <= held_before
+    # Nothing is held after the sweep. Train's own cleaner usually frees the stopped trial's
+    # worker group; on a loaded machine it can take longer than the sweep waits
+    # (PG_CLEANUP_WAIT_S), and then the sweep removes that one group itself (and says so).
+    assert result.leaked_placement_groups <= 1 and set(held_placement_groups()) <= held_before
     assert result.best["lr"] == 1e-3
 
 
