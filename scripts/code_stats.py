@@ -1,0 +1,157 @@
+"""Lines per module, the longest functions, import cycles and names defined twice in `raytrain/`.
+
+    python scripts/code_stats.py            # a Markdown report of the working tree
+    python scripts/code_stats.py --rev REV  # the same for a git revision (e.g. a before/after table)
+
+Every import of a raytrain module counts, at the top of a file or inside a function: a cycle
+deferred into a function is still two modules that cannot be understood one without the other.
+Exit status 1 when there is an import cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = "raytrain"
+
+
+def sources(rev: str | None, root: Path) -> dict[str, str]:
+    """Module name -> source text, from the working tree or from `rev`."""
+    if rev is None:
+        return {_module(p.relative_to(root / PACKAGE)): p.read_text() for p in sorted((root / PACKAGE).rglob("*.py"))}
+    names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, PACKAGE], cwd=root, check=True, capture_output=True, text=True).stdout.split()
+    return {
+        _module(Path(n).relative_to(PACKAGE)): subprocess.run(["git", "show", f"{rev}:{n}"], cwd=root, check=True, capture_output=True, text=True).stdout
+        for n in names
+        if n.endswith(".py")
+    }
+
+
+def _module(relative: Path) -> str:
+    parts = list(relative.with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts) or "__init__"
+
+
+def imports_of(module: str, tree: ast.Module, known: set[str]) -> set[str]:
+    """The raytrain modules that `module` imports anywhere in its text."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".")[: -node.level] if module != "__init__" else []
+                base = ".".join([*package, base] if base else package)
+            elif base == PACKAGE or base.startswith(PACKAGE + "."):
+                base = base[len(PACKAGE) + 1 :]
+            else:
+                continue
+            targets = [f"{base}.{a.name}" if base else a.name for a in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            name = target[len(PACKAGE) + 1 :] if target.startswith(PACKAGE + ".") else target
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def functions(tree: ast.Module) -> list[tuple[str, int]]:
+    """(qualified name, lines) of every function and method."""
+    out: list[tuple[str, int]] = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((prefix + child.name, child.end_lineno - child.lineno + 1))
+                walk(child, prefix + child.name + ".")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, prefix + child.name + ".")
+
+    walk(tree, "")
+    return out
+
+
+def report(texts: dict[str, str], longest: int) -> tuple[str, int]:
+    trees = {m: ast.parse(t) for m, t in texts.items()}
+    known = set(trees)
+    graph = {m: imports_of(m, t, known) for m, t in trees.items()}
+    found = cycles(graph)
+    total = sum(t.count("\n") for t in texts.values())
+    lines = ["| module | lines | share |", "|---|---:|---:|"]
+    for m in sorted(texts, key=lambda m: -texts[m].count("\n")):
+        n = texts[m].count("\n")
+        lines.append(f"| {m} | {n:,} | {100 * n / total:.0f} % |")
+    lines.append(f"| **total** | **{total:,}** | |")
+    funcs = sorted(((f"{m}.{name}", n) for m, t in trees.items() for name, n in functions(t)), key=lambda x: -x[1])
+    lines += ["", f"Longest functions (top {longest}):", "", "| function | lines |", "|---|---:|"]
+    lines += [f"| {name} | {n} |" for name, n in funcs[:longest]]
+    top_level: dict[str, list[str]] = defaultdict(list)
+    for m, t in trees.items():
+        for node in t.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("__"):
+                top_level[node.name.lstrip("_")].append(m)
+    twice = {name: ms for name, ms in top_level.items() if len(ms) > 1}
+    lines += ["", f"Import cycles: {len(found)}" + "".join(f"\n- {' ↔ '.join(c)}" for c in found)]
+    lines += [f"Top-level names defined in more than one module: {len(twice)}" + "".join(f"\n- {n}: {', '.join(sorted(ms))}" for n, ms in sorted(twice.items()))]
+    return "\n".join(lines), len(found)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rev", help="a git revision instead of the working tree")
+    parser.add_argument("--longest", type=int, default=10, help="how many of the longest functions to list")
+    args = parser.parse_args()
+    root = Path(__file__).resolve().parents[1]
+    text, n_cycles = report(sources(args.rev, root), args.longest)
+    print(text)
+    return 1 if n_cycles else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
