@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from raytrain.config import ConfigError
+from raytrain.rundir import Tail
 
 RUN_FILES = {"metrics.jsonl": "metrics", "live.jsonl": "progress", "events.jsonl": "event"}
 # Metrics of a row that are series over steps (the rest are identifiers or flags).
@@ -85,80 +86,6 @@ class TrackingOptions:
 # -- tailing ---------------------------------------------------------------------------------
 
 
-class JsonlTail:
-    """The rows appended to a JSONL file since the last `read`.
-
-    Rank 0 rewrites metrics.jsonl when it resumes from a checkpoint, keeping only the
-    rows up to the checkpoint's step: a prefix of what was there. A rewrite is noticed
-    (the last line read is no longer where it was) and only lines after the common
-    prefix are returned. A partial last line is left for the next read.
-    """
-
-    def __init__(self, path: Path, skip_existing: bool = True):
-        self.path = Path(path)
-        self.offset = 0
-        self.hashes: list[bytes] = []  # digest of every complete line read so far
-        self.last_line = b""
-        if skip_existing:
-            self.read()
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            handle = open(self.path, "rb")
-        except FileNotFoundError:
-            return []
-        with handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size < self.offset or not self._last_line_in_place(handle):
-                return self._parse(self._resync(handle))
-            handle.seek(self.offset)
-            chunk = handle.read(size - self.offset)
-        lines = chunk.split(b"\n")[:-1]  # the part after the last newline is incomplete
-        self._consume(lines)
-        return self._parse(lines)
-
-    def _last_line_in_place(self, handle) -> bool:
-        if not self.last_line:
-            return True
-        handle.seek(self.offset - len(self.last_line) - 1)
-        return handle.read(len(self.last_line) + 1) == self.last_line + b"\n"
-
-    def _resync(self, handle) -> list[bytes]:
-        handle.seek(0)
-        lines = handle.read().split(b"\n")[:-1]
-        common = 0
-        for line, seen in zip(lines, self.hashes):
-            if _digest(line) != seen:
-                break
-            common += 1
-        self.offset, self.hashes, self.last_line = 0, [], b""
-        self._consume(lines[:common])
-        new = lines[common:]
-        self._consume(new)
-        return new
-
-    def _consume(self, lines: list[bytes]) -> None:
-        for line in lines:
-            self.offset += len(line) + 1
-            self.hashes.append(_digest(line))
-        if lines:
-            self.last_line = lines[-1]
-
-    @staticmethod
-    def _parse(lines: Iterable[bytes]) -> list[dict[str, Any]]:
-        rows = []
-        for line in lines:
-            with contextlib.suppress(ValueError):
-                row = json.loads(line)
-                if isinstance(row, dict):
-                    rows.append(row)
-        return rows
-
-
-def _digest(line: bytes) -> bytes:
-    return hashlib.blake2b(line, digest_size=8).digest()
-
-
 def row_time(row: dict[str, Any]) -> float:
     value = row.get("time", row.get("time_s"))
     return float(value) if isinstance(value, (int, float)) else math.inf
@@ -210,7 +137,7 @@ class Dispatcher:
 def follow(run_dir: Path, dispatcher: Dispatcher, since: float, interval_s: float = 0.5) -> Iterator[Callable[[], None]]:
     """Tail the run files in a background thread while the body runs; each poll sends the
     new rows of all files to the sinks in time order, then `tick`. Yields `pump` (one poll)."""
-    tails = {kind: JsonlTail(Path(run_dir) / name) for name, kind in RUN_FILES.items()}
+    tails = {kind: Tail(Path(run_dir) / name) for name, kind in RUN_FILES.items()}
     order = {kind: index for index, kind in enumerate(RUN_FILES.values())}
     lock = threading.Lock()
 

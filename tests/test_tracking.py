@@ -14,9 +14,9 @@ import pytest
 
 import raytrain
 from raytrain.config import ConfigError
+from raytrain.rundir import Tail
 from raytrain.tracking import (
     Dispatcher,
-    JsonlTail,
     MLflowSink,
     RunTracker,
     Sink,
@@ -74,7 +74,7 @@ class Recorder(Sink):
 
 def test_tail_returns_new_complete_lines_only(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    tail = JsonlTail(path)
+    tail = Tail(path)
     assert tail.read() == []  # no file yet
     append(path, {"step": 1}, {"step": 2})
     append(path, {"step": 3}, newline=False)  # rank 0 is mid-write
@@ -88,7 +88,7 @@ def test_tail_returns_new_complete_lines_only(tmp_path):
 def test_tail_skips_what_was_there_before(tmp_path):
     path = tmp_path / "events.jsonl"
     append(path, {"step": 1})
-    tail = JsonlTail(path)
+    tail = Tail(path)
     append(path, {"step": 2})
     assert [row["step"] for row in tail.read()] == [2]
 
@@ -97,7 +97,7 @@ def test_tail_skips_what_was_there_before(tmp_path):
 def test_tail_follows_a_rewrite_that_keeps_a_prefix(tmp_path, new_rows):
     """Rank 0 drops the rows after the checkpoint it resumes from, then appends again."""
     path = tmp_path / "metrics.jsonl"
-    tail = JsonlTail(path)
+    tail = Tail(path)
     append(path, *[{"step": s} for s in range(1, 6)])
     assert len(tail.read()) == 5
     kept = [json.dumps({"step": s}) + "\n" for s in (1, 2)]

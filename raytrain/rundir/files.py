@@ -220,3 +220,12 @@ class RunLocked(StorageError):
             f"run {run_dir.name!r} in {run_dir.parent} is in use by process {holder.get('pid', '?')} on "
             f"{holder.get('host', '?')} (since {since}); wait for it to end, stop it, or choose another --name",
         )
+
+
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON object from `path`, or {} if it is missing, torn or not an object."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,164 @@
+"""The typed records of a run directory: a metrics row, an event, the summary, the progress.
+
+Each holds the keys DESIGN fixes, is written by `to_json` and read back by `from_json`
+(unknown keys are kept in `extra`, so a newer run directory still reads). These classes
+are the only place a key of a run file is spelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+# The files of STORAGE/NAME/, by role.
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+EVENTS = "events.jsonl"
+LIVE = "live.jsonl"
+PROGRESS = "progress.json"
+SUMMARY = "summary.json"
+
+
+class Kind:
+    """The kinds of event line in events.jsonl."""
+
+    PLAN = "plan"  # the batch plan and rate of a fresh start
+    RESIZE = "resize"  # training continues with another worker count
+    RESTORE = "restore"  # an attempt restarted from a checkpoint (same worker count)
+    DATA = "data"  # what the data costs the run (skipped rows, uneven partitions)
+    EPOCH = "epoch"  # an epoch ended (its line for the console)
+    DONE = "done"  # training finished
+    INTERRUPTED = "interrupted"  # stopped on request, with a checkpoint at that step
+
+    # Events worth a line in the report and a mark on the plots.
+    MARKED: ClassVar[tuple[str, ...]] = (RESIZE, RESTORE)
+
+
+class _Record:
+    """to_json/from_json for a dataclass whose last field is `extra` (the keys it does not name)."""
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls) if f.name != "extra"}
+        known = {k: v for k, v in values.items() if k in names}
+        return cls(**known, extra={k: v for k, v in values.items() if k not in names})
+
+    def to_json(self) -> dict[str, Any]:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {**values, **self.extra}
+
+
+@dataclass
+class MetricsRow(_Record):
+    """A line of metrics.jsonl: one per log window, and one at each epoch's end (`epoch_end`).
+
+    `extra` holds the validation metrics (`val_loss`, `val_<name>`) and the pipeline's own.
+    """
+
+    epoch: int
+    step: int
+    samples_seen: int = 0
+    world_size: int = 0
+    global_batch_size: int = 0
+    lr: float | None = None
+    loss: float | None = None
+    samples_per_s: float | None = None
+    time_s: float = 0.0
+    epoch_end: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        values = super().to_json()
+        if not self.epoch_end:
+            values.pop("epoch_end")  # written only on the epoch's row, as DESIGN has it
+        return values
+
+    @property
+    def validation(self) -> dict[str, Any]:
+        """`val_loss`, `val_<name>`: the validation metrics of an epoch's row."""
+        return {k: v for k, v in self.extra.items() if k.startswith("val_")}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A key as the file spells it (`loss`, `val_accuracy`, …)."""
+        if key != "extra" and key in _METRICS_FIELDS:
+            return getattr(self, key)
+        return self.extra.get(key, default)
+
+
+_METRICS_FIELDS = {f.name for f in dataclasses.fields(MetricsRow)}
+
+
+@dataclass
+class Event(_Record):
+    """A line of events.jsonl: `kind` (see `Kind`), a sentence for people, and its figures
+    (`world_size`, `previous_world_size`, `step`, `epoch`, … in `extra`)."""
+
+    kind: str
+    message: str
+    time: float = field(default_factory=time.time)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in ("kind", "message", "time") else self.extra.get(key, default)
+
+    @property
+    def step(self) -> int | None:
+        return self.extra.get("step")
+
+    @property
+    def recovers_a_failure(self) -> bool:
+        """A restart from a checkpoint, or training on with fewer workers."""
+        if self.kind == Kind.RESTORE:
+            return True
+        sizes = self.extra.get("world_size"), self.extra.get("previous_world_size")
+        return self.kind == Kind.RESIZE and None not in sizes and sizes[0] < sizes[1]
+
+
+@dataclass
+class Summary(_Record):
+    """summary.json: how the run ended (strict JSON: a non-finite number is written as null).
+
+    `status` is finished, failed, interrupted or diverged (a tune trial stopped early by ASHA:
+    stopped); `error` is the first line of the cause when it did not finish.
+    """
+
+    status: str
+    epochs: int = 0
+    steps: int = 0
+    samples_seen: int = 0
+    wall_time_s: float = 0.0
+    steady_samples_per_s: float | None = None
+    steady_steps: int | None = None
+    world_sizes: list[int] = field(default_factory=list)
+    failures_recovered: int = 0
+    final_metrics: dict[str, Any] = field(default_factory=dict)
+    best_checkpoint: str | None = None
+    model_path: str | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        values = super().to_json()
+        if values["error"] is None:
+            values.pop("error")
+        return values
+
+
+@dataclass
+class Progress(_Record):
+    """progress.json: where rank 0's training stands (rewritten at the end of an attempt)."""
+
+    epoch: int = 0
+    step: int = 0
+    samples_seen: int = 0
+    steady_samples_per_s: float | None = None
+    steady_steps: int | None = None
+    world_sizes: list[int] = field(default_factory=list)
+    status: str = ""
+    time: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+__all__ = ["CONFIG", "EVENTS", "LIVE", "METRICS", "PROGRESS", "SUMMARY", "Event", "Kind", "MetricsRow", "Progress", "Summary"]
