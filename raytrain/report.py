@@ -15,21 +15,18 @@ Plots use matplotlib's Agg canvas directly (no pyplot, no display, no global sta
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from raytrain.errors import UserFault
+from raytrain.render import figure, is_number, markdown_table, plural
+from raytrain.rundir import Event, Kind, MetricsRow, RunDir, Summary
 
 PLOTS_DIR = "plots"
 REPORT_FILE = "report.md"
-# Events worth a line in the report and a mark on the plots.
-MARKED_EVENTS = ("resize", "restore")
 
 
 class ReportError(UserFault, ValueError):
@@ -41,26 +38,30 @@ class RunRecord:
     """What the run files say."""
 
     run_dir: Path
-    rows: list[dict[str, Any]]
-    events: list[dict[str, Any]]
-    summary: dict[str, Any] = field(default_factory=dict)
+    rows: list[MetricsRow]
+    events: list[Event]
+    summary: Summary | None = None
     config: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def step_rows(self) -> list[dict[str, Any]]:
-        return [row for row in self.rows if not row.get("epoch_end")]
+    def step_rows(self) -> list[MetricsRow]:
+        return [row for row in self.rows if not row.epoch_end]
 
     @property
-    def epoch_rows(self) -> list[dict[str, Any]]:
-        return [row for row in self.rows if row.get("epoch_end")]
+    def epoch_rows(self) -> list[MetricsRow]:
+        return [row for row in self.rows if row.epoch_end]
+
+    @property
+    def marked_events(self) -> list[Event]:
+        return [e for e in self.events if e.kind in Kind.MARKED]
 
     @property
     def val_names(self) -> list[str]:
-        return sorted({key for row in self.epoch_rows for key in row if key.startswith("val_")})
+        return sorted({key for row in self.epoch_rows for key in row.validation})
 
     @property
     def start_time(self) -> float | None:
-        times = [row["time_s"] for row in self.rows if _finite(row.get("time_s"))] + [e["time"] for e in self.events if _finite(e.get("time"))]
+        times = [row.time_s for row in self.rows if is_number(row.time_s)] + [e.time for e in self.events if is_number(e.time)]
         return min(times) if times else None
 
 
@@ -68,15 +69,10 @@ def load_run(run_dir: str | Path) -> RunRecord:
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory; give a run directory (STORAGE/NAME, e.g. ~/raytrain_results/digits-...)")
-    if not any((run_dir / name).exists() for name in ("metrics.jsonl", "config.yaml", "summary.json")):
+    files = RunDir(run_dir)
+    if not files.exists():
         raise ReportError(f"{run_dir} is not a raytrain run directory: it has no metrics.jsonl, config.yaml or summary.json")
-    return RunRecord(
-        run_dir=run_dir,
-        rows=_read_jsonl(run_dir / "metrics.jsonl"),
-        events=_read_jsonl(run_dir / "events.jsonl"),
-        summary=_read_json(run_dir / "summary.json"),
-        config=_read_yaml(run_dir / "config.yaml"),
-    )
+    return RunRecord(run_dir=run_dir, rows=files.metrics(), events=files.events(), summary=files.summary(), config=files.config())
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -98,7 +94,7 @@ def write_plots(run: RunRecord, directory: Path) -> dict[str, Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written = {}
     for name, draw in (("loss", _plot_loss), ("val", _plot_val), ("lr", _plot_lr), ("workers", _plot_workers), ("throughput", _plot_throughput)):
-        figure = _figure()
+        figure = _new_figure()
         if draw(run, figure) is False:
             continue
         path = directory / f"{name}.png"
@@ -107,28 +103,23 @@ def write_plots(run: RunRecord, directory: Path) -> dict[str, Path]:
     return written
 
 
-def _figure(rows: int = 1):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(7.5, 3.2 * rows), layout="constrained")
-    FigureCanvasAgg(figure)
-    return figure
+def _new_figure():
+    return figure(7.5, 3.2, layout="constrained")
 
 
 def _series(rows: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
-    points = [(row[x], row[y]) for row in rows if _finite(row.get(x)) and _finite(row.get(y))]
+    points = [(row.get(x), row.get(y)) for row in rows if is_number(row.get(x)) and is_number(row.get(y))]
     return [p[0] for p in points], [p[1] for p in points]
 
 
 def _mark_epochs_and_events(axes, run: RunRecord) -> None:
     """Dotted lines at epoch ends, red dashes at resizes and restarts (by step)."""
     for row in run.epoch_rows:
-        axes.axvline(row["step"], color="0.85", linewidth=0.8, linestyle=":", zorder=0)
-    marked = [e for e in run.events if e.get("kind") in MARKED_EVENTS and _finite(e.get("step"))]
+        axes.axvline(row.step, color="0.85", linewidth=0.8, linestyle=":", zorder=0)
+    marked = [e for e in run.marked_events if is_number(e.step)]
     for index, event in enumerate(marked):
         label = "resize / restart (from step)" if index == 0 else None
-        axes.axvline(event["step"], color="tab:red", linewidth=1, linestyle="--", alpha=0.6, zorder=0, label=label)
+        axes.axvline(event.step, color="tab:red", linewidth=1, linestyle="--", alpha=0.6, zorder=0, label=label)
 
 
 def _plot_loss(run: RunRecord, figure) -> bool:
@@ -169,7 +160,7 @@ def _plot_val(run: RunRecord, figure) -> bool:
 
 
 def _plot_lr(run: RunRecord, figure) -> bool:
-    x, y = _series(sorted(run.rows, key=lambda row: row.get("step", 0)), "step", "lr")
+    x, y = _series(sorted(run.rows, key=lambda row: row.step), "step", "lr")
     if not x:
         return False
     axes = figure.add_subplot()
@@ -185,26 +176,26 @@ def _plot_lr(run: RunRecord, figure) -> bool:
 
 def _plot_workers(run: RunRecord, figure) -> bool:
     start = run.start_time
-    rows = [row for row in run.rows if _finite(row.get("time_s")) and _finite(row.get("world_size"))]
+    rows = [row for row in run.rows if is_number(row.time_s) and row.world_size]
     if start is None or not rows:
         return False
-    rows.sort(key=lambda row: row["time_s"])
-    scale, unit = _time_unit(rows[-1]["time_s"] - start)
-    times = [(row["time_s"] - start) / scale for row in rows]
+    rows.sort(key=lambda row: row.time_s)
+    scale, unit = _time_unit(rows[-1].time_s - start)
+    times = [(row.time_s - start) / scale for row in rows]
     axes = figure.add_subplot()
-    axes.step(times, [row["world_size"] for row in rows], where="post", color="tab:purple", label="workers")
+    axes.step(times, [row.world_size for row in rows], where="post", color="tab:purple", label="workers")
     axes.set(title="Workers over time", xlabel=f"{unit} since start", ylabel="world size")
-    axes.set_ylim(0, max(row["world_size"] for row in rows) + 1)
+    axes.set_ylim(0, max(row.world_size for row in rows) + 1)
     axes.yaxis.get_major_locator().set_params(integer=True)
     batch = axes.twinx()
-    batch.step(times, [row.get("global_batch_size", math.nan) for row in rows], where="post", color="tab:gray", linestyle="--", label="global batch")
+    batch.step(times, [row.global_batch_size or math.nan for row in rows], where="post", color="tab:gray", linestyle="--", label="global batch")
     batch.set_ylabel("global batch")
-    batch.set_ylim(0, max((row.get("global_batch_size") or 0) for row in rows) * 1.2 + 1)
-    for event in run.events:
-        if event.get("kind") in MARKED_EVENTS and _finite(event.get("time")):
-            at = (event["time"] - start) / scale
+    batch.set_ylim(0, max((row.global_batch_size or 0) for row in rows) * 1.2 + 1)
+    for event in run.marked_events:
+        if is_number(event.time):
+            at = (event.time - start) / scale
             axes.axvline(at, color="tab:red", linewidth=1, linestyle="--", alpha=0.6)
-            axes.annotate(event["kind"], (at, axes.get_ylim()[1] * 0.95), fontsize="x-small", color="tab:red", rotation=90, va="top", ha="right")
+            axes.annotate(event.kind, (at, axes.get_ylim()[1] * 0.95), fontsize="x-small", color="tab:red", rotation=90, va="top", ha="right")
     handles = axes.get_legend_handles_labels()[0] + batch.get_legend_handles_labels()[0]
     axes.legend(handles, [h.get_label() for h in handles], fontsize="small", loc="lower right")
     axes.grid(alpha=0.3)
@@ -221,8 +212,8 @@ def _plot_throughput(run: RunRecord, figure) -> bool:
         axes.plot(x, y, "o-", color="tab:blue", label="epoch mean")
     if not axes.lines:
         return False
-    steady = run.summary.get("steady_samples_per_s")
-    if _finite(steady):
+    steady = run.summary.steady_samples_per_s if run.summary else None
+    if is_number(steady):
         axes.axhline(steady, color="tab:green", linestyle="--", label=f"steady {steady:,.0f}/s")
     _mark_epochs_and_events(axes, run)
     axes.set(title="Throughput", xlabel="optimizer step", ylabel="samples/s")
@@ -239,7 +230,7 @@ def _time_unit(span_s: float) -> tuple[float, str]:
 
 
 def _spread(axes) -> float:
-    values = [v for line in axes.lines for v in line.get_ydata() if _finite(v)]
+    values = [v for line in axes.lines for v in line.get_ydata() if is_number(v)]
     return max(values) / min(values) if values and min(values) > 0 else 1.0
 
 
@@ -251,29 +242,23 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
     name = cfg.get("name") or run.run_dir.name
     lines = [f"# {name}", ""]
     lines += [_headline(run), ""]
-    if s.get("error"):
-        lines += [f"**Error:** {s['error']}", ""]
-    if s.get("final_metrics"):
-        lines += ["| final metric | value |", "|---|---|"]
-        lines += [f"| {key} | {_fmt(value)} |" for key, value in s["final_metrics"].items()]
-        lines.append("")
+    if s and s.error:
+        lines += [f"**Error:** {s.error}", ""]
+    if s and s.final_metrics:
+        lines += [*markdown_table(["final metric", "value"], [(key, _fmt(value)) for key, value in s.final_metrics.items()]), ""]
     lines += _epoch_table(run)
-    marked = [e for e in run.events if e.get("kind") in MARKED_EVENTS]
-    if marked:
+    if run.marked_events:
         start = run.start_time or 0
         lines += ["## Resizes and restarts", ""]
-        lines += [f"- {_clock(e.get('time'))} (+{_since(e.get('time'), start)}): {e.get('message', '')}" for e in marked]
+        lines += [f"- {_clock(e.time)} (+{_since(e.time, start)}): {e.message}" for e in run.marked_events]
         lines.append("")
     if plots:
         lines += ["## Plots", ""]
         for key, path in plots.items():
             lines += [f"![{key}]({path.relative_to(run.run_dir).as_posix()})", ""]
     if cfg:
-        lines += ["## Configuration", "", "| option | value |", "|---|---|"]
-        for key, value in _flatten(cfg).items():
-            lines.append(f"| {key} | {_fmt(value, 'option')} |")
-        lines.append("")
-    plan = next((e.get("message") for e in run.events if e.get("kind") == "plan"), None)
+        lines += ["## Configuration", "", *markdown_table(["option", "value"], [(key, _fmt(value, "option")) for key, value in _flatten(cfg).items()]), ""]
+    plan = next((e.message for e in run.events if e.kind == Kind.PLAN), None)
     if plan:
         lines += [f"Batch plan and learning rate: `{plan}`", ""]
     lines += [
@@ -292,25 +277,25 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
 def _headline(run: RunRecord) -> str:
     s, cfg = run.summary, run.config
     rows = run.rows
-    last = rows[-1] if rows else {}
-    status = s.get("status") or ("running or interrupted" if rows else "no metrics yet")
+    last = rows[-1] if rows else None
+    status = s.status if s else ("running or interrupted" if rows else "no metrics yet")
     parts = [f"**{status}**"]
     if cfg.get("pipeline"):
         parts.append(f"pipeline `{cfg['pipeline']}`")
-    epochs = s.get("epochs", max((row.get("epoch", 0) for row in run.epoch_rows), default=0))
+    epochs = s.epochs if s else max((row.epoch for row in run.epoch_rows), default=0)
     if cfg.get("epochs"):
         parts.append(f"{epochs}/{cfg['epochs']} epochs")
-    parts.append(f"{s.get('steps', last.get('step', 0)):,} steps")
-    parts.append(f"{s.get('samples_seen', last.get('samples_seen', 0)):,} samples")
-    if _finite(s.get("wall_time_s")):
-        parts.append(f"{s['wall_time_s']:.1f} s wall")
-    if _finite(s.get("steady_samples_per_s")):
-        parts.append(f"{s['steady_samples_per_s']:,.0f} samples/s steady")
-    sizes = s.get("world_sizes") or _distinct([row.get("world_size") for row in rows])
+    parts.append(f"{s.steps if s else (last.step if last else 0):,} steps")
+    parts.append(f"{s.samples_seen if s else (last.samples_seen if last else 0):,} samples")
+    if s and is_number(s.wall_time_s):
+        parts.append(f"{s.wall_time_s:.1f} s wall")
+    if s and is_number(s.steady_samples_per_s):
+        parts.append(f"{s.steady_samples_per_s:,.0f} samples/s steady")
+    sizes = (s.world_sizes if s else None) or _distinct([row.world_size for row in rows])
     if sizes:
         parts.append(f"workers {' → '.join(map(str, sizes))}")
-    if "failures_recovered" in s:
-        parts.append(f"{s['failures_recovered']} failure{'s' if s['failures_recovered'] != 1 else ''} recovered")
+    if s:
+        parts.append(f"{plural(s.failures_recovered, 'failure')} recovered")
     return " · ".join(parts)
 
 
@@ -319,12 +304,11 @@ def _epoch_table(run: RunRecord) -> list[str]:
         return []
     names = run.val_names
     head = ["epoch", "step", "train loss", *names, "lr", "samples/s", "workers", "global batch"]
-    lines = ["## Epochs", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in run.epoch_rows:
-        cells = [row.get("epoch"), row.get("step"), row.get("loss"), *[row.get(n) for n in names], row.get("lr"), row.get("samples_per_s"), row.get("world_size"), row.get("global_batch_size")]
-        lines.append("| " + " | ".join(_fmt(cell, key) for cell, key in zip(cells, head)) + " |")
-    lines.append("")
-    return lines
+    cells = [
+        [row.epoch, row.step, row.loss, *[row.get(n) for n in names], row.lr, row.samples_per_s, row.world_size, row.global_batch_size]
+        for row in run.epoch_rows
+    ]
+    return ["## Epochs", "", *markdown_table(head, [[_fmt(cell, key) for cell, key in zip(line, head)] for line in cells]), ""]
 
 
 def _fmt(value: Any, key: str = "") -> str:
@@ -338,7 +322,7 @@ def _fmt(value: Any, key: str = "") -> str:
         return f"{value:.4f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.3e}"
     if isinstance(value, int) and not isinstance(value, bool) and key not in ("epoch", "option"):
         return f"{value:,}"
-    return "" if value is None else str(value).replace("|", "\\|").replace("\n", " ")
+    return "" if value is None else str(value)
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -360,42 +344,10 @@ def _distinct(values: list[Any]) -> list[Any]:
 
 
 def _clock(stamp: Any) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(stamp)) if _finite(stamp) else "?"
+    return time.strftime("%H:%M:%S", time.localtime(stamp)) if is_number(stamp) else "?"
 
 
 def _since(stamp: Any, start: float) -> str:
-    return f"{stamp - start:.0f} s" if _finite(stamp) else "?"
+    return f"{stamp - start:.0f} s" if is_number(stamp) else "?"
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        value = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return value if isinstance(value, dict) else {}

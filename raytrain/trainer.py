@@ -23,13 +23,14 @@ import numpy as np
 from raytrain import plan as rules
 from raytrain import tracking
 from raytrain import interrupts, rundir
-from raytrain.checkpoint import checkpoint_dirs, staging_dir
+from raytrain.checkpoint import MODEL_FILE, checkpoint_dirs, staging_dir
 from raytrain.data import DataError
 from raytrain.resume import StoredRun, describe_changes, read_stored_run
 from raytrain.resume import changes as resume_changes
 from raytrain.config import ConfigError, TrainConfig
 from raytrain.errors import PipelineCodeError, StorageError, find_user_fault, pipeline_code
 from raytrain.pipeline import Pipeline, load_pipeline
+from raytrain.render import first_line
 
 # Without this every print in the train function shows twice (RAY_NOTES).
 WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
@@ -129,7 +130,7 @@ def fit(
             sources = prepare_datasets(build_datasets(pipe, cfg), cfg, echo)
             if stored is not None:
                 check_resume(pipe, cfg, stored, sources, echo)
-            rundir.write_yaml(run_dir / "config.yaml", {**cfg.to_dict(), "pipeline": spec, "gpu": use_gpu})
+            rundir.write_yaml(run_dir / rundir.CONFIG, {**cfg.to_dict(), "pipeline": spec, "gpu": use_gpu})
             trainer = build_trainer(pipe, cfg, run_dir, sources, use_gpu, callbacks=callbacks)
             echo(
                 f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
@@ -560,24 +561,18 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict
 # -- console and run files -------------------------------------------------------------------
 
 
-write_yaml = rundir.write_yaml
-read_jsonl = rundir.read_jsonl
-
-
 def write_summary(
     run_dir: Path, cfg: TrainConfig, result: Any, error: Exception | None, started: float, *, interrupted: int = 0, status: str | None = None
 ) -> dict[str, Any]:
-    """summary.json (strict JSON, written atomically) from the run files of this invocation."""
-    progress = read_json(run_dir / "progress.json")
-    if progress.get("time", 0) < started:  # left by an earlier invocation
-        progress = {}
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    epoch_rows = [row for row in rows if row.get("epoch_end")]
-    last = epoch_rows[-1] if epoch_rows else (rows[-1] if rows else {})
-    events = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("time", 0) >= started - 1]
-    recovered = sum(
-        1 for e in events if e.get("kind") == "restore" or (e.get("kind") == "resize" and e["world_size"] < e["previous_world_size"])
-    )
+    """summary.json (strict JSON, written atomically) from the run files of this invocation;
+    returns it as written (plus `summary_error` when it could not be written)."""
+    files = rundir.RunDir(run_dir)
+    progress = files.progress()
+    if progress is not None and progress.time < started:  # left by an earlier invocation
+        progress = None
+    rows = files.metrics()
+    epoch_rows = [row for row in rows if row.epoch_end]
+    last = epoch_rows[-1] if epoch_rows else (rows[-1] if rows else None)
     fault = find_user_fault(error)
     if status is None:
         status = (
@@ -585,37 +580,29 @@ def write_summary(
             "diverged" if isinstance(fault, FloatingPointError) else
             "failed" if error is not None else "finished"
         )  # fmt: skip
-    model_path = run_dir / "model.pt"
-    summary = {
-        "status": status,
-        "epochs": progress.get("epoch", last.get("epoch", 0)),
-        "steps": progress.get("step", last.get("step", 0)),
-        "samples_seen": progress.get("samples_seen", last.get("samples_seen", 0)),
-        "wall_time_s": round(time.time() - started, 3),
-        "steady_samples_per_s": progress.get("steady_samples_per_s"),
-        "steady_steps": progress.get("steady_steps"),
-        "world_sizes": progress.get("world_sizes") or sorted({row["world_size"] for row in rows if "world_size" in row}),
-        "failures_recovered": recovered,
-        "final_metrics": {k: v for k, v in last.items() if k == "loss" or k.startswith("val_")},
-        "best_checkpoint": _best_checkpoint(result, run_dir),
-        "model_path": str(model_path) if model_path.exists() and status == "finished" else None,
-    }
-    if error is not None:
-        text = str(fault if fault is not None else error).strip()
-        summary["error"] = text.splitlines()[0] if text else type(error).__name__
+    model_path = run_dir / MODEL_FILE
+    at = progress or last
+    summary = rundir.Summary(
+        status=status,
+        epochs=at.epoch if at else 0,
+        steps=at.step if at else 0,
+        samples_seen=at.samples_seen if at else 0,
+        wall_time_s=round(time.time() - started, 3),
+        steady_samples_per_s=progress.steady_samples_per_s if progress else None,
+        steady_steps=progress.steady_steps if progress else None,
+        world_sizes=(progress.world_sizes if progress else None) or sorted({row.world_size for row in rows if row.world_size}),
+        failures_recovered=sum(event.recovers_a_failure for event in files.events(since=started - 1)),
+        final_metrics={"loss": last.loss, **last.validation} if last else {},
+        best_checkpoint=_best_checkpoint(result, run_dir),
+        model_path=str(model_path) if model_path.exists() and status == "finished" else None,
+        error=None if error is None else first_line(str(fault if fault is not None else error)) or type(error).__name__,
+    )
+    written = rundir.strict(summary.to_json())
     try:
-        rundir.write_json(run_dir / "summary.json", summary)
+        files.write_summary(summary)
     except StorageError as exc:  # a full disk must not hide the run's own error
-        summary["summary_error"] = str(exc)
-    return rundir.strict(summary)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+        written["summary_error"] = str(exc)
+    return written
 
 
 def _best_checkpoint(result: Any, run_dir: Path) -> str | None:

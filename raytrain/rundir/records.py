@@ -49,6 +49,12 @@ class _Record:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         return {**values, **self.extra}
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """A value by the key the file spells (a field, else one of `extra`)."""
+        if key != "extra" and key in self.__dataclass_fields__:
+            return getattr(self, key)
+        return self.extra.get(key, default)
+
 
 @dataclass
 class MetricsRow(_Record):
@@ -80,14 +86,6 @@ class MetricsRow(_Record):
         """`val_loss`, `val_<name>`: the validation metrics of an epoch's row."""
         return {k: v for k, v in self.extra.items() if k.startswith("val_")}
 
-    def get(self, key: str, default: Any = None) -> Any:
-        """A key as the file spells it (`loss`, `val_accuracy`, …)."""
-        if key != "extra" and key in _METRICS_FIELDS:
-            return getattr(self, key)
-        return self.extra.get(key, default)
-
-
-_METRICS_FIELDS = {f.name for f in dataclasses.fields(MetricsRow)}
 
 
 @dataclass
@@ -99,9 +97,6 @@ class Event(_Record):
     message: str
     time: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in ("kind", "message", "time") else self.extra.get(key, default)
 
     @property
     def step(self) -> int | None:
