@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from raytrain.errors import is_user_file
-from raytrain.tracking import Sink
+from raytrain.rundir import Event, Kind, MetricsRow
+from raytrain.sinks import Sink
 
 BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]"
 BAR_FORMAT_NO_TOTAL = "{desc} {n_fmt} steps [{elapsed}{postfix}]"
@@ -169,17 +170,15 @@ class Console(Sink):
         self.fresh = False  # a snapshot not shown in a plain line yet
 
     # rows
-    def event(self, event: dict[str, Any]) -> None:
-        kind = event.get("kind")
-        if kind in ("restore", "resize"):
+    def event(self, event: Event) -> None:
+        if event.kind in Kind.MARKED:
             self.state.restarted()
-        if kind == "done":
+        if event.kind == Kind.DONE:
             self._close_bar()
-        message = event.get("message")
-        if message:
-            self.write(str(message))
+        if event.message:
+            self.write(str(event.message))
 
-    def metrics(self, row: dict[str, Any]) -> None:
+    def metrics(self, row: MetricsRow | dict[str, Any]) -> None:
         snapshot = self.state.update(row)
         if snapshot is None:
             return

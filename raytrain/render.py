@@ -7,7 +7,6 @@ learning rate or a table reads the same wherever it appears.
 from __future__ import annotations
 
 import math
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,11 +30,9 @@ def plural(count: int, noun: str) -> str:
 def first_line(error: BaseException | str) -> str:
     """`Type: first line of the message` of an exception (torch's load errors run to a dozen
     lines), or the first non-blank line of a text."""
-    if isinstance(error, BaseException):
-        only = traceback.TracebackException.from_exception(error).format_exception_only()
-        lines = [line.strip() for chunk in only for line in chunk.splitlines() if line.strip()]
-        return lines[0] if lines else type(error).__name__
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if isinstance(error, BaseException):
+        return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
     return lines[0] if lines else ""
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import re
@@ -25,40 +24,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 from raytrain.config import ConfigError
-from raytrain.rundir import Tail
+from raytrain.render import first_line, markdown_table
+from raytrain.rundir import Event, Kind, MetricsRow, Summary
+from raytrain.sinks import Dispatcher, Sink, follow, record_time
 
-RUN_FILES = {"metrics.jsonl": "metrics", "live.jsonl": "progress", "events.jsonl": "event"}
 # Metrics of a row that are series over steps (the rest are identifiers or flags).
 STEP_SERIES = ("loss", "lr", "samples_per_s", "global_batch_size", "world_size")
 # Run files logged next to the model when the run ends (MLflow artifacts).
 RUN_ARTIFACTS = ("config.yaml", "summary.json", "metrics.jsonl", "events.jsonl", "report.md")
-
-
-class Sink:
-    """Receives the run's rows. Override what you need; calls come from one thread at a time."""
-
-    name = "sink"
-
-    def event(self, event: dict[str, Any]) -> None:
-        """A row of events.jsonl: {time, kind, message, ...}."""
-
-    def metrics(self, row: dict[str, Any]) -> None:
-        """A row of metrics.jsonl (`epoch_end: true` on the row written at an epoch's end)."""
-
-    def progress(self, row: dict[str, Any]) -> None:
-        """A row of live.jsonl: where rank 0 is within the epoch, about once a second."""
-
-    def tick(self) -> None:
-        """After each poll of the files (flush, refresh a display)."""
-
-    def stop(self) -> None:
-        """Training is over (finished, failed or interrupted): release the console."""
-
-    def finish(self, summary: dict[str, Any] | None, run_dir: Path) -> None:
-        """The run's summary is written (None when the driver was interrupted); close."""
 
 
 @dataclass(frozen=True)
@@ -86,11 +62,6 @@ class TrackingOptions:
 # -- tailing ---------------------------------------------------------------------------------
 
 
-def row_time(row: dict[str, Any]) -> float:
-    value = row.get("time", row.get("time_s"))
-    return float(value) if isinstance(value, (int, float)) else math.inf
-
-
 _WATCHED: list = []  # TensorBoard sinks whose writer threads report to them
 
 
@@ -113,62 +84,6 @@ def _watch_writer_threads(sink) -> None:
 
     hook._raytrain = True
     threading.excepthook = hook
-
-
-class Dispatcher:
-    """Calls every sink; a sink that raises is dropped with one warning, the run goes on."""
-
-    def __init__(self, sinks: Sequence[Sink], warn: Callable[[str], None]):
-        self.sinks = list(sinks)
-        self.warn = warn
-
-    def send(self, method: str, *args: Any) -> None:
-        for sink in list(self.sinks):
-            try:
-                getattr(sink, method)(*args)
-            except Exception as exc:  # a tracker's outage must not fail training
-                self.sinks.remove(sink)
-                with contextlib.suppress(Exception):
-                    getattr(sink, "abandon", lambda: None)()
-                self.warn(f"raytrain: {sink.name} stopped tracking this run: {type(exc).__name__}: {_first_line(exc)}")
-
-
-@contextlib.contextmanager
-def follow(run_dir: Path, dispatcher: Dispatcher, since: float, interval_s: float = 0.5) -> Iterator[Callable[[], None]]:
-    """Tail the run files in a background thread while the body runs; each poll sends the
-    new rows of all files to the sinks in time order, then `tick`. Yields `pump` (one poll)."""
-    tails = {kind: Tail(Path(run_dir) / name) for name, kind in RUN_FILES.items()}
-    order = {kind: index for index, kind in enumerate(RUN_FILES.values())}
-    lock = threading.Lock()
-
-    def pump() -> None:
-        with lock:
-            batch = []
-            for kind, tail in tails.items():
-                for row in tail.read():
-                    # events.jsonl outlives a driver: older rows belong to an earlier session.
-                    if kind == "event" and row_time(row) < since - 1:
-                        continue
-                    batch.append((row_time(row), order[kind], len(batch), kind, row))
-            batch.sort(key=lambda item: item[:3])
-            for *_, kind, row in batch:
-                dispatcher.send(kind, row)
-            dispatcher.send("tick")
-
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.wait(interval_s):
-            pump()
-
-    thread = threading.Thread(target=loop, name="raytrain-follow", daemon=True)
-    thread.start()
-    try:
-        yield pump
-    finally:
-        stop.set()
-        thread.join()
-        pump()
 
 
 # -- the tracker of one run ------------------------------------------------------------------
@@ -235,7 +150,7 @@ class RunTracker:
         try:
             sinks.append(make())
         except Exception as exc:
-            self.echo(f"raytrain: {tracker} could not start a run, training without it: {type(exc).__name__}: {_first_line(exc)}")
+            self.echo(f"raytrain: {tracker} could not start a run, training without it: {first_line(exc)}")
 
     @contextlib.contextmanager
     def follow(self, since: float, train_rows: int | None = None) -> Iterator[None]:
@@ -251,7 +166,7 @@ class RunTracker:
             raise
         self.dispatcher.send("stop")
 
-    def finish(self, summary: dict[str, Any] | None) -> None:
+    def finish(self, summary: Summary | None) -> None:
         """Close the trackers (MLflow gets the model and the report) once summary.json exists."""
         if self._finished:
             return
@@ -262,7 +177,7 @@ class RunTracker:
 
                 write_report(self.run_dir)
             except Exception as exc:  # a plot must never turn a finished run into a failed one
-                self.echo(f"raytrain: could not write the report: {type(exc).__name__}: {_first_line(exc)}")
+                self.echo(f"raytrain: could not write the report: {first_line(exc)}")
         self.dispatcher.send("finish", summary, self.run_dir)
 
 
@@ -298,7 +213,7 @@ def check_mlflow_uri(uri: str) -> None:
     try:
         MlflowClient(tracking_uri=mlflow_store_uri(uri)).search_experiments(max_results=1)
     except Exception as exc:
-        raise ConfigError([("mlflow_uri", f"got {uri!r}, but MLflow cannot use it: {type(exc).__name__}: {_first_line(exc)}; "
+        raise ConfigError([("mlflow_uri", f"got {uri!r}, but MLflow cannot use it: {first_line(exc)}; "
                             "give a server (http://HOST:5000), sqlite:///mlflow.db or a directory")]) from None
     finally:
         for key, value in saved.items():
@@ -349,22 +264,17 @@ def ray_logs_dir() -> str | None:
     return None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
-
-
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def step_scalars(row: dict[str, Any]) -> dict[str, float]:
+def step_scalars(row: MetricsRow) -> dict[str, float]:
     """The scalars of a metrics row, by tracker tag.
 
     Rows within an epoch give per-step series under `train/`; the row at an epoch's end
     gives the epoch's mean loss and throughput under `epoch/` and validation under `val/`.
     """
-    epoch_end = bool(row.get("epoch_end"))
+    epoch_end = row.epoch_end
     scalars: dict[str, float] = {}
     for key in STEP_SERIES:
         value = _number(row.get(key))
@@ -375,10 +285,10 @@ def step_scalars(row: dict[str, Any]) -> dict[str, float]:
         else:
             scalars[f"train/{key}"] = value
     if epoch_end:
-        if (epoch := _number(row.get("epoch"))) is not None:
+        if (epoch := _number(row.epoch)) is not None:
             scalars["epoch/epoch"] = epoch
-        for key, value in row.items():
-            if key.startswith("val_") and (number := _number(value)) is not None:
+        for key, value in row.validation.items():
+            if (number := _number(value)) is not None:
                 scalars[f"val/{key[4:]}"] = number
     return scalars
 
@@ -419,23 +329,23 @@ class TensorBoardSink(Sink):
             self.writer.add_text("config", "| option | value |\n|---|---|\n" + table, 0)
         return self.writer
 
-    def metrics(self, row: dict[str, Any]) -> None:
+    def metrics(self, row: MetricsRow) -> None:
         self._raise_if_failed()  # (a dead writer thread would block add_scalar on its full queue)
         writer = self.writer or self._open()
-        step = int(row.get("step", 0))
-        walltime = row_time(row) if math.isfinite(row_time(row)) else None
+        step = int(row.step)
+        walltime = record_time(row) if math.isfinite(record_time(row)) else None
         for tag, value in step_scalars(row).items():
             writer.add_scalar(tag, value, step, walltime=walltime)
         self.dirty = True
 
-    def event(self, event: dict[str, Any]) -> None:
+    def event(self, event: Event) -> None:
         self._raise_if_failed()
-        kind, step = event.get("kind", "event"), int(event.get("step", 0) or 0)
-        if kind in ("restore", "resize") and "step" in event:
+        kind, step = event.kind, int(event.step or 0)
+        if kind in Kind.MARKED and event.step is not None:
             self._open(purge_step=step + 1)  # later rows redo the steps after the checkpoint
         writer = self.writer or self._open()
-        if kind != "epoch":  # epoch lines are the epoch/ and val/ scalars already
-            writer.add_text("events", f"**{kind}**: {event.get('message', '')}", step, walltime=event.get("time"))
+        if kind != Kind.EPOCH:  # epoch lines are the epoch/ and val/ scalars already
+            writer.add_text("events", f"**{kind}**: {event.message}", step, walltime=event.time)
             self.dirty = True
 
     def tick(self) -> None:
@@ -460,13 +370,13 @@ class TensorBoardSink(Sink):
             except Exception:
                 writer.event_writer._closed = True
 
-    def finish(self, summary: dict[str, Any] | None, run_dir: Path) -> None:
+    def finish(self, summary: Summary | None, run_dir: Path) -> None:
         self._raise_if_failed()
         if summary is not None:
             writer = self.writer or self._open()
-            lines = [f"| {key} | {value} |" for key, value in summary.items() if not isinstance(value, dict)]
-            lines += [f"| {key} | {value:.6g} |" for key, value in summary.get("final_metrics", {}).items() if isinstance(value, (int, float))]
-            writer.add_text("summary", "| | |\n|---|---|\n" + "\n".join(lines), int(summary.get("steps") or 0))
+            rows = [(key, value) for key, value in summary.to_json().items() if not isinstance(value, dict)]
+            rows += [(key, f"{value:.6g}") for key, value in summary.final_metrics.items() if isinstance(value, (int, float))]
+            writer.add_text("summary", "\n".join(markdown_table(["", ""], rows)), int(summary.steps or 0))
         if self.writer is not None:
             self.writer.close()
             self.writer = None
@@ -517,11 +427,11 @@ class MLflowSink(Sink):
         for start in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[start:start + 100])
 
-    def metrics(self, row: dict[str, Any]) -> None:
+    def metrics(self, row: MetricsRow) -> None:
         from mlflow.entities import Metric
 
-        stamp = int((row_time(row) if math.isfinite(row_time(row)) else time.time()) * 1000)
-        step = int(row.get("step", 0))
+        stamp = int((record_time(row) if math.isfinite(record_time(row)) else time.time()) * 1000)
+        step = int(row.step)
         for key, value in step_scalars(row).items():
             self.pending.append(Metric(_mlflow_key(key), value, stamp, step))
 
@@ -530,7 +440,7 @@ class MLflowSink(Sink):
             batch, self.pending = self.pending[:1000], self.pending[1000:]
             self.client.log_batch(self.run_id, metrics=batch)
 
-    def finish(self, summary: dict[str, Any] | None, run_dir: Path) -> None:
+    def finish(self, summary: Summary | None, run_dir: Path) -> None:
         self.tick()
         if summary is None:
             self.client.set_terminated(self.run_id, status="KILLED")
@@ -538,7 +448,7 @@ class MLflowSink(Sink):
         for key in ("steady_samples_per_s", "wall_time_s", "failures_recovered", "samples_seen"):
             if (value := _number(summary.get(key))) is not None:
                 self.client.log_metric(self.run_id, f"summary/{key}", value)
-        self.client.set_tag(self.run_id, "raytrain.world_sizes", " → ".join(map(str, summary.get("world_sizes") or [])))
+        self.client.set_tag(self.run_id, "raytrain.world_sizes", " → ".join(map(str, summary.world_sizes)))
         model = run_dir / "model.pt"
         if model.exists():
             self.client.log_artifact(self.run_id, str(model), artifact_path="model")
@@ -547,7 +457,7 @@ class MLflowSink(Sink):
                 self.client.log_artifact(self.run_id, str(run_dir / name), artifact_path="run")
         if (run_dir / "plots").is_dir():
             self.client.log_artifacts(self.run_id, str(run_dir / "plots"), artifact_path="run/plots")
-        self.client.set_terminated(self.run_id, status="FINISHED" if summary.get("status") == "finished" else "FAILED")
+        self.client.set_terminated(self.run_id, status="FINISHED" if summary.status == "finished" else "FAILED")
 
 
 def _mlflow_key(tag: str) -> str:
@@ -579,20 +489,20 @@ class WandbSink(Sink):
         self.last_step = -1
         self.events: list[list[Any]] = []
 
-    def metrics(self, row: dict[str, Any]) -> None:
-        step = int(row.get("step", 0))
+    def metrics(self, row: MetricsRow) -> None:
+        step = int(row.step)
         if step < self.last_step:
             return  # W&B keeps steps increasing: steps redone after a restart are dropped
         self.last_step = step
         self.run.log(step_scalars(row), step=step)
 
-    def event(self, event: dict[str, Any]) -> None:
-        if event.get("kind") != "epoch":
-            self.events.append([event.get("time"), event.get("kind"), event.get("step"), event.get("message")])
+    def event(self, event: Event) -> None:
+        if event.kind != Kind.EPOCH:
+            self.events.append([event.time, event.kind, event.step, event.message])
 
-    def finish(self, summary: dict[str, Any] | None, run_dir: Path) -> None:
+    def finish(self, summary: Summary | None, run_dir: Path) -> None:
         if summary is not None:
-            self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+            self.run.summary.update({k: v for k, v in summary.to_json().items() if isinstance(v, (int, float, str))})
             if self.events:
                 self.run.log({"events": self.wandb.Table(columns=["time", "kind", "step", "message"], data=self.events)})
             model = run_dir / "model.pt"
@@ -600,4 +510,4 @@ class WandbSink(Sink):
                 artifact = self.wandb.Artifact(re.sub(r"[^A-Za-z0-9_.-]", "-", self.run.name or "model") + "-model", type="model")
                 artifact.add_file(str(model))
                 self.run.log_artifact(artifact)
-        self.run.finish(exit_code=0 if summary and summary.get("status") == "finished" else 1)
+        self.run.finish(exit_code=0 if summary and summary.status == "finished" else 1)

@@ -144,8 +144,8 @@ def fit(
                 except Exception as exc:  # Ray wraps worker errors; re-raised below
                     result, error = None, exc
         summary = write_summary(run_dir, cfg, result, error, started, interrupted=stop.signal)
-        if summary.get("summary_error"):
-            echo(f"raytrain: summary.json not written: {summary['summary_error']}")
+        if summary.extra.get("summary_error"):
+            echo(f"raytrain: summary.json not written: {summary.extra['summary_error']}")
         tracker.finish(summary)
     finally:
         lock.release()
@@ -163,11 +163,11 @@ def fit(
             raise fault from None
         raise RunFailed(explain_failure(error, run_dir, tracker.ray_logs)) from None
     return FitResult(
-        metrics=summary["final_metrics"],
-        checkpoint_path=summary["best_checkpoint"],
+        metrics=summary.final_metrics,
+        checkpoint_path=summary.best_checkpoint,
         run_dir=str(run_dir),
-        summary=summary,
-        model_path=summary["model_path"],
+        summary=rundir.strict(summary.to_json()),
+        model_path=summary.model_path,
     )
 
 
@@ -563,9 +563,9 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict
 
 def write_summary(
     run_dir: Path, cfg: TrainConfig, result: Any, error: Exception | None, started: float, *, interrupted: int = 0, status: str | None = None
-) -> dict[str, Any]:
+) -> rundir.Summary:
     """summary.json (strict JSON, written atomically) from the run files of this invocation;
-    returns it as written (plus `summary_error` when it could not be written)."""
+    returns it (with `summary_error` in `extra` when it could not be written)."""
     files = rundir.RunDir(run_dir)
     progress = files.progress()
     if progress is not None and progress.time < started:  # left by an earlier invocation
@@ -597,12 +597,11 @@ def write_summary(
         model_path=str(model_path) if model_path.exists() and status == "finished" else None,
         error=None if error is None else first_line(str(fault if fault is not None else error)) or type(error).__name__,
     )
-    written = rundir.strict(summary.to_json())
     try:
         files.write_summary(summary)
     except StorageError as exc:  # a full disk must not hide the run's own error
-        written["summary_error"] = str(exc)
-    return written
+        summary.extra["summary_error"] = str(exc)
+    return summary
 
 
 def _best_checkpoint(result: Any, run_dir: Path) -> str | None:

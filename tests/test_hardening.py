@@ -40,7 +40,7 @@ def test_summary_is_strict_and_says_diverged_for_a_nan_loss(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "step": 5, "loss": float("nan"), "world_size": 2, "epoch_end": True}) + "\n")
     summary = write_summary(tmp_path, TrainConfig(), None, TrainingDiverged("the loss became NaN"), time.time())
     text = (tmp_path / "summary.json").read_text()
-    assert summary["status"] == "diverged" and "NaN" not in text.replace("the loss became NaN", "")
+    assert summary.status == "diverged" and "NaN" not in text.replace("the loss became NaN", "")
     json.loads(text, parse_constant=lambda c: pytest.fail(c))
 
 

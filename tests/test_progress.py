@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from raytrain.rundir import Event
 from raytrain.progress import Console, EpochProgress, explain_worker_errors, format_duration, summarize_traceback
 
 RAYTRAIN = Path(__import__("raytrain").__file__).resolve().parent
@@ -73,14 +74,14 @@ def test_plain_output_is_lines_every_interval_without_carriage_returns():
     out, clock = io.StringIO(), FakeClock()
     console = Console(lambda line: out.write(line + "\n"), epochs=2, train_rows=1438, mode="auto", interval_s=10, stream=out, clock=clock)
     assert console.mode == "plain"
-    console.event({"kind": "plan", "message": "global 64 = 2 workers × 32 per worker"})
+    console.event(Event.from_json({"kind": "plan", "message": "global 64 = 2 workers × 32 per worker"}))
     for second in range(1, 26):
         clock.now = float(second)
         if second % 2 == 0:
             console.metrics(row(second))
         console.tick()
     console.metrics(row(23, epoch_end=True))
-    console.event({"kind": "epoch", "message": "epoch 1/2  loss 0.5000"})
+    console.event(Event.from_json({"kind": "epoch", "message": "epoch 1/2  loss 0.5000"}))
     console.stop()
     lines = out.getvalue().splitlines()
     assert lines == [
@@ -97,7 +98,7 @@ def test_off_prints_the_run_lines_only():
     console = Console(lines.append, epochs=1, mode="off", interval_s=0)
     console.metrics(row(5))
     console.tick()
-    console.event({"kind": "done", "message": "finished 1 epochs, 23 steps"})
+    console.event(Event.from_json({"kind": "done", "message": "finished 1 epochs, 23 steps"}))
     assert lines == ["finished 1 epochs, 23 steps"]
 
 
@@ -110,17 +111,17 @@ def test_one_bar_on_a_terminal_with_the_run_lines_printed_above_it():
     screen = TTY()
     console = Console(lambda line: screen.write(line + "\n"), epochs=2, train_rows=1438, mode="auto", stream=screen)
     assert console.mode == "bar"
-    console.event({"kind": "plan", "message": "global 64 = 2 workers"})
+    console.event(Event.from_json({"kind": "plan", "message": "global 64 = 2 workers"}))
     console.metrics(row(10, loss=0.25))
     bar = console.bar
     assert (bar.n, bar.total, bar.desc) == (10, 23, "epoch 1/2")
     assert "loss 0.2500" in str(bar) and "2,000 samples/s" in str(bar) and "ETA 0:00" in str(bar)
     console.metrics(row(23, epoch_end=True))
-    console.event({"kind": "epoch", "message": "epoch 1/2  loss 0.5000"})
+    console.event(Event.from_json({"kind": "epoch", "message": "epoch 1/2  loss 0.5000"}))
     assert console.bar is bar and (bar.n, bar.total, bar.desc) == (0, 23, "epoch 2/2")  # one bar, reset
     console.metrics(row(30, epoch=2))
     assert len(tqdm._instances) == 1
-    console.event({"kind": "done", "message": "finished 2 epochs, 46 steps"})
+    console.event(Event.from_json({"kind": "done", "message": "finished 2 epochs, 46 steps"}))
     assert console.bar is None and len(tqdm._instances) == 0
     text = screen.getvalue()
     # Each run line starts on a line of its own: the bar was cleared before it was printed.

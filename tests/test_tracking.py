@@ -14,7 +14,7 @@ import pytest
 
 import raytrain
 from raytrain.config import ConfigError
-from raytrain.rundir import Tail
+from raytrain.rundir import Event, MetricsRow, Summary, Tail
 from raytrain.tracking import (
     Dispatcher,
     MLflowSink,
@@ -35,7 +35,7 @@ T0 = 1_800_000_000.0
 def append(path: Path, *rows: dict, newline: bool = True) -> None:
     with open(path, "a") as handle:
         for row in rows:
-            handle.write(json.dumps(row) + ("\n" if newline else ""))
+            handle.write(json.dumps(row if isinstance(row, dict) else row.to_json()) + ("\n" if newline else ""))
 
 
 def metrics_row(step: int, *, epoch: int = 1, loss: float = 1.0, world_size: int = 2, epoch_end: bool = False, **extra) -> dict:
@@ -46,11 +46,11 @@ def metrics_row(step: int, *, epoch: int = 1, loss: float = 1.0, world_size: int
     }
     if epoch_end:
         row["epoch_end"] = True
-    return {**row, **extra}
+    return MetricsRow.from_json({**row, **extra})
 
 
-def event(kind: str, message: str, at: float, **fields) -> dict:
-    return {"time": at, "kind": kind, "message": message, **fields}
+def event(kind: str, message: str, at: float, **fields) -> Event:
+    return Event.from_json({"time": at, "kind": kind, "message": message, **fields})
 
 
 class Recorder(Sink):
@@ -60,10 +60,10 @@ class Recorder(Sink):
         self.calls: list[tuple[str, object]] = []
 
     def event(self, e):
-        self.calls.append(("event", e["message"]))
+        self.calls.append(("event", e.message))
 
     def metrics(self, row):
-        self.calls.append(("metrics", row["step"]))
+        self.calls.append(("metrics", row.step))
 
     def progress(self, row):
         self.calls.append(("progress", row["step"]))
@@ -215,7 +215,7 @@ def test_tensorboard_events_have_step_series_validation_and_text_events(tmp_path
     sink.event(event("resize", "Resized 2 → 1 workers at step 20", T0 + 30, step=20, world_size=1, previous_world_size=2))
     sink.metrics(metrics_row(25, epoch=2, world_size=1, loss=0.3))
     sink.tick()
-    sink.finish({"status": "finished", "steps": 25, "final_metrics": {"val_loss": 0.5}}, tmp_path)
+    sink.finish(Summary.from_json({"status": "finished", "steps": 25, "final_metrics": {"val_loss": 0.5}}), tmp_path)
 
     tb = load_tensorboard(tmp_path)
     scalars = set(tb.Tags()["scalars"])
@@ -269,7 +269,7 @@ def test_mlflow_run_holds_params_step_metrics_and_the_model(tmp_path, monkeypatc
     sink.tick()
     (run_dir / "model.pt").write_bytes(b"weights")
     (run_dir / "config.yaml").write_text("epochs: 2\n")
-    sink.finish({"status": "finished", "steady_samples_per_s": 1234.5, "wall_time_s": 9.0, "world_sizes": [2]}, run_dir)
+    sink.finish(Summary.from_json({"status": "finished", "steady_samples_per_s": 1234.5, "wall_time_s": 9.0, "world_sizes": [2]}), run_dir)
 
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(sink.run_id)
@@ -297,7 +297,7 @@ def test_mlflow_resume_continues_the_same_run(tmp_path):
     again_cfg = raytrain.TrainConfig(epochs=2, name="again", storage=str(tmp_path), resume=True)
     again = MLflowSink(uri, "raytrain", again_cfg, config_params(again_cfg, "digits", run_dir), run_dir, echo=lambda line: None)
     again.metrics(metrics_row(2))
-    again.finish({"status": "finished"}, run_dir)
+    again.finish(Summary.from_json({"status": "finished"}), run_dir)
     assert again.run_id == first.run_id
     client = MlflowClient(tracking_uri=uri)
     assert [m.step for m in client.get_metric_history(again.run_id, "loss")] == [1, 2]
@@ -318,7 +318,7 @@ def test_wandb_offline_run_gets_the_metrics(tmp_path, monkeypatch):
     sink.metrics(metrics_row(10, epoch_end=True, val_loss=0.5))
     sink.event(event("resize", "Resized 2 → 1 workers", T0, step=10))
     (tmp_path / "model.pt").write_bytes(b"weights")
-    sink.finish({"status": "finished", "steps": 10}, tmp_path)
+    sink.finish(Summary.from_json({"status": "finished", "steps": 10}), tmp_path)
     assert sink.last_step == 10
     (offline,) = (tmp_path / "wandb").glob("offline-run-*-wb-*")  # the id derives from the run name
     (table,) = offline.glob("files/media/table/events_*.table.json")  # events, logged at the last step
@@ -341,8 +341,8 @@ def test_run_tracker_feeds_tensorboard_mlflow_and_writes_the_report(tmp_path):
         append(run_dir / "events.jsonl", event("plan", "global 64 = 2 workers", T0))
         append(run_dir / "metrics.jsonl", metrics_row(10), metrics_row(23, epoch_end=True, val_loss=0.5))
         append(run_dir / "events.jsonl", event("epoch", "epoch 1/2  loss 1.0", T0 + 24))
-    summary = {"status": "finished", "epochs": 1, "steps": 23, "samples_seen": 1472, "wall_time_s": 3.0, "world_sizes": [2], "failures_recovered": 0, "final_metrics": {"val_loss": 0.5}}
-    (run_dir / "summary.json").write_text(json.dumps(summary))
+    summary = Summary.from_json({"status": "finished", "epochs": 1, "steps": 23, "samples_seen": 1472, "wall_time_s": 3.0, "world_sizes": [2], "failures_recovered": 0, "final_metrics": {"val_loss": 0.5}})
+    (run_dir / "summary.json").write_text(json.dumps(summary.to_json()))
     tracker.finish(summary)
 
     assert lines[0].startswith("MLflow: experiment 'raytrain', run ")
