@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from raytrain.errors import UserFault
+from raytrain.render import first_line
 
 STATE_FILE = "state.pt"
 MODEL_FILE = "model.pt"
@@ -91,7 +92,7 @@ def load_state(directory: str | os.PathLike) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(f"checkpoint file {path} cannot be read ({_first_line(exc)}); it is corrupt or partial") from None
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({first_line(exc)}); it is corrupt or partial") from None
 
 
 def checkpoint_dirs(run_dir: str | os.PathLike) -> list[Path]:
@@ -137,18 +138,12 @@ def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     try:
         weights = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"{path} cannot be read as a torch file ({_first_line(exc)})") from None
+        raise CheckpointError(f"{path} cannot be read as a torch file ({first_line(exc)})") from None
     if isinstance(weights, dict) and "model" in weights and isinstance(weights["model"], dict):
         weights = weights["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise CheckpointError(f"{path} does not hold a model state_dict")
     return weights
-
-
-def _first_line(exc: Exception) -> str:
-    """`Type: first line` of an exception: torch's load errors run to a dozen lines."""
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 # -- RNG states, in types that weights_only loading accepts ----------------------------

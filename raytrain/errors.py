@@ -9,10 +9,12 @@ deaths, lost nodes and collective timeouts are not UserFaults: they keep --max-f
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 # Paths that are not the user's code: Python's, libraries', raytrain's own.
 _LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/lib/python3", "/ray/", "/torch/")
@@ -69,10 +71,85 @@ def find_user_fault(error: BaseException | None) -> UserFault | None:
     return None
 
 
+@dataclass
+class Frame:
+    file: str
+    line: int
+    func: str
+    code: str
+
+    @property
+    def is_user_code(self) -> bool:
+        """Not Python's, a library's or raytrain's own: the pipeline or the user's module."""
+        return is_user_file(self.file)
+
+    def describe(self) -> str:
+        return f"{self.file}:{self.line}, in {self.func}" + (f": {self.code}" if self.code else "")
+
+
+@dataclass
+class ErrorSummary:
+    """A traceback reduced to what a user reads first (plain data: it pickles, so a worker's
+    summary reaches the driver, where Ray keeps only the traceback's text)."""
+
+    exception: list[str]  # "KeyError: 'nope'" (a message may span lines)
+    frames: list[Frame]  # where it happened: user frames, innermost last
+
+    def lines(self, max_frames: int = 3, max_message_lines: int = 8) -> list[str]:
+        head = self.exception[:max_message_lines] or ["(no message)"]
+        return head + [f"  at {frame.describe()}" for frame in self.frames[-max_frames:]]
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> "ErrorSummary":
+        """The exception's type and message, and the innermost frames of user code (else the
+        innermost of all) — from its cause chain when the error surfaced in a library."""
+        chain = [traceback.TracebackException.from_exception(exc)]
+        while chain[-1].__cause__ is not None or (chain[-1].__context__ is not None and not chain[-1].__suppress_context__):
+            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        frames = [_frame(f) for f in chain[0].stack]
+        user = [f for f in frames if f.is_user_code]
+        for cause in chain[1:]:
+            if user:
+                break
+            user = [frame for frame in map(_frame, cause.stack) if frame.is_user_code]
+        message = [line.rstrip() for part in chain[0].format_exception_only() for line in part.splitlines() if line.strip()]
+        return cls(exception=message, frames=user or frames[-2:])
+
+
+def _frame(summary: traceback.FrameSummary) -> Frame:
+    return Frame(summary.filename, summary.lineno or 0, summary.name, (summary.line or "").strip())
+
+
+SUMMARY_ATTRIBUTE = "raytrain_error_summary"
+
+
+def summarize_on_raise(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, whose exceptions carry their ErrorSummary when they leave it (the worker
+    side of a Ray Train run: the driver explains the failure from it)."""
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                setattr(exc, SUMMARY_ATTRIBUTE, ErrorSummary.from_exception(exc))
+            raise
+
+    return run
+
+
+def attached_summary(error: BaseException) -> ErrorSummary | None:
+    """The ErrorSummary a worker attached to `error` (inside Ray Train's wrapper), if any."""
+    base = getattr(error, "_base_exc", error)  # Ray Train's UserExceptionWithTraceback
+    summary = getattr(base, SUMMARY_ATTRIBUTE, None)
+    return summary if isinstance(summary, ErrorSummary) else None
+
+
 def user_frames(exc: BaseException, limit: int = 3) -> list[str]:
     """`file:line, in function: code` for the innermost frames of user code in `exc`'s traceback."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
-    return [f"{f.filename}:{f.lineno}, in {f.name}" + (f": {f.line.strip()}" if f.line else "") for f in frames[-limit:]]
+    frames = [frame for frame in map(_frame, traceback.extract_tb(exc.__traceback__)) if frame.is_user_code]
+    return [frame.describe() for frame in frames[-limit:]]
 
 
 @contextlib.contextmanager

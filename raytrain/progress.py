@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from raytrain.errors import is_user_file
+from raytrain.errors import ErrorSummary, Frame, attached_summary
 from raytrain.rundir import Event, Kind, MetricsRow
 from raytrain.sinks import Sink
 
@@ -248,34 +248,6 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fun
 _CHAINED = re.compile(r"^(During handling of the above exception|The above exception was the direct cause)", re.MULTILINE)
 
 
-@dataclass
-class Frame:
-    file: str
-    line: int
-    func: str
-    code: str
-
-    @property
-    def is_user_code(self) -> bool:
-        """Not Python's, a library's or raytrain's own: the pipeline or the user's module."""
-        return is_user_file(self.file)
-
-    def describe(self) -> str:
-        return f"{self.file}:{self.line}, in {self.func}" + (f": {self.code}" if self.code else "")
-
-
-@dataclass
-class ErrorSummary:
-    """A traceback reduced to what a user reads first."""
-
-    exception: list[str]  # "KeyError: 'nope'" (a message may span lines)
-    frames: list[Frame]  # where it happened: user frames, innermost last
-
-    def lines(self, max_frames: int = 3, max_message_lines: int = 8) -> list[str]:
-        head = self.exception[:max_message_lines] or ["(no message)"]
-        return head + [f"  at {frame.describe()}" for frame in self.frames[-max_frames:]]
-
-
 def summarize_traceback(text: str) -> ErrorSummary:
     """Exception type and message, and the innermost frames of user code (else the
     innermost frames of all), from a formatted Python traceback."""
@@ -320,16 +292,29 @@ def _exception_lines(text: str, frames: list[Frame]) -> list[str]:
     return body
 
 
+def _attached_summaries(failures: dict[int, BaseException]) -> list[tuple[list[int], ErrorSummary]]:
+    """(ranks, summary) for the ranks whose exception carries its summary, alike ranks together."""
+    grouped: dict[tuple[str, ...], tuple[list[int], ErrorSummary]] = {}
+    for rank, exc in sorted(failures.items()):
+        summary = attached_summary(exc)
+        if summary is not None:
+            grouped.setdefault(tuple(summary.lines()), ([], summary))[0].append(rank)
+    return list(grouped.values())
+
+
 def explain_worker_errors(error: BaseException) -> list[str]:
     """Per failed rank: `rank N raised Type: message`, then the user frames where it happened.
 
-    Ray Train's WorkerGroupError carries each rank's traceback as text ("[Rank N Error
-    Snippet]:", ranks that failed alike grouped as "Rank 0,1"); other errors are
-    summarized from their own text. Only the first error keeps a long message in full.
+    A rank's exception carries its ErrorSummary, made from the exception object on the
+    worker (`errors.summarize_on_raise`); ranks that failed alike are grouped. Otherwise
+    (an error raised outside raytrain's worker function) Ray Train's WorkerGroupError
+    carries each rank's traceback as text ("[Rank N Error Snippet]:", alike ranks grouped
+    as "Rank 0,1"), and other errors are summarized from their own text. Only the first
+    error keeps a long message in full.
     """
     text = str(error)
-    matches = list(_SNIPPET.finditer(text))
-    failed: list[tuple[list[int], ErrorSummary]] = []
+    failed = _attached_summaries(getattr(error, "worker_failures", None) or {})
+    matches = [] if failed else list(_SNIPPET.finditer(text))
     for index, match in enumerate(matches):
         end = matches[index + 1].start() if index + 1 < len(matches) else len(text)
         ranks = sorted(int(rank) for rank in re.findall(r"\d+", match[1]))

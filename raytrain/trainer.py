@@ -530,6 +530,7 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict
     from ray.train.torch import TorchConfig
 
     from raytrain.failfast import FailFastTrainer
+    from raytrain.errors import summarize_on_raise
     from raytrain.loop import train_loop_per_worker
 
     workers: int | tuple[int, int] = cfg.max_workers if not cfg.elastic else (cfg.min_workers, cfg.max_workers)
@@ -537,7 +538,7 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict
     apply_train_timers(cfg)
     elastic = {"elastic_resize_monitor_interval_s": ELASTIC_MONITOR_INTERVAL_S} if cfg.elastic else {}
     return FailFastTrainer(
-        train_loop_per_worker,
+        summarize_on_raise(train_loop_per_worker),
         train_loop_config={"config": cfg.to_dict(), "pipeline": pipe, "run_dir": str(run_dir), "sources": sources},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources, **elastic),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s)),

@@ -235,3 +235,26 @@ def test_library_only_tracebacks_show_the_innermost_frames():
     )
     summary = summarize_traceback(text)
     assert [frame.func for frame in summary.frames] == ["b", "c"]
+
+
+def test_a_summary_made_on_the_worker_names_the_users_frames_without_reading_text(tmp_path):
+    import pickle
+
+    from raytrain.errors import summarize_on_raise
+
+    user_file = tmp_path / "mypipe.py"
+    user_file.write_text("def helper(x):\n    return x['nope']\n\ndef compute_loss(batch):\n    return helper(batch)\n")
+    namespace: dict = {}
+    exec(compile(user_file.read_text(), str(user_file), "exec"), namespace)
+    failures = {}
+    for rank in (0, 2):
+        try:
+            summarize_on_raise(namespace["compute_loss"])({})
+        except KeyError as exc:
+            failures[rank] = pickle.loads(pickle.dumps(exc))  # as it crosses from a worker
+    error = WorkerGroupError("Training failed due to worker errors:\n(no snippets: the text is not read)", failures)
+    assert explain_worker_errors(error) == [
+        "ranks 0, 2 raised KeyError: 'nope'",
+        f"  at {user_file}:5, in compute_loss: return helper(batch)",
+        f"  at {user_file}:2, in helper: return x['nope']",
+    ]
