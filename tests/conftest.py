@@ -4,12 +4,40 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
+
+
+# Where a run could land outside pytest's tmp_path: the temp directory (raytrain's own
+# names) and the default storage. The suite must leave nothing new there.
+_OUTSIDE = {Path(tempfile.gettempdir()): "raytrain", Path.home() / "raytrain_results": ""}
+
+
+def _outside_entries() -> set[Path]:
+    found = set()
+    for directory, prefix in _OUTSIDE.items():
+        if directory.is_dir():
+            found |= {entry for entry in directory.iterdir() if entry.name.startswith(prefix)}
+    return found
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_BEFORE] = _outside_entries()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    left = sorted(_outside_entries() - session.config.stash.get(_BEFORE, set()))
+    if left:
+        print(f"\ntests left files outside tmp_path: {', '.join(map(str, left))}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_BEFORE = pytest.StashKey[set]()
 
 
 def pytest_collection_modifyitems(config, items):
