@@ -3,10 +3,10 @@
 Under torchrun it is the seed's recipe, DDP + DistributedSampler + DataLoader(num_workers=0):
 
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29511 \\
-        benchmarks/classic_ddp.py --pipeline digits --data train.npz --config config.json --epochs 3 --out out.json
+        -m raytrain.baselines.classic_ddp --pipeline digits --data train.npz --config config.json --epochs 3 --out out.json
 
-Run with plain `python` it is the single-process training loop a user starts from (no
-process group, no DDP, a shuffling DataLoader). The model, loss and batch come from the
+Run with plain `python -m raytrain.baselines.classic_ddp` it is the single-process training
+loop a user starts from (no process group, no DDP, a shuffling DataLoader). The model, loss and batch come from the
 same raytrain pipeline and resolved config as the raytrain run; the data are the rows of
 its training dataset, saved by `raytrain bench` as a .npz of columns.
 
@@ -47,7 +47,8 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main() -> None:
+def train_classic() -> None:
+    """Train and time as the classic template does; rank 0 writes the figures to --out."""
     args = parse_args()
     cfg = TrainConfig.from_dict(json.loads(open(args.config).read()))
     pipeline = load_pipeline(args.pipeline)
@@ -66,7 +67,7 @@ def main() -> None:
     torch.manual_seed(cfg.seed)
     model = pipeline.build_model(cfg).to(device)
     if ddp:
-        model = DDP(model, device_ids=[local_rank] if use_cuda else None, **ddp_kwargs(cfg))
+        model = DDP(model, device_ids=[local_rank] if use_cuda else None, **ddp_arguments(cfg))
 
     with np.load(args.data) as data:
         names = list(data.files)
@@ -156,8 +157,9 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def ddp_kwargs(cfg: TrainConfig) -> dict:
-    """The same DDP flags as the raytrain run (torch >= 2.12 calls broadcast_buffers forward_sync_buffers)."""
+def ddp_arguments(cfg: TrainConfig) -> dict:
+    """The same DDP flags as the raytrain run (torch >= 2.12 calls broadcast_buffers forward_sync_buffers).
+    Written out here rather than taken from raytrain.runtime, which needs Ray: the template runs without it."""
     kwargs = {
         "bucket_cap_mb": cfg.ddp.bucket_cap_mb,
         "gradient_as_bucket_view": cfg.ddp.gradient_as_bucket_view,
@@ -170,4 +172,4 @@ def ddp_kwargs(cfg: TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    train_classic()
