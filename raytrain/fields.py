@@ -185,7 +185,9 @@ def _analyse(hint: Any) -> tuple[tuple[type, ...], bool, tuple[Any, ...] | None]
             optional = True
         elif origin is Literal:
             choices = typing.get_args(part)
-            kinds += [type(value) for value in choices if type(value) not in kinds]
+            for value in choices:
+                if type(value) not in kinds:
+                    kinds.append(type(value))
         elif isinstance(origin, type):
             kinds.append(origin)
         elif isinstance(part, type):
