@@ -3,7 +3,7 @@ raytrain port, at 1 and 2 workers, same seeds, data and global batch.
 
 Recipes (docs/porting.md):
 
-- template: the seed's torchrun template (`benchmarks/classic_ddp.py`: DDP, DistributedSampler,
+- template: the seed's torchrun template (`raytrain/baselines/classic_ddp.py`: DDP, DistributedSampler,
   AdamW, per-step cosine) on digits, vs `raytrain train digits --batch-size-per-worker 32
   --lr-scaling none --warmup-epochs 0`;
 - sgd: `examples/sgd_recipe/original.py` (SGD + Nesterov, warmup, step decay, label smoothing,
@@ -68,7 +68,7 @@ def original(recipe: str, workers: int, seed: int, work: Path) -> dict:
         config = work / f"config-{seed}.json"
         config.write_text(json.dumps(TrainConfig(batch_size_per_worker=32, seed=seed, lr=1e-3, weight_decay=0.01).to_dict()))
         train, val = template_data(work)
-        script = ["benchmarks/classic_ddp.py", "--pipeline", "digits", "--data", str(train), "--val", str(val), "--config", str(config),
+        script = ["-m", "raytrain.baselines.classic_ddp", "--pipeline", "digits", "--data", str(train), "--val", str(val), "--config", str(config),
                   "--epochs", str(EPOCHS[recipe]), "--out", str(out)]  # fmt: skip
     else:
         script = ["examples/sgd_recipe/original.py", "--epochs", str(EPOCHS[recipe]), "--seed", str(seed), "--out", str(out)]

@@ -12,17 +12,16 @@ and optimizer. From those figures:
   is scaled by the per-worker batch when that changes with N (fixed global batch).
   compute = forward_backward - communication.
 
-Baselines, in the same study: `torchrun` (the classic template, benchmarks/classic_ddp.py,
+Baselines, in the same study: `torchrun` (the classic template, `raytrain.baselines.classic_ddp`,
 under `python -m torch.distributed.run` at each worker count) and `plain` (the same script
 as one process without torch.distributed), measured the same way; reported as ratios.
 
-`--predict` runs nothing: the cost model (`raytrain.costmodel`) from a step time and a
-gradient size, given or taken from a bench directory.
+The command line (`raytrain bench`) is in `raytrain.cli`; `--predict`, which runs nothing,
+in `raytrain.predict`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -34,18 +33,22 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal, get_args
+
+import psutil
 
 from raytrain import costmodel
 from raytrain import plan as rules
-from raytrain.config import DEFAULT_STORAGE, ConfigError, DDPConfig, TrainConfig, flag_name
+from raytrain.config import DEFAULT_STORAGE, ConfigError, TrainConfig
+from raytrain.render import figure, markdown_table, plural, text_table
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "benchmarks" / "classic_ddp.py"
+TEMPLATE_MODULE = "raytrain.baselines.classic_ddp"
 BASELINES = ("torchrun", "plain")
-STATISTICS = ("median", "best")
+Statistic = Literal["median", "best"]
+STATISTICS = get_args(Statistic)
 BASELINE_TIMEOUT_S = 1800
 # Train options bench decides itself (one run per worker count, its own storage layout).
-_BENCH_OWNED = ("workers", "epochs", "storage", "name", "resume", "checkpoint_every_steps", "max_failures", "timing_warmup_steps")
+BENCH_OWNED = ("workers", "epochs", "storage", "name", "resume", "checkpoint_every_steps", "max_failures", "timing_warmup_steps")
 METHOD = (
     "Steady samples/s: the samples of all workers in the steady steps over rank 0's time in those steps (the "
     "first {warmup} steps of every epoch are warm-up and left out; evaluation, checkpoints and logging between "
@@ -55,7 +58,7 @@ METHOD = (
     "batch), clipped at 0 — DDP's all-reduce runs inside backward, so this is the part of it not hidden by "
     "compute, plus any slowdown from workers sharing the machine; compute = forward+backward − communication; "
     "optimizer = optimizer step and zero_grad; other = the rest of the step (lr, bookkeeping). "
-    "Baselines (benchmarks/classic_ddp.py) are timed the same way, with the same epochs, per-worker batch, "
+    "Baselines (raytrain.baselines.classic_ddp) are timed the same way, with the same epochs, per-worker batch, "
     "model, data and DDP flags, and OMP_NUM_THREADS = the CPUs Ray gives each worker, with the study's embedded "
     "Ray stopped (as a user runs them; when the study joined a running Ray, they run beside it and the CPU its "
     "processes took meanwhile is reported). With --repeat R, rounds alternate raytrain-first and "
@@ -68,26 +71,33 @@ class BenchError(RuntimeError):
     """A benchmark run failed; the message says which and where its log is."""
 
 
+def _names(text: str) -> list[str]:
+    """`torchrun,plain` -> ["torchrun", "plain"]."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 @dataclass(kw_only=True)
 class BenchOptions:
     """What `raytrain bench` measures, besides the training options."""
 
     workers: list[int]
-    """Worker counts to run; 1 is always added (speedups are relative to it)."""
+    """Worker counts to run, comma-separated on the command line (e.g. 1,2,4); 1 is always added (speedups are relative to it)."""
     steps: int = 100
-    """At least this many steady steps measured at each worker count."""
-    warmup_steps: int = 3
-    """Steps left out at the start of every epoch."""
-    baselines: list[str] = field(default_factory=list)
-    """`torchrun` and/or `plain`."""
+    """At least this many steady steps measured at each worker count (default 100)."""
+    warmup_steps: int = field(default=3, metadata={"flags": ("--warmup-steps", "--timing-warmup-steps")})
+    """Steps left out at the start of every epoch, by raytrain and the baselines (default 3)."""
+    baselines: list[str] = field(default_factory=list, metadata={"flags": "--baseline", "repeat": True, "parse": _names, "metavar": "NAME"})
+    """`torchrun` and/or `plain` (repeat or comma-separate)."""
     repeat: int = 1
-    """Rounds of every configuration."""
-    statistic: str = "median"
-    """Which round stands for a configuration: `median` or `best` (the fastest)."""
+    """Rounds of every configuration (default 1)."""
+    statistic: Statistic = "median"
+    """Which round stands for a configuration with --repeat: `median` (default) or `best` (the fastest)."""
     link: str | None = None
-    """A cost-model link: adds a predicted speedup column."""
+    """A cost-model link (nvlink, pcie4, ib200, ...: raytrain.costmodel.LINKS): adds a predicted speedup column; with --predict, the ring's link."""
     storage: str = DEFAULT_STORAGE
+    """Results go to STORAGE/NAME/ (default ~/raytrain_results)."""
     name: str | None = None
+    """Default bench-PIPELINE-YYYYmmdd-HHMMSS."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -269,7 +279,7 @@ def run_bench(pipeline: str, train_values: dict[str, Any], opts: BenchOptions, e
         "date": time.strftime("%Y-%m-%d"),
         "command": "raytrain " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "raytrain" else None,
         "machine": machine_facts(),
-        "train_options": {k: v for k, v in base_cfg.to_dict().items() if k not in _BENCH_OWNED},
+        "train_options": {k: v for k, v in base_cfg.to_dict().items() if k not in BENCH_OWNED},
         "steps": opts.steps,
         "warmup_steps": opts.warmup_steps,
         "repeat": opts.repeat,
@@ -285,7 +295,7 @@ def run_bench(pipeline: str, train_values: dict[str, Any], opts: BenchOptions, e
         "rounds": {mode: {str(n): [r["steady_samples_per_s"] for r in results] for n, results in sorted(by_n.items())} for mode, by_n in measured.items()},
         "baseline_runs": chosen,
     }
-    write_outputs(out, report)
+    write_bench_files(out, report)
     echo(render_text(report))
     echo(f"Wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'scaling.png'}")
     return report
@@ -327,7 +337,7 @@ def plan_runs(train_values: dict[str, Any], opts: BenchOptions, out: Path, num_r
 
 
 def bench_config(train_values: dict[str, Any], opts: BenchOptions, *, workers: int, epochs: int, storage: Path, name: str) -> TrainConfig:
-    values = {k: v for k, v in train_values.items() if k not in _BENCH_OWNED}
+    values = {k: v for k, v in train_values.items() if k not in BENCH_OWNED}
     values.update(workers=workers, epochs=epochs, storage=str(storage), name=name, max_failures=0, time_phases=True)
     values["warmup_epochs"] = min(float(values.get("warmup_epochs", 1.0)), float(epochs))
     values["timing_warmup_steps"] = opts.warmup_steps
@@ -374,8 +384,8 @@ def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
     from raytrain.trainer import fit
 
     cfg = dataclasses.replace(run.cfg, name=f"w{run.workers}" + (f"-{tag}" if tag else ""))
-    what = f"raytrain on {run.workers} worker{'s' if run.workers > 1 else ''}" + (f" ({tag})" if tag else "")
-    echo(f"bench: {what}: {run.batch.describe()}; {run.epochs} epoch{'s' if run.epochs > 1 else ''}, {run.steady_steps} steady steps")
+    what = f"raytrain on {plural(run.workers, 'worker')}" + (f" ({tag})" if tag else "")
+    echo(f"bench: {what}: {run.batch.describe()}; {plural(run.epochs, 'epoch')}, {run.steady_steps} steady steps")
     result = fit(pipe, cfg)
     progress = json.loads((Path(result.run_dir) / "progress.json").read_text())
     measured = {
@@ -397,15 +407,15 @@ def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
 def run_template(pipeline: str, run: PlannedRun, opts: BenchOptions, out: Path, *, mode: str, tag: str, echo) -> dict[str, Any]:
     """The classic template with `run`'s config and epochs: under torchrun at `run`'s worker
     count, or (`mode="plain"`) as one process without torch.distributed."""
-    if not TEMPLATE.is_file():
-        raise BenchError(f"--baseline needs {TEMPLATE}, which ships with the raytrain repository; run from a checkout")
+    from raytrain.trainer import free_port
+
     workers = run.workers
     folder = out / "baselines"
     name = f"{mode}-w{workers}" + (f"-{tag}" if tag else "")
     config_path = folder / f"{name}.config.json"
     config_path.write_text(json.dumps(run.cfg.to_dict()))
     args = [
-        str(TEMPLATE), "--pipeline", pipeline, "--data", str(folder / "train.npz"), "--config", str(config_path),
+        "-m", TEMPLATE_MODULE, "--pipeline", pipeline, "--data", str(folder / "train.npz"), "--config", str(config_path),
         "--epochs", str(run.epochs), "--warmup-steps", str(opts.warmup_steps), "--out", str(folder / f"{name}.json"),
     ]  # fmt: skip
     if mode == "plain":
@@ -419,7 +429,7 @@ def run_template(pipeline: str, run: PlannedRun, opts: BenchOptions, out: Path, 
     threads = max(1, int(run.cfg.cpus_per_worker))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": template_pythonpath()}
     what = f"{mode} baseline on {workers} process{'es' if workers > 1 else ''}" + (f" ({tag})" if tag else "")
-    echo(f"bench: {what}, {threads} thread{'s' if threads > 1 else ''} each")
+    echo(f"bench: {what}, {plural(threads, 'thread')} each")
     log = folder / f"{name}.log"
     background = BackgroundCPU()
     with open(log, "w") as handle:
@@ -443,63 +453,33 @@ def run_template(pipeline: str, run: PlannedRun, opts: BenchOptions, out: Path, 
 
 class BackgroundCPU:
     """CPU taken by this process's descendants (the embedded Ray's processes) from now until
-    `share()`, as a share of one CPU. Linux /proc only; None elsewhere or when Ray is not
-    a child of this process (a joined cluster)."""
+    `share()`, as a share of one CPU; None when there are none (Ray is not a child of this
+    process: a joined cluster)."""
 
     def __init__(self) -> None:
-        self.pids = _descendants(os.getpid())
-        self.start_cpu, self.start = _cpu_seconds(self.pids), time.perf_counter()
+        self.processes = psutil.Process().children(recursive=True)
+        self.start_cpu, self.start = _cpu_seconds(self.processes), time.perf_counter()
 
     def share(self) -> float | None:
-        if not self.pids:
+        if not self.processes:
             return None
-        return (_cpu_seconds(self.pids) - self.start_cpu) / max(1e-9, time.perf_counter() - self.start)
+        return (_cpu_seconds(self.processes) - self.start_cpu) / max(1e-9, time.perf_counter() - self.start)
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2 :].split()  # fields after the command name, from `state`
-
-
-def _descendants(root: int) -> list[int]:
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return []
-    parent = {}
-    for entry in proc.iterdir():
-        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))):
-            parent[int(entry.name)] = int(fields[1])
-    found, frontier = [], [root]
-    while frontier:
-        current = frontier.pop()
-        children = [pid for pid, ppid in parent.items() if ppid == current]
-        found += children
-        frontier += children
-    return found
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total = 0
-    for pid in pids:
-        fields = _stat_fields(pid)
-        if fields:  # utime and stime are fields 14 and 15 of /proc/PID/stat
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _cpu_seconds(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:  # gone meanwhile
+            continue
+        total += times.user + times.system
+    return total
 
 
 def template_pythonpath() -> str:
-    """The template imports the pipeline as the driver does: repository, cwd, sys.path."""
-    entries = [str(TEMPLATE.parents[1]), os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
+    """The template imports raytrain and the pipeline as the driver does: cwd, then sys.path."""
+    entries = [os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
     return os.pathsep.join(dict.fromkeys(entries))
 
 
@@ -522,10 +502,11 @@ def machine_facts() -> dict[str, Any]:
 # -- outputs ----------------------------------------------------------------------------
 
 
-def write_outputs(out: Path, report: dict[str, Any]) -> None:
+def write_bench_files(out: Path, report: dict[str, Any]) -> None:
+    """OUT/bench.json, bench.md and scaling.png."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "bench.md").write_text(render_markdown(report))
+    (out / "bench.md").write_text(bench_markdown(report))
     plot_scaling(report, out / "scaling.png")
 
 
@@ -565,25 +546,22 @@ def _ray_beside(b: dict[str, Any]) -> str:
     return "running" + ("" if share is None else f", {share:.0%} of a CPU")
 
 
-def _aligned(lines: list[list[str]]) -> str:
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
-
-
-def _markdown(lines: list[list[str]]) -> str:
-    out = ["| " + " | ".join(lines[0]) + " |", "|" + "|".join("---:" for _ in lines[0]) + "|"]
-    out += ["| " + " | ".join(line) + " |" for line in lines[1:]]
-    return "\n".join(out)
-
-
 def render_text(report: dict[str, Any]) -> str:
-    text = f"Scaling of {report['pipeline']} (ms per step, rank 0; {report['grad_bytes'] / 1e6:.2f} MB of gradients):\n" + _aligned(table_lines(report))
+    text = f"Scaling of {report['pipeline']} (ms per step, rank 0; {report['grad_bytes'] / 1e6:.2f} MB of gradients):\n" + _text(table_lines(report))
     if report["baselines"]:
-        text += "\n\n" + _aligned(baseline_lines(report))
+        text += "\n\n" + _text(baseline_lines(report))
     return text
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def _text(lines: list[list[str]]) -> str:
+    return "\n".join(text_table(lines[0], lines[1:]))
+
+
+def _markdown(lines: list[list[str]]) -> str:
+    return "\n".join(markdown_table(lines[0], lines[1:], align="right"))
+
+
+def bench_markdown(report: dict[str, Any]) -> str:
     opts = report["train_options"]
     ddp = ", ".join(f"{k}={v}" for k, v in opts["ddp"].items())
     parts = [
@@ -607,7 +585,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("repeat", 1) > 1:
         parts += [f"## Rounds (steady samples/s; each figure above is the {report.get('statistic', 'median')} round of {report['repeat']})", ""]
         for mode, by_n in report["rounds"].items():
-            parts += [f"- {mode}: " + "; ".join(f"{n} worker{'s' if n != '1' else ''}: " + ", ".join(f"{x:,.0f}" for x in xs) for n, xs in by_n.items())]
+            parts += [f"- {mode}: " + "; ".join(f"{plural(int(n), 'worker')}: " + ", ".join(f"{x:,.0f}" for x in xs) for n, xs in by_n.items())]
         parts += [""]
     implied = [f"{r['workers']} workers: {r['implied_bandwidth_GBps']:.2f} GB/s" for r in report["results"] if r.get("implied_bandwidth_GBps")]
     parts += ["## Method", "", report["method"], ""]
@@ -624,13 +602,9 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def plot_scaling(report: dict[str, Any], path: Path) -> None:
     """Speedup vs workers against the linear ideal (Agg canvas: no display, no pyplot state)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     workers = [r["workers"] for r in report["results"]]
     top = max(workers)
-    fig = Figure(figsize=(6, 4.2), dpi=110)
-    FigureCanvasAgg(fig)
+    fig = figure(6, 4.2, dpi=110)
     ax = fig.add_subplot()
     ax.plot([1, top], [1, top], "--", color="gray", label="linear (ideal)")
     ax.plot(workers, [r["speedup"] for r in report["results"]], "o-", color="tab:blue", label="raytrain (measured)")
@@ -654,152 +628,8 @@ def plot_scaling(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path)
 
 
-# -- cost model from the command line ---------------------------------------------------------
-
-
-def predict_from_args(args: argparse.Namespace, echo: Callable[[str], None] = print) -> list[costmodel.Prediction]:
-    """`raytrain bench --predict`: from --step-time-ms/--grad-mb, or a bench directory (--from)."""
-    step_s, grad_bytes, source = None, None, "given"
-    if args.source:
-        report_path = Path(args.source).expanduser() / "bench.json"
-        if not report_path.is_file():
-            raise ConfigError([("from", f"no bench.json in {args.source}; give the directory a `raytrain bench` run wrote")])
-        report = json.loads(report_path.read_text())
-        one = next(r for r in report["results"] if r["workers"] == 1)
-        step_s, grad_bytes = one["split_ms"]["step"] / 1e3, report["grad_bytes"]
-        source = f"measured in {args.source}"
-    if args.step_time_ms is not None:
-        step_s = args.step_time_ms / 1e3
-    if args.grad_mb is not None:
-        grad_bytes = args.grad_mb * 1e6
-    missing = [(name, f"needed by --predict; give {flag_name(name)} or --from BENCH_DIR") for name, v in (("step_time_ms", step_s), ("grad_mb", grad_bytes)) if v is None]
-    if missing:
-        raise ConfigError(missing)
-    link = args.link or (costmodel.DEFAULT_INTRA_LINK if args.nodes == 1 else None)
-    if link is None:
-        raise ConfigError([("link", f"needed with --nodes {args.nodes}: the inter-node link, e.g. --link ib200")])
-    if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:
-        raise ConfigError([("gpus", f"got {args.gpus} over --nodes {args.nodes}; give a positive multiple of the node count")])
-    predictions = []
-    for n, nodes in prediction_points(args.gpus, args.nodes):
-        predictions.append(
-            costmodel.predict(
-                gpus=n, nodes=nodes, step_time_s=step_s, grad_bytes=grad_bytes,
-                link=link if nodes > 1 else (link if args.nodes == 1 else args.intra_link),
-                intra_link=args.intra_link, nics_per_node=args.nics_per_node, bucket_mb=args.bucket_mb, overlap=args.overlap,
-            )
-        )  # fmt: skip
-    echo(f"Cost model ({source}: 1-worker step {step_s * 1e3:.2f} ms, {grad_bytes / 1e6:.2f} MB of gradients):")
-    echo(costmodel.describe(predictions[-1], grad_bytes))
-    lines = [["GPUs", "nodes", "all-reduce ms", "hidden ms", "step ms", "speedup", "efficiency"]]
-    for p in predictions:
-        lines.append([str(p.gpus), str(p.nodes), f"{p.comm_s * 1e3:.2f}", f"{p.hidden_s * 1e3:.2f}", f"{p.step_time_n_s * 1e3:.2f}", f"{p.speedup:.2f}×", f"{p.efficiency:.1%}"])
-    echo(_aligned(lines))
-    return predictions
-
-
-def prediction_points(gpus: int, nodes: int) -> list[tuple[int, int]]:
-    """(GPUs, nodes) to tabulate: powers of two inside one node, then whole nodes up to `nodes`."""
-    per_node = gpus // nodes
-    points = [(n, 1) for n in (1, 2, 4, 8, 16, 32, 64) if n < per_node] + [(per_node, 1)]
-    points += [(k * per_node, k) for k in (2, 4, 8, 16, 32, 64, 128) if k < nodes] + ([(gpus, nodes)] if nodes > 1 else [])
-    return points
-
-
-# -- command line -------------------------------------------------------------------------
-
-
-def add_parser(commands) -> argparse.ArgumentParser:
-    """The `bench` subcommand: bench options, the cost-model options, and every train option."""
-    from raytrain import cli
-
-    bench = commands.add_parser(
-        "bench",
-        help="scaling study: throughput, speedup and efficiency per worker count",
-        description="Run PIPELINE at each worker count and report throughput, speedup, efficiency and the "
-        "step-time split; with --predict, run nothing and estimate the speedup with the cost model.",
-    )
-    bench.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
-    bench.add_argument("--workers", default="1,2", help="comma-separated worker counts, e.g. 1,2,4 (1 is always run)")
-    bench.add_argument("--steps", type=int, default=100, help="steady steps measured at each worker count (default 100)")
-    bench.add_argument(
-        "--warmup-steps", "--timing-warmup-steps", dest="warmup_steps", type=int, default=TrainConfig().timing_warmup_steps,
-        help="steps left out at the start of every epoch, by raytrain and the baselines (default %(default)s)",
-    )
-    bench.add_argument("--repeat", type=int, default=1, help="rounds of every configuration (default 1)")
-    bench.add_argument("--statistic", choices=STATISTICS, default="median", help="which round stands for a configuration with --repeat (default median)")
-    bench.add_argument("--baseline", action="append", default=[], help="torchrun and/or plain (repeat or comma-separate)")
-    bench.add_argument("--link", help=f"cost-model link for a predicted column / for --predict: {', '.join(costmodel.LINKS)}")
-    bench.add_argument("--storage", default=DEFAULT_STORAGE, help="results go to STORAGE/NAME/ (default ~/raytrain_results)")
-    bench.add_argument("--name", help="default bench-PIPELINE-YYYYmmdd-HHMMSS")
-    bench.add_argument("--config", metavar="FILE.yaml", help="YAML file of train options (flags override it)")
-    predict = bench.add_argument_group("cost model (--predict)")
-    predict.add_argument("--predict", action="store_true", help="estimate the speedup with the cost model; runs nothing")
-    predict.add_argument("--gpus", type=int, default=8)
-    predict.add_argument("--nodes", type=int, default=1)
-    predict.add_argument("--intra-link", default=costmodel.DEFAULT_INTRA_LINK, help="link inside a node when --nodes > 1")
-    predict.add_argument("--nics-per-node", type=int, default=1, help="inter-node NICs per node (--link bandwidth each)")
-    predict.add_argument("--step-time-ms", type=float, help="1-worker step time")
-    predict.add_argument("--grad-mb", type=float, help="gradient size in MB (1e6 bytes): 4 × parameters in fp32")
-    predict.add_argument("--bucket-mb", type=float, default=DDPConfig().bucket_cap_mb, help="DDP bucket size (MiB)")
-    predict.add_argument("--overlap", type=float, help="share of the all-reduce hidden under backward (default: all buckets but the last)")
-    predict.add_argument("--from", dest="source", metavar="BENCH_DIR", help="take the step time and gradient size from a bench run")
-    train = bench.add_argument_group("train options (as for raytrain train)")
-    cli.add_run_flags(train, skip=_BENCH_OWNED)
-    bench.set_defaults(handler=cmd_bench)
-    return bench
-
-
-_BENCH_ARGS = {
-    "command", "handler", "pipeline", "config", "workers", "steps", "warmup_steps", "repeat", "statistic", "baseline", "link", "storage", "name",
-    "predict", "gpus", "nodes", "intra_link", "nics_per_node", "step_time_ms", "grad_mb", "bucket_mb", "overlap", "source",
-}  # fmt: skip
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from raytrain import cli
-    from raytrain.data import DataError
-    from raytrain.pipeline import PipelineError, load_pipeline
-    from raytrain.trainer import RunFailed
-
-    flags = {key: value for key, value in vars(args).items() if key not in _BENCH_ARGS}
-    try:
-        if args.predict:
-            predict_from_args(args)
-            return 0
-        opts = BenchOptions(
-            workers=_int_list(args.workers, "workers"),
-            steps=args.steps,
-            warmup_steps=args.warmup_steps,
-            repeat=args.repeat,
-            statistic=args.statistic,
-            baselines=[b.strip() for value in args.baseline for b in value.split(",") if b.strip()],
-            link=args.link,
-            storage=args.storage,
-            name=args.name,
-        )
-        file_values, config_file = cli.load_yaml(args.config) if args.config else ({}, None)
-        spec = args.pipeline or file_values.pop("pipeline", None)
-        file_values.pop("pipeline", None)
-        if not spec:
-            raise cli.UserError("no pipeline: give one (raytrain bench digits --workers 1,2) or set `pipeline:` in --config")
-        pipe = load_pipeline(spec)
-        values = cli.merge(pipe.default_config, file_values, flags)
-        bench_config(values, opts, workers=max(opts.workers), epochs=1, storage=Path(opts.storage), name="check")  # validate before starting
-        run_bench(spec, values, opts, echo=lambda line: print(line, flush=True))
-    except ConfigError as exc:
-        raise cli.UserError(exc.render(lambda name: flag_name(name.replace(".", "_")))) from None
-    except costmodel.CostModelError as exc:
-        raise cli.UserError(f"--predict: {exc}") from None
-    except (PipelineError, DataError) as exc:
-        raise cli.UserError(str(exc)) from None
-    except (RunFailed, BenchError) as exc:
-        print(f"raytrain bench: {exc}", file=sys.stderr)
-        return cli.EXIT_FAILED
-    return 0
-
-
-def _int_list(text: str, option: str) -> list[int]:
+def worker_counts(text: str, option: str = "workers") -> list[int]:
+    """`1,2,4` -> [1, 2, 4]; ConfigError naming `option` otherwise."""
     try:
         return [int(part) for part in str(text).split(",") if part.strip()]
     except ValueError:

@@ -14,63 +14,15 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import yaml
 
-from raytrain.config import ConfigError, DDPConfig, TrainConfig, flag_name
+from raytrain import fields
+from raytrain.config import ConfigError, TrainConfig, flag_name
+from raytrain.render import plural
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
-
-def _numbers(text: str) -> list[float | int]:
-    """`30,60,80` -> [30, 60, 80] (epochs may be fractional: 0.5,1.5)."""
-    try:
-        values = [float(part) for part in str(text).split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected comma-separated numbers, e.g. 30,60") from None
-    return [int(v) if v.is_integer() else v for v in values]
-
-
-# Flags that take a value, by config field; booleans are handled separately.
-_VALUE_TYPES: dict[str, Callable[[str], Any]] = {
-    "epochs": int,
-    "workers": str,
-    "global_batch_size": int,
-    "batch_size_per_worker": int,
-    "micro_batch_size": int,
-    "lr": float,
-    "lr_scaling": str,
-    "reference_batch_size": int,
-    "warmup_epochs": float,
-    "schedule": str,
-    "weight_decay": float,
-    "precision": str,
-    "seed": int,
-    "max_failures": int,
-    "checkpoint_every_steps": int,
-    "num_checkpoints_to_keep": int,
-    "log_every_steps": int,
-    "storage": str,
-    "name": str,
-    "collective_timeout_s": float,
-    "cpus_per_worker": float,
-    "address": str,
-    "mlflow_uri": str,
-    "mlflow_experiment": str,
-    "wandb_project": str,
-    "progress": str,
-    "progress_interval_s": float,
-    "shuffle_window_rows": int,
-    "data_partitions": int,
-    "optimizer": str,
-    "momentum": float,
-    "grad_clip_norm": float,
-    "lr_milestones": _numbers,
-    "lr_gamma": float,
-    "warmup_start_factor": float,
-    "timing_warmup_steps": int,
-}
-_DDP_VALUE_TYPES = {"bucket_cap_mb": float}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,9 +35,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Run a command's handler; every error becomes one message and an exit status:
-    2 for what the user must fix (configuration, data, pipeline code, checkpoint, storage),
-    1 for a run that failed or diverged, 130/143 for SIGINT/SIGTERM. No traceback."""
+    """Run a command's handler; every error becomes one message and an exit status, here
+    and nowhere else: 2 for what the user must fix (configuration, data, pipeline code,
+    checkpoint, storage), 1 for a run that failed or diverged, 130/143 for SIGINT/SIGTERM.
+    No traceback. A ConfigError names each option as the user wrote it (`args.spell`, set
+    by `read_run_options`; else as a flag)."""
+    from raytrain.bench import BenchError
     from raytrain.errors import UserFault
     from raytrain.interrupts import Interrupted
     from raytrain.rundir import storage_error
@@ -106,12 +61,15 @@ def run_command(args: argparse.Namespace) -> int:
     except Terminated:
         say("terminated")
         return 143
-    except RunFailed as exc:
+    except (RunFailed, BenchError) as exc:
         say(str(exc))
         return EXIT_FAILED
     except FloatingPointError as exc:  # raytrain.loop.TrainingDiverged: the run failed, status "diverged"
         say(str(exc))
         return EXIT_FAILED
+    except ConfigError as exc:
+        say(exc.render(getattr(args, "spell", None) or _as_flag))
+        return EXIT_USAGE
     except (UserError, UserFault) as exc:
         say(str(exc))
         return EXIT_USAGE
@@ -135,6 +93,11 @@ class UserError(Exception):
     """Anything the user can fix: printed as one message, exit status 2."""
 
 
+def _as_flag(field: str) -> str:
+    """`ddp.bucket_cap_mb` -> `--ddp-bucket-cap-mb`."""
+    return flag_name(field.replace(".", "_"))
+
+
 # -- parser ------------------------------------------------------------------------------
 
 
@@ -152,13 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a pipeline", description="Train PIPELINE (a built-in name or module:attr).")
     train.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
     train.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (flags override it)")
-    help_of = add_run_flags(train)
-    train.add_argument("--resume", dest="resume", action="store_true", default=argparse.SUPPRESS, help=help_of["resume"])
-    train.add_argument(
-        "--pipeline-arg", dest="pipeline_args", action="append", type=_key_value, default=argparse.SUPPRESS, metavar="KEY=VALUE",
-        help="an option of the pipeline itself, repeatable (e.g. the parquet pipeline's --pipeline-arg path=DIR)",
-    )
-    train.add_argument("--skip-nan-rows", dest="skip_nan_rows", action="store_true", default=argparse.SUPPRESS, help=help_of["skip_nan_rows"])
+    add_run_flags(train)
     train.set_defaults(handler=cmd_train)
     add_tune_parser(commands)
 
@@ -175,8 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = commands.add_parser("data", help="write a pipeline's datasets as Parquet shards")
     data.add_argument("pipeline", help="built-in name (digits) or module:attr")
     data.add_argument("--out", required=True, metavar="DIR", help="directory to write DIR/<dataset>/*.parquet into")
-    data.add_argument("--pipeline-arg", dest="pipeline_args", action="append", type=_key_value, default=[], metavar="KEY=VALUE")
-    data.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
+    add_flags(data, TrainConfig, only=("pipeline_args", "address"))
     data.add_argument(
         "--shuffle-seed", type=int, default=0,
         help="rows are written in a random order drawn with this seed, so that a streamed run's window shuffle "
@@ -198,57 +154,57 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (STORAGE/NAME)")
     report.set_defaults(handler=cmd_report)
 
-    from raytrain.bench import add_parser as add_bench_parser
-
     add_bench_parser(commands)
     return parser
 
 
-def add_run_flags(parser, skip=()) -> dict[str, str]:
-    """The train options every run command takes (value flags but `skip`, --gpu, -v, DDP
-    flags), all defaulting to 'not given'; returns the field docs for further flags."""
-    help_of = _field_docs()
-    for name, kind in _VALUE_TYPES.items():
-        if name not in skip:
-            parser.add_argument(flag_name(name), dest=name, type=kind, default=argparse.SUPPRESS, help=help_of.get(name))
-    parser.add_argument("--gpu", dest="gpu", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of["gpu"])
-    for name in ("nesterov", "decay_norm_and_bias"):
-        parser.add_argument(flag_name(name), dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_of[name])
-    parser.add_argument("-v", "--verbose", dest="verbose", action="store_true", default=argparse.SUPPRESS, help=help_of["verbose"])
-    add_ddp_flags(parser)
-    return help_of
+def add_run_flags(parser, skip: Iterable[str] = ()) -> None:
+    """A flag for every TrainConfig field but `skip` (DDPConfig's as `--ddp-<field>`), all
+    defaulting to 'not given' so that only what the user typed overrides the layers below."""
+    add_flags(parser, TrainConfig, skip=skip)
 
 
-def add_ddp_flags(parser: argparse.ArgumentParser) -> None:
-    """`--ddp-<field>` for every DDPConfig field, stored as `ddp.<field>` for `merge`."""
-    docs = _field_docs(DDPConfig)
-    for f in dataclasses.fields(DDPConfig):
-        flag = flag_name("ddp_" + f.name)
-        if f.name in _DDP_VALUE_TYPES:
-            parser.add_argument(flag, dest="ddp." + f.name, type=_DDP_VALUE_TYPES[f.name], default=argparse.SUPPRESS, help=docs.get(f.name))
+def add_flags(
+    parser, cls: type, *, skip: Iterable[str] = (), only: Iterable[str] | None = None, prefix: str = "", spellings: dict[str, tuple[str, ...]] | None = None
+) -> None:
+    """A flag for each field of the dataclass `cls`, from its type, docstring and metadata
+    (`raytrain.fields`): booleans as `--x/--no-x` (a `switch`: `--x` only), a nested dataclass
+    as `--<field>-<its field>` stored as `<field>.<its field>`, every other field as a value
+    converted to its type. Each defaults to 'not given' (argparse.SUPPRESS)."""
+    skip, only, spellings = set(skip), None if only is None else set(only), spellings or {}
+    for option in fields.options(cls):
+        if option.name in skip or (only is not None and option.name not in only):
+            continue
+        if option.nested is not None:
+            add_flags(parser, option.nested, prefix=f"{prefix}{option.name}.")
+            continue
+        dest = prefix + option.name
+        names = spellings.get(option.name) or (option.flags if not prefix else (_as_flag(dest),))
+        common = {"dest": dest, "default": argparse.SUPPRESS, "help": (option.help or "").replace("%", "%%") or None}
+        if option.kinds == (bool,):
+            action = "store_true" if option.metadata.get("switch") else argparse.BooleanOptionalAction
+            parser.add_argument(*names, action=action, **common)
         else:
-            parser.add_argument(flag, dest="ddp." + f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=docs.get(f.name))
+            metavar = option.metadata.get("metavar") or ("{" + ",".join(map(str, option.choices)) + "}" if option.choices else option.name.upper())
+            action = "append" if option.metadata.get("repeat") else "store"
+            parser.add_argument(*names, action=action, type=_flag_type(option), metavar=metavar, **common)
 
 
-def _key_value(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected KEY=VALUE, e.g. path=/data/train")
-    return key.strip(), value.strip()
+def _flag_type(option: fields.Option) -> Callable[[str], Any]:
+    """The field's text -> value for argparse. A field's own parser explains what went wrong
+    (`argument --lr-milestones: got '3,x'; expected ...`); a plain type lets argparse say
+    `invalid int value: 'abc'`."""
 
+    def convert(text: str) -> Any:
+        try:
+            return option.from_text(text)
+        except ValueError as exc:
+            if option.metadata.get("parse") is not None:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+            raise
 
-def _field_docs(cls: type = TrainConfig) -> dict[str, str]:
-    """Each field's docstring (the string literal under it in the class body), for --help."""
-    import ast
-    import inspect
-    import textwrap
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    docs, body = {}, tree.body[0].body
-    for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant):
-            docs[node.target.id] = str(following.value.value).replace("%", "%%")
-    return docs
+    convert.__name__ = option.type_name
+    return convert
 
 
 # -- train -------------------------------------------------------------------------------
@@ -258,17 +214,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from raytrain.pipeline import load_pipeline
     from raytrain.trainer import fit
 
-    spec, file_values, config_file, flags = read_run_options(args)
-    try:
-        if flags.get("resume") or file_values.get("resume"):
-            spec, values = resume_values(spec, file_values, flags)
-        else:
-            values = merge(load_pipeline(spec).default_config, file_values, flags)
-        cfg = TrainConfig.from_dict(values)
-        check_pipeline_args(load_pipeline(spec), cfg)
-        result = fit(spec, cfg, echo=lambda line: print(line, flush=True), progress=True)
-    except ConfigError as exc:
-        raise UserError(exc.render(spelling(flags, config_file))) from None
+    spec, file_values, flags = read_run_options(args)
+    if flags.get("resume") or file_values.get("resume"):
+        spec, values = resume_values(spec, file_values, flags)
+    else:
+        values = merge(load_pipeline(spec).default_config, file_values, flags)
+    cfg = TrainConfig.from_dict(values)
+    check_pipeline_args(load_pipeline(spec), cfg)
+    result = fit(spec, cfg, echo=lambda line: print(line, flush=True), progress=True)
     print_summary(result)
     return 0
 
@@ -299,16 +252,20 @@ def check_pipeline_args(pipe, cfg: TrainConfig) -> None:
     parse_pipeline_args(pipe, cfg.pipeline_args)
 
 
-def read_run_options(args: argparse.Namespace) -> tuple[str, dict[str, Any], str | None, dict[str, Any]]:
-    """The pipeline (argument, else `pipeline:` in --config), the YAML values, its path, the flags given."""
+def read_run_options(args: argparse.Namespace, exclude: Iterable[str] = (), example: str = "digits") -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """The pipeline (argument, else `pipeline:` in --config), the YAML values and the flags
+    given (but `exclude`: a command's own options). Sets `args.spell`, which names an option
+    in a ConfigError as the user wrote it: the flag, or the key in the --config file."""
     file_values, config_file = load_yaml(args.config) if args.config else ({}, None)
     spec = args.pipeline or file_values.pop("pipeline", None)
     file_values.pop("pipeline", None)
     resuming = getattr(args, "resume", False) or file_values.get("resume")
     if not spec and not resuming:
-        raise UserError(f"no pipeline: give one (raytrain {args.command} digits) or set `pipeline:` in --config")
-    flags = {key: value for key, value in vars(args).items() if key not in ("command", "handler", "pipeline", "config")}
-    return spec, file_values, config_file, flags
+        raise UserError(f"no pipeline: give one (raytrain {args.command} {example}) or set `pipeline:` in --config")
+    ignored = {"command", "handler", "pipeline", "config", "spell", *exclude}
+    flags = {key: value for key, value in vars(args).items() if key not in ignored}
+    args.spell = spelling(flags, config_file)
+    return spec, file_values, flags
 
 
 def load_yaml(path: str) -> tuple[dict[str, Any], str]:
@@ -399,7 +356,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     path = write_report(args.run_dir)
     plots = sorted((path.parent / "plots").glob("*.png"))
-    print(f"Wrote {path} and {len(plots)} plot{'s' if len(plots) != 1 else ''}: {', '.join(p.name for p in plots) or 'none (no metrics yet)'}")
+    print(f"Wrote {path} and {plural(len(plots), 'plot')}: {', '.join(p.name for p in plots) or 'none (no metrics yet)'}")
     return 0
 
 
@@ -412,20 +369,25 @@ _TUNE_AXES = {
     "warmup_epochs": ("EPOCHS,...", "warmup lengths to compare, e.g. 0,1,5 (default: the config's)"),
     "lr": ("LR,...", "base learning rates, as a grid, e.g. 1e-4,3e-4 (default: the config's)"),
 }
-# Options of the sweep itself, not of a trial.
-_TUNE_OPTIONS: dict[str, tuple[Callable[[str], Any], str, str]] = {
-    "lr_range": (str, "LO:HI", "draw the base learning rate log-uniformly from [LO, HI] instead of --lr"),
-    "samples": (int, "N", "with --lr-range: learning rates drawn per grid point (default 1)"),
-    "metric": (str, "NAME", "metric that ranks trials and drives early stopping (default val_loss)"),
-    "mode": (str, "min|max", "whether lower (min, default) or higher --metric is better"),
-    "grace_period": (int, "EPOCHS", "ASHA stops no trial before this many epochs (default 1)"),
-    "reduction_factor": (float, "F", "ASHA keeps about 1/F of the trials at each rung (default 2)"),
-    "target": (float, "VALUE", "target --metric: trials.csv and the summary give each trial's time to reach it"),
-    "max_concurrent_trials": (int, "N", "at most N trials at once (default and cap: as many as fit the cluster)"),
-}
+
+
+@dataclasses.dataclass(kw_only=True)
+class LrDraws:
+    """How `raytrain tune` draws learning rates instead of taking --lr's grid."""
+
+    lr_range: str | None = dataclasses.field(default=None, metadata={"metavar": "LO:HI"})
+    """Draw the base learning rate log-uniformly from [LO, HI] instead of --lr."""
+    samples: int | None = dataclasses.field(default=None, metadata={"metavar": "N"})
+    """With --lr-range: learning rates drawn per grid point (default 1)."""
+
+
+# Options of the sweep itself (TuneOptions) spelled otherwise than their field.
+_TUNE_SPELLINGS = {"grace_period_epochs": ("--grace-period",)}
 
 
 def add_tune_parser(commands) -> None:
+    from raytrain.tune import TuneOptions
+
     tune = commands.add_parser(
         "tune",
         help="sweep lr scaling rule × warmup × worker count (× lr)",
@@ -436,10 +398,9 @@ def add_tune_parser(commands) -> None:
     tune.add_argument("--config", metavar="FILE.yaml", help="YAML file of train options fixed for all trials (flags override it)")
     for name, (metavar, text) in _TUNE_AXES.items():
         tune.add_argument(flag_name(name), dest=name, metavar=metavar, default=argparse.SUPPRESS, help=text)
-    for name, (kind, metavar, text) in _TUNE_OPTIONS.items():
-        tune.add_argument(flag_name(name), dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS, help=text)
-    tune.add_argument("--no-early-stop", dest="early_stop", action="store_false", default=argparse.SUPPRESS, help="run every trial to the end (no ASHA)")
-    add_run_flags(tune, skip=_TUNE_AXES)
+    add_flags(tune, LrDraws)
+    add_flags(tune, TuneOptions, spellings=_TUNE_SPELLINGS)
+    add_run_flags(tune, skip=(*_TUNE_AXES, "resume"))
     tune.set_defaults(handler=cmd_tune)
 
 
@@ -447,28 +408,73 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from raytrain.pipeline import load_pipeline
     from raytrain.tune import TuneOptions, parse_search_space, tune
 
-    spec, file_values, config_file, flags = read_run_options(args)
+    spec, file_values, flags = read_run_options(args)
     fixed = dict(flags)
-    sweep = {name: fixed.pop(name) for name in _TUNE_OPTIONS if name in fixed}
+    draws = {option.name: fixed.pop(option.name) for option in fields.options(LrDraws) if option.name in fixed}
+    options = {option.name: fixed.pop(option.name) for option in fields.options(TuneOptions) if option.name in fixed}
     # An axis comes from its flag, else from the YAML file (a list, or one value).
     axes = {name: fixed.pop(name, None) for name in _TUNE_AXES}
     for name in _TUNE_AXES:
         in_file = file_values.pop(name, None)
-        if axes[name] is None and not (name == "lr" and "lr_range" in sweep):
+        if axes[name] is None and not (name == "lr" and "lr_range" in draws):
             axes[name] = in_file
-    try:
-        space = parse_search_space(**axes, lr_range=sweep.pop("lr_range", None), samples=sweep.pop("samples", None))
-        options = TuneOptions(
-            **{("grace_period_epochs" if key == "grace_period" else key): value for key, value in sweep.items()},
-            **({"early_stop": fixed.pop("early_stop")} if "early_stop" in fixed else {}),
-        )
-        pipe = load_pipeline(spec)
-        cfg = TrainConfig.from_dict(merge(pipe.default_config, file_values, fixed))
-        check_pipeline_args(pipe, cfg)
-        result = tune(spec, cfg, space, options, echo=lambda line: print(line, flush=True))
-    except ConfigError as exc:
-        raise UserError(exc.render(spelling(flags, config_file))) from None
+    space = parse_search_space(**axes, **draws)
+    sweep = TuneOptions(**options)
+    pipe = load_pipeline(spec)
+    cfg = TrainConfig.from_dict(merge(pipe.default_config, file_values, fixed))
+    check_pipeline_args(pipe, cfg)
+    result = tune(spec, cfg, space, sweep, echo=lambda line: print(line, flush=True))
     return 0 if result.best is not None else EXIT_FAILED
+
+
+# -- bench -------------------------------------------------------------------------------
+
+
+def add_bench_parser(commands) -> None:
+    """`raytrain bench`: BenchOptions, the cost model's PredictOptions (with --predict), and
+    every train option but those bench decides itself."""
+    from raytrain.bench import BENCH_OWNED, BenchOptions
+    from raytrain.predict import PredictOptions
+
+    bench = commands.add_parser(
+        "bench",
+        help="scaling study: throughput, speedup and efficiency per worker count",
+        description="Run PIPELINE at each worker count and report throughput, speedup, efficiency and the "
+        "step-time split; with --predict, run nothing and estimate the speedup with the cost model.",
+    )
+    bench.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
+    bench.add_argument("--config", metavar="FILE.yaml", help="YAML file of train options (flags override it)")
+    # Text, read by bench.worker_counts: a bad list is a configuration error naming --workers.
+    bench.add_argument("--workers", default="1,2", metavar="N,N,...", help=fields.option(BenchOptions, "workers").help)
+    add_flags(bench, BenchOptions, skip=("workers",))
+    predict = bench.add_argument_group("cost model (--predict)")
+    predict.add_argument("--predict", action="store_true", help="estimate the speedup with the cost model; runs nothing")
+    add_flags(predict, PredictOptions, skip=("link",))  # --link is BenchOptions' too
+    train = bench.add_argument_group("train options (as for raytrain train)")
+    add_run_flags(train, skip=(*BENCH_OWNED, "time_phases"))
+    bench.set_defaults(handler=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from raytrain.bench import BenchOptions, bench_config, run_bench, worker_counts
+    from raytrain.pipeline import load_pipeline
+    from raytrain.predict import PredictOptions, predict_speedups
+
+    given = vars(args)
+    own = {option.name for option in (*fields.options(BenchOptions), *fields.options(PredictOptions))}
+    if args.predict:
+        predict_speedups(PredictOptions(**{option.name: given[option.name] for option in fields.options(PredictOptions) if option.name in given}))
+        return 0
+    values = {option.name: given[option.name] for option in fields.options(BenchOptions) if option.name in given}
+    values["workers"] = worker_counts(args.workers)
+    values["baselines"] = [name for names in values.get("baselines", []) for name in names]
+    opts = BenchOptions(**values)
+    spec, file_values, flags = read_run_options(args, exclude={*own, "predict"}, example="digits --workers 1,2")
+    args.spell = None  # bench names every option as a flag
+    values = merge(load_pipeline(spec).default_config, file_values, flags)
+    bench_config(values, opts, workers=max(opts.workers), epochs=1, storage=Path(opts.storage), name="check")  # validate before starting
+    run_bench(spec, values, opts, echo=lambda line: print(line, flush=True))
+    return 0
 
 
 # -- export ------------------------------------------------------------------------------
@@ -554,23 +560,20 @@ def cmd_data(args: argparse.Namespace) -> int:
         raise UserError(f"--row-group-rows: got {args.row_group_rows}; must be a positive row count, e.g. 8192")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out: {out} is not empty; choose a new directory so no data is overwritten")
-    try:
-        pipe = load_pipeline(args.pipeline)
-        cfg = TrainConfig.from_dict(merge(pipe.default_config, {"pipeline_args": args.pipeline_args, "workers": 1}))
-        with ray_session(dataclasses.replace(cfg, address=args.address)):
-            for name, ds in build_datasets(pipe, cfg).items():
-                rows = ds.count()
-                group_rows, num_files = parquet_layout(rows, args.row_group_rows)
-                if args.shuffle_seed >= 0:
-                    ds = ds.random_shuffle(seed=args.shuffle_seed)
-                ds.repartition(num_files).write_parquet(str(out / name), row_group_size=group_rows)
-                files = sorted((out / name).glob("*.parquet"))
-                print(
-                    f"{name}: {rows:,} rows in {len(files)} Parquet file(s) of row groups of up to {group_rows:,} rows "
-                    f"under {out / name}", flush=True,
-                )  # fmt: skip
-    except ConfigError as exc:
-        raise UserError(exc.render(lambda name: flag_name(name))) from None
+    pipe = load_pipeline(args.pipeline)
+    cfg = TrainConfig.from_dict(merge(pipe.default_config, {"pipeline_args": getattr(args, "pipeline_args", []), "workers": 1}))
+    with ray_session(dataclasses.replace(cfg, address=getattr(args, "address", None))):
+        for name, ds in build_datasets(pipe, cfg).items():
+            rows = ds.count()
+            group_rows, num_files = parquet_layout(rows, args.row_group_rows)
+            if args.shuffle_seed >= 0:
+                ds = ds.random_shuffle(seed=args.shuffle_seed)
+            ds.repartition(num_files).write_parquet(str(out / name), row_group_size=group_rows)
+            files = sorted((out / name).glob("*.parquet"))
+            print(
+                f"{name}: {rows:,} rows in {len(files)} Parquet file(s) of row groups of up to {group_rows:,} rows "
+                f"under {out / name}", flush=True,
+            )  # fmt: skip
     return 0
 
 

@@ -13,22 +13,38 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping, get_args
 
+from raytrain import fields
 from raytrain.errors import UserFault
+from raytrain.fields import flag_name
 
-LR_RULES = ("linear", "sqrt", "none")
-PRECISIONS = ("fp32", "bf16", "fp16")
-SCHEDULES = ("cosine", "constant", "linear", "step", "onecycle")
-OPTIMIZERS = ("adamw", "sgd", "lamb")
-PROGRESS_MODES = ("auto", "bar", "plain", "off")
+LRRule = Literal["linear", "sqrt", "none"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Schedule = Literal["cosine", "constant", "linear", "step", "onecycle"]
+OptimizerName = Literal["adamw", "sgd", "lamb"]
+ProgressMode = Literal["auto", "bar", "plain", "off"]
+LR_RULES, PRECISIONS, SCHEDULES = get_args(LRRule), get_args(Precision), get_args(Schedule)
+OPTIMIZERS, PROGRESS_MODES = get_args(OptimizerName), get_args(ProgressMode)
 DEFAULT_STORAGE = "~/raytrain_results"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
-def flag_name(field_name: str) -> str:
-    """The command-line spelling of a config field: `global_batch_size` -> `--global-batch-size`."""
-    return "--" + field_name.replace("_", "-")
+def comma_numbers(text: str) -> list[float | int]:
+    """`30,60,80` -> [30, 60, 80] (epochs may be fractional: 0.5,1.5)."""
+    try:
+        values = [float(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"got {text!r}; expected comma-separated numbers, e.g. 30,60") from None
+    return [int(v) if v.is_integer() else v for v in values]
+
+
+def key_value(text: str) -> tuple[str, str]:
+    """`path=/data/train` -> ("path", "/data/train")."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"got {text!r}; expected KEY=VALUE, e.g. path=/data/train")
+    return key.strip(), value.strip()
 
 
 class ConfigError(UserFault, ValueError):
@@ -84,21 +100,21 @@ class TrainConfig:
     """Most samples one worker puts through one forward pass; larger shares use gradient accumulation."""
     lr: float = 1e-3
     """Learning rate tuned for `reference_batch_size` (the single-GPU recipe)."""
-    lr_scaling: str = "linear"
+    lr_scaling: LRRule = "linear"
     """How the peak rate follows the global batch: linear, sqrt or none."""
     reference_batch_size: int | None = None
     """The batch `lr` was tuned for. Default: the per-worker batch."""
     warmup_epochs: float = 1.0
     """Gradual warmup from `lr` (or from warmup_start_factor × the peak) to the scaled peak, in epochs (counted in samples)."""
-    schedule: str = "cosine"
+    schedule: Schedule = "cosine"
     """After warmup: cosine (to 0), constant, linear (to 0), step (×lr_gamma at each of lr_milestones) or onecycle; a pipeline's lr_factor(progress) replaces it."""
-    lr_milestones: list | None = None
+    lr_milestones: list | None = field(default=None, metadata={"parse": comma_numbers, "metavar": "EPOCH,..."})
     """With --schedule step: the epochs at which the rate is multiplied by lr_gamma, e.g. 30,60,80."""
     lr_gamma: float = 0.1
     """With --schedule step: the factor applied at each milestone."""
     warmup_start_factor: float | None = None
     """Warmup starts at this fraction of the peak rate (e.g. 0.01); default: at lr, the unscaled rate (Goyal et al.)."""
-    optimizer: str = "adamw"
+    optimizer: OptimizerName = "adamw"
     """adamw, sgd (momentum, optionally Nesterov) or lamb (large-batch Adam, from pytorch-optimizer); a pipeline's build_optimizer replaces it."""
     momentum: float = 0.9
     """SGD momentum."""
@@ -110,7 +126,7 @@ class TrainConfig:
     """Apply weight decay to biases and normalization weights too (--no-decay-norm-and-bias: only to weight matrices and kernels)."""
     grad_clip_norm: float | None = None
     """Clip the global gradient norm to this (after unscaling, under fp16); none by default."""
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """fp32, bf16 autocast, or fp16 autocast with a gradient scaler."""
     seed: int = 0
     """One seed for model init on every rank and for the data order of every epoch."""
@@ -126,7 +142,7 @@ class TrainConfig:
     """Where runs are written: STORAGE/NAME/. Must be shared by all nodes of a multi-node cluster."""
     name: str | None = None
     """Run name; default PIPELINE-YYYYmmdd-HHMMSS."""
-    resume: bool = False
+    resume: bool = field(default=False, metadata={"switch": True})
     """Continue the existing run NAME from its last checkpoint."""
     collective_timeout_s: float = 600.0
     """A collective (all-reduce, barrier) waiting longer than this fails the attempt."""
@@ -134,7 +150,7 @@ class TrainConfig:
     """CPUs reserved by each training worker."""
     address: str | None = None
     """Ray cluster address; default RAY_ADDRESS, else an embedded local Ray."""
-    verbose: bool = False
+    verbose: bool = field(default=False, metadata={"switch": True, "flags": ("-v", "--verbose")})
     """Show Ray's own logs and the workers' output."""
     mlflow_uri: str | None = None
     """MLflow tracking URI (http://HOST:5000, sqlite:///mlflow.db, or a directory): params, per-step metrics and the final model. Needs pip install 'raytrain[mlflow]'."""
@@ -142,11 +158,11 @@ class TrainConfig:
     """MLflow experiment the run is logged under."""
     wandb_project: str | None = None
     """Weights & Biases project (needs pip install wandb and wandb login; WANDB_MODE=offline works)."""
-    progress: str = "auto"
+    progress: ProgressMode = "auto"
     """Console progress: auto (a live bar on a terminal, plain lines otherwise), bar, plain or off."""
     progress_interval_s: float = 10.0
     """Seconds between plain progress lines when the output is not a terminal."""
-    skip_nan_rows: bool = False
+    skip_nan_rows: bool = field(default=False, metadata={"switch": True})
     """Drop rows holding NaN or inf (counted and reported) instead of stopping the run at the first one."""
     shuffle_window_rows: int | None = None
     """How the training set is held: 0 reads it once into memory, shared by every worker (a full shuffle each epoch); N streams it from Ray Data, each worker reading only its share, shuffled within a window of about N rows across the job (for data larger than memory); unset: in memory up to about 1 GiB, streamed beyond."""
@@ -158,8 +174,10 @@ class TrainConfig:
     """Steps at the start of every epoch left out of the steady throughput (first-step allocation, caches)."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
     """DistributedDataParallel flags."""
-    pipeline_args: dict = field(default_factory=dict)
-    """Options of the pipeline itself (e.g. the parquet pipeline's path and columns): KEY=VALUE."""
+    pipeline_args: dict = field(
+        default_factory=dict, metadata={"flags": "--pipeline-arg", "parse": key_value, "repeat": True, "metavar": "KEY=VALUE"}
+    )
+    """An option of the pipeline itself, repeatable (e.g. the parquet pipeline's --pipeline-arg path=DIR; YAML: a mapping)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.ddp, Mapping):
@@ -220,36 +238,11 @@ def parse_workers(value: int | str) -> tuple[int, int]:
 
 # -- checks ----------------------------------------------------------------------------
 
-_TYPE_HINTS = {
-    dict: "a mapping of KEY: value",
-    list: "a list, e.g. [30, 60]",
-    int: "an integer",
-    float: "a number",
-    bool: "true or false",
-    str: "a string",
-}
-
-
-def _expected_types(cfg_cls: type, name: str) -> tuple[type, ...]:
-    hint = {f.name: f.type for f in dataclasses.fields(cfg_cls)}[name]
-    kinds = []
-    for part in str(hint).replace(" ", "").split("|"):
-        kinds.extend({"int": [int], "float": [float, int], "bool": [bool], "str": [str], "dict": [dict], "list": [list], "None": [type(None)]}.get(part, []))
-    return tuple(kinds)
-
-
 def _check_types(cfg: Any, prefix: str = "") -> Iterable[tuple[str, str]]:
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            continue
-        kinds = _expected_types(type(cfg), f.name)
-        if not kinds:
-            continue
-        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-        if not ok:
-            wanted = " or ".join(dict.fromkeys(_TYPE_HINTS.get(k, "null") for k in kinds if k is not type(None)))
-            yield prefix + f.name, f"got {value!r} ({type(value).__name__}); expected {wanted}"
+    for option in fields.options(type(cfg)):
+        value = getattr(cfg, option.name)
+        if not dataclasses.is_dataclass(value) and not option.accepts(value):
+            yield prefix + option.name, f"got {value!r} ({type(value).__name__}); expected {option.words()}"
 
 
 def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:

@@ -22,6 +22,8 @@ import difflib
 import math
 from dataclasses import dataclass
 
+from raytrain.render import plural
+
 
 @dataclass(frozen=True)
 class Link:
@@ -188,9 +190,8 @@ def _check(**values: float | None) -> None:
 
 def describe(p: Prediction, grad_bytes: float) -> str:
     """One sentence with the numbers: what the all-reduce costs and what is left of the speedup."""
-    where = f"{p.nodes} node{'s' if p.nodes > 1 else ''}"
     return (
-        f"{p.gpus} GPUs on {where} over {p.link} ({p.bandwidth_GBps:g} GB/s effective): "
+        f"{p.gpus} GPUs on {plural(p.nodes, 'node')} over {p.link} ({p.bandwidth_GBps:g} GB/s effective): "
         f"all-reduce of {grad_bytes / 1e6:.1f} MB takes {p.comm_s * 1e3:.2f} ms per step, "
         f"{p.hidden_s * 1e3:.2f} ms of it under backward; step {p.step_time_s * 1e3:.1f} → {p.step_time_n_s * 1e3:.1f} ms; "
         f"speedup {p.speedup:.2f}× ({p.efficiency:.1%} efficiency)"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib
 import os
@@ -10,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from raytrain import fields
 from raytrain.errors import UserFault
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -89,7 +89,8 @@ class PipelineError(UserFault, ValueError):
 
 
 def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:
-    """`raw` (KEY=VALUE strings, or YAML values) as the pipeline's `Args`; PipelineError
+    """`raw` (KEY=VALUE strings, or YAML values) as the pipeline's `Args`, each value converted
+    to its field's type as the command line converts flags (`raytrain.fields`); PipelineError
     listing every problem (unknown keys with the known ones, missing or unconvertible values)."""
     raw = dict(raw or {})
     spec = pipeline.Args
@@ -100,65 +101,28 @@ def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:
                 "a pipeline declares its options as a dataclass `Args` on the class"
             )
         return None
-    fields = {f.name: f for f in dataclasses.fields(spec)}
+    known = {option.name: option for option in fields.options(spec)}
     problems, values = [], {}
     for key, value in raw.items():
         name = str(key).replace("-", "_")
-        if name not in fields:
-            close = difflib.get_close_matches(name, list(fields), n=1)
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            problems.append(f"unknown --pipeline-arg {key}{hint}; {pipeline.name} knows: {', '.join(fields)}")
+            problems.append(f"unknown --pipeline-arg {key}{hint}; {pipeline.name} knows: {', '.join(known)}")
             continue
         try:
-            values[name] = _convert(value, fields[name].type)
+            values[name] = known[name].from_text(value)
         except ValueError:
-            problems.append(f"--pipeline-arg {key}: got {value!r}; expected {_type_words(fields[name].type)}")
-    for name, f in fields.items():
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if required and name not in values and not any(p.startswith(f"--pipeline-arg {name}:") for p in problems):
-            problems.append(f"needs --pipeline-arg {name}=VALUE ({_type_words(f.type)})")
+            problems.append(f"--pipeline-arg {key}: got {value!r}; expected {known[name].words(none=True)}")
+    for name, option in known.items():
+        if option.required and name not in values and not any(p.startswith(f"--pipeline-arg {name}:") for p in problems):
+            problems.append(f"needs --pipeline-arg {name}=VALUE ({option.words(none=True)})")
     if not problems:
         try:
             return spec(**values)
         except (TypeError, ValueError) as exc:
             problems.append(str(exc))
     raise PipelineError(f"pipeline {pipeline.name}: " + "; ".join(problems))
-
-
-def _convert(value: Any, kind: Any) -> Any:
-    text = str(kind).replace(" ", "").replace("typing.", "")
-    options = text.split("|") if "|" in text else [text.removeprefix("Optional[").removesuffix("]")] + (["None"] if text.startswith("Optional[") else [])
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
-        if "None" in options:
-            return None
-    for option in options:
-        if option in ("int", "<class'int'>") and not isinstance(value, bool):
-            if isinstance(value, float) and not value.is_integer():
-                continue
-            try:
-                return int(value)
-            except (TypeError, ValueError):
-                continue
-        if option in ("float", "<class'float'>") and not isinstance(value, bool):
-            try:
-                return float(value)
-            except (TypeError, ValueError):
-                continue
-        if option in ("bool", "<class'bool'>"):
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("true", "yes", "1", "false", "no", "0"):
-                return str(value).lower() in ("true", "yes", "1")
-            continue
-        if option in ("str", "<class'str'>"):
-            return str(value)
-    raise ValueError(value)
-
-
-def _type_words(kind: Any) -> str:
-    text = str(kind).replace("<class '", "").replace("'>", "").replace("typing.", "")
-    words = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "None": "none"}
-    return " or ".join(words.get(part.strip(), part.strip()) for part in text.replace("Optional[", "").rstrip("]").split("|"))
 
 
 def load_pipeline(spec: "str | Pipeline") -> Pipeline:

@@ -117,7 +117,7 @@ def _report(tmp_path: Path) -> dict:
 
 def test_outputs_table_markdown_and_png(tmp_path):
     report = _report(tmp_path)
-    bench.write_outputs(tmp_path, report)
+    bench.write_bench_files(tmp_path, report)
     assert json.loads((tmp_path / "bench.json").read_text())["results"][0]["speedup"] == 1.0
     markdown = (tmp_path / "bench.md").read_text()
     assert "| 1 | 32 | 3,000 | 1.00× | 100% |" in markdown

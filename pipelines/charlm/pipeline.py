@@ -20,11 +20,16 @@ VAL_FRACTION = 0.05
 class CharLMArgs:
     """--pipeline-arg options of the charlm pipeline."""
 
-    corpus_mb: float = 1.0  # megabytes of the stdlib's .py sources
-    block: int = 128  # context length in bytes
+    corpus_mb: float = 1.0
+    """Megabytes of the stdlib's .py sources."""
+    block: int = 128
+    """Context length in bytes."""
     width: int = 128
+    """Embedding width of the transformer."""
     layers: int = 2
+    """Transformer blocks."""
     heads: int = 4
+    """Attention heads (must divide width)."""
 
     def __post_init__(self):
         if min(self.corpus_mb, self.block, self.width, self.layers, self.heads) <= 0:

@@ -19,13 +19,20 @@ SPLIT_SEED = 1234
 class ParquetArgs:
     """--pipeline-arg options of the parquet pipeline."""
 
-    path: str  # a Parquet file or directory
-    label: str  # the target column
-    features: str | None = None  # comma-separated feature columns (default: every other column)
-    task: str | None = None  # classification or regression (default: from the label's type)
-    val_path: str | None = None  # a separate validation set
-    val_fraction: float = 0.1  # else this share of the training rows, held out
-    hidden: int = 128  # MLP width
+    path: str
+    """A Parquet file or directory."""
+    label: str
+    """The target column."""
+    features: str | None = None
+    """Comma-separated feature columns (default: every other column)."""
+    task: str | None = None
+    """Classification or regression (default: from the label's type)."""
+    val_path: str | None = None
+    """A separate validation set."""
+    val_fraction: float = 0.1
+    """Else this share of the training rows, held out."""
+    hidden: int = 128
+    """MLP width."""
 
     def __post_init__(self):
         problems = []

@@ -1,0 +1,1 @@
+"""Scripts raytrain measures itself against, shipped with the package (`raytrain bench --baseline`)."""
