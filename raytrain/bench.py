@@ -41,6 +41,7 @@ from raytrain import costmodel
 from raytrain import plan as rules
 from raytrain.config import DEFAULT_STORAGE, ConfigError, TrainConfig
 from raytrain.render import figure, markdown_table, plural, text_table
+from raytrain.rundir import PROGRESS, RunDir
 
 TEMPLATE_MODULE = "raytrain.baselines.classic_ddp"
 BASELINES = ("torchrun", "plain")
@@ -387,17 +388,19 @@ def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
     what = f"raytrain on {plural(run.workers, 'worker')}" + (f" ({tag})" if tag else "")
     echo(f"bench: {what}: {run.batch.describe()}; {plural(run.epochs, 'epoch')}, {run.steady_steps} steady steps")
     result = fit(pipe, cfg)
-    progress = json.loads((Path(result.run_dir) / "progress.json").read_text())
+    progress = RunDir(result.run_dir).progress()
+    if progress is None:
+        raise BenchError(f"the {what} run left no {PROGRESS} in {result.run_dir}: its timings are unknown")
     measured = {
         "workers": run.workers,
         "global_batch_size": run.batch.global_batch_size,
         "per_worker_batch": run.batch.per_worker_max,
         "epochs": run.epochs,
-        "steady_steps": progress.get("steady_steps", run.steady_steps),
-        "steady_samples": progress["steady_samples"],
-        "steady_time_s": progress["steady_time_s"],
-        "steady_samples_per_s": progress["steady_samples_per_s"],
-        "phase_time_s": progress["phase_time_s"],
+        "steady_steps": progress.steady_steps or run.steady_steps,
+        "steady_samples": progress.get("steady_samples"),
+        "steady_time_s": progress.get("steady_time_s"),
+        "steady_samples_per_s": progress.steady_samples_per_s,
+        "phase_time_s": progress.get("phase_time_s"),
         "run_dir": result.run_dir,
     }
     echo(f"bench: {what}: {measured['steady_samples_per_s']:,.0f} samples/s steady")
