@@ -144,6 +144,7 @@ def planned(tmp_path_factory) -> PlannedRun:
     return PlannedRun(workers=2, cfg=cfg, batch=batch, epochs=2, steady_steps=8, num_rows=200, out=out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["torchrun", "plain"])
 def test_template_baselines_run(planned, mode):
     opts = BenchOptions(workers=[2], warmup_steps=3, baselines=[mode], storage=str(planned.out))

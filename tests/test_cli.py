@@ -364,6 +364,7 @@ SCRIPT_CASES = [
 ]
 
 
+@pytest.mark.slow
 @needs_script
 def test_script_exit_status(tmp_path):
     """The installed `raytrain` exits 2 with one line on stderr (run side by side: each pays the imports)."""
@@ -381,6 +382,7 @@ def test_script_exit_status(tmp_path):
     assert not (tmp_path / "out.pt").exists()
 
 
+@pytest.mark.slow
 def test_configuration_errors_never_start_ray(tmp_path):
     """In a fresh interpreter (no Ray from other tests): every bad input leaves Ray down."""
     # --storage first: a case's own --storage must win, or that case would be a valid run.

@@ -92,6 +92,7 @@ def test_doctor_unwritable_storage(tmp_path, session_address):
     assert "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_doctor_unreachable_address_fails_fast():
     port = _closed_port()
     run = doctor("--address", f"127.0.0.1:{port}", timeout=120)

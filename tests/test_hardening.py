@@ -198,6 +198,7 @@ def test_collective_failures_are_not_the_pipelines_fault():
     assert not is_collective_failure(IndexError("Target 12 is out of bounds."))
 
 
+@pytest.mark.slow
 def test_an_address_that_is_not_ray_is_answered_within_seconds():
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -224,6 +225,7 @@ def test_an_address_that_is_not_ray_is_answered_within_seconds():
     silent.close()
 
 
+@pytest.mark.slow
 def test_a_worker_count_this_machine_cannot_hold_is_refused_with_the_numbers(tmp_path):
     cpus = os.cpu_count() or 1
     with pytest.raises(ConfigError, match=rf"got 64 workers × 1 CPU = 64 CPUs, but this machine has {cpus}"):
@@ -255,6 +257,7 @@ def ray_free_build():
     yield
 
 
+@pytest.mark.slow
 def test_the_readme_example_imports_from_the_working_directory(tmp_path):
     project = tmp_path / "my_project"
     project.mkdir()

@@ -251,6 +251,7 @@ def mlflow_uri(kind: str, tmp_path: Path) -> str:
     return f"file:{tmp_path / 'mlruns'}" if kind == "file" else f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["file", "sqlite"])
 def test_mlflow_run_holds_params_step_metrics_and_the_model(tmp_path, monkeypatch, kind):
     pytest.importorskip("mlflow")
