@@ -11,6 +11,8 @@ progress is drawn here, from the rows rank 0 writes (`raytrain.tracking` tails t
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import re
@@ -85,15 +87,15 @@ class EpochProgress:
         self.train_rows = train_rows
         self.epoch_start_step: int | None = 0
 
-    def update(self, row: dict[str, Any]) -> Snapshot | None:
-        epoch, step, seen = row.get("epoch"), row.get("step"), row.get("samples_seen")
+    def update(self, row: MetricsRow) -> Snapshot | None:
+        epoch, step, seen = row.epoch, row.step, row.samples_seen
         if not isinstance(epoch, int) or not isinstance(step, int):
             return None
-        if row.get("epoch_end"):
+        if row.epoch_end:
             return self._epoch_end(row, epoch, step, seen)
-        if isinstance(row.get("epoch_rows"), int) and row["epoch_rows"] > 0:
-            self.train_rows = row["epoch_rows"]  # live.jsonl rows say it
-        batch = row.get("global_batch_size") or 0
+        if isinstance(row.get("epoch_rows"), int) and row.get("epoch_rows") > 0:
+            self.train_rows = row.get("epoch_rows")  # live.jsonl rows say it
+        batch = row.global_batch_size or 0
         epoch_step, epoch_steps, eta = row.get("epoch_step"), row.get("epoch_steps"), None
         rows = self.train_rows
         if rows and isinstance(seen, int) and batch:
@@ -101,18 +103,18 @@ class EpochProgress:
             left = rows - into
             epoch_step = epoch_step if epoch_step is not None else math.ceil(into / batch)
             epoch_steps = epoch_steps if epoch_steps is not None else epoch_step + math.ceil(left / batch)
-            rate = row.get("samples_per_s")
+            rate = row.samples_per_s
             eta = left / rate if isinstance(rate, (int, float)) and rate > 0 else None
         elif epoch_step is None and self.epoch_start_step is not None:
             epoch_step = step - self.epoch_start_step
-        return Snapshot(epoch, self.epochs, epoch_step, epoch_steps, _float(row.get("loss")), _float(row.get("samples_per_s")), eta, row.get("world_size"))
+        return Snapshot(epoch, self.epochs, epoch_step, epoch_steps, _float(row.loss), _float(row.samples_per_s), eta, row.world_size)
 
-    def _epoch_end(self, row: dict[str, Any], epoch: int, step: int, seen: Any) -> Snapshot:
+    def _epoch_end(self, row: MetricsRow, epoch: int, step: int, seen: Any) -> Snapshot:
         if epoch > 0 and isinstance(seen, int) and seen % epoch == 0:
             self.train_rows = self.train_rows or seen // epoch
         steps = step - self.epoch_start_step if self.epoch_start_step is not None else None
         self.epoch_start_step = step
-        return Snapshot(epoch, self.epochs, steps, steps, _float(row.get("loss")), _float(row.get("samples_per_s")), 0.0, row.get("world_size"))
+        return Snapshot(epoch, self.epochs, steps, steps, _float(row.loss), _float(row.samples_per_s), 0.0, row.world_size)
 
     def restarted(self) -> None:
         """After a restore or resize, the epoch's first step is no longer known from rows."""
@@ -178,17 +180,19 @@ class Console(Sink):
         if event.message:
             self.write(str(event.message))
 
-    def metrics(self, row: MetricsRow | dict[str, Any]) -> None:
+    def metrics(self, row: MetricsRow) -> None:
         snapshot = self.state.update(row)
         if snapshot is None:
             return
-        if row.get("epoch_end"):
-            upcoming = self.state.next_epoch(snapshot, row.get("global_batch_size"))
+        if row.epoch_end:
+            upcoming = self.state.next_epoch(snapshot, row.global_batch_size)
             snapshot = upcoming or snapshot
         self._show(snapshot)
 
     def progress(self, row: dict[str, Any]) -> None:
-        self.metrics({key: value for key, value in row.items() if key != "epoch_end"})
+        """A live.jsonl row: where rank 0 is within the epoch (never an epoch's end)."""
+        with contextlib.suppress(TypeError):  # a row without an epoch and a step
+            self.metrics(dataclasses.replace(MetricsRow.from_json(row), epoch_end=False))
 
     def tick(self) -> None:
         if self.mode == "bar" and self.bar is not None:

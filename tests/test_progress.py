@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain.rundir import Event
+from raytrain.rundir import Event, MetricsRow
 from raytrain.progress import Console, EpochProgress, explain_worker_errors, format_duration, summarize_traceback
 
 RAYTRAIN = Path(__import__("raytrain").__file__).resolve().parent
@@ -17,7 +17,7 @@ RAYTRAIN = Path(__import__("raytrain").__file__).resolve().parent
 def row(step: int, *, epoch: int = 1, rows_per_epoch: int = 1438, batch: int = 64, loss: float = 0.5, rate: float = 2000.0, **extra) -> dict:
     per_epoch = -(-rows_per_epoch // batch)  # steps per epoch, the last one partial
     seen = (epoch - 1) * rows_per_epoch + min(rows_per_epoch, (step - (epoch - 1) * per_epoch) * batch)
-    return {"epoch": epoch, "step": step, "samples_seen": seen, "global_batch_size": batch, "loss": loss, "samples_per_s": rate, "world_size": 2, **extra}
+    return MetricsRow.from_json({"epoch": epoch, "step": step, "samples_seen": seen, "global_batch_size": batch, "loss": loss, "samples_per_s": rate, "world_size": 2, **extra})
 
 
 class FakeClock:
@@ -60,10 +60,10 @@ def test_epoch_size_is_learned_at_the_first_epoch_end_when_not_given():
 
 def test_progress_rows_give_the_steps_or_the_epoch_size():
     progress = EpochProgress(epochs=1, train_rows=1000)
-    snap = progress.update({**row(5), "epoch_step": 4, "epoch_steps": 17})
+    snap = progress.update(row(5, epoch_step=4, epoch_steps=17))
     assert (snap.epoch_step, snap.epoch_steps) == (4, 17)
     live = EpochProgress(epochs=2)
-    snap = live.update({"time": 1.0, **row(7), "epoch_rows": 1438})  # a live.jsonl row
+    snap = live.update(row(7, time=1.0, epoch_rows=1438))  # a live.jsonl row
     assert (snap.epoch_step, snap.epoch_steps, live.train_rows) == (7, 23, 1438)
 
 
