@@ -257,7 +257,11 @@ class StepRunner:
     loss_checked: bool = False  # compute_loss's result was checked (on the first call)
 
     @classmethod
-    def build(cls, pipeline, cfg, runtime, heartbeat, run_dir, batch_plan, num_train_rows, state) -> "StepRunner":
+    def build(
+        cls, pipeline: Pipeline, cfg: TrainConfig, runtime: Runtime, heartbeat: Heartbeat, run_dir: Path,
+        batch_plan: rules.BatchPlan, num_train_rows: int, state: dict[str, Any] | None,
+    ) -> "StepRunner":  # fmt: skip
+        """Everything an attempt steps with, from the checkpoint's `state` (None: a fresh start)."""
         # One seed for model init on every rank: identical replicas before DDP's broadcast.
         _seed_everything(cfg.seed)
         with pipeline_code(pipeline, "build_model"):
