@@ -15,8 +15,9 @@ import raytrain
 from raytrain import optim, plan
 from raytrain.config import ConfigError, TrainConfig
 from raytrain.data import DataError, Table, sample_columns
-from raytrain.loop import Batch, StepRunner, run_schedule
+from raytrain.loop import Batch, LossWindow, StepRunner, run_schedule
 from raytrain.plan import Schedule, resolve_batch_plan
+from raytrain.position import Position
 
 N = 1000  # rows per epoch in the schedule tests
 
@@ -124,15 +125,14 @@ def one_step(precision: str, clip: float | None) -> float:
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     pipeline = Big()
     runner = StepRunner(
-        pipeline=pipeline, cfg=cfg, runtime=FakeRuntime(), runtime_run_dir="", batch_plan=resolve_batch_plan(1, batch_size_per_worker=8),
+        pipeline=pipeline, cfg=cfg, runtime=FakeRuntime(), heartbeat=Quiet(), run_dir="", batch_plan=resolve_batch_plan(1, batch_size_per_worker=8),
         model=model, optimizer=pipeline.build_optimizer(model, cfg), scaler=torch.amp.GradScaler("cpu", enabled=precision == "fp16"),
         schedule=run_schedule(cfg, resolve_batch_plan(1, batch_size_per_worker=8), 8), rate_multipliers=[1.0],
-        loss_sum=torch.zeros(()), first_bad_step=torch.full((), math.inf, dtype=torch.float64), heartbeat=Quiet(),
+        window=LossWindow.on(torch.device("cpu")),
     )  # fmt: skip
     table = Table({"x": np.ones((8, 4), dtype=np.float32)})
     step = plan.epoch_steps(8, 8)[0]
-    timer = type("T", (), {"lap": lambda self, phase: None})()
-    runner.optimizer_step(table.epoch(0, 0, 0, 0, 1), step, 0, timer)
+    runner.optimizer_step(table.epoch(0, 0, 0, 0, 1), step, Position(), timed=False)
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     return float((after - before).norm())
 

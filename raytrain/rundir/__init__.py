@@ -3,6 +3,7 @@
 - `files`: atomic writes, strict JSON, JSONL appends, the run lock, storage errors;
 - `records`: the typed records (`MetricsRow`, `Event`, `Summary`, `Progress`) and file names;
 - `tail`: following a JSONL file while it grows;
+- `writer`: `RunWriter`, rank 0's writer during training (imported from there: it needs torch);
 - `RunDir` (here): read and write the records of one run directory. Rank 0's writer in the
   loop, the driver's summary, the report, the trackers and tune all go through it.
 """

@@ -1,0 +1,70 @@
+"""What an attempt is — a fresh start, a restart or a resize — and the line it says.
+
+Ray Train calls the per-worker function once per attempt: at the start, after every failure
+and after every resize. Which of these it is follows from the restored checkpoint and the
+worker counts alone (`Attempt.of`); rank 0 writes one event saying so, with the batch plan
+and learning rate this attempt trains with.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+
+from raytrain import plan as rules
+from raytrain.config import TrainConfig
+from raytrain.pipeline import Pipeline, overrides
+from raytrain.position import Position
+from raytrain.render import sci
+from raytrain.rundir.records import Event, Kind
+
+
+class Attempt(enum.Enum):
+    """The kind of attempt; its value is the kind of the event that announces it."""
+
+    FRESH = Kind.PLAN  # no checkpoint: training starts
+    RESTART = Kind.RESTORE  # from a checkpoint, with the worker count it was taken with
+    RESIZE = Kind.RESIZE  # from a checkpoint, with another worker count
+
+    @classmethod
+    def of(cls, resumed: bool, world_sizes: Sequence[int], world_size: int) -> "Attempt":
+        """`resumed`: a checkpoint was restored; `world_sizes`: the worker counts it trained
+        with, in order (empty: taken as this attempt's); `world_size`: this attempt's."""
+        if not resumed:
+            return cls.FRESH
+        previous = world_sizes[-1] if world_sizes else world_size
+        return cls.RESIZE if previous != world_size else cls.RESTART
+
+    def event(self, position: Position, world_size: int, plan_text: str, lr_now: float, lr_before: float = math.nan) -> Event:
+        """The plan; or, on a restart or resize, the line saying where training continues and
+        with what plan and rate (the rules' rate for this worker count and batch), against
+        `lr_before`, the rate the checkpoint was taken at."""
+        if self is Attempt.FRESH:
+            return Event(Kind.PLAN, plan_text, extra={"world_size": world_size})
+        lr_change = "unchanged" if abs(lr_now - lr_before) <= 1e-9 * max(1e-12, abs(lr_before)) else f"(was {sci(lr_before)})"
+        where = f"step {position.step} (epoch {position.epoch + 1}, {position.epoch_offset:,} samples into it)"
+        plan = f"{plan_text}; lr now {sci(lr_now)} {lr_change}"
+        if self is Attempt.RESIZE:
+            previous = position.world_sizes[-1]
+            message = f"Resized {previous} → {world_size} workers at {where}: {plan}"
+            return Event(Kind.RESIZE, message, extra={"world_size": world_size, "previous_world_size": previous, "step": position.step})
+        message = f"Restarted from the checkpoint at {where} with {world_size} workers: {plan}"
+        return Event(Kind.RESTORE, message, extra={"world_size": world_size, "step": position.step})
+
+
+def describe_plan(cfg: TrainConfig, pipeline: Pipeline, batch_plan: rules.BatchPlan, schedule: rules.Schedule, backend: str) -> str:
+    """`global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, ...)`."""
+    factor = schedule.peak_lr / cfg.lr
+    rule = {"linear": "linear rule", "sqrt": "square-root rule", "none": "no scaling"}[cfg.lr_scaling]
+    warmup = f"warmup {cfg.warmup_epochs:g} epoch{'s' if cfg.warmup_epochs != 1 else ''}"
+    if cfg.warmup_epochs and cfg.warmup_start_factor is not None:
+        warmup += f" from {sci(schedule.warmup_start_lr)}"
+    schedule_text = "own lr_factor" if overrides(pipeline, "lr_factor") else cfg.schedule
+    if cfg.schedule == "step" and schedule_text == "step":
+        schedule_text += f" ×{cfg.lr_gamma:g} at epochs {', '.join(f'{m:g}' for m in cfg.lr_milestones or [])}"
+    optimizer = "own optimizer" if overrides(pipeline, "build_optimizer") else cfg.optimizer
+    return (
+        f"{batch_plan.describe()}; lr {sci(schedule.peak_lr)} = {sci(cfg.lr)} × {factor:.3g} "
+        f"({rule}, reference batch {cfg.reference_batch_size}); {warmup}; {schedule_text}; {optimizer}; {backend}"
+    )

@@ -1,0 +1,51 @@
+"""A step's instrumentation: where each rank is (the heartbeat) and where its time goes (the
+phase timer), told by one mechanism so that the step reads as the step.
+
+Heartbeat phases (raytrain.heartbeat.PHASE_ORDER): data, forward, backward, optimizer — and,
+outside the step, all_reduce, eval, report. Timer phases (progress.json's `phase_time_s`,
+split by raytrain bench): data_wait, forward_backward, optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator
+
+from raytrain.heartbeat import Heartbeat
+
+
+class PhaseTimer:
+    """Splits a step's time into phases (data wait, forward+backward, optimizer); `totals`
+    None: not timed (a warm-up step)."""
+
+    def __init__(self, totals: dict[str, float] | None, sync: Callable[[], None]):
+        self.totals, self.sync = totals, sync
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.totals is None:
+            return
+        self.sync()
+        now = time.perf_counter()
+        self.totals[phase] = self.totals.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+class StepPhases:
+    """Where one optimizer step is, told to what watches it: the heartbeat (a stalled
+    collective names the phase each rank was in) and the phase timer (raytrain bench's
+    split of the step time). `with phases("backward"):` marks the heartbeat as the phase
+    begins; `timed="optimizer"` laps the timer as the block ends, so the timed blocks tile
+    the step. A block that raises laps nothing."""
+
+    def __init__(self, heartbeat: Heartbeat, step_index: int, timer: PhaseTimer):
+        self.heartbeat, self.step_index, self.timer = heartbeat, step_index, timer
+
+    @contextlib.contextmanager
+    def __call__(self, mark: str | None = None, *, timed: str | None = None) -> Iterator[None]:
+        if mark is not None:
+            self.heartbeat.mark(self.step_index, mark)
+        yield
+        if timed is not None:
+            self.timer.lap(timed)

@@ -1,0 +1,114 @@
+"""Rank 0's writer of a run directory during training: events, metrics, live rows, progress
+and the final model.
+
+Every rank holds one; only rank 0's writes (`enabled`), so the other ranks call the same
+lines at no cost. It knows records, not the loop: the loop hands it an `Event`, a
+`MetricsRow`, a `Progress`, the final weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raytrain import checkpoint as ckpt
+from raytrain.rundir import RunDir
+from raytrain.rundir.files import STOP_FILE, storage_errors
+from raytrain.rundir.records import Event, Kind, MetricsRow, Progress
+
+LIVE_INTERVAL_S = 1.0  # rank 0 writes live.jsonl at most this often
+
+
+class RunWriter:
+    """The run directory's files written from the workers: by rank 0 only, strict JSON,
+    and any OSError as one StorageError naming the path and errno (not retried)."""
+
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool):
+        self.run_dir = Path(run_dir)
+        self.rundir = RunDir(self.run_dir)
+        self.enabled = enabled
+        self.last_live = 0.0
+        self.live_mark: tuple[float, int] | None = None  # (time, samples seen) of the last live row
+
+    def event(self, kind: str, message: str, **extra: Any) -> None:
+        """A line of events.jsonl; `kind` is one of `Kind`."""
+        if self.enabled:
+            self.rundir.append_event(Event(kind, message, extra=extra))
+
+    def metrics(self, row: MetricsRow) -> None:
+        if self.enabled:
+            self.rundir.append_metrics(row)
+
+    def stop_requested(self) -> bool:
+        """The driver asks the run to stop (SIGINT/SIGTERM) with a file; rank 0 looks, and the
+        next sync tells every rank."""
+        return self.enabled and (self.run_dir / STOP_FILE).exists()
+
+    def clear_staging(self) -> None:
+        """Checkpoints half-written by an attempt that died: never published, so removed."""
+        if self.enabled:
+            shutil.rmtree(ckpt.staging_dir(self.run_dir), ignore_errors=True)
+
+    def start_attempt(self, announcement: Event, checkpoint_step: int) -> None:
+        """An attempt begins from the checkpoint at `checkpoint_step` (0: none) and says so."""
+        if not self.enabled:
+            return
+        # Rows written after the checkpoint we resume from describe training that is
+        # about to be redone: drop them so the curve continues from the checkpoint.
+        self.rundir.truncate_metrics(checkpoint_step)
+        self.rundir.append_event(announcement)
+
+    def live_due(self) -> bool:
+        """Whether a live row is due (about once a second, rank 0 only)."""
+        return self.enabled and time.time() - self.last_live >= LIVE_INTERVAL_S
+
+    def live(self, *, epoch: int, step: int, samples_seen: int, epoch_rows: int, global_batch_size: int, world_size: int, loss: float | None) -> None:
+        """Where rank 0 is in the epoch (`epoch` 1-based), for the driver's progress bar, with
+        the rate since the last live row. `loss` is rank 0's own running loss: no collective,
+        so it costs the other ranks nothing."""
+        now = time.time()
+        previous, self.live_mark = self.live_mark, (now, samples_seen)
+        rate = (samples_seen - previous[1]) / (now - previous[0]) if previous and now > previous[0] else None
+        self.last_live = now
+        self.rundir.append_live({
+            "time": now,
+            "epoch": epoch,
+            "step": step,
+            "samples_seen": samples_seen,
+            "epoch_rows": epoch_rows,
+            "global_batch_size": global_batch_size,
+            "world_size": world_size,
+            "loss": loss,
+            "samples_per_s": rate,
+        })  # fmt: skip
+
+    def epoch_end(self, row: MetricsRow, epochs: int) -> None:
+        """The epoch's metrics row and its line for the console."""
+        self.metrics(dataclasses.replace(row, epoch_end=True))
+        parts = [f"epoch {row.epoch}/{epochs}", f"loss {row.loss:.4f}"]
+        parts += [f"{key} {value:.4f}" for key, value in row.validation.items()]
+        parts += [f"lr {row.lr:.2e}", f"{row.samples_per_s:,.0f} samples/s"]
+        self.event(Kind.EPOCH, "  ".join(parts), epoch=row.epoch)
+
+    def finish(self, model: torch.nn.Module, progress: Progress) -> None:
+        """Training finished: the final model (as a plain state_dict), progress.json and the last event."""
+        if not self.enabled:
+            return
+        with storage_errors(self.run_dir / ckpt.MODEL_FILE, "write the final model"):
+            tmp = self.run_dir / f".{ckpt.MODEL_FILE}.tmp"
+            ckpt.save_torch(ckpt.model_state(model), tmp)
+            tmp.replace(self.run_dir / ckpt.MODEL_FILE)
+        self.rundir.write_progress(progress)
+        self.event(Kind.DONE, f"finished {progress.epoch} epochs, {progress.step} steps", step=progress.step)
+
+    def interrupted(self, progress: Progress) -> None:
+        """Stopped on request after a checkpoint at this step: no final model, resumable."""
+        if self.enabled:
+            self.rundir.write_progress(progress)
+            self.event(Kind.INTERRUPTED, f"stopped at step {progress.step} with a checkpoint there", step=progress.step)
