@@ -41,6 +41,8 @@ from raytrain.tune.space import (
     grace_period,
     max_concurrent_trials,
     plan_sweep,
+    point_key,
+    runs_by_point,
     sweep_base_config,
     trial_config,
     trial_cpus,
@@ -154,11 +156,13 @@ def _scheduler(options: TuneOptions, epochs: int, grace: int):
     return ASHAPerWorkerCount()
 
 
-def _console_callback(total: int, epochs: int, options: TuneOptions, echo: Callable[[str], None]):
+def _console_callback(total: int, epochs: int, options: TuneOptions, runs: list[SweepRun], echo: Callable[[str], None]):
     """Tune callback (driver side): one line per trial epoch and per trial end; keeps every
     result Tune received per trial (the results of the sweep come from them), each trial's
     wall time and how it ended."""
     from ray.tune import Callback
+
+    planned = runs_by_point(runs)
 
     class Console(Callback):
         def __init__(self) -> None:
@@ -172,7 +176,9 @@ def _console_callback(total: int, epochs: int, options: TuneOptions, echo: Calla
             self.trials.update((trial.trial_id, trial) for trial in trials)
 
         def _label(self, trial) -> str:
-            return f"[{trial_index(trial) + 1:>{len(str(total))}}/{total} {_describe_point(trial_point(trial))}]"
+            run = planned.get(point_key(trial.config["point"]))
+            rules = run.rule_names if run is not None else trial.config["point"]["lr_scaling"]
+            return f"[{trial_index(trial) + 1:>{len(str(total))}}/{total} {_describe_point({**trial_point(trial), 'lr_scaling': rules})}]"
 
         def on_trial_start(self, iteration, trials, trial, **info):
             self.started[trial.trial_id] = time.time()
@@ -365,7 +371,7 @@ def _build_tuner(pipeline, base, space, options, runs: list[SweepRun], concurren
     param_space: dict[str, Any] = {"point": ray_tune.grid_search([run.point for run in runs])}
     if space.lr_range:
         param_space["lr"] = ray_tune.loguniform(*space.lr_range)
-    console = _console_callback(total, base.epochs, options, echo)
+    console = _console_callback(total, base.epochs, options, runs, echo)
     points = [p for run in runs for p in run.points]
     tuner = ray_tune.Tuner(
         trainable,
