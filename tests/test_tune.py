@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -21,22 +22,31 @@ import yaml
 from raytrain.cli import main
 from raytrain.config import ConfigError, TrainConfig
 from raytrain.tune import (
+    SUBSTITUTED,
     SearchSpace,
+    TrialRun,
     TuneOptions,
     best_config,
     best_per_worker_count,
     check_trials,
+    closing_table,
     embedded_cpus,
     grace_period,
     grid_points,
     mark_stopped,
     max_concurrent_trials,
     parse_search_space,
+    plan_sweep,
     plot_trials,
-    rank_rows,
+    ranked_trials,
+    resolved_run,
     sweep_base_config,
+    sweep_rows,
     tied_rules,
+    trial_config,
+    trial_cpus,
     trial_driver_resources,
+    trial_error,
     trial_name,
     tune,
     write_csv,
@@ -204,6 +214,54 @@ def test_trial_names_are_valid_run_names():
     TrainConfig(name=name)
 
 
+# -- equivalent points: one run --------------------------------------------------------------
+
+
+def _plan(cfg: TrainConfig, **axes):
+    space = parse_search_space(**axes)
+    base = sweep_base_config(cfg, space, "digits")
+    points = grid_points(space, base)
+    return base, points, plan_sweep(base, points)
+
+
+def test_at_the_reference_batch_the_three_rules_are_one_run():
+    # 1 worker × 32 per worker = the reference batch: lr × f(1) is lr for every rule.
+    base, points, runs = _plan(TrainConfig(epochs=2, batch_size_per_worker=32, lr=1e-3), workers="1,2", warmup_epochs="0,1")
+    assert len(points) == 12 and len(runs) == 8  # 2 shared runs at 1 worker, 6 distinct at 2
+    one = [run for run in runs if run.point["workers"] == 1]
+    assert [run.rule_names for run in one] == ["linear=sqrt=none", "linear=sqrt=none"]
+    assert [[p["warmup_epochs"] for p in run.points] for run in one] == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    assert [run.name for run in one] == ["00-w1-linear-wu0-lr1.0e-3", "01-w1-linear-wu1-lr1.0e-3"]
+    assert all(not run.shared and len(run.points) == 1 for run in runs if run.point["workers"] == 2)
+    assert [run.index for run in runs] == list(range(8))  # Tune's trial numbers
+    assert sorted(p["lr_scaling"] for run in runs for p in run.points) == sorted(p["lr_scaling"] for p in points)
+
+
+def test_at_two_workers_linear_and_sqrt_differ():
+    base, _, _ = _plan(TrainConfig(epochs=2, batch_size_per_worker=32, lr=1e-3), workers="1,2")
+    two = {rule: trial_config(base, {"workers": 2, "lr_scaling": rule, "warmup_epochs": 0.0, "lr": 1e-3}) for rule in ("linear", "sqrt", "none")}
+    assert len({resolved_run(c) for c in two.values()}) == 3  # peaks 2e-3, 1.4e-3, 1e-3
+    one = {rule: trial_config(base, {"workers": 1, "lr_scaling": rule, "warmup_epochs": 0.0, "lr": 1e-3}) for rule in ("linear", "sqrt", "none")}
+    assert len({resolved_run(c) for c in one.values()}) == 1
+
+
+def test_equivalence_is_by_the_resolved_rate_not_the_worker_count():
+    # A fixed global batch of 64 frozen against a reference of 32 (the per-worker batch at 2):
+    # the ratio is 2 at every count, so no rule coincides, not even at 1 worker.
+    _, points, runs = _plan(TrainConfig(epochs=2, global_batch_size=64, lr=1e-3), workers="1,2")
+    assert len(runs) == len(points) == 6
+    # A reference equal to the global batch: ratio 1 at every count, one run per count.
+    _, points, runs = _plan(TrainConfig(epochs=2, global_batch_size=64, reference_batch_size=64, lr=1e-3), workers="1,2")
+    assert [(run.point["workers"], run.rule_names) for run in runs] == [(1, "linear=sqrt=none"), (2, "linear=sqrt=none")]
+
+
+def test_different_base_rates_warmups_or_drawn_rates_never_share():
+    _, _, runs = _plan(TrainConfig(epochs=2, batch_size_per_worker=32), workers="1", lr="1e-3,3e-3", warmup_epochs="0,1")
+    assert len(runs) == 4 and all(run.rule_names == "linear=sqrt=none" for run in runs)
+    _, points, runs = _plan(TrainConfig(epochs=2, batch_size_per_worker=32), workers="1", lr_range="1e-4:1e-2", samples=2)
+    assert len(runs) == len(points) == 3  # Tune draws each trial's rate: nothing to share
+
+
 # -- resources -------------------------------------------------------------------------------
 
 
@@ -244,6 +302,11 @@ def test_embedded_ray_oversubscribes_a_small_machine_at_most_twice(trial_cpus, c
     assert embedded_cpus(trial_cpus, cores) == expected
 
 
+def test_a_trial_needs_its_workers_cpus():
+    assert trial_cpus(2, 1.0) == 2.0 and trial_cpus(8, 0.5) == 4.0
+    assert max_concurrent_trials([1, 2], cpus_per_worker=0.5, cluster_cpus=4) == 4
+
+
 def test_trial_drivers_take_no_cpu():
     assert trial_driver_resources({"CPU": 4, "trial_driver": 1000}) == {"CPU": 0, "trial_driver": 1}
     fallback = trial_driver_resources({"CPU": 4, "memory": 8e9})
@@ -267,7 +330,7 @@ def test_best_per_worker_count_by_final_metric_among_finished_trials():
     ]
     best = best_per_worker_count(rows, TuneOptions())
     assert [(k, v["lr_scaling"]) for k, v in best.items()] == [(1, "sqrt"), (2, "linear")]
-    assert [r["final_val_loss"] for r in rank_rows(rows, TuneOptions(mode="max"))] == [0.35, 0.30, 0.25, 0.20]
+    assert [r["final_val_loss"] for r in ranked_trials(rows, TuneOptions(mode="max"))] == [0.35, 0.30, 0.25, 0.20]
 
 
 def test_with_a_target_the_fewest_epochs_to_reach_it_wins():
@@ -277,9 +340,13 @@ def test_with_a_target_the_fewest_epochs_to_reach_it_wins():
 
 
 def test_rules_that_coincide_are_shown_together():
-    rows = [_row(1, "linear", 1, 0.2), _row(1, "sqrt", 1, 0.2), _row(1, "none", 1, 0.2), _row(1, "none", 0, 0.2), _row(2, "sqrt", 1, 0.2)]
-    assert tied_rules(rows, rows[0], "val_loss") == "linear=sqrt=none"
-    assert tied_rules(rows, rows[4], "val_loss") == "sqrt"
+    # Which rules coincide comes from the sweep's plan (the rows' `same_run`), not from equal metrics.
+    shared = {"same_run": "linear=sqrt=none"}
+    rows = [{**_row(1, "linear", 1, 0.2), **shared}, {**_row(1, "sqrt", 1, 0.2), **shared}, {**_row(1, "none", 1, 0.2), **shared},
+            _row(1, "none", 0, 0.2), _row(2, "sqrt", 1, 0.2)]
+    assert tied_rules(rows[0]) == "linear=sqrt=none"
+    assert tied_rules(rows[4]) == "sqrt"
+    assert tied_rules(rows[1]) == "sqrt=linear=none"  # the row's own rule first
 
 
 @pytest.mark.parametrize("written_by_fit", [False, True])
@@ -288,10 +355,89 @@ def test_a_stopped_trials_summary_says_so(tmp_path, written_by_fit):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
     if written_by_fit:  # fit saw its controller die
         (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "epochs": 1, "error": "The actor died unexpectedly"}))
-    mark_stopped(tmp_path, TrainConfig(epochs=4, name="t"), 1, started=100.0, ended=160.0)
+    mark_stopped(tmp_path, 1, started=100.0, ended=160.0)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["stopped_by"] == "ASHA" and summary["stopped_after_epoch"] == 1
     assert "error" not in summary and summary["epochs"] == 1
+
+
+def _epoch(epoch, val_loss, time_s):
+    return {"epoch": epoch, "step": 45 * epoch, "samples_seen": 1438 * epoch, "world_size": 1, "global_batch_size": 32,
+            "lr": 1e-3, "loss": 1.0, "val_loss": val_loss, "val_accuracy": 0.9, "time_s": time_s, "time_total_s": 99.0}
+
+
+def _run_dir(sweep_dir: Path, name: str, plan_time: float = 1000.0, rows=()) -> Path:
+    run_dir = sweep_dir / "trials" / name
+    run_dir.mkdir(parents=True)
+    (run_dir / "events.jsonl").write_text(json.dumps({"kind": "plan", "message": "global 32 = 1 worker", "time": plan_time}) + "\n")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({**r, "epoch_end": True}) + "\n" for r in rows))
+    return run_dir
+
+
+def test_results_come_from_what_tune_received_and_shared_runs_give_every_rule_a_row(tmp_path):
+    base, points, runs = _plan(TrainConfig(epochs=2, batch_size_per_worker=32, lr=1e-3), workers="1,2", lr_scaling="linear,sqrt")
+    assert [run.name for run in runs] == ["00-w1-linear-wu1-lr1.0e-3", "01-w2-linear-wu1-lr1.0e-3", "02-w2-sqrt-wu1-lr1.0e-3"]
+    shared_dir = _run_dir(tmp_path, runs[0].name, rows=[_epoch(1, 9.0, 0), _epoch(2, 9.0, 0)])  # not read: Tune has the rows
+    _run_dir(tmp_path, runs[1].name)
+    _run_dir(tmp_path, runs[2].name, rows=[_epoch(1, 0.8, 1003.0)])
+    # The stopped trial's epoch 1 reached the target at its report; the shared run redid epoch 2 after a restart.
+    trials = [
+        TrialRun(name=runs[0].name, point=runs[0].point, status="finished", started=990.0, ended=1030.0,
+                 reported=[_epoch(1, 0.5, 1004.0), _epoch(2, 0.6, 1006.0), _epoch(2, 0.3, 1007.5)]),
+        TrialRun(name=runs[1].name, point=runs[1].point, status="failed", error="The run failed: rank 0 raised OSError"),
+        TrialRun(name=runs[2].name, point=runs[2].point, status="stopped", started=990.0, ended=1010.0,
+                 reported=[{**_epoch(1, float(sys.float_info.max), 1003.0), SUBSTITUTED: "val_loss"}]),
+    ]
+    rows, curves = sweep_rows(trials, runs, points, TuneOptions(target=0.4), tmp_path, 2)
+    assert [(r["workers"], r["lr_scaling"], r["trial"]) for r in rows] == [
+        (1, "linear", runs[0].name), (1, "sqrt", runs[0].name), (2, "linear", runs[1].name), (2, "sqrt", runs[2].name),
+    ]  # one row per grid point, in grid order
+    linear, sqrt, failed, stopped = rows
+    assert linear["same_run"] == sqrt["same_run"] == "linear=sqrt" and failed["same_run"] == ""
+    assert {k: v for k, v in linear.items() if k != "lr_scaling"} == {k: v for k, v in sqrt.items() if k != "lr_scaling"}
+    assert linear["final_val_loss"] == 0.3 and linear["best_val_loss"] == 0.3 and linear["best_epoch"] == 2
+    assert linear["epochs_to_target"] == 2 and linear["time_to_target_s"] == 7.5  # from the plan event at 1000.0
+    assert linear["wall_time_s"] == 40.0 and "time_total_s" not in linear
+    assert failed["status"] == "failed" and failed["error"].startswith("The run failed") and failed["epochs"] == 0
+    assert stopped["final_val_loss"] is None and stopped["epochs"] == 1  # the stand-in Tune got for a NaN is not a result
+    assert curves[runs[0].name] == [(1, 0.5), (2, 0.3)] and curves[runs[2].name] == []
+    summary = json.loads((tmp_path / "trials" / runs[2].name / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["stopped_after_epoch"] == 1
+    assert not (shared_dir / "summary.json").exists()
+
+    table = "\n".join(closing_table(rows, best_per_worker_count(rows, TuneOptions()), linear, TuneOptions(), 60.0, tmp_path, None))
+    assert "linear=sqrt" in table and "4 trials (3 runs" in table
+
+
+def test_a_trial_that_reported_nothing_is_read_from_its_run_directory(tmp_path):
+    base, points, runs = _plan(TrainConfig(epochs=2, batch_size_per_worker=32, lr=1e-3), workers="2", lr_scaling="linear")
+    _run_dir(tmp_path, runs[0].name, rows=[_epoch(1, 0.7, 1002.0)])
+    trial = TrialRun(name=runs[0].name, point=runs[0].point, status="failed", error="boom")
+    rows, curves = sweep_rows([trial], runs, points, TuneOptions(), tmp_path, 2)
+    assert rows[0]["final_val_loss"] == 0.7 and rows[0]["epochs"] == 1 and curves[runs[0].name] == [(1, 0.7)]
+
+
+def test_a_failed_trials_error_is_its_exceptions_first_line():
+    from raytrain.trainer import RunFailed
+
+    class Wrapped(Exception):  # as Ray wraps a trial's exception
+        def __init__(self, cause):
+            super().__init__(f"ray.exceptions.RayTaskError: Traceback ...\n{cause!r}")
+            self.cause = cause
+
+    class Trial:
+        error_file = "/tmp/tune/00/error.txt"
+
+        def __init__(self, error):
+            self.error = error
+
+        def get_pickled_error(self):
+            return self.error
+
+    failed = RunFailed("The run failed: rank 1 raised ValueError: bad shape in model.py:12\n  more\nRun files: /x")
+    assert trial_error(Trial(Wrapped(failed))) == "The run failed: rank 1 raised ValueError: bad shape in model.py:12"
+    assert trial_error(Trial(Wrapped(FloatingPointError("The training loss became NaN\nat step 3")))) == "FloatingPointError: The training loss became NaN"
+    assert trial_error(Trial(None)) == "failed (Tune's error file: /tmp/tune/00/error.txt)"
 
 
 def test_trials_csv_leads_with_the_swept_values_then_the_metrics(tmp_path):
@@ -311,7 +457,7 @@ def test_plot_has_a_panel_per_worker_count(tmp_path):
     for i, (workers, status, losses) in enumerate([(1, "finished", [0.5, 0.3]), (2, "stopped", [0.9]), (2, "failed", [])]):
         run_dir = tmp_path / f"t{i}"
         run_dir.mkdir()
-        lines = [json.dumps({"epoch": e + 1, "val_loss": v, "epoch_end": True}) for e, v in enumerate(losses)]
+        lines = [json.dumps({"epoch": e + 1, "step": 10 * (e + 1), "val_loss": v, "epoch_end": True}) for e, v in enumerate(losses)]
         (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
         rows.append({**_row(workers, "linear", 0.0, losses[-1] if losses else None, status=status), "epochs": len(losses), "run_dir": str(run_dir)})
     plot_trials(tmp_path / "trials.png", rows, 2, TuneOptions(target=0.4))

@@ -1,0 +1,58 @@
+"""`raytrain tune`: sweep the LR scaling rule × warmup × worker count (× lr) on Ray Tune.
+
+- `space`: the sweep's space, pure — the axes and options, the grid, which points are the
+  same run (the rules at the reference batch), each trial's configuration and resources;
+- `driver`: the Ray side — the Tuner, one ASHA per worker count, the trial function, the
+  placement groups;
+- `results`: what a sweep leaves — trials.csv, best.yaml, trials.png, the closing table.
+"""
+
+from __future__ import annotations
+
+from raytrain.tune.driver import trial_error, tune
+from raytrain.tune.results import (
+    SUBSTITUTED,
+    SweepResult,
+    TrialRun,
+    best_config,
+    best_per_worker_count,
+    closing_table,
+    mark_stopped,
+    plot_trials,
+    ranked_trials,
+    sweep_rows,
+    tied_rules,
+    trial_epoch_rows,
+    trial_results,
+    write_csv,
+)
+from raytrain.tune.space import (
+    SWEPT,
+    SweepRun,
+    SearchSpace,
+    TuneOptions,
+    check_trials,
+    embedded_cpus,
+    grace_period,
+    grid_points,
+    max_concurrent_trials,
+    parse_list,
+    parse_search_space,
+    plan_sweep,
+    point_key,
+    resolved_run,
+    sweep_base_config,
+    trial_config,
+    trial_cpus,
+    trial_driver_resources,
+    trial_name,
+)
+
+__all__ = [
+    "SUBSTITUTED", "SWEPT", "SweepRun", "SearchSpace", "SweepResult", "TrialRun", "TuneOptions", "best_config",
+    "best_per_worker_count", "check_trials", "closing_table", "embedded_cpus", "grace_period", "grid_points",
+    "mark_stopped", "max_concurrent_trials", "parse_list", "parse_search_space", "plan_sweep", "plot_trials",
+    "point_key", "ranked_trials", "resolved_run", "sweep_base_config", "sweep_rows", "tied_rules", "trial_config",
+    "trial_cpus", "trial_driver_resources", "trial_epoch_rows", "trial_error", "trial_name", "trial_results",
+    "tune", "write_csv",
+]  # fmt: skip

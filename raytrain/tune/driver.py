@@ -1,0 +1,473 @@
+"""The Ray side of `raytrain tune`: the Tuner, one ASHA per worker count, the trial
+function, and the resources that keep trials from deadlocking.
+
+Train V2's pattern (RAY_NOTES, "Tune with Train V2"): a Tune trial is a small driver
+function that fits its own `TorchTrainer` through `raytrain.trainer.fit`, so a trial trains
+exactly like `raytrain train`; a `TuneReportCallback` forwards rank 0's epoch-end reports.
+
+Resources, so that trials never deadlock: a trial driver holds no CPU, only one unit of the
+custom `trial_driver` resource (the embedded Ray is started with it); its TorchTrainer
+reserves the workers in a placement group of its own; and `max_concurrent_trials` is sized
+so that the running trials' workers always fit the cluster at once. ASHA compares a trial
+only with trials of the same worker count (one ASHA per count): an epoch of 8 workers takes
+fewer, larger steps than an epoch of 1, so their losses after an epoch are not comparable.
+
+What decides lives in `space` (pure); what the sweep leaves, in `results`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from raytrain.config import ConfigError, TrainConfig
+from raytrain.pipeline import Pipeline, load_pipeline
+from raytrain.render import first_line, is_number, sci
+from raytrain.tune.results import SUBSTITUTED, SweepResult, TrialRun, sweep_rows, write_sweep_files
+from raytrain.tune.space import (
+    EMBEDDED_TRIAL_DRIVER_SLOTS,
+    TRIAL_DRIVER_RESOURCE,
+    SweepRun,
+    SearchSpace,
+    TuneOptions,
+    check_trials,
+    embedded_cpus,
+    grace_period,
+    max_concurrent_trials,
+    plan_sweep,
+    point_key,
+    runs_by_point,
+    sweep_base_config,
+    trial_config,
+    trial_cpus,
+    trial_driver_resources,
+    trial_name,
+)
+
+# Train's cleaner frees a stopped trial's workers within seconds, slower on a loaded machine:
+# wait up to this long for it before removing what is left (the wait ends as soon as none is).
+PG_CLEANUP_WAIT_S = 60.0
+
+
+# -- the trial (runs in a Tune trial actor) --------------------------------------------------
+
+
+@dataclass
+class _TrialJob:
+    """What every trial driver needs; shipped to the trial actors by tune.with_parameters."""
+
+    pipeline: Any  # the spec string (importable on workers) or a Pipeline instance
+    base: dict[str, Any]
+    runs_dir: str
+    metric: str
+    mode: str
+
+
+def _run_trial(config: dict[str, Any], job: _TrialJob) -> None:
+    from ray import tune as ray_tune
+
+    from raytrain.trainer import fit
+
+    point = {**config["point"], **({"lr": config["lr"]} if "lr" in config else {})}
+    cfg = trial_config(TrainConfig.from_dict(job.base), point, name=ray_tune.get_context().get_trial_name(), storage=job.runs_dir)
+    fit(job.pipeline, cfg, callbacks=[_report_to_tune(job.metric, job.mode)])
+
+
+def _report_to_tune(metric: str, mode: str):
+    """A TuneReportCallback that forwards epoch-end reports only (mid-epoch checkpoint
+    reports carry no validation metrics, and Tune rejects results without `metric`), with a
+    non-finite metric (a diverged trial) replaced by the worst finite value: ASHA compares
+    with `<`, and a NaN would never be stopped. Such a report says so (SUBSTITUTED), so that
+    the results read the metric as missing, as the run's metrics.jsonl has it."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class _EpochReports(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            row = dict(metrics[0])
+            if metric not in row:
+                return
+            if not is_number(row[metric]):
+                row[metric] = sys.float_info.max if mode == "min" else -sys.float_info.max
+                row[SUBSTITUTED] = metric
+            super().after_report(run_context, [row], checkpoint)
+
+    return _EpochReports()
+
+
+# -- scheduling (driver) ---------------------------------------------------------------------
+
+
+def _scheduler(options: TuneOptions, epochs: int, grace: int):
+    from ray.tune.schedulers import AsyncHyperBandScheduler, FIFOScheduler, TrialScheduler
+
+    if not options.early_stop:
+        return FIFOScheduler()
+
+    class ASHAPerWorkerCount(FIFOScheduler):
+        """One ASHA (keyed to epochs) per worker count: a trial competes only with trials of
+        its own size. A trial that reports its last epoch is never stopped: it is finishing
+        (writing model.pt and summary.json), and stopping it would lose them."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._metric, self._mode = options.metric, options.mode
+            self.groups: dict[int, AsyncHyperBandScheduler] = {}
+
+        def set_search_properties(self, metric, mode, **spec) -> bool:
+            return not (metric and metric != self._metric) and not (mode and mode != self._mode)
+
+        def _group(self, trial) -> AsyncHyperBandScheduler:
+            key = trial.config["point"]["workers"]
+            if key not in self.groups:
+                self.groups[key] = AsyncHyperBandScheduler(
+                    time_attr="epoch", metric=options.metric, mode=options.mode, max_t=epochs,
+                    grace_period=grace, reduction_factor=options.reduction_factor,
+                    brackets=1, stop_last_trials=False,
+                )
+            return self.groups[key]
+
+        def on_trial_add(self, tune_controller, trial) -> None:
+            self._group(trial).on_trial_add(tune_controller, trial)
+
+        def on_trial_result(self, tune_controller, trial, result) -> str:
+            decision = self._group(trial).on_trial_result(tune_controller, trial, result)
+            if decision == TrialScheduler.STOP and result.get("epoch", 0) >= epochs:
+                return TrialScheduler.CONTINUE
+            return decision
+
+        def on_trial_complete(self, tune_controller, trial, result) -> None:
+            self._group(trial).on_trial_complete(tune_controller, trial, result)
+
+        def on_trial_error(self, tune_controller, trial) -> None:
+            self._group(trial).on_trial_remove(tune_controller, trial)
+
+        def on_trial_remove(self, tune_controller, trial) -> None:
+            self._group(trial).on_trial_remove(tune_controller, trial)
+
+        def debug_string(self) -> str:
+            return "ASHA per worker count: " + "; ".join(f"{k} workers: {g.debug_string()}" for k, g in sorted(self.groups.items()))
+
+    return ASHAPerWorkerCount()
+
+
+def _console_callback(total: int, epochs: int, options: TuneOptions, runs: list[SweepRun], echo: Callable[[str], None]):
+    """Tune callback (driver side): one line per trial epoch and per trial end; keeps every
+    result Tune received per trial (the results of the sweep come from them), each trial's
+    wall time and how it ended."""
+    from ray.tune import Callback
+
+    planned = runs_by_point(runs)
+
+    class Console(Callback):
+        def __init__(self) -> None:
+            self.started: dict[str, float] = {}
+            self.ended: dict[str, float] = {}
+            self.errors: dict[str, str] = {}
+            self.reported: dict[str, list[dict[str, Any]]] = {}
+            self.trials: dict[str, Any] = {}  # trial id -> Trial, for the rows of trials.csv
+
+        def on_experiment_end(self, trials, **info):
+            self.trials.update((trial.trial_id, trial) for trial in trials)
+
+        def _label(self, trial) -> str:
+            run = planned.get(point_key(trial.config["point"]))
+            rules = run.rule_names if run is not None else trial.config["point"]["lr_scaling"]
+            return f"[{trial_index(trial) + 1:>{len(str(total))}}/{total} {_describe_point({**trial_point(trial), 'lr_scaling': rules})}]"
+
+        def on_trial_start(self, iteration, trials, trial, **info):
+            self.started[trial.trial_id] = time.time()
+            self.trials[trial.trial_id] = trial
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            self.reported.setdefault(trial.trial_id, []).append(dict(result))
+            metrics = "  ".join(f"{k} {result[k]:.4f}" for k in sorted(result) if k.startswith("val_") and isinstance(result[k], (int, float)))
+            echo(f"{self._label(trial)} epoch {result.get('epoch')}/{epochs}  {metrics}")
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self.ended[trial.trial_id] = time.time()
+            last = trial.last_result or {}
+            took = self.ended[trial.trial_id] - self.started.get(trial.trial_id, self.ended[trial.trial_id])
+            if last.get("epoch", 0) < epochs:
+                echo(f"{self._label(trial)} stopped early by ASHA after epoch {last.get('epoch', 0)} ({took:.0f} s)")
+            else:
+                value = last.get(options.metric)
+                shown = f"{options.metric} {value:.4f}" if isinstance(value, (int, float)) else ""
+                echo(f"{self._label(trial)} finished: {shown} ({took:.0f} s)")
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self.ended[trial.trial_id] = time.time()
+            message = trial_error(trial)
+            self.errors[trial.trial_id] = message
+            echo(f"{self._label(trial)} FAILED: {message} (run files: trials/{_trial_name_creator(trial)}/)")
+
+    return Console()
+
+
+def trial_index(trial) -> int:
+    """0-based position among the sweep's runs, from Tune's trial id (`<experiment>_00003`)."""
+    return int(str(trial.trial_id).rsplit("_", 1)[-1])
+
+
+def trial_point(trial) -> dict[str, Any]:
+    return {**trial.config["point"], **({"lr": trial.config["lr"]} if "lr" in trial.config else {})}
+
+
+def _trial_name_creator(trial) -> str:
+    return trial_name(trial_index(trial), trial_point(trial))
+
+
+def _describe_point(point: dict[str, Any]) -> str:
+    return f"{point['workers']}w {point['lr_scaling']} warmup {point['warmup_epochs']:g} lr {sci(point['lr'])}"
+
+
+def trial_error(trial) -> str:
+    """One line: why a trial failed, from the exception Tune kept. Ray wraps the trial's own
+    exception (`cause`); a RunFailed from fit opens with "The run failed: <rank, exception,
+    where>", any other exception is said as `Type: message`."""
+    from raytrain.trainer import RunFailed
+
+    error = None
+    with contextlib.suppress(Exception):
+        error = trial.get_pickled_error()
+    for _ in range(8):  # RayTaskError / TuneError around the trial's exception
+        cause = getattr(error, "cause", None)
+        if not isinstance(cause, BaseException):
+            break
+        error = cause
+    if isinstance(error, RunFailed):
+        return first_line(str(error))[:400]
+    if isinstance(error, BaseException):
+        return first_line(error)[:400]
+    where = getattr(trial, "error_file", None)
+    return f"failed (Tune's error file: {where})" if where else "failed"
+
+
+def _trial_run(trial, epochs: int, console) -> TrialRun:
+    """What Tune saw of `trial`, and how it ended."""
+    reported = (trial.last_result or {}).get("epoch", 0) or 0
+    if trial.status == "ERROR":
+        status = "failed"
+    elif trial.status != "TERMINATED":
+        status = str(trial.status).lower()  # never ran: the sweep was interrupted
+    elif reported < epochs:
+        status = "stopped"
+    else:
+        status = "finished"
+    return TrialRun(
+        name=_trial_name_creator(trial),
+        point=dict(trial.config["point"]),
+        status=status,
+        reported=console.reported.get(trial.trial_id, []),
+        lr=trial.config.get("lr"),
+        started=console.started.get(trial.trial_id),
+        ended=console.ended.get(trial.trial_id),
+        error=(console.errors.get(trial.trial_id) or trial_error(trial)) if status == "failed" else "",
+    )
+
+
+# -- the sweep (driver) ----------------------------------------------------------------------
+
+
+def tune(
+    pipeline: "str | Pipeline",
+    cfg: TrainConfig | None = None,
+    space: SearchSpace | None = None,
+    options: TuneOptions | None = None,
+    *,
+    echo: Callable[[str], None] | None = None,
+) -> SweepResult:
+    """Sweep `space` for `pipeline`, every trial a `raytrain train` run with `cfg`'s options.
+
+    Grid points that resolve to the same trial configuration (the rules at the reference
+    batch) run once and share the run's results in trials.csv. Raises ConfigError (bad
+    configuration or a trial that cannot fit; nothing started). Writes trials.csv, best.yaml
+    and trials.png under STORAGE/NAME/."""
+    import ray
+
+    from raytrain.trainer import build_datasets, ray_session, resolve_gpu
+
+    echo = echo or (lambda line: None)
+    options = options or TuneOptions()
+    space = space or SearchSpace()
+    pipe = load_pipeline(pipeline)
+    spec = pipeline if isinstance(pipeline, str) else pipe.name
+    base = sweep_base_config(cfg or TrainConfig(**pipe.default_config), space, spec)
+    points = check_trials(base, space, options)
+    runs = plan_sweep(base, points)
+    sweep_dir = Path(base.storage) / base.name
+    if sweep_dir.exists() and any(sweep_dir.iterdir()):
+        raise ConfigError([("name", f"sweep {base.name!r} already exists in {base.storage}; choose another --name")])
+    worker_counts = sorted({p["workers"] for p in points})
+
+    num_cpus = _embedded_ray_cpus(base, worker_counts)  # a trial too big for this machine fails here
+    started = time.time()
+    with ray_session(base, num_cpus=num_cpus, resources={TRIAL_DRIVER_RESOURCE: EMBEDDED_TRIAL_DRIVER_SLOTS}):
+        use_gpu = resolve_gpu(base)
+        resources = ray.cluster_resources()
+        total = len(runs) * space.samples
+        concurrency = min(total, max_concurrent_trials(
+            worker_counts, cpus_per_worker=base.cpus_per_worker, cluster_cpus=resources.get("CPU", 0), use_gpu=use_gpu,
+            cluster_gpus=resources.get("GPU", 0), requested=options.max_concurrent_trials,
+        ))
+        _check_metric_source(pipe, base, options, build_datasets)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        _write_sweep_yaml(sweep_dir, spec, base, space, options, points, runs, concurrency)
+        echo(_describe_sweep(spec, base, space, options, points, runs, concurrency, resources, use_gpu, sweep_dir))
+        pgs_before = _placement_groups()
+        tuner, console = _build_tuner(pipeline, base, space, options, runs, concurrency, resources, sweep_dir, total, echo)
+        with _quiet_tune(base.verbose):
+            tuner.fit()
+        leaked = _free_leaked_placement_groups(pgs_before, echo)
+        wall = time.time() - started
+        trials = [_trial_run(t, base.epochs, console) for t in sorted(console.trials.values(), key=trial_index)]
+        rows, curves = sweep_rows(trials, runs, points, options, sweep_dir, base.epochs)
+    return write_sweep_files(spec, base, options, rows, curves, sweep_dir, wall, leaked, echo)
+
+
+def _write_sweep_yaml(sweep_dir, spec, base, space, options, points, runs, concurrency) -> None:
+    from raytrain.rundir import write_yaml
+
+    write_yaml(sweep_dir / "sweep.yaml", {
+        "pipeline": spec, "space": dataclasses.asdict(space), "options": dataclasses.asdict(options),
+        "grace_period_epochs": grace_period(options, points, base.epochs), "max_concurrent_trials": concurrency,
+        "shared_runs": {run.name: run.rule_names for run in runs if run.shared},
+        "trial_config": base.to_dict(),
+    })  # fmt: skip
+
+
+def _embedded_ray_cpus(base: TrainConfig, worker_counts: list[int]) -> int | None:
+    """Logical CPUs for an embedded Ray (None when joining one), checked against the largest
+    trial before anything starts."""
+    import ray
+
+    if ray.is_initialized() or base.address or os.environ.get("RAY_ADDRESS"):
+        return None
+    cores = os.cpu_count() or 1
+    num_cpus = embedded_cpus(trial_cpus(max(worker_counts), base.cpus_per_worker), cores)
+    if base.gpu is not True:  # GPU runs are sized by GPUs, known once Ray is up
+        max_concurrent_trials(worker_counts, cpus_per_worker=base.cpus_per_worker, cluster_cpus=num_cpus,
+                              where=f"this machine's embedded Ray ({num_cpus} logical CPUs on {cores} cores)")
+    return num_cpus
+
+
+def _check_metric_source(pipe: Pipeline, base: TrainConfig, options: TuneOptions, build_datasets) -> None:
+    if options.metric.startswith("val_") and "val" not in build_datasets(pipe, base):
+        raise ConfigError([("metric", f"got {options.metric!r}, but pipeline {pipe.name} has no 'val' dataset; use --metric loss, or add a 'val' dataset to the pipeline")])
+
+
+def _build_tuner(pipeline, base, space, options, runs: list[SweepRun], concurrency, resources, sweep_dir, total, echo):
+    from ray import tune as ray_tune
+    from ray.tune.search import BasicVariantGenerator
+
+    job = _TrialJob(pipeline=pipeline, base=base.to_dict(), runs_dir=str(sweep_dir / "trials"), metric=options.metric, mode=options.mode)
+    trainable = ray_tune.with_resources(ray_tune.with_parameters(_run_trial, job=job), trial_driver_resources(resources))
+    # One Tune trial per distinct run: Tune's trial number is the run's index.
+    param_space: dict[str, Any] = {"point": ray_tune.grid_search([run.point for run in runs])}
+    if space.lr_range:
+        param_space["lr"] = ray_tune.loguniform(*space.lr_range)
+    console = _console_callback(total, base.epochs, options, runs, echo)
+    points = [p for run in runs for p in run.points]
+    tuner = ray_tune.Tuner(
+        trainable,
+        param_space=param_space,
+        tune_config=ray_tune.TuneConfig(
+            scheduler=_scheduler(options, base.epochs, grace_period(options, points, base.epochs)),
+            # Tune ignores max_concurrent_trials when given a search algorithm: the limit goes here.
+            search_alg=BasicVariantGenerator(random_state=base.seed, max_concurrent=concurrency),
+            num_samples=space.samples,
+            trial_name_creator=_trial_name_creator,
+            trial_dirname_creator=_trial_name_creator,
+        ),
+        run_config=ray_tune.RunConfig(name="tune", storage_path=str(sweep_dir), verbose=0, callbacks=[console]),
+    )
+    return tuner, console
+
+
+@contextlib.contextmanager
+def _quiet_tune(verbose: bool):
+    """The console gets raytrain's lines, not Tune's: Tune's new output engine prints its own
+    banner and table even at verbose=0 (the legacy one stays silent), and Tune logs each failed
+    trial's whole traceback, which raytrain reports as one line (the cause and the run
+    directory; the traceback stays in tune/<trial>/error.txt). -v keeps Tune's logs."""
+    import logging
+
+    before = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    tune_logger = logging.getLogger("ray.tune")
+    level = tune_logger.level
+    if not verbose:
+        tune_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        tune_logger.setLevel(level)
+        if before is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = before
+
+
+def _placement_groups() -> dict[str, str]:
+    from ray.util import placement_group_table
+
+    return {pg_id: info.get("state", "") for pg_id, info in placement_group_table().items()}
+
+
+def _free_leaked_placement_groups(before: dict[str, str], echo: Callable[[str], None]) -> int:
+    """Placement groups created during the sweep and still held after it: Train's cleaner
+    frees a stopped trial's worker group within seconds (it needs the dashboard, RAY_NOTES);
+    whatever is left after PG_CLEANUP_WAIT_S is removed here, and counted."""
+    import ray
+    from ray.util.placement_group import PlacementGroup
+
+    deadline = time.monotonic() + PG_CLEANUP_WAIT_S
+    while True:
+        held = [pg for pg, state in _placement_groups().items() if pg not in before and state not in ("REMOVED",)]
+        if not held or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    for pg_id in held:
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+    if held:
+        echo(f"Note: {len(held)} placement group(s) of stopped trials outlived them and were removed now (is the Ray dashboard up? Train's cleaner needs it).")
+    return len(held)
+
+
+def _describe_sweep(spec, base, space, options, points, runs, concurrency, resources, use_gpu, sweep_dir) -> str:
+    axes = [
+        "workers " + ",".join(str(w) for w in sorted({p["workers"] for p in points})),
+        "lr_scaling " + ",".join(space.lr_scaling),
+        "warmup " + ",".join(f"{w:g}" for w in sorted({p["warmup_epochs"] for p in points})),
+        (f"lr log-uniform {sci(space.lr_range[0])}..{sci(space.lr_range[1])} × {space.samples} per point" if space.lr_range
+         else "lr " + ",".join(sci(lr) for lr in sorted({p["lr"] for p in points}))),
+    ]
+    total = len(points) * space.samples
+    shared = [run for run in runs if run.shared]
+    sharing = (
+        f" ({len(runs) * space.samples} runs: " + ", ".join(f"{run.rule_names} at {run.point['workers']} w, warmup {run.point['warmup_epochs']:g}, lr {sci(run.point['lr'])}" for run in shared[:3])
+        + (f" and {len(shared) - 3} more" if len(shared) > 3 else "") + " give the same rate and share one run)"
+        if shared else ""
+    )  # fmt: skip
+    batch = f"global batch {base.global_batch_size}" if base.global_batch_size else f"{base.batch_size_per_worker} per worker"
+    grace = grace_period(options, points, base.epochs)
+    stopping = (
+        f"ASHA on {options.metric} ({options.mode}) per worker count from epoch {grace}, reduction {options.reduction_factor:g}"
+        + (" (= --epochs: no trial will be stopped early; raise --epochs or lower --grace-period)" if grace >= base.epochs else "")
+        if options.early_stop else "no early stopping"
+    )
+    unit = f"{resources.get('GPU', 0):g} GPUs" if use_gpu else f"{resources.get('CPU', 0):g} CPUs"
+    return (
+        f"raytrain tune: {base.name} — {total} trials of {spec}{sharing}: {' × '.join(axes)}\n"
+        f"Every trial: {base.epochs} epoch{'s' if base.epochs != 1 else ''}, seed {base.seed}, {batch}, reference batch {base.reference_batch_size}; {stopping}\n"
+        f"{concurrency} trial(s) at a time on {unit}; sweep directory {sweep_dir}"
+    )
+
+
+__all__ = ["tune", "trial_error"]
