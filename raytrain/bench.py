@@ -410,7 +410,7 @@ def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
 def run_template(pipeline: str, run: PlannedRun, opts: BenchOptions, out: Path, *, mode: str, tag: str, echo) -> dict[str, Any]:
     """The classic template with `run`'s config and epochs: under torchrun at `run`'s worker
     count, or (`mode="plain"`) as one process without torch.distributed."""
-    from raytrain.trainer import free_port
+    from raytrain.trainer import driver_pythonpath, free_port
 
     workers = run.workers
     folder = out / "baselines"
@@ -430,7 +430,7 @@ def run_template(pipeline: str, run: PlannedRun, opts: BenchOptions, out: Path, 
         ]  # fmt: skip
     # Ray gives each worker OMP_NUM_THREADS = its whole CPUs; the template gets the same.
     threads = max(1, int(run.cfg.cpus_per_worker))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": template_pythonpath()}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": driver_pythonpath()}
     what = f"{mode} baseline on {workers} process{'es' if workers > 1 else ''}" + (f" ({tag})" if tag else "")
     echo(f"bench: {what}, {plural(threads, 'thread')} each")
     log = folder / f"{name}.log"
@@ -478,12 +478,6 @@ def _cpu_seconds(processes: list[psutil.Process]) -> float:
             continue
         total += times.user + times.system
     return total
-
-
-def template_pythonpath() -> str:
-    """The template imports raytrain and the pipeline as the driver does: cwd, then sys.path."""
-    entries = [os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
-    return os.pathsep.join(dict.fromkeys(entries))
 
 
 def machine_facts() -> dict[str, Any]:

@@ -150,17 +150,19 @@ def _remove_marker(state: StorageState) -> None:
 
 def _fs_type(path: Path) -> str:
     """The file system type of the mount `path` (or its nearest existing parent) is on."""
+    import psutil
+
     try:
-        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+        mounts = psutil.disk_partitions(all=True)
     except OSError:
         return ""
     target = str(path)
     best = max(
-        (m for m in mounts if len(m) > 2 and (target == m[1] or target.startswith(m[1].rstrip("/") + "/"))),
-        key=lambda m: len(m[1]),
+        (m for m in mounts if target == m.mountpoint or target.startswith(m.mountpoint.rstrip("/") + "/")),
+        key=lambda m: len(m.mountpoint),
         default=None,
     )
-    return best[2] if best else ""
+    return best.fstype if best else ""
 
 
 def describe_storage(state: StorageState, multi_node: bool) -> str:

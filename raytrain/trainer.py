@@ -268,7 +268,7 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     level = logging.INFO if cfg.verbose else logging.ERROR
-    runtime_env = {"env_vars": {**WORKER_ENV, "PYTHONPATH": _driver_pythonpath()}}
+    runtime_env = {"env_vars": {**WORKER_ENV, "PYTHONPATH": driver_pythonpath()}}
     # Worker and actor output (Ray's per-report lines, data-execution notes, C++
     # warnings) reaches the console only with -v. The run's own lines come from
     # events.jsonl and a failure is explained from the exception (rank + traceback),
@@ -418,7 +418,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _driver_pythonpath() -> str:
+def driver_pythonpath() -> str:
     """Workers import `module:attr` pipelines the way the driver does: from its cwd and path."""
     entries = [os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
     return os.pathsep.join(dict.fromkeys(entries))
