@@ -408,15 +408,4 @@ def _nccl_text(facts: dict[str, Any]) -> str:
     return f"available {facts['nccl_version']}" if facts.get("nccl_version") else "available"
 
 
-def check_storage(storage: str | None, multi_node: bool, echo: Callable[[str], None]) -> list[str]:
-    """The storage checks that need no cluster: the problems (with fixes) for `storage` seen from here."""
-    state = inspect_storage(storage)
-    try:
-        report = assess([{"NodeID": str(i)} for i in range(2 if multi_node else 1)], {}, state, {"gloo": True})
-    finally:
-        _remove_marker(state)
-    echo(describe_storage(state, multi_node=False))
-    return report.problems
-
-
-__all__ = ["run_doctor", "check_storage", "assess", "inspect_storage", "StorageState"]
+__all__ = ["run_doctor", "assess", "inspect_storage", "StorageState"]
