@@ -42,7 +42,7 @@ class RunDir:
     return what is there); writes raise StorageError naming the path and the fix."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
