@@ -1,7 +1,8 @@
 """Lines per module, the longest functions, import cycles and names defined twice in `raytrain/`.
 
     python scripts/code_stats.py            # a Markdown report of the working tree
-    python scripts/code_stats.py --rev REV  # the same for a git revision (e.g. a before/after table)
+    python scripts/code_stats.py --rev REV  # the same for a git revision
+    python scripts/code_stats.py --compare REV  # before (REV) and after (the working tree), side by side
 
 Every import of a raytrain module counts, at the top of a file or inside a function: a cycle
 deferred into a function is still two modules that cannot be understood one without the other.
@@ -142,12 +143,52 @@ def report(texts: dict[str, str], longest: int) -> tuple[str, int]:
     return "\n".join(lines), len(found)
 
 
+def _top(module: str) -> str:
+    """`tune.driver` and `tune` count as `tune`: a package compared with the module it replaced."""
+    return module.split(".")[0]
+
+
+def compare(before: dict[str, str], after: dict[str, str]) -> str:
+    """Lines per top-level module, each module's longest function, cycles and names defined
+    twice: before and after."""
+    def summary(texts: dict[str, str]):
+        trees = {m: ast.parse(t) for m, t in texts.items()}
+        lines: dict[str, int] = defaultdict(int)
+        longest: dict[str, tuple[str, int]] = {}
+        for m, t in texts.items():
+            lines[_top(m)] += t.count("\n")
+            for name, n in functions(trees[m]):
+                if n > longest.get(_top(m), ("", 0))[1]:
+                    longest[_top(m)] = (f"{m}.{name}", n)
+        graph = {m: imports_of(m, t, set(trees)) for m, t in trees.items()}
+        top_level: dict[str, set[str]] = defaultdict(set)
+        for m, t in trees.items():
+            for node in t.body:
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("__"):
+                    top_level[node.name.lstrip("_")].add(m)
+        return lines, longest, cycles(graph), sorted(n for n, ms in top_level.items() if len(ms) > 1)
+
+    (lb, fb, cb, db), (la, fa, ca, da) = summary(before), summary(after)
+    out = ["| module | lines before | lines after | longest function before | after |", "|---|---:|---:|---|---|"]
+    for m in sorted(set(lb) | set(la), key=lambda m: -max(lb.get(m, 0), la.get(m, 0))):
+        fn_b, fn_a = fb.get(m, ("—", 0)), fa.get(m, ("—", 0))
+        out.append(f"| {m} | {lb.get(m, 0):,} | {la.get(m, 0):,} | {fn_b[0]} ({fn_b[1]}) | {fn_a[0]} ({fn_a[1]}) |")
+    out.append(f"| **total** | **{sum(lb.values()):,}** | **{sum(la.values()):,}** | | |")
+    out += ["", f"Import cycles: {len(cb)} before ({'; '.join(' ↔ '.join(c) for c in cb) or 'none'}), {len(ca)} after ({'; '.join(' ↔ '.join(c) for c in ca) or 'none'})"]
+    out += [f"Top-level names defined in more than one module: {len(db)} before ({', '.join(db) or 'none'}), {len(da)} after ({', '.join(da) or 'none'})"]
+    return "\n".join(out)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rev", help="a git revision instead of the working tree")
+    parser.add_argument("--compare", metavar="REV", help="a before (REV) / after (working tree) table")
     parser.add_argument("--longest", type=int, default=10, help="how many of the longest functions to list")
     args = parser.parse_args()
     root = Path(__file__).resolve().parents[1]
+    if args.compare:
+        print(compare(sources(args.compare, root), sources(None, root)))
+        return 0
     text, n_cycles = report(sources(args.rev, root), args.longest)
     print(text)
     return 1 if n_cycles else 0
