@@ -42,8 +42,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     cfg = TrainConfig.from_dict(payload["config"])
     pipeline: Pipeline = payload["pipeline"]
     per_step = cfg.fault_tolerance == "per-step"
-    runtime = ReplicaRuntime(cfg.collective_timeout_s, cfg.num_checkpoints_to_keep) if per_step else Runtime()
     run_dir = Path(payload["run_dir"])
+    runtime = ReplicaRuntime(cfg.collective_timeout_s, cfg.num_checkpoints_to_keep, run_dir) if per_step else Runtime()
     files = RunWriter(run_dir, enabled=runtime.is_rank0)
     heartbeat = Heartbeat(run_dir / "heartbeats", runtime.world_rank, enabled=runtime.world_size > 1)
     if not per_step:  # a replacement replica must not clear what the live quorum is writing
@@ -101,7 +101,7 @@ def run_replica(cfg: TrainConfig, pipeline: Pipeline, runtime: ReplicaRuntime, f
     """One replica of a per-step run (raytrain.replicas): restore, build, then steps over the
     quorum of live replicas; a replacement heals from a live peer at its first step."""
     # restore
-    if run_finished(files):
+    if run_finished(files, cfg.epochs):
         return  # a replacement that came up after the others finished the run: nothing to join
     state = restore(runtime, files)
     position = Position.restored(state)
@@ -138,10 +138,11 @@ def run_replica(cfg: TrainConfig, pipeline: Pipeline, runtime: ReplicaRuntime, f
         files.finish(trainer.model, position.progress("finished"))
 
 
-def run_finished(files: RunWriter) -> bool:
-    """The run's replicas finished it (progress.json says so)."""
+def run_finished(files: RunWriter, epochs: int) -> bool:
+    """The run's replicas finished its `epochs` (progress.json says so; a resume that trains on
+    to more epochs has not)."""
     progress = files.rundir.progress()
-    return progress is not None and progress.status == "finished"
+    return progress is not None and progress.status == "finished" and progress.epoch >= epochs
 
 
 def quorum_plan(cfg: TrainConfig, replicas: int) -> rules.BatchPlan:
@@ -415,7 +416,7 @@ class StepRunner:
             with phase(timed="forward_backward"):  # includes DDP's all-reduce, overlapped with backward
                 # DDP averages gradients over ranks; this weight turns that into the mean
                 # over the samples actually present in the step (tail steps are smaller).
-                weight = count * self.runtime.world_size / step.size
+                weight = rules.gradient_weight(count, self.runtime.world_size, step.size)
                 with self.accumulating(last=index == self.batch_plan.accumulation_steps - 1):
                     with phase("forward"):
                         loss, _ = self.compute_loss(batch)
@@ -620,11 +621,11 @@ def train_epoch_per_step(
     data, split, taken = None, None, 0
     epoch_loss_sum, epoch_count, stop = 0.0, 0, False
     while position.epoch_offset < len(source):
-        quorum = replicas.start_step()
+        quorum = replicas.start_step(position.step)
         files.enabled = replicas.is_rank0
         if on_first_quorum is not None:
             # Alone in its first quorum after the others wrote the end: a replacement too late to join.
-            if quorum.size == 1 < replicas.replica_count and run_finished(files):
+            if quorum.size == 1 < replicas.replica_count and run_finished(files, cfg.epochs):
                 return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True), trainer
             if not replicas.healed:  # a replacement says nothing of its own: the quorum's line does
                 on_first_quorum()

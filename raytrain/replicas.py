@@ -17,8 +17,11 @@ is a barrier over every worker, which a lost replica would hold up).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -27,14 +30,18 @@ from typing import Any, Callable
 import torch
 
 from raytrain import checkpoint as ckpt
+from raytrain.rundir import RunDir
 from raytrain.rundir.files import storage_errors
+from raytrain.rundir.records import Event, Kind
 from raytrain.runtime import Runtime
 
-# The lighthouse waits up to join_timeout_ms for every live replica before it forms a
-# quorum (torchft's 100 ms default is shorter than a step, so the replicas would never all
-# meet), and declares a replica gone after heartbeat_timeout_ms without a heartbeat: what
-# the survivors wait when one dies. Measured here: ~1 s lost per failure at 1000 ms.
-LIGHTHOUSE_KWARGS = {"min_replicas": 1, "join_timeout_ms": 3000, "heartbeat_timeout_ms": 1000}
+# The lighthouse waits up to join_timeout_ms for every live (heartbeating) replica before it
+# forms a quorum: torchft's 100 ms default is shorter than a step, so the replicas would never
+# all meet; 30 s covers a replica still writing a checkpoint at an epoch's end. A replica is
+# gone after heartbeat_timeout_ms without a heartbeat: what the survivors wait when one dies
+# (measured here: about 1 s lost per failure at 1000 ms).
+JOIN_TIMEOUT_S = 30.0
+LIGHTHOUSE_KWARGS = {"min_replicas": 1, "join_timeout_ms": int(JOIN_TIMEOUT_S * 1000), "heartbeat_timeout_ms": 1000}
 # Before the first quorum, time for every replica's manager to heartbeat to the lighthouse
 # (the first to ask would otherwise form a quorum alone and the others would heal from it).
 STARTUP_WAIT_S = 2.0
@@ -45,6 +52,50 @@ def torchft_config(use_gpu: bool, timeout_s: float):
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
     return TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE_KWARGS), backend="nccl" if use_gpu else "gloo", timeout_s=int(timeout_s))
+
+
+class StallWatch:
+    """Ends a replica stuck in one step (a hung kernel, a lost NFS mount): past `stall_s` in a
+    step, `on_stall(step, seconds)` runs (it says so and exits the process, and Ray Train
+    replaces the replica). The others left that step long before: their collectives time out
+    sooner, the step is not committed, and the next quorum goes on without it."""
+
+    def __init__(self, stall_s: float, on_stall: Callable[[int, float], None], clock: Callable[[], float] = time.monotonic):
+        self.stall_s, self.on_stall, self.clock = stall_s, on_stall, clock
+        self.step: int | None = None
+        self.since = 0.0
+
+    def enter(self, step: int) -> None:
+        self.step, self.since = step, self.clock()
+
+    def leave(self) -> None:
+        self.step = None
+
+    def check(self) -> bool:
+        """Whether the replica is stalled (then `on_stall` has run)."""
+        step = self.step
+        if step is None:
+            return False
+        seconds = self.clock() - self.since
+        if seconds <= self.stall_s:
+            return False
+        self.on_stall(step, seconds)
+        return True
+
+    def run_in_background(self, interval_s: float = 1.0) -> threading.Thread:
+        def watch() -> None:
+            while not self.check():
+                time.sleep(interval_s)
+
+        thread = threading.Thread(target=watch, name="raytrain-stall-watch", daemon=True)
+        thread.start()
+        return thread
+
+
+def stall_seconds(collective_timeout_s: float) -> float:
+    """How long a replica may stay in one step: the others' collectives time out after
+    `collective_timeout_s`, and a quorum waits up to JOIN_TIMEOUT_S for its members."""
+    return 2 * collective_timeout_s + 2 * JOIN_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -58,7 +109,7 @@ class Quorum:
 class ReplicaRuntime(Runtime):
     """This worker as one replica of the quorum (see the module's docstring)."""
 
-    def __init__(self, timeout_s: float, checkpoints_to_keep: int) -> None:
+    def __init__(self, timeout_s: float, checkpoints_to_keep: int, run_dir: str | os.PathLike) -> None:
         super().__init__()
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
@@ -82,9 +133,12 @@ class ReplicaRuntime(Runtime):
             world_size=1,
             replica_id=f"raytrain_{self.replica_rank}",
             timeout=timeout,
-            quorum_timeout=max(timeout, timedelta(seconds=60)),
+            quorum_timeout=timeout + timedelta(seconds=2 * JOIN_TIMEOUT_S),
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device),
         )
+        self.run_dir = Path(run_dir)
+        self.watch = StallWatch(stall_seconds(timeout_s), self._leave_stalled)
+        self.watch.run_in_background()
         self.distributed = True
         self.backend = f"torchft ({'nccl' if self.device.type == 'cuda' else 'gloo'}) over {self.replica_count} replicas"
 
@@ -102,8 +156,19 @@ class ReplicaRuntime(Runtime):
             self._load(state)
             self.healed = True
 
-    def start_step(self) -> Quorum:
-        """The quorum of this step (a joining replica heals first)."""
+    def _leave_stalled(self, step: int, seconds: float) -> None:
+        """Say which replica stalled, then exit: Ray Train replaces it, the others go on."""
+        message = (
+            f"Replica {self.replica_rank} stalled in step {step} for {seconds:.0f} s (2 × --collective-timeout-s and the quorum's wait): "
+            "it leaves the quorum and is replaced; the others go on"
+        )
+        with contextlib.suppress(Exception):
+            RunDir(self.run_dir).append_event(Event(Kind.STALL, message, extra={"replica": self.replica_rank, "step": step}))
+        os._exit(1)
+
+    def start_step(self, step: int) -> Quorum:
+        """The quorum of the step at `step` (a joining replica heals first)."""
+        self.watch.enter(step)
         self.healed = False
         self.manager.start_quorum()
         rank = self.manager.participating_rank()
@@ -114,7 +179,10 @@ class ReplicaRuntime(Runtime):
 
     def commit(self) -> bool:
         """Whether every participant finished the step (then, and only then, apply it)."""
-        return bool(self.manager.should_commit())
+        try:
+            return bool(self.manager.should_commit())
+        finally:
+            self.watch.leave()
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
@@ -160,4 +228,4 @@ class ReplicaRuntime(Runtime):
             shutil.rmtree(old, ignore_errors=True)
 
 
-__all__ = ["LIGHTHOUSE_KWARGS", "Quorum", "ReplicaRuntime", "torchft_config"]
+__all__ = ["LIGHTHOUSE_KWARGS", "Quorum", "ReplicaRuntime", "StallWatch", "torchft_config"]

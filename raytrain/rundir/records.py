@@ -32,6 +32,7 @@ class Kind:
     DONE = "done"  # training finished
     INTERRUPTED = "interrupted"  # stopped on request, with a checkpoint at that step
     QUORUM = "quorum"  # per-step mode: the replicas stepping together changed (a loss, a rejoin)
+    STALL = "stall"  # per-step mode: a replica stuck in a step leaves to be replaced
 
     # Events worth a line in the report and a mark on the plots.
     MARKED: ClassVar[tuple[str, ...]] = (RESIZE, RESTORE, QUORUM)
