@@ -113,8 +113,10 @@ def run_replica(cfg: TrainConfig, pipeline: Pipeline, runtime: ReplicaRuntime, f
     val_data = open_source("val", sources["val"], runtime, cfg) if "val" in sources else None
     position.data = check_same_data(position, train_data)
     trainer = StepRunner.build(pipeline, cfg, runtime, heartbeat, files.run_dir, quorum_plan(cfg, runtime.replica_count), len(train_data), state)
-    runtime.bind_state(lambda: trainer.live_state(position), lambda live: trainer.load_live_state(live, position))
-    time.sleep(STARTUP_WAIT_S)  # every replica heartbeats to the lighthouse before the first quorum
+    model = runtime.join(trainer.model, lambda: trainer.live_state(position), lambda live: trainer.load_live_state(live, position))
+    trainer = dataclasses.replace(trainer, model=model)
+    if state is None:  # a fresh start: every replica heartbeats to the lighthouse before the first quorum
+        time.sleep(STARTUP_WAIT_S)
 
     # loop
     first = True

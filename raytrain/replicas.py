@@ -111,17 +111,34 @@ class ReplicaRuntime(Runtime):
 
     def __init__(self, timeout_s: float, checkpoints_to_keep: int, run_dir: str | os.PathLike) -> None:
         super().__init__()
-        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-        from torchft.checkpointing.pg_transport import PGTransport
 
         self.replica_rank, self.replica_count = self.world_rank, self.world_size  # Ray Train's rank and size
         self.quorum = Quorum(self.replica_count, self.replica_rank)  # until the first step's quorum
         self.checkpoints_to_keep = checkpoints_to_keep
         self.healed = False  # the last quorum loaded the live state from a peer
-        timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.manager = None
+        self.run_dir = Path(run_dir)
+        self.watch = StallWatch(stall_seconds(timeout_s), self._leave_stalled)
+        self.distributed = True
+        self.backend = f"torchft ({'nccl' if self.device.type == 'cuda' else 'gloo'}) over {self.replica_count} replicas"
+
+    # -- the quorum ---------------------------------------------------------------------
+
+    def join(self, model: torch.nn.Module, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> torch.nn.Module:
+        """Start this replica's torchft Manager, ready to step; returns `model` in torchft's DDP
+        (gradients averaged over each step's participants). `state`/`load`: what a joining
+        replica copies from a live one (model, optimizer, scaler, position).
+
+        Called once the replica is built: the Manager heartbeats from here on, and the
+        lighthouse waits for heartbeating replicas before it forms a quorum, so a replacement
+        that is still restoring must not hold the others up."""
+        from torchft import DistributedDataParallel, Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        self._state, self._load = state, load
+        timeout = timedelta(seconds=self.timeout_s)
         pg = ProcessGroupNCCL(timeout=timeout) if self.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        self._state: Callable[[], dict[str, Any]] | None = None
-        self._load: Callable[[dict[str, Any]], None] | None = None
         self.manager = Manager(
             pg=pg,
             load_state_dict=self._load_live_state,
@@ -136,23 +153,14 @@ class ReplicaRuntime(Runtime):
             quorum_timeout=timeout + timedelta(seconds=2 * JOIN_TIMEOUT_S),
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device),
         )
-        self.run_dir = Path(run_dir)
-        self.watch = StallWatch(stall_seconds(timeout_s), self._leave_stalled)
         self.watch.run_in_background()
-        self.distributed = True
-        self.backend = f"torchft ({'nccl' if self.device.type == 'cuda' else 'gloo'}) over {self.replica_count} replicas"
-
-    # -- the quorum ---------------------------------------------------------------------
-
-    def bind_state(self, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> None:
-        """What a joining replica copies from a live one (model, optimizer, scaler, position)."""
-        self._state, self._load = state, load
+        return DistributedDataParallel(self.manager, model)
 
     def _live_state(self) -> dict[str, Any]:
-        return self._state() if self._state is not None else {}
+        return self._state()
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
-        if self._load is not None and state:
+        if state:
             self._load(state)
             self.healed = True
 
@@ -185,15 +193,14 @@ class ReplicaRuntime(Runtime):
             self.watch.leave()
 
     def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
 
     # -- what the loop sees -------------------------------------------------------------
 
     def prepare_model(self, model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
-        """torchft's DDP: gradients averaged over the step's participants."""
-        from torchft import DistributedDataParallel
-
-        return DistributedDataParallel(self.manager, model.to(self.device))
+        """On the device; torchft's DDP wraps it when the replica joins (`join`)."""
+        return model.to(self.device)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum over the participants of the last step (a failed reduction counts this replica only)."""
