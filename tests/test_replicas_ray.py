@@ -32,15 +32,20 @@ def committed_ids(out: Path) -> dict[int, list[int]]:
     return per_epoch
 
 
-def test_a_killed_replica_is_replaced_while_the_survivors_keep_training(ray_session, tmp_path):
+@pytest.mark.parametrize("data", ["memory", "stream"])
+def test_a_killed_replica_is_replaced_while_the_survivors_keep_training(ray_session, tmp_path, data):
+    """In memory every replica maps the same table; streamed, each reads the blocks it owns in
+    the current quorum and re-opens its share when the quorum changes."""
     out = tmp_path / "out"
     out.mkdir()
     rows = 900
     cfg = TrainConfig(
         workers="3", epochs=3, batch_size_per_worker=10, lr=0.05, warmup_epochs=0, fault_tolerance="per-step",
         storage=str(tmp_path), name="ft", log_every_steps=4, checkpoint_every_steps=0, progress="off",
+        shuffle_window_rows=0 if data == "memory" else 60, data_partitions=12,
     )  # fmt: skip
-    result = fit(ReplicaRecordingPipeline(str(out), num_rows=rows, crash_at_step=6, step_sleep_s=0.3, kill_replica=1), cfg)
+    pipeline = ReplicaRecordingPipeline(str(out), num_rows=rows, crash_at_step=6, step_sleep_s=0.3, kill_replica=1, num_blocks=None if data == "memory" else 24)
+    result = fit(pipeline, cfg)
 
     pids: dict[int, set[int]] = defaultdict(set)
     for path in out.glob("ids-replica*.jsonl"):
