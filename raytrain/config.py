@@ -24,8 +24,10 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Schedule = Literal["cosine", "constant", "linear", "step", "onecycle"]
 OptimizerName = Literal["adamw", "sgd", "lamb"]
 ProgressMode = Literal["auto", "bar", "plain", "off"]
+FaultTolerance = Literal["restart", "per-step"]
 LR_RULES, PRECISIONS, SCHEDULES = get_args(LRRule), get_args(Precision), get_args(Schedule)
 OPTIMIZERS, PROGRESS_MODES = get_args(OptimizerName), get_args(ProgressMode)
+FAULT_TOLERANCE_MODES = get_args(FaultTolerance)
 DEFAULT_STORAGE = "~/raytrain_results"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
@@ -131,7 +133,9 @@ class TrainConfig:
     seed: int = 0
     """One seed for model init on every rank and for the data order of every epoch."""
     max_failures: int = 3
-    """Worker-group restarts allowed before the run fails."""
+    """Failures recovered before the run fails (worker-group restarts; under per-step, replica replacements)."""
+    fault_tolerance: FaultTolerance = "restart"
+    """What a failed worker costs: restart (every worker restarts from the last checkpoint) or per-step (torchft: each worker is a replica group, the survivors keep stepping, the replacement heals from a live peer; needs pip install 'raytrain[ft]')."""
     checkpoint_every_steps: int = 0
     """Also checkpoint every this many optimizer steps (0: at the end of each epoch only)."""
     num_checkpoints_to_keep: int = 2
@@ -259,10 +263,24 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
     yield from positive_int("num_checkpoints_to_keep", c.num_checkpoints_to_keep, 2)
 
     try:
-        _, max_workers = parse_workers(c.workers)
+        min_workers, max_workers = parse_workers(c.workers)
     except ValueError as exc:
         yield "workers", str(exc)
-        max_workers = None
+        min_workers = max_workers = None
+
+    if c.fault_tolerance == "per-step" and max_workers is not None:
+        if max_workers == 0:
+            yield "fault_tolerance", "got per-step with --workers 0 (the loop in this process): it needs Ray workers; give --workers N"
+        elif min_workers != max_workers:
+            yield (
+                "fault_tolerance",
+                f"got per-step with --workers {c.workers}: per-step replaces a failed worker in place and keeps the "
+                f"count fixed; give --workers {max_workers}, or keep --fault-tolerance restart for an elastic run",
+            )
+    if c.fault_tolerance not in FAULT_TOLERANCE_MODES:
+        yield "fault_tolerance", f"got {c.fault_tolerance!r}; choose one of {', '.join(FAULT_TOLERANCE_MODES)}{_close(c.fault_tolerance, FAULT_TOLERANCE_MODES)}"
+    if c.fault_tolerance == "per-step" and c.max_failures == 0:
+        yield "max_failures", f"got {c.max_failures} with --fault-tolerance per-step: a replacement is a recovered failure; give --max-failures 3"
 
     if c.global_batch_size is not None and c.batch_size_per_worker is not None:
         yield (

@@ -15,7 +15,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -34,25 +34,30 @@ from raytrain.position import Position
 from raytrain.render import sci
 from raytrain.rundir.records import Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
+from raytrain.replicas import STARTUP_WAIT_S, ReplicaRuntime
 from raytrain.runtime import Runtime
 
 
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
     cfg = TrainConfig.from_dict(payload["config"])
     pipeline: Pipeline = payload["pipeline"]
-    runtime = Runtime()
+    per_step = cfg.fault_tolerance == "per-step"
     run_dir = Path(payload["run_dir"])
+    runtime = ReplicaRuntime(cfg.collective_timeout_s, cfg.num_checkpoints_to_keep, run_dir) if per_step else Runtime()
     files = RunWriter(run_dir, enabled=runtime.is_rank0)
     heartbeat = Heartbeat(run_dir / "heartbeats", runtime.world_rank, enabled=runtime.world_size > 1)
-    files.clear_staging()
+    if not per_step:  # a replacement replica must not clear what the live quorum is writing
+        files.clear_staging()
     try:
-        run_attempt(cfg, pipeline, runtime, files, heartbeat, payload["sources"])
+        (run_replica if per_step else run_attempt)(cfg, pipeline, runtime, files, heartbeat, payload["sources"])
     except Exception as exc:
         if runtime.world_size > 1 and looks_like_timeout(exc):
             raise StallError(explain_stall(cfg, runtime, heartbeat, run_dir, exc)) from exc
         raise
     finally:
         heartbeat.stop()
+        if per_step:
+            runtime.shutdown()
 
 
 def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: RunWriter, heartbeat: Heartbeat, sources: dict[str, dict]) -> None:
@@ -90,6 +95,63 @@ def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: R
         files.interrupted(position.progress("interrupted"))
     else:
         files.finish(trainer.model, position.progress("finished"))
+
+
+def run_replica(cfg: TrainConfig, pipeline: Pipeline, runtime: ReplicaRuntime, files: RunWriter, heartbeat: Heartbeat, sources: dict[str, dict]) -> None:
+    """One replica of a per-step run (raytrain.replicas): restore, build, then steps over the
+    quorum of live replicas; a replacement heals from a live peer at its first step."""
+    # restore
+    if run_finished(files, cfg.epochs):
+        return  # a replacement that came up after the others finished the run: nothing to join
+    state = restore(runtime, files)
+    position = Position.restored(state)
+    attempt = Attempt.of(state is not None, position.world_sizes, runtime.replica_count)
+
+    # build
+    heartbeat.mark(position.step, "data")
+    train_data = open_source("train", sources["train"], runtime, cfg)
+    val_data = open_source("val", sources["val"], runtime, cfg) if "val" in sources else None
+    position.data = check_same_data(position, train_data)
+    trainer = StepRunner.build(pipeline, cfg, runtime, heartbeat, files.run_dir, quorum_plan(cfg, runtime.replica_count), len(train_data), state)
+    model = runtime.join(trainer.model, lambda: trainer.live_state(position), lambda live: trainer.load_live_state(live, position))
+    trainer = dataclasses.replace(trainer, model=model)
+    if state is None:  # a fresh start: every replica heartbeats to the lighthouse before the first quorum
+        time.sleep(STARTUP_WAIT_S)
+
+    # loop
+    first = True
+    while position.epoch < cfg.epochs:
+        epoch, trainer = train_epoch_per_step(trainer, train_data, position, files, runtime, on_first_quorum=(
+            (lambda: announce(files, attempt, trainer, position, state, train_data)) if first else None
+        ))
+        first = False
+        if epoch.finished_elsewhere:
+            return
+        if epoch.stopped and position.epoch_offset < len(train_data):
+            break
+        end_epoch(trainer, val_data, position, files, epoch)
+        if epoch.stopped:
+            break
+
+    # report
+    if position.epoch < cfg.epochs:
+        files.interrupted(position.progress("interrupted"))
+    else:
+        files.finish(trainer.model, position.progress("finished"))
+
+
+def run_finished(files: RunWriter, epochs: int) -> bool:
+    """The run's replicas finished its `epochs` (progress.json says so; a resume that trains on
+    to more epochs has not)."""
+    progress = files.rundir.progress()
+    return progress is not None and progress.status == "finished" and progress.epoch >= epochs
+
+
+def quorum_plan(cfg: TrainConfig, replicas: int) -> rules.BatchPlan:
+    """The batch plan of a step taken by `replicas` replicas (the rules, as for a worker count)."""
+    return rules.resolve_batch_plan(
+        replicas, global_batch_size=cfg.global_batch_size, batch_size_per_worker=cfg.batch_size_per_worker, micro_batch_size=cfg.micro_batch_size,
+    )  # fmt: skip
 
 
 def announce(files: RunWriter, attempt: Attempt, trainer: StepRunner, position: Position, state: dict | None, train_data: Table | Stream) -> None:
@@ -218,6 +280,13 @@ class LossWindow:
         bad = ~torch.isfinite(value) & torch.isinf(self.first_bad_step)
         self.first_bad_step = torch.where(bad, torch.full_like(self.first_bad_step, step_index), self.first_bad_step)
 
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.loss_sum.clone(), self.first_bad_step.clone(), self.loss_count
+
+    def restore(self, saved: tuple[torch.Tensor, torch.Tensor, int]) -> None:
+        """Back to `snapshot`: a step that was not committed counts for nothing."""
+        self.loss_sum, self.first_bad_step, self.loss_count = saved
+
     def mean_loss(self) -> float | None:
         """This rank's mean loss so far (a host sync; rank 0's live row only)."""
         return float(self.loss_sum.item()) / self.loss_count if self.loss_count else None
@@ -332,9 +401,13 @@ class StepRunner:
 
     def optimizer_step(self, data: TableEpoch | StreamEpoch, step: rules.Step, position: Position, timed: bool) -> float:
         """One optimizer step over this rank's rows of `step`, from `position`; returns the lr used."""
-        phase, step_index = self.phases(position, timed), position.step
-        lr = self.lr_at(position.samples_seen)
-        optim.set_rates(self.optimizer, lr, self.rate_multipliers)
+        phase = self.phases(position, timed)
+        self.gradients(data, step, position, phase)
+        return self.apply_gradients(position, phase)
+
+    def gradients(self, data: TableEpoch | StreamEpoch, step: rules.Step, position: Position, phase: StepPhases) -> None:
+        """Forward and backward over this rank's rows of `step` (gradients averaged over ranks)."""
+        step_index = position.step
         for index, piece in enumerate(split_rows(data.rows(step), self.batch_plan.accumulation_steps)):
             # A rank with no rows in a (micro-)step still runs forward and backward (the data
             # gives one row for an empty piece; weight 0 below) so that it joins the
@@ -345,19 +418,44 @@ class StepRunner:
             with phase(timed="forward_backward"):  # includes DDP's all-reduce, overlapped with backward
                 # DDP averages gradients over ranks; this weight turns that into the mean
                 # over the samples actually present in the step (tail steps are smaller).
-                weight = count * self.runtime.world_size / step.size
+                weight = rules.gradient_weight(count, self.runtime.world_size, step.size)
                 with self.accumulating(last=index == self.batch_plan.accumulation_steps - 1):
                     with phase("forward"):
                         loss, _ = self.compute_loss(batch)
                     with phase("backward"):
                         self.scaler.scale(loss * weight).backward()
                 self.window.add(loss, count, step_index)
+
+    def apply_gradients(self, position: Position, phase: StepPhases) -> float:
+        """The optimizer's step at the rate of `position`; returns that rate."""
+        lr = self.lr_at(position.samples_seen)
+        optim.set_rates(self.optimizer, lr, self.rate_multipliers)
+        step_index = position.step
         with phase("optimizer", timed="optimizer"):
             self.clip_gradients(step_index)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
         return lr
+
+    def for_quorum(self, replicas: int, num_train_rows: int) -> "StepRunner":
+        """This runner with the batch plan and rate of a quorum of `replicas` (per-step mode)."""
+        plan = quorum_plan(self.cfg, replicas)
+        return dataclasses.replace(self, batch_plan=plan, schedule=run_schedule(self.cfg, plan, num_train_rows))
+
+    def live_state(self, position: Position) -> dict[str, Any]:
+        """What a joining replica copies from this one (per-step mode)."""
+        return {
+            "model": ckpt.unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(), "position": dataclasses.asdict(position),
+        }  # fmt: skip
+
+    def load_live_state(self, live: dict[str, Any], position: Position) -> None:
+        ckpt.unwrap(self.model).load_state_dict(live["model"])
+        self.optimizer.load_state_dict(live["optimizer"])
+        self.scaler.load_state_dict(live["scaler"])
+        for name, value in live["position"].items():
+            setattr(position, name, value)
 
     def clip_gradients(self, step_index: int) -> None:
         if self.cfg.grad_clip_norm is None:
@@ -476,6 +574,7 @@ class EpochResult(NamedTuple):
     loss: float  # the epoch's mean training loss over all ranks
     samples_per_s: float
     stopped: bool  # the run was asked to stop: a checkpoint at the current step has been reported
+    finished_elsewhere: bool = False  # per-step: a replacement found the others done with the run
 
 
 def train_epoch(trainer: StepRunner, source: Table | Stream, position: Position, files: RunWriter) -> EpochResult:
@@ -507,19 +606,101 @@ def train_epoch(trainer: StepRunner, source: Table | Stream, position: Position,
     return EpochResult(epoch_loss_sum / epoch_count if epoch_count else math.nan, samples_per_s, stop)
 
 
-def take_step(trainer: StepRunner, data: TableEpoch | StreamEpoch, step: rules.Step, position: Position) -> None:
-    """One optimizer step, and the position after it; steps past --timing-warmup-steps are timed."""
-    tick = time.perf_counter()
-    _update_context(trainer, position)
-    steady = step.index >= trainer.cfg.timing_warmup_steps
-    trainer.optimizer_step(data, step, position, timed=steady)
+def train_epoch_per_step(
+    trainer: StepRunner, source: Table | Stream, position: Position, files: RunWriter, replicas: ReplicaRuntime,
+    on_first_quorum: Callable[[], None] | None = None,
+) -> tuple[EpochResult, StepRunner]:  # fmt: skip
+    """Train the rest of the current epoch one step at a time over the quorum of live replicas.
+
+    Each step: the quorum (a joining replica heals here, position included); on a new quorum
+    the batch plan and rate follow its size and the rows from the current offset are split
+    over its members; forward and backward; then the step is applied only if every member
+    commits it. An uncommitted step is taken again from the same offset, so a committed step
+    is the only one that counts its rows: every row once per epoch. Returns the epoch's
+    result and the runner of the last quorum."""
+    cfg, start, samples_before = trainer.cfg, time.perf_counter(), position.samples_seen
+    trainer.model.train()
+    data, split, taken = None, None, 0
+    epoch_loss_sum, epoch_count, stop = 0.0, 0, False
+    while position.epoch_offset < len(source):
+        quorum = replicas.start_step(position.step)
+        files.enabled = replicas.is_rank0
+        if on_first_quorum is not None:
+            # Alone in its first quorum after the others wrote the end: a replacement too late to join.
+            if quorum.size == 1 < replicas.replica_count and run_finished(files, cfg.epochs):
+                return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True), trainer
+            if not replicas.healed:  # a replacement says nothing of its own: the quorum's line does
+                on_first_quorum()
+            on_first_quorum = None
+        if quorum != split:
+            if split is not None and quorum.size != split.size:
+                trainer = trainer.for_quorum(quorum.size, len(source))
+                files.event(Kind.QUORUM, quorum_line(trainer, position, split.size), world_size=quorum.size, previous_world_size=split.size, step=position.step)
+            elif split is None and quorum.size != trainer.batch_plan.world_size:
+                trainer = trainer.for_quorum(quorum.size, len(source))
+            position.world_sizes = _append_if_new(position.world_sizes, quorum.size)
+            split, data = quorum, None
+        if data is None:  # a new split, or the rows of an uncommitted step to read again
+            data = source.epoch(cfg.seed, position.epoch, position.epoch_offset, quorum.rank, quorum.size)
+        step = rules.next_step(len(source), trainer.batch_plan.global_batch_size, position.epoch_offset, index=taken)
+        _update_context(trainer, position)
+        tick, steady = time.perf_counter(), step.index >= cfg.timing_warmup_steps
+        phase, window = trainer.phases(position, timed=steady), trainer.window.snapshot()
+        trainer.gradients(data, step, position, phase)
+        if not replicas.commit():  # a member failed inside the step: nothing of it is applied
+            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.window.restore(window)
+            data = None
+            continue
+        trainer.apply_gradients(position, phase)
+        advance(position, step, steady, time.perf_counter() - tick)
+        taken += 1
+        last = position.epoch_offset >= len(source)
+        report_live(files, trainer, position, len(source))
+        checkpoint_now = bool(cfg.checkpoint_every_steps) and position.step % cfg.checkpoint_every_steps == 0 and not last
+        if position.step % cfg.log_every_steps == 0 or last or checkpoint_now:
+            loss, count, stop = trainer.sync(position, stop_requested=files.stop_requested())
+            epoch_loss_sum += loss * count
+            epoch_count += count
+            if not last:
+                files.metrics(trainer.metrics_row(position, loss=loss, samples_per_s=trainer.throughput.lap(position.samples_seen)))
+            if stop and not last:
+                report_checkpoint(trainer, position)
+                return EpochResult(math.nan, math.nan, stopped=True), trainer
+        if checkpoint_now:
+            report_checkpoint(trainer, position)
+    samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
+    return EpochResult(epoch_loss_sum / epoch_count if epoch_count else math.nan, samples_per_s, stop), trainer
+
+
+def quorum_line(trainer: StepRunner, position: Position, previous: int) -> str:
+    """`Quorum 3 → 2 replicas at step 40 (epoch 1, 1,280 samples into it): <plan>; lr now …`."""
+    now = trainer.runtime.world_size
+    why = "a replica was lost; the survivors go on" if now < previous else "a replica rejoined, healed from a live peer"
+    return (
+        f"Quorum {previous} → {now} replicas at step {position.step} (epoch {position.epoch + 1}, {position.epoch_offset:,} samples "
+        f"into it; {why}): {trainer.describe_plan()}; lr now {sci(trainer.lr_at(position.samples_seen))}"
+    )
+
+
+def advance(position: Position, step: rules.Step, steady: bool, seconds: float) -> None:
+    """The position after `step` (a timed step adds to the steady throughput)."""
     position.step += 1
     position.samples_seen += step.size
     position.epoch_offset = step.end
     if steady:
         position.steady_steps += 1
         position.steady_samples += step.size
-        position.steady_time_s += time.perf_counter() - tick
+        position.steady_time_s += seconds
+
+
+def take_step(trainer: StepRunner, data: TableEpoch | StreamEpoch, step: rules.Step, position: Position) -> None:
+    """One optimizer step, and the position after it; steps past --timing-warmup-steps are timed."""
+    tick = time.perf_counter()
+    _update_context(trainer, position)
+    steady = step.index >= trainer.cfg.timing_warmup_steps
+    trainer.optimizer_step(data, step, position, timed=steady)
+    advance(position, step, steady, time.perf_counter() - tick)
 
 
 def end_epoch(trainer: StepRunner, val_data: Table | Stream | None, position: Position, files: RunWriter, epoch: EpochResult) -> None:
@@ -569,13 +750,15 @@ def evaluate(trainer: StepRunner, source: Table | Stream) -> dict[str, float]:
     count = 0
     # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
     # rank learns the metric names and joins the reduction below.
-    for n, batch in source.eval_batches(runtime.world_rank, runtime.world_size, batch_size, runtime.device):
+    rank, world = runtime.evaluation_share()
+    for n, batch in source.eval_batches(rank, world, batch_size, runtime.device):
         loss, metrics = trainer.compute_loss(batch)
         for name, value in {"loss": loss, **metrics}.items():
             sums[name] = sums.get(name, 0.0) + float(value) * n
         count += n
     names = sorted(sums)
-    totals = runtime.all_reduce_sum([sums[name] for name in names] + [float(count)])
+    values = [sums[name] for name in names] + [float(count)]
+    totals = runtime.all_reduce_sum(values) if world > 1 else values
     trainer.model.train()
     return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}
 

@@ -217,6 +217,20 @@ def epoch_steps(num_rows: int, global_batch_size: int, start_offset: int = 0) ->
     return steps
 
 
+def next_step(num_rows: int, global_batch_size: int, offset: int, index: int = 0) -> Step:
+    """The step that trains the rows from `offset` on: the same rows as `epoch_steps` gives
+    when the global batch stays the same. Per-step fault tolerance takes steps one at a time,
+    as the global batch may change with the quorum (and an uncommitted step is taken again
+    from the same offset)."""
+    return Step(index=index, start=offset, end=min(num_rows, offset + global_batch_size))
+
+
+def gradient_weight(count: int, world_size: int, step_size: int) -> float:
+    """The factor on a rank's mean loss over its `count` rows of a step that makes DDP's mean
+    over the `world_size` ranks (or a quorum's participants) the mean over the step's rows."""
+    return count * world_size / step_size
+
+
 def rank_rows(step: Step, rank: int, world_size: int) -> tuple[int, int]:
     """This rank's slice [start, end) of a step's rows, in epoch-order offsets."""
     start, end = split_range(step.size, world_size)[rank]

@@ -47,6 +47,10 @@ class Runtime:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor.tolist()
 
+    def evaluation_share(self) -> tuple[int, int]:
+        """(rank, world size) over which validation is split and reduced."""
+        return self.world_rank, self.world_size
+
     def all_gather_object(self, value: Any) -> list[Any]:
         """Every rank's `value`, in rank order (a collective)."""
         if not self.distributed or self.world_size == 1:

@@ -6,6 +6,7 @@ All driver-side Ray calls live here. The per-worker function is `raytrain.loop`.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import dataclasses
 import json
 import logging
@@ -116,6 +117,8 @@ def fit(
     cfg = resolve_config(pipe, cfg or TrainConfig(**pipe.default_config), spec)
     run_dir = Path(cfg.storage) / cfg.name
     echo = echo or (lambda line: None)
+    if cfg.fault_tolerance == "per-step" and importlib.util.find_spec("torchft") is None:
+        raise ConfigError([("fault_tolerance", "got per-step, but torchft is not installed; install it with pip install 'raytrain[ft]' (torchft-nightly), or use --fault-tolerance restart")])
     if will_embed_ray(cfg):
         check_embedded_capacity(cfg, echo=echo)  # before anything is written or started
     created = not run_dir.exists()
@@ -530,6 +533,7 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict
     from ray.train.torch import TorchConfig
 
     from raytrain.failfast import FailFastTrainer
+    from raytrain.replicas import torchft_config
     from raytrain.errors import summarize_on_raise
     from raytrain.loop import train_loop_per_worker
 
@@ -541,7 +545,10 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict
         summarize_on_raise(train_loop_per_worker),
         train_loop_config={"config": cfg.to_dict(), "pipeline": pipe, "run_dir": str(run_dir), "sources": sources},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources, **elastic),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s)),
+        torch_config=(
+            torchft_config(use_gpu, cfg.collective_timeout_s) if cfg.fault_tolerance == "per-step"
+            else TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s))
+        ),
         # No `datasets=`: Ray's equal split drops tail rows and keeps no position. The
         # datasets travel in the config as descriptors (`prepare_datasets`), and each rank
         # reads its own units of a stream (raytrain.data).

@@ -321,3 +321,40 @@ class TorchDatasetPipeline(RecordingPipeline):
 
     def compute_loss(self, model, batch):
         return super().compute_loss(model, {"x": batch["0"], "y": batch["1"], "id": batch["2"]})
+
+
+class ReplicaRecordingPipeline(RecordingPipeline):
+    """RecordingPipeline for per-step runs: each record names the process, its Ray Train rank
+    (its replica) and its place in the step's quorum; the replica `kill_replica` exits once
+    the run reaches `crash_at_step`, on its first process only. With `num_blocks`, the rows
+    come in that many blocks (the units a streamed run deals to its replicas)."""
+
+    def __init__(self, out_dir: str, num_rows: int = 200, crash_at_step: int | None = None, step_sleep_s: float = 0.0, kill_replica: int = 1, num_blocks: int | None = None):
+        super().__init__(out_dir, num_rows, None, step_sleep_s)
+        self.kill_at_step, self.kill_replica, self.num_blocks = crash_at_step, kill_replica, num_blocks
+
+    def build_datasets(self, cfg):
+        if self.num_blocks is None:
+            return super().build_datasets(cfg)
+        import ray.data
+
+        rng = np.random.default_rng(7)
+        rows = [{"id": i, "x": rng.normal(size=8).astype(np.float32), "y": i % 3} for i in range(self.num_rows)]
+        return {"train": ray.data.from_items(rows, override_num_blocks=self.num_blocks)}
+
+    def _record(self, ctx, batch):
+        import time
+
+        import ray.train
+
+        replica = ray.train.get_context().get_world_rank()
+        out = Path(self.out_dir)
+        if self.kill_at_step is not None and ctx.step == self.kill_at_step and replica == self.kill_replica and not (out / "killed").exists():
+            (out / "killed").write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+            os._exit(1)
+        row = {
+            "pid": os.getpid(), "replica": replica, "rank": ctx.world_rank, "world_size": ctx.world_size,
+            "epoch": ctx.epoch, "step": ctx.step, "lr": ctx.lr, "time": time.time(), "ids": batch["id"].tolist(),
+        }  # fmt: skip
+        with open(out / f"ids-replica{replica}.jsonl", "a") as handle:
+            handle.write(json.dumps(row) + "\n")

@@ -31,9 +31,11 @@ class Kind:
     EPOCH = "epoch"  # an epoch ended (its line for the console)
     DONE = "done"  # training finished
     INTERRUPTED = "interrupted"  # stopped on request, with a checkpoint at that step
+    QUORUM = "quorum"  # per-step mode: the replicas stepping together changed (a loss, a rejoin)
+    STALL = "stall"  # per-step mode: a replica stuck in a step leaves to be replaced
 
     # Events worth a line in the report and a mark on the plots.
-    MARKED: ClassVar[tuple[str, ...]] = (RESIZE, RESTORE)
+    MARKED: ClassVar[tuple[str, ...]] = (RESIZE, RESTORE, QUORUM)
 
 
 class _Record:
@@ -104,11 +106,12 @@ class Event(_Record):
 
     @property
     def recovers_a_failure(self) -> bool:
-        """A restart from a checkpoint, or training on with fewer workers."""
+        """A restart from a checkpoint, or training on with fewer workers (a resize, or a
+        per-step quorum that lost a replica)."""
         if self.kind == Kind.RESTORE:
             return True
         sizes = self.extra.get("world_size"), self.extra.get("previous_world_size")
-        return self.kind == Kind.RESIZE and None not in sizes and sizes[0] < sizes[1]
+        return self.kind in (Kind.RESIZE, Kind.QUORUM) and None not in sizes and sizes[0] < sizes[1]
 
 
 @dataclass

@@ -288,6 +288,8 @@ def check_trials(base: TrainConfig, space: SearchSpace, options: TuneOptions) ->
             trial_config(base, {**point, **({"lr": lr} if lr is not None else {})})
         except ConfigError as exc:
             problems += [p for p in exc.problems if p not in problems]
+    if base.fault_tolerance == "per-step":
+        problems.append(("fault_tolerance", "got per-step: a sweep's trials report every epoch to Ray Tune, which a per-step run does not; sweep with --fault-tolerance restart (the default)"))
     if options.early_stop and options.grace_period_epochs is not None and options.grace_period_epochs > base.epochs:
         problems.append(("grace_period", f"got {options.grace_period_epochs} epochs, longer than the {base.epochs} epochs of each trial; lower it or raise --epochs"))
     if problems:

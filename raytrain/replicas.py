@@ -1,0 +1,238 @@
+"""Per-step fault tolerance (`--fault-tolerance per-step`): every worker is a torchft replica
+group, and the replicas that are alive take each step together.
+
+Ray Train's `TorchftConfig` runs torchft's lighthouse and, when a worker dies, replaces only
+that replica group. At every step torchft's `Manager` forms a quorum of the live replicas;
+a replica that joins heals from a live peer (weights, optimizer, scaler and the training
+position) before the step, so it steps on the same rows and rate as the others. Gradients
+are averaged over the step's participants, and a step is applied only if every participant
+commits it; one that is not committed (a peer died inside it) is taken again from the same
+position over the next quorum.
+
+`ReplicaRuntime` is the `Runtime` the loop sees in this mode: its rank and world size are
+this replica's place in the current quorum, its collectives go through the Manager, and
+checkpoints are written by the quorum's rank 0 straight to the run directory (Ray's report
+is a barrier over every worker, which a lost replica would hold up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from raytrain import checkpoint as ckpt
+from raytrain.rundir import RunDir
+from raytrain.rundir.files import storage_errors
+from raytrain.rundir.records import Event, Kind
+from raytrain.runtime import Runtime
+
+# The lighthouse waits up to join_timeout_ms for every live (heartbeating) replica before it
+# forms a quorum: torchft's 100 ms default is shorter than a step, so the replicas would never
+# all meet; 30 s covers a replica still writing a checkpoint at an epoch's end. A replica is
+# gone after heartbeat_timeout_ms without a heartbeat: what the survivors wait when one dies
+# (measured here: about 1 s lost per failure at 1000 ms).
+JOIN_TIMEOUT_S = 30.0
+LIGHTHOUSE_KWARGS = {"min_replicas": 1, "join_timeout_ms": int(JOIN_TIMEOUT_S * 1000), "heartbeat_timeout_ms": 1000}
+# Before the first quorum, time for every replica's manager to heartbeat to the lighthouse
+# (the first to ask would otherwise form a quorum alone and the others would heal from it).
+STARTUP_WAIT_S = 2.0
+
+
+def torchft_config(use_gpu: bool, timeout_s: float):
+    """The TorchTrainer's torch_config in per-step mode."""
+    from ray.train.v2.torch.torchft_config import TorchftConfig
+
+    return TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE_KWARGS), backend="nccl" if use_gpu else "gloo", timeout_s=int(timeout_s))
+
+
+class StallWatch:
+    """Ends a replica stuck in one step (a hung kernel, a lost NFS mount): past `stall_s` in a
+    step, `on_stall(step, seconds)` runs (it says so and exits the process, and Ray Train
+    replaces the replica). The others left that step long before: their collectives time out
+    sooner, the step is not committed, and the next quorum goes on without it."""
+
+    def __init__(self, stall_s: float, on_stall: Callable[[int, float], None], clock: Callable[[], float] = time.monotonic):
+        self.stall_s, self.on_stall, self.clock = stall_s, on_stall, clock
+        self.step: int | None = None
+        self.since = 0.0
+
+    def enter(self, step: int) -> None:
+        self.step, self.since = step, self.clock()
+
+    def leave(self) -> None:
+        self.step = None
+
+    def check(self) -> bool:
+        """Whether the replica is stalled (then `on_stall` has run)."""
+        step = self.step
+        if step is None:
+            return False
+        seconds = self.clock() - self.since
+        if seconds <= self.stall_s:
+            return False
+        self.on_stall(step, seconds)
+        return True
+
+    def run_in_background(self, interval_s: float = 1.0) -> threading.Thread:
+        def watch() -> None:
+            while not self.check():
+                time.sleep(interval_s)
+
+        thread = threading.Thread(target=watch, name="raytrain-stall-watch", daemon=True)
+        thread.start()
+        return thread
+
+
+def stall_seconds(collective_timeout_s: float) -> float:
+    """How long a replica may stay in one step: the others' collectives time out after
+    `collective_timeout_s`, and a quorum waits up to JOIN_TIMEOUT_S for its members."""
+    return 2 * collective_timeout_s + 2 * JOIN_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The replicas taking a step: how many, and this one's rank among them."""
+
+    size: int
+    rank: int
+
+
+class ReplicaRuntime(Runtime):
+    """This worker as one replica of the quorum (see the module's docstring)."""
+
+    def __init__(self, timeout_s: float, checkpoints_to_keep: int, run_dir: str | os.PathLike) -> None:
+        super().__init__()
+
+        self.replica_rank, self.replica_count = self.world_rank, self.world_size  # Ray Train's rank and size
+        self.quorum = Quorum(self.replica_count, self.replica_rank)  # until the first step's quorum
+        self.checkpoints_to_keep = checkpoints_to_keep
+        self.healed = False  # the last quorum loaded the live state from a peer
+        self.timeout_s = timeout_s
+        self.manager = None
+        self.run_dir = Path(run_dir)
+        self.watch = StallWatch(stall_seconds(timeout_s), self._leave_stalled)
+        self.distributed = True
+        self.backend = f"torchft ({'nccl' if self.device.type == 'cuda' else 'gloo'}) over {self.replica_count} replicas"
+
+    # -- the quorum ---------------------------------------------------------------------
+
+    def join(self, model: torch.nn.Module, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> torch.nn.Module:
+        """Start this replica's torchft Manager, ready to step; returns `model` in torchft's DDP
+        (gradients averaged over each step's participants). `state`/`load`: what a joining
+        replica copies from a live one (model, optimizer, scaler, position).
+
+        Called once the replica is built: the Manager heartbeats from here on, and the
+        lighthouse waits for heartbeating replicas before it forms a quorum, so a replacement
+        that is still restoring must not hold the others up."""
+        from torchft import DistributedDataParallel, Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        self._state, self._load = state, load
+        timeout = timedelta(seconds=self.timeout_s)
+        pg = ProcessGroupNCCL(timeout=timeout) if self.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=pg,
+            load_state_dict=self._load_live_state,
+            state_dict=self._live_state,
+            min_replica_size=1,
+            use_async_quorum=False,  # heal before the step's rows are chosen
+            # A replica group of one worker: rank 0 of 1 inside it (RANK/WORLD_SIZE hold Ray Train's).
+            rank=0,
+            world_size=1,
+            replica_id=f"raytrain_{self.replica_rank}",
+            timeout=timeout,
+            quorum_timeout=timeout + timedelta(seconds=2 * JOIN_TIMEOUT_S),
+            checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device),
+        )
+        self.watch.run_in_background()
+        return DistributedDataParallel(self.manager, model)
+
+    def _live_state(self) -> dict[str, Any]:
+        return self._state()
+
+    def _load_live_state(self, state: dict[str, Any]) -> None:
+        if state:
+            self._load(state)
+            self.healed = True
+
+    def _leave_stalled(self, step: int, seconds: float) -> None:
+        """Say which replica stalled, then exit: Ray Train replaces it, the others go on."""
+        message = (
+            f"Replica {self.replica_rank} stalled in step {step} for {seconds:.0f} s (2 × --collective-timeout-s and the quorum's wait): "
+            "it leaves the quorum and is replaced; the others go on"
+        )
+        with contextlib.suppress(Exception):
+            RunDir(self.run_dir).append_event(Event(Kind.STALL, message, extra={"replica": self.replica_rank, "step": step}))
+        os._exit(1)
+
+    def start_step(self, step: int) -> Quorum:
+        """The quorum of the step at `step` (a joining replica heals first)."""
+        self.watch.enter(step)
+        self.healed = False
+        self.manager.start_quorum()
+        rank = self.manager.participating_rank()
+        self.quorum = Quorum(self.manager.num_participants(), rank if rank is not None else 0)
+        # The loop splits rows, weights gradients and writes files by its place in the quorum.
+        self.world_size, self.world_rank = self.quorum.size, self.quorum.rank
+        return self.quorum
+
+    def commit(self) -> bool:
+        """Whether every participant finished the step (then, and only then, apply it)."""
+        try:
+            return bool(self.manager.should_commit())
+        finally:
+            self.watch.leave()
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+
+    # -- what the loop sees -------------------------------------------------------------
+
+    def prepare_model(self, model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
+        """On the device; torchft's DDP wraps it when the replica joins (`join`)."""
+        return model.to(self.device)
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum over the participants of the last step (a failed reduction counts this replica only)."""
+        from torch.distributed import ReduceOp
+
+        tensor = torch.tensor(values, dtype=torch.float64 if self.device.type == "cpu" else torch.float32, device=self.device)
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        return [float(v) for v in tensor.tolist()]
+
+    def evaluation_share(self) -> tuple[int, int]:
+        """Every replica validates on all of the (small) validation set by itself: no
+        collective outside a step, where no quorum would guard it against a lost peer."""
+        return 0, 1
+
+    def all_gather_object(self, value: Any) -> list[Any]:
+        return [value] * self.world_size  # replicas are alike; each keeps its own RNG streams
+
+    def latest_checkpoint(self):
+        return None  # checkpoints are the run directory's (raytrain.loop.restore reads them)
+
+    def report(self, metrics: dict[str, Any], state: dict[str, Any] | None, save_state, run_dir: Path) -> None:
+        """The quorum's rank 0 writes the checkpoint under RUN_DIR/.staging/ and renames it into
+        place; the oldest beyond --num-checkpoints-to-keep go."""
+        if state is None or not self.is_rank0:
+            return
+        name = ckpt.checkpoint_name(state["position"]["step"])
+        staging, final = ckpt.staging_dir(run_dir) / name, Path(run_dir) / name
+        with storage_errors(staging, "write the checkpoint"):
+            save_state(state, staging)
+            os.rename(staging, final)
+        for old in ckpt.checkpoint_dirs(run_dir)[: -self.checkpoints_to_keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+__all__ = ["LIGHTHOUSE_KWARGS", "Quorum", "ReplicaRuntime", "StallWatch", "torchft_config"]

@@ -1,0 +1,105 @@
+"""Per-step fault tolerance, the pure parts: rows of a step over a changing quorum, retaken
+steps, the plan and rate a quorum trains with, the stall watch, the mode's configuration."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from raytrain import plan as rules
+from raytrain.config import ConfigError, TrainConfig
+from raytrain.loop import quorum_plan, run_schedule
+from raytrain.replicas import StallWatch, stall_seconds
+from raytrain.rundir import Event, Kind
+
+
+def split(step: rules.Step, size: int) -> list[tuple[int, int]]:
+    return [rules.rank_rows(step, rank, size) for rank in range(size)]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7])
+def test_a_quorum_splits_a_steps_rows_among_its_members_exactly(size):
+    step = rules.Step(index=0, start=40, end=71)
+    pieces = split(step, size)
+    assert [row for lo, hi in pieces for row in range(lo, hi)] == list(range(40, 71))
+    assert max(hi - lo for lo, hi in pieces) - min(hi - lo for lo, hi in pieces) <= 1
+
+
+@pytest.mark.parametrize("batch", ["global", "per_worker"])
+@pytest.mark.parametrize("seed", range(6))
+def test_committed_steps_train_every_row_once_whatever_the_quorum_does(batch, seed):
+    """Quorums shrink and grow at random steps, and random steps are not committed (taken
+    again from the same offset): the committed steps cover the epoch's rows exactly once."""
+    rng = random.Random(seed)
+    cfg = TrainConfig(workers="3", **({"global_batch_size": 48} if batch == "global" else {"batch_size_per_worker": 16}))
+    rows, offset, trained, retaken = 1000, 0, [], 0
+    while offset < rows:
+        size = rng.choice([1, 2, 3])
+        step = rules.next_step(rows, quorum_plan(cfg, size).global_batch_size, offset)
+        first_try = [r for lo, hi in split(step, size) for r in range(lo, hi)]
+        if rng.random() < 0.2:  # a member died inside the step: not committed, taken again
+            retaken += 1
+            again = rules.next_step(rows, quorum_plan(cfg, size).global_batch_size, offset)
+            assert [r for lo, hi in split(again, size) for r in range(lo, hi)] == first_try  # the same rows
+            continue
+        trained += first_try
+        offset = step.end
+    assert sorted(trained) == list(range(rows)) and retaken > 0
+
+
+def test_the_gradient_is_the_mean_over_the_steps_rows_whatever_the_quorum():
+    step = rules.Step(index=0, start=0, end=31)
+    losses = [float(r % 7) for r in range(31)]  # per-row losses
+    for size in (1, 2, 3, 4):
+        per_member = []
+        for lo, hi in split(step, size):
+            mean = sum(losses[lo:hi]) / (hi - lo)
+            per_member.append(mean * rules.gradient_weight(hi - lo, size, step.size))
+        assert sum(per_member) / size == pytest.approx(sum(losses) / len(losses))  # DDP's mean over members
+
+
+def test_survivors_keep_the_global_batch_and_rate_or_follow_the_rule_with_a_per_worker_batch():
+    fixed = TrainConfig(workers="3", global_batch_size=96, lr=1e-3, reference_batch_size=32)
+    three, two = quorum_plan(fixed, 3), quorum_plan(fixed, 2)
+    assert (three.global_batch_size, two.global_batch_size) == (96, 96) and two.per_worker_max == 48
+    assert run_schedule(fixed, two, 1000).peak_lr == run_schedule(fixed, three, 1000).peak_lr == pytest.approx(3e-3)
+    capped = quorum_plan(TrainConfig(workers="3", global_batch_size=96, micro_batch_size=32), 2)
+    assert (capped.global_batch_size, capped.accumulation_steps) == (96, 2)  # micro-batches for the larger share
+    grow = TrainConfig(workers="3", batch_size_per_worker=32, lr=1e-3, reference_batch_size=32, lr_scaling="linear")
+    assert quorum_plan(grow, 2).global_batch_size == 64
+    assert run_schedule(grow, quorum_plan(grow, 2), 1000).peak_lr == pytest.approx(2e-3)
+
+
+def test_the_stall_watch_ends_only_a_replica_stuck_in_one_step():
+    now, stalled = [0.0], []
+    watch = StallWatch(10.0, lambda step, seconds: stalled.append((step, seconds)), clock=lambda: now[0])
+    assert not watch.check()  # between steps
+    watch.enter(7)
+    now[0] = 9.0
+    assert not watch.check()
+    watch.leave()
+    now[0] = 50.0
+    assert not watch.check() and stalled == []
+    watch.enter(8)
+    now[0] = 61.0
+    assert watch.check() and stalled == [(8, 11.0)]
+    assert stall_seconds(600) > 2 * 600  # longer than the others' collective timeout and the quorum's wait
+
+
+def test_per_step_configuration_is_checked_before_anything_starts():
+    with pytest.raises(ConfigError, match="keeps the count fixed; give --workers 3"):
+        TrainConfig(workers="1:3", fault_tolerance="per-step")
+    with pytest.raises(ConfigError, match="needs Ray workers"):
+        TrainConfig(workers="0", fault_tolerance="per-step")
+    with pytest.raises(ConfigError, match="max-failures"):
+        TrainConfig(workers="2", fault_tolerance="per-step", max_failures=0)
+    with pytest.raises(ConfigError, match="did you mean 'per-step'"):
+        TrainConfig(workers="2", fault_tolerance="perstep")
+    assert TrainConfig(workers="3", fault_tolerance="per-step").fault_tolerance == "per-step"
+
+
+def test_a_quorum_that_lost_a_replica_counts_as_a_recovered_failure():
+    lost = Event(Kind.QUORUM, "Quorum 3 → 2", extra={"world_size": 2, "previous_world_size": 3, "step": 6})
+    back = Event(Kind.QUORUM, "Quorum 2 → 3", extra={"world_size": 3, "previous_world_size": 2, "step": 34})
+    assert (lost.recovers_a_failure, back.recovers_a_failure) == (True, False)
