@@ -60,38 +60,54 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             runtime.shutdown()
 
 
-def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: RunWriter, heartbeat: Heartbeat, sources: dict[str, dict]) -> None:
-    # restore
+class Begun(NamedTuple):
+    """An attempt restored and built."""
+
+    state: dict[str, Any] | None  # the checkpoint's (None: a fresh start)
+    position: Position
+    attempt: Attempt
+    train_data: Table | Stream
+    val_data: Table | Stream | None
+    trainer: StepRunner
+
+
+def begin(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: RunWriter, heartbeat: Heartbeat, sources: dict[str, dict], workers: int) -> Begun:
+    """Restore (the furthest checkpoint that loads), then build for `workers` workers."""
     state = restore(runtime, files)
     position = Position.restored(state)
-    attempt = Attempt.of(state is not None, position.world_sizes, runtime.world_size)
-
-    # build
-    batch_plan = rules.resolve_batch_plan(
-        runtime.world_size,
-        global_batch_size=cfg.global_batch_size,
-        batch_size_per_worker=cfg.batch_size_per_worker,
-        micro_batch_size=cfg.micro_batch_size,
-    )
+    attempt = Attempt.of(state is not None, position.world_sizes, workers)
     heartbeat.mark(position.step, "data")
     train_data = open_source("train", sources["train"], runtime, cfg)
     val_data = open_source("val", sources["val"], runtime, cfg) if "val" in sources else None
     position.data = check_same_data(position, train_data)
-    trainer = StepRunner.build(pipeline, cfg, runtime, heartbeat, files.run_dir, batch_plan, len(train_data), state)
+    trainer = StepRunner.build(pipeline, cfg, runtime, heartbeat, files.run_dir, quorum_plan(cfg, workers), len(train_data), state)
+    return Begun(state, position, attempt, train_data, val_data, trainer)
+
+
+def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: RunWriter, heartbeat: Heartbeat, sources: dict[str, dict]) -> None:
+    # restore, build
+    state, position, attempt, train_data, val_data, trainer = begin(cfg, pipeline, runtime, files, heartbeat, sources, runtime.world_size)
     announce(files, attempt, trainer, position, state, train_data)
     position.world_sizes = _append_if_new(position.world_sizes, runtime.world_size)
 
-    # loop
-    while position.epoch < cfg.epochs:
-        epoch = train_epoch(trainer, train_data, position, files)
-        if epoch.stopped and position.epoch_offset < len(train_data):  # asked to stop mid-epoch: checkpointed at this step
+    # loop, report
+    run_epochs(trainer, len(train_data), val_data, position, files, lambda runner: (train_epoch(runner, train_data, position, files), runner))
+
+
+def run_epochs(trainer: StepRunner, num_train_rows: int, val_data: Table | Stream | None, position: Position, files: RunWriter, train_one) -> None:
+    """Epochs to the last (`train_one(runner)` trains the rest of one: its result and the
+    runner to go on with), or to a stop request; then the final model, or the mark of a stop."""
+    epochs = trainer.cfg.epochs
+    while position.epoch < epochs:
+        epoch, trainer = train_one(trainer)
+        if epoch.finished_elsewhere:
+            return
+        if epoch.stopped and position.epoch_offset < num_train_rows:  # asked to stop mid-epoch: checkpointed at this step
             break
         end_epoch(trainer, val_data, position, files, epoch)
         if epoch.stopped:
             break
-
-    # report
-    if position.epoch < cfg.epochs:
+    if position.epoch < epochs:
         files.interrupted(position.progress("interrupted"))
     else:
         files.finish(trainer.model, position.progress("finished"))
@@ -100,44 +116,22 @@ def run_attempt(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: R
 def run_replica(cfg: TrainConfig, pipeline: Pipeline, runtime: ReplicaRuntime, files: RunWriter, heartbeat: Heartbeat, sources: dict[str, dict]) -> None:
     """One replica of a per-step run (raytrain.replicas): restore, build, then steps over the
     quorum of live replicas; a replacement heals from a live peer at its first step."""
-    # restore
+    # restore, build, join
     if run_finished(files, cfg.epochs):
         return  # a replacement that came up after the others finished the run: nothing to join
-    state = restore(runtime, files)
-    position = Position.restored(state)
-    attempt = Attempt.of(state is not None, position.world_sizes, runtime.replica_count)
-
-    # build
-    heartbeat.mark(position.step, "data")
-    train_data = open_source("train", sources["train"], runtime, cfg)
-    val_data = open_source("val", sources["val"], runtime, cfg) if "val" in sources else None
-    position.data = check_same_data(position, train_data)
-    trainer = StepRunner.build(pipeline, cfg, runtime, heartbeat, files.run_dir, quorum_plan(cfg, runtime.replica_count), len(train_data), state)
+    state, position, attempt, train_data, val_data, trainer = begin(cfg, pipeline, runtime, files, heartbeat, sources, runtime.replica_count)
     model = runtime.join(trainer.model, lambda: trainer.live_state(position), lambda live: trainer.load_live_state(live, position))
     trainer = dataclasses.replace(trainer, model=model)
     if state is None:  # a fresh start: every replica heartbeats to the lighthouse before the first quorum
         time.sleep(STARTUP_WAIT_S)
 
-    # loop
-    first = True
-    while position.epoch < cfg.epochs:
-        epoch, trainer = train_epoch_per_step(trainer, train_data, position, files, runtime, on_first_quorum=(
-            (lambda: announce(files, attempt, trainer, position, state, train_data)) if first else None
-        ))
-        first = False
-        if epoch.finished_elsewhere:
-            return
-        if epoch.stopped and position.epoch_offset < len(train_data):
-            break
-        end_epoch(trainer, val_data, position, files, epoch)
-        if epoch.stopped:
-            break
+    # loop, report: the attempt is announced at its first quorum (a replacement's is the quorum's line)
+    pending = [lambda: announce(files, attempt, trainer, position, state, train_data)]
 
-    # report
-    if position.epoch < cfg.epochs:
-        files.interrupted(position.progress("interrupted"))
-    else:
-        files.finish(trainer.model, position.progress("finished"))
+    def one_epoch(runner: StepRunner) -> tuple[EpochResult, StepRunner]:
+        return train_epoch_per_step(runner, train_data, position, files, runtime, on_first_quorum=pending.pop() if pending else None)
+
+    run_epochs(trainer, len(train_data), val_data, position, files, one_epoch)
 
 
 def run_finished(files: RunWriter, epochs: int) -> bool:
@@ -583,27 +577,52 @@ def train_epoch(trainer: StepRunner, source: Table | Stream, position: Position,
     data = source.epoch(cfg.seed, position.epoch, position.epoch_offset, trainer.runtime.world_rank, trainer.runtime.world_size)
     steps = rules.epoch_steps(len(source), trainer.batch_plan.global_batch_size, position.epoch_offset)
     trainer.model.train()
-    epoch_loss_sum, epoch_count, stop = 0.0, 0, False
+    epoch_loss, stop = EpochLoss(), False
     for step in steps:
         take_step(trainer, data, step, position)
         last = step is steps[-1]
-        report_live(files, trainer, position, len(source))
-        checkpoint_now = bool(cfg.checkpoint_every_steps) and position.step % cfg.checkpoint_every_steps == 0 and not last
-        if position.step % cfg.log_every_steps == 0 or last or checkpoint_now:
-            # Every checkpoint follows a sync: weights are saved only after their loss was seen finite.
-            loss, count, stop = trainer.sync(position, stop_requested=files.stop_requested())
-            epoch_loss_sum += loss * count
-            epoch_count += count
-            if not last:
-                files.metrics(trainer.metrics_row(position, loss=loss, samples_per_s=trainer.throughput.lap(position.samples_seen)))
-            if stop and not last:
-                report_checkpoint(trainer, position)
-                return EpochResult(math.nan, math.nan, stopped=True)
-        if checkpoint_now:
-            report_checkpoint(trainer, position)
+        stop = after_step(trainer, position, files, len(source), last, epoch_loss)
+        if stop and not last:
+            return EpochResult(math.nan, math.nan, stopped=True)
     note_skipped_rows(trainer, data, position, files)
     samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
-    return EpochResult(epoch_loss_sum / epoch_count if epoch_count else math.nan, samples_per_s, stop)
+    return EpochResult(epoch_loss.mean(), samples_per_s, stop)
+
+
+@dataclass
+class EpochLoss:
+    """The epoch's sample-weighted training loss over all ranks, from the syncs."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, loss: float, count: int) -> None:
+        self.total += loss * count
+        self.count += count
+
+    def mean(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+
+def after_step(trainer: StepRunner, position: Position, files: RunWriter, epoch_rows: int, last: bool, epoch_loss: EpochLoss) -> bool:
+    """After a step: rank 0's live row; at the logging cadence the sync (loss, stop request)
+    and a metrics row; a checkpoint when one is due, or when the run is asked to stop
+    mid-epoch. Returns whether it was asked to stop."""
+    cfg, stop = trainer.cfg, False
+    report_live(files, trainer, position, epoch_rows)
+    checkpoint_now = bool(cfg.checkpoint_every_steps) and position.step % cfg.checkpoint_every_steps == 0 and not last
+    if position.step % cfg.log_every_steps == 0 or last or checkpoint_now:
+        # Every checkpoint follows a sync: weights are saved only after their loss was seen finite.
+        loss, count, stop = trainer.sync(position, stop_requested=files.stop_requested())
+        epoch_loss.add(loss, count)
+        if not last:
+            files.metrics(trainer.metrics_row(position, loss=loss, samples_per_s=trainer.throughput.lap(position.samples_seen)))
+        if stop and not last:
+            report_checkpoint(trainer, position)
+            return True
+    if checkpoint_now:
+        report_checkpoint(trainer, position)
+    return stop
 
 
 def train_epoch_per_step(
@@ -621,7 +640,7 @@ def train_epoch_per_step(
     cfg, start, samples_before = trainer.cfg, time.perf_counter(), position.samples_seen
     trainer.model.train()
     data, split, taken = None, None, 0
-    epoch_loss_sum, epoch_count, stop = 0.0, 0, False
+    epoch_loss, stop = EpochLoss(), False
     while position.epoch_offset < len(source):
         quorum = replicas.start_step(position.step)
         files.enabled = replicas.is_rank0
@@ -656,21 +675,11 @@ def train_epoch_per_step(
         advance(position, step, steady, time.perf_counter() - tick)
         taken += 1
         last = position.epoch_offset >= len(source)
-        report_live(files, trainer, position, len(source))
-        checkpoint_now = bool(cfg.checkpoint_every_steps) and position.step % cfg.checkpoint_every_steps == 0 and not last
-        if position.step % cfg.log_every_steps == 0 or last or checkpoint_now:
-            loss, count, stop = trainer.sync(position, stop_requested=files.stop_requested())
-            epoch_loss_sum += loss * count
-            epoch_count += count
-            if not last:
-                files.metrics(trainer.metrics_row(position, loss=loss, samples_per_s=trainer.throughput.lap(position.samples_seen)))
-            if stop and not last:
-                report_checkpoint(trainer, position)
-                return EpochResult(math.nan, math.nan, stopped=True), trainer
-        if checkpoint_now:
-            report_checkpoint(trainer, position)
+        stop = after_step(trainer, position, files, len(source), last, epoch_loss)
+        if stop and not last:
+            return EpochResult(math.nan, math.nan, stopped=True), trainer
     samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
-    return EpochResult(epoch_loss_sum / epoch_count if epoch_count else math.nan, samples_per_s, stop), trainer
+    return EpochResult(epoch_loss.mean(), samples_per_s, stop), trainer
 
 
 def quorum_line(trainer: StepRunner, position: Position, previous: int) -> str:
