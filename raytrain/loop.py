@@ -652,12 +652,7 @@ def train_epoch_per_step(
                 on_first_quorum()
             on_first_quorum = None
         if quorum != split:
-            if split is not None and quorum.size != split.size:
-                trainer = trainer.for_quorum(quorum.size, len(source))
-                files.event(Kind.QUORUM, quorum_line(trainer, position, split.size), world_size=quorum.size, previous_world_size=split.size, step=position.step)
-            elif split is None and quorum.size != trainer.batch_plan.world_size:
-                trainer = trainer.for_quorum(quorum.size, len(source))
-            position.world_sizes = _append_if_new(position.world_sizes, quorum.size)
+            trainer = follow_quorum(trainer, quorum.size, position, files, len(source))
             split, data = quorum, None
         if data is None:  # a new split, or the rows of an uncommitted step to read again
             data = source.epoch(cfg.seed, position.epoch, position.epoch_offset, quorum.rank, quorum.size)
@@ -680,6 +675,19 @@ def train_epoch_per_step(
             return EpochResult(math.nan, math.nan, stopped=True), trainer
     samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
     return EpochResult(epoch_loss.mean(), samples_per_s, stop), trainer
+
+
+def follow_quorum(trainer: StepRunner, size: int, position: Position, files: RunWriter, num_train_rows: int) -> StepRunner:
+    """The runner for a quorum of `size` replicas (its batch plan and rate), and one event line
+    when the size differs from the one the run last trained with (the position says it, the
+    same on every member, a healed one included)."""
+    if size != trainer.batch_plan.world_size:
+        trainer = trainer.for_quorum(size, num_train_rows)
+    previous = position.world_sizes[-1] if position.world_sizes else size
+    if size != previous:
+        files.event(Kind.QUORUM, quorum_line(trainer, position, previous), world_size=size, previous_world_size=previous, step=position.step)
+    position.world_sizes = _append_if_new(position.world_sizes, size)
+    return trainer
 
 
 def quorum_line(trainer: StepRunner, position: Position, previous: int) -> str:

@@ -103,3 +103,41 @@ def test_a_quorum_that_lost_a_replica_counts_as_a_recovered_failure():
     lost = Event(Kind.QUORUM, "Quorum 3 → 2", extra={"world_size": 2, "previous_world_size": 3, "step": 6})
     back = Event(Kind.QUORUM, "Quorum 2 → 3", extra={"world_size": 3, "previous_world_size": 2, "step": 34})
     assert (lost.recovers_a_failure, back.recovers_a_failure) == (True, False)
+
+
+class FakeRunner:
+    """What follow_quorum needs of a StepRunner."""
+
+    def __init__(self, size: int):
+        self.batch_plan = type("Plan", (), {"world_size": size})()
+        self.runtime = type("Runtime", (), {"world_size": size})()
+
+    def for_quorum(self, size: int, num_train_rows: int) -> "FakeRunner":
+        return FakeRunner(size)
+
+    def describe_plan(self) -> str:
+        return f"global {32 * self.batch_plan.world_size}"
+
+    def lr_at(self, samples_seen: int) -> float:
+        return 1e-3 * self.batch_plan.world_size
+
+
+def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tmp_path):
+    from raytrain.loop import follow_quorum
+    from raytrain.position import Position
+    from raytrain.rundir import RunDir
+    from raytrain.rundir.writer import RunWriter
+
+    files, position, runner = RunWriter(tmp_path, enabled=True), Position(), FakeRunner(3)
+    for step, size in [(0, 3), (5, 3), (6, 2), (7, 2), (30, 3)]:
+        position.step = step
+        runner = follow_quorum(runner, size, position, files, 1000)
+        assert runner.batch_plan.world_size == size
+    # A replacement healed with the survivors' position (sizes 3, 2) joins a quorum of 3: the same line.
+    healed, other = Position(step=30, world_sizes=[3, 2]), tmp_path / "other"
+    other.mkdir()
+    follow_quorum(FakeRunner(3), 3, healed, RunWriter(other, enabled=True), 1000)
+    events = RunDir(tmp_path).events()
+    assert [(e.extra["previous_world_size"], e.extra["world_size"], e.step) for e in events] == [(3, 2, 6), (2, 3, 30)]
+    assert "global 64" in events[0].message and "a replica was lost" in events[0].message and position.world_sizes == [3, 2, 3]
+    assert [e.message.split(":")[0] for e in RunDir(other).events()] == [events[1].message.split(":")[0]]
