@@ -604,16 +604,22 @@ class EpochLoss:
         return self.total / self.count if self.count else math.nan
 
 
-def after_step(trainer: StepRunner, position: Position, files: RunWriter, epoch_rows: int, last: bool, epoch_loss: EpochLoss) -> bool:
+def after_step(
+    trainer: StepRunner, position: Position, files: RunWriter, epoch_rows: int, last: bool, epoch_loss: EpochLoss,
+    every_replica_looks: bool = False,
+) -> bool:  # fmt: skip
     """After a step: rank 0's live row; at the logging cadence the sync (loss, stop request)
     and a metrics row; a checkpoint when one is due, or when the run is asked to stop
-    mid-epoch. Returns whether it was asked to stop."""
+    mid-epoch. Returns whether it was asked to stop. `every_replica_looks` (per-step mode):
+    each replica reads the stop request itself rather than trusting the sync to carry it."""
     cfg, stop = trainer.cfg, False
     report_live(files, trainer, position, epoch_rows)
     checkpoint_now = bool(cfg.checkpoint_every_steps) and position.step % cfg.checkpoint_every_steps == 0 and not last
     if position.step % cfg.log_every_steps == 0 or last or checkpoint_now:
         # Every checkpoint follows a sync: weights are saved only after their loss was seen finite.
-        loss, count, stop = trainer.sync(position, stop_requested=files.stop_requested())
+        asked = files.stop_requested(anyone=every_replica_looks)
+        loss, count, stop = trainer.sync(position, stop_requested=asked)
+        stop = stop or asked
         epoch_loss.add(loss, count)
         if not last:
             files.metrics(trainer.metrics_row(position, loss=loss, samples_per_s=trainer.throughput.lap(position.samples_seen)))
@@ -639,11 +645,14 @@ def train_epoch_per_step(
     result and the runner of the last quorum."""
     cfg, start, samples_before = trainer.cfg, time.perf_counter(), position.samples_seen
     trainer.model.train()
-    data, split, taken = None, None, 0
-    epoch_loss, stop = EpochLoss(), False
+    data, split, taken, stop = None, None, 0, False
     while position.epoch_offset < len(source):
         quorum = replicas.start_step(position.step)
         files.enabled = replicas.is_rank0
+        if replicas.healed:  # the position (and the epoch's loss so far) came from a live peer
+            start, samples_before = time.perf_counter(), position.samples_seen
+        if position.epoch_loss[0] != position.epoch:
+            position.epoch_loss = [float(position.epoch), 0.0, 0.0]
         if on_first_quorum is not None:
             # Alone in its first quorum after the others wrote the end: a replacement too late to join.
             if quorum.size == 1 < replicas.replica_count and run_finished(files, cfg.epochs):
@@ -670,11 +679,14 @@ def train_epoch_per_step(
         advance(position, step, steady, time.perf_counter() - tick)
         taken += 1
         last = position.epoch_offset >= len(source)
-        stop = after_step(trainer, position, files, len(source), last, epoch_loss)
+        epoch_loss = EpochLoss(position.epoch_loss[1], int(position.epoch_loss[2]))
+        stop = after_step(trainer, position, files, len(source), last, epoch_loss, every_replica_looks=True)
+        position.epoch_loss[1:] = [epoch_loss.total, float(epoch_loss.count)]
         if stop and not last:
             return EpochResult(math.nan, math.nan, stopped=True), trainer
     samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
-    return EpochResult(epoch_loss.mean(), samples_per_s, stop), trainer
+    total, count = position.epoch_loss[1], position.epoch_loss[2]
+    return EpochResult(total / count if count else math.nan, samples_per_s, stop), trainer
 
 
 def follow_quorum(trainer: StepRunner, size: int, position: Position, files: RunWriter, num_train_rows: int) -> StepRunner:

@@ -208,6 +208,8 @@ class ReplicaRuntime(Runtime):
 
         tensor = torch.tensor(values, dtype=torch.float64 if self.device.type == "cpu" else torch.float32, device=self.device)
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:  # a member was lost after the commit: this replica's own figures
+            return list(values)
         return [float(v) for v in tensor.tolist()]
 
     def evaluation_share(self) -> tuple[int, int]:
@@ -216,7 +218,9 @@ class ReplicaRuntime(Runtime):
         return 0, 1
 
     def all_gather_object(self, value: Any) -> list[Any]:
-        return [value] * self.world_size  # replicas are alike; each keeps its own RNG streams
+        """This replica's only (no collective outside a step): a checkpoint keeps one RNG state,
+        and replicas restored from it reseed by their rank (`loop._restore_rank_rng`)."""
+        return [value]
 
     def latest_checkpoint(self):
         return None  # checkpoints are the run directory's (raytrain.loop.restore reads them)

@@ -194,7 +194,7 @@ def test_finishing_writes_the_model_the_progress_and_the_last_event(tmp_path):
     progress = json.loads((tmp_path / "progress.json").read_text())
     assert set(progress) == {
         "epoch", "epoch_offset", "step", "samples_seen", "world_sizes", "steady_steps", "steady_samples", "steady_time_s",
-        "phase_time_s", "data", "steady_samples_per_s", "status", "time",
+        "phase_time_s", "data", "epoch_loss", "steady_samples_per_s", "status", "time",
     }  # fmt: skip
     assert (progress["status"], progress["steady_samples_per_s"]) == ("finished", 480.0)
     (event,) = lines(tmp_path / "events.jsonl")

@@ -45,10 +45,10 @@ class RunWriter:
         if self.enabled:
             self.rundir.append_metrics(row)
 
-    def stop_requested(self) -> bool:
+    def stop_requested(self, anyone: bool = False) -> bool:
         """The driver asks the run to stop (SIGINT/SIGTERM) with a file; rank 0 looks, and the
-        next sync tells every rank."""
-        return self.enabled and (self.run_dir / STOP_FILE).exists()
+        next sync tells every rank (`anyone`: this rank looks too)."""
+        return (self.enabled or anyone) and (self.run_dir / STOP_FILE).exists()
 
     def clear_staging(self) -> None:
         """Checkpoints half-written by an attempt that died: never published, so removed."""
