@@ -80,7 +80,7 @@ def begin(cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: RunWrit
     train_data = open_source("train", sources["train"], runtime, cfg)
     val_data = open_source("val", sources["val"], runtime, cfg) if "val" in sources else None
     position.data = check_same_data(position, train_data)
-    trainer = StepRunner.build(pipeline, cfg, runtime, heartbeat, files.run_dir, quorum_plan(cfg, workers), len(train_data), state)
+    trainer = StepRunner.build(pipeline, cfg, runtime, heartbeat, files.run_dir, batch_plan_for(cfg, workers), len(train_data), state)
     return Begun(state, position, attempt, train_data, val_data, trainer)
 
 
@@ -141,8 +141,8 @@ def run_finished(files: RunWriter, epochs: int) -> bool:
     return progress is not None and progress.status == "finished" and progress.epoch >= epochs
 
 
-def quorum_plan(cfg: TrainConfig, replicas: int) -> rules.BatchPlan:
-    """The batch plan of a step taken by `replicas` replicas (the rules, as for a worker count)."""
+def batch_plan_for(cfg: TrainConfig, replicas: int) -> rules.BatchPlan:
+    """The batch plan of a step taken by `replicas` workers or per-step replicas (the rules)."""
     return rules.resolve_batch_plan(
         replicas, global_batch_size=cfg.global_batch_size, batch_size_per_worker=cfg.batch_size_per_worker, micro_batch_size=cfg.micro_batch_size,
     )  # fmt: skip
@@ -434,7 +434,7 @@ class StepRunner:
 
     def for_quorum(self, replicas: int, num_train_rows: int) -> "StepRunner":
         """This runner with the batch plan and rate of a quorum of `replicas` (per-step mode)."""
-        plan = quorum_plan(self.cfg, replicas)
+        plan = batch_plan_for(self.cfg, replicas)
         return dataclasses.replace(self, batch_plan=plan, schedule=run_schedule(self.cfg, plan, num_train_rows))
 
     def live_state(self, position: Position) -> dict[str, Any]:

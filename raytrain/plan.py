@@ -211,9 +211,8 @@ def epoch_steps(num_rows: int, global_batch_size: int, start_offset: int = 0) ->
     """
     steps, offset = [], start_offset
     while offset < num_rows:
-        end = min(num_rows, offset + global_batch_size)
-        steps.append(Step(index=len(steps), start=offset, end=end))
-        offset = end
+        steps.append(next_step(num_rows, global_batch_size, offset, index=len(steps)))
+        offset = steps[-1].end
     return steps
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from raytrain import plan as rules
 from raytrain.config import ConfigError, TrainConfig
-from raytrain.loop import quorum_plan, run_schedule
+from raytrain.loop import batch_plan_for, run_schedule
 from raytrain.replicas import StallWatch, stall_seconds
 from raytrain.rundir import Event, Kind
 
@@ -36,11 +36,11 @@ def test_committed_steps_train_every_row_once_whatever_the_quorum_does(batch, se
     rows, offset, trained, retaken = 1000, 0, [], 0
     while offset < rows:
         size = rng.choice([1, 2, 3])
-        step = rules.next_step(rows, quorum_plan(cfg, size).global_batch_size, offset)
+        step = rules.next_step(rows, batch_plan_for(cfg, size).global_batch_size, offset)
         first_try = [r for lo, hi in split(step, size) for r in range(lo, hi)]
         if rng.random() < 0.2:  # a member died inside the step: not committed, taken again
             retaken += 1
-            again = rules.next_step(rows, quorum_plan(cfg, size).global_batch_size, offset)
+            again = rules.next_step(rows, batch_plan_for(cfg, size).global_batch_size, offset)
             assert [r for lo, hi in split(again, size) for r in range(lo, hi)] == first_try  # the same rows
             continue
         trained += first_try
@@ -61,14 +61,14 @@ def test_the_gradient_is_the_mean_over_the_steps_rows_whatever_the_quorum():
 
 def test_survivors_keep_the_global_batch_and_rate_or_follow_the_rule_with_a_per_worker_batch():
     fixed = TrainConfig(workers="3", global_batch_size=96, lr=1e-3, reference_batch_size=32)
-    three, two = quorum_plan(fixed, 3), quorum_plan(fixed, 2)
+    three, two = batch_plan_for(fixed, 3), batch_plan_for(fixed, 2)
     assert (three.global_batch_size, two.global_batch_size) == (96, 96) and two.per_worker_max == 48
     assert run_schedule(fixed, two, 1000).peak_lr == run_schedule(fixed, three, 1000).peak_lr == pytest.approx(3e-3)
-    capped = quorum_plan(TrainConfig(workers="3", global_batch_size=96, micro_batch_size=32), 2)
+    capped = batch_plan_for(TrainConfig(workers="3", global_batch_size=96, micro_batch_size=32), 2)
     assert (capped.global_batch_size, capped.accumulation_steps) == (96, 2)  # micro-batches for the larger share
     grow = TrainConfig(workers="3", batch_size_per_worker=32, lr=1e-3, reference_batch_size=32, lr_scaling="linear")
-    assert quorum_plan(grow, 2).global_batch_size == 64
-    assert run_schedule(grow, quorum_plan(grow, 2), 1000).peak_lr == pytest.approx(2e-3)
+    assert batch_plan_for(grow, 2).global_batch_size == 64
+    assert run_schedule(grow, batch_plan_for(grow, 2), 1000).peak_lr == pytest.approx(2e-3)
 
 
 def test_the_stall_watch_ends_only_a_replica_stuck_in_one_step():
