@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
 
 from raytrain.bench import BenchOptions, bench_config, pick_run, plan_runs, prepare_data, run_raytrain, step_split  # noqa: E402
 from raytrain.pipeline import load_pipeline  # noqa: E402
-from raytrain.trainer import ray_session  # noqa: E402
+from raytrain.driver.run import ray_session  # noqa: E402
 
 VARIANTS = {
     "defaults (bucket 25 MiB, bucket view on)": {},

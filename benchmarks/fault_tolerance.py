@@ -27,7 +27,7 @@ import ray  # noqa: E402
 from ft_pipelines import KilledDigits  # noqa: E402
 
 from raytrain import TrainConfig, fit  # noqa: E402
-from raytrain.render import markdown_table  # noqa: E402
+from raytrain.observe.render import markdown_table  # noqa: E402
 from raytrain.rundir import Kind, RunDir  # noqa: E402
 
 

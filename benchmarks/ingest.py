@@ -5,9 +5,9 @@ alternating the contenders for `--rounds` rounds; the figures are medians:
 
 - dataloader: `torch.utils.data.DataLoader(TensorDataset(x, y), shuffle=True,
   num_workers=0)` over tensors in memory — the classic template's input path;
-- raytrain, in memory: the columns as the workers hold them (`raytrain.data.Table`), a full
+- raytrain, in memory: the columns as the workers hold them (`raytrain.data.checks.Table`), a full
   permutation per epoch, batches cut by position;
-- raytrain, streamed: `raytrain.data.Stream` over `ray.data.read_parquet` of the same rows
+- raytrain, streamed: `raytrain.data.checks.Stream` over `ray.data.read_parquet` of the same rows
   written as Parquet, shuffled within windows of `--window` rows (what
   `--shuffle-window-rows` does on every worker), with the process's peak extra resident
   memory while it streams — it should stay near a few windows, not the dataset's size;
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from raytrain.data import Stream, Table, scan  # noqa: E402
+from raytrain.data.checks import Stream, Table, scan  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -8,7 +8,7 @@ and the whole dataset's: 0 is perfectly mixed, 0.9 is one label per batch. Compa
 - full: a uniform permutation of all rows (what the in-memory path does);
 - window: the previous streamed design, the stored order cut into consecutive windows of
   `window` rows, each permuted, visited in stored order;
-- lanes: raytrain's streamed order (`raytrain.order`): units in a new order each epoch, dealt
+- lanes: raytrain's streamed order (`raytrain.rules.order`): units in a new order each epoch, dealt
   to `--partitions` lanes, shuffled within blocks, lanes interleaved.
 
 Pure numpy, no Ray; prints a Markdown table. Usage:
@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raytrain import order  # noqa: E402
+from raytrain.rules import order
 
 CLASSES = 10
 

@@ -74,8 +74,8 @@ def wrap_driver() -> None:
     import ray
     from ray.train.torch import TorchTrainer
 
-    from raytrain import tracking, trainer
-
+    from raytrain.observe import tracking
+    from raytrain.driver import run as trainer
     timed(ray, "init", "ray.init")
     timed(TorchTrainer, "fit", "TorchTrainer.fit")
     timed(tracking, "RunTracker", "run tracker")
@@ -88,8 +88,8 @@ _WRAPPED: list[bool] = []  # non-empty once this process's worker wrappers are i
 
 
 def wrap_worker() -> None:
-    from raytrain import loop, runtime
-
+    from raytrain.worker import loop
+    from raytrain.worker import runtime
     _WRAPPED.append(True)
 
     timed(loop, "Runtime", "worker context")

@@ -2,7 +2,7 @@
 
 from raytrain.config import ConfigError, TrainConfig
 from raytrain.pipeline import Pipeline, context
-from raytrain.trainer import FitResult, RunFailed, fit
+from raytrain.driver.run import FitResult, RunFailed, fit
 from raytrain.tune import tune
 
 __version__ = "0.1.0"

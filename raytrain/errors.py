@@ -2,7 +2,7 @@
 
 A `UserFault` is deterministic: bad configuration, data, pipeline code, checkpoint or
 storage. Running the attempt again repeats it, so raytrain's failure policy stops the run
-at once (`raytrain.trainer.FailFastPolicy`) and the CLI exits 2 with the message. Worker
+at once (`raytrain.driver.run.FailFastPolicy`) and the CLI exits 2 with the message. Worker
 deaths, lost nodes and collective timeouts are not UserFaults: they keep --max-failures.
 """
 

@@ -64,7 +64,7 @@ class Pipeline:
         (adamw, sgd or lamb) with --weight-decay (--no-decay-norm-and-bias: none on biases and
         norms). raytrain sets every group's rate each step: the rules' rate × the group's rate
         at build / --lr (build a group with lr=cfg.lr * 0.1 for a tenth)."""
-        from raytrain.optim import build_default_optimizer
+        from raytrain.worker.optim import build_default_optimizer
 
         return build_default_optimizer(model, cfg)
 
@@ -140,7 +140,7 @@ def load_pipeline(spec: "str | Pipeline") -> Pipeline:
     module_name, attr = target.split(":", 1)
     # `raytrain train my_project.train:MyPipeline` from the directory holding my_project/:
     # the console script's path does not include the working directory (workers get it
-    # through the runtime environment: raytrain.trainer.ray_session).
+    # through the runtime environment: raytrain.driver.run.ray_session).
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

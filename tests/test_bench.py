@@ -17,7 +17,7 @@ from raytrain import bench
 from raytrain.bench import BenchOptions, PlannedRun, baseline_rows, epochs_for, pick_run, scaling_rows, step_split, steady_steps_per_epoch
 from raytrain.cli import main
 from raytrain.config import ConfigError, TrainConfig
-from raytrain.plan import resolve_batch_plan
+from raytrain.rules.batch import resolve_batch_plan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""The cost model of `raytrain.costmodel`: known inputs give known predictions (pure, no Ray)."""
+"""The cost model of `raytrain.rules.costmodel`: known inputs give known predictions (pure, no Ray)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from raytrain import costmodel
-from raytrain.costmodel import CostModelError, LINKS, default_overlap, implied_bandwidth_GBps, num_buckets, predict, ring_allreduce_s
+from raytrain.rules import costmodel
+from raytrain.rules.costmodel import CostModelError, LINKS, default_overlap, implied_bandwidth_GBps, num_buckets, predict, ring_allreduce_s
 
 RESNET50_GRAD_BYTES = 25_557_032 * 4  # torchvision resnet50 parameters, fp32 gradients
 

@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain import order
-from raytrain.data import DataError, Schema, Stream, check_columns, check_units, load_table
-from raytrain.loop import split_rows
-from raytrain.order import StreamLayout
-from raytrain.plan import epoch_steps
+from raytrain.rules import order
+from raytrain.data.checks import DataError, Schema, Stream, check_columns, check_units, load_table
+from raytrain.worker.loop import split_rows
+from raytrain.rules.order import StreamLayout
+from raytrain.rules.batch import epoch_steps
 
 CPU = torch.device("cpu")
 
 
 class FakeUnits:
-    """Stands in for raytrain.shards.Units: each unit a numpy batch, read in the asked order,
+    """Stands in for raytrain.data.shards.Units: each unit a numpy batch, read in the asked order,
     in pieces of `piece` rows (as Ray Data yields blocks), recording what was read."""
 
     kind = "blocks"

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain import plan as rules
-
+from raytrain.rules import batch as rules
 pytestmark = pytest.mark.ray
 SCENARIO = Path(__file__).with_name("elastic_scenario.py")
 

@@ -32,7 +32,7 @@ def test_stalled_rank_fails_the_attempt_naming_it_within_the_timeout(ray_session
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(ray_session, tmp_path):
-    from raytrain.checkpoint import checkpoint_dirs
+    from raytrain.rundir.checkpoints import checkpoint_dirs
 
     base = dict(workers=2, batch_size_per_worker=8, storage=str(tmp_path), name="corrupt", num_checkpoints_to_keep=3, schedule="constant")
     first, second = tmp_path / "first", tmp_path / "second"
@@ -87,8 +87,7 @@ def test_driver_killed_mid_run_then_resume_finishes_the_run(tmp_path):
 
 
 def _loadable_checkpoint(run_dir: Path) -> bool:
-    from raytrain import checkpoint as ckpt
-
+    from raytrain.rundir import checkpoints as ckpt
     for directory in ckpt.checkpoint_dirs(run_dir):
         try:
             ckpt.load_state(directory)

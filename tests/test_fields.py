@@ -16,7 +16,7 @@ from raytrain.bench import BenchOptions
 from raytrain.cli import add_flags, build_parser
 from raytrain.config import DDPConfig, TrainConfig, flag_name
 from raytrain.pipeline import PipelineError, parse_pipeline_args
-from raytrain.predict import PredictOptions
+from raytrain.bench.predict import PredictOptions
 from raytrain.tune import TuneOptions
 
 

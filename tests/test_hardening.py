@@ -24,10 +24,10 @@ from raytrain import rundir
 from raytrain.cli import main
 from raytrain.config import ConfigError, TrainConfig
 from raytrain.errors import PipelineCodeError, StorageError, find_user_fault, pipeline_code
-from raytrain.loop import check_loss_output, is_collective_failure
+from raytrain.worker.loop import check_loss_output, is_collective_failure
 from raytrain.pipeline import PipelineError, parse_pipeline_args
-from raytrain.resume import StoredRun, changes
-from raytrain.trainer import address_problem, check_embedded_capacity, write_summary
+from raytrain.rules.resume import StoredRun, changes
+from raytrain.driver.run import address_problem, check_embedded_capacity, write_summary
 
 
 def test_run_files_are_strict_json():
@@ -35,7 +35,7 @@ def test_run_files_are_strict_json():
 
 
 def test_summary_is_strict_and_says_diverged_for_a_nan_loss(tmp_path):
-    from raytrain.loop import TrainingDiverged
+    from raytrain.worker.loop import TrainingDiverged
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "step": 5, "loss": float("nan"), "world_size": 2, "epoch_end": True}) + "\n")
     summary = write_summary(tmp_path, TrainConfig(), None, TrainingDiverged("the loss became NaN"), time.time())
@@ -242,7 +242,7 @@ def test_a_worker_count_this_machine_cannot_hold_is_refused_with_the_numbers(tmp
 
 
 def test_build_datasets_without_train_lists_the_keys(ray_free_build):
-    from raytrain.trainer import build_datasets
+    from raytrain.driver.run import build_datasets
 
     class NoTrain(raytrain.Pipeline):
         def build_datasets(self, cfg):

@@ -12,10 +12,10 @@ import pytest
 from rt_test_pipelines import BrokenPipeline, DivergingPipeline, OtherShapePipeline, RecordingPipeline, read_jsonl
 
 import raytrain
-from raytrain.checkpoint import checkpoint_dirs
+from raytrain.rundir.checkpoints import checkpoint_dirs
 from raytrain.cli import main
 from raytrain.errors import PipelineCodeError, StorageError
-from raytrain.loop import TrainingDiverged
+from raytrain.worker.loop import TrainingDiverged
 
 pytestmark = pytest.mark.ray
 
@@ -92,7 +92,7 @@ def test_a_resume_that_cannot_work_is_refused_before_any_run_file_changes(ray_se
     run = tmp_path / "good"
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     # Another model shape: refused on the driver, before Ray Train starts.
-    with pytest.raises(raytrain.checkpoint.CheckpointError, match="does not load the run's checkpoint"):
+    with pytest.raises(raytrain.rundir.checkpoints.CheckpointError, match="does not load the run's checkpoint"):
         raytrain.fit(OtherShapePipeline(str(out), num_rows=64), raytrain.TrainConfig(**{**base, "epochs": 2, "resume": True}))
     # Another pipeline: refused with exit 2, naming both.
     code = main(["train", "digits", "--name", "good", "--resume", "--storage", str(tmp_path)])

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain.attempt import Attempt
-from raytrain.data import Table
-from raytrain.loop import LossWindow, data_notes
-from raytrain.phases import PhaseTimer, StepPhases
-from raytrain.position import Position
+from raytrain.rules.attempt import Attempt
+from raytrain.data.checks import Table
+from raytrain.worker.loop import LossWindow, data_notes
+from raytrain.worker.phases import PhaseTimer, StepPhases
+from raytrain.rules.position import Position
 from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter

@@ -1,4 +1,4 @@
-"""Pure tier: the streamed order (raytrain.order) — exactly once, equal steps, the same rows
+"""Pure tier: the streamed order (raytrain.rules.order) — exactly once, equal steps, the same rows
 per step at any worker count, resumable anywhere, sharded reading, and shuffle quality."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import itertools
 import numpy as np
 import pytest
 
-from raytrain import order
-from raytrain.order import EpochPlan, StreamLayout, lane_owners, lane_prefix
-from raytrain.plan import epoch_steps, split_range
+from raytrain.rules import order
+from raytrain.rules.order import EpochPlan, StreamLayout, lane_owners, lane_prefix
+from raytrain.rules.batch import epoch_steps, split_range
 
 
 def brute_prefix(lane_rows, position):

@@ -1,4 +1,4 @@
-"""The pure rules of `raytrain.plan`: batch plan, LR scaling and schedule, data order.
+"""The pure rules of `raytrain.rules.batch`: batch plan, LR scaling and schedule, data order.
 
 These are the invariants of DESIGN.md that need no Ray: every row exactly once per
 epoch, the same step count on every rank, a new order each epoch, warmup counted in
@@ -12,8 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from raytrain import plan
-from raytrain.plan import (
+from raytrain.rules import batch as plan
+from raytrain.rules.batch import (
     BatchPlan,
     Step,
     default_reference_batch_size,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from raytrain.rundir import Event, MetricsRow
-from raytrain.progress import Console, EpochProgress, explain_worker_errors, format_duration, summarize_traceback
+from raytrain.observe.console import Console, EpochProgress, explain_worker_errors, format_duration, summarize_traceback
 
 RAYTRAIN = Path(__import__("raytrain").__file__).resolve().parent
 
@@ -132,8 +132,8 @@ def test_one_bar_on_a_terminal_with_the_run_lines_printed_above_it():
 
 def test_verbose_runs_get_plain_lines_instead_of_a_bar(tmp_path):
     from raytrain.config import TrainConfig
-    from raytrain.progress import Console as ConsoleSink
-    from raytrain.tracking import RunTracker
+    from raytrain.observe.console import Console as ConsoleSink
+    from raytrain.observe.tracking import RunTracker
 
     tracker = RunTracker(TrainConfig(verbose=True, epochs=1), tmp_path, "digits", progress=True, stream=TTY())
     console = next(sink for sink in tracker.open_sinks() if isinstance(sink, ConsoleSink))
@@ -181,14 +181,14 @@ def test_ranks_failing_alike_are_grouped_and_long_messages_kept_for_the_first():
         "Traceback (most recent call last):\n"
         f'  File "{RAYTRAIN}/loop.py", line 80, in train_loop_per_worker\n'
         "    raise StallError(explain_stall(cfg, runtime, heartbeat, run_dir, exc)) from exc\n"
-        "raytrain.loop.StallError: A collective timed out on rank 0 after --collective-timeout-s 10; stalled rank(s): 1\n"
+        "raytrain.worker.loop.StallError: A collective timed out on rank 0 after --collective-timeout-s 10; stalled rank(s): 1\n"
         "  rank 0 (waiting): step 3, in all_reduce for 10 s\n"
         "  rank 1 (STALLED): step 3, in forward for 11 s\n"
         "  cause: DistBackendError: timeout\n"
     )
     text = f"Training failed due to worker errors:\n[Rank 0 Error Snippet]:\n{stall}[Rank 2,3 Error Snippet]:\n{snippet()}"
     lines = explain_worker_errors(WorkerGroupError(text, {}))
-    assert lines[0] == "rank 0 raised raytrain.loop.StallError: A collective timed out on rank 0 after --collective-timeout-s 10; stalled rank(s): 1"
+    assert lines[0] == "rank 0 raised raytrain.worker.loop.StallError: A collective timed out on rank 0 after --collective-timeout-s 10; stalled rank(s): 1"
     assert "  rank 1 (STALLED): step 3, in forward for 11 s" in lines
     assert f"  at {RAYTRAIN}/loop.py:80, in train_loop_per_worker: raise StallError(explain_stall(cfg, runtime, heartbeat, run_dir, exc)) from exc" in lines
     assert "ranks 2, 3 raised KeyError: 'nope'" in lines

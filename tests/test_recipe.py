@@ -12,12 +12,13 @@ import torch
 from torch import nn
 
 import raytrain
-from raytrain import optim, plan
+from raytrain.worker import optim
+from raytrain.rules import batch as plan
 from raytrain.config import ConfigError, TrainConfig
-from raytrain.data import DataError, Table, sample_columns
-from raytrain.loop import Batch, LossWindow, StepRunner, run_schedule
-from raytrain.plan import Schedule, resolve_batch_plan
-from raytrain.position import Position
+from raytrain.data.checks import DataError, Table, sample_columns
+from raytrain.worker.loop import Batch, LossWindow, StepRunner, run_schedule
+from raytrain.rules.batch import Schedule, resolve_batch_plan
+from raytrain.rules.position import Position
 
 N = 1000  # rows per epoch in the schedule tests
 
@@ -160,7 +161,7 @@ def test_a_missing_batch_key_lists_the_keys_the_batch_has():
 
 
 def test_the_tuple_column_from_ray_from_torch_is_explained():
-    from raytrain.data import check_columns
+    from raytrain.data.checks import check_columns
 
     items = np.empty(2, dtype=object)
     items[0], items[1] = (np.zeros(2), 1), (np.ones(2), 0)

@@ -9,7 +9,7 @@ import torch
 from rt_test_pipelines import AugmentingPipeline, OptimizerProbePipeline, TorchDatasetPipeline, read_jsonl
 
 import raytrain
-from raytrain.checkpoint import checkpoint_dirs, load_state
+from raytrain.rundir.checkpoints import checkpoint_dirs, load_state
 
 pytestmark = pytest.mark.ray
 

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from raytrain import plan as rules
+from raytrain.rules import batch as rules
 from raytrain.config import ConfigError, TrainConfig
-from raytrain.loop import batch_plan_for, run_schedule
-from raytrain.replicas import StallWatch, stall_seconds
+from raytrain.worker.loop import batch_plan_for, run_schedule
+from raytrain.worker.replicas import StallWatch, stall_seconds
 from raytrain.rundir import Event, Kind
 
 
@@ -123,8 +123,8 @@ class FakeRunner:
 
 
 def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tmp_path):
-    from raytrain.loop import follow_quorum
-    from raytrain.position import Position
+    from raytrain.worker.loop import follow_quorum
+    from raytrain.rules.position import Position
     from raytrain.rundir import RunDir
     from raytrain.rundir.writer import RunWriter
 

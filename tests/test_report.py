@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from raytrain.cli import main
-from raytrain.report import ReportError, load_run, write_report
+from raytrain.observe.report import ReportError, load_run, write_report
 
 T0 = 1_800_000_000.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain.checkpoint import checkpoint_dirs
+from raytrain.rundir.checkpoints import checkpoint_dirs
 
 pytestmark = pytest.mark.ray
 

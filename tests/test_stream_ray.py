@@ -12,9 +12,10 @@ import pytest
 from rt_test_pipelines import ShardedRecordingPipeline, preprocessed_rows, read_jsonl, write_id_parquet
 
 import raytrain
-from raytrain import order, shards
+from raytrain.rules import order
+from raytrain.data import shards
 from raytrain.cli import main
-from raytrain.trainer import PROBE_ROWS
+from raytrain.driver.run import PROBE_ROWS
 
 pytestmark = pytest.mark.ray
 

@@ -15,7 +15,7 @@ import pytest
 import raytrain
 from raytrain.config import ConfigError
 from raytrain.rundir import Event, MetricsRow, Summary, Tail
-from raytrain.tracking import (
+from raytrain.observe.tracking import (
     Dispatcher,
     MLflowSink,
     RunTracker,

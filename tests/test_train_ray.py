@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import raytrain
-from raytrain import plan as rules
+from raytrain.rules import batch as rules
 from raytrain.config import ConfigError
 from rt_test_pipelines import RecordingPipeline, WeightProbePipeline, read_jsonl
 
@@ -152,7 +152,7 @@ def test_embedded_ray_starts_its_workers_at_niceness_0(tmp_path):
     script = (
         "import os, ray\n"
         "from raytrain.config import TrainConfig\n"
-        "from raytrain.trainer import ray_session\n"
+        "from raytrain.driver.run import ray_session\n"
         "with ray_session(TrainConfig(workers=1, storage='unused')):\n"
         "    print('niceness', ray.get(ray.remote(lambda: os.nice(0)).remote()))\n"
     )

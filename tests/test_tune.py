@@ -418,7 +418,7 @@ def test_a_trial_that_reported_nothing_is_read_from_its_run_directory(tmp_path):
 
 
 def test_a_failed_trials_error_is_its_exceptions_first_line():
-    from raytrain.trainer import RunFailed
+    from raytrain.driver.run import RunFailed
 
     class Wrapped(Exception):  # as Ray wraps a trial's exception
         def __init__(self, cause):

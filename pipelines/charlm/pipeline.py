@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import raytrain
 from pipelines.charlm.model import CharGPT
-from raytrain.data import DataError
+from raytrain.data.checks import DataError
 
 VAL_FRACTION = 0.05
 @dataclass

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import raytrain
-from raytrain.data import DataError
+from raytrain.data.checks import DataError
 
 SPLIT_SEED = 1234
 

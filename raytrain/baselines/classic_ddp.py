@@ -159,7 +159,7 @@ def train_classic() -> None:
 
 def ddp_arguments(cfg: TrainConfig) -> dict:
     """The same DDP flags as the raytrain run (torch >= 2.12 calls broadcast_buffers forward_sync_buffers).
-    Written out here rather than taken from raytrain.runtime, which needs Ray: the template runs without it."""
+    Written out here rather than taken from raytrain.worker.runtime, which needs Ray: the template runs without it."""
     kwargs = {
         "bucket_cap_mb": cfg.ddp.bucket_cap_mb,
         "gradient_as_bucket_view": cfg.ddp.gradient_as_bucket_view,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from raytrain import checkpoint as ckpt
+from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir import RunDir
 from raytrain.rundir.files import STOP_FILE, storage_errors
 from raytrain.rundir.records import Event, Kind, MetricsRow, Progress

@@ -2,7 +2,7 @@
 function, and the resources that keep trials from deadlocking.
 
 Train V2's pattern (RAY_NOTES, "Tune with Train V2"): a Tune trial is a small driver
-function that fits its own `TorchTrainer` through `raytrain.trainer.fit`, so a trial trains
+function that fits its own `TorchTrainer` through `raytrain.driver.run.fit`, so a trial trains
 exactly like `raytrain train`; a `TuneReportCallback` forwards rank 0's epoch-end reports.
 
 Resources, so that trials never deadlock: a trial driver holds no CPU, only one unit of the
@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from raytrain.config import ConfigError, TrainConfig
 from raytrain.pipeline import Pipeline, load_pipeline
-from raytrain.render import first_line, is_number, sci
+from raytrain.observe.render import first_line, is_number, sci
 from raytrain.tune.results import SUBSTITUTED, SweepResult, TrialRun, sweep_rows, write_sweep_files
 from raytrain.tune.space import (
     EMBEDDED_TRIAL_DRIVER_SLOTS,
@@ -72,7 +72,7 @@ class _TrialJob:
 def _run_trial(config: dict[str, Any], job: _TrialJob) -> None:
     from ray import tune as ray_tune
 
-    from raytrain.trainer import fit
+    from raytrain.driver.run import fit
 
     point = {**config["point"], **({"lr": config["lr"]} if "lr" in config else {})}
     cfg = trial_config(TrainConfig.from_dict(job.base), point, name=ray_tune.get_context().get_trial_name(), storage=job.runs_dir)
@@ -230,7 +230,7 @@ def trial_error(trial) -> str:
     """One line: why a trial failed, from the exception Tune kept. Ray wraps the trial's own
     exception (`cause`); a RunFailed from fit opens with "The run failed: <rank, exception,
     where>", any other exception is said as `Type: message`."""
-    from raytrain.trainer import RunFailed
+    from raytrain.driver.run import RunFailed
 
     error = None
     with contextlib.suppress(Exception):
@@ -290,7 +290,7 @@ def tune(
     and trials.png under STORAGE/NAME/."""
     import ray
 
-    from raytrain.trainer import build_datasets, ray_session, resolve_gpu
+    from raytrain.driver.run import build_datasets, ray_session, resolve_gpu
 
     echo = echo or (lambda line: None)
     options = options or TuneOptions()

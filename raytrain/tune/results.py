@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from raytrain.config import TrainConfig
-from raytrain.render import figure, is_number, plural, sci, text_table
+from raytrain.observe.render import figure, is_number, plural, sci, text_table
 from raytrain.rundir import Kind, RunDir, Summary, write_yaml
 from raytrain.tune.space import SWEPT, SweepRun, TuneOptions, point_key, runs_by_point, trial_config
 

@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from raytrain import plan as rules
+from raytrain.rules import batch as rules
 from raytrain.config import LR_RULES, ConfigError, TrainConfig, parse_workers
-from raytrain.render import sci
+from raytrain.observe.render import sci
 
 SWEPT = ("workers", "lr_scaling", "warmup_epochs", "lr")
 MODES = ("min", "max")

@@ -2,7 +2,7 @@
 
 Rank 0 appends records to the run directory; the driver (which may sit on another machine,
 reading the same storage) follows the files and sends every new record, in time order, to
-a list of sinks. The console (`raytrain.progress`) and the trackers (`raytrain.tracking`)
+a list of sinks. The console (`raytrain.observe.console`) and the trackers (`raytrain.observe.tracking`)
 are sinks; neither knows the other.
 """
 
@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from raytrain.render import first_line
+from raytrain.observe.render import first_line
 from raytrain.rundir import EVENTS, LIVE, METRICS, Event, MetricsRow, Summary, Tail
 
 

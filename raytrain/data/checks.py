@@ -4,9 +4,9 @@ Two ways to hold a dataset (docs/data.md):
 
 - in memory (`Table`): one Ray task reads and checks the whole dataset once; its columns
   sit in Ray's object store, every worker maps them and draws a full permutation per epoch
-  (`raytrain.plan.epoch_order`), taking its slice of every step;
+  (`raytrain.rules.batch.epoch_order`), taking its slice of every step;
 - streamed (`Stream`): the dataset is a list of units known from metadata
-  (`raytrain.shards`); each epoch deals them to lanes (`raytrain.order`), and each rank
+  (`raytrain.data.shards`); each epoch deals them to lanes (`raytrain.rules.order`), and each rank
   reads with Ray Data only the units of its own lanes, checking every batch as it comes.
 
 Either way every row is trained exactly once per epoch, all ranks run the same steps, and
@@ -21,7 +21,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from raytrain import order, plan
+from raytrain.rules import order
+from raytrain.rules import batch as plan
 from raytrain.errors import DataError, innermost_error
 
 __all__ = ["DataError", "Schema", "Stream", "Table", "check_units", "load_table"]
@@ -118,7 +119,7 @@ class Unit:
 
 
 def check_units(units, ids: Sequence[int], name: str, schema: Schema, *, skip_nan_rows: bool) -> Iterator[tuple[int, Unit]]:
-    """Read units `ids` of a `raytrain.shards.Units` in that order with Ray Data and yield
+    """Read units `ids` of a `raytrain.data.shards.Units` in that order with Ray Data and yield
     each one complete and checked. Rows are assigned to units by the row counts known from
     metadata; a unit whose preprocessing yields another number of rows is an error."""
     ids = [i for i in ids if units.rows[i]]
@@ -302,10 +303,10 @@ class TableEpoch:
 
 @dataclass
 class Stream:
-    """A dataset each rank reads its own units of (worker side); see raytrain.order."""
+    """A dataset each rank reads its own units of (worker side); see raytrain.rules.order."""
 
     name: str
-    units: Any  # raytrain.shards.Units
+    units: Any  # raytrain.data.shards.Units
     layout: order.StreamLayout
     schema: Schema
     sample: dict[str, np.ndarray]  # one checked row, for a rank with no rows in a step

@@ -3,7 +3,7 @@
 Ray Train calls `train_loop_per_worker` once per attempt: at the start, after every
 failure and after every resize. Resume is the only way in: a fresh run is "no
 checkpoint". The batch plan and the learning rate are re-derived from the rules in
-`raytrain.plan` at every attempt, for the world size this attempt has.
+`raytrain.rules.batch` at every attempt, for the world size this attempt has.
 """
 
 from __future__ import annotations
@@ -20,22 +20,22 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch
 
-from raytrain import checkpoint as ckpt
-from raytrain import optim
-from raytrain import plan as rules
-from raytrain.attempt import Attempt, describe_plan
+from raytrain.rundir import checkpoints as ckpt
+from raytrain.worker import optim
+from raytrain.rules import batch as rules
+from raytrain.rules.attempt import Attempt, describe_plan
 from raytrain.config import TrainConfig
-from raytrain.data import DataError, Stream, StreamEpoch, Table, TableEpoch
+from raytrain.data.checks import DataError, Stream, StreamEpoch, Table, TableEpoch
 from raytrain.errors import PipelineCodeError, UserFault, pipeline_code
-from raytrain.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
-from raytrain.phases import PhaseTimer, StepPhases
+from raytrain.worker.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
+from raytrain.worker.phases import PhaseTimer, StepPhases
 from raytrain.pipeline import _CONTEXT, Pipeline, overrides
-from raytrain.position import Position
-from raytrain.render import sci
+from raytrain.rules.position import Position
+from raytrain.observe.render import sci
 from raytrain.rundir.records import Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
-from raytrain.replicas import STARTUP_WAIT_S, ReplicaRuntime
-from raytrain.runtime import Runtime
+from raytrain.worker.replicas import STARTUP_WAIT_S, ReplicaRuntime
+from raytrain.worker.runtime import Runtime
 
 
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
@@ -114,7 +114,7 @@ def run_epochs(trainer: StepRunner, num_train_rows: int, val_data: Table | Strea
 
 
 def run_replica(cfg: TrainConfig, pipeline: Pipeline, runtime: ReplicaRuntime, files: RunWriter, heartbeat: Heartbeat, sources: dict[str, dict]) -> None:
-    """One replica of a per-step run (raytrain.replicas): restore, build, then steps over the
+    """One replica of a per-step run (raytrain.worker.replicas): restore, build, then steps over the
     quorum of live replicas; a replacement heals from a live peer at its first step."""
     # restore, build, join
     if run_finished(files, cfg.epochs):
@@ -159,7 +159,7 @@ def announce(files: RunWriter, attempt: Attempt, trainer: StepRunner, position: 
 
 
 def open_source(name: str, source: dict[str, Any], runtime: Runtime, cfg: TrainConfig) -> Table | Stream:
-    """A dataset as the driver prepared it (raytrain.trainer.prepare_datasets): an in-memory
+    """A dataset as the driver prepared it (raytrain.driver.run.prepare_datasets): an in-memory
     table in the object store (the same object for every rank, mapped, not copied), or a
     stream of units each rank reads its own share of."""
     if source["kind"] == "memory":

@@ -1,7 +1,7 @@
 """The driver's console: the run's lines, one live progress bar, and failures explained.
 
 Rank 0's stdout does not reach the driver (Ray forwards worker output only with -v), so
-progress is drawn here, from the rows rank 0 writes (`raytrain.tracking` tails them):
+progress is drawn here, from the rows rank 0 writes (`raytrain.observe.tracking` tails them):
 
 - on a terminal, ONE tqdm bar for the steps of the current epoch, with loss, samples/s
   and the epoch's ETA; the run's lines (plan, epochs, resizes) print above it;
@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from raytrain.errors import ErrorSummary, Frame, attached_summary
 from raytrain.rundir import Event, Kind, MetricsRow
-from raytrain.sinks import Sink
+from raytrain.observe.sinks import Sink
 
 BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]"
 BAR_FORMAT_NO_TOTAL = "{desc} {n_fmt} steps [{elapsed}{postfix}]"

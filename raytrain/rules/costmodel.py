@@ -22,7 +22,7 @@ import difflib
 import math
 from dataclasses import dataclass
 
-from raytrain.render import plural
+from raytrain.observe.render import plural
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from raytrain.errors import UserFault
-from raytrain.render import first_line
+from raytrain.observe.render import first_line
 
 STATE_FILE = "state.pt"
 MODEL_FILE = "model.pt"

@@ -17,7 +17,7 @@ under `python -m torch.distributed.run` at each worker count) and `plain` (the s
 as one process without torch.distributed), measured the same way; reported as ratios.
 
 The command line (`raytrain bench`) is in `raytrain.cli`; `--predict`, which runs nothing,
-in `raytrain.predict`.
+in `raytrain.bench.predict`.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from typing import Any, Callable, Literal, get_args
 
 import psutil
 
-from raytrain import costmodel
-from raytrain import plan as rules
+from raytrain.rules import costmodel
+from raytrain.rules import batch as rules
 from raytrain.config import DEFAULT_STORAGE, ConfigError, TrainConfig
-from raytrain.render import figure, markdown_table, plural, text_table
+from raytrain.observe.render import figure, markdown_table, plural, text_table
 from raytrain.rundir import PROGRESS, RunDir
 
 TEMPLATE_MODULE = "raytrain.baselines.classic_ddp"
@@ -94,7 +94,7 @@ class BenchOptions:
     statistic: Statistic = "median"
     """Which round stands for a configuration with --repeat: `median` (default) or `best` (the fastest)."""
     link: str | None = None
-    """A cost-model link (nvlink, pcie4, ib200, ...: raytrain.costmodel.LINKS): adds a predicted speedup column; with --predict, the ring's link."""
+    """A cost-model link (nvlink, pcie4, ib200, ...: raytrain.rules.costmodel.LINKS): adds a predicted speedup column; with --predict, the ring's link."""
     storage: str = DEFAULT_STORAGE
     """Results go to STORAGE/NAME/ (default ~/raytrain_results)."""
     name: str | None = None
@@ -230,7 +230,7 @@ def run_bench(pipeline: str, train_values: dict[str, Any], opts: BenchOptions, e
     `opts.statistic` (a loaded machine slows single runs by several times).
     """
     from raytrain.pipeline import load_pipeline
-    from raytrain.trainer import ray_session
+    from raytrain.driver.run import ray_session
 
     pipe = load_pipeline(pipeline)
     name = opts.name or f"bench-{pipeline.split(':')[-1].split('.')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -359,9 +359,9 @@ def prepare_data(pipe, cfg: TrainConfig, out: Path | None, verbose: bool = False
 
     import numpy as np
 
-    from raytrain import shards
-    from raytrain.data import Schema, load_table
-    from raytrain.trainer import build_datasets, read_probe
+    from raytrain.data import shards
+    from raytrain.data.checks import Schema, load_table
+    from raytrain.driver.run import build_datasets, read_probe
 
     data_logger = logging.getLogger("ray.data")
     level = data_logger.level
@@ -382,7 +382,7 @@ def prepare_data(pipe, cfg: TrainConfig, out: Path | None, verbose: bool = False
 
 
 def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
-    from raytrain.trainer import fit
+    from raytrain.driver.run import fit
 
     cfg = dataclasses.replace(run.cfg, name=f"w{run.workers}" + (f"-{tag}" if tag else ""))
     what = f"raytrain on {plural(run.workers, 'worker')}" + (f" ({tag})" if tag else "")
@@ -410,7 +410,7 @@ def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
 def run_template(pipeline: str, run: PlannedRun, opts: BenchOptions, out: Path, *, mode: str, tag: str, echo) -> dict[str, Any]:
     """The classic template with `run`'s config and epochs: under torchrun at `run`'s worker
     count, or (`mode="plain"`) as one process without torch.distributed."""
-    from raytrain.trainer import driver_pythonpath, free_port
+    from raytrain.driver.run import driver_pythonpath, free_port
 
     workers = run.workers
     folder = out / "baselines"
@@ -590,7 +590,7 @@ def bench_markdown(report: dict[str, Any]) -> str:
         parts += [f"All-reduce bus bandwidth implied by the communication estimate: {'; '.join(implied)}.", ""]
     if report.get("link"):
         parts += [
-            f"Predicted speedup: `raytrain.costmodel` on link {report['link']} from the 1-worker step time and the gradient size "
+            f"Predicted speedup: `raytrain.rules.costmodel` on link {report['link']} from the 1-worker step time and the gradient size "
             "(ring all-reduce 2(N−1)/N × bytes / bandwidth, minus the part hidden under backward).",
             "",
         ]

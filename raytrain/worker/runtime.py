@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from ray.train import Checkpoint
 
-from raytrain import checkpoint as ckpt
+from raytrain.rundir import checkpoints as ckpt
 from raytrain.errors import find_user_fault
 from raytrain.rundir import storage_errors
 

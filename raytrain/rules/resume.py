@@ -23,9 +23,7 @@ from typing import Any
 
 import yaml
 
-from raytrain import checkpoint as ckpt
-
-# Fields that change the order of an epoch: refused on a resume in the middle of one.
+from raytrain.rundir import checkpoints as ckpt
 ORDER_FIELDS = ("seed", "shuffle_window_rows", "data_partitions")
 # Fields whose change the checkpoint's optimizer state cannot follow.
 STATE_FIELDS = ("optimizer", "decay_norm_and_bias")

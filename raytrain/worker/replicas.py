@@ -29,11 +29,11 @@ from typing import Any, Callable
 
 import torch
 
-from raytrain import checkpoint as ckpt
+from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir import RunDir
 from raytrain.rundir.files import storage_errors
 from raytrain.rundir.records import Event, Kind
-from raytrain.runtime import Runtime
+from raytrain.worker.runtime import Runtime
 
 # The lighthouse waits up to join_timeout_ms for every live (heartbeating) replica before it
 # forms a quorum: torchft's 100 ms default is shorter than a step, so the replicas would never
@@ -223,7 +223,7 @@ class ReplicaRuntime(Runtime):
         return [value]
 
     def latest_checkpoint(self):
-        return None  # checkpoints are the run directory's (raytrain.loop.restore reads them)
+        return None  # checkpoints are the run directory's (raytrain.worker.loop.restore reads them)
 
     def report(self, metrics: dict[str, Any], state: dict[str, Any] | None, save_state, run_dir: Path) -> None:
         """The quorum's rank 0 writes the checkpoint under RUN_DIR/.staging/ and renames it into

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain.errors import UserFault
-from raytrain.render import figure, is_number, markdown_table, plural
+from raytrain.observe.render import figure, is_number, markdown_table, plural
 from raytrain.rundir import Event, Kind, MetricsRow, RunDir, Summary
 
 PLOTS_DIR = "plots"

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 STOP_GRACE_S = 30.0
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
-# The running controller (set by raytrain.failfast.FailFastTrainer), to abort it.
+# The running controller (set by raytrain.driver.failfast.FailFastTrainer), to abort it.
 _controller: Any = None
 
 

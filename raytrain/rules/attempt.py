@@ -12,11 +12,11 @@ import enum
 import math
 from collections.abc import Sequence
 
-from raytrain import plan as rules
+from raytrain.rules import batch as rules
 from raytrain.config import TrainConfig
 from raytrain.pipeline import Pipeline, overrides
-from raytrain.position import Position
-from raytrain.render import sci
+from raytrain.rules.position import Position
+from raytrain.observe.render import sci
 from raytrain.rundir.records import Event, Kind
 
 

@@ -8,7 +8,7 @@ list of sinks:
 - `metrics.jsonl` -> `Sink.metrics`  every `log_every_steps` and at every epoch end
 - `live.jsonl`    -> `Sink.progress` optional rows rank 0 writes about once a second
 
-The sinks are the console (`raytrain.progress`), TensorBoard event files in the run
+The sinks are the console (`raytrain.observe.console`), TensorBoard event files in the run
 directory (always), MLflow (`--mlflow-uri`) and Weights & Biases (`--wandb-project`).
 Tracking never fails a run: a sink that raises is dropped with one warning.
 """
@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from raytrain.config import ConfigError
-from raytrain.render import first_line, markdown_table
+from raytrain.observe.render import first_line, markdown_table
 from raytrain.rundir import Event, Kind, MetricsRow, Summary
-from raytrain.sinks import Dispatcher, Sink, follow, record_time
+from raytrain.observe.sinks import Dispatcher, Sink, follow, record_time
 
 # Metrics of a row that are series over steps (the rest are identifiers or flags).
 STEP_SERIES = ("loss", "lr", "samples_per_s", "global_batch_size", "world_size")
@@ -128,7 +128,7 @@ class RunTracker:
             check_mlflow_uri(self.options.mlflow_uri)
 
     def open_sinks(self, train_rows: int | None = None) -> list[Sink]:
-        from raytrain.progress import Console
+        from raytrain.observe.console import Console
 
         params = config_params(self.cfg, self.pipeline_name, self.run_dir)
         mode = self.options.progress if self.progress else "off"
@@ -173,7 +173,7 @@ class RunTracker:
         self._finished = True
         if summary is not None and self.options.report:
             try:
-                from raytrain.report import write_report
+                from raytrain.observe.report import write_report
 
                 write_report(self.run_dir)
             except Exception as exc:  # a plot must never turn a finished run into a failed one

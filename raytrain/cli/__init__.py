@@ -20,7 +20,7 @@ import yaml
 
 from raytrain import fields
 from raytrain.config import ConfigError, TrainConfig, flag_name
-from raytrain.render import plural
+from raytrain.observe.render import plural
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
@@ -42,9 +42,9 @@ def run_command(args: argparse.Namespace) -> int:
     by `read_run_options`; else as a flag)."""
     from raytrain.bench import BenchError
     from raytrain.errors import UserFault
-    from raytrain.interrupts import Interrupted
+    from raytrain.driver.interrupts import Interrupted
     from raytrain.rundir import storage_error
-    from raytrain.trainer import RunFailed
+    from raytrain.driver.run import RunFailed
 
     def say(message: str) -> None:
         print(f"raytrain {args.command}: {message}", file=sys.stderr, flush=True)
@@ -64,7 +64,7 @@ def run_command(args: argparse.Namespace) -> int:
     except (RunFailed, BenchError) as exc:
         say(str(exc))
         return EXIT_FAILED
-    except FloatingPointError as exc:  # raytrain.loop.TrainingDiverged: the run failed, status "diverged"
+    except FloatingPointError as exc:  # raytrain.worker.loop.TrainingDiverged: the run failed, status "diverged"
         say(str(exc))
         return EXIT_FAILED
     except ConfigError as exc:
@@ -82,7 +82,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 class Terminated(Exception):
-    """SIGTERM outside a run (a run handles it itself: raytrain.interrupts)."""
+    """SIGTERM outside a run (a run handles it itself: raytrain.driver.interrupts)."""
 
 
 def _terminate(signum, frame):
@@ -212,7 +212,7 @@ def _flag_type(option: fields.Option) -> Callable[[str], Any]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from raytrain.pipeline import load_pipeline
-    from raytrain.trainer import fit
+    from raytrain.driver.run import fit
 
     spec, file_values, flags = read_run_options(args)
     if flags.get("resume") or file_values.get("resume"):
@@ -230,7 +230,7 @@ def resume_values(spec: str | None, file_values: dict[str, Any], flags: dict[str
     """A resumed run's options: its own config.yaml, then the --config file and flags given
     now, each overriding only what it names. The pipeline defaults to the run's."""
     from raytrain.config import DEFAULT_STORAGE
-    from raytrain.resume import read_stored_run
+    from raytrain.rules.resume import read_stored_run
 
     name = flags.get("name") or file_values.get("name")
     if not name:
@@ -352,7 +352,7 @@ def print_summary(result) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from raytrain.report import write_report
+    from raytrain.observe.report import write_report
 
     path = write_report(args.run_dir)
     plots = sorted((path.parent / "plots").glob("*.png"))
@@ -434,7 +434,7 @@ def add_bench_parser(commands) -> None:
     """`raytrain bench`: BenchOptions, the cost model's PredictOptions (with --predict), and
     every train option but those bench decides itself."""
     from raytrain.bench import BENCH_OWNED, BenchOptions
-    from raytrain.predict import PredictOptions
+    from raytrain.bench.predict import PredictOptions
 
     bench = commands.add_parser(
         "bench",
@@ -458,7 +458,7 @@ def add_bench_parser(commands) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from raytrain.bench import BenchOptions, bench_config, run_bench, worker_counts
     from raytrain.pipeline import load_pipeline
-    from raytrain.predict import PredictOptions, predict_speedups
+    from raytrain.bench.predict import PredictOptions, predict_speedups
 
     given = vars(args)
     own = {option.name for option in (*fields.options(BenchOptions), *fields.options(PredictOptions))}
@@ -483,7 +483,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from raytrain.checkpoint import load_model_weights
+    from raytrain.rundir.checkpoints import load_model_weights
     from raytrain.rundir import storage_errors
 
     weights = load_model_weights(args.source)
@@ -553,7 +553,7 @@ def parquet_layout(rows: int, group_rows: int | None = None) -> tuple[int, int]:
 
 def cmd_data(args: argparse.Namespace) -> int:
     from raytrain.pipeline import load_pipeline
-    from raytrain.trainer import build_datasets, ray_session
+    from raytrain.driver.run import build_datasets, ray_session
 
     out = Path(args.out).expanduser().absolute()
     if args.row_group_rows is not None and args.row_group_rows < 1:

@@ -1,4 +1,4 @@
-"""`raytrain bench --predict`: the cost model (`raytrain.costmodel`) from the command line.
+"""`raytrain bench --predict`: the cost model (`raytrain.rules.costmodel`) from the command line.
 
 Runs nothing: the speedup at 1 to `gpus` workers from a 1-worker step time and a gradient
 size, given as options or read from the `bench.json` of a `raytrain bench` run.
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from raytrain import costmodel
+from raytrain.rules import costmodel
 from raytrain.config import ConfigError, flag_name
 from raytrain.errors import UserFault
-from raytrain.render import text_table
+from raytrain.observe.render import text_table
 
 
 class PredictError(UserFault, ValueError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
-from raytrain import interrupts
+from raytrain.driver import interrupts
 from raytrain.errors import find_user_fault
 
 
@@ -28,7 +28,7 @@ class FailFastPolicy(FailurePolicy):
 
 class FailFastTrainer(TorchTrainer):
     """A TorchTrainer whose controller uses FailFastPolicy around Ray's own policy, and whose
-    signals raytrain handles (`raytrain.interrupts`) instead of Ray's SIGINT handler."""
+    signals raytrain handles (`raytrain.driver.interrupts`) instead of Ray's SIGINT handler."""
 
     def _initialize_and_run_controller(self, **kwargs):
         kwargs["failure_policy"] = FailFastPolicy(kwargs["failure_policy"])

@@ -1,6 +1,6 @@
 """The driver: resolve the run, start or join Ray, fit a TorchTrainer, write the run files.
 
-All driver-side Ray calls live here. The per-worker function is `raytrain.loop`.
+All driver-side Ray calls live here. The per-worker function is `raytrain.worker.loop`.
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from raytrain import plan as rules
-from raytrain import tracking
-from raytrain import interrupts, rundir
-from raytrain.checkpoint import MODEL_FILE, checkpoint_dirs, staging_dir
-from raytrain.data import DataError
-from raytrain.resume import StoredRun, describe_changes, read_stored_run
-from raytrain.resume import changes as resume_changes
+from raytrain.rules import batch as rules
+from raytrain.observe import tracking
+from raytrain import rundir
+from raytrain.driver import interrupts
+from raytrain.rundir.checkpoints import MODEL_FILE, checkpoint_dirs, staging_dir
+from raytrain.data.checks import DataError
+from raytrain.rules.resume import StoredRun, describe_changes, read_stored_run
+from raytrain.rules.resume import changes as resume_changes
 from raytrain.config import ConfigError, TrainConfig
 from raytrain.errors import PipelineCodeError, StorageError, find_user_fault, pipeline_code
 from raytrain.pipeline import Pipeline, load_pipeline
-from raytrain.render import first_line
+from raytrain.observe.render import first_line
 
 # Without this every print in the train function shows twice (RAY_NOTES).
 WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
@@ -106,11 +107,11 @@ def fit(
     failed otherwise). `echo` receives the run's human-readable lines (plan, epochs,
     resizes); default: none. `progress`: also show progress on stdout (a live bar on a
     terminal, else plain lines). TensorBoard files, the report and any asked-for trackers:
-    `raytrain.tracking`. `callbacks`: Ray Train `UserCallback`s for the TorchTrainer
+    `raytrain.observe.tracking`. `callbacks`: Ray Train `UserCallback`s for the TorchTrainer
     (raytrain.tune forwards reports to Tune with one).
 
     With `cfg.resume`, `cfg` is checked against the run's own config.yaml and checkpoint
-    (`raytrain.resume`) before anything is written; the CLI builds `cfg` from that file.
+    (`raytrain.rules.resume`) before anything is written; the CLI builds `cfg` from that file.
     """
     pipe = load_pipeline(pipeline)
     spec = pipeline if isinstance(pipeline, str) else pipe.name
@@ -211,8 +212,7 @@ def check_run_dir(run_dir: Path, cfg: TrainConfig, spec: str) -> StoredRun | Non
 def check_resume(pipe: Pipeline, cfg: TrainConfig, stored: StoredRun, sources: dict[str, dict], echo: Callable[[str], None]) -> None:
     """Before anything is written: the pipeline's model must load the checkpoint, and an
     epoch half done must continue on the same data; then say what the resume changes."""
-    from raytrain import checkpoint as ckpt
-
+    from raytrain.rundir import checkpoints as ckpt
     if stored.checkpoint is not None:
         with pipeline_code(pipe, "build_model"):
             model = pipe.build_model(cfg)
@@ -441,7 +441,7 @@ def build_datasets(pipe: Pipeline, cfg: TrainConfig) -> dict[str, Any]:
     import ray.data
     import torch.utils.data
 
-    from raytrain.data import from_torch_dataset
+    from raytrain.data.checks import from_torch_dataset
 
     with pipeline_code(pipe, "build_datasets"):
         datasets = pipe.build_datasets(cfg)
@@ -468,15 +468,16 @@ def prepare_datasets(datasets: dict[str, Any], cfg: TrainConfig, echo: Callable[
 
     - in memory (small, or `--shuffle-window-rows 0`): one Ray task reads and checks it
       while the workers start; every worker maps the result from the object store;
-    - streamed: the dataset's units (`raytrain.shards`) and the run's `StreamLayout`; each
-      rank reads only the units of its lanes (`raytrain.order`).
+    - streamed: the dataset's units (`raytrain.data.shards`) and the run's `StreamLayout`; each
+      rank reads only the units of its lanes (`raytrain.rules.order`).
 
-    Returns the descriptors the workers open (`raytrain.loop.open_source`).
+    Returns the descriptors the workers open (`raytrain.worker.loop.open_source`).
     """
     import ray
 
-    from raytrain import data, order, shards
-
+    from raytrain.data import checks as data
+    from raytrain.rules import order
+    from raytrain.data import shards
     sources = {}
     for name, ds in datasets.items():
         units = shards.split(ds)
@@ -510,8 +511,7 @@ def prepare_datasets(datasets: dict[str, Any], cfg: TrainConfig, echo: Callable[
 
 def read_probe(units, name: str, skip_nan_rows: bool) -> dict[str, np.ndarray]:
     """The first few rows of the first unit, through the pipeline's steps, checked."""
-    from raytrain import data
-
+    from raytrain.data import checks as data
     first = next(i for i, rows in enumerate(units.rows) if rows)
     try:
         batch = units.dataset([first], limit=PROBE_ROWS).take_batch(PROBE_ROWS, batch_format="numpy")
@@ -532,10 +532,10 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
-    from raytrain.failfast import FailFastTrainer
-    from raytrain.replicas import torchft_config
+    from raytrain.driver.failfast import FailFastTrainer
+    from raytrain.worker.replicas import torchft_config
     from raytrain.errors import summarize_on_raise
-    from raytrain.loop import train_loop_per_worker
+    from raytrain.worker.loop import train_loop_per_worker
 
     workers: int | tuple[int, int] = cfg.max_workers if not cfg.elastic else (cfg.min_workers, cfg.max_workers)
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
@@ -551,7 +551,7 @@ def build_trainer(pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict
         ),
         # No `datasets=`: Ray's equal split drops tail rows and keeps no position. The
         # datasets travel in the config as descriptors (`prepare_datasets`), and each rank
-        # reads its own units of a stream (raytrain.data).
+        # reads its own units of a stream (raytrain.data.checks).
         run_config=RunConfig(
             name=cfg.name,
             storage_path=cfg.storage,
@@ -626,7 +626,7 @@ def _best_checkpoint(result: Any, run_dir: Path) -> str | None:
 
 def explain_failure(error: Exception, run_dir: Path, ray_logs: str | None = None) -> str:
     """Which rank failed with which exception, where in the user's code, then where the logs are."""
-    from raytrain.progress import explain_worker_errors
+    from raytrain.observe.console import explain_worker_errors
 
     lines = explain_worker_errors(error)
     logs = ray_logs or "/tmp/ray/session_latest/logs"
