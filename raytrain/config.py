@@ -9,25 +9,25 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal, Mapping, get_args
+from typing import Any, Iterable, Literal, Mapping, get_args
 
 from raytrain import fields
-from raytrain.errors import UserFault
+from raytrain.rules import resume
+from raytrain.errors import ConfigError
 from raytrain.fields import flag_name
 
 LRRule = Literal["linear", "sqrt", "none"]
 Precision = Literal["fp32", "bf16", "fp16"]
-Schedule = Literal["cosine", "constant", "linear", "step", "onecycle"]
+ScheduleName = Literal["cosine", "constant", "linear", "step", "onecycle"]
 OptimizerName = Literal["adamw", "sgd", "lamb"]
 ProgressMode = Literal["auto", "bar", "plain", "off"]
 FaultTolerance = Literal["restart", "per-step"]
-LR_RULES, PRECISIONS, SCHEDULES = get_args(LRRule), get_args(Precision), get_args(Schedule)
-OPTIMIZERS, PROGRESS_MODES = get_args(OptimizerName), get_args(ProgressMode)
-FAULT_TOLERANCE_MODES = get_args(FaultTolerance)
+LR_RULES = get_args(LRRule)
 DEFAULT_STORAGE = "~/raytrain_results"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
@@ -47,25 +47,6 @@ def key_value(text: str) -> tuple[str, str]:
     if not sep or not key.strip():
         raise ValueError(f"got {text!r}; expected KEY=VALUE, e.g. path=/data/train")
     return key.strip(), value.strip()
-
-
-class ConfigError(UserFault, ValueError):
-    """Invalid user configuration: every problem at once, each with its fix.
-
-    `problems` is a list of (field, message). `render` spells each field the way
-    the user wrote it (a flag, a YAML key, a keyword argument).
-    """
-
-    def __init__(self, problems: list[tuple[str, str]]):
-        self.problems = list(problems)
-        super().__init__(self.render())
-
-    def render(self, spell: Callable[[str], str] | None = None) -> str:
-        spell = spell or (lambda name: name)
-        lines = [f"{spell(name)}: {message}" if name else message for name, message in self.problems]
-        if len(lines) == 1:
-            return f"Invalid configuration: {lines[0]}"
-        return f"Invalid configuration ({len(lines)} problems):\n" + "\n".join("  " + line for line in lines)
 
 
 @dataclass(kw_only=True)
@@ -108,7 +89,7 @@ class TrainConfig:
     """The batch `lr` was tuned for. Default: the per-worker batch."""
     warmup_epochs: float = 1.0
     """Gradual warmup from `lr` (or from warmup_start_factor × the peak) to the scaled peak, in epochs (counted in samples)."""
-    schedule: Schedule = "cosine"
+    schedule: ScheduleName = "cosine"
     """After warmup: cosine (to 0), constant, linear (to 0), step (×lr_gamma at each of lr_milestones) or onecycle; a pipeline's lr_factor(progress) replaces it."""
     lr_milestones: list | None = field(default=None, metadata={"parse": comma_numbers, "metavar": "EPOCH,..."})
     """With --schedule step: the epochs at which the rate is multiplied by lr_gamma, e.g. 30,60,80."""
@@ -192,7 +173,10 @@ class TrainConfig:
             self.batch_size_per_worker = 32
         problems = list(_check_types(self)) + list(_check_types(self.ddp, prefix="ddp."))
         if not problems:
-            problems = list(_check_values(self))
+            # in the order of the fields, as --help lists them
+            order = {name: index for index, name in enumerate(f.name for f in dataclasses.fields(self))}
+            found = [*_check_choices(self), *_check_values(self)]
+            problems = sorted(found, key=lambda problem: order.get(problem[0].split(".")[0], len(order)))
         if problems:
             raise ConfigError(problems)
         if self.storage:
@@ -221,6 +205,29 @@ class TrainConfig:
         return _build(cls, dict(values))
 
 
+def merge_layers(*layers: dict[str, Any]) -> dict[str, Any]:
+    """Later layers win; `ddp.x` flags and `ddp: {x: ..}` mappings merge into one ddp mapping."""
+    merged: dict[str, Any] = {}
+    batch_knobs = {"global_batch_size", "batch_size_per_worker"}
+    for layer in layers:
+        # A layer that sets one batch knob replaces the other from the layers below
+        # (`--global-batch-size` overrides a pipeline's `batch_size_per_worker`).
+        knobs = batch_knobs & {key.replace("-", "_") for key in layer}
+        if len(knobs) == 1:
+            merged.pop(*(batch_knobs - knobs), None)
+        for key, value in layer.items():
+            key = key.replace("-", "_")
+            if key.startswith("ddp."):
+                merged.setdefault("ddp", {})[key[4:]] = value
+            elif key == "ddp" and isinstance(value, dict):
+                merged.setdefault("ddp", {}).update(value)
+            elif key == "pipeline_args" and isinstance(value, (dict, list)):
+                merged.setdefault("pipeline_args", {}).update(dict(value))
+            else:
+                merged[key] = value
+    return merged
+
+
 def parse_workers(value: int | str) -> tuple[int, int]:
     """`4` -> (4, 4); `"2:8"` -> (2, 8). Raises ValueError with the fix."""
     if isinstance(value, bool):
@@ -243,10 +250,20 @@ def parse_workers(value: int | str) -> tuple[int, int]:
 # -- checks ----------------------------------------------------------------------------
 
 def _check_types(cfg: Any, prefix: str = "") -> Iterable[tuple[str, str]]:
+    """Each field's value against its type."""
     for option in fields.options(type(cfg)):
         value = getattr(cfg, option.name)
         if not dataclasses.is_dataclass(value) and not option.accepts(value):
             yield prefix + option.name, f"got {value!r} ({type(value).__name__}); expected {option.words()}"
+
+
+def _check_choices(cfg: Any) -> Iterable[tuple[str, str]]:
+    """A `Literal` field's value against its choices (from the field's type)."""
+    for option in fields.options(type(cfg)):
+        value = getattr(cfg, option.name)
+        if option.choices is not None and value is not None and value not in option.choices:
+            choices = [str(choice) for choice in option.choices]
+            yield option.name, f"got {value!r}; choose one of {', '.join(choices)}{_close(value, choices)}"
 
 
 def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
@@ -277,8 +294,12 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
                 f"got per-step with --workers {c.workers}: per-step replaces a failed worker in place and keeps the "
                 f"count fixed; give --workers {max_workers}, or keep --fault-tolerance restart for an elastic run",
             )
-    if c.fault_tolerance not in FAULT_TOLERANCE_MODES:
-        yield "fault_tolerance", f"got {c.fault_tolerance!r}; choose one of {', '.join(FAULT_TOLERANCE_MODES)}{_close(c.fault_tolerance, FAULT_TOLERANCE_MODES)}"
+    if c.fault_tolerance == "per-step" and importlib.util.find_spec("torchft") is None:
+        yield (
+            "fault_tolerance",
+            "got per-step, but torchft is not installed; install it with pip install 'raytrain[ft]' (torchft-nightly), "
+            "or use --fault-tolerance restart",
+        )
     if c.fault_tolerance == "per-step" and c.max_failures == 0:
         yield "max_failures", f"got {c.max_failures} with --fault-tolerance per-step: a replacement is a recovered failure; give --max-failures 3"
 
@@ -297,25 +318,17 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
         )
     if not (c.lr > 0 and c.lr < float("inf")):
         yield "lr", f"got {c.lr}; must be a positive number, e.g. --lr 1e-3"
-    if c.lr_scaling not in LR_RULES:
-        yield "lr_scaling", f"got {c.lr_scaling!r}; choose one of {', '.join(LR_RULES)}{_close(c.lr_scaling, LR_RULES)}"
-    if c.schedule not in SCHEDULES:
-        yield "schedule", f"got {c.schedule!r}; choose one of {', '.join(SCHEDULES)}{_close(c.schedule, SCHEDULES)}"
     yield from _check_milestones(c)
     if not 0 < c.lr_gamma <= 1:
         yield "lr_gamma", f"got {c.lr_gamma}; must be in (0, 1], e.g. --lr-gamma 0.1"
     if c.warmup_start_factor is not None and not 0 <= c.warmup_start_factor <= 1:
         yield "warmup_start_factor", f"got {c.warmup_start_factor}; must be in [0, 1], e.g. --warmup-start-factor 0.01"
-    if c.optimizer not in OPTIMIZERS:
-        yield "optimizer", f"got {c.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}{_close(c.optimizer, OPTIMIZERS)}"
     if not 0 <= c.momentum < 1:
         yield "momentum", f"got {c.momentum}; must be in [0, 1), e.g. --momentum 0.9"
     if c.nesterov and (c.optimizer != "sgd" or c.momentum == 0):
         yield "nesterov", "applies to --optimizer sgd with a --momentum above 0"
     if c.grad_clip_norm is not None and not 0 < c.grad_clip_norm < math.inf:
         yield "grad_clip_norm", f"got {c.grad_clip_norm}; must be a positive norm, e.g. --grad-clip-norm 1.0"
-    if c.precision not in PRECISIONS:
-        yield "precision", f"got {c.precision!r}; choose one of {', '.join(PRECISIONS)}{_close(c.precision, PRECISIONS)}"
     if not 0 <= c.warmup_epochs < math.inf:
         yield "warmup_epochs", f"got {c.warmup_epochs}; must be 0 or more, e.g. --warmup-epochs 1"
     elif c.epochs >= 1 and c.warmup_epochs > c.epochs:
@@ -344,10 +357,7 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
         yield "storage", f"got {c.storage!r}; only file system paths are supported (a shared mount such as NFS/EFS on multi-node clusters)"
     if c.name is not None and not _NAME_RE.match(c.name):
         yield "name", f"got {c.name!r}; use letters, digits, '.', '_' and '-' only, e.g. --name digits-lr3e-3"
-    if c.resume and not c.name:
-        yield "resume", "needs the run to continue: add --name RUN (the directory under --storage)"
-    if c.progress not in PROGRESS_MODES:
-        yield "progress", f"got {c.progress!r}; choose one of {', '.join(PROGRESS_MODES)}{_close(c.progress, PROGRESS_MODES)}"
+    yield from resume.config_problems(c.resume, c.name)
     if not 0 < c.progress_interval_s < math.inf:
         yield "progress_interval_s", f"got {c.progress_interval_s}; must be a positive number of seconds, e.g. 10"
     if not 0 < c.ddp.bucket_cap_mb < math.inf:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raytrain.config import DEFAULT_STORAGE
-from raytrain.driver.run import address_problem
+from raytrain.driver.session import address_problem
 
 PROBE_TIMEOUT_S = 90.0
 _NETWORK_FS = {

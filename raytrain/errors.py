@@ -1,9 +1,14 @@
 """What can go wrong, by who must act: the user (never retried, exit 2) or nobody (retried).
 
-A `UserFault` is deterministic: bad configuration, data, pipeline code, checkpoint or
-storage. Running the attempt again repeats it, so raytrain's failure policy stops the run
-at once (`raytrain.driver.run.FailFastPolicy`) and the CLI exits 2 with the message. Worker
-deaths, lost nodes and collective timeouts are not UserFaults: they keep --max-failures.
+`UserError` is the one root of what the user must fix: bad configuration, usage, data,
+pipeline code, a checkpoint or storage. It is deterministic: running the attempt again
+repeats it, so raytrain's failure policy ends the run at once (`raytrain.driver.failfast`)
+and the CLI exits 2 with the message. Worker deaths, lost nodes and collective timeouts are
+not UserErrors: they keep --max-failures.
+
+The second half reads failures: an `ErrorSummary` (the exception and the user's frames) made
+on the worker from the exception object, or from a traceback's text when only that reached
+the driver, and `explain_worker_errors`, the paragraph a failed run prints.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,27 +35,64 @@ def is_user_file(path: str) -> bool:
     return not path.startswith(_RAYTRAIN_DIR) and not any(part in path for part in _LIBRARY_PARTS)
 
 
-class UserFault(Exception):
-    """An error the user must fix; retrying cannot help."""
+class UserError(Exception):
+    """An error the user must fix: one message naming what is wrong and the fix; exit 2,
+    never retried."""
 
 
-class DataError(UserFault, ValueError):
+class ConfigError(UserError, ValueError):
+    """Invalid user configuration: every problem at once, each with its fix.
+
+    `problems` is a list of (field, message). `render` spells each field the way
+    the user wrote it (a flag, a YAML key, a keyword argument).
+    """
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = list(problems)
+        super().__init__(self.render())
+
+    def render(self, spell: Callable[[str], str] | None = None) -> str:
+        spell = spell or (lambda name: name)
+        lines = [f"{spell(name)}: {message}" if name else message for name, message in self.problems]
+        if len(lines) == 1:
+            return f"Invalid configuration: {lines[0]}"
+        return f"Invalid configuration ({len(lines)} problems):\n" + "\n".join("  " + line for line in lines)
+
+
+class UsageError(UserError, ValueError):
+    """A command used in a way that cannot work (a missing file, an output in the way)."""
+
+
+class DataError(UserError, ValueError):
     """A dataset that cannot be trained on, naming the dataset, the file or row, and the fix."""
 
 
-class StorageError(UserFault, OSError):
+class StorageError(UserError, OSError):
     """A run file that cannot be written or read: the path, the errno and what to do."""
 
     def __str__(self) -> str:
         return str(self.strerror if self.strerror is not None else super().__str__())
 
 
-class PipelineCodeError(UserFault, RuntimeError):
+class CheckpointError(UserError, ValueError):
+    """A checkpoint or run directory that cannot be used, with what to do about it."""
+
+
+class PipelineError(UserError, ValueError):
+    """The pipeline named by the user cannot be found or is not a Pipeline."""
+
+
+class PipelineCodeError(UserError, RuntimeError):
     """The pipeline's own code raised or returned something raytrain cannot use."""
 
 
-def find_user_fault(error: BaseException | None) -> UserFault | None:
-    """The UserFault inside `error`: itself, its cause chain, a Ray task error's cause, or
+class RunFailed(RuntimeError):
+    """The run started but did not finish: the cause in one paragraph and where the logs are
+    (exit status 1)."""
+
+
+def find_user_error(error: BaseException | None) -> UserError | None:
+    """The UserError inside `error`: itself, its cause chain, a Ray task error's cause, or
     the first rank's exception of a Ray Train worker-group error."""
     seen: set[int] = set()
     stack = [error]
@@ -59,9 +102,9 @@ def find_user_fault(error: BaseException | None) -> UserFault | None:
             continue
         seen.add(id(current))
         cause = getattr(current, "cause", None)  # ray.exceptions.RayTaskError: the task's own exception
-        if isinstance(cause, UserFault):
+        if isinstance(cause, UserError):
             return cause
-        if isinstance(current, UserFault):
+        if isinstance(current, UserError):
             return current
         stack.append(getattr(current, "_base_exc", None))  # Ray Train's UserExceptionWithTraceback
         stack.append(cause)
@@ -158,7 +201,7 @@ def pipeline_code(pipeline, method: str) -> Iterator[None]:
     PipelineCodeError naming the method, the error and where in the user's code."""
     try:
         yield
-    except UserFault:
+    except UserError:
         raise
     except Exception as exc:
         where = user_frames(exc)
@@ -190,3 +233,102 @@ def innermost_error(exc: BaseException) -> str:
     if typed:
         return typed[-1][:500]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]
+
+
+# -- reading a traceback's text --------------------------------------------------------------
+
+_SNIPPET = re.compile(r"^\[Rank ([\d,\s]+) Error Snippet\]:\s*$", re.MULTILINE)
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+?)\s*$')
+_CHAINED = re.compile(r"^(During handling of the above exception|The above exception was the direct cause)", re.MULTILINE)
+
+
+def summarize_traceback(text: str) -> ErrorSummary:
+    """Exception type and message, and the innermost frames of user code (else the
+    innermost frames of all), from a formatted Python traceback."""
+    segments = _CHAINED.split(text)
+    last = segments[-1]
+    frames = _frames(last)
+    exception = _exception_lines(last, frames)
+    user = [frame for frame in frames if frame.is_user_code]
+    if not user:  # the error surfaced in a library; the user's call may be in a chained cause
+        for segment in reversed(segments[:-1]):
+            user = [frame for frame in _frames(segment) if frame.is_user_code]
+            if user:
+                break
+    return ErrorSummary(exception=exception, frames=user or frames[-2:])
+
+
+def _frames(text: str) -> list[Frame]:
+    lines = text.splitlines()
+    frames = []
+    for index, line in enumerate(lines):
+        match = _FRAME.match(line)
+        if not match:
+            continue
+        code = lines[index + 1].strip() if index + 1 < len(lines) else ""
+        if _FRAME.match(code) or not code or set(code) <= set("^~ "):
+            code = ""
+        frames.append(Frame(match["file"], int(match["line"]), match["func"], code))
+    return frames
+
+
+def _exception_lines(text: str, frames: list[Frame]) -> list[str]:
+    lines = [line.rstrip() for line in text.splitlines()]
+    start = 0
+    for index, line in enumerate(lines):
+        if _FRAME.match(line):
+            start = index + 1
+            # skip the frame's code and caret lines (indented)
+            while start < len(lines) and lines[start].startswith("    "):
+                start += 1
+    body = [line for line in lines[start:] if line.strip() and not line.startswith("Traceback (most recent call last)")]
+    body = [line for line in body if not _SNIPPET.match(line)]
+    return body
+
+
+def _attached_summaries(failures: dict[int, BaseException]) -> list[tuple[list[int], ErrorSummary]]:
+    """(ranks, summary) for the ranks whose exception carries its summary, alike ranks together."""
+    grouped: dict[tuple[str, ...], tuple[list[int], ErrorSummary]] = {}
+    for rank, exc in sorted(failures.items()):
+        summary = attached_summary(exc)
+        if summary is not None:
+            grouped.setdefault(tuple(summary.lines()), ([], summary))[0].append(rank)
+    return list(grouped.values())
+
+
+def explain_worker_errors(error: BaseException) -> list[str]:
+    """Per failed rank: `rank N raised Type: message`, then the user frames where it happened.
+
+    A rank's exception carries its ErrorSummary, made from the exception object on the
+    worker (`errors.summarize_on_raise`); ranks that failed alike are grouped. Otherwise
+    (an error raised outside raytrain's worker function) Ray Train's WorkerGroupError
+    carries each rank's traceback as text ("[Rank N Error Snippet]:", alike ranks grouped
+    as "Rank 0,1"), and other errors are summarized from their own text. Only the first
+    error keeps a long message in full.
+    """
+    text = str(error)
+    failed = _attached_summaries(getattr(error, "worker_failures", None) or {})
+    matches = [] if failed else list(_SNIPPET.finditer(text))
+    for index, match in enumerate(matches):
+        end = matches[index + 1].start() if index + 1 < len(matches) else len(text)
+        ranks = sorted(int(rank) for rank in re.findall(r"\d+", match[1]))
+        failed.append((ranks, summarize_traceback(text[match.end():end])))
+    if not failed:
+        for rank, exc in sorted((getattr(error, "worker_failures", None) or {}).items()):
+            failed.append(([rank], summarize_traceback(f"{type(exc).__name__}: {exc}")))
+    if not failed:
+        summary = summarize_traceback(text)
+        if "Traceback (most recent call last)" not in text:
+            summary.exception = [f"{type(error).__name__}: {text.strip()}".strip().rstrip(":")]
+            summary.exception = summary.exception[0].splitlines()
+        return summary.lines()
+    failed.sort(key=lambda item: item[0])
+    out = []
+    for number, (ranks, summary) in enumerate(failed[:4]):
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        lines = summary.lines(max_message_lines=12 if number == 0 else 1)
+        out.append(f"{who} raised {lines[0]}")
+        out.extend(lines[1:])
+    if len(failed) > 4:
+        out.append(f"(and {len(failed) - 4} more failed ranks: see the logs)")
+    return out

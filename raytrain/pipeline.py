@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from raytrain import fields
-from raytrain.errors import UserFault
+from raytrain.errors import PipelineError
 
 if TYPE_CHECKING:  # pragma: no cover
     import ray.data
@@ -82,10 +82,6 @@ class Pipeline:
     @property
     def name(self) -> str:
         return type(self).__name__
-
-
-class PipelineError(UserFault, ValueError):
-    """The pipeline named by the user cannot be found or is not a Pipeline."""
 
 
 def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:

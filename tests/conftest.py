@@ -57,7 +57,7 @@ def ray_session():
     import ray
 
     os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-    from raytrain.driver.run import free_port
+    from raytrain.driver.session import free_port
 
     pythonpath = os.pathsep.join([str(REPO), str(TESTS), *[p for p in sys.path if p]])
     dashboard_port = free_port()

@@ -38,7 +38,7 @@ def main(out: Path) -> None:
     from ray.cluster_utils import Cluster
 
     import raytrain
-    from raytrain.driver.run import free_port
+    from raytrain.driver.session import free_port
     from rt_test_pipelines import RecordingPipeline, SlowDigitsPipeline
 
     dashboard_port = free_port()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import raytrain
 from pipelines.digits.pipeline import DigitsPipeline
-from raytrain.rules.batch import split_range
+from raytrain.rules.steps import split_range
 
 
 def read_jsonl(path: Path) -> list[dict]:

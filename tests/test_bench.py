@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raytrain import bench
+from raytrain.bench import baselines, render, study
 from raytrain.bench import BenchOptions, PlannedRun, baseline_rows, epochs_for, pick_run, scaling_rows, step_split, steady_steps_per_epoch
 from raytrain.cli import main
-from raytrain.config import ConfigError, TrainConfig
+from raytrain.config import TrainConfig
+from raytrain.errors import ConfigError
 from raytrain.rules.batch import resolve_batch_plan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -37,7 +38,7 @@ def test_epochs_hold_the_steady_steps_asked():
 
 def test_bench_warmup_steps_reach_the_loop_through_the_config(tmp_path):
     opts = BenchOptions(workers=[2], warmup_steps=5, storage=str(tmp_path))
-    cfg = bench.bench_config({"timing_warmup_steps": 1}, opts, workers=2, epochs=1, storage=tmp_path, name="w2")
+    cfg = study.bench_config({"timing_warmup_steps": 1}, opts, workers=2, epochs=1, storage=tmp_path, name="w2")
     assert cfg.timing_warmup_steps == 5  # bench owns it: the baselines leave out as many
 
 
@@ -109,7 +110,7 @@ def _report(tmp_path: Path) -> dict:
         "pipeline": "digits", "name": "b", "date": "2026-11-29", "command": "raytrain bench digits --workers 1,2",
         "machine": {"cpus": 2, "gpu": None, "torch": "2.13", "ray": "2.60", "load_average_at_end": [1.0, 1.0, 1.0]},
         "train_options": TrainConfig().to_dict(), "steps": 10, "warmup_steps": 3, "repeat": 2, "num_train_rows": 1438,
-        "params": 85_000, "grad_bytes": 340_000, "link": "eth10", "method": bench.METHOD.format(warmup=3, statistic="median"),
+        "params": 85_000, "grad_bytes": 340_000, "link": "eth10", "method": render.METHOD.format(warmup=3, statistic="median"),
         "results": rows, "baselines": baseline_rows(rows, chosen),
         "rounds": {"raytrain": {"1": [3000.0, 2800.0], "2": [5000.0, 4000.0]}}, "baseline_runs": chosen,
     }  # fmt: skip
@@ -117,14 +118,14 @@ def _report(tmp_path: Path) -> dict:
 
 def test_outputs_table_markdown_and_png(tmp_path):
     report = _report(tmp_path)
-    bench.write_bench_files(tmp_path, report)
+    render.write_bench_files(tmp_path, report)
     assert json.loads((tmp_path / "bench.json").read_text())["results"][0]["speedup"] == 1.0
     markdown = (tmp_path / "bench.md").read_text()
     assert "| 1 | 32 | 3,000 | 1.00× | 100% |" in markdown
     assert "| torchrun | 2 | 4,800 | 5,000 | 1.042 | stopped |" in markdown
     assert "forward+backward at N workers − forward+backward at 1 worker" in markdown
     assert (tmp_path / "scaling.png").read_bytes()[:8] == PNG_MAGIC
-    text = bench.render_text(report)
+    text = render.render_text(report)
     assert "speedup" in text and "raytrain / baseline" in text
 
 
@@ -149,7 +150,7 @@ def planned(tmp_path_factory) -> PlannedRun:
 def test_template_baselines_run(planned, mode):
     opts = BenchOptions(workers=[2], warmup_steps=3, baselines=[mode], storage=str(planned.out))
     lines: list[str] = []
-    result = bench.run_template("digits", planned, opts, planned.out, mode=mode, tag="", echo=lines.append)
+    result = baselines.run_template("digits", planned, opts, planned.out, mode=mode, tag="", echo=lines.append)
     world = 2 if mode == "torchrun" else 1
     assert result["mode"] == mode and result["world_size"] == world and result["threads"] == 1
     # 200 rows, 16 per rank: 7 steps per epoch under torchrun (13 plain), 3 of them warm-up, 2 epochs.

@@ -20,7 +20,8 @@ import torch
 import yaml
 from torch import nn
 
-from raytrain.cli import load_yaml, main
+from raytrain.cli import main
+from raytrain.cli.options import load_yaml
 from raytrain.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,9 @@ import re
 
 import pytest
 
-from raytrain.config import ConfigError, DDPConfig, TrainConfig, flag_name, parse_workers
+from raytrain.config import DDPConfig, TrainConfig, parse_workers
+from raytrain.errors import ConfigError
+from raytrain.fields import flag_name
 
 
 def problems_of(**kwargs) -> list[tuple[str, str]]:

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from raytrain.rules import order
-from raytrain.data.checks import DataError, Schema, Stream, check_columns, check_units, load_table
-from raytrain.worker.loop import split_rows
+from raytrain.data.checks import Schema, check_columns, check_units, load_table
+from raytrain.data.stream import Stream
+from raytrain.errors import DataError
+from raytrain.rules.steps import micro_batches
 from raytrain.rules.order import StreamLayout
-from raytrain.rules.batch import epoch_steps
+from raytrain.rules.steps import epoch_steps
 
 CPU = torch.device("cpu")
 
@@ -72,7 +74,7 @@ def train_ids(stream, world_size, epoch, global_batch, accumulation=1, start=0, 
     for step in epoch_steps(len(stream), global_batch, start)[:stop_after]:
         ids, counts = [], []
         for data in epochs:
-            for piece in split_rows(data.rows(step), accumulation):
+            for piece in micro_batches(data.rows(step), accumulation):
                 batch, count = data.batch(piece, CPU)
                 counts.append(count)
                 ids.extend(batch["id"].tolist()[:count])
@@ -177,11 +179,11 @@ def test_streamed_eval_covers_each_row_once_across_ranks():
 
 def test_split_rows_cuts_lane_ranges_into_micro_batches():
     rows = [(0, 10, 15), (3, 0, 4)]
-    parts = split_rows(rows, 3)
+    parts = micro_batches(rows, 3)
     assert [sum(hi - lo for *_, lo, hi in part) for part in parts] == [3, 3, 3]
     assert [r for part in parts for r in part] == [(0, 10, 13), (0, 13, 15), (3, 0, 1), (3, 1, 4)]
-    assert split_rows([(2, 5)], 2) == [[(2, 4)], [(4, 5)]]
-    assert split_rows([], 2) == [[], []]
+    assert micro_batches([(2, 5)], 2) == [[(2, 4)], [(4, 5)]]
+    assert micro_batches([], 2) == [[], []]
 
 
 # -- checks --------------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ def test_doctor_unreachable_address_fails_fast():
 
 
 def test_dashboard_url_is_not_a_ray_address():
-    from raytrain.driver.run import address_problem as _unreachable
+    from raytrain.driver.session import address_problem as _unreachable
 
     assert "GCS address" in _unreachable("http://127.0.0.1:8265")
     assert _unreachable("auto") is None

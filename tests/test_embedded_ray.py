@@ -43,7 +43,7 @@ PROBE = textwrap.dedent('''
     import json, socket, urllib.request
     import psutil
     from raytrain.config import TrainConfig
-    from raytrain.driver.run import ray_session
+    from raytrain.driver.session import ray_session
     import ray
 
     with ray_session(TrainConfig(workers=1)):

@@ -87,11 +87,12 @@ def test_driver_killed_mid_run_then_resume_finishes_the_run(tmp_path):
 
 
 def _loadable_checkpoint(run_dir: Path) -> bool:
+    from raytrain.errors import CheckpointError
     from raytrain.rundir import checkpoints as ckpt
     for directory in ckpt.checkpoint_dirs(run_dir):
         try:
             ckpt.load_state(directory)
             return True
-        except ckpt.CheckpointError:
+        except CheckpointError:
             continue
     return False

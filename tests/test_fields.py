@@ -13,9 +13,11 @@ import pytest
 import raytrain
 from raytrain import fields
 from raytrain.bench import BenchOptions
-from raytrain.cli import add_flags, build_parser
-from raytrain.config import DDPConfig, TrainConfig, flag_name
-from raytrain.pipeline import PipelineError, parse_pipeline_args
+from raytrain.cli.parser import add_flags, build_parser
+from raytrain.config import DDPConfig, TrainConfig
+from raytrain.fields import flag_name
+from raytrain.pipeline import parse_pipeline_args
+from raytrain.errors import PipelineError
 from raytrain.bench.predict import PredictOptions
 from raytrain.tune import TuneOptions
 

@@ -22,12 +22,15 @@ import torch
 import raytrain
 from raytrain import rundir
 from raytrain.cli import main
-from raytrain.config import ConfigError, TrainConfig
-from raytrain.errors import PipelineCodeError, StorageError, find_user_fault, pipeline_code
-from raytrain.worker.loop import check_loss_output, is_collective_failure
-from raytrain.pipeline import PipelineError, parse_pipeline_args
+from raytrain.config import TrainConfig
+from raytrain.errors import ConfigError
+from raytrain.errors import PipelineCodeError, StorageError, find_user_error, pipeline_code
+from raytrain.worker.step import check_loss_output, is_collective_failure
+from raytrain.pipeline import parse_pipeline_args
+from raytrain.errors import PipelineError
 from raytrain.rules.resume import StoredRun, changes
-from raytrain.driver.run import address_problem, check_embedded_capacity, write_summary
+from raytrain.driver.session import address_problem, check_embedded_capacity
+from raytrain.driver.summary import write_summary
 
 
 def test_run_files_are_strict_json():
@@ -35,7 +38,7 @@ def test_run_files_are_strict_json():
 
 
 def test_summary_is_strict_and_says_diverged_for_a_nan_loss(tmp_path):
-    from raytrain.worker.loop import TrainingDiverged
+    from raytrain.worker.window import TrainingDiverged
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "step": 5, "loss": float("nan"), "world_size": 2, "epoch_end": True}) + "\n")
     summary = write_summary(tmp_path, TrainConfig(), None, TrainingDiverged("the loss became NaN"), time.time())
@@ -190,7 +193,7 @@ def test_pipeline_code_errors_name_the_method_and_the_users_frame():
     message = str(failure.value)
     assert message.startswith("pipeline Pipeline: build_model raised KeyError: 'missing'")
     assert "test_hardening.py" in message and "in users_code" in message
-    assert find_user_fault(RuntimeError("wrapper")) is None and find_user_fault(failure.value) is failure.value
+    assert find_user_error(RuntimeError("wrapper")) is None and find_user_error(failure.value) is failure.value
 
 
 def test_collective_failures_are_not_the_pipelines_fault():
@@ -242,7 +245,7 @@ def test_a_worker_count_this_machine_cannot_hold_is_refused_with_the_numbers(tmp
 
 
 def test_build_datasets_without_train_lists_the_keys(ray_free_build):
-    from raytrain.driver.run import build_datasets
+    from raytrain.data.sources import build_datasets
 
     class NoTrain(raytrain.Pipeline):
         def build_datasets(self, cfg):

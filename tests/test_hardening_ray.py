@@ -15,7 +15,7 @@ import raytrain
 from raytrain.rundir.checkpoints import checkpoint_dirs
 from raytrain.cli import main
 from raytrain.errors import PipelineCodeError, StorageError
-from raytrain.worker.loop import TrainingDiverged
+from raytrain.worker.window import TrainingDiverged
 
 pytestmark = pytest.mark.ray
 

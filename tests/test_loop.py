@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from raytrain.rules.attempt import Attempt
-from raytrain.data.checks import Table
-from raytrain.worker.loop import LossWindow, data_notes
+from raytrain.data.table import Table
+from raytrain.worker.loop import data_notes
+from raytrain.worker.window import LossWindow
 from raytrain.worker.phases import PhaseTimer, StepPhases
 from raytrain.rules.position import Position
 from raytrain.rundir import RunDir
@@ -189,7 +190,7 @@ def test_an_epochs_end_writes_its_row_and_its_line(tmp_path):
 def test_finishing_writes_the_model_the_progress_and_the_last_event(tmp_path):
     writer = RunWriter(tmp_path, enabled=True)
     position = Position(epoch=2, step=40, samples_seen=1280, world_sizes=[2], steady_steps=30, steady_samples=960, steady_time_s=2.0)
-    writer.finish(torch.nn.Linear(2, 1), position.progress("finished"))
+    writer.finish(torch.nn.Linear(2, 1).state_dict(), position.progress("finished"))
     assert set(torch.load(tmp_path / "model.pt", weights_only=True)) == {"weight", "bias"}
     progress = json.loads((tmp_path / "progress.json").read_text())
     assert set(progress) == {

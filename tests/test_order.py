@@ -10,7 +10,7 @@ import pytest
 
 from raytrain.rules import order
 from raytrain.rules.order import EpochPlan, StreamLayout, lane_owners, lane_prefix
-from raytrain.rules.batch import epoch_steps, split_range
+from raytrain.rules.steps import epoch_steps, split_range
 
 
 def brute_prefix(lane_rows, position):

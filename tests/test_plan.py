@@ -10,22 +10,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from pathlib import Path
+
 import pytest
 
-from raytrain.rules import batch as plan
-from raytrain.rules.batch import (
-    BatchPlan,
-    Step,
-    default_reference_batch_size,
-    epoch_order,
-    epoch_steps,
-    lr_at,
-    lr_scale,
-    micro_batches,
-    rank_rows,
-    resolve_batch_plan,
-    split_range,
-)
+
+from raytrain.rules.batch import BatchPlan, default_reference_batch_size, lr_scale, resolve_batch_plan
+from raytrain.rules.schedule import lr_at
+from raytrain.rules.steps import Step, epoch_order, epoch_steps, micro_batches, rank_rows, split_range
 
 # -- batch plan ------------------------------------------------------------------------------
 
@@ -63,6 +55,16 @@ def test_per_worker_mode_grows_with_the_workers():
     assert resolve_batch_plan(4, batch_size_per_worker=32).describe() == "global 128 = 4 workers × 32 per worker × 1 accumulation step"
 
 
+def one_range(begin: int, end: int, parts: int) -> list[tuple[int, int]]:
+    """The production split (`micro_batches`) of one range of rows, as (lo, hi) per part."""
+    out, at = [], begin
+    for piece in micro_batches([(begin, end)], parts):
+        lo, hi = piece[0] if piece else (at, at)
+        out.append((lo, hi))
+        at = hi
+    return out
+
+
 @pytest.mark.parametrize(
     "world_size, global_batch, micro, steps",
     [(2, 64, 32, 1), (2, 64, 16, 2), (2, 64, 10, 4), (1, 256, 64, 4), (3, 64, 11, 2), (3, 64, 22, 1), (3, 64, 21, 2), (8, 64, 100, 1)],
@@ -72,7 +74,7 @@ def test_micro_batch_size_sets_accumulation(world_size, global_batch, micro, ste
     assert p.accumulation_steps == steps
     assert p.global_batch_size == global_batch  # accumulation never changes what the optimizer sees
     for rank in range(world_size):
-        parts = micro_batches(0, p.rank_share(rank), p.accumulation_steps)
+        parts = one_range(0, p.rank_share(rank), p.accumulation_steps)
         assert max(b - a for a, b in parts) <= micro
 
 
@@ -233,7 +235,7 @@ def rows_per_rank(num_rows: int, global_batch: int, world_size: int, accumulatio
         for step in steps:  # what every rank computes on its own
             step_counts[rank] += 1
             begin, end = rank_rows(step, rank, world_size)
-            parts = micro_batches(begin, end, accumulation)
+            parts = one_range(begin, end, accumulation)
             assert parts[0][0] == begin and parts[-1][1] == end
             assert all(a <= b for a, b in parts) and all(p[1] == q[0] for p, q in zip(parts, parts[1:]))
             for a, b in parts:
@@ -309,7 +311,12 @@ def test_resume_mid_epoch_at_another_world_size(rows, before, after, stop_after_
     assert sorted(order[trained_before + trained_after]) == list(range(rows))  # each sample once
 
 
-def test_plan_is_pure():
-    """The rules module imports neither Ray nor torch."""
-    source = open(plan.__file__).read()
-    assert "import ray" not in source and "import torch" not in source
+def test_the_rules_are_pure():
+    """The rules (raytrain/rules/) import neither Ray nor torch."""
+    import raytrain.rules
+
+    files = sorted(Path(raytrain.rules.__file__).parent.glob("*.py"))
+    assert len(files) > 5
+    for path in files:
+        source = path.read_text()
+        assert "import ray" not in source and "import torch" not in source, path.name

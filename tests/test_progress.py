@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from raytrain.rundir import Event, MetricsRow
-from raytrain.observe.console import Console, EpochProgress, explain_worker_errors, format_duration, summarize_traceback
+from raytrain.observe.console import Console, EpochProgress, format_duration
+from raytrain.errors import explain_worker_errors, summarize_traceback
 
 RAYTRAIN = Path(__import__("raytrain").__file__).resolve().parent
 

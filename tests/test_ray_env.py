@@ -8,7 +8,7 @@ import os
 def test_train_timers_poll_reports_often_unless_the_user_set_it(monkeypatch):
     from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE, HEALTH_CHECK_INTERVAL_S_ENV_VAR
 
-    from raytrain.driver import run as trainer
+    from raytrain.driver import launch as trainer
     from raytrain.config import TrainConfig
 
     # The name Ray's controller reads, and Train carries it from the driver to the controller

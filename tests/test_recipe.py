@@ -13,17 +13,23 @@ from torch import nn
 
 import raytrain
 from raytrain.worker import optim
-from raytrain.rules import batch as plan
-from raytrain.config import ConfigError, TrainConfig
-from raytrain.data.checks import DataError, Table, sample_columns
-from raytrain.worker.loop import Batch, LossWindow, StepRunner, run_schedule
-from raytrain.rules.batch import Schedule, resolve_batch_plan
+from raytrain.rules import steps
+from raytrain.config import TrainConfig
+from raytrain.errors import ConfigError
+from raytrain.data.table import Table
+from raytrain.data.torch_dataset import sample_columns
+from raytrain.errors import DataError
+from raytrain.worker.step import Batch, StepRunner
+from raytrain.worker.window import LossWindow
+from raytrain.rules.schedule import run_schedule
+from raytrain.rules.batch import resolve_batch_plan
+from raytrain.rules.schedule import LRSchedule
 from raytrain.rules.position import Position
 
 N = 1000  # rows per epoch in the schedule tests
 
 
-def schedule(kind: str, **kw) -> Schedule:
+def schedule(kind: str, **kw) -> LRSchedule:
     cfg = TrainConfig(epochs=10, batch_size_per_worker=10, reference_batch_size=10, schedule=kind, lr=0.1, warmup_epochs=kw.pop("warmup", 1.0), **kw)
     return run_schedule(cfg, resolve_batch_plan(4, batch_size_per_worker=10), N)  # global 40, reference 10: peak 0.4
 
@@ -132,7 +138,7 @@ def one_step(precision: str, clip: float | None) -> float:
         window=LossWindow.on(torch.device("cpu")),
     )  # fmt: skip
     table = Table({"x": np.ones((8, 4), dtype=np.float32)})
-    step = plan.epoch_steps(8, 8)[0]
+    step = steps.epoch_steps(8, 8)[0]
     runner.optimizer_step(table.epoch(0, 0, 0, 0, 1), step, Position(), timed=False)
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     return float((after - before).norm())

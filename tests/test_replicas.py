@@ -7,20 +7,22 @@ import random
 
 import pytest
 
-from raytrain.rules import batch as rules
-from raytrain.config import ConfigError, TrainConfig
-from raytrain.worker.loop import batch_plan_for, run_schedule
+from raytrain.rules import steps
+from raytrain.config import TrainConfig
+from raytrain.errors import ConfigError
+from raytrain.rules.batch import batch_plan_for
+from raytrain.rules.schedule import run_schedule
 from raytrain.worker.replicas import StallWatch, stall_seconds
 from raytrain.rundir import Event, Kind
 
 
-def split(step: rules.Step, size: int) -> list[tuple[int, int]]:
-    return [rules.rank_rows(step, rank, size) for rank in range(size)]
+def split(step: steps.Step, size: int) -> list[tuple[int, int]]:
+    return [steps.rank_rows(step, rank, size) for rank in range(size)]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 7])
 def test_a_quorum_splits_a_steps_rows_among_its_members_exactly(size):
-    step = rules.Step(index=0, start=40, end=71)
+    step = steps.Step(index=0, start=40, end=71)
     pieces = split(step, size)
     assert [row for lo, hi in pieces for row in range(lo, hi)] == list(range(40, 71))
     assert max(hi - lo for lo, hi in pieces) - min(hi - lo for lo, hi in pieces) <= 1
@@ -36,11 +38,11 @@ def test_committed_steps_train_every_row_once_whatever_the_quorum_does(batch, se
     rows, offset, trained, retaken = 1000, 0, [], 0
     while offset < rows:
         size = rng.choice([1, 2, 3])
-        step = rules.next_step(rows, batch_plan_for(cfg, size).global_batch_size, offset)
+        step = steps.next_step(rows, batch_plan_for(cfg, size).global_batch_size, offset)
         first_try = [r for lo, hi in split(step, size) for r in range(lo, hi)]
         if rng.random() < 0.2:  # a member died inside the step: not committed, taken again
             retaken += 1
-            again = rules.next_step(rows, batch_plan_for(cfg, size).global_batch_size, offset)
+            again = steps.next_step(rows, batch_plan_for(cfg, size).global_batch_size, offset)
             assert [r for lo, hi in split(again, size) for r in range(lo, hi)] == first_try  # the same rows
             continue
         trained += first_try
@@ -49,13 +51,13 @@ def test_committed_steps_train_every_row_once_whatever_the_quorum_does(batch, se
 
 
 def test_the_gradient_is_the_mean_over_the_steps_rows_whatever_the_quorum():
-    step = rules.Step(index=0, start=0, end=31)
+    step = steps.Step(index=0, start=0, end=31)
     losses = [float(r % 7) for r in range(31)]  # per-row losses
     for size in (1, 2, 3, 4):
         per_member = []
         for lo, hi in split(step, size):
             mean = sum(losses[lo:hi]) / (hi - lo)
-            per_member.append(mean * rules.gradient_weight(hi - lo, size, step.size))
+            per_member.append(mean * steps.gradient_weight(hi - lo, size, step.size))
         assert sum(per_member) / size == pytest.approx(sum(losses) / len(losses))  # DDP's mean over members
 
 
@@ -123,7 +125,7 @@ class FakeRunner:
 
 
 def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tmp_path):
-    from raytrain.worker.loop import follow_quorum
+    from raytrain.worker.epoch import follow_quorum
     from raytrain.rules.position import Position
     from raytrain.rundir import RunDir
     from raytrain.rundir.writer import RunWriter

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from raytrain.config import TrainConfig
-from raytrain.driver.run import write_summary
+from raytrain.driver.summary import write_summary
 
 
 def test_summary_carries_the_steady_step_count(tmp_path):

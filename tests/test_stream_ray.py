@@ -15,7 +15,7 @@ import raytrain
 from raytrain.rules import order
 from raytrain.data import shards
 from raytrain.cli import main
-from raytrain.driver.run import PROBE_ROWS
+from raytrain.data.sources import PROBE_ROWS
 
 pytestmark = pytest.mark.ray
 

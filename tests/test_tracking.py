@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import raytrain
-from raytrain.config import ConfigError
+from raytrain.errors import ConfigError
 from raytrain.rundir import Event, MetricsRow, Summary, Tail
 from raytrain.observe.tracking import (
     Dispatcher,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import raytrain
-from raytrain.rules import batch as rules
-from raytrain.config import ConfigError
+from raytrain.rules import schedule
+from raytrain.errors import ConfigError
 from rt_test_pipelines import RecordingPipeline, WeightProbePipeline, read_jsonl
 
 pytestmark = pytest.mark.ray
@@ -131,7 +131,7 @@ def test_local_mode_runs_the_loop_in_process(ray_session, tmp_path):
     assert orders[0] != orders[1]  # reshuffled every epoch
     assert result.summary["steps"] == 2 * 3  # ceil(37 / 16) steps per epoch, tail kept
     assert result.summary["steady_steps"] == 2 * (3 - 1)  # the first step of every epoch is warm-up
-    expected_lr = rules.lr_at(0, base_lr=1e-3, peak_lr=1e-3, warmup_samples=37, total_samples=74)
+    expected_lr = schedule.lr_at(0, base_lr=1e-3, peak_lr=1e-3, warmup_samples=37, total_samples=74)
     assert rows[0]["lr"] == pytest.approx(expected_lr)
 
 
@@ -152,7 +152,7 @@ def test_embedded_ray_starts_its_workers_at_niceness_0(tmp_path):
     script = (
         "import os, ray\n"
         "from raytrain.config import TrainConfig\n"
-        "from raytrain.driver.run import ray_session\n"
+        "from raytrain.driver.session import ray_session\n"
         "with ray_session(TrainConfig(workers=1, storage='unused')):\n"
         "    print('niceness', ray.get(ray.remote(lambda: os.nice(0)).remote()))\n"
     )

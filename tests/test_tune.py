@@ -20,7 +20,8 @@ import ray
 import yaml
 
 from raytrain.cli import main
-from raytrain.config import ConfigError, TrainConfig
+from raytrain.config import TrainConfig
+from raytrain.errors import ConfigError
 from raytrain.tune import (
     SUBSTITUTED,
     SearchSpace,
@@ -418,7 +419,7 @@ def test_a_trial_that_reported_nothing_is_read_from_its_run_directory(tmp_path):
 
 
 def test_a_failed_trials_error_is_its_exceptions_first_line():
-    from raytrain.driver.run import RunFailed
+    from raytrain.errors import RunFailed
 
     class Wrapped(Exception):  # as Ray wraps a trial's exception
         def __init__(self, cause):

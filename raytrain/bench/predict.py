@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Callable
 
 from raytrain.rules import costmodel
-from raytrain.config import ConfigError, flag_name
-from raytrain.errors import UserFault
+from raytrain.errors import ConfigError
+from raytrain.fields import flag_name
+from raytrain.errors import UserError
 from raytrain.observe.render import text_table
 
 
-class PredictError(UserFault, ValueError):
+class PredictError(UserError, ValueError):
     """Inputs the cost model cannot use, named as the --predict options."""
 
 

@@ -1,6 +1,6 @@
 """Ray Train's failure policy, but deterministic errors are not retried.
 
-Ray Train retries every worker error up to `FailureConfig(max_failures)`. A `UserFault`
+Ray Train retries every worker error up to `FailureConfig(max_failures)`. A `UserError`
 (bad data, configuration, pipeline code, storage; `raytrain.errors`) would fail the same
 way on every attempt, so the policy ends the run at the first one. Worker deaths, lost
 nodes and collective timeouts keep Ray's policy and --max-failures.
@@ -12,7 +12,7 @@ from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
 from raytrain.driver import interrupts
-from raytrain.errors import find_user_fault
+from raytrain.errors import find_user_error
 
 
 class FailFastPolicy(FailurePolicy):
@@ -21,7 +21,7 @@ class FailFastPolicy(FailurePolicy):
         self.inner = inner
 
     def make_decision(self, training_failed_error) -> FailureDecision:
-        if find_user_fault(training_failed_error) is not None:
+        if find_user_error(training_failed_error) is not None:
             return FailureDecision.RAISE
         return self.inner.make_decision(training_failed_error)
 

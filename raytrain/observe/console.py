@@ -15,13 +15,11 @@ import contextlib
 import dataclasses
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from raytrain.errors import ErrorSummary, Frame, attached_summary
 from raytrain.rundir import Event, Kind, MetricsRow
 from raytrain.observe.sinks import Sink
 
@@ -243,102 +241,3 @@ class Console(Sink):
             self.bar.close()  # leave=False: the bar's line is cleared
             self.bar = None
             self.bar_epoch = None
-
-
-# -- failures ----------------------------------------------------------------------------------
-
-_SNIPPET = re.compile(r"^\[Rank ([\d,\s]+) Error Snippet\]:\s*$", re.MULTILINE)
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+?)\s*$')
-_CHAINED = re.compile(r"^(During handling of the above exception|The above exception was the direct cause)", re.MULTILINE)
-
-
-def summarize_traceback(text: str) -> ErrorSummary:
-    """Exception type and message, and the innermost frames of user code (else the
-    innermost frames of all), from a formatted Python traceback."""
-    segments = _CHAINED.split(text)
-    last = segments[-1]
-    frames = _frames(last)
-    exception = _exception_lines(last, frames)
-    user = [frame for frame in frames if frame.is_user_code]
-    if not user:  # the error surfaced in a library; the user's call may be in a chained cause
-        for segment in reversed(segments[:-1]):
-            user = [frame for frame in _frames(segment) if frame.is_user_code]
-            if user:
-                break
-    return ErrorSummary(exception=exception, frames=user or frames[-2:])
-
-
-def _frames(text: str) -> list[Frame]:
-    lines = text.splitlines()
-    frames = []
-    for index, line in enumerate(lines):
-        match = _FRAME.match(line)
-        if not match:
-            continue
-        code = lines[index + 1].strip() if index + 1 < len(lines) else ""
-        if _FRAME.match(code) or not code or set(code) <= set("^~ "):
-            code = ""
-        frames.append(Frame(match["file"], int(match["line"]), match["func"], code))
-    return frames
-
-
-def _exception_lines(text: str, frames: list[Frame]) -> list[str]:
-    lines = [line.rstrip() for line in text.splitlines()]
-    start = 0
-    for index, line in enumerate(lines):
-        if _FRAME.match(line):
-            start = index + 1
-            # skip the frame's code and caret lines (indented)
-            while start < len(lines) and lines[start].startswith("    "):
-                start += 1
-    body = [line for line in lines[start:] if line.strip() and not line.startswith("Traceback (most recent call last)")]
-    body = [line for line in body if not _SNIPPET.match(line)]
-    return body
-
-
-def _attached_summaries(failures: dict[int, BaseException]) -> list[tuple[list[int], ErrorSummary]]:
-    """(ranks, summary) for the ranks whose exception carries its summary, alike ranks together."""
-    grouped: dict[tuple[str, ...], tuple[list[int], ErrorSummary]] = {}
-    for rank, exc in sorted(failures.items()):
-        summary = attached_summary(exc)
-        if summary is not None:
-            grouped.setdefault(tuple(summary.lines()), ([], summary))[0].append(rank)
-    return list(grouped.values())
-
-
-def explain_worker_errors(error: BaseException) -> list[str]:
-    """Per failed rank: `rank N raised Type: message`, then the user frames where it happened.
-
-    A rank's exception carries its ErrorSummary, made from the exception object on the
-    worker (`errors.summarize_on_raise`); ranks that failed alike are grouped. Otherwise
-    (an error raised outside raytrain's worker function) Ray Train's WorkerGroupError
-    carries each rank's traceback as text ("[Rank N Error Snippet]:", alike ranks grouped
-    as "Rank 0,1"), and other errors are summarized from their own text. Only the first
-    error keeps a long message in full.
-    """
-    text = str(error)
-    failed = _attached_summaries(getattr(error, "worker_failures", None) or {})
-    matches = [] if failed else list(_SNIPPET.finditer(text))
-    for index, match in enumerate(matches):
-        end = matches[index + 1].start() if index + 1 < len(matches) else len(text)
-        ranks = sorted(int(rank) for rank in re.findall(r"\d+", match[1]))
-        failed.append((ranks, summarize_traceback(text[match.end():end])))
-    if not failed:
-        for rank, exc in sorted((getattr(error, "worker_failures", None) or {}).items()):
-            failed.append(([rank], summarize_traceback(f"{type(exc).__name__}: {exc}")))
-    if not failed:
-        summary = summarize_traceback(text)
-        if "Traceback (most recent call last)" not in text:
-            summary.exception = [f"{type(error).__name__}: {text.strip()}".strip().rstrip(":")]
-            summary.exception = summary.exception[0].splitlines()
-        return summary.lines()
-    failed.sort(key=lambda item: item[0])
-    out = []
-    for number, (ranks, summary) in enumerate(failed[:4]):
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        lines = summary.lines(max_message_lines=12 if number == 0 else 1)
-        out.append(f"{who} raised {lines[0]}")
-        out.extend(lines[1:])
-    if len(failed) > 4:
-        out.append(f"(and {len(failed) - 4} more failed ranks: see the logs)")
-    return out

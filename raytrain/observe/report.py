@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raytrain.errors import UserFault
+from raytrain.errors import UserError
 from raytrain.observe.render import figure, is_number, markdown_table, plural
 from raytrain.rundir import Event, Kind, MetricsRow, RunDir, Summary
 
@@ -29,7 +29,7 @@ PLOTS_DIR = "plots"
 REPORT_FILE = "report.md"
 
 
-class ReportError(UserFault, ValueError):
+class ReportError(UserError, ValueError):
     """RUN_DIR is not a run directory."""
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from raytrain.config import ConfigError
+from raytrain.errors import ConfigError
 from raytrain.observe.render import first_line, markdown_table
 from raytrain.rundir import Event, Kind, MetricsRow, Summary
 from raytrain.observe.sinks import Dispatcher, Sink, follow, record_time

@@ -12,10 +12,11 @@ import enum
 import math
 from collections.abc import Sequence
 
-from raytrain.rules import batch as rules
+from raytrain.rules.batch import BatchPlan
 from raytrain.config import TrainConfig
 from raytrain.pipeline import Pipeline, overrides
 from raytrain.rules.position import Position
+from raytrain.rules.schedule import LRSchedule
 from raytrain.observe.render import sci
 from raytrain.rundir.records import Event, Kind
 
@@ -53,7 +54,7 @@ class Attempt(enum.Enum):
         return Event(Kind.RESTORE, message, extra={"world_size": world_size, "step": position.step})
 
 
-def describe_plan(cfg: TrainConfig, pipeline: Pipeline, batch_plan: rules.BatchPlan, schedule: rules.Schedule, backend: str) -> str:
+def describe_plan(cfg: TrainConfig, pipeline: Pipeline, batch_plan: BatchPlan, schedule: LRSchedule, backend: str) -> str:
     """`global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, ...)`."""
     factor = schedule.peak_lr / cfg.lr
     rule = {"linear": "linear rule", "sqrt": "square-root rule", "none": "no scaling"}[cfg.lr_scaling]

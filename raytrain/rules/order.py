@@ -221,7 +221,7 @@ def deal_units(unit_rows: Sequence[int], world_size: int) -> list[list[int]]:
 def epoch_step_ids(layout: StreamLayout, seed: int, epoch: int, global_batch_size: int, start: int = 0) -> list[np.ndarray]:
     """Global row ids trained by each step of an epoch from `start`, sorted within a step:
     the reference the tests and `raytrain bench` check a run against."""
-    from raytrain.rules.batch import epoch_steps
+    from raytrain.rules.steps import epoch_steps
 
     plan = EpochPlan.build(layout, seed, epoch)
     out = []

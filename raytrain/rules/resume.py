@@ -1,81 +1,89 @@
 """`--resume`: continue the run that was, with only the changes it can honour.
 
-A resumed run starts from its own resolved `config.yaml`; options given with `--resume`
-override only what they name (`raytrain.cli` merges them). Before anything is written, the
-driver checks here what the new options would change:
+Every resume rule lives here; the CLI, the config checks, the driver and the workers ask.
 
-- refused (exit 2): another pipeline; while an epoch is half done, another `seed`,
-  `shuffle_window_rows` or `data_partitions` — each changes that epoch's order, so the rest
-  of it would skip some samples and repeat others (at an epoch boundary they are allowed);
-- allowed and said in the restart line: everything else (epochs, batch knobs — the plan is
-  derived again —, learning rate and schedule, workers, precision, cadences, trackers).
+- A new run needs a new name; `--resume` needs `--name` and a run by that name.
+- A resumed run starts from its own resolved `config.yaml`; the `--config` file and the
+  flags given with `--resume` override only what they name (`resumed_values`).
+- Before anything is written, the driver checks what the new options would change
+  (`changes`):
+  - refused (exit 2): another pipeline; another optimizer than the checkpoint's state holds;
+    while an epoch is half done, another `seed`, `shuffle_window_rows` or `data_partitions`
+    (each changes that epoch's order, so the rest of it would skip some samples and repeat
+    others; at an epoch boundary they are allowed);
+  - allowed and said in the resume line: everything else (epochs, batch knobs — the plan
+    is derived again —, learning rate and schedule, workers, precision, cadences, trackers).
+- The pipeline's model must load the checkpoint (`model_mismatch`), and an epoch half done
+  continues only on the same training set (`check_same_data`: on the driver for a stream,
+  whose layout it knows, and on every worker).
 
-The latest *complete* checkpoint is found from the run directory itself (`checkpoint.py`),
-so a resume never depends on what Ray's snapshot managed to record.
+The latest *complete* checkpoint is found from the run directory itself
+(`raytrain.rundir.RunDir.stored_run`), so a resume never depends on what Ray's snapshot
+managed to record.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
+from raytrain.errors import CheckpointError, ConfigError, DataError, UsageError
+from raytrain.fields import flag_name
+from raytrain.rundir.records import StoredRun
 
-from raytrain.rundir import checkpoints as ckpt
+# Fields that change the order of an epoch: refused on a resume in the middle of one.
 ORDER_FIELDS = ("seed", "shuffle_window_rows", "data_partitions")
 # Fields whose change the checkpoint's optimizer state cannot follow.
 STATE_FIELDS = ("optimizer", "decay_norm_and_bias")
 # Fields that are about this invocation, not the run: never reported as changes.
 INVOCATION_FIELDS = ("resume", "address", "verbose", "progress", "progress_interval_s", "name", "storage")
+NEEDS_NAME = "needs the run to continue: add --name RUN (the directory under --storage)"
 
 
-@dataclass
-class StoredRun:
-    """What a run directory says about the run: its resolved config and where it got to."""
-
-    run_dir: Path
-    config: dict[str, Any]
-    pipeline: str | None
-    checkpoint: Path | None
-    position: dict[str, Any]
-
-    @property
-    def mid_epoch(self) -> bool:
-        return bool(self.position.get("epoch_offset"))
+def config_problems(resume: bool, name: str | None) -> list[tuple[str, str]]:
+    """What a configuration asking to resume lacks (checked with the other options)."""
+    return [("resume", NEEDS_NAME)] if resume and not name else []
 
 
-def read_stored_run(run_dir: str | Path) -> StoredRun:
-    """The run's config.yaml and its furthest complete checkpoint (CheckpointError if unreadable)."""
-    run_dir = Path(run_dir)
-    path = run_dir / "config.yaml"
-    try:
-        config = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        config = {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ckpt.CheckpointError(f"{path} cannot be read ({str(exc).splitlines()[0]}); the run cannot be resumed as it was") from None
-    if not isinstance(config, dict):
-        raise ckpt.CheckpointError(f"{path} is not a mapping of options; the run cannot be resumed as it was")
-    pipeline = config.pop("pipeline", None)
-    config.pop("gpu", None)
-    latest = ckpt.latest_complete(run_dir)
-    position = {}
-    if latest is not None:
-        try:
-            position = json.loads((latest / ckpt.POSITION_FILE).read_text())
-        except (OSError, ValueError):
-            position = {}
-    return StoredRun(run_dir, config, pipeline, latest, position)
+def run_dir_problems(name: str, storage: str, resume: bool, exists: bool) -> list[tuple[str, str]]:
+    """A new run needs a new name (Ray would silently continue the old one); a resume needs
+    the run."""
+    if exists and not resume:
+        return [("name", f"run {name!r} already exists in {storage}; add --resume to continue it, or choose another --name")]
+    if resume and not exists:
+        return [("resume", f"there is no run {name!r} in {storage} to resume; check --name and --storage")]
+    return []
 
 
-def changes(stored: StoredRun, new_config: dict[str, Any], new_pipeline: str) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, str]]]:
+def resumed_values(
+    stored: StoredRun, spec: str | None, file_values: dict[str, Any], flags: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """A resumed run's pipeline and options: its own config.yaml, then the --config file and
+    the flags given now, each overriding only what it names. The pipeline defaults to the run's."""
+    from raytrain.config import merge_layers
+
+    name, storage = stored.run_dir.name, stored.run_dir.parent
+    if not stored.config:
+        raise ConfigError([("resume", f"there is no run {name!r} in {storage} to resume; check --name and --storage")])
+    spec = spec or stored.pipeline
+    if not spec:
+        raise UsageError(
+            f"run {name!r} does not say which pipeline it trains; give it: raytrain train PIPELINE --name {name} --resume"
+        )
+    return spec, merge_layers(stored.config, file_values, flags)
+
+
+def changes(
+    stored: StoredRun, new_config: dict[str, Any], new_pipeline: str
+) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, str]]]:
     """(what the resume changes: (field, before, now)), (what it cannot honour: (field, why))."""
     refused: list[tuple[str, str]] = []
     if stored.pipeline and new_pipeline != stored.pipeline:
-        refused.append(("pipeline", f"the run {stored.run_dir.name!r} trains {stored.pipeline!r}, not {new_pipeline!r}; resume it with "
-                        f"{stored.pipeline!r} (or leave the pipeline out), or start a new run with another --name"))  # fmt: skip
+        refused.append((
+            "pipeline",
+            f"the run {stored.run_dir.name!r} trains {stored.pipeline!r}, not {new_pipeline!r}; resume it with "
+            f"{stored.pipeline!r} (or leave the pipeline out), or start a new run with another --name",
+        ))
     changed = []
     for name in sorted(set(stored.config) | set(new_config)):
         if name in INVOCATION_FIELDS:
@@ -84,29 +92,56 @@ def changes(stored: StoredRun, new_config: dict[str, Any], new_pipeline: str) ->
         if before == now:
             continue
         if name in STATE_FIELDS and stored.checkpoint is not None:
-            refused.append((name, (
-                f"got {now!r}, but the run's checkpoint holds the state of its optimizer with {before!r}; resume with {before!r}, "
-                "or start a new run with another --name"
-            )))  # fmt: skip
+            refused.append((
+                name,
+                f"got {now!r}, but the run's checkpoint holds the state of its optimizer with {before!r}; "
+                f"resume with {before!r}, or start a new run with another --name",
+            ))
             continue
         if name in ORDER_FIELDS and stored.mid_epoch:
             epoch = int(stored.position.get("epoch", 0)) + 1
-            refused.append((name, (
-                f"got {now!r}, but the run is {stored.position.get('epoch_offset'):,} samples into epoch {epoch} with {before!r}; "
-                f"another value changes that epoch's order, so the rest of it would skip and repeat samples. Resume without it, "
-                "or change it at an epoch boundary"
-            )))  # fmt: skip
+            refused.append((
+                name,
+                f"got {now!r}, but the run is {stored.position.get('epoch_offset'):,} samples into epoch {epoch} with "
+                f"{before!r}; another value changes that epoch's order, so the rest of it would skip and repeat "
+                "samples. Resume without it, or change it at an epoch boundary",
+            ))
             continue
         changed.append((name, before, now))
     return changed, refused
 
 
 def describe_changes(changed: list[tuple[str, Any, Any]]) -> str:
-    from raytrain.config import flag_name
-
     if not changed:
         return "no options changed"
     return "changed: " + ", ".join(f"{flag_name(name)} {_short(before)} → {_short(now)}" for name, before, now in changed)
+
+
+def resume_line(name: str, stored: StoredRun, changed: list[tuple[str, Any, Any]]) -> str:
+    """`Resuming NAME from step 40 (epoch 2); changed: --epochs 4 → 8`."""
+    if stored.checkpoint is not None:
+        where = f"from step {stored.position.get('step', 0)} (epoch {int(stored.position.get('epoch', 0)) + 1})"
+    else:
+        where = "from the start (it has no checkpoint yet)"
+    return f"Resuming {name} {where}; {describe_changes(changed)}"
+
+
+def model_mismatch(checkpoint_name: str, exc: Exception) -> CheckpointError:
+    """The pipeline's model does not load the run's checkpoint (`exc`: load_state_dict's)."""
+    return CheckpointError(
+        f"the pipeline's model does not load the run's checkpoint {checkpoint_name} ({str(exc).splitlines()[0]}); "
+        "resume with the pipeline and options the run was trained with"
+    )
+
+
+def check_same_data(before: dict[str, Any], now: dict[str, Any], step: int, mid_epoch: bool) -> None:
+    """A checkpoint's position is an offset into its epoch's order: resuming an epoch half done
+    on other data (rows, units, window, partitions) is refused."""
+    if mid_epoch and before and before != now:
+        raise DataError(
+            f"dataset 'train' is not the one the checkpoint at step {step} was trained on (then {before}, now {now}); "
+            "resume with the same data and --shuffle-window-rows/--data-partitions, or start a new run with another --name"
+        )
 
 
 def _short(value: Any) -> str:

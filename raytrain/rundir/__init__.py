@@ -4,15 +4,23 @@
 - `records`: the typed records (`MetricsRow`, `Event`, `Summary`, `Progress`) and file names;
 - `tail`: following a JSONL file while it grows;
 - `writer`: `RunWriter`, rank 0's writer during training (imported from there: it needs torch);
+- `checkpoints`: the checkpoint directories of a run, written and read back safely;
+- `export`: a run's or a checkpoint's weights as a plain state_dict (`raytrain export`);
 - `RunDir` (here): read and write the records of one run directory. Rank 0's writer in the
   loop, the driver's summary, the report, the trackers and tune all go through it.
+
+Every run-file name is spelled in this package and nowhere else. Public: `RunDir` and the
+records it reads (`MetricsRow`, `Event`, `Summary`, `Progress`, `Kind`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
@@ -33,7 +41,25 @@ from raytrain.rundir.files import (
     write_json,
     write_yaml,
 )
-from raytrain.rundir.records import CONFIG, EVENTS, LIVE, METRICS, PROGRESS, SUMMARY, Event, Kind, MetricsRow, Progress, Summary
+from raytrain.errors import CheckpointError
+from raytrain.rundir.records import (
+    CONFIG,
+    EVENTS,
+    HEARTBEATS,
+    LIVE,
+    METRICS,
+    MODEL,
+    PLOTS,
+    PROGRESS,
+    REPORT,
+    SUMMARY,
+    Event,
+    Kind,
+    MetricsRow,
+    Progress,
+    StoredRun,
+    Summary,
+)
 from raytrain.rundir.tail import Tail
 
 
@@ -72,12 +98,50 @@ class RunDir:
         values = read_json(self.path / PROGRESS)
         return Progress.from_json(values) if values else None
 
+    def finished(self, epochs: int) -> bool:
+        """Whether the run trained its `epochs` (progress.json says so; a resume that trains
+        on to more epochs has not)."""
+        progress = self.progress()
+        return progress is not None and progress.status == "finished" and progress.epoch >= epochs
+
     def config(self) -> dict[str, Any]:
         try:
             value = yaml.safe_load((self.path / CONFIG).read_text())
         except (OSError, yaml.YAMLError):
             return {}
         return value if isinstance(value, dict) else {}
+
+    def has_run(self) -> bool:
+        """Whether a run was started here (its config, or a checkpoint, is written)."""
+        from raytrain.rundir.checkpoints import checkpoint_dirs
+
+        return (self.path / CONFIG).exists() or bool(checkpoint_dirs(self.path))
+
+    def stored_run(self) -> StoredRun:
+        """The run's config.yaml and its furthest complete checkpoint, for a resume
+        (CheckpointError when config.yaml is there but unreadable)."""
+        from raytrain.rundir import checkpoints
+
+        path = self.path / CONFIG
+        try:
+            config = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            config = {}
+        except (OSError, yaml.YAMLError) as exc:
+            first = str(exc).splitlines()[0]
+            raise CheckpointError(f"{path} cannot be read ({first}); the run cannot be resumed as it was") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{path} is not a mapping of options; the run cannot be resumed as it was")
+        pipeline = config.pop("pipeline", None)
+        config.pop("gpu", None)
+        latest = checkpoints.latest_complete(self.path)
+        position = {}
+        if latest is not None:
+            try:
+                position = json.loads((latest / checkpoints.POSITION_FILE).read_text())
+            except (OSError, ValueError):
+                position = {}
+        return StoredRun(self.path, config, pipeline, latest, position)
 
     # -- writing (rank 0 and the driver) -----------------------------------------------------
 
@@ -119,13 +183,39 @@ class RunDir:
             write_atomic(path, "".join(dumps(row) + "\n" for row in kept))
 
 
+@contextlib.contextmanager
+def claimed(run_dir: str | os.PathLike, storage: str | os.PathLike) -> Iterator[Path]:
+    """The run directory, held for one run: checked writable before anything starts (a path
+    that cannot hold the run is a StorageError), locked against a second run of the same
+    name, and left clean after (no staging area, no stop request; no empty directory when
+    the run was refused before it began)."""
+    from raytrain.rundir.checkpoints import staging_dir
+
+    run_dir = Path(run_dir)
+    created = not run_dir.exists()
+    check_storage(storage, run_dir)
+    lock = RunLock(run_dir)
+    lock.acquire()
+    try:
+        yield run_dir
+    finally:
+        lock.release()
+        shutil.rmtree(staging_dir(run_dir), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (run_dir / STOP_FILE).unlink()
+        if created:  # refused before the run began: leave no empty run directory behind
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+
+
 def _has(values: dict[str, Any], *keys: str) -> bool:
     return all(key in values for key in keys)
 
 
 __all__ = [
-    "CONFIG", "EVENTS", "LIVE", "LOCK_FILE", "METRICS", "PROGRESS", "STOP_FILE", "SUMMARY",
-    "Event", "Kind", "MetricsRow", "Progress", "RunDir", "RunLock", "RunLocked", "Summary", "Tail",
+    "CONFIG", "EVENTS", "HEARTBEATS", "LIVE", "LOCK_FILE", "METRICS", "MODEL", "PLOTS", "PROGRESS", "REPORT",
+    "STOP_FILE", "SUMMARY", "Event", "Kind", "MetricsRow", "Progress", "RunDir", "RunLock", "RunLocked", "claimed",
+    "StoredRun", "Summary", "Tail",
     "append_jsonl", "check_storage", "dumps", "read_json", "read_jsonl", "storage_error", "storage_errors",
     "strict", "write_atomic", "write_json", "write_yaml",
 ]  # fmt: skip

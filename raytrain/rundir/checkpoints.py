@@ -1,9 +1,10 @@
-"""Checkpoint files: what a checkpoint holds and how it is read back safely.
+"""Checkpoint directories of a run: their names, how they are written and read back safely.
 
-A checkpoint directory holds `state.pt` (model, optimizer, scheduler, scaler, RNG
-states, position) and `model.pt` (the unwrapped model alone). Both load with
-`torch.load(..., weights_only=True)`: only tensors and plain containers, never pickled
-code, so a checkpoint from elsewhere cannot run anything.
+A checkpoint directory holds `state.pt` (what the training state saves: model, optimizer,
+scheduler, scaler, RNG states, position; `raytrain.worker.state`), `model.pt` (the unwrapped
+model alone) and `position.json` (the position, readable without loading tensors). Both
+torch files load with `torch.load(..., weights_only=True)`: only tensors and plain
+containers, never pickled code, so a checkpoint from elsewhere cannot run anything.
 """
 
 from __future__ import annotations
@@ -11,38 +12,20 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from raytrain.errors import UserFault
+from raytrain.errors import CheckpointError
+from raytrain.rundir.records import MODEL
 from raytrain.observe.render import first_line
 
 STATE_FILE = "state.pt"
-MODEL_FILE = "model.pt"
+MODEL_FILE = MODEL  # also the final model in the run directory
 POSITION_FILE = "position.json"
 STAGING = ".staging"
-
-
-class CheckpointError(UserFault, ValueError):
-    """A checkpoint or run directory that cannot be used, with what to do about it."""
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside DDP (and torch.compile), so saved keys have no `module.` prefix."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-
-
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {key: value.detach().cpu().clone() for key, value in unwrap(model).state_dict().items()}
 
 
 def save_state(state: dict[str, Any], directory: str | os.PathLike) -> None:
@@ -144,37 +127,3 @@ def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise CheckpointError(f"{path} does not hold a model state_dict")
     return weights
-
-
-# -- RNG states, in types that weights_only loading accepts ----------------------------
-
-
-def rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
-        "python": _to_lists(random.getstate()),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    numpy_state = state["numpy"]
-    np.random.set_state(
-        ("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"], numpy_state["has_gauss"], numpy_state["gauss"])
-    )
-    random.setstate(_to_tuples(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _to_lists(value: Any) -> Any:
-    return [_to_lists(v) for v in value] if isinstance(value, (tuple, list)) else value
-
-
-def _to_tuples(value: Any) -> Any:
-    return tuple(_to_tuples(v) for v in value) if isinstance(value, list) else value

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 # The files of STORAGE/NAME/, by role.
@@ -19,6 +20,10 @@ EVENTS = "events.jsonl"
 LIVE = "live.jsonl"
 PROGRESS = "progress.json"
 SUMMARY = "summary.json"
+MODEL = "model.pt"  # the final model, a plain state_dict
+HEARTBEATS = "heartbeats"  # each rank's last phase and step (node-local state, read to name a hung rank)
+REPORT = "report.md"
+PLOTS = "plots"
 
 
 class Kind:
@@ -159,4 +164,21 @@ class Progress(_Record):
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-__all__ = ["CONFIG", "EVENTS", "LIVE", "METRICS", "PROGRESS", "SUMMARY", "Event", "Kind", "MetricsRow", "Progress", "Summary"]
+
+
+@dataclass
+class StoredRun:
+    """What a run directory says about the run before it resumes: its resolved config, its
+    pipeline, and its furthest complete checkpoint with the position stored there."""
+
+    run_dir: Path
+    config: dict[str, Any]
+    pipeline: str | None
+    checkpoint: Path | None
+    position: dict[str, Any]
+
+    @property
+    def mid_epoch(self) -> bool:
+        return bool(self.position.get("epoch_offset"))
+
+__all__ = ["CONFIG", "EVENTS", "HEARTBEATS", "LIVE", "METRICS", "MODEL", "PLOTS", "PROGRESS", "REPORT", "SUMMARY", "StoredRun", "Event", "Kind", "MetricsRow", "Progress", "Summary"]

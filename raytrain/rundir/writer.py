@@ -20,7 +20,7 @@ import torch
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir import RunDir
 from raytrain.rundir.files import STOP_FILE, storage_errors
-from raytrain.rundir.records import Event, Kind, MetricsRow, Progress
+from raytrain.rundir.records import MODEL, Event, Kind, MetricsRow, Progress
 
 LIVE_INTERVAL_S = 1.0  # rank 0 writes live.jsonl at most this often
 
@@ -96,14 +96,15 @@ class RunWriter:
         parts += [f"lr {row.lr:.2e}", f"{row.samples_per_s:,.0f} samples/s"]
         self.event(Kind.EPOCH, "  ".join(parts), epoch=row.epoch)
 
-    def finish(self, model: torch.nn.Module, progress: Progress) -> None:
-        """Training finished: the final model (as a plain state_dict), progress.json and the last event."""
+    def finish(self, weights: dict[str, torch.Tensor], progress: Progress) -> None:
+        """Training finished: the final model (`weights`, a plain state_dict), progress.json and
+        the last event."""
         if not self.enabled:
             return
-        with storage_errors(self.run_dir / ckpt.MODEL_FILE, "write the final model"):
-            tmp = self.run_dir / f".{ckpt.MODEL_FILE}.tmp"
-            ckpt.save_torch(ckpt.model_state(model), tmp)
-            tmp.replace(self.run_dir / ckpt.MODEL_FILE)
+        with storage_errors(self.run_dir / MODEL, "write the final model"):
+            tmp = self.run_dir / f".{MODEL}.tmp"
+            ckpt.save_torch(weights, tmp)
+            tmp.replace(self.run_dir / MODEL)
         self.rundir.write_progress(progress)
         self.event(Kind.DONE, f"finished {progress.epoch} epochs, {progress.step} steps", step=progress.step)
 

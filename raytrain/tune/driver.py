@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from raytrain.config import ConfigError, TrainConfig
+from raytrain.config import TrainConfig
+from raytrain.errors import ConfigError
 from raytrain.pipeline import Pipeline, load_pipeline
 from raytrain.observe.render import first_line, is_number, sci
 from raytrain.tune.results import SUBSTITUTED, SweepResult, TrialRun, sweep_rows, write_sweep_files
@@ -230,7 +231,7 @@ def trial_error(trial) -> str:
     """One line: why a trial failed, from the exception Tune kept. Ray wraps the trial's own
     exception (`cause`); a RunFailed from fit opens with "The run failed: <rank, exception,
     where>", any other exception is said as `Type: message`."""
-    from raytrain.driver.run import RunFailed
+    from raytrain.errors import RunFailed
 
     error = None
     with contextlib.suppress(Exception):
@@ -290,7 +291,8 @@ def tune(
     and trials.png under STORAGE/NAME/."""
     import ray
 
-    from raytrain.driver.run import build_datasets, ray_session, resolve_gpu
+    from raytrain.data.sources import build_datasets
+    from raytrain.driver.session import ray_session, resolve_gpu
 
     echo = echo or (lambda line: None)
     options = options or TuneOptions()

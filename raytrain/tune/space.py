@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from raytrain.rules import batch as rules
-from raytrain.config import LR_RULES, ConfigError, TrainConfig, parse_workers
+from raytrain.rules.batch import batch_plan_for, default_reference_batch_size, lr_scale
+from raytrain.config import LR_RULES, TrainConfig, parse_workers
+from raytrain.errors import ConfigError
 from raytrain.observe.render import sci
 
 SWEPT = ("workers", "lr_scaling", "warmup_epochs", "lr")
@@ -65,6 +66,16 @@ class SearchSpace:
         problems = list(_check_space(self))
         if problems:
             raise ConfigError(problems)
+
+
+@dataclass(kw_only=True)
+class LrDraws:
+    """How `raytrain tune` draws learning rates instead of taking --lr's grid."""
+
+    lr_range: str | None = field(default=None, metadata={"metavar": "LO:HI"})
+    """Draw the base learning rate log-uniformly from [LO, HI] instead of --lr."""
+    samples: int | None = field(default=None, metadata={"metavar": "N"})
+    """With --lr-range: learning rates drawn per grid point (default 1)."""
 
 
 @dataclass(kw_only=True)
@@ -261,7 +272,7 @@ def sweep_base_config(cfg: TrainConfig, space: SearchSpace, pipeline_name: str) 
         stem = pipeline_name.split(":")[-1].split(".")[-1].lower() or "run"
         changes["name"] = f"{stem}-tune-{time.strftime('%Y%m%d-%H%M%S')}"
     if cfg.reference_batch_size is None:
-        changes["reference_batch_size"] = rules.default_reference_batch_size(
+        changes["reference_batch_size"] = default_reference_batch_size(
             max(workers), global_batch_size=cfg.global_batch_size, batch_size_per_worker=cfg.batch_size_per_worker
         )
     return dataclasses.replace(cfg, **changes)
@@ -323,11 +334,8 @@ def resolved_run(cfg: TrainConfig) -> str:
     """What a trial's training depends on, as one comparable text: its configuration with the
     scaling rule replaced by the peak rate it gives at the trial's global batch (the rule is
     only a way to that rate: lr × f(global / reference)), without the run's name."""
-    batch = rules.resolve_batch_plan(
-        cfg.max_workers, global_batch_size=cfg.global_batch_size,
-        batch_size_per_worker=cfg.batch_size_per_worker, micro_batch_size=cfg.micro_batch_size,
-    )  # fmt: skip
-    peak = cfg.lr * rules.lr_scale(cfg.lr_scaling, batch.global_batch_size, cfg.reference_batch_size)
+    plan = batch_plan_for(cfg, cfg.max_workers)
+    peak = cfg.lr * lr_scale(cfg.lr_scaling, plan.global_batch_size, cfg.reference_batch_size)
     values = {k: v for k, v in cfg.to_dict().items() if k not in ("lr_scaling", "name")}
     values["peak_lr"] = float(f"{peak:.12g}")  # sqrt(1) and 1/1 agree; rounding only absorbs float noise
     return json.dumps(values, sort_keys=True, default=str)

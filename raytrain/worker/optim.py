@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from raytrain.config import ConfigError, TrainConfig
+from raytrain.config import TrainConfig
+from raytrain.errors import ConfigError
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_norm_and_bias: bool = True) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ray.train import Checkpoint
 
 from raytrain.rundir import checkpoints as ckpt
-from raytrain.errors import find_user_fault
+from raytrain.errors import find_user_error
 from raytrain.rundir import storage_errors
 
 
@@ -81,7 +81,7 @@ class Runtime:
         try:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as exc:
-            fault = find_user_fault(exc)
+            fault = find_user_error(exc)
             if fault is not None:
                 raise fault from None
             raise

@@ -1,0 +1,134 @@
+"""Each command's handler: the options read (`raytrain.cli.options`), then the library called.
+Errors are not handled here: `raytrain.cli.run_command` turns each into one message and an
+exit status."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from raytrain import fields
+from raytrain.cli.options import check_pipeline_args, read_run_options, resumed_options
+from raytrain.config import TrainConfig, merge_layers
+from raytrain.observe.render import plural
+from raytrain.rundir.records import PLOTS, REPORT
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from raytrain.pipeline import load_pipeline
+    from raytrain.driver.run import fit
+
+    spec, file_values, flags = read_run_options(args)
+    if flags.get("resume") or file_values.get("resume"):
+        spec, values = resumed_options(spec, file_values, flags)
+    else:
+        values = merge_layers(load_pipeline(spec).default_config, file_values, flags)
+    cfg = TrainConfig.from_dict(values)
+    check_pipeline_args(load_pipeline(spec), cfg)
+    result = fit(spec, cfg, echo=lambda line: print(line, flush=True), progress=True)
+    print_summary(result)
+    return 0
+
+
+def print_summary(result) -> None:
+    s = result.summary
+    metrics = "  ".join(f"{k} {v:.4f}" for k, v in s["final_metrics"].items() if isinstance(v, (int, float)))
+    steady = f", {s['steady_samples_per_s']:,.0f} samples/s steady" if s.get("steady_samples_per_s") else ""
+    print(f"Done in {s['wall_time_s']:.1f} s: {s['epochs']} epochs, {s['steps']} steps{steady}; {metrics}")
+    print(f"Run directory: {result.run_dir}")
+    if result.model_path:
+        print(f"Model: {result.model_path} (plain state_dict, loads with strict=True)")
+    report = Path(result.run_dir) / REPORT
+    if report.exists():
+        print(f"Report: {report} (plots in {PLOTS}/); TensorBoard: tensorboard --logdir {result.run_dir}")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from raytrain.observe.report import write_report
+
+    path = write_report(args.run_dir)
+    plots = sorted((path.parent / PLOTS).glob("*.png"))
+    print(f"Wrote {path} and {plural(len(plots), 'plot')}: {', '.join(p.name for p in plots) or 'none (no metrics yet)'}")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from raytrain.pipeline import load_pipeline
+    from raytrain.cli import EXIT_FAILED
+    from raytrain.tune import TuneOptions, parse_search_space, tune
+    from raytrain.tune.space import SWEPT, LrDraws
+
+    spec, file_values, flags = read_run_options(args)
+    fixed = dict(flags)
+    draws = {option.name: fixed.pop(option.name) for option in fields.options(LrDraws) if option.name in fixed}
+    options = {option.name: fixed.pop(option.name) for option in fields.options(TuneOptions) if option.name in fixed}
+    # An axis comes from its flag, else from the YAML file (a list, or one value).
+    axes: dict[str, Any] = {name: fixed.pop(name, None) for name in SWEPT}
+    for name in SWEPT:
+        in_file = file_values.pop(name, None)
+        if axes[name] is None and not (name == "lr" and "lr_range" in draws):
+            axes[name] = in_file
+    space = parse_search_space(**axes, **draws)
+    sweep = TuneOptions(**options)
+    pipe = load_pipeline(spec)
+    cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, file_values, fixed))
+    check_pipeline_args(pipe, cfg)
+    result = tune(spec, cfg, space, sweep, echo=lambda line: print(line, flush=True))
+    return 0 if result.best is not None else EXIT_FAILED
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from raytrain.bench import BenchOptions, bench_config, run_bench, worker_counts
+    from raytrain.pipeline import load_pipeline
+    from raytrain.bench.predict import PredictOptions, predict_speedups
+
+    given = vars(args)
+    own = {option.name for option in (*fields.options(BenchOptions), *fields.options(PredictOptions))}
+    if args.predict:
+        predict_speedups(PredictOptions(**{option.name: given[option.name] for option in fields.options(PredictOptions) if option.name in given}))
+        return 0
+    values = {option.name: given[option.name] for option in fields.options(BenchOptions) if option.name in given}
+    values["workers"] = worker_counts(args.workers)
+    values["baselines"] = [name for names in values.get("baselines", []) for name in names]
+    opts = BenchOptions(**values)
+    spec, file_values, flags = read_run_options(args, exclude={*own, "predict"}, example="digits --workers 1,2")
+    args.spell = None  # bench names every option as a flag
+    values = merge_layers(load_pipeline(spec).default_config, file_values, flags)
+    bench_config(values, opts, workers=max(opts.workers), epochs=1, storage=Path(opts.storage), name="check")  # validate before starting
+    run_bench(spec, values, opts, echo=lambda line: print(line, flush=True))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from raytrain.rundir.export import export_weights
+
+    export_weights(args.source, args.output, args.pipeline)
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from raytrain.data.write import write_datasets
+    from raytrain.pipeline import load_pipeline
+
+    pipe = load_pipeline(args.pipeline)
+    values = {"pipeline_args": getattr(args, "pipeline_args", []), "workers": 1}
+    cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, values))
+    write_datasets(
+        pipe,
+        cfg,
+        args.out,
+        shuffle_seed=args.shuffle_seed,
+        row_group_rows=args.row_group_rows,
+        address=getattr(args, "address", None),
+        echo=lambda line: print(line, flush=True),
+    )
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from raytrain.doctor import run_doctor
+
+    return run_doctor(address=args.address, storage=args.storage, echo=print)
+
+

@@ -1,0 +1,180 @@
+"""The parser of every command: a flag for each field of the typed options (`raytrain.fields`:
+type, choices, docstring as help, default shown), defaulting to 'not given' so that only what
+the user typed overrides the layers below (`raytrain.cli.options`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Iterable
+
+from raytrain import fields
+from raytrain.cli import EXIT_USAGE, as_flag
+from raytrain.cli import commands as handlers
+from raytrain.config import TrainConfig
+from raytrain.data.write import DATA_GROUP_ROWS, DATA_UNITS
+from raytrain.fields import flag_name
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad usage in one line instead of the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="raytrain", description="Elastic, fault-tolerant distributed PyTorch training on Ray.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train a pipeline", description="Train PIPELINE (a built-in name or module:attr).")
+    train.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
+    train.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (flags override it)")
+    add_run_flags(train)
+    train.set_defaults(handler=handlers.cmd_train)
+    add_tune_parser(commands)
+
+    export = commands.add_parser("export", help="write a plain state_dict from a run or checkpoint")
+    export.add_argument("source", metavar="RUN_DIR|CKPT", help="a run directory, a checkpoint directory or a .pt file")
+    export.add_argument("-o", "--output", required=True, metavar="F.pt", help="where to write the state_dict")
+    export.add_argument(
+        "--pipeline", metavar="PIPELINE",
+        help="also check that the weights load into this pipeline's model with strict=True (imports the pipeline's code; "
+        "without it, export reads only the weights)",
+    )  # fmt: skip
+    export.set_defaults(handler=handlers.cmd_export)
+
+    data = commands.add_parser("data", help="write a pipeline's datasets as Parquet shards")
+    data.add_argument("pipeline", help="built-in name (digits) or module:attr")
+    data.add_argument("--out", required=True, metavar="DIR", help="directory to write DIR/<dataset>/*.parquet into")
+    add_flags(data, TrainConfig, only=("pipeline_args", "address"))
+    data.add_argument(
+        "--shuffle-seed", type=int, default=0,
+        help="rows are written in a random order drawn with this seed, so that a streamed run's window shuffle "
+        "(--shuffle-window-rows) mixes rows from the whole dataset (default 0); -1 keeps the pipeline's order",
+    )  # fmt: skip
+    data.add_argument(
+        "--row-group-rows", type=int, default=None, metavar="N",
+        help="rows per Parquet row group, the unit a streamed run reads and deals to its workers "
+        f"(default: the rows split in at least {DATA_UNITS} groups, at most {DATA_GROUP_ROWS:,} rows each)",
+    )  # fmt: skip
+    data.set_defaults(handler=handlers.cmd_data)
+
+    doctor = commands.add_parser("doctor", help="check what the cluster has and whether a run will work")
+    doctor.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
+    doctor.add_argument("--storage", help="storage path runs will use (default ~/raytrain_results)")
+    doctor.set_defaults(handler=handlers.cmd_doctor)
+
+    report = commands.add_parser("report", help="plots and a Markdown summary of a run", description="Write RUN_DIR/report.md and RUN_DIR/plots/*.png from the run files.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (STORAGE/NAME)")
+    report.set_defaults(handler=handlers.cmd_report)
+
+    add_bench_parser(commands)
+    return parser
+
+
+def add_run_flags(parser, skip: Iterable[str] = ()) -> None:
+    """A flag for every TrainConfig field but `skip` (DDPConfig's as `--ddp-<field>`), all
+    defaulting to 'not given' so that only what the user typed overrides the layers below."""
+    add_flags(parser, TrainConfig, skip=skip)
+
+
+def add_flags(
+    parser, cls: type, *, skip: Iterable[str] = (), only: Iterable[str] | None = None, prefix: str = "", spellings: dict[str, tuple[str, ...]] | None = None
+) -> None:
+    """A flag for each field of the dataclass `cls`, from its type, docstring and metadata
+    (`raytrain.fields`): booleans as `--x/--no-x` (a `switch`: `--x` only), a nested dataclass
+    as `--<field>-<its field>` stored as `<field>.<its field>`, every other field as a value
+    converted to its type. Each defaults to 'not given' (argparse.SUPPRESS)."""
+    skip, only, spellings = set(skip), None if only is None else set(only), spellings or {}
+    for option in fields.options(cls):
+        if option.name in skip or (only is not None and option.name not in only):
+            continue
+        if option.nested is not None:
+            add_flags(parser, option.nested, prefix=f"{prefix}{option.name}.")
+            continue
+        dest = prefix + option.name
+        names = spellings.get(option.name) or (option.flags if not prefix else (as_flag(dest),))
+        common = {"dest": dest, "default": argparse.SUPPRESS, "help": (option.help or "").replace("%", "%%") or None}
+        if option.kinds == (bool,):
+            action = "store_true" if option.metadata.get("switch") else argparse.BooleanOptionalAction
+            parser.add_argument(*names, action=action, **common)
+        else:
+            metavar = option.metadata.get("metavar") or ("{" + ",".join(map(str, option.choices)) + "}" if option.choices else option.name.upper())
+            action = "append" if option.metadata.get("repeat") else "store"
+            parser.add_argument(*names, action=action, type=_flag_type(option), metavar=metavar, **common)
+
+
+def _flag_type(option: fields.Option) -> Callable[[str], Any]:
+    """The field's text -> value for argparse. A field's own parser explains what went wrong
+    (`argument --lr-milestones: got '3,x'; expected ...`); a plain type lets argparse say
+    `invalid int value: 'abc'`."""
+
+    def convert(text: str) -> Any:
+        try:
+            return option.from_text(text)
+        except ValueError as exc:
+            if option.metadata.get("parse") is not None:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+            raise
+
+    convert.__name__ = option.type_name
+    return convert
+
+
+# Swept train options: comma-separated lists on the tune command line.
+_TUNE_AXES = {
+    "workers": ("N,N,...", "worker counts to compare, e.g. 1,2,4,8 (default: the config's)"),
+    "lr_scaling": ("RULE,...", "LR scaling rules to compare (default: linear,sqrt,none)"),
+    "warmup_epochs": ("EPOCHS,...", "warmup lengths to compare, e.g. 0,1,5 (default: the config's)"),
+    "lr": ("LR,...", "base learning rates, as a grid, e.g. 1e-4,3e-4 (default: the config's)"),
+}
+
+
+# Options of the sweep itself (TuneOptions) spelled otherwise than their field.
+_TUNE_SPELLINGS = {"grace_period_epochs": ("--grace-period",)}
+
+
+def add_tune_parser(commands) -> None:
+    from raytrain.tune.space import LrDraws, TuneOptions
+
+    tune = commands.add_parser(
+        "tune",
+        help="sweep lr scaling rule × warmup × worker count (× lr)",
+        description="Sweep PIPELINE on Ray Tune: every trial is a `raytrain train` run with the fixed options, "
+        "compared on --metric with ASHA early stopping per worker count.",
+    )
+    tune.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
+    tune.add_argument("--config", metavar="FILE.yaml", help="YAML file of train options fixed for all trials (flags override it)")
+    for name, (metavar, text) in _TUNE_AXES.items():
+        tune.add_argument(flag_name(name), dest=name, metavar=metavar, default=argparse.SUPPRESS, help=text)
+    add_flags(tune, LrDraws)
+    add_flags(tune, TuneOptions, spellings=_TUNE_SPELLINGS)
+    add_run_flags(tune, skip=(*_TUNE_AXES, "resume"))
+    tune.set_defaults(handler=handlers.cmd_tune)
+
+
+def add_bench_parser(commands) -> None:
+    """`raytrain bench`: BenchOptions, the cost model's PredictOptions (with --predict), and
+    every train option but those bench decides itself."""
+    from raytrain.bench import BENCH_OWNED, BenchOptions
+    from raytrain.bench.predict import PredictOptions
+
+    bench = commands.add_parser(
+        "bench",
+        help="scaling study: throughput, speedup and efficiency per worker count",
+        description="Run PIPELINE at each worker count and report throughput, speedup, efficiency and the "
+        "step-time split; with --predict, run nothing and estimate the speedup with the cost model.",
+    )
+    bench.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
+    bench.add_argument("--config", metavar="FILE.yaml", help="YAML file of train options (flags override it)")
+    # Text, read by bench.worker_counts: a bad list is a configuration error naming --workers.
+    bench.add_argument("--workers", default="1,2", metavar="N,N,...", help=fields.option(BenchOptions, "workers").help)
+    add_flags(bench, BenchOptions, skip=("workers",))
+    predict = bench.add_argument_group("cost model (--predict)")
+    predict.add_argument("--predict", action="store_true", help="estimate the speedup with the cost model; runs nothing")
+    add_flags(predict, PredictOptions, skip=("link",))  # --link is BenchOptions' too
+    train = bench.add_argument_group("train options (as for raytrain train)")
+    add_run_flags(train, skip=(*BENCH_OWNED, "time_phases"))
+    bench.set_defaults(handler=handlers.cmd_bench)
+
+

@@ -1,0 +1,158 @@
+"""How each dataset of a run reaches the workers: decided on the driver, opened on a worker.
+
+The driver (`prepare_datasets`) looks at metadata and one small first batch and picks, per
+dataset (docs/data.md); it reads no full pass:
+
+- in memory (`MemorySource`: small, or `--shuffle-window-rows 0`): one Ray task reads and
+  checks it while the workers start; every worker maps the result from the object store;
+- streamed (`StreamSource`): the dataset's units (`raytrain.data.shards`) and the run's
+  `StreamLayout`; each rank reads only the units of its lanes (`raytrain.rules.order`).
+
+A worker turns its source into a `Table` or a `Stream` (`open_source`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Union
+
+import numpy as np
+
+from raytrain.data import checks
+from raytrain.data.checks import Schema
+from raytrain.data.shards import Units
+from raytrain.data.stream import Stream
+from raytrain.data.table import Table
+from raytrain.errors import DataError, PipelineCodeError, pipeline_code
+from raytrain.rules.order import StreamLayout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from raytrain.config import TrainConfig
+    from raytrain.pipeline import Pipeline
+
+# Rows of the first unit the driver reads to learn the columns (and check them) before training.
+PROBE_ROWS = 16
+
+
+@dataclass(frozen=True)
+class MemorySource:
+    """A dataset that one Ray task reads and checks once; `table` is the reference to its
+    result in Ray's object store (`checks.load_table`), the same object for every rank."""
+
+    rows: int
+    table: Any  # ray.ObjectRef
+
+
+@dataclass(frozen=True)
+class StreamSource:
+    """A dataset each rank reads its own units of."""
+
+    rows: int
+    units: Units
+    layout: StreamLayout
+    schema: Schema
+    sample: dict[str, np.ndarray]  # one checked row, for a rank with no rows in a step
+
+
+Source = Union[MemorySource, StreamSource]
+
+
+def build_datasets(pipe: "Pipeline", cfg: "TrainConfig") -> dict[str, Any]:
+    """The pipeline's datasets as Ray Datasets (map-style torch Datasets are converted)."""
+    import ray.data
+    import torch.utils.data
+
+    from raytrain.data.torch_dataset import from_torch_dataset
+
+    with pipeline_code(pipe, "build_datasets"):
+        datasets = pipe.build_datasets(cfg)
+    if not isinstance(datasets, dict) or "train" not in datasets:
+        got = f"a dict with keys {sorted(map(str, datasets))}" if isinstance(datasets, dict) else f"a {type(datasets).__name__}"
+        raise PipelineCodeError(
+            f"pipeline {pipe.name}: build_datasets must return a dict with a 'train' dataset "
+            f"(and optionally 'val'); it returned {got}"
+        )
+    out = {}
+    for name, ds in datasets.items():
+        if isinstance(ds, torch.utils.data.Dataset) and not isinstance(ds, ray.data.Dataset):
+            ds = from_torch_dataset(ds, name)
+        if not isinstance(ds, ray.data.Dataset):
+            raise PipelineCodeError(
+                f"pipeline {pipe.name}: build_datasets returned dataset {name!r} as a {type(ds).__name__}, "
+                "not a ray.data.Dataset or a torch Dataset"
+            )
+        out[name] = ds
+    return out
+
+
+def prepare_datasets(datasets: dict[str, Any], cfg: "TrainConfig", echo: Callable[[str], None]) -> dict[str, Source]:
+    """How the workers get each dataset (see the module's docstring), from metadata and one
+    small first batch; says what it chose. Returns the sources the workers open."""
+    import ray
+
+    from raytrain.data import shards
+
+    sources: dict[str, Source] = {}
+    for name, ds in datasets.items():
+        units = shards.split(ds)
+        if isinstance(units, str):
+            echo(
+                f"dataset {name!r}: {units}; Ray Data computes it once before training (materialize) and workers read "
+                "its blocks. To read it sharded instead, keep such steps out of build_datasets (e.g. write the data "
+                "with raytrain data)"
+            )
+            units = shards.split(ds.materialize())
+        if not units.num_rows:
+            raise DataError(f"dataset {name!r} is empty: it has no rows; check the pipeline's build_datasets and its input files")
+        probe = read_probe(units, name, cfg.skip_nan_rows)
+        schema = Schema.of(probe)
+        window = cfg.shuffle_window_rows if name == "train" or cfg.shuffle_window_rows == 0 else None
+        estimate = schema.row_bytes() * units.num_rows
+        size = f"{units.num_rows:,} rows (~{estimate / 2**20:,.0f} MiB)"
+        if window == 0 or (window is None and estimate <= checks.IN_MEMORY_LIMIT_BYTES):
+            load = ray.remote(num_cpus=0)(checks.load_table)
+            sources[name] = MemorySource(units.num_rows, load.remote(units, name, schema, cfg.skip_nan_rows))
+            echo(f"dataset {name!r}: {size} in memory, read once and shared by every worker")
+            continue
+        layout = StreamLayout(units.rows, window or checks.auto_window_rows(schema.row_bytes()), cfg.data_partitions)
+        sample = {c: np.nan_to_num(v[:1]) if np.issubdtype(v.dtype, np.floating) else v[:1] for c, v in probe.items()}
+        sources[name] = StreamSource(units.num_rows, units, layout, schema, sample)
+        echo(
+            f"dataset {name!r}: {size} in {len(units.rows):,} {_UNIT_WORDS[units.kind]}, streamed in {layout.lanes} "
+            f"partition{'s' if layout.lanes != 1 else ''}, each read by one worker; "
+            f"shuffled within windows of {layout.window_rows:,} rows"
+        )
+    return sources
+
+
+_UNIT_WORDS = {"files": "Parquet row groups/files", "tasks": "read tasks", "blocks": "blocks"}
+
+
+def read_probe(units: Units, name: str, skip_nan_rows: bool) -> dict[str, np.ndarray]:
+    """The first few rows of the first unit, through the pipeline's steps, checked."""
+    first = next(i for i, rows in enumerate(units.rows) if rows)
+    try:
+        batch = units.dataset([first], limit=PROBE_ROWS).take_batch(PROBE_ROWS, batch_format="numpy")
+    except Exception as exc:
+        raise DataError(f"dataset {name!r} cannot be read: {checks.first_error_line(exc)}") from None
+    columns = checks.check_columns(batch, name, units.labels[first])
+    bad = checks.non_finite(columns)
+    if bad.any() and not skip_nan_rows:
+        raise checks.nan_error(name, units.labels[first], columns, bad)
+    return columns
+
+
+def open_source(name: str, source: Source, get_object: Callable[[Any], Any], skip_nan_rows: bool) -> Table | Stream:
+    """A dataset as the driver prepared it, on a worker: the in-memory table (mapped from the
+    object store with `get_object`, not copied), or a stream of units each rank reads its
+    own share of."""
+    if isinstance(source, MemorySource):
+        loaded = get_object(source.table)
+        return Table(loaded["columns"], dropped_rows=loaded["dropped_rows"])
+    return Stream(name, source.units, source.layout, source.schema, source.sample, skip_nan_rows=skip_nan_rows)
+
+
+def data_digest(data: Table | Stream) -> dict[str, Any]:
+    """What a checkpoint records of the training set, so that an epoch half done never
+    continues on other data: a stream's layout, a table's row count."""
+    return data.layout.digest() if isinstance(data, Stream) else {"rows": len(data)}

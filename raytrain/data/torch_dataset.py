@@ -1,0 +1,67 @@
+"""Map-style torch Datasets as Ray Datasets: read in parallel, each sample's fields as columns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from raytrain.errors import DataError
+
+# A map-style torch Dataset is read through Ray Data in this many read tasks at most (a parallel
+# read over index ranges, each task fetching its indices; the tasks are a stream's units).
+TORCH_READ_TASKS = 96
+
+
+def from_torch_dataset(dataset, name: str):
+    """A map-style torch Dataset as a Ray Dataset: `ray.data.range` over its indices, each
+    read task fetching its samples in parallel (`ray.data.from_torch` reads in one task).
+    A sample's fields become columns: '0', '1', ... for a tuple or list, the keys of a dict,
+    '0' for a lone tensor or number."""
+    import ray.data
+
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise DataError(f"dataset {name!r} is a torch IterableDataset: it has no length and no indices to shard; give a map-style Dataset (with __len__ and __getitem__) or a ray.data.Dataset") from None
+    if size == 0:
+        raise DataError(f"dataset {name!r} is empty: the torch Dataset has length 0")
+    sample_columns(dataset[0], name, 0)  # the first sample's fields, checked before any worker starts
+    blocks = max(1, min(size, TORCH_READ_TASKS))
+    return ray.data.range(size, override_num_blocks=blocks).map_batches(TorchSamples(dataset, name), batch_format="numpy")
+
+
+class TorchSamples:
+    """The map_batches step of `from_torch_dataset`: indices in, columns out."""
+
+    def __init__(self, dataset, name: str):
+        self.dataset, self.name = dataset, name
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = [sample_columns(self.dataset[int(index)], self.name, int(index)) for index in batch["id"]]
+        return {column: np.stack([row[column] for row in rows]) for column in rows[0]}
+
+
+def sample_columns(sample: Any, name: str, index: int) -> dict[str, np.ndarray]:
+    """One torch sample as named numeric arrays (DataError naming the dataset, index and field)."""
+    if isinstance(sample, dict):
+        fields = {str(key): value for key, value in sample.items()}
+    elif isinstance(sample, (tuple, list)):
+        fields = {str(i): value for i, value in enumerate(sample)}
+    else:
+        fields = {"0": sample}
+    columns = {}
+    for key, value in fields.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().numpy()
+        array = np.asarray(value) if isinstance(value, (np.ndarray, np.generic, int, float, bool)) else None
+        if array is None or array.dtype == object or not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
+            raise DataError(
+                f"dataset {name!r}: sample {index}, field {key!r} is a {type(value).__name__} ({str(value)[:60]!r}); a torch "
+                "Dataset must yield tensors, numpy arrays or numbers (for images, e.g. torchvision's transforms.ToTensor())"
+            )
+        columns[key] = array
+    return columns
+
+

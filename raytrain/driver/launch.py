@@ -1,0 +1,95 @@
+"""The Ray Train side of a run: the TorchTrainer that runs the per-worker function.
+
+Ray Train runs `raytrain.worker.loop.train_loop_per_worker` on every worker, restarts the
+worker group on a failure (or replaces one replica, in per-step mode) and resizes an
+elastic run. raytrain sets its timers for the run (`apply_train_timers`), its failure
+policy (deterministic errors are not retried: `raytrain.driver.failfast`), and hands the
+workers a typed payload (`raytrain.worker.loop.WorkerPayload`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from raytrain.config import TrainConfig
+from raytrain.data.sources import Source
+from raytrain.driver.session import WORKER_ENV
+from raytrain.pipeline import Pipeline
+
+# Ray checks for a bigger worker group every this many seconds when the run is elastic
+# (Ray's default, 60 s, leaves new nodes idle for a minute).
+ELASTIC_MONITOR_INTERVAL_S = 15.0
+# After a node loss Ray first retries the old size and waits this long for it before
+# trying a smaller one (Ray's default: 60 s of idle cluster per lost node).
+ELASTIC_START_TIMEOUT_S = 30.0
+# Ray Train's controller takes a rank's report only when it polls the workers, every
+# RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray's default 2 s), and a rank's next report blocks
+# until then: with epochs (or checkpoint intervals) shorter than that, every report idled
+# the ranks (digits, 8 epochs on 1 worker: 34 s → 20 s end to end; benchmarks/RESULTS.md,
+# section 1). A poll is one small actor call per worker; it also finds a dead worker sooner.
+REPORT_POLL_INTERVAL_S = 0.25
+
+
+_TIMERS_SET_HERE: set[str] = set()
+
+
+def apply_train_timers(cfg: TrainConfig) -> None:
+    """Set Ray Train's timers for this run in the environment, which Train propagates from
+    the driver to its controller and workers; a value the user exported wins."""
+    timers = {
+        # Ray's own barriers (ray.train.report) wait forever by default: a rank stalled
+        # before a report would hang the others with no error.
+        "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(cfg.collective_timeout_s),
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(REPORT_POLL_INTERVAL_S),
+    }
+    if cfg.elastic:
+        timers["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(ELASTIC_START_TIMEOUT_S)
+    for key, value in timers.items():
+        if key not in os.environ or key in _TIMERS_SET_HERE:
+            os.environ[key] = value
+            _TIMERS_SET_HERE.add(key)
+
+
+def build_torch_trainer(
+    pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict[str, Source], use_gpu: bool, callbacks: Sequence[Any] = ()
+):
+    """The TorchTrainer of the run: the worker count (elastic: MIN, MAX), the backend (gloo,
+    NCCL, or torchft's replica groups in per-step mode), the failure and checkpoint policies."""
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig
+
+    from raytrain.driver.failfast import FailFastTrainer
+    from raytrain.errors import summarize_on_raise
+    from raytrain.worker.loop import PAYLOAD, WorkerPayload, train_loop_per_worker
+    from raytrain.worker.replicas import torchft_config
+
+    workers: int | tuple[int, int] = cfg.max_workers if not cfg.elastic else (cfg.min_workers, cfg.max_workers)
+    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+    apply_train_timers(cfg)
+    elastic = {"elastic_resize_monitor_interval_s": ELASTIC_MONITOR_INTERVAL_S} if cfg.elastic else {}
+    if cfg.fault_tolerance == "per-step":
+        torch_config = torchft_config(use_gpu, cfg.collective_timeout_s)
+    else:
+        torch_config = TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s))
+    return FailFastTrainer(
+        summarize_on_raise(train_loop_per_worker),
+        train_loop_config={PAYLOAD: WorkerPayload(cfg, pipe, str(run_dir), sources)},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources, **elastic),
+        torch_config=torch_config,
+        # No `datasets=`: Ray's equal split drops tail rows and keeps no position. The
+        # datasets travel in the payload as sources (`raytrain.data.sources`), and each rank
+        # reads its own units of a stream.
+        run_config=RunConfig(
+            name=cfg.name,
+            storage_path=cfg.storage,
+            # Node preemptions have their own, unlimited budget: losing a spot node does
+            # not use up --max-failures, which is kept for real errors.
+            failure_config=FailureConfig(max_failures=cfg.max_failures, max_preemption_failures=-1),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
+            logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "ERROR"),
+            worker_runtime_env={"env_vars": dict(WORKER_ENV)},
+            callbacks=list(callbacks),
+        ),
+    )

@@ -1,0 +1,215 @@
+"""The driver's Ray: join a cluster or start an embedded one, and what it can hold.
+
+- `ray_session`: join the Ray given by --address/RAY_ADDRESS (checked first: a dead or
+  foreign address fails in seconds, not minutes), or start an embedded local one bound to
+  loopback, isolated from other Rays on the host, and stop it after;
+- capacity: a worker count this machine can never hold is refused before anything starts;
+- Ray Train's timers for a run (`apply_train_timers`), and the workers' environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+from typing import Callable, Iterator
+
+from raytrain.config import TrainConfig
+from raytrain.errors import ConfigError, RunFailed
+
+# Without this every print in the train function shows twice (RAY_NOTES).
+WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+# Ray starts its workers at nice 15, below its own processes at 0. When the training workers
+# fill every core (2 workers on 2 CPUs), each wake-up of the raylet, GCS or dashboard (or of
+# anything else on the machine) then preempts a rank while the others wait for it in the
+# all-reduce; an embedded Ray starts its workers at this niceness instead (RAY_worker_niceness,
+# if exported, wins). benchmarks/RESULTS.md, section 1.
+EMBEDDED_WORKER_NICENESS = "0"
+@contextlib.contextmanager
+def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dict[str, float] | None = None) -> Iterator[None]:
+    """Join the Ray given by --address/RAY_ADDRESS or already initialized; else start an
+    embedded local one (loopback only, isolated from other Rays on the host) and stop it after.
+
+    `num_cpus` and `resources` (custom resources) apply to an embedded Ray only."""
+    import ray
+    from ray.data import DataContext
+
+    os.environ.update(WORKER_ENV)
+    DataContext.get_current().enable_progress_bars = False
+    if not cfg.verbose:  # Ray Data's per-execution INFO lines on the driver
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
+    if ray.is_initialized():
+        note_cluster_capacity(cfg)
+        yield
+        return
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    level = logging.INFO if cfg.verbose else logging.ERROR
+    runtime_env = {"env_vars": {**WORKER_ENV, "PYTHONPATH": driver_pythonpath()}}
+    # Worker and actor output (Ray's per-report lines, data-execution notes, C++
+    # warnings) reaches the console only with -v. The run's own lines come from
+    # events.jsonl and a failure is explained from the exception (rank + traceback),
+    # so quiet mode hides no error; full logs stay under the Ray session directory.
+    quiet = {"logging_level": level, "log_to_driver": cfg.verbose}
+    if address:
+        problem = address_problem(address)
+        if problem:
+            raise ConfigError([("address", f"got {address!r}: {problem}; give the head's HOST:PORT (e.g. 10.0.0.5:6379) or leave it out for a local Ray")])
+        # Inside `ray job submit` the job's runtime_env may set the same variables; Ray
+        # refuses to merge two values for one key, and the job's choice should win.
+        job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}").get("runtime_env", {}).get("env_vars", {})
+        runtime_env["env_vars"] = {k: v for k, v in runtime_env["env_vars"].items() if k not in job_env}
+        try:
+            ray.init(address=address, runtime_env=runtime_env, **quiet)
+        except Exception as exc:  # connection errors come in several types
+            raise ConfigError(
+                [("address", f"cannot reach a Ray cluster at {address!r} ({str(exc).splitlines()[0][:200]}); check that its head "
+                  "is running (ray status), the address, and RAY_AUTH_MODE=token if the cluster uses token auth")]
+            ) from None
+    else:
+        cpus = num_cpus or max(os.cpu_count() or 1, int(cfg.max_workers * cfg.cpus_per_worker) + 2)
+        dashboard_port = free_port()
+        # Train's placement-group cleaner polls the dashboard (RAY_NOTES); name ours, or with
+        # several Rays on one host it cannot tell which one to ask.
+        runtime_env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
+        os.environ.setdefault("RAY_worker_niceness", EMBEDDED_WORKER_NICENESS)  # read by the raylet it starts
+        try:
+            ray.init(
+                address="local",
+                num_cpus=cpus,
+                resources=resources,
+                include_dashboard=True,
+                dashboard_host="127.0.0.1",
+                dashboard_port=dashboard_port,
+                runtime_env=runtime_env,
+                # Ray binds its servers to the node's address even when asked for 127.0.0.1
+                # (services.resolve_ip_for_localhost); its gRPC ports need the session token,
+                # but the Prometheus /metrics exporters answer anyone: not started here.
+                _system_config={"enable_metrics_collection": False},
+                **quiet,
+            )
+        except Exception as exc:
+            raise RunFailed(
+                f"could not start the embedded Ray ({str(exc).splitlines()[0][:300]}); "
+                "is the machine overloaded, or /tmp full? Rerun with -v for Ray's logs."
+            ) from None
+    note_cluster_capacity(cfg)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def address_problem(address: str) -> str | None:
+    """Why `address` cannot be a GCS address that answers, judged in a few seconds; None if it may."""
+    if address.startswith(("http://", "https://")):
+        return "that is the dashboard/Jobs API URL (for `ray job submit`); Ray needs the GCS address, HOST:6379"
+    if address in ("auto", "local") or "://" in address:
+        return None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        connection = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
+    except OSError as exc:
+        return f"nothing answers there ({exc.strerror or type(exc).__name__})"
+    with connection:
+        if not speaks_grpc(connection):
+            return "something answers there, but not a Ray cluster (its GCS speaks gRPC)"
+    return None
+
+
+def speaks_grpc(connection: socket.socket, timeout_s: float = 5.0) -> bool:
+    """Whether the server on `connection` answers an HTTP/2 client preface with a SETTINGS
+    frame, as a gRPC server such as Ray's GCS does; other servers answer otherwise or not at
+    all (ray.init would then wait minutes for them)."""
+    connection.settimeout(timeout_s)
+    try:
+        # The HTTP/2 client preface, then an empty SETTINGS frame (length 0, type 4).
+        connection.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        header = b""
+        while len(header) < 9:
+            chunk = connection.recv(9 - len(header))
+            if not chunk:
+                return False
+            header += chunk
+    except OSError:
+        return False
+    return header[3] == 0x04
+
+
+# An embedded Ray runs every worker on this machine: at most this many workers per CPU
+# (more only thrashes; a little oversubscription is useful for testing, with a warning).
+MAX_WORKERS_PER_CPU = 2
+# Memory one training worker takes before any data (Ray's worker process with torch imported).
+WORKER_BASE_MEMORY_BYTES = 600 << 20
+
+
+def will_embed_ray(cfg: TrainConfig) -> bool:
+    """Whether ray_session would start an embedded Ray (no address, none running)."""
+    import ray
+
+    return not (ray.is_initialized() or cfg.address or os.environ.get("RAY_ADDRESS"))
+
+
+def note_cluster_capacity(cfg: TrainConfig, echo: Callable[[str], None] = print) -> None:
+    """On a cluster that cannot hold MIN workers now, say that the run waits for nodes (an
+    autoscaler may add them; nothing can be started until then)."""
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 0)
+    need = cfg.min_workers * cfg.cpus_per_worker
+    if need > cpus:
+        echo(
+            f"raytrain: note: the cluster has {cpus:g} CPUs and {cfg.min_workers} workers × {cfg.cpus_per_worker:g} CPU need {need:g}: "
+            "training starts when nodes join (an autoscaler); without one, stop it with Ctrl-C and use fewer --workers"
+        )
+
+
+def check_embedded_capacity(cfg: TrainConfig, echo: Callable[[str], None] = print) -> None:
+    """Refuse a worker count this machine can never hold; warn about a small oversubscription."""
+    import psutil
+
+    cpus = os.cpu_count() or 1
+    need = cfg.max_workers * cfg.cpus_per_worker
+    if need > MAX_WORKERS_PER_CPU * cpus:
+        raise ConfigError([("workers", (
+            f"got {cfg.workers} workers × {cfg.cpus_per_worker:g} CPU = {need:g} CPUs, but this machine has {cpus} and an embedded "
+            f"Ray runs every worker here; use at most {int(MAX_WORKERS_PER_CPU * cpus // cfg.cpus_per_worker)} "
+            "(or fewer --cpus-per-worker), or join a cluster with --address"
+        ))])  # fmt: skip
+    available = psutil.virtual_memory().available
+    if cfg.max_workers * WORKER_BASE_MEMORY_BYTES > available:
+        raise ConfigError([("workers", (
+            f"got {cfg.workers} workers; each takes about {WORKER_BASE_MEMORY_BYTES / 2**30:.1f} GiB before any data and this "
+            f"machine has {available / 2**30:.1f} GiB available; use at most {max(1, int(available // WORKER_BASE_MEMORY_BYTES))}, "
+            "or join a cluster with --address"
+        ))])  # fmt: skip
+    if need > cpus:
+        echo(f"raytrain: note: {cfg.max_workers} workers × {cfg.cpus_per_worker:g} CPU on a {cpus}-CPU machine: oversubscribed — fine for a test, slow for training")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def driver_pythonpath() -> str:
+    """Workers import `module:attr` pipelines the way the driver does: from its cwd and path."""
+    entries = [os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
+    return os.pathsep.join(dict.fromkeys(entries))
+
+
+def resolve_gpu(cfg: TrainConfig) -> bool:
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if cfg.gpu and not gpus:
+        raise ConfigError([("gpu", "was asked for, but the Ray cluster has no GPUs; drop --gpu or connect to a cluster with GPUs (--address)")])
+    return bool(gpus) if cfg.gpu is None else cfg.gpu
+
+

@@ -1,0 +1,86 @@
+"""How a run ended, in its files and in one paragraph: `summary.json`, and the explanation of
+a failure (which rank raised what, where in the user's code, and where the logs are)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+from raytrain.config import TrainConfig
+from raytrain.errors import StorageError, explain_worker_errors, find_user_error
+from raytrain.observe.render import first_line
+from raytrain.rundir import MODEL, RunDir, Summary
+from raytrain.rundir.checkpoints import checkpoint_dirs
+
+
+def write_summary(
+    run_dir: Path, cfg: TrainConfig, result: Any, error: Exception | None, started: float, *, interrupted: int = 0, status: str | None = None
+) -> Summary:
+    """summary.json (strict JSON, written atomically) from the run files of this invocation;
+    returns it (with `summary_error` in `extra` when it could not be written)."""
+    files = RunDir(run_dir)
+    progress = files.progress()
+    if progress is not None and progress.time < started:  # left by an earlier invocation
+        progress = None
+    rows = files.metrics()
+    epoch_rows = [row for row in rows if row.epoch_end]
+    last = epoch_rows[-1] if epoch_rows else (rows[-1] if rows else None)
+    fault = find_user_error(error)
+    if status is None:
+        status = _status(error, fault, interrupted)
+    model_path = run_dir / MODEL
+    at = progress or last
+    summary = Summary(
+        status=status,
+        epochs=at.epoch if at else 0,
+        steps=at.step if at else 0,
+        samples_seen=at.samples_seen if at else 0,
+        wall_time_s=round(time.time() - started, 3),
+        steady_samples_per_s=progress.steady_samples_per_s if progress else None,
+        steady_steps=progress.steady_steps if progress else None,
+        world_sizes=(progress.world_sizes if progress else None) or sorted({row.world_size for row in rows if row.world_size}),
+        failures_recovered=sum(event.recovers_a_failure for event in files.events(since=started - 1)),
+        final_metrics={"loss": last.loss, **last.validation} if last else {},
+        best_checkpoint=_best_checkpoint(result, run_dir),
+        model_path=str(model_path) if model_path.exists() and status == "finished" else None,
+        error=None if error is None else first_line(str(fault if fault is not None else error)) or type(error).__name__,
+    )
+    try:
+        files.write_summary(summary)
+    except StorageError as exc:  # a full disk must not hide the run's own error
+        summary.extra["summary_error"] = str(exc)
+    return summary
+
+
+def _status(error: Exception | None, fault: Exception | None, interrupted: int) -> str:
+    if interrupted:
+        return "interrupted"
+    if isinstance(fault, FloatingPointError):
+        return "diverged"
+    return "failed" if error is not None else "finished"
+
+
+def _best_checkpoint(result: Any, run_dir: Path) -> str | None:
+    if result is not None:
+        with contextlib.suppress(Exception):
+            best = result.get_best_checkpoint(metric="val_loss", mode="min")
+            if best is not None:
+                return best.path
+        if result.checkpoint is not None:
+            return result.checkpoint.path
+    found = checkpoint_dirs(run_dir)
+    return str(found[-1]) if found else None
+
+
+def explain_failure(error: Exception, run_dir: Path, ray_logs: str | None = None) -> str:
+    """Which rank failed with which exception, where in the user's code, then where the logs are."""
+    lines = explain_worker_errors(error)
+    logs = ray_logs or "/tmp/ray/session_latest/logs"
+    return (
+        f"The run failed: {lines[0]}\n" + "".join(f"  {line}\n" for line in lines[1:])
+        + f"Run files: {run_dir} (summary.json, events.jsonl, report.md). "
+        f"Full worker logs: {logs} (worker-*.err; train/ for Ray Train), or the Ray dashboard; "
+        "rerun with -v to see Ray's own logs."
+    )

@@ -1,0 +1,74 @@
+"""`raytrain export`: a run's, a checkpoint's or a weights file's model as a plain state_dict.
+
+It reads the weights only (no process group, no pipeline code); with `pipeline`, it also
+builds that pipeline's model with the run's own options and checks that the weights load
+with `strict=True`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from raytrain.errors import CheckpointError, UsageError, pipeline_code
+from raytrain.rundir.checkpoints import load_model_weights
+from raytrain.rundir.files import storage_errors
+from raytrain.rundir.records import CONFIG, MODEL
+
+# Prefixes the wrappers of a model add to its keys: DDP's and torch.compile's.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def export_weights(source: str, output: str, pipeline: str | None = None, echo: Callable[[str], None] = print) -> Path:
+    """Write the model of `source` (a run directory, a checkpoint directory or a .pt file) to
+    `output` as a plain state_dict; returns the path written."""
+    import torch
+
+    weights = {strip_wrappers(key): value for key, value in load_model_weights(source).items()}
+    checked = check_against_pipeline(pipeline, Path(source), weights) if pipeline else ""
+    path = Path(output).expanduser()
+    if path.is_dir():
+        raise UsageError(f"-o {path}: is a directory; give a file name, e.g. -o {path / MODEL}")
+    with storage_errors(path, "write"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save(weights, tmp)
+        tmp.replace(path)
+    size_mb = path.stat().st_size / 2**20
+    echo(f"Wrote {path}: {len(weights)} tensors, {size_mb:.2f} MiB{checked}")
+    echo(f"Load with: model.load_state_dict(torch.load({str(path)!r}, weights_only=True), strict=True)")
+    return path
+
+
+def strip_wrappers(key: str) -> str:
+    """`module.` (DDP) and `_orig_mod.` (torch.compile), in any order and nesting."""
+    while key.startswith(WRAPPER_PREFIXES):
+        key = key.split(".", 1)[1]
+    return key
+
+
+def check_against_pipeline(spec: str, source: Path, weights: dict) -> str:
+    """Load the weights into the pipeline's model with strict=True (the run's own options, from
+    its config.yaml when the source is a run or one of its checkpoints, build the model)."""
+    import yaml
+
+    from raytrain.config import TrainConfig, merge_layers
+    from raytrain.pipeline import load_pipeline
+
+    pipe = load_pipeline(spec)
+    run_dir = source if source.is_dir() else source.parent
+    values: dict[str, Any] = {}
+    for candidate in (run_dir, run_dir.parent):
+        if (candidate / CONFIG).is_file():
+            values = yaml.safe_load((candidate / CONFIG).read_text()) or {}
+            break
+    values.pop("pipeline", None)
+    values.pop("gpu", None)
+    cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, values, {"resume": False}))
+    with pipeline_code(pipe, "build_model"):
+        model = pipe.build_model(cfg)
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{source}: weights do not match {pipe.name}'s model: {str(exc).splitlines()[0]}") from None
+    return f"; checked: loads into {pipe.name}'s model with strict=True"

@@ -1,0 +1,282 @@
+"""An epoch on one worker: its steps, what follows each step (the sync, the metrics row, the
+checkpoint), and the epoch's end (validation, its row, the reported checkpoint).
+
+Two ways through an epoch: `train_epoch` (every rank takes every step; a failure restarts
+the worker group from the last checkpoint) and `train_epoch_per_step` (per-step fault
+tolerance: the live replicas take each step together, `raytrain.worker.replicas`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+from raytrain.data.stream import Stream, StreamEpoch
+from raytrain.data.table import Table, TableEpoch
+from raytrain.observe.render import sci
+from raytrain.rules import steps
+from raytrain.rules.position import Position
+from raytrain.rundir import checkpoints
+from raytrain.rundir.records import Kind
+from raytrain.rundir.writer import RunWriter
+from raytrain.worker.replicas import ReplicaRuntime
+from raytrain.worker.step import StepRunner, update_context
+from raytrain.worker.window import EpochLoss, TrainingDiverged, divergence_message, sync
+
+
+class EpochResult(NamedTuple):
+    loss: float  # the epoch's mean training loss over all ranks
+    samples_per_s: float
+    stopped: bool  # the run was asked to stop: a checkpoint at the current step has been reported
+    finished_elsewhere: bool = False  # per-step: a replacement found the others done with the run
+
+
+def train_epoch(runner: StepRunner, source: Table | Stream, position: Position, files: RunWriter) -> EpochResult:
+    """Train the rest of the current epoch (to the step where the run was asked to stop, if it was)."""
+    cfg, start, samples_before = runner.cfg, time.perf_counter(), position.samples_seen
+    rank, world = runner.runtime.world_rank, runner.runtime.world_size
+    data = source.epoch(cfg.seed, position.epoch, position.epoch_offset, rank, world)
+    epoch_steps = steps.epoch_steps(len(source), runner.batch_plan.global_batch_size, position.epoch_offset)
+    runner.model.train()
+    epoch_loss, stop = EpochLoss(), False
+    for step in epoch_steps:
+        take_step(runner, data, step, position)
+        last = step is epoch_steps[-1]
+        stop = after_step(runner, position, files, len(source), last, epoch_loss)
+        if stop and not last:
+            return EpochResult(math.nan, math.nan, stopped=True)
+    note_skipped_rows(runner, data, position, files)
+    samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
+    return EpochResult(epoch_loss.mean(), samples_per_s, stop)
+
+
+def train_epoch_per_step(
+    runner: StepRunner,
+    source: Table | Stream,
+    position: Position,
+    files: RunWriter,
+    replicas: ReplicaRuntime,
+    on_first_quorum: Callable[[], None] | None = None,
+) -> tuple[EpochResult, StepRunner]:
+    """Train the rest of the current epoch one step at a time over the quorum of live replicas.
+
+    Each step: the quorum (a joining replica heals here, position included); on a new quorum
+    the batch plan and rate follow its size and the rows from the current offset are split
+    over its members; forward and backward; then the step is applied only if every member
+    commits it. An uncommitted step is taken again from the same offset, so a committed step
+    is the only one that counts its rows: every row once per epoch. Returns the epoch's
+    result and the runner of the last quorum."""
+    cfg, start, samples_before = runner.cfg, time.perf_counter(), position.samples_seen
+    runner.model.train()
+    data, split, taken, stop = None, None, 0, False
+    while position.epoch_offset < len(source):
+        quorum = replicas.start_step(position.step)
+        files.enabled = replicas.is_rank0
+        if replicas.healed:  # the position (and the epoch's loss so far) came from a live peer
+            start, samples_before = time.perf_counter(), position.samples_seen
+        if position.epoch_loss[0] != position.epoch:
+            position.epoch_loss = [float(position.epoch), 0.0, 0.0]
+        if on_first_quorum is not None:
+            # Alone in its first quorum after the others wrote the end: a replacement too late to join.
+            if quorum.size == 1 < replicas.replica_count and files.rundir.finished(cfg.epochs):
+                return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True), runner
+            if not replicas.healed:  # a replacement says nothing of its own: the quorum's line does
+                on_first_quorum()
+            on_first_quorum = None
+        if quorum != split:
+            runner = follow_quorum(runner, quorum.size, position, files, len(source))
+            split, data = quorum, None
+        if data is None:  # a new split, or the rows of an uncommitted step to read again
+            data = source.epoch(cfg.seed, position.epoch, position.epoch_offset, quorum.rank, quorum.size)
+        step = steps.next_step(len(source), runner.batch_plan.global_batch_size, position.epoch_offset, index=taken)
+        update_context(runner, position)
+        tick, steady = time.perf_counter(), step.index >= cfg.timing_warmup_steps
+        phase, window = runner.phases(position, timed=steady), runner.window.snapshot()
+        runner.gradients(data, step, position, phase)
+        if not replicas.commit():  # a member failed inside the step: nothing of it is applied
+            runner.optimizer.zero_grad(set_to_none=True)
+            runner.window.restore(window)
+            data = None
+            continue
+        runner.apply_gradients(position, phase)
+        advance(position, step, steady, time.perf_counter() - tick)
+        taken += 1
+        last = position.epoch_offset >= len(source)
+        epoch_loss = EpochLoss(position.epoch_loss[1], int(position.epoch_loss[2]))
+        stop = after_step(runner, position, files, len(source), last, epoch_loss, every_replica_looks=True)
+        position.epoch_loss[1:] = [epoch_loss.total, float(epoch_loss.count)]
+        if stop and not last:
+            return EpochResult(math.nan, math.nan, stopped=True), runner
+    samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
+    total, count = position.epoch_loss[1], position.epoch_loss[2]
+    return EpochResult(total / count if count else math.nan, samples_per_s, stop), runner
+
+
+def follow_quorum(runner: StepRunner, size: int, position: Position, files: RunWriter, num_train_rows: int) -> StepRunner:
+    """The runner for a quorum of `size` replicas (its batch plan and rate), and one event line
+    when the size differs from the one the run last trained with (the position says it, the
+    same on every member, a healed one included)."""
+    if size != runner.batch_plan.world_size:
+        runner = runner.for_quorum(size, num_train_rows)
+    previous = position.world_sizes[-1] if position.world_sizes else size
+    if size != previous:
+        line = quorum_line(runner, position, previous)
+        files.event(Kind.QUORUM, line, world_size=size, previous_world_size=previous, step=position.step)
+    position.world_sizes = append_if_new(position.world_sizes, size)
+    return runner
+
+
+def quorum_line(runner: StepRunner, position: Position, previous: int) -> str:
+    """`Quorum 3 → 2 replicas at step 40 (epoch 1, 1,280 samples into it): <plan>; lr now …`."""
+    now = runner.runtime.world_size
+    why = "a replica was lost; the survivors go on" if now < previous else "a replica rejoined, healed from a live peer"
+    return (
+        f"Quorum {previous} → {now} replicas at step {position.step} (epoch {position.epoch + 1}, "
+        f"{position.epoch_offset:,} samples into it; {why}): {runner.describe_plan()}; "
+        f"lr now {sci(runner.lr_at(position.samples_seen))}"
+    )
+
+
+def append_if_new(sizes: list[int], size: int) -> list[int]:
+    return sizes if sizes and sizes[-1] == size else [*sizes, size]
+
+
+def advance(position: Position, step: steps.Step, steady: bool, seconds: float) -> None:
+    """The position after `step` (a timed step adds to the steady throughput)."""
+    position.step += 1
+    position.samples_seen += step.size
+    position.epoch_offset = step.end
+    if steady:
+        position.steady_steps += 1
+        position.steady_samples += step.size
+        position.steady_time_s += seconds
+
+
+def take_step(runner: StepRunner, data: TableEpoch | StreamEpoch, step: steps.Step, position: Position) -> None:
+    """One optimizer step, and the position after it; steps past --timing-warmup-steps are timed."""
+    tick = time.perf_counter()
+    update_context(runner, position)
+    steady = step.index >= runner.cfg.timing_warmup_steps
+    runner.optimizer_step(data, step, position, timed=steady)
+    advance(position, step, steady, time.perf_counter() - tick)
+
+
+def after_step(
+    runner: StepRunner,
+    position: Position,
+    files: RunWriter,
+    epoch_rows: int,
+    last: bool,
+    epoch_loss: EpochLoss,
+    every_replica_looks: bool = False,
+) -> bool:
+    """After a step: rank 0's live row; at the logging cadence the sync (loss, stop request)
+    and a metrics row; a checkpoint when one is due, or when the run is asked to stop
+    mid-epoch. Returns whether it was asked to stop. `every_replica_looks` (per-step mode):
+    each replica reads the stop request itself rather than trusting the sync to carry it."""
+    cfg, stop = runner.cfg, False
+    report_live(files, runner, position, epoch_rows)
+    checkpoint_now = bool(cfg.checkpoint_every_steps) and position.step % cfg.checkpoint_every_steps == 0 and not last
+    if position.step % cfg.log_every_steps == 0 or last or checkpoint_now:
+        # Every checkpoint follows a sync: weights are saved only after their loss was seen finite.
+        asked = files.stop_requested(anyone=every_replica_looks)
+        loss, count, stop = sync_ranks(runner, position, stop_requested=asked)
+        stop = stop or asked
+        epoch_loss.add(loss, count)
+        if not last:
+            rate = runner.throughput.lap(position.samples_seen)
+            files.metrics(runner.metrics_row(position, loss=loss, samples_per_s=rate))
+        if stop and not last:
+            report_checkpoint(runner, position)
+            return True
+    if checkpoint_now:
+        report_checkpoint(runner, position)
+    return stop
+
+
+def sync_ranks(runner: StepRunner, position: Position, stop_requested: bool = False) -> tuple[float, int, bool]:
+    """The sync (`raytrain.worker.window.sync`): the mean loss since the last one, the samples
+    it covers and whether to stop. A NaN/inf loss on any rank ends the run here
+    (TrainingDiverged), before its weights are saved."""
+    loss, count, stop, diverged = sync(runner.runtime, runner.heartbeat, runner.window, position.step, stop_requested)
+    if diverged:
+        last_good = checkpoints.latest_complete(Path(runner.run_dir)) if runner.run_dir else None
+        raise TrainingDiverged(
+            divergence_message(
+                diverged,
+                stopped_at=position.step,
+                lr=runner.cfg.lr,
+                peak_lr=runner.peak_lr,
+                precision=runner.cfg.precision,
+                last_good=str(last_good) if last_good else None,
+            )
+        )
+    return loss, count, stop
+
+
+def end_epoch(runner: StepRunner, val_data: Table | Stream | None, position: Position, files: RunWriter, epoch: EpochResult) -> None:
+    """Validate, write the epoch's row and report it with a checkpoint."""
+    runner.heartbeat.mark(position.step, "eval")
+    val_metrics = evaluate(runner, val_data) if val_data is not None else {}
+    position.epoch, position.epoch_offset = position.epoch + 1, 0
+    row = runner.metrics_row(position, loss=epoch.loss, samples_per_s=epoch.samples_per_s, extra=val_metrics)
+    files.epoch_end(row, runner.cfg.epochs)
+    # report: a barrier on every rank; rank 0 attaches the checkpoint.
+    runner.heartbeat.mark(position.step, "report")
+    runner.runtime.report(row.to_json(), runner.checkpoint(position), checkpoints.save_state, files.run_dir)
+
+
+def report_checkpoint(runner: StepRunner, position: Position) -> None:
+    """A mid-epoch checkpoint at the current step (a barrier on every rank)."""
+    runner.heartbeat.mark(position.step, "report")
+    row = runner.metrics_row(position, loss=float("nan"), samples_per_s=0.0)
+    runner.runtime.report(row.to_json(), runner.checkpoint(position), checkpoints.save_state, runner.run_dir)
+
+
+def report_live(files: RunWriter, runner: StepRunner, position: Position, epoch_rows: int) -> None:
+    """About once a second, where rank 0 is in the epoch (for the driver's progress bar)."""
+    if files.live_due():
+        files.live(
+            epoch=position.epoch + 1,
+            step=position.step,
+            samples_seen=position.samples_seen,
+            epoch_rows=epoch_rows,
+            global_batch_size=runner.batch_plan.global_batch_size,
+            world_size=runner.runtime.world_size,
+            loss=runner.window.mean_loss(),
+        )
+
+
+def note_skipped_rows(runner: StepRunner, data: TableEpoch | StreamEpoch, position: Position, files: RunWriter) -> None:
+    """Rows of the stream skipped this epoch for NaN/inf (--skip-nan-rows), over all ranks."""
+    if runner.cfg.skip_nan_rows and isinstance(data, StreamEpoch):  # a collective: every rank, at the epoch's end
+        skipped = int(runner.runtime.all_reduce_sum([float(data.skipped_rows)])[0])
+        if skipped:
+            files.event(Kind.DATA, f"epoch {position.epoch + 1}: skipped {skipped:,} row(s) holding NaN or inf (--skip-nan-rows)")
+
+
+@torch.no_grad()
+def evaluate(runner: StepRunner, source: Table | Stream) -> dict[str, float]:
+    """Validation loss and metrics, averaged over all validation samples of all ranks."""
+    runtime = runner.runtime
+    runner.model.eval()
+    batch_size = max(1, runner.batch_plan.per_worker_max if not runner.cfg.micro_batch_size else runner.cfg.micro_batch_size)
+    sums: dict[str, float] = {}
+    count = 0
+    # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
+    # rank learns the metric names and joins the reduction below.
+    rank, world = runtime.evaluation_share()
+    for n, batch in source.eval_batches(rank, world, batch_size, runtime.device):
+        loss, metrics = runner.compute_loss(batch)
+        for name, value in {"loss": loss, **metrics}.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * n
+        count += n
+    names = sorted(sums)
+    values = [sums[name] for name in names] + [float(count)]
+    totals = runtime.all_reduce_sum(values) if world > 1 else values
+    runner.model.train()
+    return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}

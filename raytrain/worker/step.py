@@ -1,0 +1,339 @@
+"""One optimizer step: the model, the optimizer and the rules of an attempt, and the mechanics
+of forward, backward and update over a rank's rows (`StepRunner`).
+
+The per-worker story (`raytrain.worker.loop`) builds one `StepRunner` per attempt and asks
+it for steps; how the rows, the micro-batches, the loss weight, autocast, the scaler,
+clipping and the pipeline's hooks fit together is said here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from raytrain.config import TrainConfig
+from raytrain.data.stream import StreamEpoch
+from raytrain.data.table import TableEpoch
+from raytrain.errors import PipelineCodeError, pipeline_code
+from raytrain.pipeline import _CONTEXT, Pipeline, overrides
+from raytrain.rules import steps
+from raytrain.rules.attempt import describe_plan
+from raytrain.rules.batch import BatchPlan, batch_plan_for
+from raytrain.rules.position import Position
+from raytrain.rules.schedule import LRSchedule, run_schedule
+from raytrain.rundir.records import MetricsRow
+from raytrain.worker import optim
+from raytrain.worker.heartbeat import Heartbeat, looks_like_timeout
+from raytrain.worker.phases import PhaseTimer, StepPhases
+from raytrain.worker.runtime import Runtime
+from raytrain.worker.state import TrainingState, restore_rank_rng, seed_everything, unwrap
+from raytrain.worker.window import LossWindow, Throughput
+
+
+@dataclass
+class StepRunner:
+    """The model, optimizer and rules of one attempt; takes optimizer steps."""
+
+    pipeline: Pipeline
+    cfg: TrainConfig
+    runtime: Runtime
+    heartbeat: Heartbeat
+    run_dir: str  # "" in unit tests: no checkpoint to name
+    batch_plan: BatchPlan
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    schedule: LRSchedule
+    rate_multipliers: list[float]  # per parameter group: its rate at build / --lr
+    window: LossWindow  # the steps since the last sync
+    throughput: Throughput = field(default_factory=lambda: Throughput(time.perf_counter(), 0))
+    loss_checked: bool = False  # compute_loss's result was checked (on the first call)
+
+    @classmethod
+    def build(
+        cls,
+        pipeline: Pipeline,
+        cfg: TrainConfig,
+        runtime: Runtime,
+        heartbeat: Heartbeat,
+        run_dir: Path,
+        batch_plan: BatchPlan,
+        num_train_rows: int,
+        saved: dict[str, Any] | None,
+    ) -> "StepRunner":
+        """Everything an attempt steps with, continuing from a checkpoint's `saved` state (None:
+        a fresh start)."""
+        # One seed for model init on every rank: identical replicas before DDP's broadcast.
+        seed_everything(cfg.seed)
+        with pipeline_code(pipeline, "build_model"):
+            model = pipeline.build_model(cfg)
+            if not isinstance(model, torch.nn.Module):
+                raise PipelineCodeError(
+                    f"pipeline {pipeline.name}: build_model returned a {type(model).__name__}, not a torch.nn.Module"
+                )
+        model = runtime.prepare_model(model, dataclasses.asdict(cfg.ddp))
+        with pipeline_code(pipeline, "build_optimizer"):
+            optimizer = pipeline.build_optimizer(unwrap(model), cfg)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise PipelineCodeError(
+                    f"pipeline {pipeline.name}: build_optimizer returned a {type(optimizer).__name__}, "
+                    "not a torch.optim.Optimizer"
+                )
+        multipliers = optim.rate_multipliers(optimizer, cfg.lr)  # before a checkpoint's state overwrites the rates
+        scaler = torch.amp.GradScaler(runtime.device.type, enabled=cfg.precision == "fp16")
+        position = Position.restored(saved)
+        if saved is not None:
+            # Another optimizer than the checkpoint's is the pipeline's doing (build_optimizer).
+            state = TrainingState(model, optimizer, scaler, position)
+            state.restore(saved, runtime, cfg.seed, load=lambda load: _as_pipeline_code(pipeline, "build_optimizer", load))
+        else:
+            restore_rank_rng(cfg.seed, runtime.world_rank, runtime.world_size, None)
+        return cls(
+            pipeline=pipeline,
+            cfg=cfg,
+            runtime=runtime,
+            heartbeat=heartbeat,
+            run_dir=str(run_dir),
+            batch_plan=batch_plan,
+            model=model,
+            optimizer=optimizer,
+            scaler=scaler,
+            schedule=run_schedule(cfg, batch_plan, num_train_rows),
+            rate_multipliers=multipliers,
+            window=LossWindow.on(runtime.device),
+            throughput=Throughput(time.perf_counter(), position.samples_seen),
+        )
+
+    # -- the rules of this attempt ----------------------------------------------------------
+
+    @property
+    def peak_lr(self) -> float:
+        return self.schedule.peak_lr
+
+    def lr_at(self, samples_seen: int) -> float:
+        factor = self.pipeline.lr_factor if overrides(self.pipeline, "lr_factor") else None
+        return self.schedule.lr(samples_seen, factor)
+
+    def describe_plan(self) -> str:
+        return describe_plan(self.cfg, self.pipeline, self.batch_plan, self.schedule, self.runtime.backend)
+
+    def for_quorum(self, replicas: int, num_train_rows: int) -> "StepRunner":
+        """This runner with the batch plan and rate of a quorum of `replicas` (per-step mode)."""
+        plan = batch_plan_for(self.cfg, replicas)
+        return dataclasses.replace(self, batch_plan=plan, schedule=run_schedule(self.cfg, plan, num_train_rows))
+
+    def training_state(self, position: Position) -> TrainingState:
+        """What a checkpoint, a healed replica and the final model hold (`raytrain.worker.state`)."""
+        return TrainingState(self.model, self.optimizer, self.scaler, position)
+
+    def checkpoint(self, position: Position) -> dict[str, Any]:
+        """The checkpoint of the step at `position` (a collective: every rank calls it)."""
+        rules = {
+            "scheduler": {
+                "samples_seen": position.samples_seen,
+                "peak_lr": self.peak_lr,
+                "schedule": self.cfg.schedule,
+                "rate_multipliers": self.rate_multipliers,
+            },
+            "batch_plan": dataclasses.asdict(self.batch_plan),
+            "lr": self.lr_at(position.samples_seen),
+        }
+        return self.training_state(position).checkpoint(self.runtime, rules)
+
+    def metrics_row(self, position: Position, *, loss: float, samples_per_s: float, extra: dict | None = None) -> MetricsRow:
+        return MetricsRow(
+            epoch=position.epoch if position.epoch_offset == 0 else position.epoch + 1,
+            step=position.step,
+            samples_seen=position.samples_seen,
+            world_size=self.runtime.world_size,
+            global_batch_size=self.batch_plan.global_batch_size,
+            lr=self.lr_at(position.samples_seen),
+            loss=loss,
+            samples_per_s=samples_per_s,
+            time_s=time.time(),
+            extra=dict(extra or {}),
+        )
+
+    # -- a step ------------------------------------------------------------------------------
+
+    def phases(self, position: Position, timed: bool) -> StepPhases:
+        """The instrumentation of the step at `position`; `timed`: a steady step, whose phase
+        times add to the position's."""
+        return StepPhases(self.heartbeat, position.step, PhaseTimer(position.phase_time_s if timed else None, self.sync_device))
+
+    def optimizer_step(self, data: TableEpoch | StreamEpoch, step: steps.Step, position: Position, timed: bool) -> float:
+        """One optimizer step over this rank's rows of `step`, from `position`; returns the lr used."""
+        phase = self.phases(position, timed)
+        self.gradients(data, step, position, phase)
+        return self.apply_gradients(position, phase)
+
+    def gradients(self, data: TableEpoch | StreamEpoch, step: steps.Step, position: Position, phase: StepPhases) -> None:
+        """Forward and backward over this rank's rows of `step` (gradients averaged over ranks)."""
+        step_index = position.step
+        for index, piece in enumerate(steps.micro_batches(data.rows(step), self.batch_plan.accumulation_steps)):
+            # A rank with no rows in a (micro-)step still runs forward and backward (the data
+            # gives one row for an empty piece; weight 0 below) so that it joins the
+            # gradient all-reduce.
+            with phase("data", timed="data_wait"):
+                batch, count = data.batch(piece, self.runtime.device)
+                batch = self.augment(batch, index, step_index)
+            with phase(timed="forward_backward"):  # includes DDP's all-reduce, overlapped with backward
+                # DDP averages gradients over ranks; this weight turns that into the mean
+                # over the samples actually present in the step (tail steps are smaller).
+                weight = steps.gradient_weight(count, self.runtime.world_size, step.size)
+                with self.accumulating(last=index == self.batch_plan.accumulation_steps - 1):
+                    with phase("forward"):
+                        loss, _ = self.compute_loss(batch)
+                    with phase("backward"):
+                        self.scaler.scale(loss * weight).backward()
+                self.window.add(loss, count, step_index)
+
+    def apply_gradients(self, position: Position, phase: StepPhases) -> float:
+        """The optimizer's step at the rate of `position`; returns that rate."""
+        lr = self.lr_at(position.samples_seen)
+        optim.set_rates(self.optimizer, lr, self.rate_multipliers)
+        with phase("optimizer", timed="optimizer"):
+            self.clip_gradients(position.step)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    def clip_gradients(self, step_index: int) -> None:
+        if self.cfg.grad_clip_norm is None:
+            return
+        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16's scaled ones
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
+        if not self.scaler.is_enabled():  # under fp16 an inf norm is an overflow the scaler skips, not divergence
+            self.window.note_if_bad(norm, step_index)
+
+    def sync_device(self) -> None:
+        # GPU kernels run asynchronously: without a sync, phase times land on whatever
+        # waits next. Only when asked (raytrain bench), as it costs overlap.
+        if self.cfg.time_phases and self.runtime.device.type == "cuda":
+            torch.cuda.synchronize(self.runtime.device)
+
+    def autocast(self):
+        if self.cfg.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.runtime.device.type, dtype=dtype)
+
+    def accumulating(self, last: bool):
+        """DDP's gradient all-reduce skipped on all micro-batches of a step but the last."""
+        return contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+
+    # -- the pipeline's hooks ------------------------------------------------------------------
+
+    def augment(self, batch: dict[str, torch.Tensor], micro_index: int, step_index: int) -> dict[str, torch.Tensor]:
+        """The pipeline's transform_batch under generators seeded from (seed, epoch, step, rank,
+        micro-batch): new every epoch, the same after a resume; the run's own streams untouched."""
+        if not overrides(self.pipeline, "transform_batch"):
+            return batch
+        key = [self.cfg.seed, _CONTEXT.epoch, step_index, self.runtime.world_rank, micro_index]
+        seed = int(np.random.SeedSequence(key).generate_state(1)[0])
+        devices = [self.runtime.device] if self.runtime.device.type == "cuda" else []
+        numpy_state = np.random.get_state()
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            np.random.seed(seed)
+            try:
+                with pipeline_code(self.pipeline, "transform_batch"):
+                    out = self.pipeline.transform_batch(Batch(batch), _CONTEXT)
+            finally:
+                np.random.set_state(numpy_state)
+        if not isinstance(out, dict):
+            raise PipelineCodeError(
+                f"pipeline {self.pipeline.name}: transform_batch must return the batch (a dict of tensors); "
+                f"it returned a {type(out).__name__}"
+            )
+        return out
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The pipeline's compute_loss under autocast; its first result is checked, and an
+        exception from it is the pipeline's (not retried), unless a collective failed in it."""
+        try:
+            with self.autocast():
+                output = self.pipeline.compute_loss(self.model, Batch(batch))
+        except Exception as exc:
+            if is_collective_failure(exc):
+                raise  # a peer died or stalled inside DDP's forward: a worker fault, retried
+            with pipeline_code(self.pipeline, "compute_loss"):
+                raise
+        if not self.loss_checked:
+            check_loss_output(self.pipeline, output, training=self.model.training)
+            self.loss_checked = True
+        return split_loss(output)
+
+
+def update_context(runner: StepRunner, position: Position) -> None:
+    """What `raytrain.context()` tells the pipeline's hooks during the step at `position`."""
+    _CONTEXT.epoch = position.epoch
+    _CONTEXT.step = position.step
+    _CONTEXT.samples_seen = position.samples_seen
+    _CONTEXT.world_rank = runner.runtime.world_rank
+    _CONTEXT.world_size = runner.runtime.world_size
+    _CONTEXT.global_batch_size = runner.batch_plan.global_batch_size
+    _CONTEXT.lr = runner.lr_at(position.samples_seen)
+
+
+class Batch(dict):
+    """A batch whose missing key names the keys it has (what compute_loss sees)."""
+
+    def __missing__(self, key):
+        raise KeyError(f"{key!r}: the batch has no such column; it has {', '.join(map(repr, self))} (columns of the dataset)")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """An error from torch.distributed (a peer that died or stalled), not from user code."""
+    dist_errors = tuple(getattr(torch.distributed, name) for name in ("DistError",) if hasattr(torch.distributed, name))
+    if dist_errors and isinstance(exc, dist_errors):
+        return True
+    text = str(exc)
+    marks = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "ProcessGroup")
+    return looks_like_timeout(exc) or any(mark in text for mark in marks)
+
+
+def check_loss_output(pipeline: Pipeline, output: Any, *, training: bool) -> None:
+    """compute_loss must return a scalar tensor (with grad, when training) or (loss, dict)."""
+    what = f"pipeline {pipeline.name}: compute_loss must return a scalar loss tensor or (loss, {{name: value}})"
+    loss, metrics = output if isinstance(output, tuple) and len(output) == 2 else (output, {})
+    if isinstance(output, tuple) and len(output) != 2:
+        raise PipelineCodeError(f"{what}; it returned a tuple of {len(output)}")
+    if not isinstance(loss, torch.Tensor):
+        raise PipelineCodeError(
+            f"{what}; it returned a {type(loss).__name__} ({str(loss)[:60]}): return the torch tensor itself, "
+            "not .item() or a float"
+        )
+    if loss.numel() != 1:
+        raise PipelineCodeError(
+            f"{what}; its loss has shape {tuple(loss.shape)}: reduce it, e.g. "
+            "F.cross_entropy(..., reduction='mean') or loss.mean()"
+        )
+    if training and not loss.requires_grad:
+        raise PipelineCodeError(
+            f"{what}; its loss has no gradient (requires_grad=False): compute it from the model's output, "
+            "without .detach() or torch.no_grad()"
+        )
+    if not isinstance(metrics, dict):
+        raise PipelineCodeError(f"{what}; its second item is a {type(metrics).__name__}, not a dict of metrics")
+
+
+def split_loss(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A pipeline's compute_loss returns loss or (loss, metrics)."""
+    if isinstance(output, tuple):
+        loss, metrics = output
+        return loss, dict(metrics or {})
+    return output, {}
+
+
+def _as_pipeline_code(pipeline: Pipeline, method: str, fn: Callable[[], None]) -> None:
+    with pipeline_code(pipeline, method):
+        fn()

@@ -1,0 +1,138 @@
+"""What a rank sees of its training between two syncs, and the sync that shares it.
+
+Steps add their loss to a `LossWindow` on the device, without a host sync. Every
+--log-every-steps steps (and at an epoch's end, and before every checkpoint) all ranks
+`sync`: one collective gives the sample-weighted mean loss over all ranks, whether anyone
+was asked to stop, and whether any rank saw a NaN/inf loss or gradient norm. A non-finite
+loss ends the run there (`TrainingDiverged`), before any checkpoint saves its weights.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from raytrain.errors import UserError
+from raytrain.observe.render import sci
+
+if TYPE_CHECKING:  # pragma: no cover
+    from raytrain.worker.heartbeat import Heartbeat
+    from raytrain.worker.runtime import Runtime
+
+
+class TrainingDiverged(UserError, FloatingPointError):
+    """A NaN/inf training loss: retrying from the last checkpoint would diverge the same way
+    (status "diverged", exit status 1)."""
+
+
+@dataclass
+class LossWindow:
+    """This rank's steps since the last sync: the sample-weighted training loss, and the first
+    step whose loss or gradient norm was NaN/inf (inf: none). On the device: a step adds to
+    it without a host sync; `sync` reads and clears it."""
+
+    loss_sum: torch.Tensor
+    first_bad_step: torch.Tensor
+    loss_count: int = 0
+
+    @classmethod
+    def on(cls, device: torch.device) -> "LossWindow":
+        return cls(torch.zeros((), device=device), torch.full((), math.inf, dtype=torch.float64, device=device))
+
+    def add(self, loss: torch.Tensor, count: int, step_index: int) -> None:
+        """A micro-batch's loss over `count` samples (a non-finite one is noted, not summed)."""
+        detached = loss.detach().float()
+        self.note_if_bad(detached, step_index)
+        self.loss_sum += torch.nan_to_num(detached, nan=0.0, posinf=0.0, neginf=0.0) * count
+        self.loss_count += count
+
+    def note_if_bad(self, value: torch.Tensor, step_index: int) -> None:
+        """Note the step if `value` (a loss, a gradient norm) is NaN/inf."""
+        bad = ~torch.isfinite(value) & torch.isinf(self.first_bad_step)
+        self.first_bad_step = torch.where(bad, torch.full_like(self.first_bad_step, step_index), self.first_bad_step)
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.loss_sum.clone(), self.first_bad_step.clone(), self.loss_count
+
+    def restore(self, saved: tuple[torch.Tensor, torch.Tensor, int]) -> None:
+        """Back to `snapshot`: a step that was not committed counts for nothing."""
+        self.loss_sum, self.first_bad_step, self.loss_count = saved
+
+    def mean_loss(self) -> float | None:
+        """This rank's mean loss so far (a host sync; rank 0's live row only)."""
+        return float(self.loss_sum.item()) / self.loss_count if self.loss_count else None
+
+
+def sync(
+    runtime: "Runtime", heartbeat: "Heartbeat", window: LossWindow, step: int, stop_requested: bool = False
+) -> tuple[float, int, bool, dict[int, int]]:
+    """One collective at the logging cadence (every rank calls it at the same steps, after the
+    step to `step`): the sample-weighted mean training loss over all ranks since the last
+    call, the samples it covers, whether any rank was asked to stop, and the ranks whose loss
+    or gradient norm went NaN/inf since then ({rank: first bad step}; empty when all is well).
+    The window is cleared."""
+    heartbeat.mark(step - 1, "all_reduce")  # in the step just taken
+    world, rank = runtime.world_size, runtime.world_rank
+    # Sum-reduce: each rank fills only its own slot of the first-bad-step vector (others 0).
+    slots = [0.0] * world
+    slots[rank] = float(window.first_bad_step.item())
+    totals = runtime.all_reduce_sum([float(window.loss_sum.item()), float(window.loss_count), float(stop_requested), *slots])
+    total, count, stop, bad_steps = totals[0], int(totals[1]), totals[2] > 0, totals[3:]
+    window.loss_sum.zero_()
+    window.loss_count = 0
+    window.first_bad_step.fill_(math.inf)
+    diverged = {r: int(bad) for r, bad in enumerate(bad_steps) if math.isfinite(bad)}
+    return (total / count if count else float("nan")), count, stop, diverged
+
+
+def divergence_message(
+    diverged: dict[int, int], stopped_at: int, *, lr: float, peak_lr: float, precision: str, last_good: str | None
+) -> str:
+    """The sentence a diverged run ends with: where, what was saved, and what to change."""
+    step = min(diverged.values())
+    ranks = ", ".join(str(r) for r, s in sorted(diverged.items()) if s == step)
+    if precision == "fp16":
+        other_precision = " or train in bf16 or fp32 instead of fp16 (--precision)"
+    elif precision == "bf16":
+        other_precision = " or use --precision fp32"
+    else:
+        other_precision = ""
+    return (
+        f"The training loss became NaN or inf at step {step} on rank {ranks}; the run stopped at step {stopped_at} "
+        f"and saved nothing from these weights. Last good checkpoint: {last_good or 'none yet'}. Lower the learning "
+        f"rate (--lr, now {sci(lr)}, peak {sci(peak_lr)}; or a longer --warmup-epochs){other_precision}, "
+        "then --resume continues from that checkpoint"
+    )
+
+
+@dataclass
+class EpochLoss:
+    """The epoch's sample-weighted training loss over all ranks, from the syncs."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, loss: float, count: int) -> None:
+        self.total += loss * count
+        self.count += count
+
+    def mean(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+
+@dataclass
+class Throughput:
+    """Samples per second from one metrics row to the next."""
+
+    since_time: float
+    since_samples: int
+
+    def lap(self, samples_seen: int) -> float:
+        now = time.perf_counter()
+        rate = (samples_seen - self.since_samples) / max(1e-9, now - self.since_time)
+        self.since_time, self.since_samples = now, samples_seen
+        return rate
