@@ -1,7 +1,10 @@
 """Pipelines for benchmarks/adversarial_cases.sh: digits with one fault each."""
+
 import math
+
 import torch
 import torch.nn.functional as F
+
 from pipelines.digits.pipeline import DigitsPipeline
 
 

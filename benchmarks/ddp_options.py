@@ -23,8 +23,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from raytrain.bench import BenchOptions, bench_config, pick_run, plan_runs, prepare_data, run_raytrain, step_split  # noqa: E402
+from raytrain.driver.session import ray_session  # noqa: E402
 from raytrain.pipeline import load_pipeline  # noqa: E402
-from raytrain.driver.run import ray_session  # noqa: E402
 
 VARIANTS = {
     "defaults (bucket 25 MiB, bucket view on)": {},
@@ -43,8 +43,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--statistic", choices=["median", "best"], default="median", help="which round stands for a variant")
-    parser.add_argument("--variants", help="comma-separated subset of the variant names' first words, e.g. defaults,bucket_cap_mb,gradient_as_bucket_view")
+    parser.add_argument(
+        "--statistic", choices=["median", "best"], default="median", help="which round stands for a variant"
+    )
+    parser.add_argument(
+        "--variants",
+        help="comma-separated subset of the variant names' first words, e.g. "
+        "defaults,bucket_cap_mb,gradient_as_bucket_view",
+    )
     parser.add_argument("--storage", default="~/raytrain_results")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -60,7 +66,9 @@ def main() -> None:
     probe = bench_config(base, opts, workers=args.workers, epochs=1, storage=out / "runs", name="probe")
     with ray_session(probe):
         num_rows = prepare_data(pipe, probe, None)
-        one = plan_runs(base, BenchOptions(workers=[1], steps=args.steps, storage=args.storage, name=opts.name), out, num_rows)[0]
+        one = plan_runs(
+            base, BenchOptions(workers=[1], steps=args.steps, storage=args.storage, name=opts.name), out, num_rows
+        )[0]
         reference = run_raytrain(pipe, one, "", print)
         for index in range(args.rounds):
             for name, flags in variants.items():
@@ -74,19 +82,37 @@ def main() -> None:
     for name, runs in measured.items():
         run = pick_run(runs, args.statistic)
         split = step_split(run["phase_time_s"], run["steady_time_s"], run["steady_steps"], fb_1)
-        rows.append({"variant": name, "samples_per_s": run["steady_samples_per_s"], "rounds": [r["steady_samples_per_s"] for r in runs], **split})
+        rows.append(
+            {
+                "variant": name,
+                "samples_per_s": run["steady_samples_per_s"],
+                "rounds": [r["steady_samples_per_s"] for r in runs],
+                **split,
+            }
+        )
     default = rows[0]["samples_per_s"]
-    print(f"\n{args.pipeline} at {args.workers} workers ({args.statistic} of {args.rounds} rounds); 1 worker: {reference['steady_samples_per_s']:,.0f} samples/s, forward+backward {fb_1:.2f} ms")
-    print(f"| variant | samples/s ({args.statistic}) | vs defaults | step ms | compute | comm | optimizer | rounds (samples/s) |")
+    print(
+        f"\n{args.pipeline} at {args.workers} workers ({args.statistic} of {args.rounds} rounds); 1 worker: "
+        f"{reference['steady_samples_per_s']:,.0f} samples/s, forward+backward {fb_1:.2f} ms"
+    )
+    print(
+        f"| variant | samples/s ({args.statistic}) | vs defaults | step ms | compute | comm | optimizer | rounds "
+        "(samples/s) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for row in rows:
         rounds = ", ".join(f"{x:,.0f}" for x in row["rounds"])
         print(
-            f"| {row['variant']} | {row['samples_per_s']:,.0f} | {row['samples_per_s'] / default:.3f} | {row['step']:.2f} | "
+            f"| {row['variant']} | {row['samples_per_s']:,.0f} | {row['samples_per_s'] / default:.3f} | "
+            f"{row['step']:.2f} | "
             f"{row['compute']:.2f} | {row['communication']:.2f} | {row['optimizer']:.2f} | {rounds} |"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"pipeline": args.pipeline, "workers": args.workers, "one_worker": reference, "rows": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"pipeline": args.pipeline, "workers": args.workers, "one_worker": reference, "rows": rows}, indent=2
+            )
+        )
 
 
 def _slug(name: str) -> str:

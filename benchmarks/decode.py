@@ -76,16 +76,27 @@ def decode(jpegs) -> np.ndarray:
     """JPEG bytes -> float32 (N, 3, H, W) in [0, 1]: the per-row work both contenders do."""
     from PIL import Image
 
-    return np.stack([np.asarray(Image.open(io.BytesIO(b)).convert("RGB"), dtype=np.float32).transpose(2, 0, 1) / 255.0 for b in jpegs])
+    return np.stack(
+        [
+            np.asarray(Image.open(io.BytesIO(b)).convert("RGB"), dtype=np.float32).transpose(2, 0, 1) / 255.0
+            for b in jpegs
+        ]
+    )
 
 
 def build_cnn():
     from torch import nn
 
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(32 * 16, CLASSES),
-    )  # fmt: skip
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(32 * 16, CLASSES),
+    )
 
 
 @dataclass
@@ -148,7 +159,13 @@ def template(args) -> None:
     dataset = Jpegs()
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     per_rank = math.ceil(args.global_batch / world_size)
-    loader = DataLoader(dataset, batch_size=per_rank, sampler=sampler, num_workers=args.loader_workers, persistent_workers=args.loader_workers > 0)
+    loader = DataLoader(
+        dataset,
+        batch_size=per_rank,
+        sampler=sampler,
+        num_workers=args.loader_workers,
+        persistent_workers=args.loader_workers > 0,
+    )
     torch.manual_seed(0)
     model = DDP(build_cnn())
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3 * world_size)
@@ -170,7 +187,9 @@ def template(args) -> None:
                 steady_samples += len(target) * world_size
             tick = time.perf_counter()
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"samples_per_s": steady_samples / steady_time, "data_wait_share": wait_time / steady_time}))
+        Path(args.out).write_text(
+            json.dumps({"samples_per_s": steady_samples / steady_time, "data_wait_share": wait_time / steady_time})
+        )
     dist.destroy_process_group()
 
 
@@ -180,11 +199,29 @@ def template(args) -> None:
 def run_raytrain(data: Path, workers: int, args) -> dict:
     storage = Path(tempfile.mkdtemp(prefix="decode-bench-"))
     command = [
-        str(Path(sys.executable).with_name("raytrain")), "train", "benchmarks.decode:DecodeJpeg", "--pipeline-arg", f"path={data}",
-        "--workers", str(workers), "--epochs", str(args.epochs), "--global-batch-size", str(args.global_batch),
-        "--shuffle-window-rows", str(args.window), "--storage", str(storage), "--name", "run", "--progress", "off",
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600, env={**os.environ, "PYTHONPATH": str(REPO)})
+        str(Path(sys.executable).with_name("raytrain")),
+        "train",
+        "benchmarks.decode:DecodeJpeg",
+        "--pipeline-arg",
+        f"path={data}",
+        "--workers",
+        str(workers),
+        "--epochs",
+        str(args.epochs),
+        "--global-batch-size",
+        str(args.global_batch),
+        "--shuffle-window-rows",
+        str(args.window),
+        "--storage",
+        str(storage),
+        "--name",
+        "run",
+        "--progress",
+        "off",
+    ]
+    done = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=3600, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     if done.returncode != 0:
         raise RuntimeError(f"raytrain failed:\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}")
     summary = json.loads((storage / "run" / "summary.json").read_text())
@@ -197,11 +234,31 @@ def run_raytrain(data: Path, workers: int, args) -> dict:
 def run_template(data: Path, workers: int, args) -> dict:
     out = Path(tempfile.mkstemp(prefix="decode-template-", suffix=".json")[1])
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), "--master_addr", "127.0.0.1",
-        "--master_port", str(29600 + workers), __file__, "--template", "--path", str(data), "--epochs", str(args.epochs),
-        "--global-batch", str(args.global_batch), "--loader-workers", str(args.loader_workers), "--out", str(out),
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(workers),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(29600 + workers),
+        __file__,
+        "--template",
+        "--path",
+        str(data),
+        "--epochs",
+        str(args.epochs),
+        "--global-batch",
+        str(args.global_batch),
+        "--loader-workers",
+        str(args.loader_workers),
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=3600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     if done.returncode != 0:
         raise RuntimeError(f"template failed:\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -228,9 +285,17 @@ def main() -> None:
         return
     data = write_images(Path(args.data_dir), args.images, args.size, args.unit_rows)
     start = time.perf_counter()
-    decode(__import__("pyarrow.parquet", fromlist=["x"]).read_table(next(data.glob("*.parquet"))).column("jpeg").to_pylist()[:500])
+    decode(
+        __import__("pyarrow.parquet", fromlist=["x"])
+        .read_table(next(data.glob("*.parquet")))
+        .column("jpeg")
+        .to_pylist()[:500]
+    )
     per_image_us = (time.perf_counter() - start) / 500 * 1e6
-    print(f"decode: {args.images:,} JPEGs of {args.size}×{args.size}, {per_image_us:.0f} µs each to decode here", flush=True)
+    print(
+        f"decode: {args.images:,} JPEGs of {args.size}×{args.size}, {per_image_us:.0f} µs each to decode here",
+        flush=True,
+    )
     runs: dict[str, dict[int, list[dict]]] = {"raytrain": {1: [], 2: []}, "template": {1: [], 2: []}}
     for round_index in range(args.rounds):
         order = [("raytrain", run_raytrain), ("template", run_template)]
@@ -238,18 +303,34 @@ def main() -> None:
             for workers in (1, 2):
                 figures = runner(data, workers, args)
                 runs[name][workers].append(figures)
-                print(f"round {round_index + 1}: {name} {workers} worker(s): {figures['samples_per_s']:,.0f} samples/s, "
-                      f"data wait {100 * figures['data_wait_share']:.1f} % of the step", flush=True)  # fmt: skip
+                print(
+                    f"round {round_index + 1}: {name} {workers} worker(s): {figures['samples_per_s']:,.0f} samples/s, "
+                    f"data wait {100 * figures['data_wait_share']:.1f} % of the step",
+                    flush=True,
+                )
     summary = {}
     for name, by_workers in runs.items():
         rates = {w: statistics.median(r["samples_per_s"] for r in rs) for w, rs in by_workers.items()}
         waits = {w: statistics.median(r["data_wait_share"] for r in rs) for w, rs in by_workers.items()}
         summary[name] = {"samples_per_s": rates, "speedup_2": rates[2] / rates[1], "data_wait_share": waits}
-        print(f"{name}: {rates[1]:,.0f} → {rates[2]:,.0f} samples/s, speedup at 2 workers {rates[2] / rates[1]:.2f}, "
-              f"data wait {100 * waits[1]:.1f} % / {100 * waits[2]:.1f} % of the step")  # fmt: skip
+        print(
+            f"{name}: {rates[1]:,.0f} → {rates[2]:,.0f} samples/s, speedup at 2 workers {rates[2] / rates[1]:.2f}, "
+            f"data wait {100 * waits[1]:.1f} % / {100 * waits[2]:.1f} % of the step"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "per_image_decode_us": per_image_us, "summary": summary,
-                                               "runs": runs, "load_average_at_end": list(os.getloadavg())}, indent=2) + "\n")  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%d"),
+                    "per_image_decode_us": per_image_us,
+                    "summary": summary,
+                    "runs": runs,
+                    "load_average_at_end": list(os.getloadavg()),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -16,15 +16,39 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COMMON = ["--epochs", "12", "--global-batch-size", "48", "--lr", "2e-3", "--warmup-epochs", "1", "--checkpoint-every-steps", "4"]
+COMMON = [
+    "--epochs",
+    "12",
+    "--global-batch-size",
+    "48",
+    "--lr",
+    "2e-3",
+    "--warmup-epochs",
+    "1",
+    "--checkpoint-every-steps",
+    "4",
+]
 
 
 def fixed_run(out: Path, workers: int, seed: int) -> float:
     name = f"fixed-w{workers}-s{seed}"
     subprocess.run(
-        [str(Path(sys.executable).with_name("raytrain")), "train", "digits", "--workers", str(workers), "--seed", str(seed),
-         "--storage", str(out), "--name", name, *COMMON],
-        check=True, stdout=subprocess.DEVNULL,
+        [
+            str(Path(sys.executable).with_name("raytrain")),
+            "train",
+            "digits",
+            "--workers",
+            str(workers),
+            "--seed",
+            str(seed),
+            "--storage",
+            str(out),
+            "--name",
+            name,
+            *COMMON,
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
     return json.loads((out / name / "summary.json").read_text())["final_metrics"]["val_loss"]
 
@@ -38,8 +62,13 @@ def main() -> None:
     started = time.time()
     fixed = {(w, s): fixed_run(args.out, w, s) for w in (2, 3) for s in seeds}
     env = {**os.environ, "ELASTIC_PIPELINE": "digits", "ELASTIC_EPOCHS": "12", "ELASTIC_LR": "2e-3"}
-    subprocess.run([sys.executable, str(REPO / "tests" / "elastic_scenario.py"), str(args.out / "elastic-run")], check=True, env=env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, str(REPO / "tests" / "elastic_scenario.py"), str(args.out / "elastic-run")],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     result = json.loads((args.out / "elastic-run" / "result.json").read_text())
     elastic = result["summary"]["final_metrics"]["val_loss"]
     same_seed = [fixed[(w, 0)] for w in (2, 3)]

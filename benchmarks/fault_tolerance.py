@@ -36,14 +36,30 @@ def run(out: Path, mode: str, seed: int, kill_step: int | None, args) -> dict:
     records = out / name / "records"
     records.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(
-        workers="3", epochs=args.epochs, global_batch_size=96, lr=2e-3, warmup_epochs=1, seed=seed, fault_tolerance=mode,
-        checkpoint_every_steps=args.checkpoint_every_steps, storage=str(out), name=name, progress="off",
-    )  # fmt: skip
+        workers="3",
+        epochs=args.epochs,
+        global_batch_size=96,
+        lr=2e-3,
+        warmup_epochs=1,
+        seed=seed,
+        fault_tolerance=mode,
+        checkpoint_every_steps=args.checkpoint_every_steps,
+        storage=str(out),
+        name=name,
+        progress="off",
+    )
     started = time.time()
     result = fit(KilledDigits(str(records), kill_step=kill_step, step_sleep_s=args.step_sleep_s), cfg)
     print(f"{name}: {time.time() - started:.0f} s, val_loss {result.metrics['val_loss']:.4f}", flush=True)
-    return {"name": name, "mode": mode, "seed": seed, "killed": kill_step is not None, "run_dir": result.run_dir,
-            "records": str(records), "val_loss": result.metrics["val_loss"]}  # fmt: skip
+    return {
+        "name": name,
+        "mode": mode,
+        "seed": seed,
+        "killed": kill_step is not None,
+        "run_dir": result.run_dir,
+        "records": str(records),
+        "val_loss": result.metrics["val_loss"],
+    }
 
 
 def rows_of(path: Path) -> list[dict]:
@@ -74,15 +90,23 @@ def measure(killed: dict, clean: dict) -> dict:
     replica1 = [r for r in rows_of(records / "steps-replica1.jsonl") if r["pid"] != kill["pid"]]
     back = min((r["time"] for r in replica1), default=float("nan"))
     if killed["mode"] == "per-step":  # back in the quorum: the line saying it grew
-        rejoined = [e.time for e in run_dir.events() if e.kind == Kind.QUORUM and e.extra.get("world_size", 0) > e.extra.get("previous_world_size", 0)]
+        rejoined = [
+            e.time
+            for e in run_dir.events()
+            if e.kind == Kind.QUORUM and e.extra.get("world_size", 0) > e.extra.get("previous_world_size", 0)
+        ]
         back = min(rejoined, default=back)
     survivors = [r for i in (0, 2) for r in rows_of(records / f"steps-replica{i}.jsonl")]
     counts = Counter(r["step"] for r in replica0)
     return {
-        "mode": killed["mode"], "lost_s": lost_s(replica0), "clean_lost_s": lost_s(rows_of(Path(clean["records"]) / "steps-replica0.jsonl")),
-        "stall_s": stall_s(replica0, kill["time"]), "back_s": back - kill["time"],
+        "mode": killed["mode"],
+        "lost_s": lost_s(replica0),
+        "clean_lost_s": lost_s(rows_of(Path(clean["records"]) / "steps-replica0.jsonl")),
+        "stall_s": stall_s(replica0, kill["time"]),
+        "back_s": back - kill["time"],
         "redone": sum(1 for n in counts.values() if n > 1),  # steps replica 0 trained more than once
-        "survivors_restarted": len({r["pid"] for r in survivors}) > 2, "val_loss": killed["val_loss"],
+        "survivors_restarted": len({r["pid"] for r in survivors}) > 2,
+        "val_loss": killed["val_loss"],
     }
 
 
@@ -103,23 +127,56 @@ def main() -> int:
     else:
         ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
         try:
-            clean = {mode: [run(args.out, mode, seed, None, args) for seed in seeds] for mode in ("restart", "per-step")}
+            clean = {
+                mode: [run(args.out, mode, seed, None, args) for seed in seeds] for mode in ("restart", "per-step")
+            }
             killed = {mode: run(args.out, mode, seeds[0], args.kill_step, args) for mode in ("restart", "per-step")}
         finally:
             ray.shutdown()
     losses = [r["val_loss"] for runs in clean.values() for r in runs]
     table = [measure(killed[mode], clean[mode][0]) for mode in ("restart", "per-step")]
-    print("\n".join(markdown_table(
-        ["mode", "replica 0 beyond its steady pace (s): with the failure / without", "its longest wait (s)", "failed replica back after (s)", "steps trained twice", "survivors restarted", "final val_loss"],
-        [[t["mode"], f"{t['lost_s']:.1f} / {t['clean_lost_s']:.1f}", f"{t['stall_s']:.1f}", f"{t['back_s']:.1f}", t["redone"], "yes" if t["survivors_restarted"] else "no", f"{t['val_loss']:.4f}"] for t in table],
-        align="right",
-    )))  # fmt: skip
-    print(f"\nbeyond its steady pace: replica 0's training span minus its steps at that run's median step time (epoch ends and load count too; "
-          f"the run without a failure: seed {seeds[0]}, same mode); "
-          "its longest wait: the longest time between two of its steps from the failure on, beyond the median")
-    print(f"without a failure, {len(losses)} runs (seeds {args.seeds}, both modes): val_loss {min(losses):.4f} … {max(losses):.4f}, "
-          f"mean {statistics.mean(losses):.4f}")  # fmt: skip
-    (args.out / "fault_tolerance.json").write_text(json.dumps({"clean": clean, "killed": killed, "table": table}, indent=2) + "\n")
+    print(
+        "\n".join(
+            markdown_table(
+                [
+                    "mode",
+                    "replica 0 beyond its steady pace (s): with the failure / without",
+                    "its longest wait (s)",
+                    "failed replica back after (s)",
+                    "steps trained twice",
+                    "survivors restarted",
+                    "final val_loss",
+                ],
+                [
+                    [
+                        t["mode"],
+                        f"{t['lost_s']:.1f} / {t['clean_lost_s']:.1f}",
+                        f"{t['stall_s']:.1f}",
+                        f"{t['back_s']:.1f}",
+                        t["redone"],
+                        "yes" if t["survivors_restarted"] else "no",
+                        f"{t['val_loss']:.4f}",
+                    ]
+                    for t in table
+                ],
+                align="right",
+            )
+        )
+    )
+    print(
+        "\nbeyond its steady pace: replica 0's training span minus its steps at that run's median step time (epoch "
+        "ends and load count too; "
+        f"the run without a failure: seed {seeds[0]}, same mode); "
+        "its longest wait: the longest time between two of its steps from the failure on, beyond the median"
+    )
+    print(
+        f"without a failure, {len(losses)} runs (seeds {args.seeds}, both modes): val_loss {min(losses):.4f} … "
+        f"{max(losses):.4f}, "
+        f"mean {statistics.mean(losses):.4f}"
+    )
+    (args.out / "fault_tolerance.json").write_text(
+        json.dumps({"clean": clean, "killed": killed, "table": table}, indent=2) + "\n"
+    )
     return 0
 
 

@@ -39,7 +39,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from raytrain.data.checks import Stream, Table, scan  # noqa: E402
+from raytrain.data.checks import scan  # noqa: E402
+from raytrain.data.stream import Stream  # noqa: E402
+from raytrain.data.table import Table  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -85,7 +87,11 @@ def write_parquet(x: np.ndarray, y: np.ndarray, out: Path, files: int) -> None:
 
 def run_dataloader(x: torch.Tensor, y: torch.Tensor, batch: int, seed: int) -> int:
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y), batch_size=batch, shuffle=True, num_workers=0, generator=torch.Generator().manual_seed(seed)
+        torch.utils.data.TensorDataset(x, y),
+        batch_size=batch,
+        shuffle=True,
+        num_workers=0,
+        generator=torch.Generator().manual_seed(seed),
     )
     rows = 0
     for xb, _ in loader:
@@ -142,7 +148,9 @@ def main() -> None:
         started = time.perf_counter()
         checked = scan(ray.data.read_parquet(str(parquet)), "train", keep_bytes=0, window_rows=args.window)
         scan_s = time.perf_counter() - started
-        stream = Stream(ray.data.read_parquet(str(parquet)), "train", checked.num_rows, checked.window_rows, checked.window_digests)
+        stream = Stream(
+            ray.data.read_parquet(str(parquet)), "train", checked.num_rows, checked.window_rows, checked.window_digests
+        )
         table = Table({"x": x, "y": y})
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
         contenders = {
@@ -174,15 +182,32 @@ def main() -> None:
     load = os.getloadavg()
     print(
         f"\n{args.rows:,} rows × {args.features} float32 features + an int64 label ({dataset_bytes / 2**20:,.0f} MiB), "
-        f"batch {args.batch}, window {checked.window_rows:,} rows ({checked.window_rows * dataset_bytes / args.rows / 2**20:,.1f} MiB), "
-        f"{args.files} Parquet files; driver-side check pass {scan_s:.1f} s; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n"
+        f"batch {args.batch}, window {checked.window_rows:,} rows "
+        f"({checked.window_rows * dataset_bytes / args.rows / 2**20:,.1f} MiB), "
+        f"{args.files} Parquet files; driver-side check pass {scan_s:.1f} s; load average {load[0]:.1f} / "
+        f"{load[1]:.1f} / {load[2]:.1f}\n"
     )
     print("| contender | rows/s (median) | vs DataLoader (median of per-round ratios) | peak extra RSS |")
     print("|---|---:|---:|---:|")
     for name in contenders:
-        print(f"| {name} | {statistics.median(results[name]):,.0f} | {statistics.median(ratios[name]):.2f} | {max(peaks[name]) / 2**20:,.0f} MiB |")
+        print(
+            f"| {name} | {statistics.median(results[name]):,.0f} | {statistics.median(ratios[name]):.2f} | "
+            f"{max(peaks[name]) / 2**20:,.0f} MiB |"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows_per_s": results, "ratios": ratios, "peak_rss": peaks, "scan_s": scan_s, "load": load}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "rows_per_s": results,
+                    "ratios": ratios,
+                    "peak_rss": peaks,
+                    "scan_s": scan_s,
+                    "load": load,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -37,14 +37,26 @@ EPOCHS = {"template": 8, "sgd": 10}
 def torchrun(workers: int, script: list[str]) -> list[str]:
     if workers == 1:
         return [sys.executable, *script]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), "--master_addr", "127.0.0.1",
-            "--master_port", str(29700 + workers), *script]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(workers),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(29700 + workers),
+        *script,
+    ]
 
 
 def run(command: list[str]) -> None:
     done = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:6])} ... failed ({done.returncode}):\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(command[:6])} ... failed ({done.returncode}):\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}"
+        )
 
 
 def template_data(work: Path) -> tuple[Path, Path]:
@@ -66,12 +78,36 @@ def original(recipe: str, workers: int, seed: int, work: Path) -> dict:
         from raytrain.config import TrainConfig
 
         config = work / f"config-{seed}.json"
-        config.write_text(json.dumps(TrainConfig(batch_size_per_worker=32, seed=seed, lr=1e-3, weight_decay=0.01).to_dict()))
+        config.write_text(
+            json.dumps(TrainConfig(batch_size_per_worker=32, seed=seed, lr=1e-3, weight_decay=0.01).to_dict())
+        )
         train, val = template_data(work)
-        script = ["-m", "raytrain.baselines.classic_ddp", "--pipeline", "digits", "--data", str(train), "--val", str(val), "--config", str(config),
-                  "--epochs", str(EPOCHS[recipe]), "--out", str(out)]  # fmt: skip
+        script = [
+            "-m",
+            "raytrain.baselines.classic_ddp",
+            "--pipeline",
+            "digits",
+            "--data",
+            str(train),
+            "--val",
+            str(val),
+            "--config",
+            str(config),
+            "--epochs",
+            str(EPOCHS[recipe]),
+            "--out",
+            str(out),
+        ]
     else:
-        script = ["examples/sgd_recipe/original.py", "--epochs", str(EPOCHS[recipe]), "--seed", str(seed), "--out", str(out)]
+        script = [
+            "examples/sgd_recipe/original.py",
+            "--epochs",
+            str(EPOCHS[recipe]),
+            "--seed",
+            str(seed),
+            "--out",
+            str(out),
+        ]
     run(torchrun(workers, script))
     figures = json.loads(out.read_text())
     return {"train_loss": figures["train_loss"], "val_loss": figures["val_loss"]}
@@ -79,9 +115,35 @@ def original(recipe: str, workers: int, seed: int, work: Path) -> dict:
 
 def port(recipe: str, workers: int, seed: int, work: Path) -> dict:
     name = f"port-{recipe}-{workers}-{seed}"
-    common = ["--workers", str(workers), "--seed", str(seed), "--epochs", str(EPOCHS[recipe]), "--storage", str(work), "--name", name, "--progress", "off"]
+    common = [
+        "--workers",
+        str(workers),
+        "--seed",
+        str(seed),
+        "--epochs",
+        str(EPOCHS[recipe]),
+        "--storage",
+        str(work),
+        "--name",
+        name,
+        "--progress",
+        "off",
+    ]
     if recipe == "template":
-        command = [RAYTRAIN, "train", "digits", *common, "--batch-size-per-worker", "32", "--lr", "1e-3", "--lr-scaling", "none", "--warmup-epochs", "0"]
+        command = [
+            RAYTRAIN,
+            "train",
+            "digits",
+            *common,
+            "--batch-size-per-worker",
+            "32",
+            "--lr",
+            "1e-3",
+            "--lr-scaling",
+            "none",
+            "--warmup-epochs",
+            "0",
+        ]
     else:
         command = [RAYTRAIN, "train", "examples.sgd_recipe.pipeline:SGDRecipe", *common]
     run(command)
@@ -106,10 +168,17 @@ def main() -> None:
                     started = time.time()
                     figures = runner(recipe, workers, seed, work)
                     results.setdefault(recipe, {}).setdefault(workers, {}).setdefault(kind, []).append(figures)
-                    print(f"{recipe}, {workers} worker(s), {kind}, seed {seed}: train {figures['train_loss']:.4f}, val {figures['val_loss']:.4f} "
-                          f"({time.time() - started:.0f} s)", flush=True)  # fmt: skip
+                    print(
+                        f"{recipe}, {workers} worker(s), {kind}, seed {seed}: train {figures['train_loss']:.4f}, val "
+                        f"{figures['val_loss']:.4f} "
+                        f"({time.time() - started:.0f} s)",
+                        flush=True,
+                    )
     print()
-    print("| recipe | workers | loss | original, per seed | original mean (spread) | port, per seed | port mean | |mean diff| ≤ spread |")
+    print(
+        "| recipe | workers | loss | original, per seed | original mean (spread) | port, per seed | port mean | "
+        "|mean diff| ≤ spread |"
+    )
     print("|---|---:|---|---|---:|---|---:|---|")
     verdicts = {}
     for recipe, by_workers in results.items():
@@ -119,11 +188,27 @@ def main() -> None:
                 spread = max(orig) - min(orig)
                 diff = abs(statistics.mean(ported) - statistics.mean(orig))
                 verdicts[f"{recipe}/{workers}/{loss}"] = diff <= spread
-                print(f"| {recipe} | {workers} | {loss} | {', '.join(f'{v:.4f}' for v in orig)} | {statistics.mean(orig):.4f} ({spread:.4f}) | "
-                      f"{', '.join(f'{v:.4f}' for v in ported)} | {statistics.mean(ported):.4f} | {'yes' if diff <= spread else 'NO'} ({diff:.4f}) |")  # fmt: skip
+                print(
+                    f"| {recipe} | {workers} | {loss} | {', '.join(f'{v:.4f}' for v in orig)} | "
+                    f"{statistics.mean(orig):.4f} ({spread:.4f}) | "
+                    f"{', '.join(f'{v:.4f}' for v in ported)} | {statistics.mean(ported):.4f} | "
+                    f"{'yes' if diff <= spread else 'NO'} ({diff:.4f}) |"
+                )
     if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "epochs": EPOCHS, "seeds": seeds, "results": results,
-                                               "verdicts": verdicts, "load_average_at_end": list(os.getloadavg())}, indent=2) + "\n")  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%d"),
+                    "epochs": EPOCHS,
+                    "seeds": seeds,
+                    "results": results,
+                    "verdicts": verdicts,
+                    "load_average_at_end": list(os.getloadavg()),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

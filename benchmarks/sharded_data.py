@@ -130,18 +130,39 @@ class CountingParquet(raytrain.Pipeline):
         return "counting-parquet"
 
 
-def train(data: Path, workers: int, epochs: int, extra: list[str], until_first_step: bool = False) -> tuple[Path, float]:
+def train(
+    data: Path, workers: int, epochs: int, extra: list[str], until_first_step: bool = False
+) -> tuple[Path, float]:
     """One `raytrain train` process; returns its out directory and start time. With
     `until_first_step`, the run is stopped (SIGTERM) once rank 0 has begun its first step."""
     out = Path(tempfile.mkdtemp(prefix="sharded-bench-"))
     command = [
-        str(Path(sys.executable).with_name("raytrain")), "train", "benchmarks.sharded_data:CountingParquet",
-        "--pipeline-arg", f"path={data}", "--pipeline-arg", f"out={out}", "--workers", str(workers), "--epochs", str(epochs),
-        "--storage", str(out / "runs"), "--progress", "off", *extra,
-    ]  # fmt: skip
+        str(Path(sys.executable).with_name("raytrain")),
+        "train",
+        "benchmarks.sharded_data:CountingParquet",
+        "--pipeline-arg",
+        f"path={data}",
+        "--pipeline-arg",
+        f"out={out}",
+        "--workers",
+        str(workers),
+        "--epochs",
+        str(epochs),
+        "--storage",
+        str(out / "runs"),
+        "--progress",
+        "off",
+        *extra,
+    ]
     started = time.time()
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     if until_first_step:
         while process.poll() is None and not (out / "first_step").exists():
             time.sleep(0.2)
@@ -164,8 +185,12 @@ def study_reads(args) -> dict:
         out, _ = train(data, workers, args.epochs, ["--shuffle-window-rows", str(args.window)])
         passes = preprocessed(out) / (args.epochs * args.rows)
         results[workers] = passes
-        print(f"reads: {workers} worker(s): {preprocessed(out):,} rows preprocessed over {args.epochs} epochs of {args.rows:,} "
-              f"rows = {passes:.3f} passes per epoch", flush=True)  # fmt: skip
+        print(
+            f"reads: {workers} worker(s): {preprocessed(out):,} rows preprocessed over {args.epochs} epochs of "
+            f"{args.rows:,} "
+            f"rows = {passes:.3f} passes per epoch",
+            flush=True,
+        )
     return {"rows": args.rows, "epochs": args.epochs, "passes_per_epoch": results}
 
 
@@ -181,11 +206,18 @@ def study_startup(args) -> dict:
                 out, started = train(data, args.workers_one, 1, extra + ["--epochs", "1"], until_first_step=True)
                 seconds = float((out / "first_step").read_text()) - started
                 results[mode].setdefault(scale, []).append(seconds)
-                print(f"startup: round {round_index + 1}, {mode}, {args.rows * scale:,} rows: first step after {seconds:.1f} s", flush=True)
+                print(
+                    f"startup: round {round_index + 1}, {mode}, {args.rows * scale:,} rows: first step after "
+                    f"{seconds:.1f} s",
+                    flush=True,
+                )
     medians = {mode: {scale: statistics.median(v) for scale, v in runs.items()} for mode, runs in results.items()}
     ratios = {mode: {scale: m[scale] / m[scales[0]] for scale in scales} for mode, m in medians.items()}
     for mode in medians:
-        print(f"startup ({mode}): " + ", ".join(f"{args.rows * s:,} rows {medians[mode][s]:.1f} s (×{ratios[mode][s]:.2f})" for s in scales))
+        print(
+            f"startup ({mode}): "
+            + ", ".join(f"{args.rows * s:,} rows {medians[mode][s]:.1f} s (×{ratios[mode][s]:.2f})" for s in scales)
+        )
     return {"rows": args.rows, "runs": results, "median_s": medians, "ratio_to_1x": ratios}
 
 
@@ -199,9 +231,13 @@ def study_memory(args) -> dict:
         private = {p.stem: float(p.read_text()) for p in sorted(out.glob("private-rank*.txt"))}
         dataset_mib = rows * (FEATURES * 4 + 8) / 2**20
         results[rows] = {"peak_rss_mib": peaks, "peak_private_mib": private, "dataset_mib": dataset_mib}
-        print(f"memory: {rows:,} rows (~{dataset_mib:,.0f} MiB as arrays), {args.workers_one} workers: peak RSS "
-              + ", ".join(f"{k} {v:,.0f} MiB" for k, v in peaks.items()) + "; peak private (RSS - shared) "
-              + ", ".join(f"{k} {v:,.0f} MiB" for k, v in private.items()), flush=True)  # fmt: skip
+        print(
+            f"memory: {rows:,} rows (~{dataset_mib:,.0f} MiB as arrays), {args.workers_one} workers: peak RSS "
+            + ", ".join(f"{k} {v:,.0f} MiB" for k, v in peaks.items())
+            + "; peak private (RSS - shared) "
+            + ", ".join(f"{k} {v:,.0f} MiB" for k, v in private.items()),
+            flush=True,
+        )
     return {"window": args.window, "unit_rows": args.unit_rows, "results": results}
 
 

@@ -47,11 +47,16 @@ def measure(units: int, unit_rows: int, window: int, partitions: int, batch: int
     for epoch in range(epochs):
         permutation = np.random.default_rng([0, epoch]).permutation(n)
         out["full"].append(order.label_mix_distance([labels[permutation[r]] for r in ranges(n, batch)], CLASSES))
-        windowed = np.concatenate([
-            start + np.random.default_rng([0, epoch, start]).permutation(min(window, n - start)) for start in range(0, n, window)
-        ])  # fmt: skip
+        windowed = np.concatenate(
+            [
+                start + np.random.default_rng([0, epoch, start]).permutation(min(window, n - start))
+                for start in range(0, n, window)
+            ]
+        )
         out["window"].append(order.label_mix_distance([labels[windowed[r]] for r in ranges(n, batch)], CLASSES))
-        out["lanes"].append(order.label_mix_distance(batches(labels, order.epoch_step_ids(layout, 0, epoch, batch)), CLASSES))
+        out["lanes"].append(
+            order.label_mix_distance(batches(labels, order.epoch_step_ids(layout, 0, epoch, batch)), CLASSES)
+        )
     return {name: float(np.mean(values)) for name, values in out.items()}
 
 
@@ -64,8 +69,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
-    print(f"{args.units} units × {args.unit_rows} rows sorted by label ({CLASSES} classes), batches of {args.batch}, "
-          f"mean over {args.epochs} epochs; 0 = perfectly mixed, {1 - 1 / CLASSES:.1f} = one label per batch\n")
+    print(
+        f"{args.units} units × {args.unit_rows} rows sorted by label ({CLASSES} classes), batches of {args.batch}, "
+        f"mean over {args.epochs} epochs; 0 = perfectly mixed, {1 - 1 / CLASSES:.1f} = one label per batch\n"
+    )
     print("| window rows | partitions | full shuffle | previous window | raytrain lanes |")
     print("|---:|---:|---:|---:|---:|")
     for window in (int(w) for w in args.windows.split(",")):

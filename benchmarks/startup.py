@@ -115,12 +115,28 @@ def measure(kind: str, workers: int, storage: str) -> dict[str, float]:
     """Seconds from starting the process to rank 0's first step, and to its end."""
     mark = Path(tempfile.mkstemp(prefix=f"startup-{kind}-")[1])
     mark.unlink()
-    env = {**os.environ, MARK_ENV: str(mark), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        MARK_ENV: str(mark),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     if kind == "raytrain":
         raytrain = Path(sys.executable).with_name("raytrain")
-        command = [str(raytrain), "train", "benchmarks.startup:TimedDigits", "--workers", str(workers), "--epochs", "1", "--storage", storage]
+        command = [
+            str(raytrain),
+            "train",
+            "benchmarks.startup:TimedDigits",
+            "--workers",
+            str(workers),
+            "--epochs",
+            "1",
+            "--storage",
+            storage,
+        ]
     else:
-        command = [sys.executable, __file__, "--bare", "--workers", str(workers)] + (["--with-data"] if kind == "bare+data" else [])
+        command = [sys.executable, __file__, "--bare", "--workers", str(workers)] + (
+            ["--with-data"] if kind == "bare+data" else []
+        )
     started = time.time()
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     ended = time.time()
@@ -149,7 +165,11 @@ def main() -> None:
         for kind in kinds if index % 2 == 0 else kinds[::-1]:
             figures = measure(kind, args.workers, storage)
             results[kind].append(figures)
-            print(f"round {index + 1}: {kind:9s} first step after {figures['to_first_step_s']:.1f} s (process ended after {figures['total_s']:.1f} s)", flush=True)
+            print(
+                f"round {index + 1}: {kind:9s} first step after {figures['to_first_step_s']:.1f} s (process ended "
+                f"after {figures['total_s']:.1f} s)",
+                flush=True,
+            )
     median = {kind: statistics.median(r["to_first_step_s"] for r in runs) for kind, runs in results.items()}
     summary = {
         "date": time.strftime("%Y-%m-%d"),
@@ -162,9 +182,11 @@ def main() -> None:
         "runs": results,
     }
     print(
-        f"Median time to the first step over {args.rounds} rounds ({args.workers} workers): raytrain {median['raytrain']:.1f} s, "
+        f"Median time to the first step over {args.rounds} rounds ({args.workers} workers): raytrain "
+        f"{median['raytrain']:.1f} s, "
         f"bare TorchTrainer {median['bare']:.1f} s (ratio {summary['raytrain_over_bare']:.2f}), "
-        f"bare TorchTrainer + Ray Data {median['bare+data']:.1f} s (ratio {summary['raytrain_over_bare_with_data']:.2f})"
+        f"bare TorchTrainer + Ray Data {median['bare+data']:.1f} s (ratio "
+        f"{summary['raytrain_over_bare_with_data']:.2f})"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

@@ -74,8 +74,9 @@ def wrap_driver() -> None:
     import ray
     from ray.train.torch import TorchTrainer
 
-    from raytrain.observe import tracking
     from raytrain.driver import run as trainer
+    from raytrain.observe import tracking
+
     timed(ray, "init", "ray.init")
     timed(TorchTrainer, "fit", "TorchTrainer.fit")
     timed(tracking, "RunTracker", "run tracker")
@@ -88,8 +89,8 @@ _WRAPPED: list[bool] = []  # non-empty once this process's worker wrappers are i
 
 
 def wrap_worker() -> None:
-    from raytrain.worker import loop
-    from raytrain.worker import runtime
+    from raytrain.worker import loop, runtime
+
     _WRAPPED.append(True)
 
     timed(loop, "Runtime", "worker context")
@@ -162,15 +163,33 @@ def child_bare(workers: int, with_data: bool) -> None:
 def measure(kind: str, workers: int, storage: str) -> list[tuple[str, str, float]]:
     """(process, label, seconds since the start) for the driver and rank 0, in time order."""
     phases = Path(tempfile.mkstemp(prefix=f"phases-{kind}-")[1])
-    env = {**os.environ, PHASES_ENV: str(phases), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        PHASES_ENV: str(phases),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("RAY_worker_niceness", None)  # Ray's default (15) for the bare floor; raytrain sets its own
     if kind == "raytrain-nice15":
         env["RAY_worker_niceness"] = "15"
     if kind.startswith("raytrain"):
         spec = "benchmarks.startup_phases:PhasedDigits"
-        command = [sys.executable, __file__, "--child", "train", spec, "--workers", str(workers), "--epochs", "1", "--storage", storage]
+        command = [
+            sys.executable,
+            __file__,
+            "--child",
+            "train",
+            spec,
+            "--workers",
+            str(workers),
+            "--epochs",
+            "1",
+            "--storage",
+            storage,
+        ]
     else:
-        command = [sys.executable, __file__, "--child-bare", "--workers", str(workers)] + (["--with-data"] if kind == "bare+data" else [])
+        command = [sys.executable, __file__, "--child-bare", "--workers", str(workers)] + (
+            ["--with-data"] if kind == "bare+data" else []
+        )
     started = time.time()
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -197,10 +216,16 @@ def phase_table(runs: list[list[tuple[str, str, float]]]) -> list[dict]:
         since_start = [run[index][2] for run in same]
         gap = [run[index][2] - (run[index - 1][2] if index else 0.0) for run in same]
         previous = runs[0][index - 1][1] if index else "process start"
-        rows.append({
-            "process": process, "from": previous, "to": label,
-            "seconds": statistics.median(gap), "at": statistics.median(since_start), "rounds": len(same),
-        })  # fmt: skip
+        rows.append(
+            {
+                "process": process,
+                "from": previous,
+                "to": label,
+                "seconds": statistics.median(gap),
+                "at": statistics.median(since_start),
+                "rounds": len(same),
+            }
+        )
     return rows
 
 
@@ -208,7 +233,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated, from {', '.join(CONTENDERS)}")
+    parser.add_argument(
+        "--contenders", default=",".join(CONTENDERS), help=f"comma-separated, from {', '.join(CONTENDERS)}"
+    )
     parser.add_argument("--json", help="write the timelines and tables here")
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     parser.add_argument("--child-bare", action="store_true", help=argparse.SUPPRESS)
@@ -229,7 +256,10 @@ def main() -> None:
         for kind in kinds if index % 2 == 0 else kinds[::-1]:
             run = measure(kind, args.workers, storage)
             runs[kind].append(run)
-            print(f"round {index + 1}: {kind:9s} first step after {run[-1][2]:.1f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"round {index + 1}: {kind:9s} first step after {run[-1][2]:.1f} s (load {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
     tables = {kind: phase_table(kind_runs) for kind, kind_runs in runs.items()}
     for kind, rows in tables.items():
         print(f"\n{kind}: median over {args.rounds} round(s), seconds")
@@ -237,9 +267,13 @@ def main() -> None:
             print(f"  {row['at']:6.2f}  +{row['seconds']:5.2f}  {row['process']:6s}  {row['to']}")
     if args.json:
         summary = {
-            "date": time.strftime("%Y-%m-%d"), "workers": args.workers, "rounds": args.rounds,
-            "load_average_at_end": list(os.getloadavg()), "tables": tables, "runs": runs,
-        }  # fmt: skip
+            "date": time.strftime("%Y-%m-%d"),
+            "workers": args.workers,
+            "rounds": args.rounds,
+            "load_average_at_end": list(os.getloadavg()),
+            "tables": tables,
+            "runs": runs,
+        }
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
 
 

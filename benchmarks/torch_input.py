@@ -52,7 +52,7 @@ def via_from_torch(dataset):
 
 
 def via_index_ranges(dataset):
-    from raytrain.data.checks import from_torch_dataset
+    from raytrain.data.torch_dataset import from_torch_dataset
 
     return from_torch_dataset(dataset, "train")
 
@@ -75,16 +75,23 @@ def main() -> None:
     dataset = Work(args.rows, args.features, args.item_us)
     rates: dict[str, list[float]] = {"from_torch": [], "index ranges": []}
     for round_index in range(args.rounds):
-        for name, make in (("from_torch", via_from_torch), ("index ranges", via_index_ranges))[:: 1 if round_index % 2 == 0 else -1]:
+        for name, make in (("from_torch", via_from_torch), ("index ranges", via_index_ranges))[
+            :: 1 if round_index % 2 == 0 else -1
+        ]:
             started = time.perf_counter()
             rows = read_all(make(dataset))
             seconds = time.perf_counter() - started
             assert rows == args.rows
             rates[name].append(rows / seconds)
-            print(f"round {round_index + 1}: {name}: {rows:,} rows in {seconds:.1f} s = {rows / seconds:,.0f} rows/s", flush=True)
+            print(
+                f"round {round_index + 1}: {name}: {rows:,} rows in {seconds:.1f} s = {rows / seconds:,.0f} rows/s",
+                flush=True,
+            )
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    print(f"median rows/s: from_torch {medians['from_torch']:,.0f}, index ranges {medians['index ranges']:,.0f} "
-          f"(×{medians['index ranges'] / medians['from_torch']:.2f}) on {ray.cluster_resources().get('CPU', 0):g} CPUs")  # fmt: skip
+    print(
+        f"median rows/s: from_torch {medians['from_torch']:,.0f}, index ranges {medians['index ranges']:,.0f} "
+        f"(×{medians['index ranges'] / medians['from_torch']:.2f}) on {ray.cluster_resources().get('CPU', 0):g} CPUs"
+    )
 
 
 if __name__ == "__main__":

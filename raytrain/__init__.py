@@ -1,10 +1,9 @@
 """raytrain: elastic, fault-tolerant data-parallel PyTorch training on Ray."""
 
 from raytrain.config import TrainConfig
-from raytrain.errors import ConfigError
-from raytrain.pipeline import Pipeline, context
 from raytrain.driver.run import FitResult, fit
-from raytrain.errors import RunFailed
+from raytrain.errors import ConfigError, RunFailed
+from raytrain.pipeline import Pipeline, context
 from raytrain.tune import tune
 
 __version__ = "0.1.0"

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, get_args
 
 from raytrain import fields
-from raytrain.rules import resume
 from raytrain.errors import ConfigError
 from raytrain.fields import flag_name
+from raytrain.rules import resume
 
 LRRule = Literal["linear", "sqrt", "none"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -88,9 +88,11 @@ class TrainConfig:
     reference_batch_size: int | None = None
     """The batch `lr` was tuned for. Default: the per-worker batch."""
     warmup_epochs: float = 1.0
-    """Gradual warmup from `lr` (or from warmup_start_factor × the peak) to the scaled peak, in epochs (counted in samples)."""
+    """Gradual warmup from `lr` (or from warmup_start_factor × the peak) to the scaled peak, in epochs (counted in
+    samples)."""
     schedule: ScheduleName = "cosine"
-    """After warmup: cosine (to 0), constant, linear (to 0), step (×lr_gamma at each of lr_milestones) or onecycle; a pipeline's lr_factor(progress) replaces it."""
+    """After warmup: cosine (to 0), constant, linear (to 0), step (×lr_gamma at each of lr_milestones) or onecycle; a
+    pipeline's lr_factor(progress) replaces it."""
     lr_milestones: list | None = field(default=None, metadata={"parse": comma_numbers, "metavar": "EPOCH,..."})
     """With --schedule step: the epochs at which the rate is multiplied by lr_gamma, e.g. 30,60,80."""
     lr_gamma: float = 0.1
@@ -98,7 +100,8 @@ class TrainConfig:
     warmup_start_factor: float | None = None
     """Warmup starts at this fraction of the peak rate (e.g. 0.01); default: at lr, the unscaled rate (Goyal et al.)."""
     optimizer: OptimizerName = "adamw"
-    """adamw, sgd (momentum, optionally Nesterov) or lamb (large-batch Adam, from pytorch-optimizer); a pipeline's build_optimizer replaces it."""
+    """adamw, sgd (momentum, optionally Nesterov) or lamb (large-batch Adam, from pytorch-optimizer); a pipeline's
+    build_optimizer replaces it."""
     momentum: float = 0.9
     """SGD momentum."""
     nesterov: bool = False
@@ -106,7 +109,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     """Weight decay (decoupled for adamw and lamb, L2 for sgd)."""
     decay_norm_and_bias: bool = True
-    """Apply weight decay to biases and normalization weights too (--no-decay-norm-and-bias: only to weight matrices and kernels)."""
+    """Apply weight decay to biases and normalization weights too (--no-decay-norm-and-bias: only to weight matrices
+    and kernels)."""
     grad_clip_norm: float | None = None
     """Clip the global gradient norm to this (after unscaling, under fp16); none by default."""
     precision: Precision = "fp32"
@@ -116,7 +120,9 @@ class TrainConfig:
     max_failures: int = 3
     """Failures recovered before the run fails (worker-group restarts; under per-step, replica replacements)."""
     fault_tolerance: FaultTolerance = "restart"
-    """What a failed worker costs: restart (every worker restarts from the last checkpoint) or per-step (torchft: each worker is a replica group, the survivors keep stepping, the replacement heals from a live peer; needs pip install 'raytrain[ft]')."""
+    """What a failed worker costs: restart (every worker restarts from the last checkpoint) or per-step (torchft: each
+    worker is a replica group, the survivors keep stepping, the replacement heals from a live peer; needs pip
+    install 'raytrain[ft]')."""
     checkpoint_every_steps: int = 0
     """Also checkpoint every this many optimizer steps (0: at the end of each epoch only)."""
     num_checkpoints_to_keep: int = 2
@@ -138,7 +144,8 @@ class TrainConfig:
     verbose: bool = field(default=False, metadata={"switch": True, "flags": ("-v", "--verbose")})
     """Show Ray's own logs and the workers' output."""
     mlflow_uri: str | None = None
-    """MLflow tracking URI (http://HOST:5000, sqlite:///mlflow.db, or a directory): params, per-step metrics and the final model. Needs pip install 'raytrain[mlflow]'."""
+    """MLflow tracking URI (http://HOST:5000, sqlite:///mlflow.db, or a directory): params, per-step metrics and the
+    final model. Needs pip install 'raytrain[mlflow]'."""
     mlflow_experiment: str = "raytrain"
     """MLflow experiment the run is logged under."""
     wandb_project: str | None = None
@@ -150,9 +157,13 @@ class TrainConfig:
     skip_nan_rows: bool = field(default=False, metadata={"switch": True})
     """Drop rows holding NaN or inf (counted and reported) instead of stopping the run at the first one."""
     shuffle_window_rows: int | None = None
-    """How the training set is held: 0 reads it once into memory, shared by every worker (a full shuffle each epoch); N streams it from Ray Data, each worker reading only its share, shuffled within a window of about N rows across the job (for data larger than memory); unset: in memory up to about 1 GiB, streamed beyond."""
+    """How the training set is held: 0 reads it once into memory, shared by every worker (a full shuffle each epoch); N
+    streams it from Ray Data, each worker reading only its share, shuffled within a window of about N rows across
+    the job (for data larger than memory); unset: in memory up to about 1 GiB, streamed beyond."""
     data_partitions: int = 24
-    """Streamed training sets: each epoch their files (row groups) or blocks are dealt into this many partitions, each read by one worker. The order depends on it, not on the worker count; workers share partitions evenly when they divide it (24: 1, 2, 3, 4, 6, 8, 12 or 24 workers)."""
+    """Streamed training sets: each epoch their files (row groups) or blocks are dealt into this many partitions, each
+    read by one worker. The order depends on it, not on the worker count; workers share partitions evenly when they
+    divide it (24: 1, 2, 3, 4, 6, 8, 12 or 24 workers)."""
     time_phases: bool = False
     """Synchronize the GPU around each step phase so the step-time split is exact (slower; for benchmarks)."""
     timing_warmup_steps: int = 3
@@ -160,15 +171,25 @@ class TrainConfig:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     """DistributedDataParallel flags."""
     pipeline_args: dict = field(
-        default_factory=dict, metadata={"flags": "--pipeline-arg", "parse": key_value, "repeat": True, "metavar": "KEY=VALUE"}
+        default_factory=dict,
+        metadata={"flags": "--pipeline-arg", "parse": key_value, "repeat": True, "metavar": "KEY=VALUE"},
     )
-    """An option of the pipeline itself, repeatable (e.g. the parquet pipeline's --pipeline-arg path=DIR; YAML: a mapping)."""
+    """An option of the pipeline itself, repeatable (e.g. the parquet pipeline's --pipeline-arg path=DIR; YAML: a
+    mapping)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.ddp, Mapping):
             self.ddp = _build(DDPConfig, dict(self.ddp), prefix="ddp.")
         if not isinstance(self.ddp, DDPConfig):
-            raise ConfigError([("ddp", f"got {self.ddp!r} ({type(self.ddp).__name__}); expected a mapping of DDP flags, e.g. ddp: {{bucket_cap_mb: 25}}")])
+            raise ConfigError(
+                [
+                    (
+                        "ddp",
+                        f"got {self.ddp!r} ({type(self.ddp).__name__}); expected a mapping of DDP flags, e.g. ddp: "
+                        f"{{bucket_cap_mb: 25}}",
+                    )
+                ]
+            )
         if self.global_batch_size is None and self.batch_size_per_worker is None:
             self.batch_size_per_worker = 32
         problems = list(_check_types(self)) + list(_check_types(self.ddp, prefix="ddp."))
@@ -249,6 +270,7 @@ def parse_workers(value: int | str) -> tuple[int, int]:
 
 # -- checks ----------------------------------------------------------------------------
 
+
 def _check_types(cfg: Any, prefix: str = "") -> Iterable[tuple[str, str]]:
     """Each field's value against its type."""
     for option in fields.options(type(cfg)):
@@ -287,7 +309,10 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
 
     if c.fault_tolerance == "per-step" and max_workers is not None:
         if max_workers == 0:
-            yield "fault_tolerance", "got per-step with --workers 0 (the loop in this process): it needs Ray workers; give --workers N"
+            yield (
+                "fault_tolerance",
+                "got per-step with --workers 0 (the loop in this process): it needs Ray workers; give --workers N",
+            )
         elif min_workers != max_workers:
             yield (
                 "fault_tolerance",
@@ -301,7 +326,11 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
             "or use --fault-tolerance restart",
         )
     if c.fault_tolerance == "per-step" and c.max_failures == 0:
-        yield "max_failures", f"got {c.max_failures} with --fault-tolerance per-step: a replacement is a recovered failure; give --max-failures 3"
+        yield (
+            "max_failures",
+            f"got {c.max_failures} with --fault-tolerance per-step: a replacement is a recovered failure; give "
+            "--max-failures 3",
+        )
 
     if c.global_batch_size is not None and c.batch_size_per_worker is not None:
         yield (
@@ -332,7 +361,10 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
     if not 0 <= c.warmup_epochs < math.inf:
         yield "warmup_epochs", f"got {c.warmup_epochs}; must be 0 or more, e.g. --warmup-epochs 1"
     elif c.epochs >= 1 and c.warmup_epochs > c.epochs:
-        yield "warmup_epochs", f"got {c.warmup_epochs}, longer than the {c.epochs} epochs of the run; lower it or raise --epochs"
+        yield (
+            "warmup_epochs",
+            f"got {c.warmup_epochs}, longer than the {c.epochs} epochs of the run; lower it or raise --epochs",
+        )
     if not 0 <= c.weight_decay < math.inf:
         yield "weight_decay", f"got {c.weight_decay}; must be 0 or more"
     if c.seed < 0:
@@ -340,13 +372,20 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
     if c.max_failures < -1:
         yield "max_failures", f"got {c.max_failures}; must be 0 or more (-1 retries forever)"
     if c.shuffle_window_rows is not None and c.shuffle_window_rows < 0:
-        yield "shuffle_window_rows", f"got {c.shuffle_window_rows}; must be 0 (hold the data in memory) or a row count, e.g. --shuffle-window-rows 65536"
+        yield (
+            "shuffle_window_rows",
+            f"got {c.shuffle_window_rows}; must be 0 (hold the data in memory) or a row count, e.g. "
+            "--shuffle-window-rows 65536",
+        )
     if c.data_partitions < 1:
         yield "data_partitions", f"got {c.data_partitions}; must be a positive integer, e.g. --data-partitions 24"
     if c.timing_warmup_steps < 0:
         yield "timing_warmup_steps", f"got {c.timing_warmup_steps}; must be 0 or more, e.g. --timing-warmup-steps 3"
     if c.checkpoint_every_steps < 0:
-        yield "checkpoint_every_steps", f"got {c.checkpoint_every_steps}; must be 0 (epoch ends only) or a positive step count"
+        yield (
+            "checkpoint_every_steps",
+            f"got {c.checkpoint_every_steps}; must be 0 (epoch ends only) or a positive step count",
+        )
     if not 0 < c.collective_timeout_s < math.inf:
         yield "collective_timeout_s", f"got {c.collective_timeout_s}; must be a positive number of seconds, e.g. 600"
     if not 0 < c.cpus_per_worker < math.inf:
@@ -354,7 +393,11 @@ def _check_values(c: TrainConfig) -> Iterable[tuple[str, str]]:
     if not c.storage:
         yield "storage", "is empty; give a directory, e.g. --storage ~/raytrain_results"
     elif "://" in c.storage and not c.storage.startswith("file://"):
-        yield "storage", f"got {c.storage!r}; only file system paths are supported (a shared mount such as NFS/EFS on multi-node clusters)"
+        yield (
+            "storage",
+            f"got {c.storage!r}; only file system paths are supported (a shared mount such as NFS/EFS on multi-node "
+            "clusters)",
+        )
     if c.name is not None and not _NAME_RE.match(c.name):
         yield "name", f"got {c.name!r}; use letters, digits, '.', '_' and '-' only, e.g. --name digits-lr3e-3"
     yield from resume.config_problems(c.resume, c.name)
@@ -371,7 +414,10 @@ def _check_milestones(c: "TrainConfig") -> Iterable[tuple[str, str]]:
     if milestones is None:
         return
     if c.schedule != "step":
-        yield "lr_milestones", f"got {milestones}; milestones apply to --schedule step only (the schedule is {c.schedule})"
+        yield (
+            "lr_milestones",
+            f"got {milestones}; milestones apply to --schedule step only (the schedule is {c.schedule})",
+        )
         return
     if not all(isinstance(m, (int, float)) and not isinstance(m, bool) for m in milestones):
         yield "lr_milestones", f"got {milestones}; give epochs as numbers, e.g. --lr-milestones 30,60"
@@ -390,6 +436,9 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     unknown = [key for key in values if key.replace("-", "_") not in names]
     if unknown:
         raise ConfigError(
-            [(prefix + key, f"unknown option{_close(key.replace('-', '_'), names)}; known: {', '.join(names)}") for key in unknown]
+            [
+                (prefix + key, f"unknown option{_close(key.replace('-', '_'), names)}; known: {', '.join(names)}")
+                for key in unknown
+            ]
         )
     return cls(**{key.replace("-", "_"): value for key, value in values.items()})

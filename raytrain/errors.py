@@ -147,7 +147,9 @@ class ErrorSummary:
         """The exception's type and message, and the innermost frames of user code (else the
         innermost of all) — from its cause chain when the error surfaced in a library."""
         chain = [traceback.TracebackException.from_exception(exc)]
-        while chain[-1].__cause__ is not None or (chain[-1].__context__ is not None and not chain[-1].__suppress_context__):
+        while chain[-1].__cause__ is not None or (
+            chain[-1].__context__ is not None and not chain[-1].__suppress_context__
+        ):
             chain.append(chain[-1].__cause__ or chain[-1].__context__)
         frames = [_frame(f) for f in chain[0].stack]
         user = [f for f in frames if f.is_user_code]
@@ -155,7 +157,9 @@ class ErrorSummary:
             if user:
                 break
             user = [frame for frame in map(_frame, cause.stack) if frame.is_user_code]
-        message = [line.rstrip() for part in chain[0].format_exception_only() for line in part.splitlines() if line.strip()]
+        message = [
+            line.rstrip() for part in chain[0].format_exception_only() for line in part.splitlines() if line.strip()
+        ]
         return cls(exception=message, frames=user or frames[-2:])
 
 
@@ -225,11 +229,13 @@ def innermost_error(exc: BaseException) -> str:
             return f"{type(deepest).__name__}: {lines[0] if lines else ''}"[:500]
     lines = [line.strip() for e in chain for line in str(e).splitlines() if line.strip()]
     typed = [
-        line for line in lines
-        if ":" in line and line.split(":", 1)[0].replace(".", "").replace("_", "").isalnum()
+        line
+        for line in lines
+        if ":" in line
+        and line.split(":", 1)[0].replace(".", "").replace("_", "").isalnum()
         and line.split(":", 1)[0].endswith(("Error", "Exception", "Invalid", "Interrupt", "Exit"))
         and not line.startswith(("ray.", "Ray"))
-    ]  # fmt: skip
+    ]
     if typed:
         return typed[-1][:500]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]
@@ -239,7 +245,9 @@ def innermost_error(exc: BaseException) -> str:
 
 _SNIPPET = re.compile(r"^\[Rank ([\d,\s]+) Error Snippet\]:\s*$", re.MULTILINE)
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+?)\s*$')
-_CHAINED = re.compile(r"^(During handling of the above exception|The above exception was the direct cause)", re.MULTILINE)
+_CHAINED = re.compile(
+    r"^(During handling of the above exception|The above exception was the direct cause)", re.MULTILINE
+)
 
 
 def summarize_traceback(text: str) -> ErrorSummary:
@@ -312,7 +320,7 @@ def explain_worker_errors(error: BaseException) -> list[str]:
     for index, match in enumerate(matches):
         end = matches[index + 1].start() if index + 1 < len(matches) else len(text)
         ranks = sorted(int(rank) for rank in re.findall(r"\d+", match[1]))
-        failed.append((ranks, summarize_traceback(text[match.end():end])))
+        failed.append((ranks, summarize_traceback(text[match.end() : end])))
     if not failed:
         for rank, exc in sorted((getattr(error, "worker_failures", None) or {}).items()):
             failed.append(([rank], summarize_traceback(f"{type(exc).__name__}: {exc}")))

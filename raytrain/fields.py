@@ -95,7 +95,9 @@ class Option:
             return self.optional or not self.kinds
         if isinstance(value, bool):
             return bool in self.kinds or not self.kinds
-        return not self.kinds or any(isinstance(value, kind) or (kind is float and isinstance(value, int)) for kind in self.kinds)
+        return not self.kinds or any(
+            isinstance(value, kind) or (kind is float and isinstance(value, int)) for kind in self.kinds
+        )
 
     def from_text(self, value: Any) -> Any:
         """`value` (text, or a YAML value) as the field's type: the field's own `parse` for

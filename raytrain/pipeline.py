@@ -111,7 +111,11 @@ def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:
         except ValueError:
             problems.append(f"--pipeline-arg {key}: got {value!r}; expected {known[name].words(none=True)}")
     for name, option in known.items():
-        if option.required and name not in values and not any(p.startswith(f"--pipeline-arg {name}:") for p in problems):
+        if (
+            option.required
+            and name not in values
+            and not any(p.startswith(f"--pipeline-arg {name}:") for p in problems)
+        ):
             problems.append(f"needs --pipeline-arg {name}=VALUE ({option.words(none=True)})")
     if not problems:
         try:
@@ -126,7 +130,9 @@ def load_pipeline(spec: "str | Pipeline") -> Pipeline:
     if isinstance(spec, Pipeline):
         return spec
     if not isinstance(spec, str) or not spec:
-        raise PipelineError(f"pipeline: got {spec!r}; give a built-in name ({', '.join(BUILTIN_PIPELINES)}) or module:attr")
+        raise PipelineError(
+            f"pipeline: got {spec!r}; give a built-in name ({', '.join(BUILTIN_PIPELINES)}) or module:attr"
+        )
     target = BUILTIN_PIPELINES.get(spec, spec)
     if ":" not in target:
         raise PipelineError(

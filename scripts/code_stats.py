@@ -25,9 +25,13 @@ def sources(rev: str | None, root: Path) -> dict[str, str]:
     """Module name -> source text, from the working tree or from `rev`."""
     if rev is None:
         return {_module(p.relative_to(root / PACKAGE)): p.read_text() for p in sorted((root / PACKAGE).rglob("*.py"))}
-    names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, PACKAGE], cwd=root, check=True, capture_output=True, text=True).stdout.split()
+    names = subprocess.run(
+        ["git", "ls-tree", "-r", "--name-only", rev, PACKAGE], cwd=root, check=True, capture_output=True, text=True
+    ).stdout.split()
     return {
-        _module(Path(n).relative_to(PACKAGE)): subprocess.run(["git", "show", f"{rev}:{n}"], cwd=root, check=True, capture_output=True, text=True).stdout
+        _module(Path(n).relative_to(PACKAGE)): subprocess.run(
+            ["git", "show", f"{rev}:{n}"], cwd=root, check=True, capture_output=True, text=True
+        ).stdout
         for n in names
         if n.endswith(".py")
     }
@@ -139,7 +143,10 @@ def report(texts: dict[str, str], longest: int) -> tuple[str, int]:
                 top_level[node.name.lstrip("_")].append(m)
     twice = {name: ms for name, ms in top_level.items() if len(ms) > 1}
     lines += ["", f"Import cycles: {len(found)}" + "".join(f"\n- {' ↔ '.join(c)}" for c in found)]
-    lines += [f"Top-level names defined in more than one module: {len(twice)}" + "".join(f"\n- {n}: {', '.join(sorted(ms))}" for n, ms in sorted(twice.items()))]
+    lines += [
+        f"Top-level names defined in more than one module: {len(twice)}"
+        + "".join(f"\n- {n}: {', '.join(sorted(ms))}" for n, ms in sorted(twice.items()))
+    ]
     return "\n".join(lines), len(found)
 
 
@@ -151,6 +158,7 @@ def _top(module: str) -> str:
 def compare(before: dict[str, str], after: dict[str, str]) -> str:
     """Lines per top-level module, each module's longest function, cycles and names defined
     twice: before and after."""
+
     def summary(texts: dict[str, str]):
         trees = {m: ast.parse(t) for m, t in texts.items()}
         lines: dict[str, int] = defaultdict(int)
@@ -174,8 +182,15 @@ def compare(before: dict[str, str], after: dict[str, str]) -> str:
         fn_b, fn_a = fb.get(m, ("—", 0)), fa.get(m, ("—", 0))
         out.append(f"| {m} | {lb.get(m, 0):,} | {la.get(m, 0):,} | {fn_b[0]} ({fn_b[1]}) | {fn_a[0]} ({fn_a[1]}) |")
     out.append(f"| **total** | **{sum(lb.values()):,}** | **{sum(la.values()):,}** | | |")
-    out += ["", f"Import cycles: {len(cb)} before ({'; '.join(' ↔ '.join(c) for c in cb) or 'none'}), {len(ca)} after ({'; '.join(' ↔ '.join(c) for c in ca) or 'none'})"]
-    out += [f"Top-level names defined in more than one module: {len(db)} before ({', '.join(db) or 'none'}), {len(da)} after ({', '.join(da) or 'none'})"]
+    out += [
+        "",
+        f"Import cycles: {len(cb)} before ({'; '.join(' ↔ '.join(c) for c in cb) or 'none'}), {len(ca)} after "
+        f"({'; '.join(' ↔ '.join(c) for c in ca) or 'none'})",
+    ]
+    out += [
+        f"Top-level names defined in more than one module: {len(db)} before ({', '.join(db) or 'none'}), {len(da)} "
+        f"after ({', '.join(da) or 'none'})"
+    ]
     return "\n".join(out)
 
 

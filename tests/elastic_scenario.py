@@ -36,25 +36,44 @@ def main(out: Path) -> None:
 
     import ray
     from ray.cluster_utils import Cluster
+    from rt_test_pipelines import RecordingPipeline, SlowDigitsPipeline
 
     import raytrain
     from raytrain.driver.session import free_port
-    from rt_test_pipelines import RecordingPipeline, SlowDigitsPipeline
 
     dashboard_port = free_port()
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port},
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": True,
+            "dashboard_host": "127.0.0.1",
+            "dashboard_port": dashboard_port,
+        },
     )
     nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
     pythonpath = os.pathsep.join(sys.path)
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_API_SERVER_ADDRESS": os.environ["RAY_API_SERVER_ADDRESS"]}}, logging_level="ERROR")
+    ray.init(
+        address=cluster.address,
+        runtime_env={
+            "env_vars": {"PYTHONPATH": pythonpath, "RAY_API_SERVER_ADDRESS": os.environ["RAY_API_SERVER_ADDRESS"]}
+        },
+        logging_level="ERROR",
+    )
     records = out / "records"
     records.mkdir(parents=True, exist_ok=True)
     cfg = raytrain.TrainConfig(
-        workers="2:3", epochs=int(os.environ.get("ELASTIC_EPOCHS", "12")), global_batch_size=48, lr=float(os.environ.get("ELASTIC_LR", "1e-2")), warmup_epochs=1, checkpoint_every_steps=4,
-        log_every_steps=1, max_failures=5, storage=str(out), name="elastic",
+        workers="2:3",
+        epochs=int(os.environ.get("ELASTIC_EPOCHS", "12")),
+        global_batch_size=48,
+        lr=float(os.environ.get("ELASTIC_LR", "1e-2")),
+        warmup_epochs=1,
+        checkpoint_every_steps=4,
+        log_every_steps=1,
+        max_failures=5,
+        storage=str(out),
+        name="elastic",
     )
     run_dir = out / "elastic"
     observed: dict = {}
@@ -74,7 +93,9 @@ def main(out: Path) -> None:
     thread = threading.Thread(target=train)
     thread.start()
     try:
-        observed["to_first_plan_s"] = wait_for(lambda: any(e["kind"] == "plan" for e in events(run_dir)), 240, "the first plan")
+        observed["to_first_plan_s"] = wait_for(
+            lambda: any(e["kind"] == "plan" for e in events(run_dir)), 240, "the first plan"
+        )
         observed["first_world_size"] = next(e["world_size"] for e in events(run_dir) if e["kind"] == "plan")
         time.sleep(5)
         removed_at = time.time()
@@ -86,7 +107,9 @@ def main(out: Path) -> None:
         added_at = time.time()
         cluster.add_node(num_cpus=1)
         observed["grow_s"] = wait_for(
-            lambda: any(e["kind"] == "resize" and e["world_size"] == 3 for e in events(run_dir)[1:]), 240, "the resize back to 3"
+            lambda: any(e["kind"] == "resize" and e["world_size"] == 3 for e in events(run_dir)[1:]),
+            240,
+            "the resize back to 3",
         )
     except TimeoutError as exc:
         observed["timeout"] = str(exc)

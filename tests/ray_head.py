@@ -124,7 +124,10 @@ class Head:
         self.head_env = {**self.cli_env, **(env or {}), MARKER: self.marker}
         self.log = open(root / "ray-start.log", "w")
         cmd = [
-            str(BIN / "ray"), "start", "--head", "--block",
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
             f"--temp-dir={self.temp_dir}",
             f"--port={gcs}",
             "--dashboard-host=127.0.0.1",
@@ -136,9 +139,12 @@ class Head:
             "--num-gpus=0",
             "--disable-usage-stats",
             *args,
-        ]  # fmt: skip
+        ]
         if autoscaling_config is not None:
-            config = {**autoscaling_config, "provider": {**autoscaling_config["provider"], "gcs_address": self.gcs_address}}
+            config = {
+                **autoscaling_config,
+                "provider": {**autoscaling_config["provider"], "gcs_address": self.gcs_address},
+            }
             config_path = root / "autoscaling.yaml"
             config_path.write_text(yaml.safe_dump(config, sort_keys=False))
             cmd.append(f"--autoscaling-config={config_path}")

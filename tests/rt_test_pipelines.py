@@ -72,7 +72,12 @@ class RecordingPipeline(raytrain.Pipeline):
         out = Path(self.out_dir)
         if not hasattr(self, "_attempt"):  # a fresh copy of the pipeline per worker process
             self._attempt = "second" if (out / "crashed").exists() else "first"
-        if self.crash_at_step is not None and ctx.step == self.crash_at_step and ctx.world_rank == 0 and self._attempt == "first":
+        if (
+            self.crash_at_step is not None
+            and ctx.step == self.crash_at_step
+            and ctx.world_rank == 0
+            and self._attempt == "first"
+        ):
             (out / "crashed").write_text(repr(__import__("time").time()))
             os._exit(1)  # the worker process dies, as on a crash or an OOM kill
         row = {
@@ -103,7 +108,9 @@ class WeightProbePipeline(DigitsPipeline):
             flat = torch.cat([p.detach().flatten().double() for p in inner.parameters()])
             path = Path(self.out_dir) / f"weights-rank{ctx.world_rank}.json"
             if not path.exists():
-                path.write_text(json.dumps({"sum": float(flat.sum()), "sq": float((flat**2).sum()), "head": flat[:20].tolist()}))
+                path.write_text(
+                    json.dumps({"sum": float(flat.sum()), "sq": float((flat**2).sum()), "head": flat[:20].tolist()})
+                )
         return super().compute_loss(model, batch)
 
     @property
@@ -148,7 +155,11 @@ def count_preprocessed(out_dir: str):
     def step(batch: dict) -> dict:
         with open(Path(out_dir) / "preprocessed.txt", "a") as handle:
             handle.write(f"{len(batch['id'])}\n")
-        return {"x": np.asarray(batch["x"], dtype=np.float32), "y": np.asarray(batch["y"], dtype=np.int64), "id": np.asarray(batch["id"])}
+        return {
+            "x": np.asarray(batch["x"], dtype=np.float32),
+            "y": np.asarray(batch["y"], dtype=np.int64),
+            "id": np.asarray(batch["id"]),
+        }
 
     return step
 
@@ -158,7 +169,9 @@ def preprocessed_rows(out_dir) -> int:
     return sum(int(line) for line in path.read_text().split()) if path.exists() else 0
 
 
-def write_id_parquet(directory: Path, num_rows: int, num_files: int, nan_at_id: int | None = None, row_group_rows: int | None = None) -> Path:
+def write_id_parquet(
+    directory: Path, num_rows: int, num_files: int, nan_at_id: int | None = None, row_group_rows: int | None = None
+) -> Path:
     """`num_rows` rows (id, x: 8 floats, y) in `num_files` Parquet files of near-equal size
     (each one row group, or row groups of `row_group_rows`)."""
     import pyarrow as pa
@@ -171,7 +184,9 @@ def write_id_parquet(directory: Path, num_rows: int, num_files: int, nan_at_id: 
         features[nan_at_id, 3] = np.nan
     labels = (features[:, 0] > 0).astype(np.int64) + (features[:, 1] > 1).astype(np.int64)
     for index, (lo, hi) in enumerate(split_range(num_rows, num_files)):
-        table = pa.table({"id": np.arange(lo, hi), "y": labels[lo:hi], **{f"f{j}": features[lo:hi, j] for j in range(8)}})
+        table = pa.table(
+            {"id": np.arange(lo, hi), "y": labels[lo:hi], **{f"f{j}": features[lo:hi, j] for j in range(8)}}
+        )
         pq.write_table(table, directory / f"part-{index:03d}.parquet", row_group_size=row_group_rows)
     return directory
 
@@ -188,7 +203,14 @@ class ShardedRecordingPipeline(RecordingPipeline):
 
     Args = ShardedArgs
 
-    def __init__(self, out_dir: str = "", path: str | None = None, num_rows: int = 1003, num_blocks: int = 6, crash_at_step: int | None = None):
+    def __init__(
+        self,
+        out_dir: str = "",
+        path: str | None = None,
+        num_rows: int = 1003,
+        num_blocks: int = 6,
+        crash_at_step: int | None = None,
+    ):
         super().__init__(out_dir, num_rows=num_rows, crash_at_step=crash_at_step)
         self.path, self.num_blocks = path, num_blocks
 
@@ -200,6 +222,7 @@ class ShardedRecordingPipeline(RecordingPipeline):
         self.out_dir, self.path = args.out or self.out_dir, args.path or self.path
 
         if self.path:
+
             def pack(batch: dict) -> dict:
                 return {"id": batch["id"], "y": batch["y"], "x": np.stack([batch[f"f{j}"] for j in range(8)], axis=1)}
 
@@ -280,7 +303,12 @@ class OptimizerProbePipeline(RecordingPipeline):
         if model.training and not getattr(self, "_probed", False):
             self._probed = True
             ctx = raytrain.context()
-            total = sum(float(v.double().sum()) for s in self._optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1)
+            total = sum(
+                float(v.double().sum())
+                for s in self._optimizer.state.values()
+                for v in s.values()
+                if torch.is_tensor(v) and v.numel() > 1
+            )
             with open(Path(self.out_dir) / f"optimizer-state-rank{ctx.world_rank}.jsonl", "a") as handle:
                 handle.write(json.dumps({"step": ctx.step, "world_size": ctx.world_size, "state_sum": total}) + "\n")
         return super().compute_loss(model, batch)
@@ -294,7 +322,17 @@ class AugmentingPipeline(RecordingPipeline):
         if not hasattr(self, "_attempt"):  # once per worker process: rank 1 may see the marker mid-attempt
             self._attempt = "second" if (Path(self.out_dir) / "crashed").exists() else "first"
         with open(Path(self.out_dir) / f"noise-rank{ctx.world_rank}.jsonl", "a") as handle:
-            handle.write(json.dumps({"attempt": self._attempt, "epoch": ctx.epoch, "step": ctx.step, "noise": noise.flatten()[:4].tolist()}) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "attempt": self._attempt,
+                        "epoch": ctx.epoch,
+                        "step": ctx.step,
+                        "noise": noise.flatten()[:4].tolist(),
+                    }
+                )
+                + "\n"
+            )
         return {**batch, "x": batch["x"] + 0.01 * noise}
 
 
@@ -329,7 +367,15 @@ class ReplicaRecordingPipeline(RecordingPipeline):
     the run reaches `crash_at_step`, on its first process only. With `num_blocks`, the rows
     come in that many blocks (the units a streamed run deals to its replicas)."""
 
-    def __init__(self, out_dir: str, num_rows: int = 200, crash_at_step: int | None = None, step_sleep_s: float = 0.0, kill_replica: int = 1, num_blocks: int | None = None):
+    def __init__(
+        self,
+        out_dir: str,
+        num_rows: int = 200,
+        crash_at_step: int | None = None,
+        step_sleep_s: float = 0.0,
+        kill_replica: int = 1,
+        num_blocks: int | None = None,
+    ):
         super().__init__(out_dir, num_rows, None, step_sleep_s)
         self.kill_at_step, self.kill_replica, self.num_blocks = crash_at_step, kill_replica, num_blocks
 
@@ -349,12 +395,24 @@ class ReplicaRecordingPipeline(RecordingPipeline):
 
         replica = ray.train.get_context().get_world_rank()
         out = Path(self.out_dir)
-        if self.kill_at_step is not None and ctx.step == self.kill_at_step and replica == self.kill_replica and not (out / "killed").exists():
+        if (
+            self.kill_at_step is not None
+            and ctx.step == self.kill_at_step
+            and replica == self.kill_replica
+            and not (out / "killed").exists()
+        ):
             (out / "killed").write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
             os._exit(1)
         row = {
-            "pid": os.getpid(), "replica": replica, "rank": ctx.world_rank, "world_size": ctx.world_size,
-            "epoch": ctx.epoch, "step": ctx.step, "lr": ctx.lr, "time": time.time(), "ids": batch["id"].tolist(),
-        }  # fmt: skip
+            "pid": os.getpid(),
+            "replica": replica,
+            "rank": ctx.world_rank,
+            "world_size": ctx.world_size,
+            "epoch": ctx.epoch,
+            "step": ctx.step,
+            "lr": ctx.lr,
+            "time": time.time(),
+            "ids": batch["id"].tolist(),
+        }
         with open(out / f"ids-replica{replica}.jsonl", "a") as handle:
             handle.write(json.dumps(row) + "\n")

@@ -43,6 +43,7 @@ REPORT_PACE = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}
 
 def _train_rows() -> int:
     import numpy as np
+
     from pipelines.digits.pipeline import DATA_FILE, split
 
     with np.load(DATA_FILE) as data:
@@ -115,12 +116,28 @@ def test_elastic_run_grows_as_the_autoscaler_adds_nodes(tmp_path):
         phase(f"worker node {min(seen)[-5:]} alive (min_workers)")
         log = open(tmp_path / "train.log", "w")
         cmd = [
-            str(BIN / "raytrain"), "train", "digits", "--workers", "1:3", "--epochs", str(EPOCHS),
-            "--checkpoint-every-steps", str(CHECKPOINT_EVERY), "--progress", "plain",
-            "--address", head.gcs_address, "--storage", str(storage), "--name", name,
-        ]  # fmt: skip
+            str(BIN / "raytrain"),
+            "train",
+            "digits",
+            "--workers",
+            "1:3",
+            "--epochs",
+            str(EPOCHS),
+            "--checkpoint-every-steps",
+            str(CHECKPOINT_EVERY),
+            "--progress",
+            "plain",
+            "--address",
+            head.gcs_address,
+            "--storage",
+            str(storage),
+            "--name",
+            name,
+        ]
         # The driver joins the head as a client; it is not one of the head's processes.
-        train = subprocess.Popen(cmd, env={**head.cli_env, **REPORT_PACE}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        train = subprocess.Popen(
+            cmd, env={**head.cli_env, **REPORT_PACE}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         most_alive, reported = len(seen), set()
         try:
             deadline = time.monotonic() + 480
@@ -181,4 +198,3 @@ def test_elastic_run_grows_as_the_autoscaler_adds_nodes(tmp_path):
     steps = [row["step"] for row in rows]
     assert steps == sorted(steps) and len(steps) == len(set(steps)), steps  # the curve continues, no replays
     assert any(e["kind"] == "resize" and e["world_size"] == 3 for e in _events(run_dir))
-

@@ -13,8 +13,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raytrain.bench import baselines, render, study
-from raytrain.bench import BenchOptions, PlannedRun, baseline_rows, epochs_for, pick_run, scaling_rows, step_split, steady_steps_per_epoch
+from raytrain.bench import (
+    BenchOptions,
+    PlannedRun,
+    baseline_rows,
+    baselines,
+    epochs_for,
+    pick_run,
+    render,
+    scaling_rows,
+    steady_steps_per_epoch,
+    step_split,
+    study,
+)
 from raytrain.cli import main
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
@@ -60,10 +71,16 @@ def test_step_split_estimates_communication_from_forward_backward():
 
 def _run(workers: int, samples_per_s: float, fb_s: float, steps: int = 10) -> dict:
     return {
-        "workers": workers, "global_batch_size": 32 * workers, "per_worker_batch": 32, "epochs": 1, "steady_steps": steps,
-        "steady_samples_per_s": samples_per_s, "steady_time_s": 32 * workers * steps / samples_per_s,
-        "phase_time_s": {"data_wait": 0.001, "forward_backward": fb_s, "optimizer": 0.01}, "run_dir": f"/runs/w{workers}",
-    }  # fmt: skip
+        "workers": workers,
+        "global_batch_size": 32 * workers,
+        "per_worker_batch": 32,
+        "epochs": 1,
+        "steady_steps": steps,
+        "steady_samples_per_s": samples_per_s,
+        "steady_time_s": 32 * workers * steps / samples_per_s,
+        "phase_time_s": {"data_wait": 0.001, "forward_backward": fb_s, "optimizer": 0.01},
+        "run_dir": f"/runs/w{workers}",
+    }
 
 
 def test_speedup_is_exactly_one_at_one_worker():
@@ -82,7 +99,12 @@ def test_speedup_is_exactly_one_at_one_worker():
 
 def test_baseline_ratios_and_median_round():
     rows = scaling_rows([_run(1, 3000.0, 0.08), _run(2, 5000.0, 0.1)], 340_000, None, 25.0)
-    baselines = {"torchrun": [{"world_size": 1, "steady_samples_per_s": 2500.0, "threads": 1}, {"world_size": 2, "steady_samples_per_s": 5000.0, "threads": 1}]}
+    baselines = {
+        "torchrun": [
+            {"world_size": 1, "steady_samples_per_s": 2500.0, "threads": 1},
+            {"world_size": 2, "steady_samples_per_s": 5000.0, "threads": 1},
+        ]
+    }
     ratios = baseline_rows(rows, baselines)
     assert [(b["workers"], b["ratio"]) for b in ratios] == [(1, pytest.approx(1.2)), (2, pytest.approx(1.0))]
     rounds = [{"steady_samples_per_s": x} for x in (900.0, 100.0, 500.0, 700.0)]
@@ -105,15 +127,32 @@ def test_bench_options_validate_and_always_run_one_worker(tmp_path):
 
 def _report(tmp_path: Path) -> dict:
     rows = scaling_rows([_run(1, 3000.0, 0.08), _run(2, 5000.0, 0.1)], 340_000, "eth10", 25.0)
-    chosen = {"torchrun": [{"world_size": 1, "steady_samples_per_s": 2900.0, "threads": 1}, {"world_size": 2, "steady_samples_per_s": 4800.0, "threads": 1}]}
+    chosen = {
+        "torchrun": [
+            {"world_size": 1, "steady_samples_per_s": 2900.0, "threads": 1},
+            {"world_size": 2, "steady_samples_per_s": 4800.0, "threads": 1},
+        ]
+    }
     return {
-        "pipeline": "digits", "name": "b", "date": "2026-11-29", "command": "raytrain bench digits --workers 1,2",
+        "pipeline": "digits",
+        "name": "b",
+        "date": "2026-11-29",
+        "command": "raytrain bench digits --workers 1,2",
         "machine": {"cpus": 2, "gpu": None, "torch": "2.13", "ray": "2.60", "load_average_at_end": [1.0, 1.0, 1.0]},
-        "train_options": TrainConfig().to_dict(), "steps": 10, "warmup_steps": 3, "repeat": 2, "num_train_rows": 1438,
-        "params": 85_000, "grad_bytes": 340_000, "link": "eth10", "method": render.METHOD.format(warmup=3, statistic="median"),
-        "results": rows, "baselines": baseline_rows(rows, chosen),
-        "rounds": {"raytrain": {"1": [3000.0, 2800.0], "2": [5000.0, 4000.0]}}, "baseline_runs": chosen,
-    }  # fmt: skip
+        "train_options": TrainConfig().to_dict(),
+        "steps": 10,
+        "warmup_steps": 3,
+        "repeat": 2,
+        "num_train_rows": 1438,
+        "params": 85_000,
+        "grad_bytes": 340_000,
+        "link": "eth10",
+        "method": render.METHOD.format(warmup=3, statistic="median"),
+        "results": rows,
+        "baselines": baseline_rows(rows, chosen),
+        "rounds": {"raytrain": {"1": [3000.0, 2800.0], "2": [5000.0, 4000.0]}},
+        "baseline_runs": chosen,
+    }
 
 
 def test_outputs_table_markdown_and_png(tmp_path):
@@ -164,7 +203,22 @@ def test_template_baselines_run(planned, mode):
 
 
 def test_cli_predict(capsys):
-    code = main(["bench", "--predict", "--gpus", "8", "--nodes", "1", "--link", "nvlink", "--step-time-ms", "80", "--grad-mb", "102.2"])
+    code = main(
+        [
+            "bench",
+            "--predict",
+            "--gpus",
+            "8",
+            "--nodes",
+            "1",
+            "--link",
+            "nvlink",
+            "--step-time-ms",
+            "80",
+            "--grad-mb",
+            "102.2",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "speedup 7.97× (99.7% efficiency)" in out
@@ -179,7 +233,23 @@ def test_cli_predict(capsys):
         (["bench", "digits", "--timing-warmup-steps", "-1"], "--warmup-steps: got -1; must be 0 or more"),
         (["bench", "digits", "--lr", "-1"], "--lr: got -1.0"),
         (["bench", "--predict", "--gpus", "8"], "--step-time-ms: needed by --predict"),
-        (["bench", "--predict", "--gpus", "16", "--nodes", "2", "--link", "nvlink", "--step-time-ms", "80", "--grad-mb", "1"], "inter-node link"),
+        (
+            [
+                "bench",
+                "--predict",
+                "--gpus",
+                "16",
+                "--nodes",
+                "2",
+                "--link",
+                "nvlink",
+                "--step-time-ms",
+                "80",
+                "--grad-mb",
+                "1",
+            ],
+            "inter-node link",
+        ),
     ],
 )
 def test_cli_usage_errors(capsys, argv, message):

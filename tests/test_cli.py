@@ -78,36 +78,63 @@ FLAG_CASES = [
     (["--lr", "-0.5"], "--lr: got -0.5; must be a positive number, e.g. --lr 1e-3"),
     (["--lr", "nan"], "--lr: got nan; must be a positive number"),
     (["--lr-scaling", "cubic"], "--lr-scaling: got 'cubic'; choose one of linear, sqrt, none"),
-    (["--lr-scaling", "lineer"], "--lr-scaling: got 'lineer'; choose one of linear, sqrt, none (did you mean 'linear'?)"),
+    (
+        ["--lr-scaling", "lineer"],
+        "--lr-scaling: got 'lineer'; choose one of linear, sqrt, none (did you mean 'linear'?)",
+    ),
     (["--precision", "fp8"], "--precision: got 'fp8'; choose one of fp32, bf16, fp16"),
-    (["--schedule", "cosin"], "--schedule: got 'cosin'; choose one of cosine, constant, linear, step, onecycle (did you mean 'cosine'?)"),
-    (["--schedule", "step"], "--lr-milestones: --schedule step needs the epochs at which to decay, e.g. --lr-milestones 30,60"),
+    (
+        ["--schedule", "cosin"],
+        "--schedule: got 'cosin'; choose one of cosine, constant, linear, step, onecycle (did you mean 'cosine'?)",
+    ),
+    (
+        ["--schedule", "step"],
+        "--lr-milestones: --schedule step needs the epochs at which to decay, e.g. --lr-milestones 30,60",
+    ),
     (["--optimizer", "adam"], "--optimizer: got 'adam'; choose one of adamw, sgd, lamb (did you mean 'adamw'?)"),
     (
         ["--global-batch-size", "64", "--batch-size-per-worker", "32"],
         "--global-batch-size: got 64 together with --batch-size-per-worker 32; set exactly one",
     ),
-    (["--global-batch-size", "2", "--workers", "4"], "--global-batch-size: got 2, fewer samples per step than the 4 workers asked for"),
-    (["--global-batch-size", "0"], "--global-batch-size: got 0; must be a positive integer, e.g. --global-batch-size 256"),
+    (
+        ["--global-batch-size", "2", "--workers", "4"],
+        "--global-batch-size: got 2, fewer samples per step than the 4 workers asked for",
+    ),
+    (
+        ["--global-batch-size", "0"],
+        "--global-batch-size: got 0; must be a positive integer, e.g. --global-batch-size 256",
+    ),
     (["--batch-size-per-worker", "-8"], "--batch-size-per-worker: got -8; must be a positive integer"),
     (["--micro-batch-size", "0"], "--micro-batch-size: got 0; must be a positive integer, e.g. --micro-batch-size 16"),
     (["--reference-batch-size", "0"], "--reference-batch-size: got 0; must be a positive integer"),
-    (["--warmup-epochs", "10", "--epochs", "2"], "--warmup-epochs: got 10.0, longer than the 2 epochs of the run; lower it or raise --epochs"),
+    (
+        ["--warmup-epochs", "10", "--epochs", "2"],
+        "--warmup-epochs: got 10.0, longer than the 2 epochs of the run; lower it or raise --epochs",
+    ),
     (["--warmup-epochs", "-1"], "--warmup-epochs: got -1.0; must be 0 or more, e.g. --warmup-epochs 1"),
     (["--weight-decay", "-0.1"], "--weight-decay: got -0.1; must be 0 or more"),
     (["--seed", "-1"], "--seed: got -1; must be 0 or more"),
     (["--max-failures", "-2"], "--max-failures: got -2; must be 0 or more (-1 retries forever)"),
-    (["--checkpoint-every-steps", "-1"], "--checkpoint-every-steps: got -1; must be 0 (epoch ends only) or a positive step count"),
+    (
+        ["--checkpoint-every-steps", "-1"],
+        "--checkpoint-every-steps: got -1; must be 0 (epoch ends only) or a positive step count",
+    ),
     (["--num-checkpoints-to-keep", "0"], "--num-checkpoints-to-keep: got 0; must be a positive integer"),
     (["--timing-warmup-steps", "-1"], "--timing-warmup-steps: got -1; must be 0 or more, e.g. --timing-warmup-steps 3"),
     (["--log-every-steps", "0"], "--log-every-steps: got 0; must be a positive integer"),
-    (["--collective-timeout-s", "0"], "--collective-timeout-s: got 0.0; must be a positive number of seconds, e.g. 600"),
+    (
+        ["--collective-timeout-s", "0"],
+        "--collective-timeout-s: got 0.0; must be a positive number of seconds, e.g. 600",
+    ),
     (["--collective-timeout-s", "inf"], "--collective-timeout-s: got inf; must be a positive number of seconds"),
     (["--cpus-per-worker", "0"], "--cpus-per-worker: got 0.0; must be a positive number of CPUs, e.g. 1"),
     (["--ddp-bucket-cap-mb", "0"], "--ddp-bucket-cap-mb: got 0.0; must be a positive size in MiB, e.g. 25"),
     (["--storage", "s3://bucket/runs"], "--storage: got 's3://bucket/runs'; only file system paths are supported"),
     (["--storage", ""], "--storage: is empty; give a directory"),
-    (["--name", "bad name"], "--name: got 'bad name'; use letters, digits, '.', '_' and '-' only, e.g. --name digits-lr3e-3"),
+    (
+        ["--name", "bad name"],
+        "--name: got 'bad name'; use letters, digits, '.', '_' and '-' only, e.g. --name digits-lr3e-3",
+    ),
     (["--name", "../up"], "--name: got '../up'; use letters, digits"),
     (["--resume"], "--resume: needs the run to continue: add --name RUN (the directory under --storage)"),
 ]
@@ -186,21 +213,34 @@ def user_module(tmp_path, monkeypatch):
 
 def test_no_pipeline(train):
     code, out, err = train()
-    assert_usage_error(code, out, err, "raytrain train: no pipeline: give one (raytrain train digits) or set `pipeline:` in --config")
+    assert_usage_error(
+        code, out, err, "raytrain train: no pipeline: give one (raytrain train digits) or set `pipeline:` in --config"
+    )
 
 
 @pytest.mark.parametrize(
     "spec, expected",
     [
-        ("nosuch", "pipeline: unknown name 'nosuch'; use a built-in one (digits, parquet, charlm) or point at your own as module:attr"),
+        (
+            "nosuch",
+            "pipeline: unknown name 'nosuch'; use a built-in one (digits, parquet, charlm) or point at your own as "
+            "module:attr",
+        ),
         ("digit", "pipeline: unknown name 'digit'"),
         ("no_such_module_xyz:Pipe", "pipeline 'no_such_module_xyz:Pipe': cannot import module 'no_such_module_xyz'"),
-        ("pipelines.digits:Missing", "pipeline 'pipelines.digits:Missing': module 'pipelines.digits' has no attribute 'Missing'"),
+        (
+            "pipelines.digits:Missing",
+            "pipeline 'pipelines.digits:Missing': module 'pipelines.digits' has no attribute 'Missing'",
+        ),
         (
             "raytrain.config:TrainConfig",
-            "pipeline 'raytrain.config:TrainConfig': TrainConfig is a type, not a raytrain.Pipeline; subclass raytrain.Pipeline",
+            "pipeline 'raytrain.config:TrainConfig': TrainConfig is a type, not a raytrain.Pipeline; subclass "
+            "raytrain.Pipeline",
         ),
-        ("pipelines.digits.model:DigitsCNN", "pipeline 'pipelines.digits.model:DigitsCNN': DigitsCNN is a type, not a raytrain.Pipeline"),
+        (
+            "pipelines.digits.model:DigitsCNN",
+            "pipeline 'pipelines.digits.model:DigitsCNN': DigitsCNN is a type, not a raytrain.Pipeline",
+        ),
     ],
 )
 def test_bad_pipeline(train, spec, expected):
@@ -223,7 +263,14 @@ def test_user_module_attr_that_is_not_a_pipeline(train, user_module, attr, expec
 
 def test_user_module_that_does_not_import(train, user_module):
     code, out, err = train(f"{user_module}_broken:Pipe")
-    assert_usage_error(code, out, err, f"cannot import module '{user_module}_broken'", "a_package_that_is_not_installed_xyz", "PYTHONPATH")
+    assert_usage_error(
+        code,
+        out,
+        err,
+        f"cannot import module '{user_module}_broken'",
+        "a_package_that_is_not_installed_xyz",
+        "PYTHONPATH",
+    )
 
 
 @pytest.mark.parametrize("attr", ["Good", "GOOD"])
@@ -248,7 +295,12 @@ def test_existing_run_without_resume(train, tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "config.yaml").write_text("epochs: 1\n")
     code, out, err = train("digits", "--name", "taken", "--storage", str(tmp_path))
-    assert_usage_error(code, out, err, f"--name: run 'taken' already exists in {tmp_path}; add --resume to continue it, or choose another --name")
+    assert_usage_error(
+        code,
+        out,
+        err,
+        f"--name: run 'taken' already exists in {tmp_path}; add --resume to continue it, or choose another --name",
+    )
 
 
 def test_global_batch_flag_overrides_the_pipelines_per_worker_batch(train):
@@ -299,7 +351,9 @@ def test_config_unknown_key_names_the_key_and_the_file(train, config_file):
 def test_config_several_unknown_keys(train, config_file):
     path = config_file("learnin_rate: 0.1\nepoch: 3\n")
     code, out, err = train("digits", "--config", path)
-    assert_usage_error(code, out, err, f"learnin_rate (in {path}): unknown option", f"epoch (in {path}): unknown option", lines=3)
+    assert_usage_error(
+        code, out, err, f"learnin_rate (in {path}): unknown option", f"epoch (in {path}): unknown option", lines=3
+    )
 
 
 def test_config_unknown_ddp_key(train, config_file):
@@ -332,7 +386,9 @@ def test_config_names_the_pipeline(capsys, config_file, tmp_path):
 
 def test_flags_override_the_config_file(train, config_file):
     path = config_file("epochs: -1\nprecision: fp8\n")
-    code, out, err = train("digits", "--config", path, "--epochs", "2", "--precision", "bf16", "--resume", "--name", "nope")
+    code, out, err = train(
+        "digits", "--config", path, "--epochs", "2", "--precision", "bf16", "--resume", "--name", "nope"
+    )
     assert_usage_error(code, out, err, "--resume: there is no run 'nope'")
 
 
@@ -358,7 +414,10 @@ needs_script = pytest.mark.skipif(RAYTRAIN is None, reason="the raytrain console
 
 
 SCRIPT_CASES = [
-    (["train", "digits", "--workers", "3:2"], "raytrain train: Invalid configuration: --workers: got '3:2'; need 0 <= MIN <= MAX"),
+    (
+        ["train", "digits", "--workers", "3:2"],
+        "raytrain train: Invalid configuration: --workers: got '3:2'; need 0 <= MIN <= MAX",
+    ),
     (["train", "digits", "--config", "missing.yaml"], "raytrain train: --config: file missing.yaml not found"),
     (["train", "digits", "--epochs", "abc"], "raytrain train: error: argument --epochs: invalid int value: 'abc'"),
     (["export", "no_such_run", "-o", "out.pt"], "raytrain export: no_such_run does not exist"),
@@ -372,7 +431,10 @@ def test_script_exit_status(tmp_path):
     runs = [
         subprocess.Popen(
             [str(RAYTRAIN), *args, *(["--storage", str(tmp_path)] if args[0] == "train" else [])],
-            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for args, _ in SCRIPT_CASES
     ]
@@ -405,7 +467,9 @@ def test_configuration_errors_never_start_ray(tmp_path):
         print(json.dumps(results))
         """
     )
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(argvs)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(argvs)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert [code for code, _ in results] == [2] * len(argvs)
@@ -525,7 +589,12 @@ def test_export_onto_a_directory_or_an_unwritable_path_is_named(capsys, tmp_path
 def test_export_of_a_missing_path(capsys, tmp_path):
     missing = tmp_path / "no_run"
     code, out, err = cli(capsys, "export", str(missing), "-o", str(tmp_path / "out.pt"))
-    assert_usage_error(code, out, err, f"raytrain export: {missing} does not exist; give a run directory, a checkpoint directory or a model .pt file")
+    assert_usage_error(
+        code,
+        out,
+        err,
+        f"raytrain export: {missing} does not exist; give a run directory, a checkpoint directory or a model .pt file",
+    )
     assert not (tmp_path / "out.pt").exists()
 
 
@@ -557,8 +626,13 @@ def test_export_of_a_torch_file_that_is_not_a_state_dict(capsys, tmp_path):
 def test_gpu_on_a_cluster_without_gpus(ray_session, capsys, tmp_path):
     if torch.cuda.is_available() or ray_session.cluster_resources().get("GPU", 0):
         pytest.skip("this machine has GPUs")
-    code, out, err = cli(capsys, "train", "digits", "--gpu", "--workers", "1", "--name", "gpu-check", "--storage", str(tmp_path))
+    code, out, err = cli(
+        capsys, "train", "digits", "--gpu", "--workers", "1", "--name", "gpu-check", "--storage", str(tmp_path)
+    )
     assert_usage_error(
-        code, out, err, "raytrain train: Invalid configuration: --gpu: was asked for, but the Ray cluster has no GPUs; drop --gpu"
+        code,
+        out,
+        err,
+        "raytrain train: Invalid configuration: --gpu: was asked for, but the Ray cluster has no GPUs; drop --gpu",
     )
     assert not (tmp_path / "gpu-check").exists()

@@ -16,7 +16,6 @@ import shlex
 
 import pytest
 import yaml
-
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -37,11 +36,7 @@ def _prepared(raw: dict) -> dict:
 
 
 def _worker_types(cfg: dict) -> dict:
-    return {
-        name: nt
-        for name, nt in cfg["available_node_types"].items()
-        if name != cfg["head_node_type"]
-    }
+    return {name: nt for name, nt in cfg["available_node_types"].items() if name != cfg["head_node_type"]}
 
 
 def test_cluster_configs_are_shipped():
@@ -66,9 +61,7 @@ def _safety_problems(raw: dict) -> list[str]:
     problems = []
     prepared = _prepared(raw)
 
-    head_starts = [
-        c for c in prepared["head_start_ray_commands"] if "ray start" in c and "--head" in c
-    ]
+    head_starts = [c for c in prepared["head_start_ray_commands"] if "ray start" in c and "--head" in c]
     if len(head_starts) != 1:
         problems.append(f"expected one `ray start --head`: {head_starts}")
     for cmd in head_starts:
@@ -111,9 +104,7 @@ def test_head_dashboard_binds_localhost(config_path):
     assert "--dashboard-host=127.0.0.1" in joined
 
 
-@pytest.mark.parametrize(
-    "breakage", ["type_min_gt_max", "dashboard_public", "open_8265", "cpu_only_worker"]
-)
+@pytest.mark.parametrize("breakage", ["type_min_gt_max", "dashboard_public", "open_8265", "cpu_only_worker"])
 def test_safety_checks_catch_broken_copies(breakage):
     broken = _load(REPO_ROOT / "cluster.yaml")
     if breakage == "type_min_gt_max":
@@ -188,9 +179,7 @@ def test_aws_config_details():
     assert types["gpu_1x"]["node_config"]["InstanceType"] == "g5.xlarge"
     assert types["gpu_1x"]["resources"] == {"CPU": 4, "GPU": 1}
     # Global cap covers what the per-type caps allow.
-    assert prepared["max_workers"] >= sum(
-        nt["max_workers"] for nt in _worker_types(prepared).values()
-    )
+    assert prepared["max_workers"] >= sum(nt["max_workers"] for nt in _worker_types(prepared).values())
     # The head's setup (after Ray's merge of setup_commands) has boto3 for the autoscaler.
     assert any("boto3" in c for c in prepared["head_setup_commands"])
 

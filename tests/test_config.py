@@ -86,7 +86,16 @@ def test_flag_name():
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(4, (4, 4)), ("4", (4, 4)), (" 3 ", (3, 3)), ("2:8", (2, 8)), ("5:5", (5, 5)), (0, (0, 0)), ("0", (0, 0)), ("1:1", (1, 1))],
+    [
+        (4, (4, 4)),
+        ("4", (4, 4)),
+        (" 3 ", (3, 3)),
+        ("2:8", (2, 8)),
+        ("5:5", (5, 5)),
+        (0, (0, 0)),
+        ("0", (0, 0)),
+        ("1:1", (1, 1)),
+    ],
 )
 def test_parse_workers_accepts(value, expected):
     assert parse_workers(value) == expected
@@ -116,7 +125,9 @@ def test_parse_workers_rejects_with_the_value_and_the_fix(value, fix):
 def test_bad_workers_is_a_config_error_naming_the_option():
     with pytest.raises(ConfigError, match=re.escape("workers: got '3:2'; need 0 <= MIN <= MAX, e.g. 2:8")):
         TrainConfig(workers="3:2")
-    with pytest.raises(ConfigError, match=re.escape("workers: got 'abc'; give a worker count N or MIN:MAX, e.g. 2 or 2:8")):
+    with pytest.raises(
+        ConfigError, match=re.escape("workers: got 'abc'; give a worker count N or MIN:MAX, e.g. 2 or 2:8")
+    ):
         TrainConfig(workers="abc")
 
 
@@ -152,8 +163,14 @@ def test_positive_integers(name, example, value):
         ({"lr": math.nan}, "lr: got nan; must be a positive number"),
         ({"lr_scaling": "cubic"}, "lr_scaling: got 'cubic'; choose one of linear, sqrt, none"),
         ({"lr_scaling": "sqr"}, "lr_scaling: got 'sqr'; choose one of linear, sqrt, none (did you mean 'sqrt'?)"),
-        ({"schedule": "steps"}, "schedule: got 'steps'; choose one of cosine, constant, linear, step, onecycle (did you mean 'step'?)"),
-        ({"schedule": "cosin"}, "schedule: got 'cosin'; choose one of cosine, constant, linear, step, onecycle (did you mean 'cosine'?)"),
+        (
+            {"schedule": "steps"},
+            "schedule: got 'steps'; choose one of cosine, constant, linear, step, onecycle (did you mean 'step'?)",
+        ),
+        (
+            {"schedule": "cosin"},
+            "schedule: got 'cosin'; choose one of cosine, constant, linear, step, onecycle (did you mean 'cosine'?)",
+        ),
         ({"precision": "fp8"}, "precision: got 'fp8'; choose one of fp32, bf16, fp16"),
         ({"precision": "bf61"}, "precision: got 'bf61'; choose one of fp32, bf16, fp16 (did you mean 'bf16'?)"),
         ({"warmup_epochs": -0.5}, "warmup_epochs: got -0.5; must be 0 or more, e.g. --warmup-epochs 1"),
@@ -162,16 +179,28 @@ def test_positive_integers(name, example, value):
         ({"weight_decay": math.nan}, "weight_decay: got nan; must be 0 or more"),
         ({"seed": -1}, "seed: got -1; must be 0 or more"),
         ({"max_failures": -2}, "max_failures: got -2; must be 0 or more (-1 retries forever)"),
-        ({"checkpoint_every_steps": -1}, "checkpoint_every_steps: got -1; must be 0 (epoch ends only) or a positive step count"),
-        ({"shuffle_window_rows": -5}, "shuffle_window_rows: got -5; must be 0 (hold the data in memory) or a row count"),
+        (
+            {"checkpoint_every_steps": -1},
+            "checkpoint_every_steps: got -1; must be 0 (epoch ends only) or a positive step count",
+        ),
+        (
+            {"shuffle_window_rows": -5},
+            "shuffle_window_rows: got -5; must be 0 (hold the data in memory) or a row count",
+        ),
         ({"shuffle_window_rows": "big"}, "shuffle_window_rows: got 'big' (str); expected an integer"),
         ({"timing_warmup_steps": -1}, "timing_warmup_steps: got -1; must be 0 or more, e.g. --timing-warmup-steps 3"),
-        ({"collective_timeout_s": 0.0}, "collective_timeout_s: got 0.0; must be a positive number of seconds, e.g. 600"),
+        (
+            {"collective_timeout_s": 0.0},
+            "collective_timeout_s: got 0.0; must be a positive number of seconds, e.g. 600",
+        ),
         ({"collective_timeout_s": math.inf}, "collective_timeout_s: got inf; must be a positive number of seconds"),
         ({"cpus_per_worker": 0.0}, "cpus_per_worker: got 0.0; must be a positive number of CPUs, e.g. 1"),
         ({"cpus_per_worker": math.inf}, "cpus_per_worker: got inf; must be a positive number of CPUs"),
         ({"storage": ""}, "storage: is empty; give a directory, e.g. --storage ~/raytrain_results"),
-        ({"storage": "s3://bucket/runs"}, "storage: got 's3://bucket/runs'; only file system paths are supported (a shared mount"),
+        (
+            {"storage": "s3://bucket/runs"},
+            "storage: got 's3://bucket/runs'; only file system paths are supported (a shared mount",
+        ),
         ({"storage": "gs://b"}, "storage: got 'gs://b'; only file system paths are supported"),
         ({"ddp": {"bucket_cap_mb": 0}}, "ddp.bucket_cap_mb: got 0; must be a positive size in MiB, e.g. 25"),
         ({"ddp": {"bucket_cap_mb": -5.0}}, "ddp.bucket_cap_mb: got -5.0; must be a positive size in MiB, e.g. 25"),
@@ -198,8 +227,16 @@ def test_good_run_name(name):
 
 def test_edge_values_that_are_allowed():
     cfg = TrainConfig(
-        workers=0, warmup_epochs=0, weight_decay=0, max_failures=-1, checkpoint_every_steps=0, seed=0, lr=1, ddp={"bucket_cap_mb": 1},
-        timing_warmup_steps=0, shuffle_window_rows=0,
+        workers=0,
+        warmup_epochs=0,
+        weight_decay=0,
+        max_failures=-1,
+        checkpoint_every_steps=0,
+        seed=0,
+        lr=1,
+        ddp={"bucket_cap_mb": 1},
+        timing_warmup_steps=0,
+        shuffle_window_rows=0,
     )
     assert cfg.lr == 1 and cfg.ddp.bucket_cap_mb == 1 and cfg.timing_warmup_steps == 0
 
@@ -240,7 +277,9 @@ def test_ints_are_accepted_where_numbers_are_expected():
 
 @pytest.mark.parametrize("value", [5, None, "ddp", [1]])
 def test_ddp_must_be_a_mapping(value):
-    with pytest.raises(ConfigError, match=re.escape(f"ddp: got {value!r} ({type(value).__name__}); expected a mapping of DDP flags")):
+    with pytest.raises(
+        ConfigError, match=re.escape(f"ddp: got {value!r} ({type(value).__name__}); expected a mapping of DDP flags")
+    ):
         TrainConfig(ddp=value)
 
 
@@ -253,7 +292,9 @@ def test_ddp_mapping_becomes_ddp_config():
 
 
 def test_both_batch_knobs():
-    with pytest.raises(ConfigError, match=r"global_batch_size: got 64 together with --batch-size-per-worker 32; set exactly one") as info:
+    with pytest.raises(
+        ConfigError, match=r"global_batch_size: got 64 together with --batch-size-per-worker 32; set exactly one"
+    ) as info:
         TrainConfig(global_batch_size=64, batch_size_per_worker=32)
     assert "--global-batch-size keeps the optimizer's batch fixed" in str(info.value)
     assert "--batch-size-per-worker lets it grow with the workers" in str(info.value)
@@ -327,7 +368,13 @@ def test_single_problem_is_one_line():
 
 
 def test_render_spells_options_the_users_way():
-    error = ConfigError([("lr", "got 0.0; must be positive"), ("ddp.bucket_cap_mb", "got 0; must be positive"), ("", "a general problem")])
+    error = ConfigError(
+        [
+            ("lr", "got 0.0; must be positive"),
+            ("ddp.bucket_cap_mb", "got 0; must be positive"),
+            ("", "a general problem"),
+        ]
+    )
     text = error.render(lambda name: flag_name(name.replace(".", "_")))
     assert "--lr: got 0.0" in text
     assert "--ddp-bucket-cap-mb: got 0" in text
@@ -338,7 +385,9 @@ def test_render_spells_options_the_users_way():
 
 
 def test_from_dict_unknown_key_with_suggestion():
-    with pytest.raises(ConfigError, match=re.escape("lr_scale: unknown option (did you mean 'lr_scaling'?); known: epochs, workers")):
+    with pytest.raises(
+        ConfigError, match=re.escape("lr_scale: unknown option (did you mean 'lr_scaling'?); known: epochs, workers")
+    ):
         TrainConfig.from_dict({"lr_scale": "sqrt"})
 
 

@@ -7,7 +7,15 @@ import math
 import pytest
 
 from raytrain.rules import costmodel
-from raytrain.rules.costmodel import CostModelError, LINKS, default_overlap, implied_bandwidth_GBps, num_buckets, predict, ring_allreduce_s
+from raytrain.rules.costmodel import (
+    LINKS,
+    CostModelError,
+    default_overlap,
+    implied_bandwidth_GBps,
+    num_buckets,
+    predict,
+    ring_allreduce_s,
+)
 
 RESNET50_GRAD_BYTES = 25_557_032 * 4  # torchvision resnet50 parameters, fp32 gradients
 
@@ -57,9 +65,19 @@ def test_default_overlap_is_all_buckets_but_the_last():
 def test_multi_node_uses_the_bottleneck_link():
     one = predict(gpus=16, nodes=2, step_time_s=0.08, grad_bytes=RESNET50_GRAD_BYTES, link="ib200", overlap=0.0)
     assert one.bandwidth_GBps == LINKS["ib200"].effective_GBps  # one NIC per node is slower than NVLink
-    eight = predict(gpus=16, nodes=2, step_time_s=0.08, grad_bytes=RESNET50_GRAD_BYTES, link="ib200", nics_per_node=8, overlap=0.0)
+    eight = predict(
+        gpus=16, nodes=2, step_time_s=0.08, grad_bytes=RESNET50_GRAD_BYTES, link="ib200", nics_per_node=8, overlap=0.0
+    )
     assert eight.bandwidth_GBps == 8 * LINKS["ib200"].effective_GBps
-    capped = predict(gpus=16, nodes=2, step_time_s=0.08, grad_bytes=RESNET50_GRAD_BYTES, link="ib400", nics_per_node=8, intra_link="pcie4")
+    capped = predict(
+        gpus=16,
+        nodes=2,
+        step_time_s=0.08,
+        grad_bytes=RESNET50_GRAD_BYTES,
+        link="ib400",
+        nics_per_node=8,
+        intra_link="pcie4",
+    )
     assert capped.bandwidth_GBps == LINKS["pcie4"].effective_GBps  # the intra-node link is now the bottleneck
     assert eight.speedup > one.speedup
 

@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain.rules import order
 from raytrain.data.checks import Schema, check_columns, check_units, load_table
 from raytrain.data.stream import Stream
 from raytrain.errors import DataError
-from raytrain.rules.steps import micro_batches
+from raytrain.rules import order
 from raytrain.rules.order import StreamLayout
-from raytrain.rules.steps import epoch_steps
+from raytrain.rules.steps import epoch_steps, micro_batches
 
 CPU = torch.device("cpu")
 
@@ -122,7 +121,9 @@ def test_nan_row_stops_the_stream_naming_the_file_and_row():
 
     units = make_units([200, 200], change=poison)
     stream = stream_of(units, window=400, partitions=1)
-    with pytest.raises(DataError, match=r"row 30 of file-1.parquet holds NaN or inf in column 'x'.*--skip-nan-rows.*--resume"):
+    with pytest.raises(
+        DataError, match=r"row 30 of file-1.parquet holds NaN or inf in column 'x'.*--skip-nan-rows.*--resume"
+    ):
         train_ids(stream, 1, 0, 400)
 
 
@@ -207,13 +208,17 @@ def test_read_failure_inside_ray_data_becomes_a_data_error():
         def dataset(self, ids, *, limit=None):
             class _Dataset:
                 def iter_batches(self, **_):
-                    raise RuntimeError("Traceback...\npyarrow.lib.ArrowInvalid: Could not open Parquet input source 'x.parquet'")
+                    raise RuntimeError(
+                        "Traceback...\npyarrow.lib.ArrowInvalid: Could not open Parquet input source 'x.parquet'"
+                    )
                     yield
 
             return _Dataset()
 
     units = Broken([{"x": np.zeros(3)}])
-    with pytest.raises(DataError, match="dataset 'train' cannot be read: pyarrow.lib.ArrowInvalid: Could not open Parquet"):
+    with pytest.raises(
+        DataError, match="dataset 'train' cannot be read: pyarrow.lib.ArrowInvalid: Could not open Parquet"
+    ):
         list(check_units(units, [0], "train", Schema.of({"x": np.zeros(1)}), skip_nan_rows=False))
 
 

@@ -122,11 +122,25 @@ LOCAL = {"torch": "2.13.0", "cuda": None, "cuda_usable": False, "nccl": False, "
 
 
 def _node(i: int, gpus: int = 0) -> dict:
-    return {"NodeID": f"n{i}", "NodeManagerAddress": f"10.0.0.{i}", "Alive": True, "Resources": {"CPU": 8.0, "GPU": float(gpus)}}
+    return {
+        "NodeID": f"n{i}",
+        "NodeManagerAddress": f"10.0.0.{i}",
+        "Alive": True,
+        "Resources": {"CPU": 8.0, "GPU": float(gpus)},
+    }
 
 
 def _facts(**extra) -> dict:
-    return {"hostname": "h", "torch": "2.13.0", "cuda": "12.8", "cuda_usable": True, "nccl": True, "gloo": True, "raytrain": "0.1.0", **extra}
+    return {
+        "hostname": "h",
+        "torch": "2.13.0",
+        "cuda": "12.8",
+        "cuda_usable": True,
+        "nccl": True,
+        "gloo": True,
+        "raytrain": "0.1.0",
+        **extra,
+    }
 
 
 def test_file_as_storage_fails(tmp_path):
@@ -145,7 +159,10 @@ def test_writable_storage_passes_and_leaves_a_marker_for_the_nodes(tmp_path):
 def test_multi_node_storage_not_shared_fails(tmp_path):
     state = inspect_storage(str(tmp_path))
     nodes = [_node(1), _node(2, gpus=8)]
-    probes = {"n1": _facts(sees_marker=True, storage_writable=True), "n2": _facts(sees_marker=False, storage_writable=True, hostname="gpu-2")}
+    probes = {
+        "n1": _facts(sees_marker=True, storage_writable=True),
+        "n2": _facts(sees_marker=False, storage_writable=True, hostname="gpu-2"),
+    }
     problems = assess(nodes, probes, state, LOCAL).problems
     assert len(problems) == 1 and "is not shared: node 10.0.0.2 (gpu-2)" in problems[0]
     assert "NFS" in problems[0] and "--storage" in problems[0]
@@ -171,7 +188,10 @@ def test_gpu_node_with_cpu_torch_fails(tmp_path):
 
 def test_node_without_raytrain_fails_and_silent_node_is_noted(tmp_path):
     state = StorageState(path=str(tmp_path), explicit=True, exists=True, is_dir=True, writable=True)
-    probes = {"n1": _facts(raytrain_error="ModuleNotFoundError: No module named 'raytrain'"), "n2": {"error": "no answer within 90 s"}}
+    probes = {
+        "n1": _facts(raytrain_error="ModuleNotFoundError: No module named 'raytrain'"),
+        "n2": {"error": "no answer within 90 s"},
+    }
     report = assess([_node(1), _node(2)], probes, state, LOCAL)
     assert len(report.problems) == 1 and "raytrain does not import" in report.problems[0]
     assert "--working-dir" in report.problems[0]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from raytrain.rules import schedule
+
 pytestmark = pytest.mark.ray
 SCENARIO = Path(__file__).with_name("elastic_scenario.py")
 
@@ -33,7 +34,9 @@ def test_workers_2_to_3_shrinks_on_node_loss_and_grows_back(tmp_path):
     steps = [row["step"] for row in rows]
     assert steps == sorted(steps) and len(steps) == len(set(steps))  # the curve continues, no replays
     for row in rows:  # the lr is the same function of samples seen at every size
-        expected = schedule.lr_at(row["samples_seen"], base_lr=1e-2, peak_lr=3e-2, warmup_samples=960, total_samples=12 * 960)
+        expected = schedule.lr_at(
+            row["samples_seen"], base_lr=1e-2, peak_lr=3e-2, warmup_samples=960, total_samples=12 * 960
+        )
         assert row["lr"] == pytest.approx(expected, rel=1e-9)
     messages = result["events"]
     assert any(m.startswith("Resized 3 → 2 workers") and m.endswith("unchanged") for m in messages)

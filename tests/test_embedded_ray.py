@@ -31,15 +31,19 @@ def test_the_readmes_own_pipeline_example_runs_as_written(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user has it: nothing on the path
     done = subprocess.run(
         [RAYTRAIN, *command[1:], "--storage", str(tmp_path / "runs"), "--name", "readme", "--progress", "off"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "runs" / "readme" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["samples_seen"] == 3 * 10_000
     assert "global 256 = 4 workers × 64 per worker" in done.stdout
 
 
-PROBE = textwrap.dedent('''
+PROBE = textwrap.dedent("""
     import json, socket, urllib.request
     import psutil
     from raytrain.config import TrainConfig
@@ -49,7 +53,8 @@ PROBE = textwrap.dedent('''
     with ray_session(TrainConfig(workers=1)):
         ip = ray.util.get_node_ip_address()
         mine = {p.pid for p in psutil.Process().children(recursive=True)} | {psutil.Process().pid}
-        ports = sorted({c.laddr.port for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in mine})
+        listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        ports = sorted({c.laddr.port for c in listening if c.pid in mine})
         answered = {}
         for port in ports:
             try:
@@ -57,7 +62,7 @@ PROBE = textwrap.dedent('''
             except Exception as exc:
                 answered[port] = type(exc).__name__
         print(json.dumps({"ip": ip, "answered": answered}))
-''')
+""")
 
 
 def test_the_embedded_ray_serves_no_metrics_to_the_network(tmp_path):

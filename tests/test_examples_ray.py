@@ -13,7 +13,16 @@ pytestmark = pytest.mark.ray
 
 def test_the_sgd_recipe_port_trains_with_its_schedule_and_augmentation(ray_session, tmp_path):
     pipeline = SGDRecipe()
-    cfg = raytrain.TrainConfig(**{**pipeline.default_config, "epochs": 3, "lr_milestones": [2], "workers": 2, "storage": str(tmp_path), "name": "sgd"})
+    cfg = raytrain.TrainConfig(
+        **{
+            **pipeline.default_config,
+            "epochs": 3,
+            "lr_milestones": [2],
+            "workers": 2,
+            "storage": str(tmp_path),
+            "name": "sgd",
+        }
+    )
     result = raytrain.fit(pipeline, cfg)
     assert result.summary["status"] == "finished" and result.summary["samples_seen"] == 3 * 1438
     events = [e["message"] for e in raytrain.rundir.read_jsonl(tmp_path / "sgd" / "events.jsonl")]
@@ -24,7 +33,9 @@ def test_the_sgd_recipe_port_trains_with_its_schedule_and_augmentation(ray_sessi
 
 def test_the_ddp_tutorial_port_trains_on_its_torch_dataset(ray_session, tmp_path):
     pipeline = TutorialRegression()
-    cfg = raytrain.TrainConfig(**{**pipeline.default_config, "epochs": 3, "lr": 0.05, "workers": 2, "storage": str(tmp_path), "name": "tut"})
+    cfg = raytrain.TrainConfig(
+        **{**pipeline.default_config, "epochs": 3, "lr": 0.05, "workers": 2, "storage": str(tmp_path), "name": "tut"}
+    )
     result = raytrain.fit(pipeline, cfg)
     assert result.summary["status"] == "finished" and result.summary["samples_seen"] == 3 * 2048
     rows = [r for r in raytrain.rundir.read_jsonl(tmp_path / "tut" / "metrics.jsonl") if r.get("epoch_end")]

@@ -7,20 +7,23 @@ import time
 from pathlib import Path
 
 import pytest
-
-import raytrain
 from rt_test_pipelines import RecordingPipeline, StallingPipeline, read_jsonl
 
+import raytrain
+
 pytestmark = pytest.mark.ray
-
-
 
 
 def test_stalled_rank_fails_the_attempt_naming_it_within_the_timeout(ray_session, tmp_path):
     timeout_s = 10
     cfg = raytrain.TrainConfig(
-        workers=2, epochs=1, batch_size_per_worker=8, max_failures=0, collective_timeout_s=timeout_s,
-        storage=str(tmp_path), name="stall",
+        workers=2,
+        epochs=1,
+        batch_size_per_worker=8,
+        max_failures=0,
+        collective_timeout_s=timeout_s,
+        storage=str(tmp_path),
+        name="stall",
     )
     with pytest.raises(raytrain.RunFailed) as failure:
         raytrain.fit(StallingPipeline(str(tmp_path), stall_rank=1, stall_at_step=3), cfg)
@@ -34,7 +37,14 @@ def test_stalled_rank_fails_the_attempt_naming_it_within_the_timeout(ray_session
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(ray_session, tmp_path):
     from raytrain.rundir.checkpoints import checkpoint_dirs
 
-    base = dict(workers=2, batch_size_per_worker=8, storage=str(tmp_path), name="corrupt", num_checkpoints_to_keep=3, schedule="constant")
+    base = dict(
+        workers=2,
+        batch_size_per_worker=8,
+        storage=str(tmp_path),
+        name="corrupt",
+        num_checkpoints_to_keep=3,
+        schedule="constant",
+    )
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
@@ -43,12 +53,16 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(ray_sessi
     assert len(checkpoints) == 2
     (checkpoints[-1] / "state.pt").write_bytes(b"truncated")  # a crash mid-write, or a bad disk
 
-    resumed = raytrain.fit(RecordingPipeline(str(second), num_rows=64), raytrain.TrainConfig(epochs=3, resume=True, **base))
+    resumed = raytrain.fit(
+        RecordingPipeline(str(second), num_rows=64), raytrain.TrainConfig(epochs=3, resume=True, **base)
+    )
     assert resumed.summary["status"] == "finished" and resumed.summary["epochs"] == 3
     steps = sorted({row["step"] for row in read_jsonl(second / "ids-rank0.jsonl")})
     assert steps == list(range(4, 12))  # from the epoch-1 checkpoint (step 4), not the corrupt epoch-2 one
     # ...and it says so, at the default verbosity (an event line, echoed by the driver).
-    skipped = [e for e in read_jsonl(Path(result.run_dir) / "events.jsonl") if "skipped unusable checkpoint" in e["message"]]
+    skipped = [
+        e for e in read_jsonl(Path(result.run_dir) / "events.jsonl") if "skipped unusable checkpoint" in e["message"]
+    ]
     assert skipped and checkpoints[-1].name in skipped[0]["message"]
 
 
@@ -60,12 +74,26 @@ def test_driver_killed_mid_run_then_resume_finishes_the_run(tmp_path):
     import sys
 
     raytrain_bin = str(Path(sys.executable).with_name("raytrain"))
-    args = [raytrain_bin, "train", "digits", "--workers", "2", "--epochs", "6", "--storage", str(tmp_path), "--name", "killed"]
+    args = [
+        raytrain_bin,
+        "train",
+        "digits",
+        "--workers",
+        "2",
+        "--epochs",
+        "6",
+        "--storage",
+        str(tmp_path),
+        "--name",
+        "killed",
+    ]
     run_dir = tmp_path / "killed"
     # Ray's own report pace (one per 2 s; raytrain's 0.25 s wins only when nothing is exported)
     # keeps the run going for a while after its first checkpoint, for the kill to land mid-run.
     paced = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}
-    driver = subprocess.Popen(args, env=paced, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    driver = subprocess.Popen(
+        args, env=paced, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         # Wait for a checkpoint that loads: Ray copies a checkpoint's files into storage one by
         # one, and a kill mid-copy leaves a partial one that resume (rightly) skips.
@@ -89,6 +117,7 @@ def test_driver_killed_mid_run_then_resume_finishes_the_run(tmp_path):
 def _loadable_checkpoint(run_dir: Path) -> bool:
     from raytrain.errors import CheckpointError
     from raytrain.rundir import checkpoints as ckpt
+
     for directory in ckpt.checkpoint_dirs(run_dir):
         try:
             ckpt.load_state(directory)

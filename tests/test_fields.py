@@ -13,13 +13,13 @@ import pytest
 import raytrain
 from raytrain import fields
 from raytrain.bench import BenchOptions
+from raytrain.bench.predict import PredictOptions
 from raytrain.cli.parser import add_flags, build_parser
 from raytrain.config import DDPConfig, TrainConfig
+from raytrain.errors import PipelineError
 from raytrain.fields import flag_name
 from raytrain.pipeline import parse_pipeline_args
-from raytrain.errors import PipelineError
-from raytrain.bench.predict import PredictOptions
-from raytrain.tune import TuneOptions
+from raytrain.tune.options import TuneOptions
 
 
 def subcommand(name: str) -> argparse.ArgumentParser:
@@ -67,11 +67,27 @@ def test_field_types_choices_and_docstrings_are_read_from_the_dataclass():
 
 
 def test_command_line_values_keep_the_users_spelling_where_text_is_a_value():
-    parsed = subcommand("train").parse_args(["--workers", "2", "--lr-milestones", "3,6.5", "--lr", "1e-3", "--pipeline-arg", "path=/d", "--pipeline-arg", "k=v"])
+    parsed = subcommand("train").parse_args(
+        [
+            "--workers",
+            "2",
+            "--lr-milestones",
+            "3,6.5",
+            "--lr",
+            "1e-3",
+            "--pipeline-arg",
+            "path=/d",
+            "--pipeline-arg",
+            "k=v",
+        ]
+    )
     assert parsed.workers == "2" and parsed.lr_milestones == [3, 6.5] and parsed.lr == 1e-3
     assert parsed.pipeline_args == [("path", "/d"), ("k", "v")]
     given = vars(subcommand("train").parse_args(["--no-ddp-static-graph", "-v"]))
-    assert {key: given[key] for key in given if key not in ("pipeline", "config", "handler")} == {"ddp.static_graph": False, "verbose": True}
+    assert {key: given[key] for key in given if key not in ("pipeline", "config", "handler")} == {
+        "ddp.static_graph": False,
+        "verbose": True,
+    }
 
 
 @dataclass(kw_only=True)
@@ -122,7 +138,9 @@ class KnobsPipeline(raytrain.Pipeline):
 
 
 def test_pipeline_args_are_converted_by_the_same_rules():
-    args = parse_pipeline_args(KnobsPipeline(), {"path": "/d", "size": "8", "kind": "cnn", "scale": "none", "fast": "yes"})
+    args = parse_pipeline_args(
+        KnobsPipeline(), {"path": "/d", "size": "8", "kind": "cnn", "scale": "none", "fast": "yes"}
+    )
     assert args == Knobs("/d", 8, "cnn", None, True)
     assert parse_pipeline_args(KnobsPipeline(), {"path": "/d", "scale": 2}).scale == 2.0  # a YAML number
     with pytest.raises(PipelineError) as failure:

@@ -20,23 +20,44 @@ pytestmark = pytest.mark.gpu
 
 def raytrain(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [RAYTRAIN, *args], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600
+        [RAYTRAIN, *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_digits_trains_on_one_gpu_with_nccl_under_autocast_and_resumes(tmp_path, precision):
-    common = ["--gpu", "--workers", "1", "--precision", precision, "--storage", str(tmp_path), "--name", precision, "--progress", "plain"]
+    common = [
+        "--gpu",
+        "--workers",
+        "1",
+        "--precision",
+        precision,
+        "--storage",
+        str(tmp_path),
+        "--name",
+        precision,
+        "--progress",
+        "plain",
+    ]
     first = raytrain("train", "digits", *common, "--epochs", "2", "--checkpoint-every-steps", "10")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "nccl" in first.stdout and "GPU" in first.stdout
     summary = json.loads((tmp_path / precision / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["final_metrics"]["val_loss"] < 1.5
 
-    resumed = raytrain("train", "--storage", str(tmp_path), "--name", precision, "--resume", "--epochs", "3", "--progress", "plain")
+    resumed = raytrain(
+        "train", "--storage", str(tmp_path), "--name", precision, "--resume", "--epochs", "3", "--progress", "plain"
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"from step {summary['steps']}" in resumed.stdout
-    exported = raytrain("export", str(tmp_path / precision), "-o", str(tmp_path / f"{precision}.pt"), "--pipeline", "digits")
+    exported = raytrain(
+        "export", str(tmp_path / precision), "-o", str(tmp_path / f"{precision}.pt"), "--pipeline", "digits"
+    )
     assert exported.returncode == 0, exported.stderr[-3000:]
 
     import torch

@@ -23,14 +23,12 @@ import raytrain
 from raytrain import rundir
 from raytrain.cli import main
 from raytrain.config import TrainConfig
-from raytrain.errors import ConfigError
-from raytrain.errors import PipelineCodeError, StorageError, find_user_error, pipeline_code
-from raytrain.worker.step import check_loss_output, is_collective_failure
-from raytrain.pipeline import parse_pipeline_args
-from raytrain.errors import PipelineError
-from raytrain.rules.resume import StoredRun, changes
 from raytrain.driver.session import address_problem, check_embedded_capacity
 from raytrain.driver.summary import write_summary
+from raytrain.errors import ConfigError, PipelineCodeError, PipelineError, StorageError, find_user_error, pipeline_code
+from raytrain.pipeline import parse_pipeline_args
+from raytrain.rules.resume import StoredRun, changes
+from raytrain.worker.step import check_loss_output, is_collective_failure
 
 
 def test_run_files_are_strict_json():
@@ -40,7 +38,9 @@ def test_run_files_are_strict_json():
 def test_summary_is_strict_and_says_diverged_for_a_nan_loss(tmp_path):
     from raytrain.worker.window import TrainingDiverged
 
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "step": 5, "loss": float("nan"), "world_size": 2, "epoch_end": True}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"epoch": 1, "step": 5, "loss": float("nan"), "world_size": 2, "epoch_end": True}) + "\n"
+    )
     summary = write_summary(tmp_path, TrainConfig(), None, TrainingDiverged("the loss became NaN"), time.time())
     text = (tmp_path / "summary.json").read_text()
     assert summary.status == "diverged" and "NaN" not in text.replace("the loss became NaN", "")
@@ -55,19 +55,31 @@ def test_atomic_write_leaves_the_old_file_when_the_write_fails(tmp_path, monkeyp
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full_disk)
-    with pytest.raises(StorageError, match=r"cannot write .*summary.json: No space left on device \(ENOSPC\); the file system is full"):
+    with pytest.raises(
+        StorageError, match=r"cannot write .*summary.json: No space left on device \(ENOSPC\); the file system is full"
+    ):
         rundir.write_json(target, {"status": "failed"})
     assert json.loads(target.read_text()) == {"status": "finished"}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary left behind
 
 
-@pytest.mark.parametrize("code, fix", [
-    (errno.EROFS, "read-only"), (errno.EACCES, "no permission"), (errno.ENAMETOOLONG, "too long"), (errno.ENOTDIR, "is a file"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "code, fix",
+    [
+        (errno.EROFS, "read-only"),
+        (errno.EACCES, "no permission"),
+        (errno.ENAMETOOLONG, "too long"),
+        (errno.ENOTDIR, "is a file"),
+    ],
+)
 def test_storage_errors_name_path_errno_and_fix(code, fix):
     error = rundir.storage_error(OSError(code, os.strerror(code)), "/runs/x", "write")
     assert isinstance(error, StorageError) and error.errno == code
-    assert str(error).startswith("cannot write /runs/x:") and f"({errno.errorcode[code]})" in str(error) and fix in str(error)
+    assert (
+        str(error).startswith("cannot write /runs/x:")
+        and f"({errno.errorcode[code]})" in str(error)
+        and fix in str(error)
+    )
 
 
 def test_storage_that_is_a_file_or_unwritable_is_refused_before_ray(tmp_path, capsys):
@@ -116,7 +128,9 @@ def test_the_lock_is_atomic_under_racing_starters(tmp_path):
 
 
 def stored(position=None, **config):
-    return StoredRun(Path("/runs/r"), {"seed": 0, "epochs": 3, "shuffle_window_rows": None, **config}, "digits", None, position or {})
+    return StoredRun(
+        Path("/runs/r"), {"seed": 0, "epochs": 3, "shuffle_window_rows": None, **config}, "digits", None, position or {}
+    )
 
 
 def test_resume_refuses_another_pipeline_and_order_changes_mid_epoch():
@@ -155,7 +169,9 @@ def test_pipeline_args_are_typed_and_unknown_keys_refused_with_the_known_ones():
         parse_pipeline_args(WithArgs(), {"pth": "/d", "size": "x"})
     message = str(failure.value)
     assert "unknown --pipeline-arg pth (did you mean 'path'?); WithArgs knows: path, size, rate, fast, note" in message
-    assert "--pipeline-arg size: got 'x'; expected an integer" in message and "needs --pipeline-arg path=VALUE" in message
+    assert (
+        "--pipeline-arg size: got 'x'; expected an integer" in message and "needs --pipeline-arg path=VALUE" in message
+    )
     with pytest.raises(PipelineError, match="size: got 0; a positive integer"):
         parse_pipeline_args(WithArgs(), {"path": "/d", "size": "0"})
     with pytest.raises(PipelineError, match="takes no --pipeline-arg"):
@@ -163,18 +179,25 @@ def test_pipeline_args_are_typed_and_unknown_keys_refused_with_the_known_ones():
 
 
 def test_unknown_pipeline_arg_is_refused_by_the_cli_before_ray(capsys):
-    code = main(["train", "parquet", "--pipeline-arg", "path=/d", "--pipeline-arg", "label=y", "--pipeline-arg", "hiden=64"])
+    code = main(
+        ["train", "parquet", "--pipeline-arg", "path=/d", "--pipeline-arg", "label=y", "--pipeline-arg", "hiden=64"]
+    )
     err = capsys.readouterr().err
-    assert code == 2 and "unknown --pipeline-arg hiden (did you mean 'hidden'?)" in err and "label, features, task" in err
+    assert (
+        code == 2 and "unknown --pipeline-arg hiden (did you mean 'hidden'?)" in err and "label, features, task" in err
+    )
 
 
-@pytest.mark.parametrize("output, expected", [
-    (torch.ones(3, requires_grad=True), "its loss has shape (3,)"),
-    (1.5, "it returned a float"),
-    (torch.tensor(1.0), "has no gradient"),
-    ((torch.ones((), requires_grad=True), [1]), "second item is a list"),
-    ((torch.ones(()), {}, 3), "a tuple of 3"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "output, expected",
+    [
+        (torch.ones(3, requires_grad=True), "its loss has shape (3,)"),
+        (1.5, "it returned a float"),
+        (torch.tensor(1.0), "has no gradient"),
+        ((torch.ones((), requires_grad=True), [1]), "second item is a list"),
+        ((torch.ones(()), {}, 3), "a tuple of 3"),
+    ],
+)
 def test_compute_loss_results_are_checked_with_a_message_naming_compute_loss(output, expected):
     with pytest.raises(PipelineCodeError, match="compute_loss must return a scalar loss tensor") as failure:
         check_loss_output(raytrain.Pipeline(), output, training=True)
@@ -238,9 +261,21 @@ def test_a_worker_count_this_machine_cannot_hold_is_refused_with_the_numbers(tmp
     assert notes and "oversubscribed" in notes[0]
     # The CLI, as a user runs it (a fresh process: its own embedded Ray, refused before it starts).
     done = subprocess.run(
-        [str(Path(sys.executable).with_name("raytrain")), "train", "digits", "--workers", "64", "--name", "big", "--storage", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            str(Path(sys.executable).with_name("raytrain")),
+            "train",
+            "digits",
+            "--workers",
+            "64",
+            "--name",
+            "big",
+            "--storage",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "use at most" in done.stderr and not (tmp_path / "big").exists()
 
 
@@ -268,7 +303,8 @@ def test_the_readme_example_imports_from_the_working_directory(tmp_path):
     (project / "train.py").write_text("import raytrain\nclass Regression(raytrain.Pipeline):\n    pass\n")
     code = (
         "import os, sys; sys.path = [p for p in sys.path if p not in ('', os.getcwd())];"
-        "from raytrain.pipeline import load_pipeline; print(type(load_pipeline('my_project.train:Regression')).__name__)"
+        "from raytrain.pipeline import load_pipeline; "
+        "print(type(load_pipeline('my_project.train:Regression')).__name__)"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "Regression", done.stderr

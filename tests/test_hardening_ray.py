@@ -12,9 +12,9 @@ import pytest
 from rt_test_pipelines import BrokenPipeline, DivergingPipeline, OtherShapePipeline, RecordingPipeline, read_jsonl
 
 import raytrain
-from raytrain.rundir.checkpoints import checkpoint_dirs
 from raytrain.cli import main
 from raytrain.errors import PipelineCodeError, StorageError
+from raytrain.rundir.checkpoints import checkpoint_dirs
 from raytrain.worker.window import TrainingDiverged
 
 pytestmark = pytest.mark.ray
@@ -27,8 +27,14 @@ def ours(err: str, command: str = "train") -> list[str]:
 
 def test_a_nan_loss_stops_the_run_as_diverged_without_saving_bad_weights(ray_session, tmp_path):
     cfg = raytrain.TrainConfig(
-        workers=2, epochs=3, batch_size_per_worker=8, storage=str(tmp_path), name="nan", max_failures=3, log_every_steps=5,
-    )  # fmt: skip
+        workers=2,
+        epochs=3,
+        batch_size_per_worker=8,
+        storage=str(tmp_path),
+        name="nan",
+        max_failures=3,
+        log_every_steps=5,
+    )
     with pytest.raises(TrainingDiverged) as failure:
         raytrain.fit(DivergingPipeline(str(tmp_path), nan_at_step=30, nan_rank=1), cfg)
     message = str(failure.value)
@@ -48,13 +54,18 @@ def test_a_nan_loss_stops_the_run_as_diverged_without_saving_bad_weights(ray_ses
     assert max(row["step"] for row in read_jsonl(tmp_path / "ids-rank0.jsonl")) < 30 + 5 and attempts == {"first"}
 
 
-@pytest.mark.parametrize("where, expected", [
-    ("build_model", ["build_model raised KeyError: 'hidden_size'", "rt_test_pipelines.py", "in make_layers"]),
-    ("label", ["compute_loss raised IndexError", "rt_test_pipelines.py", "in compute_loss"]),
-    ("vector", ["compute_loss must return a scalar loss tensor", "its loss has shape (8,)", "reduction='mean'"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "where, expected",
+    [
+        ("build_model", ["build_model raised KeyError: 'hidden_size'", "rt_test_pipelines.py", "in make_layers"]),
+        ("label", ["compute_loss raised IndexError", "rt_test_pipelines.py", "in compute_loss"]),
+        ("vector", ["compute_loss must return a scalar loss tensor", "its loss has shape (8,)", "reduction='mean'"]),
+    ],
+)
 def test_errors_in_the_pipelines_code_are_not_retried_and_name_the_method(ray_session, tmp_path, where, expected):
-    cfg = raytrain.TrainConfig(workers=2, epochs=1, batch_size_per_worker=8, storage=str(tmp_path), name=where, max_failures=3)
+    cfg = raytrain.TrainConfig(
+        workers=2, epochs=1, batch_size_per_worker=8, storage=str(tmp_path), name=where, max_failures=3
+    )
     with pytest.raises(PipelineCodeError) as failure:
         raytrain.fit(BrokenPipeline(str(tmp_path), where=where), cfg)
     for text in expected:
@@ -65,7 +76,10 @@ def test_errors_in_the_pipelines_code_are_not_retried_and_name_the_method(ray_se
 
 def test_resume_as_documented_continues_the_runs_own_settings(ray_session, tmp_path, capsys):
     base = ["--workers", "2", "--storage", str(tmp_path), "--name", "long", "--checkpoint-every-steps", "10"]
-    assert main(["train", "digits", "--epochs", "3", "--batch-size-per-worker", "8", "--max-failures", "0", *base[:-2]]) == 0
+    assert (
+        main(["train", "digits", "--epochs", "3", "--batch-size-per-worker", "8", "--max-failures", "0", *base[:-2]])
+        == 0
+    )
     config_before = (tmp_path / "long" / "config.yaml").read_text()
     capsys.readouterr()
     # The documented command: no pipeline, no options but the name (and where runs live).
@@ -73,15 +87,38 @@ def test_resume_as_documented_continues_the_runs_own_settings(ray_session, tmp_p
     out = capsys.readouterr().out
     assert "Resuming long from step 270 (epoch 4); changed: --epochs 3 → 4" in out
     summary = json.loads((tmp_path / "long" / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["epochs"] == 4 and summary["steps"] == 4 * 90  # 1438 rows / 16 per step
+    assert (
+        summary["status"] == "finished" and summary["epochs"] == 4 and summary["steps"] == 4 * 90
+    )  # 1438 rows / 16 per step
     after = (tmp_path / "long" / "config.yaml").read_text()
-    assert "batch_size_per_worker: 8" in after and after.replace("epochs: 4", "epochs: 3") == config_before.replace("resume: false", "resume: true")
+    assert "batch_size_per_worker: 8" in after and after.replace("epochs: 4", "epochs: 3") == config_before.replace(
+        "resume: false", "resume: true"
+    )
     # Changing the batch re-plans and says so with the rate the rules give: global 32 on
     # the frozen reference batch 8 → lr 4 × 1e-3.
-    assert main(["train", "--name", "long", "--resume", "--storage", str(tmp_path), "--epochs", "5", "--global-batch-size", "32"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--name",
+                "long",
+                "--resume",
+                "--storage",
+                str(tmp_path),
+                "--epochs",
+                "5",
+                "--global-batch-size",
+                "32",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "--global-batch-size null → 32" in out
-    assert "global 32 = 2 workers × 16 per worker × 1 accumulation step; lr 4.0e-3 = 1.0e-3 × 4 (linear rule, reference batch 8)" in out
+    assert (
+        "global 32 = 2 workers × 16 per worker × 1 accumulation step; lr 4.0e-3 = 1.0e-3 × 4 (linear rule, reference "
+        "batch 8)" in out
+    )
 
 
 def test_a_resume_that_cannot_work_is_refused_before_any_run_file_changes(ray_session, tmp_path, capsys):
@@ -93,7 +130,9 @@ def test_a_resume_that_cannot_work_is_refused_before_any_run_file_changes(ray_se
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     # Another model shape: refused on the driver, before Ray Train starts.
     with pytest.raises(raytrain.rundir.checkpoints.CheckpointError, match="does not load the run's checkpoint"):
-        raytrain.fit(OtherShapePipeline(str(out), num_rows=64), raytrain.TrainConfig(**{**base, "epochs": 2, "resume": True}))
+        raytrain.fit(
+            OtherShapePipeline(str(out), num_rows=64), raytrain.TrainConfig(**{**base, "epochs": 2, "resume": True})
+        )
     # Another pipeline: refused with exit 2, naming both.
     code = main(["train", "digits", "--name", "good", "--resume", "--storage", str(tmp_path)])
     err = capsys.readouterr().err
@@ -109,7 +148,9 @@ def test_a_second_run_under_the_same_name_is_refused_naming_the_holder(ray_sessi
     holder = subprocess.Popen(["sleep", "60"])
     try:
         (tmp_path / "busy").mkdir()
-        (tmp_path / "busy" / ".lock").write_text(json.dumps({"pid": holder.pid, "host": os.uname().nodename, "since": 0}))
+        (tmp_path / "busy" / ".lock").write_text(
+            json.dumps({"pid": holder.pid, "host": os.uname().nodename, "since": 0})
+        )
         code = main(["train", "digits", "--name", "busy", "--storage", str(tmp_path), "--workers", "1"])
         err = capsys.readouterr().err
         assert code == 2 and f"in use by process {holder.pid}" in err
@@ -128,14 +169,26 @@ def small_disk(tmp_path):
     """A 3 MiB tmpfs (root only: skipped elsewhere)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+    ):
         pytest.skip("mounting a tmpfs needs root")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def test_a_full_disk_stops_the_run_once_naming_the_path_and_resume_continues_after(ray_session, small_disk, tmp_path):
-    base = dict(workers=2, batch_size_per_worker=32, storage=str(small_disk), name="full", max_failures=3, num_checkpoints_to_keep=5)
+    base = dict(
+        workers=2,
+        batch_size_per_worker=32,
+        storage=str(small_disk),
+        name="full",
+        max_failures=3,
+        num_checkpoints_to_keep=5,
+    )
     records = tmp_path / "records"
     records.mkdir()
     # digits' checkpoints take ~1.4 MB each: the third does not fit in 3 MiB.
@@ -146,7 +199,11 @@ def test_a_full_disk_stops_the_run_once_naming_the_path_and_resume_continues_aft
     good = checkpoint_dirs(small_disk / "full")
     assert [json.loads((d / "position.json").read_text())["step"] for d in good] == [23, 46]  # intact, none partial
     assert not (small_disk / "full" / ".staging").exists()
-    summary = json.loads((small_disk / "full" / "summary.json").read_text() or "{}") if (small_disk / "full" / "summary.json").exists() else {}
+    summary = (
+        json.loads((small_disk / "full" / "summary.json").read_text() or "{}")
+        if (small_disk / "full" / "summary.json").exists()
+        else {}
+    )
     assert summary.get("status") in (None, "failed")
     # More room, and --resume continues from the last complete checkpoint, not from step 0.
     subprocess.run(["mount", "-o", "remount,size=40m", str(small_disk)], check=True)

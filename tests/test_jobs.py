@@ -43,11 +43,28 @@ def test_job_submit_trains_digits(ray_head, tmp_path):
     job_id = f"raytrain-jobtest-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
     submit = [
-        "job", "submit", "--address", head.dashboard, "--working-dir", str(work),
-        "--submission-id", job_id, "--no-wait", "--",
-        "raytrain", "train", "digits", "--workers", "2", "--epochs", "2",
-        "--storage", str(storage), "--name", "jobtest",
-    ]  # fmt: skip
+        "job",
+        "submit",
+        "--address",
+        head.dashboard,
+        "--working-dir",
+        str(work),
+        "--submission-id",
+        job_id,
+        "--no-wait",
+        "--",
+        "raytrain",
+        "train",
+        "digits",
+        "--workers",
+        "2",
+        "--epochs",
+        "2",
+        "--storage",
+        str(storage),
+        "--name",
+        "jobtest",
+    ]
     # The Jobs API answers before the head's job agent is up; on a loaded host the first
     # submissions can be dropped ("Remote end closed connection"): try again, once per id.
     deadline = time.monotonic() + 90
@@ -64,7 +81,9 @@ def test_job_submit_trains_digits(ray_head, tmp_path):
         followed = head.ray("job", "logs", "--address", head.dashboard, "--follow", job_id, timeout=300)
     except subprocess.TimeoutExpired as exc:
         code, body = head.get(f"/api/jobs/{job_id}", head.token)
-        pytest.fail(f"job {job_id} still running after {exc.timeout} s: {code} {body[:500]!r}\n{(exc.stdout or b'')[-3000:]!r}")
+        pytest.fail(
+            f"job {job_id} still running after {exc.timeout} s: {code} {body[:500]!r}\n{(exc.stdout or b'')[-3000:]!r}"
+        )
     logs = followed.stdout
     code, body = head.get(f"/api/jobs/{job_id}", head.token)
     info = json.loads(body or b"{}")

@@ -11,28 +11,31 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain.rules.attempt import Attempt
 from raytrain.data.table import Table
-from raytrain.worker.loop import data_notes
-from raytrain.worker.window import LossWindow
-from raytrain.worker.phases import PhaseTimer, StepPhases
+from raytrain.rules.attempt import Attempt
 from raytrain.rules.position import Position
 from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
+from raytrain.worker.loop import data_notes
+from raytrain.worker.phases import PhaseTimer, StepPhases
+from raytrain.worker.window import LossWindow
 
 # -- what an attempt is ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("resumed, world_sizes, world_size, expected", [
-    (False, [], 4, Attempt.FRESH),
-    (False, [2], 4, Attempt.FRESH),  # no checkpoint restored: whatever ran before, training starts
-    (True, [4], 4, Attempt.RESTART),
-    (True, [2, 4], 4, Attempt.RESTART),  # the last worker count is the one that counts
-    (True, [], 4, Attempt.RESTART),  # a checkpoint without worker counts: taken as this attempt's
-    (True, [4], 2, Attempt.RESIZE),
-    (True, [4, 2], 4, Attempt.RESIZE),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "resumed, world_sizes, world_size, expected",
+    [
+        (False, [], 4, Attempt.FRESH),
+        (False, [2], 4, Attempt.FRESH),  # no checkpoint restored: whatever ran before, training starts
+        (True, [4], 4, Attempt.RESTART),
+        (True, [2, 4], 4, Attempt.RESTART),  # the last worker count is the one that counts
+        (True, [], 4, Attempt.RESTART),  # a checkpoint without worker counts: taken as this attempt's
+        (True, [4], 2, Attempt.RESIZE),
+        (True, [4, 2], 4, Attempt.RESIZE),
+    ],
+)
 def test_the_attempt_follows_from_the_checkpoint_and_the_worker_counts(resumed, world_sizes, world_size, expected):
     assert Attempt.of(resumed, world_sizes, world_size) is expected
 
@@ -50,7 +53,11 @@ def test_a_resize_says_where_training_continues_and_the_new_rate():
     position = Position(epoch=1, epoch_offset=1200, step=30, samples_seen=3000, world_sizes=[4])
     event = Attempt.RESIZE.event(position, 2, "global 64 = 2 workers × 32", lr_now=1e-3, lr_before=2e-3)
     assert event.kind == Kind.RESIZE
-    assert event.message == "Resized 4 → 2 workers at step 30 (epoch 2, 1,200 samples into it): global 64 = 2 workers × 32; lr now 1.0e-3 (was 2.0e-3)"
+    assert (
+        event.message
+        == "Resized 4 → 2 workers at step 30 (epoch 2, 1,200 samples into it): global 64 = 2 workers × 32; lr now "
+        "1.0e-3 (was 2.0e-3)"
+    )
     assert event.extra == {"world_size": 2, "previous_world_size": 4, "step": 30}
     assert event.recovers_a_failure  # fewer workers than before
 
@@ -59,7 +66,11 @@ def test_a_restart_says_the_rate_is_unchanged():
     position = Position(epoch=0, epoch_offset=64, step=1, samples_seen=64, world_sizes=[2])
     event = Attempt.RESTART.event(position, 2, "plan", lr_now=2e-3, lr_before=2e-3)
     assert event.kind == Kind.RESTORE
-    assert event.message == "Restarted from the checkpoint at step 1 (epoch 1, 64 samples into it) with 2 workers: plan; lr now 2.0e-3 unchanged"
+    assert (
+        event.message
+        == "Restarted from the checkpoint at step 1 (epoch 1, 64 samples into it) with 2 workers: plan; lr now "
+        "2.0e-3 unchanged"
+    )
     assert event.extra == {"world_size": 2, "step": 1}
 
 
@@ -104,10 +115,18 @@ def test_a_phase_marks_the_heartbeat_as_it_begins_and_a_timed_one_laps_as_it_end
     with phase("optimizer", timed="optimizer"):
         log.append("step")
     assert [entry for entry in log if entry != ("sync",)] == [
-        ("mark", 7, "data"), "read", ("lap", "data_wait"),
-        ("mark", 7, "forward"), "forward", ("mark", 7, "backward"), "backward", ("lap", "forward_backward"),
-        ("mark", 7, "optimizer"), "step", ("lap", "optimizer"),
-    ]  # fmt: skip
+        ("mark", 7, "data"),
+        "read",
+        ("lap", "data_wait"),
+        ("mark", 7, "forward"),
+        "forward",
+        ("mark", 7, "backward"),
+        "backward",
+        ("lap", "forward_backward"),
+        ("mark", 7, "optimizer"),
+        "step",
+        ("lap", "optimizer"),
+    ]
     assert list(totals) == ["data_wait", "forward_backward", "optimizer"] and all(t >= 0 for t in totals.values())
 
 
@@ -176,11 +195,32 @@ def test_an_attempt_drops_the_rows_after_its_checkpoint_and_says_what_it_is(tmp_
 
 def test_an_epochs_end_writes_its_row_and_its_line(tmp_path):
     writer = RunWriter(tmp_path, enabled=True)
-    row = MetricsRow(epoch=2, step=40, samples_seen=1280, world_size=2, global_batch_size=32, lr=1e-3, loss=0.5, samples_per_s=1000.0, time_s=1.0, extra={"val_loss": 0.25})
+    row = MetricsRow(
+        epoch=2,
+        step=40,
+        samples_seen=1280,
+        world_size=2,
+        global_batch_size=32,
+        lr=1e-3,
+        loss=0.5,
+        samples_per_s=1000.0,
+        time_s=1.0,
+        extra={"val_loss": 0.25},
+    )
     writer.epoch_end(row, epochs=3)
     (metrics,) = lines(tmp_path / "metrics.jsonl")
     assert metrics["epoch_end"] is True and metrics["val_loss"] == 0.25
-    assert {"epoch", "step", "samples_seen", "world_size", "global_batch_size", "lr", "loss", "samples_per_s", "time_s"} <= set(metrics)
+    assert {
+        "epoch",
+        "step",
+        "samples_seen",
+        "world_size",
+        "global_batch_size",
+        "lr",
+        "loss",
+        "samples_per_s",
+        "time_s",
+    } <= set(metrics)
     (event,) = lines(tmp_path / "events.jsonl")
     assert event["kind"] == "epoch" and event["epoch"] == 2
     assert event["message"] == "epoch 2/3  loss 0.5000  val_loss 0.2500  lr 1.00e-03  1,000 samples/s"
@@ -189,14 +229,28 @@ def test_an_epochs_end_writes_its_row_and_its_line(tmp_path):
 
 def test_finishing_writes_the_model_the_progress_and_the_last_event(tmp_path):
     writer = RunWriter(tmp_path, enabled=True)
-    position = Position(epoch=2, step=40, samples_seen=1280, world_sizes=[2], steady_steps=30, steady_samples=960, steady_time_s=2.0)
+    position = Position(
+        epoch=2, step=40, samples_seen=1280, world_sizes=[2], steady_steps=30, steady_samples=960, steady_time_s=2.0
+    )
     writer.finish(torch.nn.Linear(2, 1).state_dict(), position.progress("finished"))
     assert set(torch.load(tmp_path / "model.pt", weights_only=True)) == {"weight", "bias"}
     progress = json.loads((tmp_path / "progress.json").read_text())
     assert set(progress) == {
-        "epoch", "epoch_offset", "step", "samples_seen", "world_sizes", "steady_steps", "steady_samples", "steady_time_s",
-        "phase_time_s", "data", "epoch_loss", "steady_samples_per_s", "status", "time",
-    }  # fmt: skip
+        "epoch",
+        "epoch_offset",
+        "step",
+        "samples_seen",
+        "world_sizes",
+        "steady_steps",
+        "steady_samples",
+        "steady_time_s",
+        "phase_time_s",
+        "data",
+        "epoch_loss",
+        "steady_samples_per_s",
+        "status",
+        "time",
+    }
     assert (progress["status"], progress["steady_samples_per_s"]) == ("finished", 480.0)
     (event,) = lines(tmp_path / "events.jsonl")
     assert (event["kind"], event["message"], event["step"]) == ("done", "finished 2 epochs, 40 steps", 40)
@@ -214,4 +268,14 @@ def test_live_rows_come_about_once_a_second_with_the_rate_between_them(tmp_path)
     writer.live(samples_seen=50, **fields)
     first, second = lines(tmp_path / "live.jsonl")
     assert first["samples_per_s"] is None and second["samples_per_s"] == pytest.approx(20.0, rel=0.05)
-    assert set(first) == {"time", "epoch", "step", "samples_seen", "epoch_rows", "global_batch_size", "world_size", "loss", "samples_per_s"}
+    assert set(first) == {
+        "time",
+        "epoch",
+        "step",
+        "samples_seen",
+        "epoch_rows",
+        "global_batch_size",
+        "world_size",
+        "loss",
+        "samples_per_s",
+    }

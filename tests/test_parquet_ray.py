@@ -38,11 +38,28 @@ def test_data_command_writes_each_dataset_as_parquet(digits_parquet):
 
 
 def test_parquet_pipeline_streams_written_shards(digits_parquet, tmp_path, capsys):
-    code = main([
-        "train", "parquet", "--pipeline-arg", f"path={digits_parquet / 'train'}", "--pipeline-arg", f"val_path={digits_parquet / 'val'}",
-        "--pipeline-arg", "label=label", "--workers", "2", "--epochs", "4", "--storage", str(tmp_path), "--name", "pq",
-        "--shuffle-window-rows", "300",
-    ])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "parquet",
+            "--pipeline-arg",
+            f"path={digits_parquet / 'train'}",
+            "--pipeline-arg",
+            f"val_path={digits_parquet / 'val'}",
+            "--pipeline-arg",
+            "label=label",
+            "--workers",
+            "2",
+            "--epochs",
+            "4",
+            "--storage",
+            str(tmp_path),
+            "--name",
+            "pq",
+            "--shuffle-window-rows",
+            "300",
+        ]
+    )
     assert code == 0
     # streamed from the Parquet files by every worker (the small val set stays in memory)
     assert "dataset 'train': 1,438 rows" in capsys.readouterr().out
@@ -88,11 +105,33 @@ def test_nan_in_features_fails_with_the_row_unless_skipped(ray_session, tmp_path
     x[17] = np.nan
     data = write(tmp_path / "nan", x=x, y=np.arange(40) % 2)
     err = bad_run(tmp_path, capsys, f"path={data}", "label=y", "val_fraction=0")
-    assert "row 17 of" in err and "part-0.parquet" in err and "NaN or inf in column 'features'" in err and "--skip-nan-rows" in err
-    code = main([
-        "train", "parquet", "--pipeline-arg", f"path={data}", "--pipeline-arg", "label=y", "--pipeline-arg", "val_fraction=0",
-        "--workers", "2", "--epochs", "1", "--storage", str(tmp_path), "--name", "skipped", "--skip-nan-rows",
-    ])
+    assert (
+        "row 17 of" in err
+        and "part-0.parquet" in err
+        and "NaN or inf in column 'features'" in err
+        and "--skip-nan-rows" in err
+    )
+    code = main(
+        [
+            "train",
+            "parquet",
+            "--pipeline-arg",
+            f"path={data}",
+            "--pipeline-arg",
+            "label=y",
+            "--pipeline-arg",
+            "val_fraction=0",
+            "--workers",
+            "2",
+            "--epochs",
+            "1",
+            "--storage",
+            str(tmp_path),
+            "--name",
+            "skipped",
+            "--skip-nan-rows",
+        ]
+    )
     assert code == 0
     assert json.loads((tmp_path / "skipped" / "summary.json").read_text())["samples_seen"] == 39
 

@@ -8,12 +8,10 @@ samples, and a resume at another worker count that neither repeats nor skips a r
 from __future__ import annotations
 
 import math
-
-import numpy as np
 from pathlib import Path
 
+import numpy as np
 import pytest
-
 
 from raytrain.rules.batch import BatchPlan, default_reference_batch_size, lr_scale, resolve_batch_plan
 from raytrain.rules.schedule import lr_at
@@ -44,7 +42,10 @@ def test_global_batch_is_fixed_whatever_the_worker_count():
 
 
 def test_single_worker_wording():
-    assert resolve_batch_plan(1, global_batch_size=32).describe() == "global 32 = 1 worker × 32 per worker × 1 accumulation step"
+    assert (
+        resolve_batch_plan(1, global_batch_size=32).describe()
+        == "global 32 = 1 worker × 32 per worker × 1 accumulation step"
+    )
 
 
 def test_per_worker_mode_grows_with_the_workers():
@@ -52,7 +53,10 @@ def test_per_worker_mode_grows_with_the_workers():
         p = resolve_batch_plan(world_size, batch_size_per_worker=32)
         assert p.global_batch_size == 32 * world_size
         assert [p.rank_share(r) for r in range(world_size)] == [32] * world_size
-    assert resolve_batch_plan(4, batch_size_per_worker=32).describe() == "global 128 = 4 workers × 32 per worker × 1 accumulation step"
+    assert (
+        resolve_batch_plan(4, batch_size_per_worker=32).describe()
+        == "global 128 = 4 workers × 32 per worker × 1 accumulation step"
+    )
 
 
 def one_range(begin: int, end: int, parts: int) -> list[tuple[int, int]]:
@@ -67,7 +71,16 @@ def one_range(begin: int, end: int, parts: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize(
     "world_size, global_batch, micro, steps",
-    [(2, 64, 32, 1), (2, 64, 16, 2), (2, 64, 10, 4), (1, 256, 64, 4), (3, 64, 11, 2), (3, 64, 22, 1), (3, 64, 21, 2), (8, 64, 100, 1)],
+    [
+        (2, 64, 32, 1),
+        (2, 64, 16, 2),
+        (2, 64, 10, 4),
+        (1, 256, 64, 4),
+        (3, 64, 11, 2),
+        (3, 64, 22, 1),
+        (3, 64, 21, 2),
+        (8, 64, 100, 1),
+    ],
 )
 def test_micro_batch_size_sets_accumulation(world_size, global_batch, micro, steps):
     p = resolve_batch_plan(world_size, global_batch_size=global_batch, micro_batch_size=micro)

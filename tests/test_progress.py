@@ -8,17 +8,37 @@ from pathlib import Path
 
 import pytest
 
-from raytrain.rundir import Event, MetricsRow
-from raytrain.observe.console import Console, EpochProgress, format_duration
 from raytrain.errors import explain_worker_errors, summarize_traceback
+from raytrain.observe.console import Console, EpochProgress, format_duration
+from raytrain.rundir import Event, MetricsRow
 
 RAYTRAIN = Path(__import__("raytrain").__file__).resolve().parent
 
 
-def row(step: int, *, epoch: int = 1, rows_per_epoch: int = 1438, batch: int = 64, loss: float = 0.5, rate: float = 2000.0, **extra) -> dict:
+def row(
+    step: int,
+    *,
+    epoch: int = 1,
+    rows_per_epoch: int = 1438,
+    batch: int = 64,
+    loss: float = 0.5,
+    rate: float = 2000.0,
+    **extra,
+) -> dict:
     per_epoch = -(-rows_per_epoch // batch)  # steps per epoch, the last one partial
     seen = (epoch - 1) * rows_per_epoch + min(rows_per_epoch, (step - (epoch - 1) * per_epoch) * batch)
-    return MetricsRow.from_json({"epoch": epoch, "step": step, "samples_seen": seen, "global_batch_size": batch, "loss": loss, "samples_per_s": rate, "world_size": 2, **extra})
+    return MetricsRow.from_json(
+        {
+            "epoch": epoch,
+            "step": step,
+            "samples_seen": seen,
+            "global_batch_size": batch,
+            "loss": loss,
+            "samples_per_s": rate,
+            "world_size": 2,
+            **extra,
+        }
+    )
 
 
 class FakeClock:
@@ -73,7 +93,15 @@ def test_progress_rows_give_the_steps_or_the_epoch_size():
 
 def test_plain_output_is_lines_every_interval_without_carriage_returns():
     out, clock = io.StringIO(), FakeClock()
-    console = Console(lambda line: out.write(line + "\n"), epochs=2, train_rows=1438, mode="auto", interval_s=10, stream=out, clock=clock)
+    console = Console(
+        lambda line: out.write(line + "\n"),
+        epochs=2,
+        train_rows=1438,
+        mode="auto",
+        interval_s=10,
+        stream=out,
+        clock=clock,
+    )
     assert console.mode == "plain"
     console.event(Event.from_json({"kind": "plan", "message": "global 64 = 2 workers × 32 per worker"}))
     for second in range(1, 26):
@@ -169,11 +197,13 @@ class WorkerGroupError(Exception):
 
 
 def test_a_worker_error_names_rank_type_and_the_users_frames():
-    error = WorkerGroupError("Training failed due to worker errors:\n[Rank 1 Error Snippet]:\n" + snippet(), {1: KeyError("nope")})
+    error = WorkerGroupError(
+        "Training failed due to worker errors:\n[Rank 1 Error Snippet]:\n" + snippet(), {1: KeyError("nope")}
+    )
     assert explain_worker_errors(error) == [
         "rank 1 raised KeyError: 'nope'",
         "  at /home/me/project/mypipe.py:11, in compute_loss: helper(batch)",
-        "  at /home/me/project/mypipe.py:5, in helper: return x[\"nope\"]",
+        '  at /home/me/project/mypipe.py:5, in helper: return x["nope"]',
     ]
 
 
@@ -182,16 +212,25 @@ def test_ranks_failing_alike_are_grouped_and_long_messages_kept_for_the_first():
         "Traceback (most recent call last):\n"
         f'  File "{RAYTRAIN}/loop.py", line 80, in train_loop_per_worker\n'
         "    raise StallError(explain_stall(cfg, runtime, heartbeat, run_dir, exc)) from exc\n"
-        "raytrain.worker.loop.StallError: A collective timed out on rank 0 after --collective-timeout-s 10; stalled rank(s): 1\n"
+        "raytrain.worker.loop.StallError: A collective timed out on rank 0 after --collective-timeout-s 10; stalled "
+        "rank(s): 1\n"
         "  rank 0 (waiting): step 3, in all_reduce for 10 s\n"
         "  rank 1 (STALLED): step 3, in forward for 11 s\n"
         "  cause: DistBackendError: timeout\n"
     )
-    text = f"Training failed due to worker errors:\n[Rank 0 Error Snippet]:\n{stall}[Rank 2,3 Error Snippet]:\n{snippet()}"
+    text = (
+        f"Training failed due to worker errors:\n[Rank 0 Error Snippet]:\n{stall}[Rank 2,3 Error Snippet]:\n{snippet()}"
+    )
     lines = explain_worker_errors(WorkerGroupError(text, {}))
-    assert lines[0] == "rank 0 raised raytrain.worker.loop.StallError: A collective timed out on rank 0 after --collective-timeout-s 10; stalled rank(s): 1"
+    assert (
+        lines[0] == "rank 0 raised raytrain.worker.loop.StallError: A collective timed out on rank 0 after "
+        "--collective-timeout-s 10; stalled rank(s): 1"
+    )
     assert "  rank 1 (STALLED): step 3, in forward for 11 s" in lines
-    assert f"  at {RAYTRAIN}/loop.py:80, in train_loop_per_worker: raise StallError(explain_stall(cfg, runtime, heartbeat, run_dir, exc)) from exc" in lines
+    assert (
+        f"  at {RAYTRAIN}/loop.py:80, in train_loop_per_worker: raise StallError(explain_stall(cfg, runtime, "
+        "heartbeat, run_dir, exc)) from exc" in lines
+    )
     assert "ranks 2, 3 raised KeyError: 'nope'" in lines
 
 
@@ -214,12 +253,15 @@ def test_chained_errors_report_the_last_exception_and_the_users_frame_of_the_cau
     )
     summary = summarize_traceback(text)
     assert summary.exception == ["RuntimeError: wrapped"]
-    assert [frame.describe() for frame in summary.frames] == ["/home/me/project/mypipe.py:20, in compute_loss: return F.cross_entropy(logits, labels)"]
+    assert [frame.describe() for frame in summary.frames] == [
+        "/home/me/project/mypipe.py:20, in compute_loss: return F.cross_entropy(logits, labels)"
+    ]
 
 
 def test_errors_without_snippets_fall_back_to_their_own_text():
     assert explain_worker_errors(RuntimeError("Training failed due to controller error:\nnccl is not available")) == [
-        "RuntimeError: Training failed due to controller error:", "nccl is not available",
+        "RuntimeError: Training failed due to controller error:",
+        "nccl is not available",
     ]
     lines = explain_worker_errors(WorkerGroupError("no snippets here", {0: ValueError("bad shape")}))
     assert lines == ["rank 0 raised ValueError: bad shape"]

@@ -12,34 +12,43 @@ import torch
 from torch import nn
 
 import raytrain
-from raytrain.worker import optim
-from raytrain.rules import steps
 from raytrain.config import TrainConfig
-from raytrain.errors import ConfigError
 from raytrain.data.table import Table
 from raytrain.data.torch_dataset import sample_columns
-from raytrain.errors import DataError
+from raytrain.errors import ConfigError, DataError
+from raytrain.rules import steps
+from raytrain.rules.batch import resolve_batch_plan
+from raytrain.rules.position import Position
+from raytrain.rules.schedule import LRSchedule, run_schedule
+from raytrain.worker import optim
 from raytrain.worker.step import Batch, StepRunner
 from raytrain.worker.window import LossWindow
-from raytrain.rules.schedule import run_schedule
-from raytrain.rules.batch import resolve_batch_plan
-from raytrain.rules.schedule import LRSchedule
-from raytrain.rules.position import Position
 
 N = 1000  # rows per epoch in the schedule tests
 
 
 def schedule(kind: str, **kw) -> LRSchedule:
-    cfg = TrainConfig(epochs=10, batch_size_per_worker=10, reference_batch_size=10, schedule=kind, lr=0.1, warmup_epochs=kw.pop("warmup", 1.0), **kw)
+    cfg = TrainConfig(
+        epochs=10,
+        batch_size_per_worker=10,
+        reference_batch_size=10,
+        schedule=kind,
+        lr=0.1,
+        warmup_epochs=kw.pop("warmup", 1.0),
+        **kw,
+    )
     return run_schedule(cfg, resolve_batch_plan(4, batch_size_per_worker=10), N)  # global 40, reference 10: peak 0.4
 
 
-@pytest.mark.parametrize("kind, at_samples, expected", [
-    ("cosine", [0, 500, 1000, 5500, 10000], [0.1, 0.25, 0.4, 0.2, 0.0]),
-    ("constant", [1000, 9999], [0.4, 0.4]),
-    ("linear", [1000, 5500, 10000], [0.4, 0.2, 0.0]),
-    ("onecycle", [0, 500, 1000, 10000], [0.1, 0.25, 0.4, 0.4e-4]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind, at_samples, expected",
+    [
+        ("cosine", [0, 500, 1000, 5500, 10000], [0.1, 0.25, 0.4, 0.2, 0.0]),
+        ("constant", [1000, 9999], [0.4, 0.4]),
+        ("linear", [1000, 5500, 10000], [0.4, 0.2, 0.0]),
+        ("onecycle", [0, 500, 1000, 10000], [0.1, 0.25, 0.4, 0.4e-4]),
+    ],
+)
 def test_schedules_at_given_sample_counts(kind, at_samples, expected):
     s = schedule(kind)
     assert [s.lr(n) for n in at_samples] == pytest.approx(expected, abs=1e-9)
@@ -47,7 +56,9 @@ def test_schedules_at_given_sample_counts(kind, at_samples, expected):
 
 def test_step_schedule_decays_at_milestones_in_epochs():
     s = schedule("step", lr_milestones=[3, 6.5], lr_gamma=0.1)
-    assert [s.lr(n) for n in (999, 1000, 2999, 3000, 6499, 6500, 9999)] == pytest.approx([0.3997, 0.4, 0.4, 0.04, 0.04, 0.004, 0.004], abs=1e-4)
+    assert [s.lr(n) for n in (999, 1000, 2999, 3000, 6499, 6500, 9999)] == pytest.approx(
+        [0.3997, 0.4, 0.4, 0.04, 0.04, 0.004, 0.004], abs=1e-4
+    )
 
 
 def test_warmup_start_factor_starts_near_zero_instead_of_the_unscaled_rate():
@@ -82,7 +93,11 @@ def test_milestones_are_checked():
 
 class TwoRates(raytrain.Pipeline):
     def build_optimizer(self, model, cfg):
-        return torch.optim.SGD([{"params": model[0].parameters(), "lr": cfg.lr * 0.1}, {"params": model[1].parameters()}], lr=cfg.lr, momentum=0.9)
+        return torch.optim.SGD(
+            [{"params": model[0].parameters(), "lr": cfg.lr * 0.1}, {"params": model[1].parameters()}],
+            lr=cfg.lr,
+            momentum=0.9,
+        )
 
 
 def test_parameter_groups_keep_their_relative_rates_through_scaling_and_warmup():
@@ -100,7 +115,9 @@ def test_parameter_groups_keep_their_relative_rates_through_scaling_and_warmup()
 
 def test_default_optimizers_and_no_decay_on_norms_and_biases():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    sgd = optim.build_default_optimizer(model, TrainConfig(optimizer="sgd", momentum=0.8, nesterov=True, weight_decay=5e-4, decay_norm_and_bias=False))
+    sgd = optim.build_default_optimizer(
+        model, TrainConfig(optimizer="sgd", momentum=0.8, nesterov=True, weight_decay=5e-4, decay_norm_and_bias=False)
+    )
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["nesterov"] and sgd.defaults["momentum"] == 0.8
     decays = sorted((g["weight_decay"], sum(p.numel() for p in g["params"])) for g in sgd.param_groups)
     assert decays == [(0.0, 4 + 4 + 4 + 2), (5e-4, 16 + 8)]  # biases and the norm's weight/bias: no decay
@@ -122,7 +139,18 @@ class Quiet:
 def one_step(precision: str, clip: float | None) -> float:
     """The norm of one SGD update (lr 1, no momentum, no decay) of a model whose gradient norm is 0.18."""
     torch.manual_seed(0)
-    cfg = TrainConfig(precision=precision, grad_clip_norm=clip, optimizer="sgd", momentum=0.0, weight_decay=0.0, lr=1.0, warmup_epochs=0, schedule="constant", batch_size_per_worker=8, reference_batch_size=8)
+    cfg = TrainConfig(
+        precision=precision,
+        grad_clip_norm=clip,
+        optimizer="sgd",
+        momentum=0.0,
+        weight_decay=0.0,
+        lr=1.0,
+        warmup_epochs=0,
+        schedule="constant",
+        batch_size_per_worker=8,
+        reference_batch_size=8,
+    )
 
     class Big(raytrain.Pipeline):
         def compute_loss(self, model, batch):
@@ -132,11 +160,19 @@ def one_step(precision: str, clip: float | None) -> float:
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     pipeline = Big()
     runner = StepRunner(
-        pipeline=pipeline, cfg=cfg, runtime=FakeRuntime(), heartbeat=Quiet(), run_dir="", batch_plan=resolve_batch_plan(1, batch_size_per_worker=8),
-        model=model, optimizer=pipeline.build_optimizer(model, cfg), scaler=torch.amp.GradScaler("cpu", enabled=precision == "fp16"),
-        schedule=run_schedule(cfg, resolve_batch_plan(1, batch_size_per_worker=8), 8), rate_multipliers=[1.0],
+        pipeline=pipeline,
+        cfg=cfg,
+        runtime=FakeRuntime(),
+        heartbeat=Quiet(),
+        run_dir="",
+        batch_plan=resolve_batch_plan(1, batch_size_per_worker=8),
+        model=model,
+        optimizer=pipeline.build_optimizer(model, cfg),
+        scaler=torch.amp.GradScaler("cpu", enabled=precision == "fp16"),
+        schedule=run_schedule(cfg, resolve_batch_plan(1, batch_size_per_worker=8), 8),
+        rate_multipliers=[1.0],
         window=LossWindow.on(torch.device("cpu")),
-    )  # fmt: skip
+    )
     table = Table({"x": np.ones((8, 4), dtype=np.float32)})
     step = steps.epoch_steps(8, 8)[0]
     runner.optimizer_step(table.epoch(0, 0, 0, 0, 1), step, Position(), timed=False)
@@ -171,5 +207,7 @@ def test_the_tuple_column_from_ray_from_torch_is_explained():
 
     items = np.empty(2, dtype=object)
     items[0], items[1] = (np.zeros(2), 1), (np.ones(2), 0)
-    with pytest.raises(DataError, match=r"holds tuples .*from_torch gives one 'item' column.*Return the torch Dataset itself"):
+    with pytest.raises(
+        DataError, match=r"holds tuples .*from_torch gives one 'item' column.*Return the torch Dataset itself"
+    ):
         check_columns({"item": items}, "train", "block 0")

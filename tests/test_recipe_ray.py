@@ -19,15 +19,24 @@ def test_optimizer_state_round_trips_a_kill_and_a_resume_at_another_worker_count
     out = tmp_path / "records"
     out.mkdir()
     base = dict(
-        epochs=2, global_batch_size=24, optimizer=optimizer, storage=str(tmp_path), name=optimizer, checkpoint_every_steps=3,
-        max_failures=0, log_every_steps=3, **({"momentum": 0.9, "nesterov": True} if optimizer == "sgd" else {}),
-    )  # fmt: skip
+        epochs=2,
+        global_batch_size=24,
+        optimizer=optimizer,
+        storage=str(tmp_path),
+        name=optimizer,
+        checkpoint_every_steps=3,
+        max_failures=0,
+        log_every_steps=3,
+        **({"momentum": 0.9, "nesterov": True} if optimizer == "sgd" else {}),
+    )
     pipeline = OptimizerProbePipeline(str(out), num_rows=120, crash_at_step=7)
     with pytest.raises(raytrain.RunFailed):
         raytrain.fit(pipeline, raytrain.TrainConfig(workers=2, **base))
     resumed_from = max(checkpoint_dirs(tmp_path / optimizer), key=lambda d: load_state(d)["position"]["step"])
     saved = load_state(resumed_from)["optimizer"]["state"]
-    saved_sum = sum(float(v.double().sum()) for s in saved.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1)
+    saved_sum = sum(
+        float(v.double().sum()) for s in saved.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1
+    )
     result = raytrain.fit(pipeline, raytrain.TrainConfig(workers=3, resume=True, **base))
     assert result.summary["status"] == "finished" and result.summary["world_sizes"][-1] == 3
     probes = [r for r in read_jsonl(out / "optimizer-state-rank0.jsonl") if r["world_size"] == 3]
@@ -40,7 +49,9 @@ def test_transform_batch_differs_each_epoch_and_repeats_after_a_resume(ray_sessi
     out.mkdir()
     base = dict(epochs=2, global_batch_size=16, storage=str(tmp_path), name="aug", checkpoint_every_steps=2, workers=2)
     with pytest.raises(raytrain.RunFailed):
-        raytrain.fit(AugmentingPipeline(str(out), num_rows=128, crash_at_step=5), raytrain.TrainConfig(max_failures=0, **base))
+        raytrain.fit(
+            AugmentingPipeline(str(out), num_rows=128, crash_at_step=5), raytrain.TrainConfig(max_failures=0, **base)
+        )
     raytrain.fit(AugmentingPipeline(str(out), num_rows=128), raytrain.TrainConfig(resume=True, **base))
     rows = read_jsonl(out / "noise-rank1.jsonl")
     first = {(r["epoch"], r["step"]): r["noise"] for r in rows if r["attempt"] == "first"}
@@ -59,8 +70,15 @@ def test_a_torch_dataset_trains_every_sample_once_per_epoch(ray_session, tmp_pat
     for mode in (0, 50):  # in memory, then streamed (windows of 50 rows)
         run = raytrain.fit(
             TorchDatasetPipeline(str(out), num_rows=203),
-            raytrain.TrainConfig(epochs=2, workers=2, global_batch_size=24, storage=str(tmp_path), name=f"torch-{mode}", shuffle_window_rows=mode),
-        )  # fmt: skip
+            raytrain.TrainConfig(
+                epochs=2,
+                workers=2,
+                global_batch_size=24,
+                storage=str(tmp_path),
+                name=f"torch-{mode}",
+                shuffle_window_rows=mode,
+            ),
+        )
         assert run.summary["samples_seen"] == 2 * 203
         rows = read_jsonl(out / "ids-rank0.jsonl") + read_jsonl(out / "ids-rank1.jsonl")
         for epoch in (0, 1):

@@ -7,13 +7,13 @@ import random
 
 import pytest
 
-from raytrain.rules import steps
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
+from raytrain.rules import steps
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.schedule import run_schedule
-from raytrain.worker.replicas import StallWatch, stall_seconds
 from raytrain.rundir import Event, Kind
+from raytrain.worker.replicas import StallWatch, stall_seconds
 
 
 def split(step: steps.Step, size: int) -> list[tuple[int, int]]:
@@ -34,7 +34,9 @@ def test_committed_steps_train_every_row_once_whatever_the_quorum_does(batch, se
     """Quorums shrink and grow at random steps, and random steps are not committed (taken
     again from the same offset): the committed steps cover the epoch's rows exactly once."""
     rng = random.Random(seed)
-    cfg = TrainConfig(workers="3", **({"global_batch_size": 48} if batch == "global" else {"batch_size_per_worker": 16}))
+    cfg = TrainConfig(
+        workers="3", **({"global_batch_size": 48} if batch == "global" else {"batch_size_per_worker": 16})
+    )
     rows, offset, trained, retaken = 1000, 0, [], 0
     while offset < rows:
         size = rng.choice([1, 2, 3])
@@ -125,10 +127,10 @@ class FakeRunner:
 
 
 def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tmp_path):
-    from raytrain.worker.epoch import follow_quorum
     from raytrain.rules.position import Position
     from raytrain.rundir import RunDir
     from raytrain.rundir.writer import RunWriter
+    from raytrain.worker.epoch import follow_quorum
 
     files, position, runner = RunWriter(tmp_path, enabled=True), Position(), FakeRunner(3)
     for step, size in [(0, 3), (5, 3), (6, 2), (7, 2), (30, 3)]:
@@ -141,5 +143,9 @@ def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tm
     follow_quorum(FakeRunner(3), 3, healed, RunWriter(other, enabled=True), 1000)
     events = RunDir(tmp_path).events()
     assert [(e.extra["previous_world_size"], e.extra["world_size"], e.step) for e in events] == [(3, 2, 6), (2, 3, 30)]
-    assert "global 64" in events[0].message and "a replica was lost" in events[0].message and position.world_sizes == [3, 2, 3]
+    assert (
+        "global 64" in events[0].message
+        and "a replica was lost" in events[0].message
+        and position.world_sizes == [3, 2, 3]
+    )
     assert [e.message.split(":")[0] for e in RunDir(other).events()] == [events[1].message.split(":")[0]]

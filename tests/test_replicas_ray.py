@@ -40,11 +40,28 @@ def test_a_killed_replica_is_replaced_while_the_survivors_keep_training(ray_sess
     out.mkdir()
     rows = 900
     cfg = TrainConfig(
-        workers="3", epochs=3, batch_size_per_worker=10, lr=0.05, warmup_epochs=0, fault_tolerance="per-step",
-        storage=str(tmp_path), name="ft", log_every_steps=4, checkpoint_every_steps=0, progress="off",
-        shuffle_window_rows=0 if data == "memory" else 60, data_partitions=12,
-    )  # fmt: skip
-    pipeline = ReplicaRecordingPipeline(str(out), num_rows=rows, crash_at_step=6, step_sleep_s=0.3, kill_replica=1, num_blocks=None if data == "memory" else 24)
+        workers="3",
+        epochs=3,
+        batch_size_per_worker=10,
+        lr=0.05,
+        warmup_epochs=0,
+        fault_tolerance="per-step",
+        storage=str(tmp_path),
+        name="ft",
+        log_every_steps=4,
+        checkpoint_every_steps=0,
+        progress="off",
+        shuffle_window_rows=0 if data == "memory" else 60,
+        data_partitions=12,
+    )
+    pipeline = ReplicaRecordingPipeline(
+        str(out),
+        num_rows=rows,
+        crash_at_step=6,
+        step_sleep_s=0.3,
+        kill_replica=1,
+        num_blocks=None if data == "memory" else 24,
+    )
     result = fit(pipeline, cfg)
 
     pids: dict[int, set[int]] = defaultdict(set)

@@ -18,27 +18,76 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def write_run(run_dir: Path, *, summary: bool = True) -> Path:
     """An elastic run: 2 workers, a restart at step 20, 4 workers from step 40, 3 epochs of 30 steps."""
     run_dir.mkdir(parents=True)
-    rows, events = [], [{"time": T0, "kind": "plan", "message": "global 64 = 2 workers × 32 per worker × 1 accumulation step"}]
+    rows, events = (
+        [],
+        [{"time": T0, "kind": "plan", "message": "global 64 = 2 workers × 32 per worker × 1 accumulation step"}],
+    )
     for step in range(5, 91, 5):
         epoch = (step - 1) // 30 + 1
         world = 2 if step <= 40 else 4
         row = {
-            "epoch": epoch, "step": step, "samples_seen": step * 64 * world // 2, "world_size": world, "global_batch_size": 32 * world,
-            "lr": 1e-3 * min(1.0, step / 30) * world / 2, "loss": 2.0 / (1 + step / 10), "samples_per_s": 900.0 * world, "time_s": T0 + 2 * step,
+            "epoch": epoch,
+            "step": step,
+            "samples_seen": step * 64 * world // 2,
+            "world_size": world,
+            "global_batch_size": 32 * world,
+            "lr": 1e-3 * min(1.0, step / 30) * world / 2,
+            "loss": 2.0 / (1 + step / 10),
+            "samples_per_s": 900.0 * world,
+            "time_s": T0 + 2 * step,
         }
         if step % 30 == 0:
             row.update(epoch_end=True, epoch=step // 30, val_loss=row["loss"] * 1.1, val_accuracy=0.6 + 0.1 * epoch)
         rows.append(row)
-    events.append({"time": T0 + 45, "kind": "restore", "message": "Restarted from the checkpoint at step 20 with 2 workers", "step": 20, "world_size": 2})
-    events.append({"time": T0 + 81, "kind": "resize", "message": "Resized 2 → 4 workers at step 40", "step": 40, "world_size": 4, "previous_world_size": 2})
+    events.append(
+        {
+            "time": T0 + 45,
+            "kind": "restore",
+            "message": "Restarted from the checkpoint at step 20 with 2 workers",
+            "step": 20,
+            "world_size": 2,
+        }
+    )
+    events.append(
+        {
+            "time": T0 + 81,
+            "kind": "resize",
+            "message": "Resized 2 → 4 workers at step 40",
+            "step": 40,
+            "world_size": 4,
+            "previous_world_size": 2,
+        }
+    )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (run_dir / "config.yaml").write_text(yaml.safe_dump({"epochs": 3, "workers": "2:4", "lr": 0.001, "name": "elastic", "pipeline": "digits", "ddp": {"static_graph": False}}))
+    (run_dir / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "epochs": 3,
+                "workers": "2:4",
+                "lr": 0.001,
+                "name": "elastic",
+                "pipeline": "digits",
+                "ddp": {"static_graph": False},
+            }
+        )
+    )
     if summary:
-        (run_dir / "summary.json").write_text(json.dumps({
-            "status": "finished", "epochs": 3, "steps": 90, "samples_seen": 8000, "wall_time_s": 200.5, "steady_samples_per_s": 2500.0,
-            "world_sizes": [2, 4], "failures_recovered": 1, "final_metrics": {"loss": 0.2, "val_loss": 0.22, "val_accuracy": 0.9},
-        }))
+        (run_dir / "summary.json").write_text(
+            json.dumps(
+                {
+                    "status": "finished",
+                    "epochs": 3,
+                    "steps": 90,
+                    "samples_seen": 8000,
+                    "wall_time_s": 200.5,
+                    "steady_samples_per_s": 2500.0,
+                    "world_sizes": [2, 4],
+                    "failures_recovered": 1,
+                    "final_metrics": {"loss": 0.2, "val_loss": 0.22, "val_accuracy": 0.9},
+                }
+            )
+        )
     return run_dir
 
 
@@ -59,7 +108,10 @@ def test_report_writes_valid_pngs_and_a_markdown_summary(tmp_path):
 
     text = report.read_text()
     assert text.startswith("# elastic\n")
-    assert "**finished** · pipeline `digits` · 3/3 epochs · 90 steps · 8,000 samples · 200.5 s wall · 2,500 samples/s steady · workers 2 → 4 · 1 failure recovered" in text
+    assert (
+        "**finished** · pipeline `digits` · 3/3 epochs · 90 steps · 8,000 samples · 200.5 s wall · 2,500 samples/s "
+        "steady · workers 2 → 4 · 1 failure recovered" in text
+    )
     assert "| epoch | step | train loss | val_accuracy | val_loss | lr | samples/s | workers | global batch |" in text
     assert "| 3 | 90 | 0.2000 | 0.9000 | 0.2200 | 2.00e-03 | 3,600 | 4 | 128 |" in text
     assert "(+45 s): Restarted from the checkpoint at step 20 with 2 workers" in text
@@ -96,6 +148,9 @@ def test_report_of_something_that_is_not_a_run(tmp_path):
 def test_report_command(tmp_path, capsys):
     run_dir = write_run(tmp_path / "elastic")
     assert main(["report", str(run_dir)]) == 0
-    assert capsys.readouterr().out == f"Wrote {run_dir / 'report.md'} and 5 plots: loss.png, lr.png, throughput.png, val.png, workers.png\n"
+    assert (
+        capsys.readouterr().out
+        == f"Wrote {run_dir / 'report.md'} and 5 plots: loss.png, lr.png, throughput.png, val.png, workers.png\n"
+    )
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert "raytrain report: " in capsys.readouterr().err

@@ -9,7 +9,14 @@ from raytrain.driver.summary import write_summary
 
 
 def test_summary_carries_the_steady_step_count(tmp_path):
-    progress = {"epoch": 2, "step": 90, "samples_seen": 2876, "steady_steps": 84, "steady_samples": 2688, "steady_samples_per_s": 2500.0}
+    progress = {
+        "epoch": 2,
+        "step": 90,
+        "samples_seen": 2876,
+        "steady_steps": 84,
+        "steady_samples": 2688,
+        "steady_samples_per_s": 2500.0,
+    }
     (tmp_path / "progress.json").write_text(json.dumps(progress))
     summary = write_summary(tmp_path, TrainConfig(storage=str(tmp_path)), None, None, started=0.0)
     assert (summary.steady_steps, summary.steady_samples_per_s) == (84, 2500.0)
@@ -26,14 +33,41 @@ def test_records_round_trip_with_the_keys_design_fixes(tmp_path):
 
     run = RunDir(tmp_path)
     assert run.summary() is None and run.update_summary(status="stopped") is None and run.metrics() == []
-    step = MetricsRow(epoch=1, step=3, samples_seen=96, world_size=2, global_batch_size=32, lr=1e-3, loss=0.5, samples_per_s=10.0, time_s=1.0)
-    end = MetricsRow(epoch=1, step=4, loss=float("nan"), epoch_end=True, extra={"val_loss": 0.4, "val_accuracy": 0.9, "own": 1})
+    step = MetricsRow(
+        epoch=1,
+        step=3,
+        samples_seen=96,
+        world_size=2,
+        global_batch_size=32,
+        lr=1e-3,
+        loss=0.5,
+        samples_per_s=10.0,
+        time_s=1.0,
+    )
+    end = MetricsRow(
+        epoch=1, step=4, loss=float("nan"), epoch_end=True, extra={"val_loss": 0.4, "val_accuracy": 0.9, "own": 1}
+    )
     run.append_metrics(step)
     run.append_metrics(end)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert set(lines[0]) == {"epoch", "step", "samples_seen", "world_size", "global_batch_size", "lr", "loss", "samples_per_s", "time_s"}
-    assert lines[1]["epoch_end"] is True and lines[1]["loss"] is None and lines[1]["own"] == 1  # strict JSON, extra kept
-    assert [row.step for row in run.epoch_rows()] == [4] and run.epoch_rows()[0].validation == {"val_loss": 0.4, "val_accuracy": 0.9}
+    assert set(lines[0]) == {
+        "epoch",
+        "step",
+        "samples_seen",
+        "world_size",
+        "global_batch_size",
+        "lr",
+        "loss",
+        "samples_per_s",
+        "time_s",
+    }
+    assert (
+        lines[1]["epoch_end"] is True and lines[1]["loss"] is None and lines[1]["own"] == 1
+    )  # strict JSON, extra kept
+    assert [row.step for row in run.epoch_rows()] == [4] and run.epoch_rows()[0].validation == {
+        "val_loss": 0.4,
+        "val_accuracy": 0.9,
+    }
     run.append_event(Event(Kind.RESIZE, "Resized 2 → 1", extra={"world_size": 1, "previous_world_size": 2, "step": 4}))
     run.append_event(Event(Kind.RESIZE, "Resized 1 → 2", extra={"world_size": 2, "previous_world_size": 1, "step": 8}))
     assert [e.recovers_a_failure for e in run.events()] == [True, False] and run.events()[0].step == 4

@@ -24,11 +24,27 @@ RAYTRAIN = str(Path(sys.executable).with_name("raytrain"))
 
 def start(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
     args = [
-        RAYTRAIN, "train", "rt_test_pipelines:SlowDigitsPipeline", "--workers", "2", "--epochs", "20", "--storage", str(tmp_path),
-        "--name", name, "--log-every-steps", "2", "--progress", "plain", *extra,
-    ]  # fmt: skip
+        RAYTRAIN,
+        "train",
+        "rt_test_pipelines:SlowDigitsPipeline",
+        "--workers",
+        "2",
+        "--epochs",
+        "20",
+        "--storage",
+        str(tmp_path),
+        "--name",
+        name,
+        "--log-every-steps",
+        "2",
+        "--progress",
+        "plain",
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def wait_for_training(run_dir: Path, process: subprocess.Popen, timeout_s: float = 180) -> None:
@@ -76,9 +92,25 @@ def test_sigterm_stops_with_a_checkpoint_status_interrupted_exit_143_and_resumes
     assert not staging_left(run_dir) and not (run_dir / ".lock").exists() and not (run_dir / ".stop").exists()
 
     resumed = subprocess.run(
-        [RAYTRAIN, "train", "--name", "term", "--storage", str(tmp_path), "--resume", "--epochs", "1", "--progress", "off"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            RAYTRAIN,
+            "train",
+            "--name",
+            "term",
+            "--storage",
+            str(tmp_path),
+            "--resume",
+            "--epochs",
+            "1",
+            "--progress",
+            "off",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     # --epochs 1 while the run stood mid-epoch 1 or later: the epoch finishes (or nothing is left).
     assert resumed.returncode == 0, resumed.stderr
     assert f"from step {summary['steps']}" in resumed.stdout

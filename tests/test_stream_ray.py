@@ -12,10 +12,10 @@ import pytest
 from rt_test_pipelines import ShardedRecordingPipeline, preprocessed_rows, read_jsonl, write_id_parquet
 
 import raytrain
-from raytrain.rules import order
-from raytrain.data import shards
 from raytrain.cli import main
+from raytrain.data import shards
 from raytrain.data.sources import PROBE_ROWS
+from raytrain.rules import order
 
 pytestmark = pytest.mark.ray
 
@@ -41,9 +41,16 @@ def steps_by_epoch(rows: list[dict]) -> dict[int, dict[int, list[int]]]:
 
 def run(pipeline, tmp_path, name, **overrides):
     cfg = dict(
-        epochs=EPOCHS, global_batch_size=GLOBAL_BATCH, shuffle_window_rows=WINDOW, seed=SEED, log_every_steps=5,
-        storage=str(tmp_path), name=name, max_failures=0, schedule="constant",
-    )  # fmt: skip
+        epochs=EPOCHS,
+        global_batch_size=GLOBAL_BATCH,
+        shuffle_window_rows=WINDOW,
+        seed=SEED,
+        log_every_steps=5,
+        storage=str(tmp_path),
+        name=name,
+        max_failures=0,
+        schedule="constant",
+    )
     return raytrain.fit(pipeline, raytrain.TrainConfig(**{**cfg, **overrides}))
 
 
@@ -61,7 +68,9 @@ def test_units_of_multi_file_parquet_and_multi_block_items(ray_session, parquet_
 
 
 @pytest.mark.parametrize("workers, source", [(1, "parquet"), (2, "items"), (3, "parquet")])
-def test_every_row_once_per_epoch_the_same_steps_at_any_worker_count_read_once(ray_session, parquet_dir, tmp_path, workers, source):
+def test_every_row_once_per_epoch_the_same_steps_at_any_worker_count_read_once(
+    ray_session, parquet_dir, tmp_path, workers, source
+):
     out = tmp_path / "records"
     out.mkdir()
     pipeline = ShardedRecordingPipeline(str(out), path=str(parquet_dir) if source == "parquet" else None, num_blocks=6)
@@ -79,7 +88,10 @@ def test_every_row_once_per_epoch_the_same_steps_at_any_worker_count_read_once(r
         # and the epoch trains every row once.
         assert list(steps.values()) == [ids.tolist() for ids in expected]
         assert sorted(i for ids in steps.values() for i in ids) == list(range(ROWS))
-        per_rank_steps = {r: sorted({row["step"] for row in rows if row["rank"] == r and row["epoch"] == epoch}) for r in range(workers)}
+        per_rank_steps = {
+            r: sorted({row["step"] for row in rows if row["rank"] == r and row["epoch"] == epoch})
+            for r in range(workers)
+        }
         assert len({tuple(s) for s in per_rank_steps.values()}) == 1  # every rank ran the same steps
     assert by_epoch[0] != by_epoch[1]
     # Sharded: the pipeline's preprocessing handled each row about once per epoch, across all
@@ -120,17 +132,41 @@ def test_bad_row_stops_the_run_once_with_exit_2_naming_the_row(ray_session, tmp_
     data = write_id_parquet(tmp_path / "bad", ROWS, num_files=7, nan_at_id=600)  # row 26 of part-004
     out = tmp_path / "records"
     out.mkdir()
-    code = main([
-        "train", "rt_test_pipelines:ShardedRecordingPipeline", "--pipeline-arg", f"path={data}", "--pipeline-arg", f"out={out}",
-        "--workers", "2", "--epochs", "1", "--global-batch-size", "48", "--shuffle-window-rows", "120",
-        "--max-failures", "3", "--storage", str(tmp_path), "--name", "bad",
-    ])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "rt_test_pipelines:ShardedRecordingPipeline",
+            "--pipeline-arg",
+            f"path={data}",
+            "--pipeline-arg",
+            f"out={out}",
+            "--workers",
+            "2",
+            "--epochs",
+            "1",
+            "--global-batch-size",
+            "48",
+            "--shuffle-window-rows",
+            "120",
+            "--max-failures",
+            "3",
+            "--storage",
+            str(tmp_path),
+            "--name",
+            "bad",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     # raytrain's own answer is one line (the shared test Ray also forwards the workers' logs).
     ours = [line for line in err.splitlines() if line.startswith("raytrain train:")]
     assert len(ours) == 1, err
-    assert "row 26 of" in ours[0] and "part-004.parquet" in ours[0] and "column 'x'" in ours[0] and "--skip-nan-rows" in ours[0]
+    assert (
+        "row 26 of" in ours[0]
+        and "part-004.parquet" in ours[0]
+        and "column 'x'" in ours[0]
+        and "--skip-nan-rows" in ours[0]
+    )
     # Not retried, though --max-failures 3 allowed it: rank 0 writes one "plan" event per attempt
     # (a retry without a checkpoint would write another), and no restore. The bad row may sit in
     # the first block a rank reads, so no training step need have run.

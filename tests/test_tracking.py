@@ -14,20 +14,10 @@ import pytest
 
 import raytrain
 from raytrain.errors import ConfigError
+from raytrain.observe.sinks import Dispatcher, Sink, follow
+from raytrain.observe.trackers import MLflowSink, TensorBoardSink, WandbSink, step_scalars
+from raytrain.observe.tracking import RunTracker, TrackingOptions, check_installed, config_params
 from raytrain.rundir import Event, MetricsRow, Summary, Tail
-from raytrain.observe.tracking import (
-    Dispatcher,
-    MLflowSink,
-    RunTracker,
-    Sink,
-    TensorBoardSink,
-    TrackingOptions,
-    WandbSink,
-    check_installed,
-    config_params,
-    follow,
-    step_scalars,
-)
 
 T0 = 1_800_000_000.0
 
@@ -38,10 +28,18 @@ def append(path: Path, *rows: dict, newline: bool = True) -> None:
             handle.write(json.dumps(row if isinstance(row, dict) else row.to_json()) + ("\n" if newline else ""))
 
 
-def metrics_row(step: int, *, epoch: int = 1, loss: float = 1.0, world_size: int = 2, epoch_end: bool = False, **extra) -> dict:
+def metrics_row(
+    step: int, *, epoch: int = 1, loss: float = 1.0, world_size: int = 2, epoch_end: bool = False, **extra
+) -> dict:
     row = {
-        "epoch": epoch, "step": step, "samples_seen": step * 64, "world_size": world_size,
-        "global_batch_size": 32 * world_size, "lr": 1e-3 * step, "loss": loss, "samples_per_s": 1000.0 + step,
+        "epoch": epoch,
+        "step": step,
+        "samples_seen": step * 64,
+        "world_size": world_size,
+        "global_batch_size": 32 * world_size,
+        "lr": 1e-3 * step,
+        "loss": loss,
+        "samples_per_s": 1000.0 + step,
         "time_s": T0 + step,
     }
     if epoch_end:
@@ -93,7 +91,14 @@ def test_tail_skips_what_was_there_before(tmp_path):
     assert [row["step"] for row in tail.read()] == [2]
 
 
-@pytest.mark.parametrize("new_rows", [[], [{"step": 3, "attempt": 2}], [{"step": 3, "attempt": 2}, {"step": 4, "attempt": 2}, {"step": 5, "attempt": 2}]])
+@pytest.mark.parametrize(
+    "new_rows",
+    [
+        [],
+        [{"step": 3, "attempt": 2}],
+        [{"step": 3, "attempt": 2}, {"step": 4, "attempt": 2}, {"step": 5, "attempt": 2}],
+    ],
+)
 def test_tail_follows_a_rewrite_that_keeps_a_prefix(tmp_path, new_rows):
     """Rank 0 drops the rows after the checkpoint it resumes from, then appends again."""
     path = tmp_path / "metrics.jsonl"
@@ -141,12 +146,22 @@ def test_a_failing_sink_is_dropped_with_one_warning_and_the_others_go_on(tmp_pat
 
 def test_step_scalars_split_window_epoch_and_validation_series():
     assert step_scalars(metrics_row(10)) == {
-        "train/loss": 1.0, "train/lr": 1e-2, "train/samples_per_s": 1010.0, "train/global_batch_size": 64.0, "train/world_size": 2.0,
+        "train/loss": 1.0,
+        "train/lr": 1e-2,
+        "train/samples_per_s": 1010.0,
+        "train/global_batch_size": 64.0,
+        "train/world_size": 2.0,
     }
     end = step_scalars(metrics_row(23, epoch_end=True, val_loss=0.5, val_accuracy=0.9))
     assert end == {
-        "epoch/train_loss": 1.0, "epoch/samples_per_s": 1023.0, "train/lr": pytest.approx(0.023),
-        "train/global_batch_size": 64.0, "train/world_size": 2.0, "epoch/epoch": 1.0, "val/loss": 0.5, "val/accuracy": 0.9,
+        "epoch/train_loss": 1.0,
+        "epoch/samples_per_s": 1023.0,
+        "train/lr": pytest.approx(0.023),
+        "train/global_batch_size": 64.0,
+        "train/world_size": 2.0,
+        "epoch/epoch": 1.0,
+        "val/loss": 0.5,
+        "val/accuracy": 0.9,
     }
 
 
@@ -158,9 +173,13 @@ def test_config_params_are_the_resolved_config_flattened(tmp_path):
 
 def test_missing_trackers_are_configuration_errors_naming_the_fix():
     nothing = lambda module: False  # noqa: E731
-    with pytest.raises(ConfigError, match=r"mlflow_uri: got 'sqlite:///m.db', but MLflow is not installed.*raytrain\[mlflow\]") as error:
+    with pytest.raises(
+        ConfigError, match=r"mlflow_uri: got 'sqlite:///m.db', but MLflow is not installed.*raytrain\[mlflow\]"
+    ) as error:
         check_installed(TrackingOptions(mlflow_uri="sqlite:///m.db", wandb_project="p"), importable=nothing)
-    assert "wandb_project: got 'p', but Weights & Biases is not installed; install it with pip install wandb" in str(error.value)
+    assert "wandb_project: got 'p', but Weights & Biases is not installed; install it with pip install wandb" in str(
+        error.value
+    )
     with pytest.raises(ConfigError, match="progress: got 'fancy'; choose one of auto, bar, plain, off"):
         check_installed(TrackingOptions(progress="fancy"))
     check_installed(TrackingOptions())  # nothing asked for: fine
@@ -183,7 +202,9 @@ def test_a_tracker_that_cannot_start_warns_and_training_goes_on(tmp_path):
         raise PermissionError("not logged in\nrun wandb login")
 
     tracker._start(sinks, "Weights & Biases", refuse)
-    assert sinks == [] and lines == ["raytrain: Weights & Biases could not start a run, training without it: PermissionError: not logged in"]
+    assert sinks == [] and lines == [
+        "raytrain: Weights & Biases could not start a run, training without it: PermissionError: not logged in"
+    ]
 
 
 # -- TensorBoard ---------------------------------------------------------------------------
@@ -212,7 +233,9 @@ def test_tensorboard_events_have_step_series_validation_and_text_events(tmp_path
     for step in (5, 10, 15):
         sink.metrics(metrics_row(step, loss=2.0 / step))
     sink.metrics(metrics_row(20, epoch_end=True, loss=0.4, val_loss=0.5, val_accuracy=0.875))
-    sink.event(event("resize", "Resized 2 → 1 workers at step 20", T0 + 30, step=20, world_size=1, previous_world_size=2))
+    sink.event(
+        event("resize", "Resized 2 → 1 workers at step 20", T0 + 30, step=20, world_size=1, previous_world_size=2)
+    )
     sink.metrics(metrics_row(25, epoch=2, world_size=1, loss=0.3))
     sink.tick()
     sink.finish(Summary.from_json({"status": "finished", "steps": 25, "final_metrics": {"val_loss": 0.5}}), tmp_path)
@@ -225,7 +248,8 @@ def test_tensorboard_events_have_step_series_validation_and_text_events(tmp_path
     assert series(tb, "train/world_size") == [(5, 2), (10, 2), (15, 2), (20, 2), (25, 1)]
     assert series(tb, "val/accuracy") == [(20, 0.875)]
     assert texts(tb, "events/text_summary") == [
-        (0, "**plan**: global 64 = 2 workers × 32 per worker"), (20, "**resize**: Resized 2 → 1 workers at step 20"),
+        (0, "**plan**: global 64 = 2 workers × 32 per worker"),
+        (20, "**resize**: Resized 2 → 1 workers at step 20"),
     ]
     assert "| lr | 0.001 |" in texts(tb, "config/text_summary")[0][1]
     assert "| status | finished |" in texts(tb, "summary/text_summary")[0][1]
@@ -270,17 +294,35 @@ def test_mlflow_run_holds_params_step_metrics_and_the_model(tmp_path, monkeypatc
     sink.tick()
     (run_dir / "model.pt").write_bytes(b"weights")
     (run_dir / "config.yaml").write_text("epochs: 2\n")
-    sink.finish(Summary.from_json({"status": "finished", "steady_samples_per_s": 1234.5, "wall_time_s": 9.0, "world_sizes": [2]}), run_dir)
+    sink.finish(
+        Summary.from_json(
+            {"status": "finished", "steady_samples_per_s": 1234.5, "wall_time_s": 9.0, "world_sizes": [2]}
+        ),
+        run_dir,
+    )
 
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(sink.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "mlrun"
     assert lines == [f"MLflow: experiment 'raytrain-tests', run {sink.run_id} at {uri}"]
     params = run.data.params
-    assert params["epochs"] == "2" and params["workers"] == "2" and params["pipeline"] == "digits" and params["ddp.static_graph"] == "False"
+    assert (
+        params["epochs"] == "2"
+        and params["workers"] == "2"
+        and params["pipeline"] == "digits"
+        and params["ddp.static_graph"] == "False"
+    )
     assert [(m.step, m.value) for m in client.get_metric_history(sink.run_id, "loss")] == [(5, 0.2), (10, 0.1)]
     assert [(m.step, m.value) for m in client.get_metric_history(sink.run_id, "val_accuracy")] == [(12, 0.9)]
-    assert {"lr", "samples_per_s", "global_batch_size", "world_size", "epoch_train_loss", "val_loss", "summary/steady_samples_per_s"} <= set(run.data.metrics)
+    assert {
+        "lr",
+        "samples_per_s",
+        "global_batch_size",
+        "world_size",
+        "epoch_train_loss",
+        "val_loss",
+        "summary/steady_samples_per_s",
+    } <= set(run.data.metrics)
     assert [a.path for a in client.list_artifacts(sink.run_id, "model")] == ["model/model.pt"]
     assert "run/config.yaml" in [a.path for a in client.list_artifacts(sink.run_id, "run")]
     assert run.data.tags["raytrain.world_sizes"] == "2"
@@ -292,11 +334,15 @@ def test_mlflow_resume_continues_the_same_run(tmp_path):
 
     uri, run_dir = mlflow_uri("file", tmp_path), tmp_path / "run"
     first_cfg = raytrain.TrainConfig(epochs=1, name="again", storage=str(tmp_path))
-    first = MLflowSink(uri, "raytrain", first_cfg, config_params(first_cfg, "digits", run_dir), run_dir, echo=lambda line: None)
+    first = MLflowSink(
+        uri, "raytrain", first_cfg, config_params(first_cfg, "digits", run_dir), run_dir, echo=lambda line: None
+    )
     first.metrics(metrics_row(1))
     first.finish(None, run_dir)  # the driver was interrupted
     again_cfg = raytrain.TrainConfig(epochs=2, name="again", storage=str(tmp_path), resume=True)
-    again = MLflowSink(uri, "raytrain", again_cfg, config_params(again_cfg, "digits", run_dir), run_dir, echo=lambda line: None)
+    again = MLflowSink(
+        uri, "raytrain", again_cfg, config_params(again_cfg, "digits", run_dir), run_dir, echo=lambda line: None
+    )
     again.metrics(metrics_row(2))
     again.finish(Summary.from_json({"status": "finished"}), run_dir)
     assert again.run_id == first.run_id
@@ -342,7 +388,18 @@ def test_run_tracker_feeds_tensorboard_mlflow_and_writes_the_report(tmp_path):
         append(run_dir / "events.jsonl", event("plan", "global 64 = 2 workers", T0))
         append(run_dir / "metrics.jsonl", metrics_row(10), metrics_row(23, epoch_end=True, val_loss=0.5))
         append(run_dir / "events.jsonl", event("epoch", "epoch 1/2  loss 1.0", T0 + 24))
-    summary = Summary.from_json({"status": "finished", "epochs": 1, "steps": 23, "samples_seen": 1472, "wall_time_s": 3.0, "world_sizes": [2], "failures_recovered": 0, "final_metrics": {"val_loss": 0.5}})
+    summary = Summary.from_json(
+        {
+            "status": "finished",
+            "epochs": 1,
+            "steps": 23,
+            "samples_seen": 1472,
+            "wall_time_s": 3.0,
+            "world_sizes": [2],
+            "failures_recovered": 0,
+            "final_metrics": {"val_loss": 0.5},
+        }
+    )
     (run_dir / "summary.json").write_text(json.dumps(summary.to_json()))
     tracker.finish(summary)
 
@@ -365,7 +422,9 @@ def _mlflow_flags(tmp_path: Path) -> list[str]:
     import dataclasses
     import importlib.util
 
-    if "mlflow_uri" not in {f.name for f in dataclasses.fields(raytrain.TrainConfig)} or not importlib.util.find_spec("mlflow"):
+    if "mlflow_uri" not in {f.name for f in dataclasses.fields(raytrain.TrainConfig)} or not importlib.util.find_spec(
+        "mlflow"
+    ):
         return []
     return ["--mlflow-uri", f"file:{tmp_path / 'mlruns'}"]
 
@@ -375,7 +434,23 @@ def test_digits_run_leaves_tensorboard_files_and_a_report(ray_session, tmp_path,
     from raytrain.cli import main
 
     mlflow_flags = _mlflow_flags(tmp_path)
-    code = main(["train", "digits", "--workers", "2", "--epochs", "2", "--log-every-steps", "5", "--storage", str(tmp_path), "--name", "tracked", *mlflow_flags])
+    code = main(
+        [
+            "train",
+            "digits",
+            "--workers",
+            "2",
+            "--epochs",
+            "2",
+            "--log-every-steps",
+            "5",
+            "--storage",
+            str(tmp_path),
+            "--name",
+            "tracked",
+            *mlflow_flags,
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     run_dir = tmp_path / "tracked"
@@ -391,7 +466,15 @@ def test_digits_run_leaves_tensorboard_files_and_a_report(ray_session, tmp_path,
         assert len(client.get_metric_history(run.info.run_id, "loss")) > 3
 
     tb = load_tensorboard(run_dir)
-    assert {"train/loss", "train/lr", "train/samples_per_s", "train/global_batch_size", "train/world_size", "val/loss", "val/accuracy"} <= set(tb.Tags()["scalars"])
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/samples_per_s",
+        "train/global_batch_size",
+        "train/world_size",
+        "val/loss",
+        "val/accuracy",
+    } <= set(tb.Tags()["scalars"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e.step for e in tb.Scalars("train/loss")] == [row["step"] for row in rows if not row.get("epoch_end")]
     assert [e.step for e in tb.Scalars("val/accuracy")] == [row["step"] for row in rows if row.get("epoch_end")]

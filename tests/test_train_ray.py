@@ -10,15 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import raytrain
-from raytrain.rules import schedule
-from raytrain.errors import ConfigError
 from rt_test_pipelines import RecordingPipeline, WeightProbePipeline, read_jsonl
 
+import raytrain
+from raytrain.errors import ConfigError
+from raytrain.rules import schedule
+
 pytestmark = pytest.mark.ray
-
-
 
 
 def test_digits_two_workers_trains_and_leaves_run_files(ray_session, tmp_path):
@@ -36,7 +34,17 @@ def test_digits_two_workers_trains_and_leaves_run_files(ray_session, tmp_path):
     assert summary["samples_seen"] == 4 * 1438  # every training sample once per epoch
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    for key in ("epoch", "step", "samples_seen", "world_size", "global_batch_size", "lr", "loss", "samples_per_s", "time_s"):
+    for key in (
+        "epoch",
+        "step",
+        "samples_seen",
+        "world_size",
+        "global_batch_size",
+        "lr",
+        "loss",
+        "samples_per_s",
+        "time_s",
+    ):
         assert all(key in row for row in rows), key
     epoch_rows = [row for row in rows if row.get("epoch_end")]
     assert [row["epoch"] for row in epoch_rows] == [1, 2, 3, 4]
@@ -58,7 +66,8 @@ def test_digits_two_workers_trains_and_leaves_run_files(ray_session, tmp_path):
 
     events = read_jsonl(run_dir / "events.jsonl")
     assert events[0]["message"].startswith(
-        "global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, reference batch 32); warmup 1 epoch; cosine; adamw; gloo"
+        "global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, reference "
+        "batch 32); warmup 1 epoch; cosine; adamw; gloo"
     )
 
     # The run name is taken now: reusing it without --resume is an error, not a silent resume.
@@ -78,8 +87,16 @@ def test_worker_failure_resumes_at_checkpoint_step_with_same_lr_and_exactly_once
     out.mkdir()
     pipeline = RecordingPipeline(str(out), num_rows=203, crash_at_step=9)
     cfg = raytrain.TrainConfig(
-        workers=2, epochs=2, batch_size_per_worker=8, lr=1e-2, warmup_epochs=1, max_failures=1,
-        checkpoint_every_steps=4, log_every_steps=1, storage=str(tmp_path), name="crash",
+        workers=2,
+        epochs=2,
+        batch_size_per_worker=8,
+        lr=1e-2,
+        warmup_epochs=1,
+        max_failures=1,
+        checkpoint_every_steps=4,
+        log_every_steps=1,
+        storage=str(tmp_path),
+        name="crash",
     )
     result = raytrain.fit(pipeline, cfg)
     summary = result.summary
@@ -120,7 +137,13 @@ def test_local_mode_runs_the_loop_in_process(ray_session, tmp_path):
     out = tmp_path / "records"
     out.mkdir()
     cfg = raytrain.TrainConfig(
-        workers=0, epochs=2, global_batch_size=16, storage=str(tmp_path), name="local", log_every_steps=1, timing_warmup_steps=1
+        workers=0,
+        epochs=2,
+        global_batch_size=16,
+        storage=str(tmp_path),
+        name="local",
+        log_every_steps=1,
+        timing_warmup_steps=1,
     )
     result = raytrain.fit(RecordingPipeline(str(out), num_rows=37), cfg)
     rows = read_jsonl(out / "ids-rank0.jsonl")
@@ -139,7 +162,9 @@ def test_resume_after_the_driver_stopped_continues_from_the_last_checkpoint(ray_
     out = tmp_path / "records"
     out.mkdir()
     pipeline = RecordingPipeline(str(out), num_rows=64)
-    base = dict(workers=2, batch_size_per_worker=8, storage=str(tmp_path), name="again", log_every_steps=1, schedule="constant")
+    base = dict(
+        workers=2, batch_size_per_worker=8, storage=str(tmp_path), name="again", log_every_steps=1, schedule="constant"
+    )
     raytrain.fit(pipeline, raytrain.TrainConfig(epochs=1, **base))
     result = raytrain.fit(pipeline, raytrain.TrainConfig(epochs=2, resume=True, **base))
     assert result.summary["epochs"] == 2
@@ -158,5 +183,7 @@ def test_embedded_ray_starts_its_workers_at_niceness_0(tmp_path):
     )
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_worker_niceness", "RAY_ADDRESS")}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert "niceness 0" in done.stdout, done.stderr[-2000:]

@@ -24,19 +24,14 @@ from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
 from raytrain.tune import (
     SUBSTITUTED,
-    SearchSpace,
     TrialRun,
-    TuneOptions,
     best_config,
     best_per_worker_count,
     check_trials,
     closing_table,
-    embedded_cpus,
     grace_period,
     grid_points,
     mark_stopped,
-    max_concurrent_trials,
-    parse_search_space,
     plan_sweep,
     plot_trials,
     ranked_trials,
@@ -45,13 +40,13 @@ from raytrain.tune import (
     sweep_rows,
     tied_rules,
     trial_config,
-    trial_cpus,
-    trial_driver_resources,
-    trial_error,
     trial_name,
     tune,
     write_csv,
 )
+from raytrain.tune.options import SearchSpace, TuneOptions, parse_search_space
+from raytrain.tune.resources import embedded_cpus, max_concurrent_trials, trial_cpus, trial_driver_resources
+from raytrain.tune.trials import trial_error
 
 
 def cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -157,7 +152,9 @@ def test_grid_is_the_product_in_a_fixed_order():
 
 def test_unswept_axes_take_the_config_value_and_a_range_leaves_lr_to_tune():
     cfg = TrainConfig(workers=4, warmup_epochs=2, lr=5e-4, epochs=3)
-    assert grid_points(SearchSpace(lr_scaling=["sqrt"]), cfg) == [{"workers": 4, "lr_scaling": "sqrt", "warmup_epochs": 2.0, "lr": 5e-4}]
+    assert grid_points(SearchSpace(lr_scaling=["sqrt"]), cfg) == [
+        {"workers": 4, "lr_scaling": "sqrt", "warmup_epochs": 2.0, "lr": 5e-4}
+    ]
     ranged = grid_points(SearchSpace(lr_scaling=["sqrt"], lr_range=(1e-4, 1e-2), samples=2), cfg)
     assert ranged == [{"workers": 4, "lr_scaling": "sqrt", "warmup_epochs": 2.0}]
 
@@ -167,10 +164,7 @@ def test_every_trial_shares_seed_epochs_data_and_reference_batch():
     base = sweep_base_config(TrainConfig(epochs=2, global_batch_size=256, seed=7), space, "digits")
     assert base.reference_batch_size == 64  # frozen once, at the largest worker count
     assert base.name.startswith("digits-tune-")
-    configs = [
-        TrainConfig.from_dict({**base.to_dict(), **point})
-        for point in grid_points(space, base)
-    ]
+    configs = [TrainConfig.from_dict({**base.to_dict(), **point}) for point in grid_points(space, base)]
     assert {(c.seed, c.epochs, c.global_batch_size, c.reference_batch_size) for c in configs} == {(7, 2, 256, 64)}
     per_worker = sweep_base_config(TrainConfig(batch_size_per_worker=32), space, "digits")
     assert per_worker.reference_batch_size == 32
@@ -227,7 +221,9 @@ def _plan(cfg: TrainConfig, **axes):
 
 def test_at_the_reference_batch_the_three_rules_are_one_run():
     # 1 worker × 32 per worker = the reference batch: lr × f(1) is lr for every rule.
-    base, points, runs = _plan(TrainConfig(epochs=2, batch_size_per_worker=32, lr=1e-3), workers="1,2", warmup_epochs="0,1")
+    base, points, runs = _plan(
+        TrainConfig(epochs=2, batch_size_per_worker=32, lr=1e-3), workers="1,2", warmup_epochs="0,1"
+    )
     assert len(points) == 12 and len(runs) == 8  # 2 shared runs at 1 worker, 6 distinct at 2
     one = [run for run in runs if run.point["workers"] == 1]
     assert [run.rule_names for run in one] == ["linear=sqrt=none", "linear=sqrt=none"]
@@ -240,9 +236,15 @@ def test_at_the_reference_batch_the_three_rules_are_one_run():
 
 def test_at_two_workers_linear_and_sqrt_differ():
     base, _, _ = _plan(TrainConfig(epochs=2, batch_size_per_worker=32, lr=1e-3), workers="1,2")
-    two = {rule: trial_config(base, {"workers": 2, "lr_scaling": rule, "warmup_epochs": 0.0, "lr": 1e-3}) for rule in ("linear", "sqrt", "none")}
+    two = {
+        rule: trial_config(base, {"workers": 2, "lr_scaling": rule, "warmup_epochs": 0.0, "lr": 1e-3})
+        for rule in ("linear", "sqrt", "none")
+    }
     assert len({resolved_run(c) for c in two.values()}) == 3  # peaks 2e-3, 1.4e-3, 1e-3
-    one = {rule: trial_config(base, {"workers": 1, "lr_scaling": rule, "warmup_epochs": 0.0, "lr": 1e-3}) for rule in ("linear", "sqrt", "none")}
+    one = {
+        rule: trial_config(base, {"workers": 1, "lr_scaling": rule, "warmup_epochs": 0.0, "lr": 1e-3})
+        for rule in ("linear", "sqrt", "none")
+    }
     assert len({resolved_run(c) for c in one.values()}) == 1
 
 
@@ -252,14 +254,23 @@ def test_equivalence_is_by_the_resolved_rate_not_the_worker_count():
     _, points, runs = _plan(TrainConfig(epochs=2, global_batch_size=64, lr=1e-3), workers="1,2")
     assert len(runs) == len(points) == 6
     # A reference equal to the global batch: ratio 1 at every count, one run per count.
-    _, points, runs = _plan(TrainConfig(epochs=2, global_batch_size=64, reference_batch_size=64, lr=1e-3), workers="1,2")
-    assert [(run.point["workers"], run.rule_names) for run in runs] == [(1, "linear=sqrt=none"), (2, "linear=sqrt=none")]
+    _, points, runs = _plan(
+        TrainConfig(epochs=2, global_batch_size=64, reference_batch_size=64, lr=1e-3), workers="1,2"
+    )
+    assert [(run.point["workers"], run.rule_names) for run in runs] == [
+        (1, "linear=sqrt=none"),
+        (2, "linear=sqrt=none"),
+    ]
 
 
 def test_different_base_rates_warmups_or_drawn_rates_never_share():
-    _, _, runs = _plan(TrainConfig(epochs=2, batch_size_per_worker=32), workers="1", lr="1e-3,3e-3", warmup_epochs="0,1")
+    _, _, runs = _plan(
+        TrainConfig(epochs=2, batch_size_per_worker=32), workers="1", lr="1e-3,3e-3", warmup_epochs="0,1"
+    )
     assert len(runs) == 4 and all(run.rule_names == "linear=sqrt=none" for run in runs)
-    _, points, runs = _plan(TrainConfig(epochs=2, batch_size_per_worker=32), workers="1", lr_range="1e-4:1e-2", samples=2)
+    _, points, runs = _plan(
+        TrainConfig(epochs=2, batch_size_per_worker=32), workers="1", lr_range="1e-4:1e-2", samples=2
+    )
     assert len(runs) == len(points) == 3  # Tune draws each trial's rate: nothing to share
 
 
@@ -279,13 +290,22 @@ def test_different_base_rates_warmups_or_drawn_rates_never_share():
     ],
 )
 def test_max_concurrent_trials_fit_the_cpus(workers, cpus_per_worker, cpus, requested, expected):
-    assert max_concurrent_trials(workers, cpus_per_worker=cpus_per_worker, cluster_cpus=cpus, requested=requested) == expected
+    assert (
+        max_concurrent_trials(workers, cpus_per_worker=cpus_per_worker, cluster_cpus=cpus, requested=requested)
+        == expected
+    )
 
 
 def test_a_trial_that_can_never_fit_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"workers: got 8 in 1,8: a trial of 8 workers × 1 CPU needs 8 CPUs, but the cluster has 4; drop worker counts above 4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"workers: got 8 in 1,8: a trial of 8 workers × 1 CPU needs 8 CPUs, but the cluster has 4; drop worker "
+        r"counts above 4",
+    ):
         max_concurrent_trials([1, 8], cpus_per_worker=1.0, cluster_cpus=4)
-    with pytest.raises(ConfigError, match=r"needs 4 CPUs, but the cluster has 3; drop worker counts above 1 .*lower --cpus-per-worker"):
+    with pytest.raises(
+        ConfigError, match=r"needs 4 CPUs, but the cluster has 3; drop worker counts above 1 .*lower --cpus-per-worker"
+    ):
         max_concurrent_trials([2], cpus_per_worker=2.0, cluster_cpus=3)
 
 
@@ -319,15 +339,24 @@ def test_trial_drivers_take_no_cpu():
 
 def _row(workers, rule, warmup, final, status="finished", to_target=None):
     return {
-        "workers": workers, "lr_scaling": rule, "warmup_epochs": warmup, "lr": 1e-3,
-        "final_val_loss": final, "status": status, "epochs_to_target": to_target,
+        "workers": workers,
+        "lr_scaling": rule,
+        "warmup_epochs": warmup,
+        "lr": 1e-3,
+        "final_val_loss": final,
+        "status": status,
+        "epochs_to_target": to_target,
     }
 
 
 def test_best_per_worker_count_by_final_metric_among_finished_trials():
     rows = [
-        _row(1, "linear", 0, 0.30), _row(1, "sqrt", 1, 0.20), _row(1, "none", 0, 0.10, status="stopped"),
-        _row(2, "linear", 1, 0.25), _row(2, "none", 0, 0.35), _row(4, "sqrt", 0, 0.5, status="failed"),
+        _row(1, "linear", 0, 0.30),
+        _row(1, "sqrt", 1, 0.20),
+        _row(1, "none", 0, 0.10, status="stopped"),
+        _row(2, "linear", 1, 0.25),
+        _row(2, "none", 0, 0.35),
+        _row(4, "sqrt", 0, 0.5, status="failed"),
     ]
     best = best_per_worker_count(rows, TuneOptions())
     assert [(k, v["lr_scaling"]) for k, v in best.items()] == [(1, "sqrt"), (2, "linear")]
@@ -343,8 +372,13 @@ def test_with_a_target_the_fewest_epochs_to_reach_it_wins():
 def test_rules_that_coincide_are_shown_together():
     # Which rules coincide comes from the sweep's plan (the rows' `same_run`), not from equal metrics.
     shared = {"same_run": "linear=sqrt=none"}
-    rows = [{**_row(1, "linear", 1, 0.2), **shared}, {**_row(1, "sqrt", 1, 0.2), **shared}, {**_row(1, "none", 1, 0.2), **shared},
-            _row(1, "none", 0, 0.2), _row(2, "sqrt", 1, 0.2)]
+    rows = [
+        {**_row(1, "linear", 1, 0.2), **shared},
+        {**_row(1, "sqrt", 1, 0.2), **shared},
+        {**_row(1, "none", 1, 0.2), **shared},
+        _row(1, "none", 0, 0.2),
+        _row(2, "sqrt", 1, 0.2),
+    ]
     assert tied_rules(rows[0]) == "linear=sqrt=none"
     assert tied_rules(rows[4]) == "sqrt"
     assert tied_rules(rows[1]) == "sqrt=linear=none"  # the row's own rule first
@@ -352,10 +386,20 @@ def test_rules_that_coincide_are_shown_together():
 
 @pytest.mark.parametrize("written_by_fit", [False, True])
 def test_a_stopped_trials_summary_says_so(tmp_path, written_by_fit):
-    row = {"epoch": 1, "step": 45, "samples_seen": 1438, "world_size": 1, "loss": 2.0, "val_loss": 2.5, "epoch_end": True}
+    row = {
+        "epoch": 1,
+        "step": 45,
+        "samples_seen": 1438,
+        "world_size": 1,
+        "loss": 2.0,
+        "val_loss": 2.5,
+        "epoch_end": True,
+    }
     (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
     if written_by_fit:  # fit saw its controller die
-        (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "epochs": 1, "error": "The actor died unexpectedly"}))
+        (tmp_path / "summary.json").write_text(
+            json.dumps({"status": "failed", "epochs": 1, "error": "The actor died unexpectedly"})
+        )
     mark_stopped(tmp_path, 1, started=100.0, ended=160.0)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["stopped_by"] == "ASHA" and summary["stopped_after_epoch"] == 1
@@ -363,55 +407,101 @@ def test_a_stopped_trials_summary_says_so(tmp_path, written_by_fit):
 
 
 def _epoch(epoch, val_loss, time_s):
-    return {"epoch": epoch, "step": 45 * epoch, "samples_seen": 1438 * epoch, "world_size": 1, "global_batch_size": 32,
-            "lr": 1e-3, "loss": 1.0, "val_loss": val_loss, "val_accuracy": 0.9, "time_s": time_s, "time_total_s": 99.0}
+    return {
+        "epoch": epoch,
+        "step": 45 * epoch,
+        "samples_seen": 1438 * epoch,
+        "world_size": 1,
+        "global_batch_size": 32,
+        "lr": 1e-3,
+        "loss": 1.0,
+        "val_loss": val_loss,
+        "val_accuracy": 0.9,
+        "time_s": time_s,
+        "time_total_s": 99.0,
+    }
 
 
 def _run_dir(sweep_dir: Path, name: str, plan_time: float = 1000.0, rows=()) -> Path:
     run_dir = sweep_dir / "trials" / name
     run_dir.mkdir(parents=True)
-    (run_dir / "events.jsonl").write_text(json.dumps({"kind": "plan", "message": "global 32 = 1 worker", "time": plan_time}) + "\n")
+    (run_dir / "events.jsonl").write_text(
+        json.dumps({"kind": "plan", "message": "global 32 = 1 worker", "time": plan_time}) + "\n"
+    )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({**r, "epoch_end": True}) + "\n" for r in rows))
     return run_dir
 
 
 def test_results_come_from_what_tune_received_and_shared_runs_give_every_rule_a_row(tmp_path):
-    base, points, runs = _plan(TrainConfig(epochs=2, batch_size_per_worker=32, lr=1e-3), workers="1,2", lr_scaling="linear,sqrt")
-    assert [run.name for run in runs] == ["00-w1-linear-wu1-lr1.0e-3", "01-w2-linear-wu1-lr1.0e-3", "02-w2-sqrt-wu1-lr1.0e-3"]
-    shared_dir = _run_dir(tmp_path, runs[0].name, rows=[_epoch(1, 9.0, 0), _epoch(2, 9.0, 0)])  # not read: Tune has the rows
+    base, points, runs = _plan(
+        TrainConfig(epochs=2, batch_size_per_worker=32, lr=1e-3), workers="1,2", lr_scaling="linear,sqrt"
+    )
+    assert [run.name for run in runs] == [
+        "00-w1-linear-wu1-lr1.0e-3",
+        "01-w2-linear-wu1-lr1.0e-3",
+        "02-w2-sqrt-wu1-lr1.0e-3",
+    ]
+    shared_dir = _run_dir(
+        tmp_path, runs[0].name, rows=[_epoch(1, 9.0, 0), _epoch(2, 9.0, 0)]
+    )  # not read: Tune has the rows
     _run_dir(tmp_path, runs[1].name)
     _run_dir(tmp_path, runs[2].name, rows=[_epoch(1, 0.8, 1003.0)])
     # The stopped trial's epoch 1 reached the target at its report; the shared run redid epoch 2 after a restart.
     trials = [
-        TrialRun(name=runs[0].name, point=runs[0].point, status="finished", started=990.0, ended=1030.0,
-                 reported=[_epoch(1, 0.5, 1004.0), _epoch(2, 0.6, 1006.0), _epoch(2, 0.3, 1007.5)]),
-        TrialRun(name=runs[1].name, point=runs[1].point, status="failed", error="The run failed: rank 0 raised OSError"),
-        TrialRun(name=runs[2].name, point=runs[2].point, status="stopped", started=990.0, ended=1010.0,
-                 reported=[{**_epoch(1, float(sys.float_info.max), 1003.0), SUBSTITUTED: "val_loss"}]),
+        TrialRun(
+            name=runs[0].name,
+            point=runs[0].point,
+            status="finished",
+            started=990.0,
+            ended=1030.0,
+            reported=[_epoch(1, 0.5, 1004.0), _epoch(2, 0.6, 1006.0), _epoch(2, 0.3, 1007.5)],
+        ),
+        TrialRun(
+            name=runs[1].name, point=runs[1].point, status="failed", error="The run failed: rank 0 raised OSError"
+        ),
+        TrialRun(
+            name=runs[2].name,
+            point=runs[2].point,
+            status="stopped",
+            started=990.0,
+            ended=1010.0,
+            reported=[{**_epoch(1, float(sys.float_info.max), 1003.0), SUBSTITUTED: "val_loss"}],
+        ),
     ]
     rows, curves = sweep_rows(trials, runs, points, TuneOptions(target=0.4), tmp_path, 2)
     assert [(r["workers"], r["lr_scaling"], r["trial"]) for r in rows] == [
-        (1, "linear", runs[0].name), (1, "sqrt", runs[0].name), (2, "linear", runs[1].name), (2, "sqrt", runs[2].name),
+        (1, "linear", runs[0].name),
+        (1, "sqrt", runs[0].name),
+        (2, "linear", runs[1].name),
+        (2, "sqrt", runs[2].name),
     ]  # one row per grid point, in grid order
     linear, sqrt, failed, stopped = rows
     assert linear["same_run"] == sqrt["same_run"] == "linear=sqrt" and failed["same_run"] == ""
-    assert {k: v for k, v in linear.items() if k != "lr_scaling"} == {k: v for k, v in sqrt.items() if k != "lr_scaling"}
+    assert {k: v for k, v in linear.items() if k != "lr_scaling"} == {
+        k: v for k, v in sqrt.items() if k != "lr_scaling"
+    }
     assert linear["final_val_loss"] == 0.3 and linear["best_val_loss"] == 0.3 and linear["best_epoch"] == 2
     assert linear["epochs_to_target"] == 2 and linear["time_to_target_s"] == 7.5  # from the plan event at 1000.0
     assert linear["wall_time_s"] == 40.0 and "time_total_s" not in linear
     assert failed["status"] == "failed" and failed["error"].startswith("The run failed") and failed["epochs"] == 0
-    assert stopped["final_val_loss"] is None and stopped["epochs"] == 1  # the stand-in Tune got for a NaN is not a result
+    assert (
+        stopped["final_val_loss"] is None and stopped["epochs"] == 1
+    )  # the stand-in Tune got for a NaN is not a result
     assert curves[runs[0].name] == [(1, 0.5), (2, 0.3)] and curves[runs[2].name] == []
     summary = json.loads((tmp_path / "trials" / runs[2].name / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["stopped_after_epoch"] == 1
     assert not (shared_dir / "summary.json").exists()
 
-    table = "\n".join(closing_table(rows, best_per_worker_count(rows, TuneOptions()), linear, TuneOptions(), 60.0, tmp_path, None))
+    table = "\n".join(
+        closing_table(rows, best_per_worker_count(rows, TuneOptions()), linear, TuneOptions(), 60.0, tmp_path, None)
+    )
     assert "linear=sqrt" in table and "4 trials (3 runs" in table
 
 
 def test_a_trial_that_reported_nothing_is_read_from_its_run_directory(tmp_path):
-    base, points, runs = _plan(TrainConfig(epochs=2, batch_size_per_worker=32, lr=1e-3), workers="2", lr_scaling="linear")
+    base, points, runs = _plan(
+        TrainConfig(epochs=2, batch_size_per_worker=32, lr=1e-3), workers="2", lr_scaling="linear"
+    )
     _run_dir(tmp_path, runs[0].name, rows=[_epoch(1, 0.7, 1002.0)])
     trial = TrialRun(name=runs[0].name, point=runs[0].point, status="failed", error="boom")
     rows, curves = sweep_rows([trial], runs, points, TuneOptions(), tmp_path, 2)
@@ -437,30 +527,75 @@ def test_a_failed_trials_error_is_its_exceptions_first_line():
 
     failed = RunFailed("The run failed: rank 1 raised ValueError: bad shape in model.py:12\n  more\nRun files: /x")
     assert trial_error(Trial(Wrapped(failed))) == "The run failed: rank 1 raised ValueError: bad shape in model.py:12"
-    assert trial_error(Trial(Wrapped(FloatingPointError("The training loss became NaN\nat step 3")))) == "FloatingPointError: The training loss became NaN"
+    assert (
+        trial_error(Trial(Wrapped(FloatingPointError("The training loss became NaN\nat step 3"))))
+        == "FloatingPointError: The training loss became NaN"
+    )
     assert trial_error(Trial(None)) == "failed (Tune's error file: /tmp/tune/00/error.txt)"
 
 
 def test_trials_csv_leads_with_the_swept_values_then_the_metrics(tmp_path):
-    failed = {"trial": "00", "workers": 1, "lr_scaling": "none", "warmup_epochs": 0.0, "lr": 0.1,
-              "final_val_loss": None, "best_val_loss": None, "status": "failed", "best_epoch": None, "error": "boom"}
-    done = {**failed, "trial": "01", "final_val_accuracy": 0.9, "final_val_loss": 0.2, "best_val_accuracy": 0.9,
-            "best_val_loss": 0.2, "status": "finished", "best_epoch": 2, "error": ""}
+    failed = {
+        "trial": "00",
+        "workers": 1,
+        "lr_scaling": "none",
+        "warmup_epochs": 0.0,
+        "lr": 0.1,
+        "final_val_loss": None,
+        "best_val_loss": None,
+        "status": "failed",
+        "best_epoch": None,
+        "error": "boom",
+    }
+    done = {
+        **failed,
+        "trial": "01",
+        "final_val_accuracy": 0.9,
+        "final_val_loss": 0.2,
+        "best_val_accuracy": 0.9,
+        "best_val_loss": 0.2,
+        "status": "finished",
+        "best_epoch": 2,
+        "error": "",
+    }
     write_csv(tmp_path / "t.csv", [failed, done])
     rows = read_csv(tmp_path / "t.csv")
-    assert list(rows[0]) == ["trial", "workers", "lr_scaling", "warmup_epochs", "lr", "final_val_accuracy", "final_val_loss",
-                             "best_val_accuracy", "best_val_loss", "status", "best_epoch", "error"]
+    assert list(rows[0]) == [
+        "trial",
+        "workers",
+        "lr_scaling",
+        "warmup_epochs",
+        "lr",
+        "final_val_accuracy",
+        "final_val_loss",
+        "best_val_accuracy",
+        "best_val_loss",
+        "status",
+        "best_epoch",
+        "error",
+    ]
     assert rows[0]["final_val_loss"] == "" and rows[1]["final_val_loss"] == "0.2"
 
 
 def test_plot_has_a_panel_per_worker_count(tmp_path):
     rows = []
-    for i, (workers, status, losses) in enumerate([(1, "finished", [0.5, 0.3]), (2, "stopped", [0.9]), (2, "failed", [])]):
+    for i, (workers, status, losses) in enumerate(
+        [(1, "finished", [0.5, 0.3]), (2, "stopped", [0.9]), (2, "failed", [])]
+    ):
         run_dir = tmp_path / f"t{i}"
         run_dir.mkdir()
-        lines = [json.dumps({"epoch": e + 1, "step": 10 * (e + 1), "val_loss": v, "epoch_end": True}) for e, v in enumerate(losses)]
+        lines = [
+            json.dumps({"epoch": e + 1, "step": 10 * (e + 1), "val_loss": v, "epoch_end": True})
+            for e, v in enumerate(losses)
+        ]
         (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
-        rows.append({**_row(workers, "linear", 0.0, losses[-1] if losses else None, status=status), "epochs": len(losses), "run_dir": str(run_dir)})
+        rows.append(
+            {
+                **_row(workers, "linear", 0.0, losses[-1] if losses else None, status=status),
+                "epochs": len(losses),
+                "run_dir": str(run_dir),
+            }
+        )
     plot_trials(tmp_path / "trials.png", rows, 2, TuneOptions(target=0.4))
     assert (tmp_path / "trials.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -501,8 +636,21 @@ def test_tune_usage_errors_exit_2_with_one_message(capsys, tmp_path, args, expec
 def test_tune_help_lists_the_axes(capsys):
     code, out, _ = cli(capsys, "tune", "--help")
     assert code == 0
-    for flag in ("--workers", "--lr-scaling", "--warmup-epochs", "--lr-range", "--samples", "--metric", "--mode",
-                 "--no-early-stop", "--grace-period", "--target", "--max-concurrent-trials", "--epochs", "--seed"):
+    for flag in (
+        "--workers",
+        "--lr-scaling",
+        "--warmup-epochs",
+        "--lr-range",
+        "--samples",
+        "--metric",
+        "--mode",
+        "--no-early-stop",
+        "--grace-period",
+        "--target",
+        "--max-concurrent-trials",
+        "--epochs",
+        "--seed",
+    ):
         assert flag in out, flag
 
 
@@ -514,8 +662,23 @@ def test_sweep_writes_trials_csv_best_yaml_and_plot_and_best_yaml_trains(ray_ses
     held_before = set(held_placement_groups())
     started = time.time()
     code, out, err = cli(
-        capsys, "tune", "digits", "--workers", "1,2", "--lr-scaling", "linear,none", "--warmup-epochs", "0",
-        "--epochs", "2", "--target", "0.5", "--storage", str(tmp_path), "--name", "sweep",
+        capsys,
+        "tune",
+        "digits",
+        "--workers",
+        "1,2",
+        "--lr-scaling",
+        "linear,none",
+        "--warmup-epochs",
+        "0",
+        "--epochs",
+        "2",
+        "--target",
+        "0.5",
+        "--storage",
+        str(tmp_path),
+        "--name",
+        "sweep",
     )
     sweep_seconds = time.time() - started
     assert code == 0, err
@@ -523,10 +686,23 @@ def test_sweep_writes_trials_csv_best_yaml_and_plot_and_best_yaml_trains(ray_ses
     rows = read_csv(sweep / "trials.csv")
     assert len(rows) == 4
     assert list(rows[0])[:5] == ["trial", "workers", "lr_scaling", "warmup_epochs", "lr"]
-    for key in ("final_val_loss", "best_val_loss", "final_val_accuracy", "best_val_accuracy", "status",
-                "time_to_target_s", "epochs_to_target", "wall_time_s"):
+    for key in (
+        "final_val_loss",
+        "best_val_loss",
+        "final_val_accuracy",
+        "best_val_accuracy",
+        "status",
+        "time_to_target_s",
+        "epochs_to_target",
+        "wall_time_s",
+    ):
         assert key in rows[0], key
-    assert {(r["workers"], r["lr_scaling"]) for r in rows} == {("1", "linear"), ("1", "none"), ("2", "linear"), ("2", "none")}
+    assert {(r["workers"], r["lr_scaling"]) for r in rows} == {
+        ("1", "linear"),
+        ("1", "none"),
+        ("2", "linear"),
+        ("2", "none"),
+    }
     assert all(r["status"] in ("finished", "stopped") for r in rows), rows
     finished = [r for r in rows if r["status"] == "finished"]
     assert {r["workers"] for r in finished} == {"1", "2"}  # ASHA never stops the first trial of a count
@@ -540,7 +716,7 @@ def test_sweep_writes_trials_csv_best_yaml_and_plot_and_best_yaml_trains(ray_ses
     best = yaml.safe_load((sweep / "best.yaml").read_text())
     assert best["pipeline"] == "digits" and "name" not in best and "resume" not in best
     assert "Best per worker count" in out and "train it: raytrain train --config" in out
-    table = out[out.index("Best per worker count"):].splitlines()
+    table = out[out.index("Best per worker count") :].splitlines()
     assert any(line.split()[:1] == ["1"] for line in table) and any(line.split()[:1] == ["2"] for line in table)
     assert set(held_placement_groups()) <= held_before  # no trial left its workers' placement group behind
     print(f"\n4-trial sweep: {sweep_seconds:.0f} s")

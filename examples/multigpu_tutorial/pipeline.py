@@ -38,9 +38,16 @@ class RandomPairs(torch.utils.data.Dataset):
 
 class TutorialRegression(raytrain.Pipeline):
     default_config = {
-        "epochs": 10, "batch_size_per_worker": 32, "lr": 1e-3, "lr_scaling": "none", "optimizer": "sgd", "momentum": 0.0,
-        "weight_decay": 0.0, "warmup_epochs": 0, "schedule": "constant",
-    }  # fmt: skip
+        "epochs": 10,
+        "batch_size_per_worker": 32,
+        "lr": 1e-3,
+        "lr_scaling": "none",
+        "optimizer": "sgd",
+        "momentum": 0.0,
+        "weight_decay": 0.0,
+        "warmup_epochs": 0,
+        "schedule": "constant",
+    }
 
     def build_model(self, cfg):
         return torch.nn.Linear(20, 1)

@@ -7,9 +7,12 @@ class Block(nn.Module):
     def __init__(self, width: int):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
-        )  # fmt: skip
+            nn.Conv2d(width, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+        )
         self.relu = nn.ReLU()
 
     def forward(self, x):

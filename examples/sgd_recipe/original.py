@@ -7,7 +7,8 @@ label smoothing 0.1, random crop (pad 1) and horizontal flip per sample, a small
 network with batch norm. Run alone, or under torchrun for DDP with DistributedSampler:
 
     python examples/sgd_recipe/original.py --epochs 10 --seed 0 --out result.json
-    python -m torch.distributed.run --nproc_per_node 2 examples/sgd_recipe/original.py --epochs 10 --seed 0 --out result.json
+    python -m torch.distributed.run --nproc_per_node 2 examples/sgd_recipe/original.py \
+        --epochs 10 --seed 0 --out result.json
 
 Every rank trains `--global-batch-size / world size` samples per step. Rank 0 writes the
 final training loss (the mean over the last epoch) and the validation loss as JSON.
@@ -119,7 +120,11 @@ def main() -> None:
         val_loss = float(F.cross_entropy(model(x), y, label_smoothing=LABEL_SMOOTHING))
         val_accuracy = float((model(x).argmax(1) == y).float().mean())
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"train_loss": train_loss, "val_loss": val_loss, "val_accuracy": val_accuracy, "world_size": world}))
+        Path(args.out).write_text(
+            json.dumps(
+                {"train_loss": train_loss, "val_loss": val_loss, "val_accuracy": val_accuracy, "world_size": world}
+            )
+        )
     if distributed:
         dist.destroy_process_group()
 

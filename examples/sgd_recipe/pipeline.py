@@ -18,17 +18,37 @@ import torch.nn.functional as F
 
 import raytrain
 from examples.sgd_recipe.model import ResNetLite
-from examples.sgd_recipe.original import GAMMA, LABEL_SMOOTHING, LR, MILESTONES, MOMENTUM, WARMUP_EPOCHS, WARMUP_START, WEIGHT_DECAY
+from examples.sgd_recipe.original import (
+    GAMMA,
+    LABEL_SMOOTHING,
+    LR,
+    MILESTONES,
+    MOMENTUM,
+    WARMUP_EPOCHS,
+    WARMUP_START,
+    WEIGHT_DECAY,
+)
 from pipelines.digits.pipeline import load_arrays, split, to_dataset
 
 
 class SGDRecipe(raytrain.Pipeline):
     default_config = {
-        "epochs": 10, "global_batch_size": 128, "reference_batch_size": 128, "lr": LR, "lr_scaling": "linear",
-        "optimizer": "sgd", "momentum": MOMENTUM, "nesterov": True, "weight_decay": WEIGHT_DECAY, "decay_norm_and_bias": False,
-        "warmup_epochs": WARMUP_EPOCHS, "warmup_start_factor": WARMUP_START, "schedule": "step",
-        "lr_milestones": list(MILESTONES), "lr_gamma": GAMMA,
-    }  # fmt: skip
+        "epochs": 10,
+        "global_batch_size": 128,
+        "reference_batch_size": 128,
+        "lr": LR,
+        "lr_scaling": "linear",
+        "optimizer": "sgd",
+        "momentum": MOMENTUM,
+        "nesterov": True,
+        "weight_decay": WEIGHT_DECAY,
+        "decay_norm_and_bias": False,
+        "warmup_epochs": WARMUP_EPOCHS,
+        "warmup_start_factor": WARMUP_START,
+        "schedule": "step",
+        "lr_milestones": list(MILESTONES),
+        "lr_gamma": GAMMA,
+    }
 
     def build_model(self, cfg):
         return ResNetLite()
@@ -36,7 +56,10 @@ class SGDRecipe(raytrain.Pipeline):
     def build_datasets(self, cfg):
         images, labels = load_arrays()
         train_rows, val_rows = split(len(labels))
-        return {"train": to_dataset(images[train_rows], labels[train_rows]), "val": to_dataset(images[val_rows], labels[val_rows])}
+        return {
+            "train": to_dataset(images[train_rows], labels[train_rows]),
+            "val": to_dataset(images[val_rows], labels[val_rows]),
+        }
 
     def transform_batch(self, batch, ctx):
         """Random crop after 1-pixel padding, and a horizontal flip, per image (on the device)."""

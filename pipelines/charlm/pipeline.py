@@ -13,9 +13,11 @@ import torch.nn.functional as F
 
 import raytrain
 from pipelines.charlm.model import CharGPT
-from raytrain.data.checks import DataError
+from raytrain.errors import DataError
 
 VAL_FRACTION = 0.05
+
+
 @dataclass
 class CharLMArgs:
     """--pipeline-arg options of the charlm pipeline."""
@@ -79,8 +81,11 @@ class CharLMPipeline(raytrain.Pipeline):
         windows = text[: rows * window].reshape(rows, window).astype(np.int64)
         num_val = max(1, int(rows * VAL_FRACTION))
         self.unigram_bits = unigram_bits_per_byte(text)
-        print(f"charlm: {len(text) / 2**20:.2f} MB of stdlib source, {rows} windows of {window} bytes; "
-              f"unigram baseline {self.unigram_bits:.3f} bits/byte ({self.unigram_bits * math.log(2):.3f} nats)", flush=True)
+        print(
+            f"charlm: {len(text) / 2**20:.2f} MB of stdlib source, {rows} windows of {window} bytes; "
+            f"unigram baseline {self.unigram_bits:.3f} bits/byte ({self.unigram_bits * math.log(2):.3f} nats)",
+            flush=True,
+        )
         return {
             "train": ray.data.from_numpy(windows[:-num_val]).rename_columns({"data": "tokens"}),
             "val": ray.data.from_numpy(windows[-num_val:]).rename_columns({"data": "tokens"}),

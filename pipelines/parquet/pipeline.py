@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import raytrain
-from raytrain.data.checks import DataError
+from raytrain.errors import DataError
 
 SPLIT_SEED = 1234
 
@@ -55,7 +55,9 @@ def read(path: str):
     import ray.data
 
     if not Path(path).exists():
-        raise DataError(f"pipeline parquet: {path} does not exist; point --pipeline-arg path at a Parquet file or directory")
+        raise DataError(
+            f"pipeline parquet: {path} does not exist; point --pipeline-arg path at a Parquet file or directory"
+        )
     try:
         return ray.data.read_parquet(path)
     except Exception as exc:  # pyarrow raises several types for unreadable files
@@ -69,7 +71,10 @@ def pack(ds, spec: ParquetArgs, features: list[str], regression: bool):
         n = len(batch[spec.label])
         parts = [np.asarray(batch[name], dtype=np.float32).reshape(n, -1) for name in features]
         label = np.asarray(batch[spec.label])
-        return {"features": np.concatenate(parts, axis=1), "label": label.astype(np.float32 if regression else np.int64)}
+        return {
+            "features": np.concatenate(parts, axis=1),
+            "label": label.astype(np.float32 if regression else np.int64),
+        }
 
     return ds.map_batches(to_tensors, batch_format="numpy")
 
@@ -83,19 +88,23 @@ def check_numeric(spec: ParquetArgs, features: list[str], types: dict) -> None:
         kind = types[name]
         if isinstance(kind, pa.DictionaryType):
             kind = kind.value_type
-        return isinstance(kind, pa.DataType) and (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind))
+        return isinstance(kind, pa.DataType) and (
+            pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+        )
 
     problems = []
     if textual(spec.label):
         problems.append(
-            f"label column {spec.label!r} holds text ({types[spec.label]}); a classification label must be an integer class "
+            f"label column {spec.label!r} holds text ({types[spec.label]}); a classification label must be an "
+            "integer class "
             f"index and a regression target a number: map the names to ids when writing the files, "
             f"e.g. df[{spec.label!r}] = df[{spec.label!r}].astype('category').cat.codes"
         )
     text_features = [name for name in features if textual(name)]
     if text_features:
         problems.append(
-            f"feature column(s) {', '.join(text_features)} hold text; features must be numbers: encode them when writing the "
+            f"feature column(s) {', '.join(text_features)} hold text; features must be numbers: encode them when "
+            "writing the "
             f"files, or choose the numeric ones with --pipeline-arg features=COL,COL"
         )
     if problems:
@@ -125,7 +134,10 @@ def label_max(path: str, label: str, dataset) -> int:
     try:
         return int(best)
     except (TypeError, ValueError):
-        raise DataError(f"pipeline parquet: label column {label!r} holds {best!r}; a classification label must be an integer class index") from None
+        raise DataError(
+            f"pipeline parquet: label column {label!r} holds {best!r}; a classification label must be an integer "
+            "class index"
+        ) from None
 
 
 class ParquetPipeline(raytrain.Pipeline):
@@ -142,11 +154,15 @@ class ParquetPipeline(raytrain.Pipeline):
         features = spec.feature_list or [c for c in columns if c != spec.label]
         missing = [c for c in [spec.label, *features] if c not in columns]
         if missing:
-            raise DataError(f"pipeline parquet: column(s) {', '.join(missing)} not in {spec.path} (it has: {', '.join(columns)})")
+            raise DataError(
+                f"pipeline parquet: column(s) {', '.join(missing)} not in {spec.path} (it has: {', '.join(columns)})"
+            )
         types = dict(zip(columns, ds.schema().types))
         check_numeric(spec, features, types)
         label_type = str(types[spec.label])
-        regression = spec.task == "regression" or (spec.task is None and ("float" in label_type or "double" in label_type))
+        regression = spec.task == "regression" or (
+            spec.task is None and ("float" in label_type or "double" in label_type)
+        )
         train = pack(ds, spec, features, regression)
         if spec.val_path:
             val = pack(read(spec.val_path), spec, features, regression)
@@ -167,7 +183,13 @@ class ParquetPipeline(raytrain.Pipeline):
             self.build_datasets(cfg)
         num_features, num_outputs, _ = self.shape
         hidden = self.args(cfg).hidden
-        return nn.Sequential(nn.Linear(num_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, num_outputs))
+        return nn.Sequential(
+            nn.Linear(num_features, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_outputs),
+        )
 
     def compute_loss(self, model, batch):
         out = model(batch["features"]).float()

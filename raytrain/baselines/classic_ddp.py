@@ -3,7 +3,8 @@
 Under torchrun it is the seed's recipe, DDP + DistributedSampler + DataLoader(num_workers=0):
 
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29511 \\
-        -m raytrain.baselines.classic_ddp --pipeline digits --data train.npz --config config.json --epochs 3 --out out.json
+        -m raytrain.baselines.classic_ddp --pipeline digits --data train.npz --config config.json \\
+        --epochs 3 --out out.json
 
 Run with plain `python -m raytrain.baselines.classic_ddp` it is the single-process training
 loop a user starts from (no process group, no DDP, a shuffling DataLoader). The model, loss and batch come from the
@@ -74,11 +75,15 @@ def train_classic() -> None:
         dataset = TensorDataset(*[torch.from_numpy(data[name]) for name in names])
     per_worker = math.ceil((cfg.global_batch_size or cfg.batch_size_per_worker * world_size) / world_size)
     sampler = DistributedSampler(dataset, shuffle=True, seed=cfg.seed) if ddp else None
-    loader = DataLoader(dataset, batch_size=per_worker, shuffle=sampler is None, sampler=sampler, num_workers=0, pin_memory=use_cuda)
+    loader = DataLoader(
+        dataset, batch_size=per_worker, shuffle=sampler is None, sampler=sampler, num_workers=0, pin_memory=use_cuda
+    )
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     total_steps = args.epochs * len(loader)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps))))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps)))
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     autocast = (
         contextlib.nullcontext
@@ -166,7 +171,11 @@ def ddp_arguments(cfg: TrainConfig) -> dict:
         "static_graph": cfg.ddp.static_graph,
         "find_unused_parameters": cfg.ddp.find_unused_parameters,
     }
-    buffers = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters else "broadcast_buffers"
+    buffers = (
+        "forward_sync_buffers"
+        if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+        else "broadcast_buffers"
+    )
     kwargs[buffers] = cfg.ddp.broadcast_buffers
     return kwargs
 

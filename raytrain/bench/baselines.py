@@ -1,4 +1,5 @@
-"""The baselines: the classic torchrun template (`raytrain.baselines.classic_ddp`) and one plain process, run and timed like raytrain; the CPU anything else took meanwhile."""
+"""The baselines: the classic torchrun template (`raytrain.baselines.classic_ddp`) and one plain process, run and timed
+like raytrain; the CPU anything else took meanwhile."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from raytrain.observe.render import plural
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.bench.study import PlannedRun
 
-def run_template(pipeline: str, run: PlannedRun, opts: BenchOptions, out: Path, *, mode: str, tag: str, echo) -> dict[str, Any]:
+
+def run_template(
+    pipeline: str, run: PlannedRun, opts: BenchOptions, out: Path, *, mode: str, tag: str, echo
+) -> dict[str, Any]:
     """The classic template with `run`'s config and epochs: under torchrun at `run`'s worker
     count, or (`mode="plain"`) as one process without torch.distributed."""
     from raytrain.driver.session import driver_pythonpath, free_port
@@ -31,16 +35,38 @@ def run_template(pipeline: str, run: PlannedRun, opts: BenchOptions, out: Path, 
     config_path = folder / f"{name}.config.json"
     config_path.write_text(json.dumps(run.cfg.to_dict()))
     args = [
-        "-m", TEMPLATE_MODULE, "--pipeline", pipeline, "--data", str(folder / "train.npz"), "--config", str(config_path),
-        "--epochs", str(run.epochs), "--warmup-steps", str(opts.warmup_steps), "--out", str(folder / f"{name}.json"),
-    ]  # fmt: skip
+        "-m",
+        TEMPLATE_MODULE,
+        "--pipeline",
+        pipeline,
+        "--data",
+        str(folder / "train.npz"),
+        "--config",
+        str(config_path),
+        "--epochs",
+        str(run.epochs),
+        "--warmup-steps",
+        str(opts.warmup_steps),
+        "--out",
+        str(folder / f"{name}.json"),
+    ]
     if mode == "plain":
         command = [sys.executable, *args]
     else:
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(workers),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            str(workers),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            *args,
+        ]
     # Ray gives each worker OMP_NUM_THREADS = its whole CPUs; the template gets the same.
     threads = max(1, int(run.cfg.cpus_per_worker))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": driver_pythonpath()}
@@ -50,7 +76,9 @@ def run_template(pipeline: str, run: PlannedRun, opts: BenchOptions, out: Path, 
     background = BackgroundCPU()
     with open(log, "w") as handle:
         try:
-            code = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=BASELINE_TIMEOUT_S).returncode
+            code = subprocess.run(
+                command, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=BASELINE_TIMEOUT_S
+            ).returncode
         except subprocess.TimeoutExpired:
             code = None
     ray_share = background.share()
@@ -107,5 +135,3 @@ def machine_facts() -> dict[str, Any]:
         "ray": ray.__version__,
         "load_average_at_end": [round(x, 2) for x in load] if load else None,
     }
-
-

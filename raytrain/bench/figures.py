@@ -5,9 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-
-from raytrain.rules import costmodel
-from raytrain.rules import steps
+from raytrain.rules import costmodel, steps
 
 # -- pure: epochs, step split, ratios ------------------------------------------------------
 
@@ -27,7 +25,13 @@ def epochs_for(num_rows: int, global_batch_size: int, warmup_steps: int, steps: 
     return math.ceil(steps / per_epoch)
 
 
-def step_split(phases_s: dict[str, float], steady_time_s: float, steady_steps: int, fb_1worker_ms: float | None, batch_ratio: float = 1.0) -> dict[str, float]:
+def step_split(
+    phases_s: dict[str, float],
+    steady_time_s: float,
+    steady_steps: int,
+    fb_1worker_ms: float | None,
+    batch_ratio: float = 1.0,
+) -> dict[str, float]:
     """Milliseconds per steady step: data wait, compute, communication, optimizer, other.
 
     `fb_1worker_ms` is forward+backward per step at 1 worker (None: this is the 1-worker
@@ -48,7 +52,9 @@ def step_split(phases_s: dict[str, float], steady_time_s: float, steady_steps: i
     }
 
 
-def scaling_rows(runs: list[dict[str, Any]], grad_bytes: int, link: str | None, bucket_mb: float) -> list[dict[str, Any]]:
+def scaling_rows(
+    runs: list[dict[str, Any]], grad_bytes: int, link: str | None, bucket_mb: float
+) -> list[dict[str, Any]]:
     """Per worker count: throughput, speedup vs 1 worker, efficiency, step split, prediction."""
     base = next(r for r in runs if r["workers"] == 1)
     fb_1 = 1e3 * base["phase_time_s"].get("forward_backward", 0.0) / base["steady_steps"]
@@ -57,9 +63,12 @@ def scaling_rows(runs: list[dict[str, Any]], grad_bytes: int, link: str | None, 
         n = run["workers"]
         speedup = run["steady_samples_per_s"] / base["steady_samples_per_s"]
         split = step_split(
-            run["phase_time_s"], run["steady_time_s"], run["steady_steps"],
-            None if n == 1 else fb_1, run["per_worker_batch"] / base["per_worker_batch"],
-        )  # fmt: skip
+            run["phase_time_s"],
+            run["steady_time_s"],
+            run["steady_steps"],
+            None if n == 1 else fb_1,
+            run["per_worker_batch"] / base["per_worker_batch"],
+        )
         row = {
             "workers": n,
             "global_batch_size": run["global_batch_size"],
@@ -92,19 +101,19 @@ def baseline_rows(rows: list[dict[str, Any]], baselines: dict[str, list[dict[str
     for name, results in baselines.items():
         for result in results:
             n = result["world_size"]
-            out.append({
-                "baseline": name,
-                "workers": n,
-                "baseline_samples_per_s": result["steady_samples_per_s"],
-                "raytrain_samples_per_s": ours[n],
-                "ratio": ours[n] / result["steady_samples_per_s"],
-                "threads": result["threads"],
-                "ray_beside": result.get("ray_beside"),
-                "ray_background_cpu_share": result.get("ray_background_cpu_share"),
-            })  # fmt: skip
+            out.append(
+                {
+                    "baseline": name,
+                    "workers": n,
+                    "baseline_samples_per_s": result["steady_samples_per_s"],
+                    "raytrain_samples_per_s": ours[n],
+                    "ratio": ours[n] / result["steady_samples_per_s"],
+                    "threads": result["threads"],
+                    "ray_beside": result.get("ray_beside"),
+                    "ray_background_cpu_share": result.get("ray_background_cpu_share"),
+                }
+            )
     return out
-
-
 
 
 def pick_run(results: list[dict[str, Any]], statistic: str = "median") -> dict[str, Any]:

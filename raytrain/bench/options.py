@@ -6,10 +6,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-
-from raytrain.rules import costmodel
 from raytrain.config import DEFAULT_STORAGE
 from raytrain.errors import ConfigError
+from raytrain.rules import costmodel
 
 TEMPLATE_MODULE = "raytrain.baselines.classic_ddp"
 BASELINES = ("torchrun", "plain")
@@ -17,7 +16,16 @@ Statistic = Literal["median", "best"]
 STATISTICS = get_args(Statistic)
 BASELINE_TIMEOUT_S = 1800
 # Train options bench decides itself (one run per worker count, its own storage layout).
-BENCH_OWNED = ("workers", "epochs", "storage", "name", "resume", "checkpoint_every_steps", "max_failures", "timing_warmup_steps")
+BENCH_OWNED = (
+    "workers",
+    "epochs",
+    "storage",
+    "name",
+    "resume",
+    "checkpoint_every_steps",
+    "max_failures",
+    "timing_warmup_steps",
+)
 
 
 class BenchError(RuntimeError):
@@ -34,19 +42,23 @@ class BenchOptions:
     """What `raytrain bench` measures, besides the training options."""
 
     workers: list[int]
-    """Worker counts to run, comma-separated on the command line (e.g. 1,2,4); 1 is always added (speedups are relative to it)."""
+    """Worker counts to run, comma-separated on the command line (e.g. 1,2,4); 1 is always added (speedups are relative
+    to it)."""
     steps: int = 100
     """At least this many steady steps measured at each worker count (default 100)."""
     warmup_steps: int = field(default=3, metadata={"flags": ("--warmup-steps", "--timing-warmup-steps")})
     """Steps left out at the start of every epoch, by raytrain and the baselines (default 3)."""
-    baselines: list[str] = field(default_factory=list, metadata={"flags": "--baseline", "repeat": True, "parse": _names, "metavar": "NAME"})
+    baselines: list[str] = field(
+        default_factory=list, metadata={"flags": "--baseline", "repeat": True, "parse": _names, "metavar": "NAME"}
+    )
     """`torchrun` and/or `plain` (repeat or comma-separate)."""
     repeat: int = 1
     """Rounds of every configuration (default 1)."""
     statistic: Statistic = "median"
     """Which round stands for a configuration with --repeat: `median` (default) or `best` (the fastest)."""
     link: str | None = None
-    """A cost-model link (nvlink, pcie4, ib200, ...: raytrain.rules.costmodel.LINKS): adds a predicted speedup column; with --predict, the ring's link."""
+    """A cost-model link (nvlink, pcie4, ib200, ...: raytrain.rules.costmodel.LINKS): adds a predicted speedup column;
+    with --predict, the ring's link."""
     storage: str = DEFAULT_STORAGE
     """Results go to STORAGE/NAME/ (default ~/raytrain_results)."""
     name: str | None = None
@@ -73,8 +85,6 @@ class BenchOptions:
             raise ConfigError(problems)
         self.workers = sorted({1, *self.workers})
         self.storage = os.path.abspath(os.path.expanduser(self.storage.removeprefix("file://")))
-
-
 
 
 def worker_counts(text: str, option: str = "workers") -> list[int]:

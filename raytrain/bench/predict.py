@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from raytrain.rules import costmodel
-from raytrain.errors import ConfigError
+from raytrain.errors import ConfigError, UserError
 from raytrain.fields import flag_name
-from raytrain.errors import UserError
 from raytrain.observe.render import text_table
+from raytrain.rules import costmodel
 
 
 class PredictError(UserError, ValueError):
@@ -54,7 +53,9 @@ def predict_speedups(opts: PredictOptions, echo: Callable[[str], None] = print) 
     if opts.source:
         report_path = Path(opts.source).expanduser() / "bench.json"
         if not report_path.is_file():
-            raise ConfigError([("from", f"no bench.json in {opts.source}; give the directory a `raytrain bench` run wrote")])
+            raise ConfigError(
+                [("from", f"no bench.json in {opts.source}; give the directory a `raytrain bench` run wrote")]
+            )
         report = json.loads(report_path.read_text())
         one = next(r for r in report["results"] if r["workers"] == 1)
         step_s, grad_bytes = one["split_ms"]["step"] / 1e3, report["grad_bytes"]
@@ -63,30 +64,50 @@ def predict_speedups(opts: PredictOptions, echo: Callable[[str], None] = print) 
         step_s = opts.step_time_ms / 1e3
     if opts.grad_mb is not None:
         grad_bytes = opts.grad_mb * 1e6
-    missing = [(name, f"needed by --predict; give {flag_name(name)} or --from BENCH_DIR") for name, v in (("step_time_ms", step_s), ("grad_mb", grad_bytes)) if v is None]
+    missing = [
+        (name, f"needed by --predict; give {flag_name(name)} or --from BENCH_DIR")
+        for name, v in (("step_time_ms", step_s), ("grad_mb", grad_bytes))
+        if v is None
+    ]
     if missing:
         raise ConfigError(missing)
     link = opts.link or (costmodel.DEFAULT_INTRA_LINK if opts.nodes == 1 else None)
     if link is None:
         raise ConfigError([("link", f"needed with --nodes {opts.nodes}: the inter-node link, e.g. --link ib200")])
     if opts.gpus < 1 or opts.nodes < 1 or opts.gpus % opts.nodes:
-        raise ConfigError([("gpus", f"got {opts.gpus} over --nodes {opts.nodes}; give a positive multiple of the node count")])
+        raise ConfigError(
+            [("gpus", f"got {opts.gpus} over --nodes {opts.nodes}; give a positive multiple of the node count")]
+        )
     try:
         predictions = [
             costmodel.predict(
-                gpus=n, nodes=nodes, step_time_s=step_s, grad_bytes=grad_bytes,
+                gpus=n,
+                nodes=nodes,
+                step_time_s=step_s,
+                grad_bytes=grad_bytes,
                 link=link if nodes > 1 else (link if opts.nodes == 1 else opts.intra_link),
-                intra_link=opts.intra_link, nics_per_node=opts.nics_per_node, bucket_mb=opts.bucket_mb, overlap=opts.overlap,
+                intra_link=opts.intra_link,
+                nics_per_node=opts.nics_per_node,
+                bucket_mb=opts.bucket_mb,
+                overlap=opts.overlap,
             )
             for n, nodes in prediction_points(opts.gpus, opts.nodes)
-        ]  # fmt: skip
+        ]
     except costmodel.CostModelError as exc:
         raise PredictError(f"--predict: {exc}") from None
     echo(f"Cost model ({source}: 1-worker step {step_s * 1e3:.2f} ms, {grad_bytes / 1e6:.2f} MB of gradients):")
     echo(costmodel.describe(predictions[-1], grad_bytes))
     header = ["GPUs", "nodes", "all-reduce ms", "hidden ms", "step ms", "speedup", "efficiency"]
     rows = [
-        [p.gpus, p.nodes, f"{p.comm_s * 1e3:.2f}", f"{p.hidden_s * 1e3:.2f}", f"{p.step_time_n_s * 1e3:.2f}", f"{p.speedup:.2f}×", f"{p.efficiency:.1%}"]
+        [
+            p.gpus,
+            p.nodes,
+            f"{p.comm_s * 1e3:.2f}",
+            f"{p.hidden_s * 1e3:.2f}",
+            f"{p.step_time_n_s * 1e3:.2f}",
+            f"{p.speedup:.2f}×",
+            f"{p.efficiency:.1%}",
+        ]
         for p in predictions
     ]
     echo("\n".join(text_table(header, rows)))
@@ -97,5 +118,7 @@ def prediction_points(gpus: int, nodes: int) -> list[tuple[int, int]]:
     """(GPUs, nodes) to tabulate: powers of two inside one node, then whole nodes up to `nodes`."""
     per_node = gpus // nodes
     points = [(n, 1) for n in (1, 2, 4, 8, 16, 32, 64) if n < per_node] + [(per_node, 1)]
-    points += [(k * per_node, k) for k in (2, 4, 8, 16, 32, 64, 128) if k < nodes] + ([(gpus, nodes)] if nodes > 1 else [])
+    points += [(k * per_node, k) for k in (2, 4, 8, 16, 32, 64, 128) if k < nodes] + (
+        [(gpus, nodes)] if nodes > 1 else []
+    )
     return points

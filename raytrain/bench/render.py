@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-
 from raytrain.observe.render import figure, markdown_table, plural, text_table
 
 METHOD = (
@@ -40,17 +39,37 @@ def write_bench_files(out: Path, report: dict[str, Any]) -> None:
 
 def table_lines(report: dict[str, Any]) -> list[list[str]]:
     predicted = report.get("link") is not None
-    header = ["workers", "global batch", "samples/s", "speedup", "efficiency", "step ms", "data wait", "compute", "comm", "optimizer", "other"]
+    header = [
+        "workers",
+        "global batch",
+        "samples/s",
+        "speedup",
+        "efficiency",
+        "step ms",
+        "data wait",
+        "compute",
+        "comm",
+        "optimizer",
+        "other",
+    ]
     if predicted:
         header.append(f"predicted ({report['link']})")
     lines = [header]
     for row in report["results"]:
         s = row["split_ms"]
         line = [
-            str(row["workers"]), str(row["global_batch_size"]), f"{row['steady_samples_per_s']:,.0f}", f"{row['speedup']:.2f}×",
-            f"{row['efficiency']:.0%}", f"{s['step']:.2f}", f"{s['data_wait']:.2f}", f"{s['compute']:.2f}",
-            f"{s['communication']:.2f}", f"{s['optimizer']:.2f}", f"{s['other']:.2f}",
-        ]  # fmt: skip
+            str(row["workers"]),
+            str(row["global_batch_size"]),
+            f"{row['steady_samples_per_s']:,.0f}",
+            f"{row['speedup']:.2f}×",
+            f"{row['efficiency']:.0%}",
+            f"{s['step']:.2f}",
+            f"{s['data_wait']:.2f}",
+            f"{s['compute']:.2f}",
+            f"{s['communication']:.2f}",
+            f"{s['optimizer']:.2f}",
+            f"{s['other']:.2f}",
+        ]
         if predicted:
             line.append(f"{row['predicted_speedup']:.2f}×")
         lines.append(line)
@@ -58,12 +77,20 @@ def table_lines(report: dict[str, Any]) -> list[list[str]]:
 
 
 def baseline_lines(report: dict[str, Any]) -> list[list[str]]:
-    lines = [["baseline", "workers", "baseline samples/s", "raytrain samples/s", "raytrain / baseline", "Ray meanwhile"]]
+    lines = [
+        ["baseline", "workers", "baseline samples/s", "raytrain samples/s", "raytrain / baseline", "Ray meanwhile"]
+    ]
     for b in report["baselines"]:
-        lines.append([
-            b["baseline"], str(b["workers"]), f"{b['baseline_samples_per_s']:,.0f}", f"{b['raytrain_samples_per_s']:,.0f}",
-            f"{b['ratio']:.3f}", _ray_beside(b),
-        ])  # fmt: skip
+        lines.append(
+            [
+                b["baseline"],
+                str(b["workers"]),
+                f"{b['baseline_samples_per_s']:,.0f}",
+                f"{b['raytrain_samples_per_s']:,.0f}",
+                f"{b['ratio']:.3f}",
+                _ray_beside(b),
+            ]
+        )
     return lines
 
 
@@ -75,7 +102,10 @@ def _ray_beside(b: dict[str, Any]) -> str:
 
 
 def render_text(report: dict[str, Any]) -> str:
-    text = f"Scaling of {report['pipeline']} (ms per step, rank 0; {report['grad_bytes'] / 1e6:.2f} MB of gradients):\n" + _text(table_lines(report))
+    text = (
+        f"Scaling of {report['pipeline']} (ms per step, rank 0; {report['grad_bytes'] / 1e6:.2f} MB of gradients):\n"
+        + _text(table_lines(report))
+    )
     if report["baselines"]:
         text += "\n\n" + _text(baseline_lines(report))
     return text
@@ -97,7 +127,8 @@ def bench_markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `{report['command']}`" if report["command"] else "Command: (Python API)",
         "",
-        f"Machine: {report['machine']['cpus']} CPUs, GPU {report['machine']['gpu'] or 'none'}, torch {report['machine']['torch']}, "
+        f"Machine: {report['machine']['cpus']} CPUs, GPU {report['machine']['gpu'] or 'none'}, torch "
+        f"{report['machine']['torch']}, "
         f"ray {report['machine']['ray']}; load average at the end {report['machine']['load_average_at_end']}.",
         f"Model: {report['params']:,} trainable parameters, {report['grad_bytes'] / 1e6:.2f} MB of gradients. "
         f"Precision {opts['precision']}; DDP {ddp}. {report['num_train_rows']:,} training rows; "
@@ -109,19 +140,38 @@ def bench_markdown(report: dict[str, Any]) -> str:
         "",
     ]
     if report["baselines"]:
-        parts += ["## Baselines (same model, data, per-worker batch and warm-up)", "", _markdown(baseline_lines(report)), ""]
+        parts += [
+            "## Baselines (same model, data, per-worker batch and warm-up)",
+            "",
+            _markdown(baseline_lines(report)),
+            "",
+        ]
     if report.get("repeat", 1) > 1:
-        parts += [f"## Rounds (steady samples/s; each figure above is the {report.get('statistic', 'median')} round of {report['repeat']})", ""]
+        parts += [
+            f"## Rounds (steady samples/s; each figure above is the {report.get('statistic', 'median')} round of "
+            f"{report['repeat']})",
+            "",
+        ]
         for mode, by_n in report["rounds"].items():
-            parts += [f"- {mode}: " + "; ".join(f"{plural(int(n), 'worker')}: " + ", ".join(f"{x:,.0f}" for x in xs) for n, xs in by_n.items())]
+            parts += [
+                f"- {mode}: "
+                + "; ".join(
+                    f"{plural(int(n), 'worker')}: " + ", ".join(f"{x:,.0f}" for x in xs) for n, xs in by_n.items()
+                )
+            ]
         parts += [""]
-    implied = [f"{r['workers']} workers: {r['implied_bandwidth_GBps']:.2f} GB/s" for r in report["results"] if r.get("implied_bandwidth_GBps")]
+    implied = [
+        f"{r['workers']} workers: {r['implied_bandwidth_GBps']:.2f} GB/s"
+        for r in report["results"]
+        if r.get("implied_bandwidth_GBps")
+    ]
     parts += ["## Method", "", report["method"], ""]
     if implied:
         parts += [f"All-reduce bus bandwidth implied by the communication estimate: {'; '.join(implied)}.", ""]
     if report.get("link"):
         parts += [
-            f"Predicted speedup: `raytrain.rules.costmodel` on link {report['link']} from the 1-worker step time and the gradient size "
+            f"Predicted speedup: `raytrain.rules.costmodel` on link {report['link']} from the 1-worker step time and "
+            "the gradient size "
             "(ring all-reduce 2(N−1)/N × bytes / bandwidth, minus the part hidden under backward).",
             "",
         ]
@@ -139,11 +189,25 @@ def plot_scaling(report: dict[str, Any], path: Path) -> None:
     torchrun = {b["workers"]: b["baseline_samples_per_s"] for b in report["baselines"] if b["baseline"] == "torchrun"}
     if 1 in torchrun and len(torchrun) > 1:
         xs = sorted(torchrun)
-        ax.plot(xs, [torchrun[n] / torchrun[1] for n in xs], "s:", color="tab:orange", label="torchrun template (measured)")
+        ax.plot(
+            xs, [torchrun[n] / torchrun[1] for n in xs], "s:", color="tab:orange", label="torchrun template (measured)"
+        )
     if report.get("link"):
-        ax.plot(workers, [r["predicted_speedup"] for r in report["results"]], "^-.", color="tab:green", label=f"cost model ({report['link']})")
+        ax.plot(
+            workers,
+            [r["predicted_speedup"] for r in report["results"]],
+            "^-.",
+            color="tab:green",
+            label=f"cost model ({report['link']})",
+        )
     for r in report["results"]:
-        ax.annotate(f"{r['efficiency']:.0%}", (r["workers"], r["speedup"]), textcoords="offset points", xytext=(6, -12), fontsize=8)
+        ax.annotate(
+            f"{r['efficiency']:.0%}",
+            (r["workers"], r["speedup"]),
+            textcoords="offset points",
+            xytext=(6, -12),
+            fontsize=8,
+        )
     ax.set_xlabel("workers")
     ax.set_ylabel("speedup vs 1 worker")
     ax.set_xticks(workers)
@@ -154,5 +218,3 @@ def plot_scaling(report: dict[str, Any], path: Path) -> None:
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
-
-

@@ -9,29 +9,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-
-from raytrain.rules.batch import BatchPlan, resolve_batch_plan
-from raytrain.config import TrainConfig
-from raytrain.errors import ConfigError
-from raytrain.observe.render import plural
-from raytrain.rundir import PROGRESS, RunDir
 from raytrain.bench.baselines import machine_facts, run_template
 from raytrain.bench.figures import baseline_rows, epochs_for, pick_run, scaling_rows, steady_steps_per_epoch
 from raytrain.bench.options import BENCH_OWNED, BenchError, BenchOptions
 from raytrain.bench.render import METHOD, render_text, write_bench_files
+from raytrain.config import TrainConfig
+from raytrain.errors import ConfigError
+from raytrain.observe.render import plural
+from raytrain.rules.batch import BatchPlan, resolve_batch_plan
+from raytrain.rundir import PROGRESS, RunDir
 
 # -- the study -------------------------------------------------------------------------
 
 
-def run_bench(pipeline: str, train_values: dict[str, Any], opts: BenchOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
+def run_bench(
+    pipeline: str, train_values: dict[str, Any], opts: BenchOptions, echo: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Run the study, write bench.json, bench.md and scaling.png; return the report.
 
     With `opts.repeat` > 1 every configuration runs that many times in rounds that
     alternate raytrain-first and baselines-first; each figure is the round picked by
     `opts.statistic` (a loaded machine slows single runs by several times).
     """
-    from raytrain.pipeline import load_pipeline
     from raytrain.driver.session import ray_session
+    from raytrain.pipeline import load_pipeline
 
     pipe = load_pipeline(pipeline)
     name = opts.name or f"bench-{pipeline.split(':')[-1].split('.')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -46,7 +47,9 @@ def run_bench(pipeline: str, train_values: dict[str, Any], opts: BenchOptions, e
     def baselines(tag: str) -> None:
         for mode in opts.baselines:
             for run in planned if mode == "torchrun" else planned[:1]:
-                measured[mode].setdefault(run.workers, []).append(run_template(pipeline, run, opts, out, mode=mode, tag=tag, echo=echo))
+                measured[mode].setdefault(run.workers, []).append(
+                    run_template(pipeline, run, opts, out, mode=mode, tag=tag, echo=echo)
+                )
 
     # Rounds alternate raytrain-first and baselines-first, so drift in the machine's load
     # hits both alike. raytrain runs on its embedded Ray (started once per stretch of
@@ -72,7 +75,9 @@ def run_bench(pipeline: str, train_values: dict[str, Any], opts: BenchOptions, e
 
     runs = [pick_run(measured["raytrain"][run.workers], opts.statistic) for run in planned]
     chosen = {
-        mode: [pick_run(results, opts.statistic) for _, results in sorted(by_n.items())] for mode, by_n in measured.items() if mode != "raytrain"
+        mode: [pick_run(results, opts.statistic) for _, results in sorted(by_n.items())]
+        for mode, by_n in measured.items()
+        if mode != "raytrain"
     }
     rows = scaling_rows(runs, grad_bytes, opts.link, base_cfg.ddp.bucket_cap_mb)
     report = {
@@ -94,7 +99,10 @@ def run_bench(pipeline: str, train_values: dict[str, Any], opts: BenchOptions, e
         "method": METHOD.format(warmup=opts.warmup_steps, statistic=opts.statistic),
         "results": rows,
         "baselines": baseline_rows(rows, chosen),
-        "rounds": {mode: {str(n): [r["steady_samples_per_s"] for r in results] for n, results in sorted(by_n.items())} for mode, by_n in measured.items()},
+        "rounds": {
+            mode: {str(n): [r["steady_samples_per_s"] for r in results] for n, results in sorted(by_n.items())}
+            for mode, by_n in measured.items()
+        },
         "baseline_runs": chosen,
     }
     write_bench_files(out, report)
@@ -120,18 +128,24 @@ def plan_runs(train_values: dict[str, Any], opts: BenchOptions, out: Path, num_r
     planned = []
     for n in opts.workers:
         probe = bench_config(train_values, opts, workers=n, epochs=1, storage=out / "runs", name=f"w{n}")
-        plan = resolve_batch_plan(n, global_batch_size=probe.global_batch_size, batch_size_per_worker=probe.batch_size_per_worker)
+        plan = resolve_batch_plan(
+            n, global_batch_size=probe.global_batch_size, batch_size_per_worker=probe.batch_size_per_worker
+        )
         try:
             epochs = epochs_for(num_rows, plan.global_batch_size, opts.warmup_steps, opts.steps)
         except ValueError as exc:
             raise ConfigError([("steps", str(exc))]) from None
         cfg = bench_config(train_values, opts, workers=n, epochs=epochs, storage=out / "runs", name=f"w{n}")
         steady = epochs * steady_steps_per_epoch(num_rows, plan.global_batch_size, opts.warmup_steps)
-        planned.append(PlannedRun(workers=n, cfg=cfg, batch=plan, epochs=epochs, steady_steps=steady, num_rows=num_rows, out=out))
+        planned.append(
+            PlannedRun(workers=n, cfg=cfg, batch=plan, epochs=epochs, steady_steps=steady, num_rows=num_rows, out=out)
+        )
     return planned
 
 
-def bench_config(train_values: dict[str, Any], opts: BenchOptions, *, workers: int, epochs: int, storage: Path, name: str) -> TrainConfig:
+def bench_config(
+    train_values: dict[str, Any], opts: BenchOptions, *, workers: int, epochs: int, storage: Path, name: str
+) -> TrainConfig:
     values = {k: v for k, v in train_values.items() if k not in BENCH_OWNED}
     values.update(workers=workers, epochs=epochs, storage=str(storage), name=name, max_failures=0, time_phases=True)
     values["warmup_epochs"] = min(float(values.get("warmup_epochs", 1.0)), float(epochs))
@@ -199,5 +213,3 @@ def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
     }
     echo(f"bench: {what}: {measured['steady_samples_per_s']:,.0f} samples/s steady")
     return measured
-
-

@@ -41,15 +41,16 @@ def run_command(args: argparse.Namespace) -> int:
     No traceback. A ConfigError names each option as the user wrote it (`args.spell`, set
     by `read_run_options`; else as a flag)."""
     from raytrain.bench.options import BenchError
-    from raytrain.errors import UserError
     from raytrain.driver.interrupts import Interrupted
+    from raytrain.errors import RunFailed, UserError
     from raytrain.rundir import storage_error
-    from raytrain.errors import RunFailed
 
     def say(message: str) -> None:
         print(f"raytrain {args.command}: {message}", file=sys.stderr, flush=True)
 
-    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
+    previous = (
+        signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
+    )
     try:
         return args.handler(args)
     except Interrupted as exc:
@@ -92,8 +93,6 @@ def _terminate(signum, frame):
 def as_flag(field: str) -> str:
     """`ddp.bucket_cap_mb` -> `--ddp-bucket-cap-mb`."""
     return flag_name(field.replace(".", "_"))
-
-
 
 
 if __name__ == "__main__":  # pragma: no cover

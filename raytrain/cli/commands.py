@@ -16,8 +16,8 @@ from raytrain.rundir.records import PLOTS, REPORT
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from raytrain.pipeline import load_pipeline
     from raytrain.driver.run import fit
+    from raytrain.pipeline import load_pipeline
 
     spec, file_values, flags = read_run_options(args)
     if flags.get("resume") or file_values.get("resume"):
@@ -49,15 +49,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     path = write_report(args.run_dir)
     plots = sorted((path.parent / PLOTS).glob("*.png"))
-    print(f"Wrote {path} and {plural(len(plots), 'plot')}: {', '.join(p.name for p in plots) or 'none (no metrics yet)'}")
+    print(
+        f"Wrote {path} and {plural(len(plots), 'plot')}: {', '.join(p.name for p in plots) or 'none (no metrics yet)'}"
+    )
     return 0
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from raytrain.pipeline import load_pipeline
     from raytrain.cli import EXIT_FAILED
-    from raytrain.tune import TuneOptions, parse_search_space, tune
-    from raytrain.tune.space import SWEPT, LrDraws
+    from raytrain.pipeline import load_pipeline
+    from raytrain.tune import tune
+    from raytrain.tune.options import SWEPT, LrDraws, TuneOptions, parse_search_space
 
     spec, file_values, flags = read_run_options(args)
     fixed = dict(flags)
@@ -80,13 +82,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from raytrain.bench import BenchOptions, bench_config, run_bench, worker_counts
-    from raytrain.pipeline import load_pipeline
     from raytrain.bench.predict import PredictOptions, predict_speedups
+    from raytrain.pipeline import load_pipeline
 
     given = vars(args)
     own = {option.name for option in (*fields.options(BenchOptions), *fields.options(PredictOptions))}
     if args.predict:
-        predict_speedups(PredictOptions(**{option.name: given[option.name] for option in fields.options(PredictOptions) if option.name in given}))
+        predict_speedups(
+            PredictOptions(
+                **{option.name: given[option.name] for option in fields.options(PredictOptions) if option.name in given}
+            )
+        )
         return 0
     values = {option.name: given[option.name] for option in fields.options(BenchOptions) if option.name in given}
     values["workers"] = worker_counts(args.workers)
@@ -95,7 +101,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     spec, file_values, flags = read_run_options(args, exclude={*own, "predict"}, example="digits --workers 1,2")
     args.spell = None  # bench names every option as a flag
     values = merge_layers(load_pipeline(spec).default_config, file_values, flags)
-    bench_config(values, opts, workers=max(opts.workers), epochs=1, storage=Path(opts.storage), name="check")  # validate before starting
+    bench_config(
+        values, opts, workers=max(opts.workers), epochs=1, storage=Path(opts.storage), name="check"
+    )  # validate before starting
     run_bench(spec, values, opts, echo=lambda line: print(line, flush=True))
     return 0
 
@@ -130,5 +138,3 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from raytrain.doctor import run_doctor
 
     return run_doctor(address=args.address, storage=args.storage, echo=print)
-
-

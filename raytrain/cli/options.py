@@ -16,7 +16,9 @@ from raytrain.errors import UsageError
 from raytrain.fields import flag_name
 
 
-def read_run_options(args: argparse.Namespace, exclude: Iterable[str] = (), example: str = "digits") -> tuple[str, dict[str, Any], dict[str, Any]]:
+def read_run_options(
+    args: argparse.Namespace, exclude: Iterable[str] = (), example: str = "digits"
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """The pipeline (argument, else `pipeline:` in --config), the YAML values and the flags
     given (but `exclude`: a command's own options). Sets `args.spell`, which names an option
     in a ConfigError as the user wrote it: the flag, or the key in the --config file."""
@@ -51,7 +53,9 @@ class _ConfigLoader(yaml.SafeLoader):
 
 
 _ConfigLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    first: [
+        (tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+    ]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _ConfigLoader.add_implicit_resolver(

@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="raytrain", description="Elastic, fault-tolerant distributed PyTorch training on Ray.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    train = commands.add_parser("train", help="train a pipeline", description="Train PIPELINE (a built-in name or module:attr).")
+    train = commands.add_parser(
+        "train", help="train a pipeline", description="Train PIPELINE (a built-in name or module:attr)."
+    )
     train.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
     train.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (flags override it)")
     add_run_flags(train)
@@ -37,10 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("source", metavar="RUN_DIR|CKPT", help="a run directory, a checkpoint directory or a .pt file")
     export.add_argument("-o", "--output", required=True, metavar="F.pt", help="where to write the state_dict")
     export.add_argument(
-        "--pipeline", metavar="PIPELINE",
-        help="also check that the weights load into this pipeline's model with strict=True (imports the pipeline's code; "
+        "--pipeline",
+        metavar="PIPELINE",
+        help="also check that the weights load into this pipeline's model with strict=True (imports the pipeline's "
+        "code; "
         "without it, export reads only the weights)",
-    )  # fmt: skip
+    )
     export.set_defaults(handler=handlers.cmd_export)
 
     data = commands.add_parser("data", help="write a pipeline's datasets as Parquet shards")
@@ -48,15 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--out", required=True, metavar="DIR", help="directory to write DIR/<dataset>/*.parquet into")
     add_flags(data, TrainConfig, only=("pipeline_args", "address"))
     data.add_argument(
-        "--shuffle-seed", type=int, default=0,
+        "--shuffle-seed",
+        type=int,
+        default=0,
         help="rows are written in a random order drawn with this seed, so that a streamed run's window shuffle "
         "(--shuffle-window-rows) mixes rows from the whole dataset (default 0); -1 keeps the pipeline's order",
-    )  # fmt: skip
+    )
     data.add_argument(
-        "--row-group-rows", type=int, default=None, metavar="N",
+        "--row-group-rows",
+        type=int,
+        default=None,
+        metavar="N",
         help="rows per Parquet row group, the unit a streamed run reads and deals to its workers "
         f"(default: the rows split in at least {DATA_UNITS} groups, at most {DATA_GROUP_ROWS:,} rows each)",
-    )  # fmt: skip
+    )
     data.set_defaults(handler=handlers.cmd_data)
 
     doctor = commands.add_parser("doctor", help="check what the cluster has and whether a run will work")
@@ -64,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--storage", help="storage path runs will use (default ~/raytrain_results)")
     doctor.set_defaults(handler=handlers.cmd_doctor)
 
-    report = commands.add_parser("report", help="plots and a Markdown summary of a run", description="Write RUN_DIR/report.md and RUN_DIR/plots/*.png from the run files.")
+    report = commands.add_parser(
+        "report",
+        help="plots and a Markdown summary of a run",
+        description="Write RUN_DIR/report.md and RUN_DIR/plots/*.png from the run files.",
+    )
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (STORAGE/NAME)")
     report.set_defaults(handler=handlers.cmd_report)
 
@@ -79,7 +92,13 @@ def add_run_flags(parser, skip: Iterable[str] = ()) -> None:
 
 
 def add_flags(
-    parser, cls: type, *, skip: Iterable[str] = (), only: Iterable[str] | None = None, prefix: str = "", spellings: dict[str, tuple[str, ...]] | None = None
+    parser,
+    cls: type,
+    *,
+    skip: Iterable[str] = (),
+    only: Iterable[str] | None = None,
+    prefix: str = "",
+    spellings: dict[str, tuple[str, ...]] | None = None,
 ) -> None:
     """A flag for each field of the dataclass `cls`, from its type, docstring and metadata
     (`raytrain.fields`): booleans as `--x/--no-x` (a `switch`: `--x` only), a nested dataclass
@@ -99,7 +118,9 @@ def add_flags(
             action = "store_true" if option.metadata.get("switch") else argparse.BooleanOptionalAction
             parser.add_argument(*names, action=action, **common)
         else:
-            metavar = option.metadata.get("metavar") or ("{" + ",".join(map(str, option.choices)) + "}" if option.choices else option.name.upper())
+            metavar = option.metadata.get("metavar") or (
+                "{" + ",".join(map(str, option.choices)) + "}" if option.choices else option.name.upper()
+            )
             action = "append" if option.metadata.get("repeat") else "store"
             parser.add_argument(*names, action=action, type=_flag_type(option), metavar=metavar, **common)
 
@@ -135,7 +156,7 @@ _TUNE_SPELLINGS = {"grace_period_epochs": ("--grace-period",)}
 
 
 def add_tune_parser(commands) -> None:
-    from raytrain.tune.space import LrDraws, TuneOptions
+    from raytrain.tune.options import LrDraws, TuneOptions
 
     tune = commands.add_parser(
         "tune",
@@ -144,7 +165,9 @@ def add_tune_parser(commands) -> None:
         "compared on --metric with ASHA early stopping per worker count.",
     )
     tune.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
-    tune.add_argument("--config", metavar="FILE.yaml", help="YAML file of train options fixed for all trials (flags override it)")
+    tune.add_argument(
+        "--config", metavar="FILE.yaml", help="YAML file of train options fixed for all trials (flags override it)"
+    )
     for name, (metavar, text) in _TUNE_AXES.items():
         tune.add_argument(flag_name(name), dest=name, metavar=metavar, default=argparse.SUPPRESS, help=text)
     add_flags(tune, LrDraws)
@@ -171,10 +194,10 @@ def add_bench_parser(commands) -> None:
     bench.add_argument("--workers", default="1,2", metavar="N,N,...", help=fields.option(BenchOptions, "workers").help)
     add_flags(bench, BenchOptions, skip=("workers",))
     predict = bench.add_argument_group("cost model (--predict)")
-    predict.add_argument("--predict", action="store_true", help="estimate the speedup with the cost model; runs nothing")
+    predict.add_argument(
+        "--predict", action="store_true", help="estimate the speedup with the cost model; runs nothing"
+    )
     add_flags(predict, PredictOptions, skip=("link",))  # --link is BenchOptions' too
     train = bench.add_argument_group("train options (as for raytrain train)")
     add_run_flags(train, skip=(*BENCH_OWNED, "time_phases"))
     bench.set_defaults(handler=handlers.cmd_bench)
-
-

@@ -51,24 +51,31 @@ def check_columns(batch: dict, name: str, where: str, schema: Schema | None = No
         values = np.asarray(values)
         if values.dtype == object and len(values) and isinstance(values[0], (tuple, list)):
             raise DataError(
-                f"dataset {name!r}, column {column!r} ({where}) holds tuples ({_preview(values)}): ray.data.from_torch gives "
-                "one 'item' column of (input, target) samples. Return the torch Dataset itself from build_datasets — raytrain "
+                f"dataset {name!r}, column {column!r} ({where}) holds tuples ({_preview(values)}): "
+                "ray.data.from_torch gives "
+                "one 'item' column of (input, target) samples. Return the torch Dataset itself from build_datasets — "
+                "raytrain "
                 "makes each field a column, '0', '1', ... (or the keys of dict samples) — or split it in map_batches"
             )
         if values.dtype == object or not (np.issubdtype(values.dtype, np.number) or values.dtype == np.bool_):
             raise DataError(
-                f"dataset {name!r}, column {column!r} ({where}): dtype {values.dtype} is not numeric ({_preview(values)}); "
+                f"dataset {name!r}, column {column!r} ({where}): dtype {values.dtype} is not numeric "
+                f"({_preview(values)}); "
                 "convert it in the pipeline (e.g. map_batches) to numbers of one shape per row"
             )
         columns[column] = values
     if schema is None:
         return columns
     if sorted(columns) != sorted(schema.names):
-        raise DataError(f"dataset {name!r} ({where}): columns {sorted(columns)} differ from the first batch's {sorted(schema.names)}; every batch must have the same columns")
+        raise DataError(
+            f"dataset {name!r} ({where}): columns {sorted(columns)} differ from the first batch's "
+            f"{sorted(schema.names)}; every batch must have the same columns"
+        )
     for column, _, shape in schema.columns:
         if tuple(columns[column].shape[1:]) != shape:
             raise DataError(
-                f"dataset {name!r}, column {column!r} ({where}): rows of shape {tuple(columns[column].shape[1:])} where the "
+                f"dataset {name!r}, column {column!r} ({where}): rows of shape {tuple(columns[column].shape[1:])} "
+                "where the "
                 f"first batch had {shape}; every row must have one shape"
             )
     return columns
@@ -86,9 +93,12 @@ def non_finite(batch: dict[str, np.ndarray]) -> np.ndarray:
 
 def nan_error(name: str, where: str, batch: dict[str, np.ndarray], bad: np.ndarray) -> DataError:
     index = int(np.flatnonzero(bad)[0])
-    column = next(c for c, v in batch.items() if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v[index]).all())
+    column = next(
+        c for c, v in batch.items() if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v[index]).all()
+    )
     return DataError(
-        f"dataset {name!r}: row {index} of {where} holds NaN or inf in column {column!r} ({int(bad.sum())} such row(s) there); "
+        f"dataset {name!r}: row {index} of {where} holds NaN or inf in column {column!r} ({int(bad.sum())} such "
+        "row(s) there); "
         "clean the data, or pass --skip-nan-rows to drop such rows (they are counted and reported); "
         "then --resume continues from the last checkpoint"
     )
@@ -105,7 +115,9 @@ class Unit:
     valid: np.ndarray | None = None  # None: every row valid
 
 
-def check_units(units, ids: Sequence[int], name: str, schema: Schema, *, skip_nan_rows: bool) -> Iterator[tuple[int, Unit]]:
+def check_units(
+    units, ids: Sequence[int], name: str, schema: Schema, *, skip_nan_rows: bool
+) -> Iterator[tuple[int, Unit]]:
     """Read units `ids` of a `raytrain.data.shards.Units` in that order with Ray Data and yield
     each one complete and checked. Rows are assigned to units by the row counts known from
     metadata; a unit whose preprocessing yields another number of rows is an error."""
@@ -116,7 +128,9 @@ def check_units(units, ids: Sequence[int], name: str, schema: Schema, *, skip_na
     pending: list[dict[str, np.ndarray]] = []
     have, position = 0, 0  # rows gathered for unit ids[position]
     try:
-        batches = units.dataset(ids).iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=PREFETCH_BLOCKS)
+        batches = units.dataset(ids).iter_batches(
+            batch_size=None, batch_format="numpy", prefetch_batches=PREFETCH_BLOCKS
+        )
         for raw in batches:
             batch = check_columns(raw, name, f"{units.labels[ids[min(position, len(ids) - 1)]]}", schema)
             while num_rows(batch):
@@ -152,7 +166,10 @@ def _count_error(units, ids, name, expected, *, got: int = 0, extra: bool = Fals
         what = f"its preprocessing yielded more rows than the {sum(expected):,} its metadata counts"
     else:
         short = sum(expected) - got
-        what = f"its preprocessing yielded {short:,} row(s) fewer than its metadata counts (the stream ended in {units.labels[ids[0]]})"
+        ended = units.labels[ids[0]]
+        what = (
+            f"its preprocessing yielded {short:,} row(s) fewer than its metadata counts (the stream ended in {ended})"
+        )
     return DataError(
         f"dataset {name!r}: {what}; streamed and sharded reading needs preprocessing that keeps every row "
         "(map_batches returning one row per input row). Drop rows when writing the data, or hold it in memory "
@@ -196,7 +213,10 @@ def concat(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 def to_device(columns: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     non_blocking = device.type == "cuda"
-    return {name: torch.from_numpy(np.ascontiguousarray(col)).to(device, non_blocking=non_blocking) for name, col in columns.items()}
+    return {
+        name: torch.from_numpy(np.ascontiguousarray(col)).to(device, non_blocking=non_blocking)
+        for name, col in columns.items()
+    }
 
 
 def num_rows(batch: dict[str, np.ndarray]) -> int:

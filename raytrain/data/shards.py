@@ -81,11 +81,15 @@ class Units:
         if self.kind == "tasks":
             tasks = [self.payload[i] for i in ids]
             source = _ReadTaskList(tasks, self.source.datasource)
-            return dataclasses.replace(self.source, datasource=source, datasource_or_legacy_reader=source, parallelism=len(tasks))
+            return dataclasses.replace(
+                self.source, datasource=source, datasource_or_legacy_reader=source, parallelism=len(tasks)
+            )
         bundles = []
         if self.kind == "files":  # one-row manifests, a few per bundle (each bundle is one put and one read task)
             for start in range(0, len(ids), FILE_UNITS_PER_BUNDLE):
-                table = pa.Table.from_pylist([self.payload[i] for i in ids[start : start + FILE_UNITS_PER_BUNDLE]], schema=self.manifest_schema)
+                table = pa.Table.from_pylist(
+                    [self.payload[i] for i in ids[start : start + FILE_UNITS_PER_BUNDLE]], schema=self.manifest_schema
+                )
                 meta = BlockAccessor.for_block(table).get_metadata(input_files=None, block_exec_stats=None)
                 bundles.append(RefBundle((BlockEntry(ray.put(table), meta),), owns_blocks=False, schema=table.schema))
         else:
@@ -166,11 +170,20 @@ def _file_units(listing, above, context) -> Units | str:
 
     _right_size_footer_readers(listing.file_indexer)
     blocks = list_files_for_each_block(
-        [pa.table({PATH_COLUMN_NAME: list(listing.paths)})], _Task(),
-        indexer=listing.file_indexer, filesystem=listing.filesystem, file_extensions=listing.file_extensions,
-        partition_filter=listing.partition_filter, partition_pruner=listing.partition_pruner, preserve_order=True,
-        predicate=None, limit=None, projected_columns=listing.projected_columns, shuffle_config=None, execution_idx=0,
-    )  # fmt: skip
+        [pa.table({PATH_COLUMN_NAME: list(listing.paths)})],
+        _Task(),
+        indexer=listing.file_indexer,
+        filesystem=listing.filesystem,
+        file_extensions=listing.file_extensions,
+        partition_filter=listing.partition_filter,
+        partition_pruner=listing.partition_pruner,
+        preserve_order=True,
+        predicate=None,
+        limit=None,
+        projected_columns=listing.projected_columns,
+        shuffle_config=None,
+        execution_idx=0,
+    )
     manifest = pa.concat_tables(blocks) if blocks else None
     if manifest is None or manifest.num_rows == 0:
         return "its file listing found no files"
@@ -243,6 +256,16 @@ def _ranges(ids: list[int]) -> str:
 
 def _op_name(op) -> str:
     name = type(op).__name__
-    return {"RandomShuffle": "random_shuffle", "Repartition": "repartition", "Sort": "sort", "Zip": "zip", "Union": "union",
-            "Aggregate": "an aggregation", "RandomizeBlocks": "randomize_block_order", "Limit": "limit", "Filter": "filter",
-            "FlatMap": "flat_map", "Join": "join"}.get(name, name)  # fmt: skip
+    return {
+        "RandomShuffle": "random_shuffle",
+        "Repartition": "repartition",
+        "Sort": "sort",
+        "Zip": "zip",
+        "Union": "union",
+        "Aggregate": "an aggregation",
+        "RandomizeBlocks": "randomize_block_order",
+        "Limit": "limit",
+        "Filter": "filter",
+        "FlatMap": "flat_map",
+        "Join": "join",
+    }.get(name, name)

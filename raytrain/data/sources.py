@@ -67,7 +67,11 @@ def build_datasets(pipe: "Pipeline", cfg: "TrainConfig") -> dict[str, Any]:
     with pipeline_code(pipe, "build_datasets"):
         datasets = pipe.build_datasets(cfg)
     if not isinstance(datasets, dict) or "train" not in datasets:
-        got = f"a dict with keys {sorted(map(str, datasets))}" if isinstance(datasets, dict) else f"a {type(datasets).__name__}"
+        got = (
+            f"a dict with keys {sorted(map(str, datasets))}"
+            if isinstance(datasets, dict)
+            else f"a {type(datasets).__name__}"
+        )
         raise PipelineCodeError(
             f"pipeline {pipe.name}: build_datasets must return a dict with a 'train' dataset "
             f"(and optionally 'val'); it returned {got}"
@@ -103,7 +107,9 @@ def prepare_datasets(datasets: dict[str, Any], cfg: "TrainConfig", echo: Callabl
             )
             units = shards.split(ds.materialize())
         if not units.num_rows:
-            raise DataError(f"dataset {name!r} is empty: it has no rows; check the pipeline's build_datasets and its input files")
+            raise DataError(
+                f"dataset {name!r} is empty: it has no rows; check the pipeline's build_datasets and its input files"
+            )
         probe = read_probe(units, name, cfg.skip_nan_rows)
         schema = Schema.of(probe)
         window = cfg.shuffle_window_rows if name == "train" or cfg.shuffle_window_rows == 0 else None

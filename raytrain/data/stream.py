@@ -13,6 +13,7 @@ import torch
 from raytrain.data.checks import Schema, Unit, check_units, concat, num_rows, to_device
 from raytrain.rules import order, steps
 
+
 @dataclass
 class Stream:
     """A dataset each rank reads its own units of (worker side); see raytrain.rules.order."""
@@ -30,7 +31,9 @@ class Stream:
     def epoch(self, seed: int, epoch: int, start: int, rank: int, world_size: int) -> "StreamEpoch":
         return StreamEpoch(self, order.EpochPlan.build(self.layout, seed, epoch), rank, world_size, start)
 
-    def eval_batches(self, rank: int, world_size: int, batch_size: int, device: torch.device) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    def eval_batches(
+        self, rank: int, world_size: int, batch_size: int, device: torch.device
+    ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """The rows of this rank's units (`order.deal_units`) in batches; (0, one row) if none."""
         mine = order.deal_units(self.units.rows, world_size)[rank]
         served = False
@@ -122,15 +125,17 @@ class StreamEpoch:
         if self._source is None:
             ids = [self.plan.lane_units[lane][index] for lane, index in self.reading]
             self._where = {unit: (lane, index) for unit, (lane, index) in zip(ids, self.reading)}
-            self._source = check_units(self.stream.units, ids, self.stream.name, self.stream.schema, skip_nan_rows=self.stream.skip_nan_rows)
+            self._source = check_units(
+                self.stream.units, ids, self.stream.name, self.stream.schema, skip_nan_rows=self.stream.skip_nan_rows
+            )
         try:
             unit_id, unit = next(self._source)
         except StopIteration:
-            raise RuntimeError(f"dataset {self.stream.name!r}: rank {self.rank} needed a unit it had already read past") from None
+            raise RuntimeError(
+                f"dataset {self.stream.name!r}: rank {self.rank} needed a unit it had already read past"
+            ) from None
         self.units[self._where[unit_id]] = unit
 
     def _drop_blocks_before(self, lane: int, block: int) -> None:
         for key in [k for k in self.blocks if k[0] == lane and k[1] < block]:
             del self.blocks[key]
-
-

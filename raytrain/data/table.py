@@ -4,14 +4,15 @@ Ray's object store, every worker maps them and draws a full permutation per epoc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 import torch
-from dataclasses import dataclass
 
 from raytrain.data.checks import num_rows, to_device
 from raytrain.rules import steps
+
 
 @dataclass
 class Table:
@@ -29,7 +30,9 @@ class Table:
     def epoch(self, seed: int, epoch: int, start: int, rank: int, world_size: int) -> "TableEpoch":
         return TableEpoch(self, steps.epoch_order(len(self), seed, epoch), rank, world_size)
 
-    def eval_batches(self, rank: int, world_size: int, batch_size: int, device: torch.device) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    def eval_batches(
+        self, rank: int, world_size: int, batch_size: int, device: torch.device
+    ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """This rank's contiguous share of the rows in batches: (row count, batch); (0, one
         row) when it has none."""
         start, end = steps.split_range(len(self), world_size)[rank]
@@ -55,5 +58,3 @@ class TableEpoch:
         index = np.concatenate([self.order[lo:hi] for lo, hi in rows]) if rows else np.zeros(0, dtype=np.int64)
         count = len(index)
         return self.table.batch(index if count else self.order[:1], device), count
-
-

@@ -24,12 +24,17 @@ def from_torch_dataset(dataset, name: str):
     try:
         size = len(dataset)
     except TypeError:
-        raise DataError(f"dataset {name!r} is a torch IterableDataset: it has no length and no indices to shard; give a map-style Dataset (with __len__ and __getitem__) or a ray.data.Dataset") from None
+        raise DataError(
+            f"dataset {name!r} is a torch IterableDataset: it has no length and no indices to shard; give a "
+            "map-style Dataset (with __len__ and __getitem__) or a ray.data.Dataset"
+        ) from None
     if size == 0:
         raise DataError(f"dataset {name!r} is empty: the torch Dataset has length 0")
     sample_columns(dataset[0], name, 0)  # the first sample's fields, checked before any worker starts
     blocks = max(1, min(size, TORCH_READ_TASKS))
-    return ray.data.range(size, override_num_blocks=blocks).map_batches(TorchSamples(dataset, name), batch_format="numpy")
+    return ray.data.range(size, override_num_blocks=blocks).map_batches(
+        TorchSamples(dataset, name), batch_format="numpy"
+    )
 
 
 class TorchSamples:
@@ -56,12 +61,16 @@ def sample_columns(sample: Any, name: str, index: int) -> dict[str, np.ndarray]:
         if isinstance(value, torch.Tensor):
             value = value.detach().cpu().numpy()
         array = np.asarray(value) if isinstance(value, (np.ndarray, np.generic, int, float, bool)) else None
-        if array is None or array.dtype == object or not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
+        if (
+            array is None
+            or array.dtype == object
+            or not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_)
+        ):
             raise DataError(
-                f"dataset {name!r}: sample {index}, field {key!r} is a {type(value).__name__} ({str(value)[:60]!r}); a torch "
-                "Dataset must yield tensors, numpy arrays or numbers (for images, e.g. torchvision's transforms.ToTensor())"
+                f"dataset {name!r}: sample {index}, field {key!r} is a {type(value).__name__} ({str(value)[:60]!r}); "
+                "a torch "
+                "Dataset must yield tensors, numpy arrays or numbers (for images, e.g. torchvision's "
+                "transforms.ToTensor())"
             )
         columns[key] = array
     return columns
-
-

@@ -38,7 +38,11 @@ class Interrupted(Exception):
     def __init__(self, signum: int, run_dir: Path, cfg: Any = None, spec: str | None = None):
         self.signum, self.run_dir = signum, run_dir
         name = signal.Signals(signum).name
-        again = f"raytrain train {spec or 'PIPELINE'} --name {run_dir.name}" + (f" --storage {run_dir.parent}" if cfg is not None else "") + " --resume"
+        again = (
+            f"raytrain train {spec or 'PIPELINE'} --name {run_dir.name}"
+            + (f" --storage {run_dir.parent}" if cfg is not None else "")
+            + " --resume"
+        )
         super().__init__(f"stopped by {name}; the run is resumable from its last checkpoint: {again}")
 
     @property

@@ -53,7 +53,12 @@ def apply_train_timers(cfg: TrainConfig) -> None:
 
 
 def build_torch_trainer(
-    pipe: Pipeline, cfg: TrainConfig, run_dir: Path, sources: dict[str, Source], use_gpu: bool, callbacks: Sequence[Any] = ()
+    pipe: Pipeline,
+    cfg: TrainConfig,
+    run_dir: Path,
+    sources: dict[str, Source],
+    use_gpu: bool,
+    callbacks: Sequence[Any] = (),
 ):
     """The TorchTrainer of the run: the worker count (elastic: MIN, MAX), the backend (gloo,
     NCCL, or torchft's replica groups in per-step mode), the failure and checkpoint policies."""

@@ -19,7 +19,7 @@ from raytrain.config import TrainConfig
 from raytrain.data.sources import Source, StreamSource, build_datasets, prepare_datasets
 from raytrain.driver import interrupts
 from raytrain.driver.launch import build_torch_trainer
-from raytrain.driver.session import check_embedded_capacity, ray_session, resolve_gpu, will_embed_ray
+from raytrain.driver.session import check_embedded_capacity, ray_logs_dir, ray_session, resolve_gpu, will_embed_ray
 from raytrain.driver.summary import explain_failure, write_summary
 from raytrain.errors import ConfigError, RunFailed, find_user_error, pipeline_code
 from raytrain.observe.tracking import RunTracker
@@ -72,13 +72,16 @@ def fit(
         stored = check_run_dir(run_dir, cfg, spec)
         tracker = RunTracker(cfg, run_dir, spec, echo=echo, progress=progress)
         with ray_session(cfg), interrupts.stop_on_signals(run_dir, echo) as stop:
-            use_gpu = resolve_gpu(cfg)
+            use_gpu, ray_logs = resolve_gpu(cfg), ray_logs_dir()
             sources = prepare_datasets(build_datasets(pipe, cfg), cfg, echo)
             if stored is not None:
                 check_resume(pipe, cfg, stored, sources, echo)
             write_yaml(run_dir / CONFIG, {**cfg.to_dict(), "pipeline": spec, "gpu": use_gpu})
             trainer = build_torch_trainer(pipe, cfg, run_dir, sources, use_gpu, callbacks=callbacks)
-            echo(f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} ({'GPU, nccl' if use_gpu else 'CPU, gloo'}); run directory {run_dir}")
+            echo(
+                f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
+                f"({'GPU, nccl' if use_gpu else 'CPU, gloo'}); run directory {run_dir}"
+            )
             started = time.time()
             with tracker.follow(since=started, train_rows=sources["train"].rows):
                 try:
@@ -95,7 +98,7 @@ def fit(
         fault = find_user_error(error)
         if fault is not None:  # bad data, configuration, pipeline code or storage, or divergence: the user's to fix
             raise fault from None
-        raise RunFailed(explain_failure(error, run_dir, tracker.ray_logs)) from None
+        raise RunFailed(explain_failure(error, run_dir, ray_logs)) from None
     return FitResult(
         metrics=summary.final_metrics,
         checkpoint_path=summary.best_checkpoint,
@@ -113,7 +116,9 @@ def resolve_config(pipe: Pipeline, cfg: TrainConfig, pipeline_name: str) -> Trai
         changes["name"] = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if cfg.reference_batch_size is None:
         changes["reference_batch_size"] = batch.default_reference_batch_size(
-            max(1, cfg.max_workers), global_batch_size=cfg.global_batch_size, batch_size_per_worker=cfg.batch_size_per_worker
+            max(1, cfg.max_workers),
+            global_batch_size=cfg.global_batch_size,
+            batch_size_per_worker=cfg.batch_size_per_worker,
         )
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
@@ -133,7 +138,9 @@ def check_run_dir(run_dir: Path, cfg: TrainConfig, spec: str) -> StoredRun | Non
     return stored
 
 
-def check_resume(pipe: Pipeline, cfg: TrainConfig, stored: StoredRun, sources: dict[str, Source], echo: Callable[[str], None]) -> None:
+def check_resume(
+    pipe: Pipeline, cfg: TrainConfig, stored: StoredRun, sources: dict[str, Source], echo: Callable[[str], None]
+) -> None:
     """Before anything is written: the pipeline's model must load the checkpoint, and an
     epoch half done must continue on the same data; then say what the resume changes."""
     if stored.checkpoint is not None:

@@ -28,8 +28,12 @@ WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 # all-reduce; an embedded Ray starts its workers at this niceness instead (RAY_worker_niceness,
 # if exported, wins). benchmarks/RESULTS.md, section 1.
 EMBEDDED_WORKER_NICENESS = "0"
+
+
 @contextlib.contextmanager
-def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dict[str, float] | None = None) -> Iterator[None]:
+def ray_session(
+    cfg: TrainConfig, *, num_cpus: int | None = None, resources: dict[str, float] | None = None
+) -> Iterator[None]:
     """Join the Ray given by --address/RAY_ADDRESS or already initialized; else start an
     embedded local one (loopback only, isolated from other Rays on the host) and stop it after.
 
@@ -57,17 +61,35 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
     if address:
         problem = address_problem(address)
         if problem:
-            raise ConfigError([("address", f"got {address!r}: {problem}; give the head's HOST:PORT (e.g. 10.0.0.5:6379) or leave it out for a local Ray")])
+            raise ConfigError(
+                [
+                    (
+                        "address",
+                        f"got {address!r}: {problem}; give the head's HOST:PORT (e.g. 10.0.0.5:6379) or leave it out "
+                        "for a local Ray",
+                    )
+                ]
+            )
         # Inside `ray job submit` the job's runtime_env may set the same variables; Ray
         # refuses to merge two values for one key, and the job's choice should win.
-        job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}").get("runtime_env", {}).get("env_vars", {})
+        job_env = (
+            json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
+            .get("runtime_env", {})
+            .get("env_vars", {})
+        )
         runtime_env["env_vars"] = {k: v for k, v in runtime_env["env_vars"].items() if k not in job_env}
         try:
             ray.init(address=address, runtime_env=runtime_env, **quiet)
         except Exception as exc:  # connection errors come in several types
             raise ConfigError(
-                [("address", f"cannot reach a Ray cluster at {address!r} ({str(exc).splitlines()[0][:200]}); check that its head "
-                  "is running (ray status), the address, and RAY_AUTH_MODE=token if the cluster uses token auth")]
+                [
+                    (
+                        "address",
+                        f"cannot reach a Ray cluster at {address!r} ({str(exc).splitlines()[0][:200]}); check that "
+                        "its head "
+                        "is running (ray status), the address, and RAY_AUTH_MODE=token if the cluster uses token auth",
+                    )
+                ]
             ) from None
     else:
         cpus = num_cpus or max(os.cpu_count() or 1, int(cfg.max_workers * cfg.cpus_per_worker) + 2)
@@ -101,6 +123,18 @@ def ray_session(cfg: TrainConfig, *, num_cpus: int | None = None, resources: dic
         yield
     finally:
         ray.shutdown()
+
+
+def ray_logs_dir() -> str | None:
+    """This Ray session's log directory (worker logs live under it), while Ray is up."""
+    with contextlib.suppress(Exception):
+        import ray
+
+        if ray.is_initialized():
+            node = ray._private.worker._global_node  # no public API gives the session directory
+            if node is not None:
+                return node.get_logs_dir_path()
+    return None
 
 
 def address_problem(address: str) -> str | None:
@@ -164,7 +198,8 @@ def note_cluster_capacity(cfg: TrainConfig, echo: Callable[[str], None] = print)
     need = cfg.min_workers * cfg.cpus_per_worker
     if need > cpus:
         echo(
-            f"raytrain: note: the cluster has {cpus:g} CPUs and {cfg.min_workers} workers × {cfg.cpus_per_worker:g} CPU need {need:g}: "
+            f"raytrain: note: the cluster has {cpus:g} CPUs and {cfg.min_workers} workers × {cfg.cpus_per_worker:g} "
+            f"CPU need {need:g}: "
             "training starts when nodes join (an autoscaler); without one, stop it with Ctrl-C and use fewer --workers"
         )
 
@@ -176,20 +211,41 @@ def check_embedded_capacity(cfg: TrainConfig, echo: Callable[[str], None] = prin
     cpus = os.cpu_count() or 1
     need = cfg.max_workers * cfg.cpus_per_worker
     if need > MAX_WORKERS_PER_CPU * cpus:
-        raise ConfigError([("workers", (
-            f"got {cfg.workers} workers × {cfg.cpus_per_worker:g} CPU = {need:g} CPUs, but this machine has {cpus} and an embedded "
-            f"Ray runs every worker here; use at most {int(MAX_WORKERS_PER_CPU * cpus // cfg.cpus_per_worker)} "
-            "(or fewer --cpus-per-worker), or join a cluster with --address"
-        ))])  # fmt: skip
+        raise ConfigError(
+            [
+                (
+                    "workers",
+                    (
+                        f"got {cfg.workers} workers × {cfg.cpus_per_worker:g} CPU = {need:g} CPUs, but this machine "
+                        f"has {cpus} and an embedded "
+                        "Ray runs every worker here; use at most "
+                        f"{int(MAX_WORKERS_PER_CPU * cpus // cfg.cpus_per_worker)} "
+                        "(or fewer --cpus-per-worker), or join a cluster with --address"
+                    ),
+                )
+            ]
+        )
     available = psutil.virtual_memory().available
     if cfg.max_workers * WORKER_BASE_MEMORY_BYTES > available:
-        raise ConfigError([("workers", (
-            f"got {cfg.workers} workers; each takes about {WORKER_BASE_MEMORY_BYTES / 2**30:.1f} GiB before any data and this "
-            f"machine has {available / 2**30:.1f} GiB available; use at most {max(1, int(available // WORKER_BASE_MEMORY_BYTES))}, "
-            "or join a cluster with --address"
-        ))])  # fmt: skip
+        raise ConfigError(
+            [
+                (
+                    "workers",
+                    (
+                        f"got {cfg.workers} workers; each takes about {WORKER_BASE_MEMORY_BYTES / 2**30:.1f} GiB "
+                        "before any data and this "
+                        f"machine has {available / 2**30:.1f} GiB available; use at most "
+                        f"{max(1, int(available // WORKER_BASE_MEMORY_BYTES))}, "
+                        "or join a cluster with --address"
+                    ),
+                )
+            ]
+        )
     if need > cpus:
-        echo(f"raytrain: note: {cfg.max_workers} workers × {cfg.cpus_per_worker:g} CPU on a {cpus}-CPU machine: oversubscribed — fine for a test, slow for training")
+        echo(
+            f"raytrain: note: {cfg.max_workers} workers × {cfg.cpus_per_worker:g} CPU on a {cpus}-CPU machine: "
+            "oversubscribed — fine for a test, slow for training"
+        )
 
 
 def free_port() -> int:
@@ -209,7 +265,13 @@ def resolve_gpu(cfg: TrainConfig) -> bool:
 
     gpus = ray.cluster_resources().get("GPU", 0)
     if cfg.gpu and not gpus:
-        raise ConfigError([("gpu", "was asked for, but the Ray cluster has no GPUs; drop --gpu or connect to a cluster with GPUs (--address)")])
+        raise ConfigError(
+            [
+                (
+                    "gpu",
+                    "was asked for, but the Ray cluster has no GPUs; drop --gpu or connect to a cluster with GPUs "
+                    "(--address)",
+                )
+            ]
+        )
     return bool(gpus) if cfg.gpu is None else cfg.gpu
-
-

@@ -16,7 +16,14 @@ from raytrain.rundir.checkpoints import checkpoint_dirs
 
 
 def write_summary(
-    run_dir: Path, cfg: TrainConfig, result: Any, error: Exception | None, started: float, *, interrupted: int = 0, status: str | None = None
+    run_dir: Path,
+    cfg: TrainConfig,
+    result: Any,
+    error: Exception | None,
+    started: float,
+    *,
+    interrupted: int = 0,
+    status: str | None = None,
 ) -> Summary:
     """summary.json (strict JSON, written atomically) from the run files of this invocation;
     returns it (with `summary_error` in `extra` when it could not be written)."""
@@ -40,7 +47,8 @@ def write_summary(
         wall_time_s=round(time.time() - started, 3),
         steady_samples_per_s=progress.steady_samples_per_s if progress else None,
         steady_steps=progress.steady_steps if progress else None,
-        world_sizes=(progress.world_sizes if progress else None) or sorted({row.world_size for row in rows if row.world_size}),
+        world_sizes=(progress.world_sizes if progress else None)
+        or sorted({row.world_size for row in rows if row.world_size}),
         failures_recovered=sum(event.recovers_a_failure for event in files.events(since=started - 1)),
         final_metrics={"loss": last.loss, **last.validation} if last else {},
         best_checkpoint=_best_checkpoint(result, run_dir),
@@ -79,7 +87,8 @@ def explain_failure(error: Exception, run_dir: Path, ray_logs: str | None = None
     lines = explain_worker_errors(error)
     logs = ray_logs or "/tmp/ray/session_latest/logs"
     return (
-        f"The run failed: {lines[0]}\n" + "".join(f"  {line}\n" for line in lines[1:])
+        f"The run failed: {lines[0]}\n"
+        + "".join(f"  {line}\n" for line in lines[1:])
         + f"Run files: {run_dir} (summary.json, events.jsonl, report.md). "
         f"Full worker logs: {logs} (worker-*.err; train/ for Ray Train), or the Ray dashboard; "
         "rerun with -v to see Ray's own logs."

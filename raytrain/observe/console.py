@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from raytrain.rundir import Event, Kind, MetricsRow
 from raytrain.observe.sinks import Sink
+from raytrain.rundir import Event, Kind, MetricsRow
 
 BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]"
 BAR_FORMAT_NO_TOTAL = "{desc} {n_fmt} steps [{elapsed}{postfix}]"
@@ -105,14 +105,25 @@ class EpochProgress:
             eta = left / rate if isinstance(rate, (int, float)) and rate > 0 else None
         elif epoch_step is None and self.epoch_start_step is not None:
             epoch_step = step - self.epoch_start_step
-        return Snapshot(epoch, self.epochs, epoch_step, epoch_steps, _float(row.loss), _float(row.samples_per_s), eta, row.world_size)
+        return Snapshot(
+            epoch,
+            self.epochs,
+            epoch_step,
+            epoch_steps,
+            _float(row.loss),
+            _float(row.samples_per_s),
+            eta,
+            row.world_size,
+        )
 
     def _epoch_end(self, row: MetricsRow, epoch: int, step: int, seen: Any) -> Snapshot:
         if epoch > 0 and isinstance(seen, int) and seen % epoch == 0:
             self.train_rows = self.train_rows or seen // epoch
         steps = step - self.epoch_start_step if self.epoch_start_step is not None else None
         self.epoch_start_step = step
-        return Snapshot(epoch, self.epochs, steps, steps, _float(row.loss), _float(row.samples_per_s), 0.0, row.world_size)
+        return Snapshot(
+            epoch, self.epochs, steps, steps, _float(row.loss), _float(row.samples_per_s), 0.0, row.world_size
+        )
 
     def restarted(self) -> None:
         """After a restore or resize, the epoch's first step is no longer known from rows."""
@@ -228,7 +239,14 @@ class Console(Sink):
         from tqdm import tqdm
 
         if self.bar is None:
-            self.bar = tqdm(total=snapshot.epoch_steps, file=self.stream, dynamic_ncols=True, leave=False, mininterval=0, bar_format=BAR_FORMAT)
+            self.bar = tqdm(
+                total=snapshot.epoch_steps,
+                file=self.stream,
+                dynamic_ncols=True,
+                leave=False,
+                mininterval=0,
+                bar_format=BAR_FORMAT,
+            )
         if self.bar_epoch != snapshot.epoch:
             self.bar.reset(total=snapshot.epoch_steps)
             self.bar.set_description_str(f"epoch {snapshot.epoch}/{snapshot.epochs}", refresh=False)

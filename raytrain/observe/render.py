@@ -50,13 +50,18 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: 
     ]
 
 
-def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]], left: Sequence[int] = (), indent: str = "") -> list[str]:
+def text_table(
+    header: Sequence[str], rows: Sequence[Sequence[Any]], left: Sequence[int] = (), indent: str = ""
+) -> list[str]:
     """A console table's lines, columns padded to their widest cell; right-aligned except
     the column indexes in `left`."""
     lines = [[str(h) for h in header], *[["" if c is None else str(c) for c in row] for row in rows]]
     widths = [max(len(line[i]) for line in lines if i < len(line)) for i in range(len(header))]
     return [
-        (indent + "  ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))).rstrip()
+        (
+            indent
+            + "  ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+        ).rstrip()
         for line in lines
     ]
 

@@ -23,10 +23,7 @@ from typing import Any
 
 from raytrain.errors import UserError
 from raytrain.observe.render import figure, is_number, markdown_table, plural
-from raytrain.rundir import Event, Kind, MetricsRow, RunDir, Summary
-
-PLOTS_DIR = "plots"
-REPORT_FILE = "report.md"
+from raytrain.rundir import PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Summary
 
 
 class ReportError(UserError, ValueError):
@@ -61,25 +58,33 @@ class RunRecord:
 
     @property
     def start_time(self) -> float | None:
-        times = [row.time_s for row in self.rows if is_number(row.time_s)] + [e.time for e in self.events if is_number(e.time)]
+        times = [row.time_s for row in self.rows if is_number(row.time_s)] + [
+            e.time for e in self.events if is_number(e.time)
+        ]
         return min(times) if times else None
 
 
 def load_run(run_dir: str | Path) -> RunRecord:
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
-        raise ReportError(f"{run_dir} is not a directory; give a run directory (STORAGE/NAME, e.g. ~/raytrain_results/digits-...)")
+        raise ReportError(
+            f"{run_dir} is not a directory; give a run directory (STORAGE/NAME, e.g. ~/raytrain_results/digits-...)"
+        )
     files = RunDir(run_dir)
     if not files.exists():
-        raise ReportError(f"{run_dir} is not a raytrain run directory: it has no metrics.jsonl, config.yaml or summary.json")
-    return RunRecord(run_dir=run_dir, rows=files.metrics(), events=files.events(), summary=files.summary(), config=files.config())
+        raise ReportError(
+            f"{run_dir} is not a raytrain run directory: it has no metrics.jsonl, config.yaml or summary.json"
+        )
+    return RunRecord(
+        run_dir=run_dir, rows=files.metrics(), events=files.events(), summary=files.summary(), config=files.config()
+    )
 
 
 def write_report(run_dir: str | Path) -> Path:
     """Write plots/ and report.md into `run_dir`; returns the report's path."""
     run = load_run(run_dir)
-    plots = write_plots(run, run.run_dir / PLOTS_DIR)
-    path = run.run_dir / REPORT_FILE
+    plots = write_plots(run, run.run_dir / PLOTS)
+    path = run.run_dir / REPORT
     path.write_text(render_markdown(run, plots))
     return path
 
@@ -93,7 +98,13 @@ def write_plots(run: RunRecord, directory: Path) -> dict[str, Path]:
         return {}
     directory.mkdir(parents=True, exist_ok=True)
     written = {}
-    for name, draw in (("loss", _plot_loss), ("val", _plot_val), ("lr", _plot_lr), ("workers", _plot_workers), ("throughput", _plot_throughput)):
+    for name, draw in (
+        ("loss", _plot_loss),
+        ("val", _plot_val),
+        ("lr", _plot_lr),
+        ("workers", _plot_workers),
+        ("throughput", _plot_throughput),
+    ):
         figure = _new_figure()
         if draw(run, figure) is False:
             continue
@@ -188,14 +199,29 @@ def _plot_workers(run: RunRecord, figure) -> bool:
     axes.set_ylim(0, max(row.world_size for row in rows) + 1)
     axes.yaxis.get_major_locator().set_params(integer=True)
     batch = axes.twinx()
-    batch.step(times, [row.global_batch_size or math.nan for row in rows], where="post", color="tab:gray", linestyle="--", label="global batch")
+    batch.step(
+        times,
+        [row.global_batch_size or math.nan for row in rows],
+        where="post",
+        color="tab:gray",
+        linestyle="--",
+        label="global batch",
+    )
     batch.set_ylabel("global batch")
     batch.set_ylim(0, max((row.global_batch_size or 0) for row in rows) * 1.2 + 1)
     for event in run.marked_events:
         if is_number(event.time):
             at = (event.time - start) / scale
             axes.axvline(at, color="tab:red", linewidth=1, linestyle="--", alpha=0.6)
-            axes.annotate(event.kind, (at, axes.get_ylim()[1] * 0.95), fontsize="x-small", color="tab:red", rotation=90, va="top", ha="right")
+            axes.annotate(
+                event.kind,
+                (at, axes.get_ylim()[1] * 0.95),
+                fontsize="x-small",
+                color="tab:red",
+                rotation=90,
+                va="top",
+                ha="right",
+            )
     handles = axes.get_legend_handles_labels()[0] + batch.get_legend_handles_labels()[0]
     axes.legend(handles, [h.get_label() for h in handles], fontsize="small", loc="lower right")
     axes.grid(alpha=0.3)
@@ -245,7 +271,10 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
     if s and s.error:
         lines += [f"**Error:** {s.error}", ""]
     if s and s.final_metrics:
-        lines += [*markdown_table(["final metric", "value"], [(key, _fmt(value)) for key, value in s.final_metrics.items()]), ""]
+        lines += [
+            *markdown_table(["final metric", "value"], [(key, _fmt(value)) for key, value in s.final_metrics.items()]),
+            "",
+        ]
     lines += _epoch_table(run)
     if run.marked_events:
         start = run.start_time or 0
@@ -257,7 +286,14 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
         for key, path in plots.items():
             lines += [f"![{key}]({path.relative_to(run.run_dir).as_posix()})", ""]
     if cfg:
-        lines += ["## Configuration", "", *markdown_table(["option", "value"], [(key, _fmt(value, "option")) for key, value in _flatten(cfg).items()]), ""]
+        lines += [
+            "## Configuration",
+            "",
+            *markdown_table(
+                ["option", "value"], [(key, _fmt(value, "option")) for key, value in _flatten(cfg).items()]
+            ),
+            "",
+        ]
     plan = next((e.message for e in run.events if e.kind == Kind.PLAN), None)
     if plan:
         lines += [f"Batch plan and learning rate: `{plan}`", ""]
@@ -305,10 +341,24 @@ def _epoch_table(run: RunRecord) -> list[str]:
     names = run.val_names
     head = ["epoch", "step", "train loss", *names, "lr", "samples/s", "workers", "global batch"]
     cells = [
-        [row.epoch, row.step, row.loss, *[row.get(n) for n in names], row.lr, row.samples_per_s, row.world_size, row.global_batch_size]
+        [
+            row.epoch,
+            row.step,
+            row.loss,
+            *[row.get(n) for n in names],
+            row.lr,
+            row.samples_per_s,
+            row.world_size,
+            row.global_batch_size,
+        ]
         for row in run.epoch_rows
     ]
-    return ["## Epochs", "", *markdown_table(head, [[_fmt(cell, key) for cell, key in zip(line, head)] for line in cells]), ""]
+    return [
+        "## Epochs",
+        "",
+        *markdown_table(head, [[_fmt(cell, key) for cell, key in zip(line, head)] for line in cells]),
+        "",
+    ]
 
 
 def _fmt(value: Any, key: str = "") -> str:
@@ -349,5 +399,3 @@ def _clock(stamp: Any) -> str:
 
 def _since(stamp: Any, start: float) -> str:
     return f"{stamp - start:.0f} s" if is_number(stamp) else "?"
-
-

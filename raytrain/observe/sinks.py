@@ -74,7 +74,9 @@ def record_time(record: Any) -> float:
 
 
 @contextlib.contextmanager
-def follow(run_dir: Path, dispatcher: Dispatcher, since: float, interval_s: float = 0.5) -> Iterator[Callable[[], None]]:
+def follow(
+    run_dir: Path, dispatcher: Dispatcher, since: float, interval_s: float = 0.5
+) -> Iterator[Callable[[], None]]:
     """Follow the run files in a background thread while the body runs; each poll sends the
     new records of all files to the sinks in time order, then `tick`. Yields `pump` (one poll)."""
     tails = {name: Tail(Path(run_dir) / name) for name in _FOLLOWED}

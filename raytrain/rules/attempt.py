@@ -12,12 +12,12 @@ import enum
 import math
 from collections.abc import Sequence
 
-from raytrain.rules.batch import BatchPlan
 from raytrain.config import TrainConfig
+from raytrain.observe.render import sci
 from raytrain.pipeline import Pipeline, overrides
+from raytrain.rules.batch import BatchPlan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import LRSchedule
-from raytrain.observe.render import sci
 from raytrain.rundir.records import Event, Kind
 
 
@@ -37,24 +37,34 @@ class Attempt(enum.Enum):
         previous = world_sizes[-1] if world_sizes else world_size
         return cls.RESIZE if previous != world_size else cls.RESTART
 
-    def event(self, position: Position, world_size: int, plan_text: str, lr_now: float, lr_before: float = math.nan) -> Event:
+    def event(
+        self, position: Position, world_size: int, plan_text: str, lr_now: float, lr_before: float = math.nan
+    ) -> Event:
         """The plan; or, on a restart or resize, the line saying where training continues and
         with what plan and rate (the rules' rate for this worker count and batch), against
         `lr_before`, the rate the checkpoint was taken at."""
         if self is Attempt.FRESH:
             return Event(Kind.PLAN, plan_text, extra={"world_size": world_size})
-        lr_change = "unchanged" if abs(lr_now - lr_before) <= 1e-9 * max(1e-12, abs(lr_before)) else f"(was {sci(lr_before)})"
+        lr_change = (
+            "unchanged" if abs(lr_now - lr_before) <= 1e-9 * max(1e-12, abs(lr_before)) else f"(was {sci(lr_before)})"
+        )
         where = f"step {position.step} (epoch {position.epoch + 1}, {position.epoch_offset:,} samples into it)"
         plan = f"{plan_text}; lr now {sci(lr_now)} {lr_change}"
         if self is Attempt.RESIZE:
             previous = position.world_sizes[-1]
             message = f"Resized {previous} → {world_size} workers at {where}: {plan}"
-            return Event(Kind.RESIZE, message, extra={"world_size": world_size, "previous_world_size": previous, "step": position.step})
+            return Event(
+                Kind.RESIZE,
+                message,
+                extra={"world_size": world_size, "previous_world_size": previous, "step": position.step},
+            )
         message = f"Restarted from the checkpoint at {where} with {world_size} workers: {plan}"
         return Event(Kind.RESTORE, message, extra={"world_size": world_size, "step": position.step})
 
 
-def describe_plan(cfg: TrainConfig, pipeline: Pipeline, batch_plan: BatchPlan, schedule: LRSchedule, backend: str) -> str:
+def describe_plan(
+    cfg: TrainConfig, pipeline: Pipeline, batch_plan: BatchPlan, schedule: LRSchedule, backend: str
+) -> str:
     """`global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, ...)`."""
     factor = schedule.peak_lr / cfg.lr
     rule = {"linear": "linear rule", "sqrt": "square-root rule", "none": "no scaling"}[cfg.lr_scaling]

@@ -27,7 +27,9 @@ class BatchPlan:
 
     def rank_share(self, rank: int, rows_in_step: int | None = None) -> int:
         """Samples rank `rank` trains on in a step holding `rows_in_step` samples (default: full)."""
-        start, end = split_range(self.global_batch_size if rows_in_step is None else rows_in_step, self.world_size)[rank]
+        start, end = split_range(self.global_batch_size if rows_in_step is None else rows_in_step, self.world_size)[
+            rank
+        ]
         return end - start
 
     @property

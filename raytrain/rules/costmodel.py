@@ -97,7 +97,9 @@ def get_link(name: str) -> Link:
     raise CostModelError(f"unknown link {name!r}{hint}; choose one of {', '.join(LINKS)}")
 
 
-def ring_allreduce_s(gpus: int, grad_bytes: float, bandwidth_GBps: float, latency_us: float = 0.0, buckets: int = 1) -> float:
+def ring_allreduce_s(
+    gpus: int, grad_bytes: float, bandwidth_GBps: float, latency_us: float = 0.0, buckets: int = 1
+) -> float:
     """Time of a ring all-reduce of `grad_bytes` over `gpus` workers sent in `buckets` pieces."""
     if gpus <= 1:
         return 0.0
@@ -135,14 +137,26 @@ def predict(
     each node when `nodes > 1`. `overlap` defaults to `default_overlap` (all buckets but
     the last can hide behind backward).
     """
-    _check(gpus=gpus, nodes=nodes, step_time_s=step_time_s, grad_bytes=grad_bytes, nics_per_node=nics_per_node,
-           bucket_mb=bucket_mb, overlap=overlap, backward_fraction=backward_fraction)
+    _check(
+        gpus=gpus,
+        nodes=nodes,
+        step_time_s=step_time_s,
+        grad_bytes=grad_bytes,
+        nics_per_node=nics_per_node,
+        bucket_mb=bucket_mb,
+        overlap=overlap,
+        backward_fraction=backward_fraction,
+    )
     ring = get_link(link)
     if nodes > 1 and not ring.inter_node:
-        inter = ", ".join(name for name, l in LINKS.items() if l.inter_node)
-        raise CostModelError(f"link {link!r} connects GPUs inside a node; over {nodes} nodes name the inter-node link ({inter})")
+        inter = ", ".join(name for name, candidate in LINKS.items() if candidate.inter_node)
+        raise CostModelError(
+            f"link {link!r} connects GPUs inside a node; over {nodes} nodes name the inter-node link ({inter})"
+        )
     if nodes > 1 and get_link(intra_link).inter_node:
-        raise CostModelError(f"intra_link {intra_link!r} is an inter-node link; name the link inside a node (nvlink, pcie4, ...)")
+        raise CostModelError(
+            f"intra_link {intra_link!r} is an inter-node link; name the link inside a node (nvlink, pcie4, ...)"
+        )
     if nodes == 1:
         bandwidth, latency = ring.effective_GBps, ring.latency_us
     else:
@@ -193,7 +207,8 @@ def describe(p: Prediction, grad_bytes: float) -> str:
     return (
         f"{p.gpus} GPUs on {plural(p.nodes, 'node')} over {p.link} ({p.bandwidth_GBps:g} GB/s effective): "
         f"all-reduce of {grad_bytes / 1e6:.1f} MB takes {p.comm_s * 1e3:.2f} ms per step, "
-        f"{p.hidden_s * 1e3:.2f} ms of it under backward; step {p.step_time_s * 1e3:.1f} → {p.step_time_n_s * 1e3:.1f} ms; "
+        f"{p.hidden_s * 1e3:.2f} ms of it under backward; step {p.step_time_s * 1e3:.1f} → "
+        f"{p.step_time_n_s * 1e3:.1f} ms; "
         f"speedup {p.speedup:.2f}× ({p.efficiency:.1%} efficiency)"
     )
 

@@ -72,7 +72,12 @@ class StreamLayout:
 
     def digest(self) -> dict:
         """What a checkpoint's position depends on (compared on resume)."""
-        return {"rows": self.num_rows, "units": len(self.unit_rows), "window_rows": self.window_rows, "partitions": self.partitions}
+        return {
+            "rows": self.num_rows,
+            "units": len(self.unit_rows),
+            "window_rows": self.window_rows,
+            "partitions": self.partitions,
+        }
 
 
 @dataclass
@@ -108,7 +113,10 @@ class EpochPlan:
     @cached_property
     def lane_unit_starts(self) -> list[np.ndarray]:
         """Offset of each of a lane's units in the lane's stream."""
-        return [np.concatenate([[0], np.cumsum([self.layout.unit_rows[u] for u in units])]).astype(np.int64) for units in self.lane_units]
+        return [
+            np.concatenate([[0], np.cumsum([self.layout.unit_rows[u] for u in units])]).astype(np.int64)
+            for units in self.lane_units
+        ]
 
     def prefix(self, position: int) -> list[int]:
         """Rows of each lane among the epoch's first `position` rows (they sum to `position`)."""
@@ -193,7 +201,9 @@ def lane_prefix(lane_rows: Sequence[int], position: int) -> list[int]:
     while have > position:  # drop the largest key taken (of equal keys, the higher lane's)
         worst = None
         for lane, n in enumerate(rows):
-            if counts[lane] > 0 and (worst is None or (2 * counts[lane] - 1) * rows[worst] >= (2 * counts[worst] - 1) * n):
+            if counts[lane] > 0 and (
+                worst is None or (2 * counts[lane] - 1) * rows[worst] >= (2 * counts[worst] - 1) * n
+            ):
                 worst = lane
         counts[worst] -= 1
         have -= 1
@@ -215,10 +225,14 @@ def lane_owners(lane_rows: Sequence[int], world_size: int) -> list[int]:
 def deal_units(unit_rows: Sequence[int], world_size: int) -> list[list[int]]:
     """Units per rank for evaluation (every unit to one rank, rows balanced), in stored order."""
     owners = lane_owners(list(unit_rows), world_size)
-    return [[unit for unit, owner in enumerate(owners) if owner == rank and unit_rows[unit]] for rank in range(world_size)]
+    return [
+        [unit for unit, owner in enumerate(owners) if owner == rank and unit_rows[unit]] for rank in range(world_size)
+    ]
 
 
-def epoch_step_ids(layout: StreamLayout, seed: int, epoch: int, global_batch_size: int, start: int = 0) -> list[np.ndarray]:
+def epoch_step_ids(
+    layout: StreamLayout, seed: int, epoch: int, global_batch_size: int, start: int = 0
+) -> list[np.ndarray]:
     """Global row ids trained by each step of an epoch from `start`, sorted within a step:
     the reference the tests and `raytrain bench` check a run against."""
     from raytrain.rules.steps import epoch_steps
@@ -226,7 +240,9 @@ def epoch_step_ids(layout: StreamLayout, seed: int, epoch: int, global_batch_siz
     plan = EpochPlan.build(layout, seed, epoch)
     out = []
     for step in epoch_steps(layout.num_rows, global_batch_size, start):
-        ids = [plan.global_ids(lane, lo, hi) for lane, lo, hi in plan.segments(range(layout.lanes), step.start, step.end)]
+        ids = [
+            plan.global_ids(lane, lo, hi) for lane, lo, hi in plan.segments(range(layout.lanes), step.start, step.end)
+        ]
         out.append(np.sort(np.concatenate(ids)))
     return out
 
@@ -236,5 +252,7 @@ def label_mix_distance(batch_labels: Sequence[np.ndarray], num_classes: int) -> 
     the whole epoch's (0 for perfectly mixed batches; 1 − 1/classes for one-label batches)."""
     every = np.concatenate(batch_labels)
     overall = np.bincount(every, minlength=num_classes) / len(every)
-    distances = [0.5 * np.abs(np.bincount(b, minlength=num_classes) / len(b) - overall).sum() for b in batch_labels if len(b)]
+    distances = [
+        0.5 * np.abs(np.bincount(b, minlength=num_classes) / len(b) - overall).sum() for b in batch_labels if len(b)
+    ]
     return float(np.mean(distances))

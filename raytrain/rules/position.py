@@ -36,4 +36,6 @@ class Position:
     def progress(self, status: str) -> Progress:
         """progress.json for this position: all of it, its steady throughput and `status`."""
         steady = self.steady_samples / self.steady_time_s if self.steady_time_s else None
-        return Progress.from_json({**dataclasses.asdict(self), "steady_samples_per_s": steady, "status": status, "time": time.time()})
+        return Progress.from_json(
+            {**dataclasses.asdict(self), "steady_samples_per_s": steady, "status": status, "time": time.time()}
+        )

@@ -49,7 +49,9 @@ def run_dir_problems(name: str, storage: str, resume: bool, exists: bool) -> lis
     """A new run needs a new name (Ray would silently continue the old one); a resume needs
     the run."""
     if exists and not resume:
-        return [("name", f"run {name!r} already exists in {storage}; add --resume to continue it, or choose another --name")]
+        return [
+            ("name", f"run {name!r} already exists in {storage}; add --resume to continue it, or choose another --name")
+        ]
     if resume and not exists:
         return [("resume", f"there is no run {name!r} in {storage} to resume; check --name and --storage")]
     return []
@@ -68,7 +70,8 @@ def resumed_values(
     spec = spec or stored.pipeline
     if not spec:
         raise UsageError(
-            f"run {name!r} does not say which pipeline it trains; give it: raytrain train PIPELINE --name {name} --resume"
+            f"run {name!r} does not say which pipeline it trains; give it: raytrain train PIPELINE --name {name} "
+            "--resume"
         )
     return spec, merge_layers(stored.config, file_values, flags)
 
@@ -79,11 +82,13 @@ def changes(
     """(what the resume changes: (field, before, now)), (what it cannot honour: (field, why))."""
     refused: list[tuple[str, str]] = []
     if stored.pipeline and new_pipeline != stored.pipeline:
-        refused.append((
-            "pipeline",
-            f"the run {stored.run_dir.name!r} trains {stored.pipeline!r}, not {new_pipeline!r}; resume it with "
-            f"{stored.pipeline!r} (or leave the pipeline out), or start a new run with another --name",
-        ))
+        refused.append(
+            (
+                "pipeline",
+                f"the run {stored.run_dir.name!r} trains {stored.pipeline!r}, not {new_pipeline!r}; resume it with "
+                f"{stored.pipeline!r} (or leave the pipeline out), or start a new run with another --name",
+            )
+        )
     changed = []
     for name in sorted(set(stored.config) | set(new_config)):
         if name in INVOCATION_FIELDS:
@@ -92,20 +97,25 @@ def changes(
         if before == now:
             continue
         if name in STATE_FIELDS and stored.checkpoint is not None:
-            refused.append((
-                name,
-                f"got {now!r}, but the run's checkpoint holds the state of its optimizer with {before!r}; "
-                f"resume with {before!r}, or start a new run with another --name",
-            ))
+            refused.append(
+                (
+                    name,
+                    f"got {now!r}, but the run's checkpoint holds the state of its optimizer with {before!r}; "
+                    f"resume with {before!r}, or start a new run with another --name",
+                )
+            )
             continue
         if name in ORDER_FIELDS and stored.mid_epoch:
             epoch = int(stored.position.get("epoch", 0)) + 1
-            refused.append((
-                name,
-                f"got {now!r}, but the run is {stored.position.get('epoch_offset'):,} samples into epoch {epoch} with "
-                f"{before!r}; another value changes that epoch's order, so the rest of it would skip and repeat "
-                "samples. Resume without it, or change it at an epoch boundary",
-            ))
+            refused.append(
+                (
+                    name,
+                    f"got {now!r}, but the run is {stored.position.get('epoch_offset'):,} samples into epoch {epoch} "
+                    "with "
+                    f"{before!r}; another value changes that epoch's order, so the rest of it would skip and repeat "
+                    "samples. Resume without it, or change it at an epoch boundary",
+                )
+            )
             continue
         changed.append((name, before, now))
     return changed, refused
@@ -114,7 +124,9 @@ def changes(
 def describe_changes(changed: list[tuple[str, Any, Any]]) -> str:
     if not changed:
         return "no options changed"
-    return "changed: " + ", ".join(f"{flag_name(name)} {_short(before)} → {_short(now)}" for name, before, now in changed)
+    return "changed: " + ", ".join(
+        f"{flag_name(name)} {_short(before)} → {_short(now)}" for name, before, now in changed
+    )
 
 
 def resume_line(name: str, stored: StoredRun, changed: list[tuple[str, Any, Any]]) -> str:
@@ -140,7 +152,8 @@ def check_same_data(before: dict[str, Any], now: dict[str, Any], step: int, mid_
     if mid_epoch and before and before != now:
         raise DataError(
             f"dataset 'train' is not the one the checkpoint at step {step} was trained on (then {before}, now {now}); "
-            "resume with the same data and --shuffle-window-rows/--data-partitions, or start a new run with another --name"
+            "resume with the same data and --shuffle-window-rows/--data-partitions, or start a new run with another "
+            "--name"
         )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+
 def split_range(count: int, parts: int) -> list[tuple[int, int]]:
     """Split `count` items into `parts` contiguous ranges whose sizes differ by at most 1."""
     base, extra = divmod(count, parts)

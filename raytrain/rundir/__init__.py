@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import yaml
 
+from raytrain.errors import CheckpointError
 from raytrain.rundir.files import (
     LOCK_FILE,
     STOP_FILE,
@@ -41,7 +42,6 @@ from raytrain.rundir.files import (
     write_json,
     write_yaml,
 )
-from raytrain.errors import CheckpointError
 from raytrain.rundir.records import (
     CONFIG,
     EVENTS,
@@ -213,9 +213,38 @@ def _has(values: dict[str, Any], *keys: str) -> bool:
 
 
 __all__ = [
-    "CONFIG", "EVENTS", "HEARTBEATS", "LIVE", "LOCK_FILE", "METRICS", "MODEL", "PLOTS", "PROGRESS", "REPORT",
-    "STOP_FILE", "SUMMARY", "Event", "Kind", "MetricsRow", "Progress", "RunDir", "RunLock", "RunLocked", "claimed",
-    "StoredRun", "Summary", "Tail",
-    "append_jsonl", "check_storage", "dumps", "read_json", "read_jsonl", "storage_error", "storage_errors",
-    "strict", "write_atomic", "write_json", "write_yaml",
-]  # fmt: skip
+    "CONFIG",
+    "EVENTS",
+    "HEARTBEATS",
+    "LIVE",
+    "LOCK_FILE",
+    "METRICS",
+    "MODEL",
+    "PLOTS",
+    "PROGRESS",
+    "REPORT",
+    "STOP_FILE",
+    "SUMMARY",
+    "Event",
+    "Kind",
+    "MetricsRow",
+    "Progress",
+    "RunDir",
+    "RunLock",
+    "RunLocked",
+    "claimed",
+    "StoredRun",
+    "Summary",
+    "Tail",
+    "append_jsonl",
+    "check_storage",
+    "dumps",
+    "read_json",
+    "read_jsonl",
+    "storage_error",
+    "storage_errors",
+    "strict",
+    "write_atomic",
+    "write_json",
+    "write_yaml",
+]

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from raytrain.errors import CheckpointError
-from raytrain.rundir.records import MODEL
 from raytrain.observe.render import first_line
+from raytrain.rundir.records import MODEL
 
 STATE_FILE = "state.pt"
 MODEL_FILE = MODEL  # also the final model in the run directory
@@ -71,11 +71,15 @@ def stored_step(directory: str | os.PathLike) -> int:
 def load_state(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / STATE_FILE
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {directory} has no {STATE_FILE}; it is incomplete or not a raytrain checkpoint")
+        raise CheckpointError(
+            f"checkpoint {directory} has no {STATE_FILE}; it is incomplete or not a raytrain checkpoint"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(f"checkpoint file {path} cannot be read ({first_line(exc)}); it is corrupt or partial") from None
+        raise CheckpointError(
+            f"checkpoint file {path} cannot be read ({first_line(exc)}); it is corrupt or partial"
+        ) from None
 
 
 def checkpoint_dirs(run_dir: str | os.PathLike) -> list[Path]:
@@ -98,7 +102,9 @@ def latest_complete(run_dir: str | os.PathLike) -> Path | None:
 def checkpoint_name(step: int) -> str:
     """`checkpoint_s000000412_20261201-101530-123456`: step-major, unique per write."""
     now = time.time()
-    return f"checkpoint_s{step:09d}_{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{int(now * 1e6) % 1_000_000:06d}"
+    return (
+        f"checkpoint_s{step:09d}_{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{int(now * 1e6) % 1_000_000:06d}"
+    )
 
 
 def staging_dir(run_dir: str | os.PathLike) -> Path:
@@ -110,7 +116,9 @@ def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Model weights from a run directory (model.pt, else the latest checkpoint), a checkpoint or a .pt file."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise CheckpointError(f"{path} does not exist; give a run directory, a checkpoint directory or a model .pt file")
+        raise CheckpointError(
+            f"{path} does not exist; give a run directory, a checkpoint directory or a model .pt file"
+        )
     if path.is_dir():
         candidates = [path / MODEL_FILE]
         candidates += [p / MODEL_FILE for p in reversed(checkpoint_dirs(path))]

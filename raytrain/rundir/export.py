@@ -70,5 +70,7 @@ def check_against_pipeline(spec: str, source: Path, weights: dict) -> str:
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
-        raise CheckpointError(f"{source}: weights do not match {pipe.name}'s model: {str(exc).splitlines()[0]}") from None
+        raise CheckpointError(
+            f"{source}: weights do not match {pipe.name}'s model: {str(exc).splitlines()[0]}"
+        ) from None
     return f"; checked: loads into {pipe.name}'s model with strict=True"

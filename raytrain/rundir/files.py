@@ -62,9 +62,13 @@ def check_storage(storage: str | os.PathLike, run_dir: str | os.PathLike) -> Non
     """Before Ray starts: the run directory can be created and written (StorageError if not)."""
     storage, run_dir = Path(storage), Path(run_dir)
     if storage.exists() and not storage.is_dir():
-        raise StorageError(errno_codes.ENOTDIR, f"--storage {storage} is a file, not a directory; point --storage at a directory")
+        raise StorageError(
+            errno_codes.ENOTDIR, f"--storage {storage} is a file, not a directory; point --storage at a directory"
+        )
     if run_dir.exists() and not run_dir.is_dir():
-        raise StorageError(errno_codes.ENOTDIR, f"run directory {run_dir} is a file, not a directory; choose another --name")
+        raise StorageError(
+            errno_codes.ENOTDIR, f"run directory {run_dir} is a file, not a directory; choose another --name"
+        )
     with storage_errors(run_dir, "create the run directory"):
         run_dir.mkdir(parents=True, exist_ok=True)
     probe = run_dir / f".write-test-{os.getpid()}"

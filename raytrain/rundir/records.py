@@ -94,7 +94,6 @@ class MetricsRow(_Record):
         return {k: v for k, v in self.extra.items() if k.startswith("val_")}
 
 
-
 @dataclass
 class Event(_Record):
     """A line of events.jsonl: `kind` (see `Kind`), a sentence for people, and its figures
@@ -164,8 +163,6 @@ class Progress(_Record):
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-
-
 @dataclass
 class StoredRun:
     """What a run directory says about the run before it resumes: its resolved config, its
@@ -181,4 +178,22 @@ class StoredRun:
     def mid_epoch(self) -> bool:
         return bool(self.position.get("epoch_offset"))
 
-__all__ = ["CONFIG", "EVENTS", "HEARTBEATS", "LIVE", "METRICS", "MODEL", "PLOTS", "PROGRESS", "REPORT", "SUMMARY", "StoredRun", "Event", "Kind", "MetricsRow", "Progress", "Summary"]
+
+__all__ = [
+    "CONFIG",
+    "EVENTS",
+    "HEARTBEATS",
+    "LIVE",
+    "METRICS",
+    "MODEL",
+    "PLOTS",
+    "PROGRESS",
+    "REPORT",
+    "SUMMARY",
+    "StoredRun",
+    "Event",
+    "Kind",
+    "MetricsRow",
+    "Progress",
+    "Summary",
+]

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir import RunDir
+from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.files import STOP_FILE, storage_errors
 from raytrain.rundir.records import MODEL, Event, Kind, MetricsRow, Progress
 
@@ -68,7 +68,17 @@ class RunWriter:
         """Whether a live row is due (about once a second, rank 0 only)."""
         return self.enabled and time.time() - self.last_live >= LIVE_INTERVAL_S
 
-    def live(self, *, epoch: int, step: int, samples_seen: int, epoch_rows: int, global_batch_size: int, world_size: int, loss: float | None) -> None:
+    def live(
+        self,
+        *,
+        epoch: int,
+        step: int,
+        samples_seen: int,
+        epoch_rows: int,
+        global_batch_size: int,
+        world_size: int,
+        loss: float | None,
+    ) -> None:
         """Where rank 0 is in the epoch (`epoch` 1-based), for the driver's progress bar, with
         the rate since the last live row. `loss` is rank 0's own running loss: no collective,
         so it costs the other ranks nothing."""
@@ -76,17 +86,19 @@ class RunWriter:
         previous, self.live_mark = self.live_mark, (now, samples_seen)
         rate = (samples_seen - previous[1]) / (now - previous[0]) if previous and now > previous[0] else None
         self.last_live = now
-        self.rundir.append_live({
-            "time": now,
-            "epoch": epoch,
-            "step": step,
-            "samples_seen": samples_seen,
-            "epoch_rows": epoch_rows,
-            "global_batch_size": global_batch_size,
-            "world_size": world_size,
-            "loss": loss,
-            "samples_per_s": rate,
-        })  # fmt: skip
+        self.rundir.append_live(
+            {
+                "time": now,
+                "epoch": epoch,
+                "step": step,
+                "samples_seen": samples_seen,
+                "epoch_rows": epoch_rows,
+                "global_batch_size": global_batch_size,
+                "world_size": world_size,
+                "loss": loss,
+                "samples_per_s": rate,
+            }
+        )
 
     def epoch_end(self, row: MetricsRow, epochs: int) -> None:
         """The epoch's metrics row and its line for the console."""

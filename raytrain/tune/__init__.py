@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
-from raytrain.tune.driver import trial_error, tune
+from raytrain.tune.driver import tune
+from raytrain.tune.options import SWEPT, SearchSpace, TuneOptions, parse_list, parse_search_space
+from raytrain.tune.resources import embedded_cpus, max_concurrent_trials, trial_cpus, trial_driver_resources
 from raytrain.tune.results import (
     SUBSTITUTED,
     SweepResult,
@@ -27,32 +29,53 @@ from raytrain.tune.results import (
     write_csv,
 )
 from raytrain.tune.space import (
-    SWEPT,
     SweepRun,
-    SearchSpace,
-    TuneOptions,
     check_trials,
-    embedded_cpus,
     grace_period,
     grid_points,
-    max_concurrent_trials,
-    parse_list,
-    parse_search_space,
     plan_sweep,
     point_key,
     resolved_run,
     sweep_base_config,
     trial_config,
-    trial_cpus,
-    trial_driver_resources,
     trial_name,
 )
+from raytrain.tune.trials import trial_error
 
 __all__ = [
-    "SUBSTITUTED", "SWEPT", "SweepRun", "SearchSpace", "SweepResult", "TrialRun", "TuneOptions", "best_config",
-    "best_per_worker_count", "check_trials", "closing_table", "embedded_cpus", "grace_period", "grid_points",
-    "mark_stopped", "max_concurrent_trials", "parse_list", "parse_search_space", "plan_sweep", "plot_trials",
-    "point_key", "ranked_trials", "resolved_run", "sweep_base_config", "sweep_rows", "tied_rules", "trial_config",
-    "trial_cpus", "trial_driver_resources", "trial_epoch_rows", "trial_error", "trial_name", "trial_results",
-    "tune", "write_csv",
-]  # fmt: skip
+    "SUBSTITUTED",
+    "SWEPT",
+    "SweepRun",
+    "SearchSpace",
+    "SweepResult",
+    "TrialRun",
+    "TuneOptions",
+    "best_config",
+    "best_per_worker_count",
+    "check_trials",
+    "closing_table",
+    "embedded_cpus",
+    "grace_period",
+    "grid_points",
+    "mark_stopped",
+    "max_concurrent_trials",
+    "parse_list",
+    "parse_search_space",
+    "plan_sweep",
+    "plot_trials",
+    "point_key",
+    "ranked_trials",
+    "resolved_run",
+    "sweep_base_config",
+    "sweep_rows",
+    "tied_rules",
+    "trial_config",
+    "trial_cpus",
+    "trial_driver_resources",
+    "trial_epoch_rows",
+    "trial_error",
+    "trial_name",
+    "trial_results",
+    "tune",
+    "write_csv",
+]

@@ -12,7 +12,8 @@ so that the running trials' workers always fit the cluster at once. ASHA compare
 only with trials of the same worker count (one ASHA per count): an epoch of 8 workers takes
 fewer, larger steps than an epoch of 1, so their losses after an epoch are not comparable.
 
-What decides lives in `space` (pure); what the sweep leaves, in `results`.
+What decides lives in `space` (pure), what a sweep is asked for in `options`, what it needs in
+`resources`; what the driver reads of each trial in `trials`; what the sweep leaves, in `results`.
 """
 
 from __future__ import annotations
@@ -28,28 +29,27 @@ from typing import Any, Callable
 
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
+from raytrain.observe.render import is_number, sci
 from raytrain.pipeline import Pipeline, load_pipeline
-from raytrain.observe.render import first_line, is_number, sci
-from raytrain.tune.results import SUBSTITUTED, SweepResult, TrialRun, sweep_rows, write_sweep_files
-from raytrain.tune.space import (
+from raytrain.tune.options import SearchSpace, TuneOptions
+from raytrain.tune.resources import (
     EMBEDDED_TRIAL_DRIVER_SLOTS,
     TRIAL_DRIVER_RESOURCE,
-    SweepRun,
-    SearchSpace,
-    TuneOptions,
-    check_trials,
     embedded_cpus,
-    grace_period,
     max_concurrent_trials,
-    plan_sweep,
-    point_key,
-    runs_by_point,
-    sweep_base_config,
-    trial_config,
     trial_cpus,
     trial_driver_resources,
-    trial_name,
 )
+from raytrain.tune.results import SUBSTITUTED, SweepResult, sweep_rows, write_sweep_files
+from raytrain.tune.space import (
+    SweepRun,
+    check_trials,
+    grace_period,
+    plan_sweep,
+    sweep_base_config,
+    trial_config,
+)
+from raytrain.tune.trials import console_callback, trial_error, trial_index, trial_name_creator, trial_run
 
 # Train's cleaner frees a stopped trial's workers within seconds, slower on a loaded machine:
 # wait up to this long for it before removing what is left (the wait ends as soon as none is).
@@ -76,7 +76,9 @@ def _run_trial(config: dict[str, Any], job: _TrialJob) -> None:
     from raytrain.driver.run import fit
 
     point = {**config["point"], **({"lr": config["lr"]} if "lr" in config else {})}
-    cfg = trial_config(TrainConfig.from_dict(job.base), point, name=ray_tune.get_context().get_trial_name(), storage=job.runs_dir)
+    cfg = trial_config(
+        TrainConfig.from_dict(job.base), point, name=ray_tune.get_context().get_trial_name(), storage=job.runs_dir
+    )
     fit(job.pipeline, cfg, callbacks=[_report_to_tune(job.metric, job.mode)])
 
 
@@ -127,9 +129,14 @@ def _scheduler(options: TuneOptions, epochs: int, grace: int):
             key = trial.config["point"]["workers"]
             if key not in self.groups:
                 self.groups[key] = AsyncHyperBandScheduler(
-                    time_attr="epoch", metric=options.metric, mode=options.mode, max_t=epochs,
-                    grace_period=grace, reduction_factor=options.reduction_factor,
-                    brackets=1, stop_last_trials=False,
+                    time_attr="epoch",
+                    metric=options.metric,
+                    mode=options.mode,
+                    max_t=epochs,
+                    grace_period=grace,
+                    reduction_factor=options.reduction_factor,
+                    brackets=1,
+                    stop_last_trials=False,
                 )
             return self.groups[key]
 
@@ -152,124 +159,11 @@ def _scheduler(options: TuneOptions, epochs: int, grace: int):
             self._group(trial).on_trial_remove(tune_controller, trial)
 
         def debug_string(self) -> str:
-            return "ASHA per worker count: " + "; ".join(f"{k} workers: {g.debug_string()}" for k, g in sorted(self.groups.items()))
+            return "ASHA per worker count: " + "; ".join(
+                f"{k} workers: {g.debug_string()}" for k, g in sorted(self.groups.items())
+            )
 
     return ASHAPerWorkerCount()
-
-
-def _console_callback(total: int, epochs: int, options: TuneOptions, runs: list[SweepRun], echo: Callable[[str], None]):
-    """Tune callback (driver side): one line per trial epoch and per trial end; keeps every
-    result Tune received per trial (the results of the sweep come from them), each trial's
-    wall time and how it ended."""
-    from ray.tune import Callback
-
-    planned = runs_by_point(runs)
-
-    class Console(Callback):
-        def __init__(self) -> None:
-            self.started: dict[str, float] = {}
-            self.ended: dict[str, float] = {}
-            self.errors: dict[str, str] = {}
-            self.reported: dict[str, list[dict[str, Any]]] = {}
-            self.trials: dict[str, Any] = {}  # trial id -> Trial, for the rows of trials.csv
-
-        def on_experiment_end(self, trials, **info):
-            self.trials.update((trial.trial_id, trial) for trial in trials)
-
-        def _label(self, trial) -> str:
-            run = planned.get(point_key(trial.config["point"]))
-            rules = run.rule_names if run is not None else trial.config["point"]["lr_scaling"]
-            return f"[{trial_index(trial) + 1:>{len(str(total))}}/{total} {_describe_point({**trial_point(trial), 'lr_scaling': rules})}]"
-
-        def on_trial_start(self, iteration, trials, trial, **info):
-            self.started[trial.trial_id] = time.time()
-            self.trials[trial.trial_id] = trial
-
-        def on_trial_result(self, iteration, trials, trial, result, **info):
-            self.reported.setdefault(trial.trial_id, []).append(dict(result))
-            metrics = "  ".join(f"{k} {result[k]:.4f}" for k in sorted(result) if k.startswith("val_") and isinstance(result[k], (int, float)))
-            echo(f"{self._label(trial)} epoch {result.get('epoch')}/{epochs}  {metrics}")
-
-        def on_trial_complete(self, iteration, trials, trial, **info):
-            self.ended[trial.trial_id] = time.time()
-            last = trial.last_result or {}
-            took = self.ended[trial.trial_id] - self.started.get(trial.trial_id, self.ended[trial.trial_id])
-            if last.get("epoch", 0) < epochs:
-                echo(f"{self._label(trial)} stopped early by ASHA after epoch {last.get('epoch', 0)} ({took:.0f} s)")
-            else:
-                value = last.get(options.metric)
-                shown = f"{options.metric} {value:.4f}" if isinstance(value, (int, float)) else ""
-                echo(f"{self._label(trial)} finished: {shown} ({took:.0f} s)")
-
-        def on_trial_error(self, iteration, trials, trial, **info):
-            self.ended[trial.trial_id] = time.time()
-            message = trial_error(trial)
-            self.errors[trial.trial_id] = message
-            echo(f"{self._label(trial)} FAILED: {message} (run files: trials/{_trial_name_creator(trial)}/)")
-
-    return Console()
-
-
-def trial_index(trial) -> int:
-    """0-based position among the sweep's runs, from Tune's trial id (`<experiment>_00003`)."""
-    return int(str(trial.trial_id).rsplit("_", 1)[-1])
-
-
-def trial_point(trial) -> dict[str, Any]:
-    return {**trial.config["point"], **({"lr": trial.config["lr"]} if "lr" in trial.config else {})}
-
-
-def _trial_name_creator(trial) -> str:
-    return trial_name(trial_index(trial), trial_point(trial))
-
-
-def _describe_point(point: dict[str, Any]) -> str:
-    return f"{point['workers']}w {point['lr_scaling']} warmup {point['warmup_epochs']:g} lr {sci(point['lr'])}"
-
-
-def trial_error(trial) -> str:
-    """One line: why a trial failed, from the exception Tune kept. Ray wraps the trial's own
-    exception (`cause`); a RunFailed from fit opens with "The run failed: <rank, exception,
-    where>", any other exception is said as `Type: message`."""
-    from raytrain.errors import RunFailed
-
-    error = None
-    with contextlib.suppress(Exception):
-        error = trial.get_pickled_error()
-    for _ in range(8):  # RayTaskError / TuneError around the trial's exception
-        cause = getattr(error, "cause", None)
-        if not isinstance(cause, BaseException):
-            break
-        error = cause
-    if isinstance(error, RunFailed):
-        return first_line(str(error))[:400]
-    if isinstance(error, BaseException):
-        return first_line(error)[:400]
-    where = getattr(trial, "error_file", None)
-    return f"failed (Tune's error file: {where})" if where else "failed"
-
-
-def _trial_run(trial, epochs: int, console) -> TrialRun:
-    """What Tune saw of `trial`, and how it ended."""
-    reported = (trial.last_result or {}).get("epoch", 0) or 0
-    if trial.status == "ERROR":
-        status = "failed"
-    elif trial.status != "TERMINATED":
-        status = str(trial.status).lower()  # never ran: the sweep was interrupted
-    elif reported < epochs:
-        status = "stopped"
-    else:
-        status = "finished"
-    return TrialRun(
-        name=_trial_name_creator(trial),
-        point=dict(trial.config["point"]),
-        status=status,
-        reported=console.reported.get(trial.trial_id, []),
-        lr=trial.config.get("lr"),
-        started=console.started.get(trial.trial_id),
-        ended=console.ended.get(trial.trial_id),
-        error=(console.errors.get(trial.trial_id) or trial_error(trial)) if status == "failed" else "",
-    )
 
 
 # -- the sweep (driver) ----------------------------------------------------------------------
@@ -313,21 +207,30 @@ def tune(
         use_gpu = resolve_gpu(base)
         resources = ray.cluster_resources()
         total = len(runs) * space.samples
-        concurrency = min(total, max_concurrent_trials(
-            worker_counts, cpus_per_worker=base.cpus_per_worker, cluster_cpus=resources.get("CPU", 0), use_gpu=use_gpu,
-            cluster_gpus=resources.get("GPU", 0), requested=options.max_concurrent_trials,
-        ))
+        concurrency = min(
+            total,
+            max_concurrent_trials(
+                worker_counts,
+                cpus_per_worker=base.cpus_per_worker,
+                cluster_cpus=resources.get("CPU", 0),
+                use_gpu=use_gpu,
+                cluster_gpus=resources.get("GPU", 0),
+                requested=options.max_concurrent_trials,
+            ),
+        )
         _check_metric_source(pipe, base, options, build_datasets)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         _write_sweep_yaml(sweep_dir, spec, base, space, options, points, runs, concurrency)
         echo(_describe_sweep(spec, base, space, options, points, runs, concurrency, resources, use_gpu, sweep_dir))
         pgs_before = _placement_groups()
-        tuner, console = _build_tuner(pipeline, base, space, options, runs, concurrency, resources, sweep_dir, total, echo)
+        tuner, console = _build_tuner(
+            pipeline, base, space, options, runs, concurrency, resources, sweep_dir, total, echo
+        )
         with _quiet_tune(base.verbose):
             tuner.fit()
         leaked = _free_leaked_placement_groups(pgs_before, echo)
         wall = time.time() - started
-        trials = [_trial_run(t, base.epochs, console) for t in sorted(console.trials.values(), key=trial_index)]
+        trials = [trial_run(t, base.epochs, console) for t in sorted(console.trials.values(), key=trial_index)]
         rows, curves = sweep_rows(trials, runs, points, options, sweep_dir, base.epochs)
     return write_sweep_files(spec, base, options, rows, curves, sweep_dir, wall, leaked, echo)
 
@@ -335,12 +238,18 @@ def tune(
 def _write_sweep_yaml(sweep_dir, spec, base, space, options, points, runs, concurrency) -> None:
     from raytrain.rundir import write_yaml
 
-    write_yaml(sweep_dir / "sweep.yaml", {
-        "pipeline": spec, "space": dataclasses.asdict(space), "options": dataclasses.asdict(options),
-        "grace_period_epochs": grace_period(options, points, base.epochs), "max_concurrent_trials": concurrency,
-        "shared_runs": {run.name: run.rule_names for run in runs if run.shared},
-        "trial_config": base.to_dict(),
-    })  # fmt: skip
+    write_yaml(
+        sweep_dir / "sweep.yaml",
+        {
+            "pipeline": spec,
+            "space": dataclasses.asdict(space),
+            "options": dataclasses.asdict(options),
+            "grace_period_epochs": grace_period(options, points, base.epochs),
+            "max_concurrent_trials": concurrency,
+            "shared_runs": {run.name: run.rule_names for run in runs if run.shared},
+            "trial_config": base.to_dict(),
+        },
+    )
 
 
 def _embedded_ray_cpus(base: TrainConfig, worker_counts: list[int]) -> int | None:
@@ -353,27 +262,47 @@ def _embedded_ray_cpus(base: TrainConfig, worker_counts: list[int]) -> int | Non
     cores = os.cpu_count() or 1
     num_cpus = embedded_cpus(trial_cpus(max(worker_counts), base.cpus_per_worker), cores)
     if base.gpu is not True:  # GPU runs are sized by GPUs, known once Ray is up
-        max_concurrent_trials(worker_counts, cpus_per_worker=base.cpus_per_worker, cluster_cpus=num_cpus,
-                              where=f"this machine's embedded Ray ({num_cpus} logical CPUs on {cores} cores)")
+        max_concurrent_trials(
+            worker_counts,
+            cpus_per_worker=base.cpus_per_worker,
+            cluster_cpus=num_cpus,
+            where=f"this machine's embedded Ray ({num_cpus} logical CPUs on {cores} cores)",
+        )
     return num_cpus
 
 
 def _check_metric_source(pipe: Pipeline, base: TrainConfig, options: TuneOptions, build_datasets) -> None:
     if options.metric.startswith("val_") and "val" not in build_datasets(pipe, base):
-        raise ConfigError([("metric", f"got {options.metric!r}, but pipeline {pipe.name} has no 'val' dataset; use --metric loss, or add a 'val' dataset to the pipeline")])
+        raise ConfigError(
+            [
+                (
+                    "metric",
+                    f"got {options.metric!r}, but pipeline {pipe.name} has no 'val' dataset; use --metric loss, or "
+                    "add a 'val' dataset to the pipeline",
+                )
+            ]
+        )
 
 
 def _build_tuner(pipeline, base, space, options, runs: list[SweepRun], concurrency, resources, sweep_dir, total, echo):
     from ray import tune as ray_tune
     from ray.tune.search import BasicVariantGenerator
 
-    job = _TrialJob(pipeline=pipeline, base=base.to_dict(), runs_dir=str(sweep_dir / "trials"), metric=options.metric, mode=options.mode)
-    trainable = ray_tune.with_resources(ray_tune.with_parameters(_run_trial, job=job), trial_driver_resources(resources))
+    job = _TrialJob(
+        pipeline=pipeline,
+        base=base.to_dict(),
+        runs_dir=str(sweep_dir / "trials"),
+        metric=options.metric,
+        mode=options.mode,
+    )
+    trainable = ray_tune.with_resources(
+        ray_tune.with_parameters(_run_trial, job=job), trial_driver_resources(resources)
+    )
     # One Tune trial per distinct run: Tune's trial number is the run's index.
     param_space: dict[str, Any] = {"point": ray_tune.grid_search([run.point for run in runs])}
     if space.lr_range:
         param_space["lr"] = ray_tune.loguniform(*space.lr_range)
-    console = _console_callback(total, base.epochs, options, runs, echo)
+    console = console_callback(total, base.epochs, options, runs, echo)
     points = [p for run in runs for p in run.points]
     tuner = ray_tune.Tuner(
         trainable,
@@ -383,8 +312,8 @@ def _build_tuner(pipeline, base, space, options, runs: list[SweepRun], concurren
             # Tune ignores max_concurrent_trials when given a search algorithm: the limit goes here.
             search_alg=BasicVariantGenerator(random_state=base.seed, max_concurrent=concurrency),
             num_samples=space.samples,
-            trial_name_creator=_trial_name_creator,
-            trial_dirname_creator=_trial_name_creator,
+            trial_name_creator=trial_name_creator,
+            trial_dirname_creator=trial_name_creator,
         ),
         run_config=ray_tune.RunConfig(name="tune", storage_path=str(sweep_dir), verbose=0, callbacks=[console]),
     )
@@ -438,7 +367,10 @@ def _free_leaked_placement_groups(before: dict[str, str], echo: Callable[[str], 
         with contextlib.suppress(Exception):
             ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
     if held:
-        echo(f"Note: {len(held)} placement group(s) of stopped trials outlived them and were removed now (is the Ray dashboard up? Train's cleaner needs it).")
+        echo(
+            f"Note: {len(held)} placement group(s) of stopped trials outlived them and were removed now (is the Ray "
+            "dashboard up? Train's cleaner needs it)."
+        )
     return len(held)
 
 
@@ -447,27 +379,48 @@ def _describe_sweep(spec, base, space, options, points, runs, concurrency, resou
         "workers " + ",".join(str(w) for w in sorted({p["workers"] for p in points})),
         "lr_scaling " + ",".join(space.lr_scaling),
         "warmup " + ",".join(f"{w:g}" for w in sorted({p["warmup_epochs"] for p in points})),
-        (f"lr log-uniform {sci(space.lr_range[0])}..{sci(space.lr_range[1])} × {space.samples} per point" if space.lr_range
-         else "lr " + ",".join(sci(lr) for lr in sorted({p["lr"] for p in points}))),
+        (
+            f"lr log-uniform {sci(space.lr_range[0])}..{sci(space.lr_range[1])} × {space.samples} per point"
+            if space.lr_range
+            else "lr " + ",".join(sci(lr) for lr in sorted({p["lr"] for p in points}))
+        ),
     ]
     total = len(points) * space.samples
     shared = [run for run in runs if run.shared]
     sharing = (
-        f" ({len(runs) * space.samples} runs: " + ", ".join(f"{run.rule_names} at {run.point['workers']} w, warmup {run.point['warmup_epochs']:g}, lr {sci(run.point['lr'])}" for run in shared[:3])
-        + (f" and {len(shared) - 3} more" if len(shared) > 3 else "") + " give the same rate and share one run)"
-        if shared else ""
-    )  # fmt: skip
-    batch = f"global batch {base.global_batch_size}" if base.global_batch_size else f"{base.batch_size_per_worker} per worker"
+        f" ({len(runs) * space.samples} runs: "
+        + ", ".join(
+            f"{run.rule_names} at {run.point['workers']} w, warmup {run.point['warmup_epochs']:g}, lr "
+            f"{sci(run.point['lr'])}"
+            for run in shared[:3]
+        )
+        + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
+        + " give the same rate and share one run)"
+        if shared
+        else ""
+    )
+    batch = (
+        f"global batch {base.global_batch_size}"
+        if base.global_batch_size
+        else f"{base.batch_size_per_worker} per worker"
+    )
     grace = grace_period(options, points, base.epochs)
     stopping = (
-        f"ASHA on {options.metric} ({options.mode}) per worker count from epoch {grace}, reduction {options.reduction_factor:g}"
-        + (" (= --epochs: no trial will be stopped early; raise --epochs or lower --grace-period)" if grace >= base.epochs else "")
-        if options.early_stop else "no early stopping"
+        f"ASHA on {options.metric} ({options.mode}) per worker count from epoch {grace}, reduction "
+        f"{options.reduction_factor:g}"
+        + (
+            " (= --epochs: no trial will be stopped early; raise --epochs or lower --grace-period)"
+            if grace >= base.epochs
+            else ""
+        )
+        if options.early_stop
+        else "no early stopping"
     )
     unit = f"{resources.get('GPU', 0):g} GPUs" if use_gpu else f"{resources.get('CPU', 0):g} CPUs"
     return (
         f"raytrain tune: {base.name} — {total} trials of {spec}{sharing}: {' × '.join(axes)}\n"
-        f"Every trial: {base.epochs} epoch{'s' if base.epochs != 1 else ''}, seed {base.seed}, {batch}, reference batch {base.reference_batch_size}; {stopping}\n"
+        f"Every trial: {base.epochs} epoch{'s' if base.epochs != 1 else ''}, seed {base.seed}, {batch}, reference "
+        f"batch {base.reference_batch_size}; {stopping}\n"
         f"{concurrency} trial(s) at a time on {unit}; sweep directory {sweep_dir}"
     )
 

@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 from raytrain.config import TrainConfig
 from raytrain.observe.render import figure, is_number, plural, sci, text_table
 from raytrain.rundir import Kind, RunDir, Summary, write_yaml
-from raytrain.tune.space import SWEPT, SweepRun, TuneOptions, point_key, runs_by_point, trial_config
+from raytrain.tune.options import SWEPT, TuneOptions
+from raytrain.tune.space import SweepRun, point_key, runs_by_point, trial_config
 
 # Set on a report whose `metric` was not finite: the value Tune got is a stand-in (the worst
 # finite value, so that ASHA can stop the trial); the results read it as missing.
@@ -61,8 +62,12 @@ class SweepResult:
 
 
 def sweep_rows(
-    trials: Sequence[TrialRun], runs: Sequence[SweepRun], points: Sequence[dict[str, Any]], options: TuneOptions,
-    sweep_dir: Path, epochs: int,
+    trials: Sequence[TrialRun],
+    runs: Sequence[SweepRun],
+    points: Sequence[dict[str, Any]],
+    options: TuneOptions,
+    sweep_dir: Path,
+    epochs: int,
 ) -> tuple[list[dict[str, Any]], dict[str, list[tuple[int, float]]]]:
     """The rows of trials.csv, one per grid point in grid order (a run shared by several points
     gives each of them a row, marked in `same_run`), and each run's `metric` curve for the plot."""
@@ -185,7 +190,9 @@ def ranked_trials(rows: list[dict[str, Any]], options: TuneOptions) -> list[dict
     key = f"final_{options.metric}"
     done = [r for r in rows if r["status"] == "finished" and is_number(r.get(key))]
     sign = 1 if options.mode == "min" else -1
-    return sorted(done, key=lambda r: (r.get("epochs_to_target") or math.inf if options.target is not None else 0, sign * r[key]))
+    return sorted(
+        done, key=lambda r: (r.get("epochs_to_target") or math.inf if options.target is not None else 0, sign * r[key])
+    )
 
 
 def best_per_worker_count(rows: list[dict[str, Any]], options: TuneOptions) -> dict[int, dict[str, Any]]:
@@ -215,13 +222,24 @@ def tied_rules(row: dict[str, Any]) -> str:
 
 
 def write_sweep_files(
-    spec: str, base: TrainConfig, options: TuneOptions, rows: list[dict[str, Any]], curves: dict[str, list[tuple[int, float]]],
-    sweep_dir: Path, wall: float, leaked: int, echo: Callable[[str], None],
+    spec: str,
+    base: TrainConfig,
+    options: TuneOptions,
+    rows: list[dict[str, Any]],
+    curves: dict[str, list[tuple[int, float]]],
+    sweep_dir: Path,
+    wall: float,
+    leaked: int,
+    echo: Callable[[str], None],
 ) -> SweepResult:
     """trials.csv, best.yaml (when a trial finished), trials.png, then the closing table."""
     write_csv(sweep_dir / "trials.csv", rows)
     ranked = ranked_trials(rows, options)
-    best = min(ranked, key=lambda r: (1 if options.mode == "min" else -1) * r[f"final_{options.metric}"]) if ranked else None
+    best = (
+        min(ranked, key=lambda r: (1 if options.mode == "min" else -1) * r[f"final_{options.metric}"])
+        if ranked
+        else None
+    )
     best_path = None
     if best is not None:
         best_path = sweep_dir / "best.yaml"
@@ -246,7 +264,9 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     seen: list[str] = []
     for row in rows:
         seen += [k for k in row if k not in seen]
-    metrics = sorted(k for k in seen if k.startswith("final_")) + sorted(k for k in seen if k.startswith("best_") and k != "best_epoch")
+    metrics = sorted(k for k in seen if k.startswith("final_")) + sorted(
+        k for k in seen if k.startswith("best_") and k != "best_epoch"
+    )
     lead = ["trial", *SWEPT]
     columns = lead + metrics + [k for k in seen if k not in lead and k not in metrics]
     with open(path, "w", newline="") as handle:
@@ -260,7 +280,11 @@ def closing_table(rows, per_workers, best, options, wall, sweep_dir, best_path) 
     """The console's last lines: per worker count, the best (rule, warmup) and its time to target."""
     metric = options.metric
     counts = {s: sum(r["status"] == s for r in rows) for s in ("finished", "stopped", "failed")}
-    target = f"; target {metric} {'≤' if options.mode == 'min' else '≥'} {options.target:g}" if options.target is not None else ""
+    target = (
+        f"; target {metric} {'≤' if options.mode == 'min' else '≥'} {options.target:g}"
+        if options.target is not None
+        else ""
+    )
     ranking = "fewest epochs to target, then " if options.target is not None else ""
     table = []
     for workers in sorted({r["workers"] for r in rows}):
@@ -268,19 +292,33 @@ def closing_table(rows, per_workers, best, options, wall, sweep_dir, best_path) 
         if row is None:
             table.append([workers, "no trial finished"])
             continue
-        table.append([workers, tied_rules(row), f"{row['warmup_epochs']:g}", sci(row["lr"]), f"{row[f'final_{metric}']:.4f}", _target_text(row, options)])
+        table.append(
+            [
+                workers,
+                tied_rules(row),
+                f"{row['warmup_epochs']:g}",
+                sci(row["lr"]),
+                f"{row[f'final_{metric}']:.4f}",
+                _target_text(row, options),
+            ]
+        )
     runs = len({r["trial"] for r in rows})
     shared = f" ({runs} runs: rules that give the same rate share one)" if runs < len(rows) else ""
     lines = [
         "",
         f"Best per worker count ({ranking}final {metric}, {options.mode}; finished trials{target}):",
-        *text_table(["workers", "lr_scaling", "warmup", "lr", metric, "time to target"], table, left=(1, 5), indent="  "),
-        f"{len(rows)} trials{shared} in {wall:.0f} s: {counts['finished']} finished, {counts['stopped']} stopped early by ASHA, "
-        f"{counts['failed']} failed. Files in {sweep_dir}: trials.csv, trials.png" + (", best.yaml" if best_path else ""),
+        *text_table(
+            ["workers", "lr_scaling", "warmup", "lr", metric, "time to target"], table, left=(1, 5), indent="  "
+        ),
+        f"{len(rows)} trials{shared} in {wall:.0f} s: {counts['finished']} finished, {counts['stopped']} stopped "
+        "early by ASHA, "
+        f"{counts['failed']} failed. Files in {sweep_dir}: trials.csv, trials.png"
+        + (", best.yaml" if best_path else ""),
     ]
     if best is not None:
         lines.append(
-            f"Best: {plural(best['workers'], 'worker')}, {best['lr_scaling']}, warmup {best['warmup_epochs']:g}, lr {sci(best['lr'])} "
+            f"Best: {plural(best['workers'], 'worker')}, {best['lr_scaling']}, warmup {best['warmup_epochs']:g}, lr "
+            f"{sci(best['lr'])} "
             f"({metric} {best[f'final_{metric}']:.4f}); train it: raytrain train --config {best_path}"
         )
     else:
@@ -298,7 +336,11 @@ def _target_text(row: dict[str, Any], options: TuneOptions) -> str:
 
 
 def plot_trials(
-    path: Path, rows: list[dict[str, Any]], epochs: int, options: TuneOptions, curves: dict[str, list[tuple[int, float]]] | None = None
+    path: Path,
+    rows: list[dict[str, Any]],
+    epochs: int,
+    options: TuneOptions,
+    curves: dict[str, list[tuple[int, float]]] | None = None,
 ) -> None:
     """Validation `metric` per run vs epoch: one panel per worker count, colour = lr scaling
     rule, line style = warmup, marker = base lr; a trial stopped by ASHA ends with ×. A run
@@ -325,8 +367,18 @@ def plot_trials(
                 continue
             xs, ys = zip(*points)
             positive = positive and min(ys) > 0
-            label = f"{tied_rules(row)}, warmup {row['warmup_epochs']:g}" + (f", lr {sci(row['lr'])}" if len(lrs) > 1 else "")
-            ax.plot(xs, ys, styles[row["warmup_epochs"]], color=colors.get(row["lr_scaling"]), marker=markers[row["lr"]], markersize=4, label=label)
+            label = f"{tied_rules(row)}, warmup {row['warmup_epochs']:g}" + (
+                f", lr {sci(row['lr'])}" if len(lrs) > 1 else ""
+            )
+            ax.plot(
+                xs,
+                ys,
+                styles[row["warmup_epochs"]],
+                color=colors.get(row["lr_scaling"]),
+                marker=markers[row["lr"]],
+                markersize=4,
+                label=label,
+            )
             if row["status"] == "stopped":
                 ax.plot(xs[-1:], ys[-1:], "x", color="black", markersize=8)
         if options.target is not None:
@@ -346,7 +398,9 @@ def plot_trials(
     fig.savefig(path, dpi=110)
 
 
-def _curve(row: dict[str, Any], options: TuneOptions, curves: dict[str, list[tuple[int, float]]] | None) -> list[tuple[int, float]]:
+def _curve(
+    row: dict[str, Any], options: TuneOptions, curves: dict[str, list[tuple[int, float]]] | None
+) -> list[tuple[int, float]]:
     if curves is not None and row.get("trial") in curves:
         return curves[row["trial"]]
     horizon = row.get("epochs") or 0
@@ -358,7 +412,19 @@ def _curve(row: dict[str, Any], options: TuneOptions, curves: dict[str, list[tup
 
 
 __all__ = [
-    "SUBSTITUTED", "SweepResult", "TrialRun", "best_config", "best_per_worker_count", "closing_table", "mark_stopped",
-    "plot_trials", "ranked_trials", "sweep_rows", "tied_rules", "trial_epoch_rows", "trial_results", "write_csv",
+    "SUBSTITUTED",
+    "SweepResult",
+    "TrialRun",
+    "best_config",
+    "best_per_worker_count",
+    "closing_table",
+    "mark_stopped",
+    "plot_trials",
+    "ranked_trials",
+    "sweep_rows",
+    "tied_rules",
+    "trial_epoch_rows",
+    "trial_results",
+    "write_csv",
     "write_sweep_files",
-]  # fmt: skip
+]

@@ -116,7 +116,9 @@ def train_epoch_per_step(
     return EpochResult(total / count if count else math.nan, samples_per_s, stop), runner
 
 
-def follow_quorum(runner: StepRunner, size: int, position: Position, files: RunWriter, num_train_rows: int) -> StepRunner:
+def follow_quorum(
+    runner: StepRunner, size: int, position: Position, files: RunWriter, num_train_rows: int
+) -> StepRunner:
     """The runner for a quorum of `size` replicas (its batch plan and rate), and one event line
     when the size differs from the one the run last trained with (the position says it, the
     same on every member, a healed one included)."""
@@ -218,7 +220,9 @@ def sync_ranks(runner: StepRunner, position: Position, stop_requested: bool = Fa
     return loss, count, stop
 
 
-def end_epoch(runner: StepRunner, val_data: Table | Stream | None, position: Position, files: RunWriter, epoch: EpochResult) -> None:
+def end_epoch(
+    runner: StepRunner, val_data: Table | Stream | None, position: Position, files: RunWriter, epoch: EpochResult
+) -> None:
     """Validate, write the epoch's row and report it with a checkpoint."""
     runner.heartbeat.mark(position.step, "eval")
     val_metrics = evaluate(runner, val_data) if val_data is not None else {}
@@ -256,7 +260,10 @@ def note_skipped_rows(runner: StepRunner, data: TableEpoch | StreamEpoch, positi
     if runner.cfg.skip_nan_rows and isinstance(data, StreamEpoch):  # a collective: every rank, at the epoch's end
         skipped = int(runner.runtime.all_reduce_sum([float(data.skipped_rows)])[0])
         if skipped:
-            files.event(Kind.DATA, f"epoch {position.epoch + 1}: skipped {skipped:,} row(s) holding NaN or inf (--skip-nan-rows)")
+            files.event(
+                Kind.DATA,
+                f"epoch {position.epoch + 1}: skipped {skipped:,} row(s) holding NaN or inf (--skip-nan-rows)",
+            )
 
 
 @torch.no_grad()
@@ -264,7 +271,9 @@ def evaluate(runner: StepRunner, source: Table | Stream) -> dict[str, float]:
     """Validation loss and metrics, averaged over all validation samples of all ranks."""
     runtime = runner.runtime
     runner.model.eval()
-    batch_size = max(1, runner.batch_plan.per_worker_max if not runner.cfg.micro_batch_size else runner.cfg.micro_batch_size)
+    batch_size = max(
+        1, runner.batch_plan.per_worker_max if not runner.cfg.micro_batch_size else runner.cfg.micro_batch_size
+    )
     sums: dict[str, float] = {}
     count = 0
     # A rank without validation rows evaluates one row with weight 0 (n == 0), so every

@@ -90,10 +90,14 @@ def diagnose(records: dict[int, dict], world_size: int, now: float) -> str:
     if missing:
         lines.append(f"no heartbeat from rank(s) {', '.join(map(str, missing))} (process dead or storage not shared)")
     silent = [r for r, rec in records.items() if now - rec["time"] > 30]
-    position = {r: (rec["step"], PHASE_ORDER.index(rec["phase"]) if rec["phase"] in PHASE_ORDER else -1) for r, rec in records.items()}
+    position = {
+        r: (rec["step"], PHASE_ORDER.index(rec["phase"]) if rec["phase"] in PHASE_ORDER else -1)
+        for r, rec in records.items()
+    }
     behind = min(position.values()) if position else None
     stalled = sorted(
-        r for r, rec in records.items()
+        r
+        for r, rec in records.items()
         if r in silent or (position[r] == behind and rec["phase"] not in COLLECTIVE_PHASES)
     )
     if not stalled and records:

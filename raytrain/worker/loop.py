@@ -108,7 +108,12 @@ def begin(
 
 
 def run_attempt(
-    cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, files: RunWriter, heartbeat: Heartbeat, sources: dict[str, Source]
+    cfg: TrainConfig,
+    pipeline: Pipeline,
+    runtime: Runtime,
+    files: RunWriter,
+    heartbeat: Heartbeat,
+    sources: dict[str, Source],
 ) -> None:
     """One attempt of a run that restarts its worker group on a failure."""
     # restore, build
@@ -126,7 +131,12 @@ def run_attempt(
 
 
 def run_replica(
-    cfg: TrainConfig, pipeline: Pipeline, runtime: ReplicaRuntime, files: RunWriter, heartbeat: Heartbeat, sources: dict[str, Source]
+    cfg: TrainConfig,
+    pipeline: Pipeline,
+    runtime: ReplicaRuntime,
+    files: RunWriter,
+    heartbeat: Heartbeat,
+    sources: dict[str, Source],
 ) -> None:
     """One replica of a per-step run (raytrain.worker.replicas): restore, build, then steps over
     the quorum of live replicas; a replacement heals from a live peer at its first step."""
@@ -167,7 +177,9 @@ def run_epochs(
         epoch, runner = train_one(runner)
         if epoch.finished_elsewhere:
             return
-        if epoch.stopped and position.epoch_offset < num_train_rows:  # asked to stop mid-epoch: checkpointed at this step
+        if (
+            epoch.stopped and position.epoch_offset < num_train_rows
+        ):  # asked to stop mid-epoch: checkpointed at this step
             break
         end_epoch(runner, val_data, position, files, epoch)
         if epoch.stopped:
@@ -179,7 +191,12 @@ def run_epochs(
 
 
 def announce(
-    files: RunWriter, attempt: Attempt, runner: StepRunner, position: Position, saved: dict | None, train_data: Table | Stream
+    files: RunWriter,
+    attempt: Attempt,
+    runner: StepRunner,
+    position: Position,
+    saved: dict | None,
+    train_data: Table | Stream,
 ) -> None:
     """Rank 0 says what this attempt is (with the plan and rate it trains with, against the
     checkpoint's rate), and what the data costs the run."""
@@ -197,7 +214,8 @@ def data_notes(data: Table | Stream, world_size: int) -> list[str]:
     notes = []
     if isinstance(data, Table) and data.dropped_rows:
         notes.append(
-            f"dataset 'train': skipped {data.dropped_rows:,} row(s) holding NaN or inf (--skip-nan-rows); {len(data):,} left"
+            f"dataset 'train': skipped {data.dropped_rows:,} row(s) holding NaN or inf (--skip-nan-rows); "
+            f"{len(data):,} left"
         )
     if not isinstance(data, Stream) or world_size == 1:
         return notes
@@ -205,7 +223,8 @@ def data_notes(data: Table | Stream, world_size: int) -> list[str]:
     if lanes < world_size:
         notes.append(
             f"dataset 'train' has {lanes} partition(s) for {world_size} workers: {world_size - lanes} worker(s) get "
-            "no rows and wait for the others; give it more files or row groups (raytrain data), or raise --data-partitions"
+            "no rows and wait for the others; give it more files or row groups (raytrain data), or raise "
+            "--data-partitions"
         )
     elif lanes % world_size:
         notes.append(
@@ -224,6 +243,7 @@ def explain_stall(cfg: TrainConfig, runtime: Runtime, heartbeat: Heartbeat, run_
     records = read_heartbeats(run_dir / HEARTBEATS, runtime.world_size, since=heartbeat.attempt_start)
     cause = str(exc).splitlines()[0] if str(exc) else ""
     return (
-        f"A collective timed out on rank {runtime.world_rank} after --collective-timeout-s {cfg.collective_timeout_s:g}; "
+        f"A collective timed out on rank {runtime.world_rank} after --collective-timeout-s "
+        f"{cfg.collective_timeout_s:g}; "
         f"{diagnose(records, runtime.world_size, time.time())}\n  cause: {type(exc).__name__}: {cause}"
     )

@@ -25,7 +25,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_norm_and_bia
         return [{"params": trainable, "weight_decay": weight_decay}]
     matrices = [p for p in trainable if p.ndim > 1]
     vectors = [p for p in trainable if p.ndim <= 1]
-    return [g for g in ({"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}) if g["params"]]
+    return [
+        g
+        for g in ({"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0})
+        if g["params"]
+    ]
 
 
 def build_default_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -37,7 +41,9 @@ def build_default_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.o
         try:
             from pytorch_optimizer import Lamb
         except ImportError:
-            raise ConfigError([("optimizer", "lamb comes from the pytorch-optimizer package: pip install 'raytrain[large-batch]'")]) from None
+            raise ConfigError(
+                [("optimizer", "lamb comes from the pytorch-optimizer package: pip install 'raytrain[large-batch]'")]
+            ) from None
         return Lamb(groups, lr=cfg.lr)
     return torch.optim.AdamW(groups, lr=cfg.lr)
 

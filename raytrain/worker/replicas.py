@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir import RunDir
+from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.files import storage_errors
 from raytrain.rundir.records import Event, Kind
 from raytrain.worker.runtime import Runtime
@@ -51,7 +51,9 @@ def torchft_config(use_gpu: bool, timeout_s: float):
     """The TorchTrainer's torch_config in per-step mode."""
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
-    return TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE_KWARGS), backend="nccl" if use_gpu else "gloo", timeout_s=int(timeout_s))
+    return TorchftConfig(
+        lighthouse_kwargs=dict(LIGHTHOUSE_KWARGS), backend="nccl" if use_gpu else "gloo", timeout_s=int(timeout_s)
+    )
 
 
 class StallWatch:
@@ -60,7 +62,9 @@ class StallWatch:
     replaces the replica). The others left that step long before: their collectives time out
     sooner, the step is not committed, and the next quorum goes on without it."""
 
-    def __init__(self, stall_s: float, on_stall: Callable[[int, float], None], clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, stall_s: float, on_stall: Callable[[int, float], None], clock: Callable[[], float] = time.monotonic
+    ):
         self.stall_s, self.on_stall, self.clock = stall_s, on_stall, clock
         self.step: int | None = None
         self.since = 0.0
@@ -121,11 +125,15 @@ class ReplicaRuntime(Runtime):
         self.run_dir = Path(run_dir)
         self.watch = StallWatch(stall_seconds(timeout_s), self._leave_stalled)
         self.distributed = True
-        self.backend = f"torchft ({'nccl' if self.device.type == 'cuda' else 'gloo'}) over {self.replica_count} replicas"
+        self.backend = (
+            f"torchft ({'nccl' if self.device.type == 'cuda' else 'gloo'}) over {self.replica_count} replicas"
+        )
 
     # -- the quorum ---------------------------------------------------------------------
 
-    def join(self, model: torch.nn.Module, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> torch.nn.Module:
+    def join(
+        self, model: torch.nn.Module, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
+    ) -> torch.nn.Module:
         """Start this replica's torchft Manager, ready to step; returns `model` in torchft's DDP
         (gradients averaged over each step's participants). `state`/`load`: what a joining
         replica copies from a live one (model, optimizer, scaler, position).
@@ -167,11 +175,14 @@ class ReplicaRuntime(Runtime):
     def _leave_stalled(self, step: int, seconds: float) -> None:
         """Say which replica stalled, then exit: Ray Train replaces it, the others go on."""
         message = (
-            f"Replica {self.replica_rank} stalled in step {step} for {seconds:.0f} s (2 × --collective-timeout-s and the quorum's wait): "
+            f"Replica {self.replica_rank} stalled in step {step} for {seconds:.0f} s (2 × --collective-timeout-s and "
+            "the quorum's wait): "
             "it leaves the quorum and is replaced; the others go on"
         )
         with contextlib.suppress(Exception):
-            RunDir(self.run_dir).append_event(Event(Kind.STALL, message, extra={"replica": self.replica_rank, "step": step}))
+            RunDir(self.run_dir).append_event(
+                Event(Kind.STALL, message, extra={"replica": self.replica_rank, "step": step})
+            )
         os._exit(1)
 
     def start_step(self, step: int) -> Quorum:
@@ -206,7 +217,9 @@ class ReplicaRuntime(Runtime):
         """Sum over the participants of the last step (a failed reduction counts this replica only)."""
         from torch.distributed import ReduceOp
 
-        tensor = torch.tensor(values, dtype=torch.float64 if self.device.type == "cpu" else torch.float32, device=self.device)
+        tensor = torch.tensor(
+            values, dtype=torch.float64 if self.device.type == "cpu" else torch.float32, device=self.device
+        )
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
         if self.manager.errored() is not None:  # a member was lost after the commit: this replica's own figures
             return list(values)

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from ray.train import Checkpoint
 
-from raytrain.rundir import checkpoints as ckpt
 from raytrain.errors import find_user_error
+from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir import storage_errors
 
 
@@ -113,9 +113,12 @@ class Runtime:
             ray.train.report(metrics, checkpoint=publish(None, name))
             return
         ray.train.report(
-            metrics, checkpoint=Checkpoint.from_directory(str(staging)), checkpoint_dir_name=name,
-            checkpoint_upload_fn=publish, delete_local_checkpoint_after_upload=False,
-        )  # fmt: skip
+            metrics,
+            checkpoint=Checkpoint.from_directory(str(staging)),
+            checkpoint_dir_name=name,
+            checkpoint_upload_fn=publish,
+            delete_local_checkpoint_after_upload=False,
+        )
 
 
 def _ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -130,4 +133,3 @@ def _local_device() -> torch.device:
     if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "":
         return torch.device("cuda", 0)
     return torch.device("cpu")
-

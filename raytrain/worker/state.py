@@ -62,7 +62,9 @@ class TrainingState:
             **rules,
         }
 
-    def restore(self, saved: dict[str, Any], runtime: "Runtime", seed: int, load: Callable[[Callable[[], None]], None]) -> None:
+    def restore(
+        self, saved: dict[str, Any], runtime: "Runtime", seed: int, load: Callable[[Callable[[], None]], None]
+    ) -> None:
         """Continue from a checkpoint's `saved` state: weights, optimizer, scaler, and this rank's
         RNG (restored when the world size is unchanged, else derived from (seed, rank, step)).
         `load(fn)` runs the optimizer's part, which the pipeline's build_optimizer decides."""

@@ -92,7 +92,9 @@ class StepRunner:
         if saved is not None:
             # Another optimizer than the checkpoint's is the pipeline's doing (build_optimizer).
             state = TrainingState(model, optimizer, scaler, position)
-            state.restore(saved, runtime, cfg.seed, load=lambda load: _as_pipeline_code(pipeline, "build_optimizer", load))
+            state.restore(
+                saved, runtime, cfg.seed, load=lambda load: _as_pipeline_code(pipeline, "build_optimizer", load)
+            )
         else:
             restore_rank_rng(cfg.seed, runtime.world_rank, runtime.world_size, None)
         return cls(
@@ -147,7 +149,9 @@ class StepRunner:
         }
         return self.training_state(position).checkpoint(self.runtime, rules)
 
-    def metrics_row(self, position: Position, *, loss: float, samples_per_s: float, extra: dict | None = None) -> MetricsRow:
+    def metrics_row(
+        self, position: Position, *, loss: float, samples_per_s: float, extra: dict | None = None
+    ) -> MetricsRow:
         return MetricsRow(
             epoch=position.epoch if position.epoch_offset == 0 else position.epoch + 1,
             step=position.step,
@@ -166,15 +170,21 @@ class StepRunner:
     def phases(self, position: Position, timed: bool) -> StepPhases:
         """The instrumentation of the step at `position`; `timed`: a steady step, whose phase
         times add to the position's."""
-        return StepPhases(self.heartbeat, position.step, PhaseTimer(position.phase_time_s if timed else None, self.sync_device))
+        return StepPhases(
+            self.heartbeat, position.step, PhaseTimer(position.phase_time_s if timed else None, self.sync_device)
+        )
 
-    def optimizer_step(self, data: TableEpoch | StreamEpoch, step: steps.Step, position: Position, timed: bool) -> float:
+    def optimizer_step(
+        self, data: TableEpoch | StreamEpoch, step: steps.Step, position: Position, timed: bool
+    ) -> float:
         """One optimizer step over this rank's rows of `step`, from `position`; returns the lr used."""
         phase = self.phases(position, timed)
         self.gradients(data, step, position, phase)
         return self.apply_gradients(position, phase)
 
-    def gradients(self, data: TableEpoch | StreamEpoch, step: steps.Step, position: Position, phase: StepPhases) -> None:
+    def gradients(
+        self, data: TableEpoch | StreamEpoch, step: steps.Step, position: Position, phase: StepPhases
+    ) -> None:
         """Forward and backward over this rank's rows of `step` (gradients averaged over ranks)."""
         step_index = position.step
         for index, piece in enumerate(steps.micro_batches(data.rows(step), self.batch_plan.accumulation_steps)):
@@ -288,7 +298,9 @@ class Batch(dict):
     """A batch whose missing key names the keys it has (what compute_loss sees)."""
 
     def __missing__(self, key):
-        raise KeyError(f"{key!r}: the batch has no such column; it has {', '.join(map(repr, self))} (columns of the dataset)")
+        raise KeyError(
+            f"{key!r}: the batch has no such column; it has {', '.join(map(repr, self))} (columns of the dataset)"
+        )
 
 
 def is_collective_failure(exc: BaseException) -> bool:

@@ -80,7 +80,9 @@ def sync(
     # Sum-reduce: each rank fills only its own slot of the first-bad-step vector (others 0).
     slots = [0.0] * world
     slots[rank] = float(window.first_bad_step.item())
-    totals = runtime.all_reduce_sum([float(window.loss_sum.item()), float(window.loss_count), float(stop_requested), *slots])
+    totals = runtime.all_reduce_sum(
+        [float(window.loss_sum.item()), float(window.loss_count), float(stop_requested), *slots]
+    )
     total, count, stop, bad_steps = totals[0], int(totals[1]), totals[2] > 0, totals[3:]
     window.loss_sum.zero_()
     window.loss_count = 0

@@ -1,0 +1,278 @@
+"""`raytrain doctor`: what the cluster has, and whether a run will work on it.
+
+It joins the Ray a run would use (--address, else RAY_ADDRESS, else an embedded local Ray),
+lists every node with its CPUs, GPUs (model), memory, torch/CUDA/NCCL and whether raytrain
+imports there (a probe task pinned to each node), names the backend a run will use, and
+checks the storage path: it exists, is writable, and — on a multi-node cluster — every node
+sees the same directory (a file written here is read back on each node). Exit status 0 when
+a run will work, 1 when something will not, each problem printed with its fix.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from raytrain.doctor.probe import PROBE_TIMEOUT_S, probe_nodes
+from raytrain.doctor.storage import NETWORK_FS, StorageState, describe_storage, inspect_storage, remove_marker
+from raytrain.driver.session import address_problem
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)  # each: what is wrong; the fix
+    notes: list[str] = field(default_factory=list)
+
+
+def run_doctor(
+    address: str | None, storage: str | None, echo: Callable[[str], None], probe_timeout_s: float = PROBE_TIMEOUT_S
+) -> int:
+    """Print a report; return 0 when a run will work, 1 (with the fix) when it will not."""
+    import ray
+    import torch
+
+    import raytrain
+
+    echo(
+        f"raytrain {raytrain.__version__}, ray {ray.__version__}, torch {torch.__version__}, python "
+        f"{platform.python_version()} ({socket.gethostname()})"
+    )
+    local = _torch_facts()
+    echo(
+        f"This machine: torch CUDA build {local['cuda'] or 'none (CPU build)'}; CUDA usable: {local['cuda_usable']}; "
+        f"NCCL: {_nccl_text(local)}; gloo: {local['gloo']}"
+    )
+
+    state = inspect_storage(storage)
+    address = address or os.environ.get("RAY_ADDRESS")
+    started_here = not ray.is_initialized()
+    unreachable = address_problem(address) if started_here and address else None
+    if unreachable:
+        # ray.init retries an address that does not answer for minutes, deaf to Ctrl-C.
+        echo(f"FAIL cannot reach Ray at {address}: {unreachable}")
+        echo(f"  fix: {_CONNECT_FIX}")
+        remove_marker(state)
+        return 1
+    if started_here:
+        try:
+            if address:
+                ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            else:
+                # The embedded Ray a plain `raytrain train` starts: this machine only, loopback.
+                ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        except Exception as exc:  # connection and auth errors come in several types
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            echo(f"FAIL cannot reach Ray at {address or 'a new local instance'}: {first}")
+            echo(f"  fix: {_CONNECT_FIX}")
+            remove_marker(state)
+            return 1
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        where = f"connected to {address}" if address else "embedded local Ray (this machine only)"
+        echo(f"Ray cluster: {where}; {len(nodes)} node(s)")
+        probes = probe_nodes(nodes, state, timeout_s=probe_timeout_s)
+        for node in nodes:
+            echo("  " + describe_node(node, probes.get(node["NodeID"])))
+        report = assess(nodes, probes, state, local)
+        total_gpus = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in nodes)
+        echo(
+            "Backend a run will use: "
+            f"{'nccl (GPU workers, --gpu auto)' if total_gpus else 'gloo (CPU workers; the cluster has no GPU)'}"
+        )
+        echo(describe_storage(state, multi_node=len(nodes) > 1))
+    finally:
+        remove_marker(state)
+        if started_here:
+            ray.shutdown()
+    for note in report.notes:
+        echo(f"note: {note}")
+    for problem in report.problems:
+        echo(f"FAIL {problem}")
+    echo("OK: a run will work here." if not report.problems else f"{len(report.problems)} problem(s) found.")
+    return 1 if report.problems else 0
+
+
+_CONNECT_FIX = (
+    "check --address/RAY_ADDRESS (the head's GCS address, e.g. 10.0.0.5:6379, or `auto` on a cluster node; "
+    "`ray status` on the head prints it), that the head is running and this machine can reach it, and for a "
+    "token-auth cluster export RAY_AUTH_MODE=token with the cluster's token in ~/.ray/auth_token (or "
+    "RAY_AUTH_TOKEN_PATH). From a laptop, run doctor as a job instead: ray job submit -- raytrain doctor"
+)
+
+
+# -- the verdict ---------------------------------------------------------------------------
+
+
+def describe_node(node: dict, facts: dict[str, Any] | None) -> str:
+    res = node.get("Resources", {})
+    facts = facts or {}
+    gpus = int(res.get("GPU", 0))
+    models = facts.get("gpu_models") or [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
+    gpu_text = "no GPU"
+    if gpus:
+        gpu_text = f"{gpus} GPU" + ("s" if gpus > 1 else "")
+        if models:
+            names = sorted(set(models))
+            gpu_text += (
+                " ("
+                + ", ".join(f"{name} ×{models.count(name)}" if models.count(name) > 1 else name for name in names)
+                + ")"
+            )
+    ram = f"{facts['ram_gib']:.1f} GiB RAM, " if "ram_gib" in facts else ""
+    memory = f"{ram}{res.get('memory', 0) / 2**30:.1f} GiB for Ray tasks"
+    head = ", head" if "node:__internal_head__" in res else ""
+    host = f" ({facts['hostname']}{head})" if facts.get("hostname") else (f" ({head[2:]})" if head else "")
+    line = f"node {node.get('NodeManagerAddress')}{host}: {res.get('CPU', 0):g} CPUs, {gpu_text}, {memory}"
+    if "error" in facts:
+        return line + f"; probe failed: {facts['error']}"
+    if "torch" in facts:
+        line += f"; torch {facts['torch']} (CUDA {facts.get('cuda') or 'none'}"
+        if gpus:
+            line += f", NCCL {_nccl_text(facts)}"
+        line += ")"
+    elif "torch_error" in facts:
+        line += f"; torch does not import: {facts['torch_error']}"
+    line += f"; raytrain {facts['raytrain']}" if "raytrain" in facts else ""
+    return line
+
+
+def assess(nodes: list[dict], probes: dict[str, dict[str, Any]], state: StorageState, local: dict[str, Any]) -> Report:
+    """Everything that will make a run fail, each with its fix (pure: tested without Ray)."""
+    report = Report()
+    if not local.get("gloo") and not local.get("nccl"):
+        report.problems.append(
+            "this torch has no gloo or NCCL backend (torch.distributed); install the official torch build"
+        )
+    multi_node = len(nodes) > 1
+    torch_versions = {}
+    for node in nodes:
+        name = node.get("NodeManagerAddress", node.get("NodeID", "?"))
+        facts = probes.get(node["NodeID"], {})
+        gpus = int(node.get("Resources", {}).get("GPU", 0))
+        if "error" in facts:
+            report.notes.append(
+                f"node {name} did not answer the probe ({facts['error']}): its torch, GPUs and storage are unchecked"
+            )
+            continue
+        if "torch_error" in facts:
+            report.problems.append(
+                f"node {name}: torch does not import ({facts['torch_error']}); install raytrain and its dependencies "
+                "there (see setup_commands in cluster.yaml)"
+            )
+            continue
+        if "raytrain_error" in facts:
+            report.problems.append(
+                f"node {name}: raytrain does not import ({facts['raytrain_error']}); install it on every node "
+                "(`pip install -e ~/raytrain`, as cluster.yaml's setup_commands do) or submit with `ray job submit "
+                "--working-dir .`"
+            )
+        if "torch" in facts:
+            torch_versions.setdefault(facts["torch"], []).append(name)
+        if gpus:
+            if not facts.get("cuda"):
+                report.problems.append(
+                    f"node {name} has {gpus} GPU(s) but a CPU-only torch ({facts.get('torch')}); install a CUDA "
+                    "build of torch there "
+                    "(scripts/install.sh on the GPU machine), or train on CPUs with --no-gpu"
+                )
+            elif not facts.get("nccl"):
+                report.problems.append(
+                    f"node {name} has GPUs but its torch has no NCCL; install the official CUDA build of torch "
+                    "there, or use --no-gpu"
+                )
+            elif facts.get("cuda_usable") is False:
+                report.problems.append(
+                    f"node {name}: Ray counts {gpus} GPU(s) there but torch cannot use CUDA (driver too old for CUDA "
+                    f"{facts.get('cuda')}, "
+                    "or no driver); check nvidia-smi on that node and install a torch build matching its driver"
+                )
+        if multi_node and state.marker and "sees_marker" in facts:
+            if not facts["sees_marker"]:
+                report.problems.append(
+                    f"storage {state.path} is not shared: node {name} ({facts.get('hostname', '?')}) does not see "
+                    "the file written "
+                    "here, so checkpoints written on one node cannot be restored on another; mount one shared file "
+                    "system "
+                    "(NFS, EFS, Lustre...) at the same path on every node and pass it as --storage"
+                )
+            elif not facts.get("storage_writable", True):
+                report.problems.append(
+                    f"storage {state.path} is not writable from node {name} ({facts.get('storage_error', '')}); "
+                    "fix the mount's permissions for the user Ray runs as on that node"
+                )
+    if len(torch_versions) > 1:
+        spread = "; ".join(f"{version} on {', '.join(names)}" for version, names in sorted(torch_versions.items()))
+        report.notes.append(
+            f"nodes run different torch versions ({spread}); DDP across versions may fail, install one version "
+            "everywhere"
+        )
+
+    # The storage as seen from here (the driver writes config.yaml, summary.json, model.pt).
+    if not state.exists:
+        if state.explicit:
+            report.problems.append(
+                f"storage path {state.path} does not exist; create it (mkdir -p {state.path}) or pass another --storage"
+            )
+        elif multi_node:
+            report.problems.append(
+                f"the default storage {state.path} does not exist here and a multi-node cluster needs storage every "
+                "node shares; "
+                "mount a shared file system (NFS/EFS) on every node and pass it as --storage"
+            )
+        else:
+            parent = next((p for p in Path(state.path).parents if p.exists()), Path("/"))
+            if not os.access(parent, os.W_OK):
+                report.problems.append(
+                    f"default storage {state.path} cannot be created ({parent} is not writable); pass --storage DIR"
+                )
+            else:
+                report.notes.append(f"storage {state.path} will be created by the first run")
+    elif not state.is_dir:
+        report.problems.append(f"storage path {state.path} is a file, not a directory; pass a directory with --storage")
+    elif not state.writable:
+        report.problems.append(
+            f"storage path {state.path} is not writable ({state.error}); fix its permissions (chmod/chown) or pass "
+            "another --storage"
+        )
+    elif (
+        multi_node
+        and state.fs_type
+        and state.fs_type not in NETWORK_FS
+        and not any("sees_marker" in p for p in probes.values())
+    ):
+        report.notes.append(
+            f"storage {state.path} is on {state.fs_type}, which looks node-local; multi-node runs need a shared mount"
+        )
+    return report
+
+
+def _torch_facts() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    facts: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_usable": torch.cuda.is_available(),
+        "nccl": dist.is_available() and dist.is_nccl_available(),
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+    }
+    if facts["cuda_usable"]:
+        try:
+            facts["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - only informative
+            pass
+    return facts
+
+
+def _nccl_text(facts: dict[str, Any]) -> str:
+    if not facts.get("nccl"):
+        return "not available"
+    return f"available {facts['nccl_version']}" if facts.get("nccl_version") else "available"
+
+
+__all__ = ["run_doctor", "assess", "inspect_storage", "StorageState"]
