@@ -35,6 +35,11 @@ def is_user_file(path: str) -> bool:
     return not path.startswith(_RAYTRAIN_DIR) and not any(part in path for part in _LIBRARY_PARTS)
 
 
+# The command line's exit statuses (DESIGN): 1 a run that failed or diverged, 2 what the user
+# must fix; a signal's are raytrain.driver.interrupts'.
+EXIT_FAILED, EXIT_USAGE = 1, 2
+
+
 class UserError(Exception):
     """An error the user must fix: one message naming what is wrong and the fix; exit 2,
     never retried."""

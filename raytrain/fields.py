@@ -41,8 +41,9 @@ _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 
 
 def flag_name(field_name: str) -> str:
-    """The command-line spelling of a field: `global_batch_size` -> `--global-batch-size`."""
-    return "--" + field_name.replace("_", "-")
+    """The command-line spelling of a field: `global_batch_size` -> `--global-batch-size`; a
+    nested one, `ddp.bucket_cap_mb` -> `--ddp-bucket-cap-mb`."""
+    return "--" + field_name.replace(".", "-").replace("_", "-")
 
 
 @dataclass(frozen=True)

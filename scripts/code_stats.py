@@ -1,4 +1,4 @@
-"""Lines per module, the longest functions, import cycles and names defined twice in `raytrain/`.
+"""Lines per module and per layer, the longest functions, import cycles and names defined twice in `raytrain/`.
 
     python scripts/code_stats.py            # a Markdown report of the working tree
     python scripts/code_stats.py --rev REV  # the same for a git revision
@@ -150,46 +150,76 @@ def report(texts: dict[str, str], longest: int) -> tuple[str, int]:
     return "\n".join(lines), len(found)
 
 
-def _top(module: str) -> str:
-    """`tune.driver` and `tune` count as `tune`: a package compared with the module it replaced."""
-    return module.split(".")[0]
+# The layers of the package (docs/architecture.md), with the flat modules of the older layout
+# that each replaced, so that a comparison across the move reads layer by layer.
+LAYERS = {
+    "foundation": ("__init__", "config", "fields", "errors", "pipeline"),
+    "rules": ("rules", "plan", "order", "attempt", "position", "resume", "costmodel"),
+    "data": ("data", "shards"),
+    "worker": ("worker", "loop", "runtime", "replicas", "heartbeat", "phases", "optim"),
+    "driver": ("driver", "trainer", "failfast", "interrupts"),
+    "rundir": ("rundir", "checkpoint"),
+    "observe": ("observe", "sinks", "progress", "tracking", "report", "render"),
+    "commands": ("cli", "bench", "predict", "tune", "doctor", "check", "baselines"),
+}
+
+
+def layer(module: str) -> str:
+    top = module.split(".")[0]
+    return next((name for name, tops in LAYERS.items() if top in tops), top)
 
 
 def compare(before: dict[str, str], after: dict[str, str]) -> str:
-    """Lines per top-level module, each module's longest function, cycles and names defined
-    twice: before and after."""
+    """Lines per layer, each layer's largest module and longest function, the largest module,
+    cycles and names defined twice: before and after."""
 
     def summary(texts: dict[str, str]):
         trees = {m: ast.parse(t) for m, t in texts.items()}
         lines: dict[str, int] = defaultdict(int)
+        modules: dict[str, int] = defaultdict(int)
+        largest: dict[str, tuple[str, int]] = {}
         longest: dict[str, tuple[str, int]] = {}
         for m, t in texts.items():
-            lines[_top(m)] += t.count("\n")
-            for name, n in functions(trees[m]):
-                if n > longest.get(_top(m), ("", 0))[1]:
-                    longest[_top(m)] = (f"{m}.{name}", n)
+            n, group = t.count("\n"), layer(m)
+            lines[group] += n
+            modules[group] += 1
+            if n > largest.get(group, ("", 0))[1]:
+                largest[group] = (m, n)
+            for name, size in functions(trees[m]):
+                if size > longest.get(group, ("", 0))[1]:
+                    longest[group] = (f"{m}.{name}", size)
         graph = {m: imports_of(m, t, set(trees)) for m, t in trees.items()}
         top_level: dict[str, set[str]] = defaultdict(set)
         for m, t in trees.items():
             for node in t.body:
                 if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("__"):
                     top_level[node.name.lstrip("_")].add(m)
-        return lines, longest, cycles(graph), sorted(n for n, ms in top_level.items() if len(ms) > 1)
+        biggest = max(((m, t.count("\n")) for m, t in texts.items()), key=lambda x: x[1])
+        twice = sorted(n for n, ms in top_level.items() if len(ms) > 1)
+        return lines, modules, largest, longest, cycles(graph), twice, biggest
 
-    (lb, fb, cb, db), (la, fa, ca, da) = summary(before), summary(after)
-    out = ["| module | lines before | lines after | longest function before | after |", "|---|---:|---:|---|---|"]
-    for m in sorted(set(lb) | set(la), key=lambda m: -max(lb.get(m, 0), la.get(m, 0))):
-        fn_b, fn_a = fb.get(m, ("—", 0)), fa.get(m, ("—", 0))
-        out.append(f"| {m} | {lb.get(m, 0):,} | {la.get(m, 0):,} | {fn_b[0]} ({fn_b[1]}) | {fn_a[0]} ({fn_a[1]}) |")
-    out.append(f"| **total** | **{sum(lb.values()):,}** | **{sum(la.values()):,}** | | |")
+    (lb, mb, gb, fb, cb, db, bb), (la, ma, ga, fa, ca, da, ba) = summary(before), summary(after)
+    out = [
+        "| layer | lines before | after | modules before | after | largest module before | after "
+        "| longest function before | after |",
+        "|---|---:|---:|---:|---:|---|---|---|---|",
+    ]
+    for group in [*LAYERS, *sorted((set(lb) | set(la)) - set(LAYERS))]:
+        gb_, ga_ = gb.get(group, ("—", 0)), ga.get(group, ("—", 0))
+        fb_, fa_ = fb.get(group, ("—", 0)), fa.get(group, ("—", 0))
+        out.append(
+            f"| {group} | {lb.get(group, 0):,} | {la.get(group, 0):,} | {mb.get(group, 0)} | {ma.get(group, 0)} "
+            f"| {gb_[0]} ({gb_[1]}) | {ga_[0]} ({ga_[1]}) | {fb_[0]} ({fb_[1]}) | {fa_[0]} ({fa_[1]}) |"
+        )
+    total_b, total_a = sum(lb.values()), sum(la.values())
+    out.append(f"| **total** | **{total_b:,}** | **{total_a:,}** | {sum(mb.values())} | {sum(ma.values())} | | | | |")
     out += [
         "",
+        f"Largest module: {bb[0]} ({bb[1]} lines) before, {ba[0]} ({ba[1]} lines) after",
         f"Import cycles: {len(cb)} before ({'; '.join(' ↔ '.join(c) for c in cb) or 'none'}), {len(ca)} after "
         f"({'; '.join(' ↔ '.join(c) for c in ca) or 'none'})",
-    ]
-    out += [
         f"Top-level names defined in more than one module: {len(db)} before ({', '.join(db) or 'none'}), {len(da)} "
-        f"after ({', '.join(da) or 'none'})"
+        f"after ({', '.join(da) or 'none'})",
     ]
     return "\n".join(out)
 

@@ -15,7 +15,6 @@ import pytest
 
 from raytrain.bench import (
     BenchOptions,
-    PlannedRun,
     baseline_rows,
     baselines,
     epochs_for,
@@ -26,6 +25,7 @@ from raytrain.bench import (
     step_split,
     study,
 )
+from raytrain.bench.options import PlannedRun
 from raytrain.cli import main
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError

@@ -28,8 +28,8 @@ from raytrain.bench.figures import (
     steady_steps_per_epoch,
     step_split,
 )
-from raytrain.bench.options import BENCH_OWNED, BenchError, BenchOptions, worker_counts
-from raytrain.bench.study import PlannedRun, bench_config, plan_runs, prepare_data, run_bench, run_raytrain
+from raytrain.bench.options import BENCH_OWNED, BenchError, BenchOptions, PlannedRun, worker_counts
+from raytrain.bench.study import bench_config, plan_runs, prepare_data, run_bench, run_raytrain
 
 __all__ = [
     "BENCH_OWNED",

@@ -11,15 +11,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
-from raytrain.bench.options import BASELINE_TIMEOUT_S, TEMPLATE_MODULE, BenchError, BenchOptions
+from raytrain.bench.options import BASELINE_TIMEOUT_S, TEMPLATE_MODULE, BenchError, BenchOptions, PlannedRun
 from raytrain.observe.render import plural
-
-if TYPE_CHECKING:  # pragma: no cover
-    from raytrain.bench.study import PlannedRun
 
 
 def run_template(

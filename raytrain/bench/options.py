@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, get_args
 
-from raytrain.config import DEFAULT_STORAGE
+from raytrain.config import DEFAULT_STORAGE, TrainConfig
 from raytrain.errors import ConfigError
 from raytrain.rules import costmodel
+from raytrain.rules.batch import BatchPlan
 
 TEMPLATE_MODULE = "raytrain.baselines.classic_ddp"
 BASELINES = ("torchrun", "plain")
@@ -93,3 +95,16 @@ def worker_counts(text: str, option: str = "workers") -> list[int]:
         return [int(part) for part in str(text).split(",") if part.strip()]
     except ValueError:
         raise ConfigError([(option, f"got {text!r}; give comma-separated integers, e.g. --workers 1,2,4")]) from None
+
+
+@dataclass
+class PlannedRun:
+    """One worker count of the study: its config (epochs chosen for the steady steps asked)."""
+
+    workers: int
+    cfg: TrainConfig
+    batch: BatchPlan
+    epochs: int
+    steady_steps: int
+    num_rows: int
+    out: Path

@@ -5,18 +5,17 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from raytrain.bench.baselines import machine_facts, run_template
 from raytrain.bench.figures import baseline_rows, epochs_for, pick_run, scaling_rows, steady_steps_per_epoch
-from raytrain.bench.options import BENCH_OWNED, BenchError, BenchOptions
+from raytrain.bench.options import BENCH_OWNED, BenchError, BenchOptions, PlannedRun
 from raytrain.bench.render import METHOD, render_text, write_bench_files
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
 from raytrain.observe.render import plural
-from raytrain.rules.batch import BatchPlan, resolve_batch_plan
+from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rundir import PROGRESS, RunDir
 
 # -- the study -------------------------------------------------------------------------
@@ -109,19 +108,6 @@ def run_bench(
     echo(render_text(report))
     echo(f"Wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'scaling.png'}")
     return report
-
-
-@dataclass
-class PlannedRun:
-    """One worker count of the study: its config (epochs chosen for the steady steps asked)."""
-
-    workers: int
-    cfg: TrainConfig
-    batch: BatchPlan
-    epochs: int
-    steady_steps: int
-    num_rows: int
-    out: Path
 
 
 def plan_runs(train_values: dict[str, Any], opts: BenchOptions, out: Path, num_rows: int) -> list[PlannedRun]:

@@ -17,10 +17,8 @@ import signal
 import sys
 import threading
 
-from raytrain.errors import ConfigError
+from raytrain.errors import EXIT_FAILED, EXIT_USAGE, ConfigError
 from raytrain.fields import flag_name
-
-EXIT_FAILED, EXIT_USAGE = 1, 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +67,7 @@ def run_command(args: argparse.Namespace) -> int:
         say(str(exc))
         return EXIT_FAILED
     except ConfigError as exc:
-        say(exc.render(getattr(args, "spell", None) or as_flag))
+        say(exc.render(getattr(args, "spell", None) or flag_name))
         return EXIT_USAGE
     except UserError as exc:
         say(str(exc))
@@ -88,11 +86,6 @@ class Terminated(Exception):
 
 def _terminate(signum, frame):
     raise Terminated()
-
-
-def as_flag(field: str) -> str:
-    """`ddp.bucket_cap_mb` -> `--ddp-bucket-cap-mb`."""
-    return flag_name(field.replace(".", "_"))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -56,7 +56,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from raytrain.cli import EXIT_FAILED
+    from raytrain.errors import EXIT_FAILED
     from raytrain.pipeline import load_pipeline
     from raytrain.tune import tune
     from raytrain.tune.options import SWEPT, LrDraws, TuneOptions, parse_search_space

@@ -94,7 +94,7 @@ def check_pipeline_args(pipe, cfg: TrainConfig) -> None:
 def resumed_options(spec: str | None, file_values: dict[str, Any], flags: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """A resumed run's pipeline and options (`raytrain.rules.resume.resumed_values`): the run
     named by the flags or the file, in their storage."""
-    from raytrain.config import DEFAULT_STORAGE
+    from raytrain.config import DEFAULT_STORAGE, merge_layers
     from raytrain.errors import ConfigError
     from raytrain.rules import resume
     from raytrain.rundir import RunDir
@@ -104,4 +104,5 @@ def resumed_options(spec: str | None, file_values: dict[str, Any], flags: dict[s
     if problems:
         raise ConfigError(problems)
     storage = flags.get("storage") or file_values.get("storage") or DEFAULT_STORAGE
-    return resume.resumed_values(RunDir(Path(storage) / name).stored_run(), spec, file_values, flags)
+    stored = RunDir(Path(storage) / name).stored_run()
+    return resume.resumed_pipeline(stored, spec), merge_layers(stored.config, file_values, flags)

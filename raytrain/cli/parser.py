@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Iterable
 
+import raytrain.cli.commands as handlers
 from raytrain import fields
-from raytrain.cli import EXIT_USAGE, as_flag
-from raytrain.cli import commands as handlers
 from raytrain.config import TrainConfig
 from raytrain.data.write import DATA_GROUP_ROWS, DATA_UNITS
+from raytrain.errors import EXIT_USAGE
 from raytrain.fields import flag_name
 
 
@@ -112,7 +112,7 @@ def add_flags(
             add_flags(parser, option.nested, prefix=f"{prefix}{option.name}.")
             continue
         dest = prefix + option.name
-        names = spellings.get(option.name) or (option.flags if not prefix else (as_flag(dest),))
+        names = spellings.get(option.name) or (option.flags if not prefix else (flag_name(dest),))
         common = {"dest": dest, "default": argparse.SUPPRESS, "help": (option.help or "").replace("%", "%%") or None}
         if option.kinds == (bool,):
             action = "store_true" if option.metadata.get("switch") else argparse.BooleanOptionalAction

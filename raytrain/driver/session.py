@@ -51,78 +51,77 @@ def ray_session(
         yield
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
-    level = logging.INFO if cfg.verbose else logging.ERROR
     runtime_env = {"env_vars": {**WORKER_ENV, "PYTHONPATH": driver_pythonpath()}}
     # Worker and actor output (Ray's per-report lines, data-execution notes, C++
     # warnings) reaches the console only with -v. The run's own lines come from
     # events.jsonl and a failure is explained from the exception (rank + traceback),
     # so quiet mode hides no error; full logs stay under the Ray session directory.
-    quiet = {"logging_level": level, "log_to_driver": cfg.verbose}
+    quiet = {"logging_level": logging.INFO if cfg.verbose else logging.ERROR, "log_to_driver": cfg.verbose}
     if address:
-        problem = address_problem(address)
-        if problem:
-            raise ConfigError(
-                [
-                    (
-                        "address",
-                        f"got {address!r}: {problem}; give the head's HOST:PORT (e.g. 10.0.0.5:6379) or leave it out "
-                        "for a local Ray",
-                    )
-                ]
-            )
-        # Inside `ray job submit` the job's runtime_env may set the same variables; Ray
-        # refuses to merge two values for one key, and the job's choice should win.
-        job_env = (
-            json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
-            .get("runtime_env", {})
-            .get("env_vars", {})
-        )
-        runtime_env["env_vars"] = {k: v for k, v in runtime_env["env_vars"].items() if k not in job_env}
-        try:
-            ray.init(address=address, runtime_env=runtime_env, **quiet)
-        except Exception as exc:  # connection errors come in several types
-            raise ConfigError(
-                [
-                    (
-                        "address",
-                        f"cannot reach a Ray cluster at {address!r} ({str(exc).splitlines()[0][:200]}); check that "
-                        "its head "
-                        "is running (ray status), the address, and RAY_AUTH_MODE=token if the cluster uses token auth",
-                    )
-                ]
-            ) from None
+        _join_cluster(address, runtime_env, quiet)
     else:
         cpus = num_cpus or max(os.cpu_count() or 1, int(cfg.max_workers * cfg.cpus_per_worker) + 2)
-        dashboard_port = free_port()
-        # Train's placement-group cleaner polls the dashboard (RAY_NOTES); name ours, or with
-        # several Rays on one host it cannot tell which one to ask.
-        runtime_env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
-        os.environ.setdefault("RAY_worker_niceness", EMBEDDED_WORKER_NICENESS)  # read by the raylet it starts
-        try:
-            ray.init(
-                address="local",
-                num_cpus=cpus,
-                resources=resources,
-                include_dashboard=True,
-                dashboard_host="127.0.0.1",
-                dashboard_port=dashboard_port,
-                runtime_env=runtime_env,
-                # Ray binds its servers to the node's address even when asked for 127.0.0.1
-                # (services.resolve_ip_for_localhost); its gRPC ports need the session token,
-                # but the Prometheus /metrics exporters answer anyone: not started here.
-                _system_config={"enable_metrics_collection": False},
-                **quiet,
-            )
-        except Exception as exc:
-            raise RunFailed(
-                f"could not start the embedded Ray ({str(exc).splitlines()[0][:300]}); "
-                "is the machine overloaded, or /tmp full? Rerun with -v for Ray's logs."
-            ) from None
+        _start_embedded(cpus, resources, runtime_env, quiet)
     note_cluster_capacity(cfg)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def _join_cluster(address: str, runtime_env: dict, quiet: dict) -> None:
+    """ray.init at `address`, checked first: a dead or foreign address is a ConfigError in seconds."""
+    import ray
+
+    problem = address_problem(address)
+    if problem:
+        fix = "give the head's HOST:PORT (e.g. 10.0.0.5:6379) or leave it out for a local Ray"
+        raise ConfigError([("address", f"got {address!r}: {problem}; {fix}")])
+    # Inside `ray job submit` the job's runtime_env may set the same variables; Ray
+    # refuses to merge two values for one key, and the job's choice should win.
+    job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
+    job_env = job_config.get("runtime_env", {}).get("env_vars", {})
+    runtime_env["env_vars"] = {k: v for k, v in runtime_env["env_vars"].items() if k not in job_env}
+    try:
+        ray.init(address=address, runtime_env=runtime_env, **quiet)
+    except Exception as exc:  # connection errors come in several types
+        cause = str(exc).splitlines()[0][:200]
+        fix = (
+            "check that its head is running (ray status), the address, and RAY_AUTH_MODE=token if the cluster "
+            "uses token auth"
+        )
+        raise ConfigError([("address", f"cannot reach a Ray cluster at {address!r} ({cause}); {fix}")]) from None
+
+
+def _start_embedded(cpus: int, resources: dict[str, float] | None, runtime_env: dict, quiet: dict) -> None:
+    """A local Ray on this machine: its dashboard on loopback, no open metrics exporters."""
+    import ray
+
+    dashboard_port = free_port()
+    # Train's placement-group cleaner polls the dashboard (RAY_NOTES); name ours, or with
+    # several Rays on one host it cannot tell which one to ask.
+    runtime_env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
+    os.environ.setdefault("RAY_worker_niceness", EMBEDDED_WORKER_NICENESS)  # read by the raylet it starts
+    try:
+        ray.init(
+            address="local",
+            num_cpus=cpus,
+            resources=resources,
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=dashboard_port,
+            runtime_env=runtime_env,
+            # Ray binds its servers to the node's address even when asked for 127.0.0.1
+            # (services.resolve_ip_for_localhost); its gRPC ports need the session token,
+            # but the Prometheus /metrics exporters answer anyone: not started here.
+            _system_config={"enable_metrics_collection": False},
+            **quiet,
+        )
+    except Exception as exc:
+        raise RunFailed(
+            f"could not start the embedded Ray ({str(exc).splitlines()[0][:300]}); "
+            "is the machine overloaded, or /tmp full? Rerun with -v for Ray's logs."
+        ) from None
 
 
 def ray_logs_dir() -> str | None:

@@ -4,7 +4,7 @@ Every resume rule lives here; the CLI, the config checks, the driver and the wor
 
 - A new run needs a new name; `--resume` needs `--name` and a run by that name.
 - A resumed run starts from its own resolved `config.yaml`; the `--config` file and the
-  flags given with `--resume` override only what they name (`resumed_values`).
+  flags given with `--resume` override only what they name (`resumed_pipeline`).
 - Before anything is written, the driver checks what the new options would change
   (`changes`):
   - refused (exit 2): another pipeline; another optimizer than the checkpoint's state holds;
@@ -57,13 +57,10 @@ def run_dir_problems(name: str, storage: str, resume: bool, exists: bool) -> lis
     return []
 
 
-def resumed_values(
-    stored: StoredRun, spec: str | None, file_values: dict[str, Any], flags: dict[str, Any]
-) -> tuple[str, dict[str, Any]]:
-    """A resumed run's pipeline and options: its own config.yaml, then the --config file and
-    the flags given now, each overriding only what it names. The pipeline defaults to the run's."""
-    from raytrain.config import merge_layers
-
+def resumed_pipeline(stored: StoredRun, spec: str | None) -> str:
+    """The pipeline of a resumed run: the one given, else the run's own. (Its options are its
+    own config.yaml, then the --config file and the flags given now, each overriding only
+    what it names: `raytrain.config.merge_layers`.)"""
     name, storage = stored.run_dir.name, stored.run_dir.parent
     if not stored.config:
         raise ConfigError([("resume", f"there is no run {name!r} in {storage} to resume; check --name and --storage")])
@@ -73,7 +70,7 @@ def resumed_values(
             f"run {name!r} does not say which pipeline it trains; give it: raytrain train PIPELINE --name {name} "
             "--resume"
         )
-    return spec, merge_layers(stored.config, file_values, flags)
+    return spec
 
 
 def changes(
