@@ -80,25 +80,25 @@ def wrap_driver() -> None:
     timed(ray, "init", "ray.init")
     timed(TorchTrainer, "fit", "TorchTrainer.fit")
     timed(tracking, "RunTracker", "run tracker")
-    for name in ("resolve_gpu", "build_datasets", "prepare_datasets", "build_trainer"):
+    for name in ("resolve_gpu", "build_datasets", "prepare_datasets", "build_torch_trainer", "write_yaml"):
         timed(trainer, name, name)
-    timed(trainer.rundir, "write_yaml", "write_yaml")
 
 
 _WRAPPED: list[bool] = []  # non-empty once this process's worker wrappers are in place
 
 
 def wrap_worker() -> None:
+    from raytrain.rundir.writer import RunWriter
     from raytrain.worker import loop, runtime
 
     _WRAPPED.append(True)
 
     timed(loop, "Runtime", "worker context")
-    timed(loop, "restore", "restore")
-    timed(loop, "open_source", "open_source", describe=lambda name, source, runtime, cfg: f"{name} ({source['kind']})")
+    timed(loop, "restore_latest", "restore")
+    timed(loop, "open_source", "open_source", describe=lambda name, source, *_: f"{name} ({type(source).__name__})")
     timed(loop.StepRunner, "build", "StepRunner.build")
     timed(runtime.Runtime, "prepare_model", "prepare_model")
-    timed(loop.RunFiles, "start_attempt", "start_attempt")
+    timed(RunWriter, "start_attempt", "start_attempt")
 
 
 class PhasedDigits(DigitsPipeline):
