@@ -1,4 +1,5 @@
-"""The data layer (internal): checked rows from Ray Data, cut into each rank's share of every step.
+"""The data layer (internal: not part of raytrain's public API): checked rows from Ray Data,
+cut into each rank's share of every step.
 
 - `sources`: on the driver, how each dataset reaches the workers (in memory or streamed,
   decided from metadata); on a worker, the dataset it opens;

@@ -1,9 +1,13 @@
 """`raytrain tune`: sweep the LR scaling rule × warmup × worker count (× lr) on Ray Tune.
 
-- `space`: the sweep's space, pure — the axes and options, the grid, which points are the
-  same run (the rules at the reference batch), each trial's configuration and resources;
-- `driver`: the Ray side — the Tuner, one ASHA per worker count, the trial function, the
-  placement groups;
+Pure, without Ray:
+- `options`: what a sweep is asked for — the axes, drawn rates, the sweep's own options;
+- `space`: the grid, which points are the same run (the rules at the reference batch), each
+  trial's configuration;
+- `resources`: what a trial needs and how many run at once.
+With Ray:
+- `driver`: the Tuner, one ASHA per worker count, the trial function, the placement groups;
+- `trials`: each trial's console line, name, error and run;
 - `results`: what a sweep leaves — trials.csv, best.yaml, trials.png, the closing table.
 """
 
