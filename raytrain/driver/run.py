@@ -26,7 +26,7 @@ from raytrain.observe.tracking import RunTracker
 from raytrain.pipeline import Pipeline, load_pipeline
 from raytrain.rules import batch, resume
 from raytrain.rundir import CONFIG, RunDir, StoredRun, claimed, strict, write_yaml
-from raytrain.rundir.checkpoints import load_model_weights
+from raytrain.rundir.checkpoints import model_shapes
 
 
 @dataclass
@@ -146,10 +146,7 @@ def check_resume(
     if stored.checkpoint is not None:
         with pipeline_code(pipe, "build_model"):
             model = pipe.build_model(cfg)
-        try:
-            model.load_state_dict(load_model_weights(stored.checkpoint), strict=True)
-        except RuntimeError as exc:
-            raise resume.model_mismatch(stored.checkpoint.name, exc) from None
+        resume.check_model_fits(model_shapes(stored.checkpoint), model, stored.checkpoint.name)
         train = sources["train"]
         if isinstance(train, StreamSource):  # in memory: checked on the workers, which read the table
             before = stored.position.get("data") or {}

@@ -229,16 +229,22 @@ def end_epoch(
     position.epoch, position.epoch_offset = position.epoch + 1, 0
     row = runner.metrics_row(position, loss=epoch.loss, samples_per_s=epoch.samples_per_s, extra=val_metrics)
     files.epoch_end(row, runner.cfg.epochs)
-    # report: a barrier on every rank; rank 0 attaches the checkpoint.
+    # report: a barrier on every rank; the checkpoint is written while training goes on.
     runner.heartbeat.mark(position.step, "report")
-    runner.runtime.report(row.to_json(), runner.checkpoint(position), checkpoints.save_state, files.run_dir)
+    runner.runtime.report(row.to_json(), position.step, checkpoint_writer(runner, position), files.run_dir)
 
 
 def report_checkpoint(runner: StepRunner, position: Position) -> None:
     """A mid-epoch checkpoint at the current step (a barrier on every rank)."""
     runner.heartbeat.mark(position.step, "report")
     row = runner.metrics_row(position, loss=float("nan"), samples_per_s=0.0)
-    runner.runtime.report(row.to_json(), runner.checkpoint(position), checkpoints.save_state, runner.run_dir)
+    runner.runtime.report(row.to_json(), position.step, checkpoint_writer(runner, position), runner.run_dir)
+
+
+def checkpoint_writer(runner: StepRunner, position: Position):
+    """What writes the checkpoint of the step at `position` into a directory, for the runtime
+    (which names the directory, and registers it once it is complete)."""
+    return lambda directory, distributed: runner.save_checkpoint(position, directory, distributed=distributed)
 
 
 def report_live(files: RunWriter, runner: StepRunner, position: Position, epoch_rows: int) -> None:
@@ -279,7 +285,10 @@ def evaluate(runner: StepRunner, source: Table | Stream) -> dict[str, float]:
     # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
     # rank learns the metric names and joins the reduction below.
     rank, world = runtime.evaluation_share()
-    for n, batch in source.eval_batches(rank, world, batch_size, runtime.device):
+    batches = source.eval_batches(rank, world, batch_size, runtime.device)
+    if runner.prepared is not None and runner.prepared.sharded and world > 1:
+        batches = _in_step(batches, runtime)
+    for n, batch in batches:
         loss, metrics = runner.compute_loss(batch)
         for name, value in {"loss": loss, **metrics}.items():
             sums[name] = sums.get(name, 0.0) + float(value) * n
@@ -289,3 +298,20 @@ def evaluate(runner: StepRunner, source: Table | Stream) -> dict[str, float]:
     totals = runtime.all_reduce_sum(values) if world > 1 else values
     runner.model.train()
     return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}
+
+
+def _in_step(batches, runtime):
+    """The batches of a rank, and weight-0 repeats of its last one until every rank is done:
+    under fsdp a forward pass is a collective (each block's parameters are gathered from all
+    ranks), so every rank runs as many as the rank with the most validation rows."""
+    last = None
+    iterator = iter(batches)
+    while True:
+        item = next(iterator, None)
+        if runtime.all_reduce_sum([0.0 if item is None else 1.0])[0] == 0:
+            return
+        if item is not None:
+            last = item
+            yield item
+        else:
+            yield 0, last[1]
