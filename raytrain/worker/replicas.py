@@ -271,10 +271,10 @@ class ReplicaRuntime(Runtime):
         self._publishing.start()
         self._pending = save
 
-    def finish_checkpoints(self) -> None:
+    def finish_checkpoints(self, timeout_s: float | None = None) -> None:
         publishing, self._publishing = getattr(self, "_publishing", None), None
         if publishing is not None:
-            publishing.join()
+            publishing.join(timeout_s)
         pending, self._pending = self._pending, None
         if pending is not None and pending.errors:
             raise pending.errors[0]

@@ -156,15 +156,15 @@ class Runtime:
             **upload,
         )
 
-    def finish_checkpoints(self) -> None:
+    def finish_checkpoints(self, timeout_s: float | None = None) -> None:
         """Wait for this rank's checkpoint files being written (rank 0: until the checkpoint is
         in the run directory), surfacing a write that failed."""
         pending, self._pending = self._pending, None
         if pending is not None:
             with storage_errors(pending.directory, "write the checkpoint"):
-                pending.wait()
+                pending.wait(timeout_s)
             # rank 0: Ray's upload step renames it; wait for that, briefly, so the run's end sees it
-            deadline = time.monotonic() + PUBLISH_WAIT_S
+            deadline = time.monotonic() + min(PUBLISH_WAIT_S, timeout_s or PUBLISH_WAIT_S)
             while self.is_rank0 and self.distributed and pending.directory.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
 

@@ -57,13 +57,24 @@ class Save:
             return False
         return self.thread is None or not self.thread.is_alive()
 
-    def wait(self) -> None:
-        if self.future is not None:
-            self.future.result()
-        if self.thread is not None:
-            self.thread.join()
-        if self.errors:
-            raise self.errors[0]
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Every file of this rank written; a write that failed raises its own error (an
+        OSError with its errno for the file system's), not DCP's wrapper around every rank's.
+        With `timeout_s`, TimeoutError past it."""
+        try:
+            if self.future is not None:
+                self.future.result(timeout=timeout_s)
+            if self.thread is not None:
+                self.thread.join(timeout_s)
+                if self.thread.is_alive():
+                    raise TimeoutError(f"checkpoint {self.directory.name} still being written after {timeout_s} s")
+            if self.errors:
+                raise self.errors[0]
+        except checkpoints.dcp_errors() as exc:
+            inner = _inner(exc)
+            if isinstance(inner, Exception):
+                raise inner from None
+            raise RuntimeError(checkpoints.dcp_failure(exc)) from None
 
 
 @dataclass
@@ -170,8 +181,9 @@ class TrainingState:
             try:
                 with contextlib.nullcontext() if distributed else single_process():
                     dcp.load(state, checkpoint_id=str(directory), **options)
-            except Exception as exc:
-                raise CheckpointError(f"checkpoint {directory.name} cannot be read ({_first_line(exc)})") from None
+            except checkpoints.dcp_errors() as exc:
+                reason = checkpoints.dcp_failure(exc)
+                raise CheckpointError(f"checkpoint {directory.name} cannot be read ({reason})") from None
             target = self.model if self.sharded else unwrap(self.model)
             set_model_state_dict(target, state["model"])
             load_optimizer(lambda: set_optimizer_state_dict(target, self.optimizer, state["optim"]))
@@ -314,9 +326,10 @@ def _snapshot(value: Any) -> Any:
     return value
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:200]
+def _inner(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's CheckpointException (else `exc`)."""
+    failures = getattr(exc, "failures", None)
+    return failures[min(failures)][0] if failures else exc
 
 
 def _to_lists(value: Any) -> Any:
