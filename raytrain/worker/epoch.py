@@ -280,7 +280,7 @@ def report_with_checkpoint(runner: StepRunner, position: Position, metrics: dict
     def write(directory: Path, distributed: bool):
         return runner.save_checkpoint(position, directory, distributed=distributed)
 
-    runner.runtime.report(metrics, position.step, write, Path(runner.run_dir))
+    runner.runtime.report(metrics, position.step, write, Path(runner.run_dir), runner.cfg.checkpoint_async)
     position.checkpoint_wait_s += time.perf_counter() - started
     position.checkpoints += 1
 
