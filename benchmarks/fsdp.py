@@ -182,8 +182,10 @@ def _save_times(rank: int, world: int, port: int, strategy: str, width: int, lay
     model(tokens[:, :-1]).float().mean().backward()
     optimizer.step()
     state = TrainingState(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), Position(), strategy == "fsdp")
-    harness, times = Harness(), {}
+    harness, times, expected = Harness(), {}, None
     for mode in ("warmup", "synchronous", "asynchronous"):
+        if mode == "asynchronous" and strategy != "fsdp":
+            expected = {k: v.clone() for k, v in state.weights().items()}  # what this save holds
         dist.barrier()
         started = time.perf_counter()
         save = state.save(Path(root) / f"{mode}-{strategy}-{world}", harness, {}, distributed=True)
@@ -195,6 +197,12 @@ def _save_times(rank: int, world: int, port: int, strategy: str, width: int, lay
         dist.barrier()
         times[mode] = {"blocked_s": returned if mode == "asynchronous" else time.perf_counter() - started}
         times[mode]["complete_s"] = time.perf_counter() - started
+    # What was saved comes back: the weights of the asynchronous save's step.
+    state.load(
+        Path(root) / f"asynchronous-{strategy}-{world}", harness, 0, distributed=True, load_optimizer=lambda f: f()
+    )
+    if expected is not None:
+        times["loads_back"] = all(torch.equal(expected[k], v) for k, v in state.weights().items())
     queue.put((rank, times))
     dist.destroy_process_group()
 

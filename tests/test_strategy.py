@@ -232,3 +232,21 @@ def test_the_checkpoint_is_complete_only_once_its_train_state_is_written(tmp_pat
     assert checkpoints.is_complete(directory)
     assert checkpoints.checkpoint_dirs(tmp_path) == [directory]
     assert not checkpoints.is_complete(Path(tmp_path / "missing"))
+
+
+def test_unsharded_ranks_each_write_a_balanced_part_that_together_is_the_whole():
+    state = trained()
+    full = state._dcp_state()
+    parts = [state._dcp_part(rank, 3) for rank in range(3)]
+    keys = [set(part["model"]) for part in parts]
+    assert set().union(*keys) == set(full["model"]) and sum(map(len, keys)) == len(full["model"])
+    assert set().union(*(part["optim"]["state"] for part in parts)) == set(full["optim"]["state"])
+    assert [("param_groups" in part["optim"]) for part in parts] == [True, False, False]
+
+    def nbytes(part):
+        tensors = [*part["model"].values(), *(v for s in part["optim"]["state"].values() for v in s.values())]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    sizes = sorted(nbytes(part) for part in parts)
+    assert sizes[-1] <= 1.5 * sizes[0]  # balanced by bytes
+    assert [set(p["model"]) for p in (state._dcp_part(r, 3) for r in range(3))] == keys  # the same every time

@@ -123,7 +123,11 @@ class TrainingState:
         if distributed:
             save = Save(
                 directory,
-                future=dcp.async_save(self._dcp_state(), checkpoint_id=str(directory), **runtime.dcp_options()),
+                future=dcp.async_save(
+                    self._dcp_part(runtime.world_rank, runtime.world_size),
+                    checkpoint_id=str(directory),
+                    **runtime.dcp_options(),
+                ),
             )
         else:
             save = Save(directory)
@@ -197,6 +201,21 @@ class TrainingState:
         model = self.model if self.sharded else unwrap(self.model)
         model_state, optim_state = get_state_dict(model, self.optimizer)
         return {"model": model_state, "optim": optim_state}
+
+    def _dcp_part(self, rank: int, world_size: int) -> dict[str, Any]:
+        """What this rank writes of a checkpoint. Under fsdp its shards. Unsharded, every rank
+        holds all of the state: each writes (and first copies to host memory) only the
+        parameters it is given, with their optimizer state, balanced by bytes over the ranks;
+        together they are the whole, and any rank reads all of it back."""
+        state = self._dcp_state()
+        if self.sharded or world_size == 1:
+            return state
+        model, optim = state["model"], state["optim"]
+        mine = set(_balanced_owners(model, optim.get("state", {}), world_size)[rank])
+        part_optim = {"state": {k: v for k, v in optim.get("state", {}).items() if k in mine}}
+        if rank == 0:  # the groups' settings (rates, decay), small: once
+            part_optim["param_groups"] = optim.get("param_groups", [])
+        return {"model": {k: v for k, v in model.items() if k in mine}, "optim": part_optim}
 
     def _load_legacy(self, directory: Path, saved: dict[str, Any], load_optimizer: Callable) -> None:
         """An earlier version's single state file: a plain model and an optimizer state keyed
@@ -324,6 +343,23 @@ def _snapshot(value: Any) -> Any:
     if isinstance(value, list):
         return [_snapshot(v) for v in value]
     return value
+
+
+def _balanced_owners(model: dict[str, Any], optim: dict[str, Any], world_size: int) -> list[list[str]]:
+    """The model's keys dealt to `world_size` ranks, largest first to the least loaded, a key's
+    optimizer state counted with it: the same on every rank (it depends on names and sizes)."""
+
+    def size(key: str) -> int:
+        tensors = [model[key], *[v for v in optim.get(key, {}).values() if torch.is_tensor(v)]]
+        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+    owners: list[list[str]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for key in sorted(model, key=lambda k: (-size(k), k)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[rank].append(key)
+        loads[rank] += size(key)
+    return owners
 
 
 def _inner(exc: BaseException) -> BaseException:
