@@ -240,6 +240,7 @@ def checkpoint(out: Path, args) -> list[dict]:
                 "asynchronous_blocked_s": blocked,
                 "asynchronous_complete_s": complete,
                 "blocked_vs_synchronous": blocked / sync,
+                "loads_back": all(results[r].get("loads_back", True) for r in results),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)

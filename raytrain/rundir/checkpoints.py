@@ -184,13 +184,19 @@ def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         elif is_legacy(checkpoint):
             path = checkpoint / LEGACY_STATE_FILE
         else:  # sharded: its shards, gathered here
-            return _read_dcp(checkpoint, only="model")["model"]
+            return read_model(checkpoint)
     weights = _load_torch(path, "model file")
     if isinstance(weights, dict) and "model" in weights and isinstance(weights["model"], dict):
         weights = weights["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise CheckpointError(f"{path} does not hold a model state_dict")
     return weights
+
+
+def read_model(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model of a checkpoint's DCP files as a plain state_dict, every rank's part gathered
+    in this process (no process group)."""
+    return _read_dcp(Path(directory), only="model")["model"]
 
 
 # -- reading -----------------------------------------------------------------------------------

@@ -119,7 +119,6 @@ class TrainingState:
             "sharded": self.sharded,
             **rules,
         }
-        plain = None if self.sharded or not runtime.is_rank0 else self.weights()
         if distributed:
             save = Save(
                 directory,
@@ -139,7 +138,8 @@ class TrainingState:
                     with single_process():
                         dcp.save(writes, checkpoint_id=str(directory), no_dist=True)
                 if runtime.is_rank0:
-                    if plain is not None:
+                    if not self.sharded:  # the plain model too, read back from the files just written
+                        plain = writes["model"] if writes is not None else checkpoints.read_model(directory)
                         checkpoints.save_torch(plain, directory / checkpoints.MODEL_FILE)
                     # Last: a train state beside DCP's metadata is what makes the directory a checkpoint.
                     checkpoints.write_train_state(directory, train_state)
