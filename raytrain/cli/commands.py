@@ -12,6 +12,7 @@ from raytrain import fields
 from raytrain.cli.options import check_pipeline_args, read_run_options, resumed_options
 from raytrain.config import TrainConfig, merge_layers
 from raytrain.observe.render import plural
+from raytrain.rundir import RunDir
 from raytrain.rundir.records import PLOTS, REPORT
 
 
@@ -39,19 +40,17 @@ def print_summary(result) -> None:
     print(f"Run directory: {result.run_dir}")
     if result.model_path:
         print(f"Model: {result.model_path} (plain state_dict, loads with strict=True)")
-    report = Path(result.run_dir) / REPORT
-    if report.exists():
-        print(f"Report: {report} (plots in {PLOTS}/); TensorBoard: tensorboard --logdir {result.run_dir}")
+    files = RunDir(result.run_dir)
+    if files.has(REPORT):
+        print(f"Report: {files.store / REPORT} (plots in {PLOTS}/); TensorBoard: tensorboard --logdir {files.store}")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from raytrain.observe.report import write_report
 
     path = write_report(args.run_dir)
-    plots = sorted((path.parent / PLOTS).glob("*.png"))
-    print(
-        f"Wrote {path} and {plural(len(plots), 'plot')}: {', '.join(p.name for p in plots) or 'none (no metrics yet)'}"
-    )
+    plots = [name for name in RunDir(args.run_dir).store.list(PLOTS) if name.endswith(".png")]
+    print(f"Wrote {path} and {plural(len(plots), 'plot')}: {', '.join(plots) or 'none (no metrics yet)'}")
     return 0
 
 

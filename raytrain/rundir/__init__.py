@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -153,6 +154,21 @@ class RunDir:
         latest = checkpoints.latest_complete(self.store)
         position = checkpoints.stored_position(latest) if latest is not None else {}
         return StoredRun(self.store, config, pipeline, latest, position)
+
+    @contextlib.contextmanager
+    def local_files(self, names: tuple[str, ...]) -> Iterator[Path]:
+        """A local directory holding the run files `names` (files or directories) that exist:
+        the run directory itself, or a temporary copy of an object store's (removed after)."""
+        if self.store.local:
+            yield self.store.path
+            return
+        with tempfile.TemporaryDirectory(prefix="raytrain-files-") as copy:
+            for name in names:
+                if self.store.is_file(name):
+                    Path(copy, name).write_bytes(self.store.read_bytes(name))
+                elif self.store.list(name):
+                    self.store.download(name, Path(copy, name))
+            yield Path(copy)
 
     def tail(self, name: str) -> Tail:
         """A follower of the JSONL file `name` (rows appended since the last read)."""

@@ -132,6 +132,15 @@ class Store:
         host = parts.netloc.rsplit("@", 1)[-1]
         return f"{parts.scheme}://{host}{parts.path}"
 
+    @property
+    def public_uri(self) -> str:
+        """The location to give back to raytrain (`--storage`, `--resume`): the URI with its
+        query, without credentials."""
+        if self.local:
+            return self.uri
+        parts = urllib.parse.urlsplit(self.uri)
+        return urllib.parse.urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path, parts.query, ""))
+
     def __fspath__(self) -> str:  # a local store stands for its directory wherever a path is taken
         return str(self.path)
 

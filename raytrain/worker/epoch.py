@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
@@ -206,7 +205,7 @@ def sync_ranks(runner: StepRunner, position: Position, stop_requested: bool = Fa
     (TrainingDiverged), before its weights are saved."""
     loss, count, stop, diverged = sync(runner.runtime, runner.heartbeat, runner.window, position.step, stop_requested)
     if diverged:
-        last_good = checkpoints.latest_complete(Path(runner.run_dir)) if runner.run_dir else None
+        last_good = checkpoints.latest_complete(runner.run_dir) if runner.run_dir else None
         raise TrainingDiverged(
             divergence_message(
                 diverged,
@@ -231,7 +230,7 @@ def end_epoch(
     files.epoch_end(row, runner.cfg.epochs)
     # report: a barrier on every rank; the checkpoint is written while training goes on.
     runner.heartbeat.mark(position.step, "report")
-    runner.runtime.report(row.to_json(), position.step, checkpoint_writer(runner, position), files.run_dir)
+    runner.runtime.report(row.to_json(), position.step, checkpoint_writer(runner, position), files.store)
 
 
 def report_checkpoint(runner: StepRunner, position: Position) -> None:
