@@ -178,6 +178,7 @@ def cause_of(exc: BaseException) -> str:
     """The error's first line without pyarrow's error-code prefix (Ray Train retries an upload
     whose error names one of those codes, which would triple the wait)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"(://)[^/?#@\s]*:[^@\s]*@", r"\1", text)  # never a secret in a message
     text = re.sub(r"AWS Error [A-Z_]+ (\(HTTP status \d+\) )?during (\w+) operation: ?", r"\2: ", text)
     text = text.replace("NETWORK_CONNECTION", "network").replace("SERVICE_UNAVAILABLE", "unavailable")
     return re.sub(r"\s+", " ", text).strip()[:300]

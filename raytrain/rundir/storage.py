@@ -29,6 +29,7 @@ import dataclasses
 import errno as errno_codes
 import functools
 import os
+import re
 import time
 import urllib.parse
 from pathlib import Path
@@ -54,6 +55,9 @@ def default_retry_s() -> float:
 
 # Backoff between retries of one call: doubling from the first, capped.
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 15.0
+# S3 requests: connecting, a transfer that moves no byte (curl's low-speed limit: a long upload
+# that keeps moving never times out), and pyarrow's own attempts per request.
+S3_CONNECT_TIMEOUT_S, S3_STALL_TIMEOUT_S, S3_ATTEMPTS = 5.0, 10.0, 2
 # gs:// without credentials retries inside google-cloud-cpp for about 15 minutes: bound it.
 GCS_RETRY_LIMIT_S = 15
 
@@ -126,20 +130,13 @@ class Store:
 
     def __str__(self) -> str:
         """For messages: the path, or the URI without credentials or query."""
-        if self.local:
-            return self.uri
-        parts = urllib.parse.urlsplit(self.uri)
-        host = parts.netloc.rsplit("@", 1)[-1]
-        return f"{parts.scheme}://{host}{parts.path}"
+        return self.uri if self.local else without_credentials(self.uri).split("?", 1)[0]
 
     @property
     def public_uri(self) -> str:
         """The location to give back to raytrain (`--storage`, `--resume`): the URI with its
         query, without credentials."""
-        if self.local:
-            return self.uri
-        parts = urllib.parse.urlsplit(self.uri)
-        return urllib.parse.urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path, parts.query, ""))
+        return self.uri if self.local else without_credentials(self.uri)
 
     def __fspath__(self) -> str:  # a local store stands for its directory wherever a path is taken
         return str(self.path)
@@ -161,6 +158,8 @@ class Store:
                 f"--storage {self}: pyarrow cannot open it ({cause_of(exc)}); give a local path, s3://BUCKET/PREFIX, "
                 "gs://BUCKET/PREFIX or another URI pyarrow.fs resolves",
             ) from None
+        if isinstance(fs, pafs.S3FileSystem):
+            fs = _bounded(fs)
         return fs, path.rstrip("/")
 
     @property
@@ -412,6 +411,28 @@ class Store:
             yield
         except OSError as exc:
             raise _local_error(exc, self.path / name, doing) from None
+
+
+_CREDENTIALS = re.compile(r"(://)[^/?#@\s]*:[^@\s]*@")
+
+
+def without_credentials(text: str) -> str:
+    """`text` with every `scheme://KEY:SECRET@` made `scheme://`."""
+    return _CREDENTIALS.sub(r"\1", text)
+
+
+def _bounded(fs):
+    """The S3 file system with bounded waits: pyarrow's defaults leave a store that stopped
+    answering blocking one write for 90 s; this `Store`'s own retries decide how long to wait."""
+    import pyarrow.fs as pafs
+
+    options = dict(fs.__reduce__()[1][0])
+    options.update(
+        connect_timeout=S3_CONNECT_TIMEOUT_S,
+        request_timeout=S3_STALL_TIMEOUT_S,
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=S3_ATTEMPTS),
+    )
+    return pafs.S3FileSystem(**options)
 
 
 def _read_all(fs, path: str) -> bytes:
