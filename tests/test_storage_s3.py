@@ -5,7 +5,6 @@ one message each), transient outages ridden out and long ones stopped once."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from raytrain.errors import StorageError
-from raytrain.rundir import Event, MetricsRow, RunDir, RunLock, RunLocked, Store, StorageUnavailable
+from raytrain.rundir import Event, MetricsRow, RunDir, RunLock, RunLocked, StorageUnavailable, Store
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.publish import Upload
 
@@ -104,7 +103,9 @@ def test_a_checkpoint_is_invisible_until_its_marker_and_a_failed_upload_leaves_t
     upload = Upload(tmp_path / "b", run / "checkpoint_s000000008_y", failed_write, rank=None, coordinator=True, step=8)
     with pytest.raises(StorageError):
         upload.run()
-    run_parts = Upload(tmp_path / "b", run / "checkpoint_s000000008_y", lambda: None, rank=None, coordinator=True, step=8)
+    run_parts = Upload(
+        tmp_path / "b", run / "checkpoint_s000000008_y", lambda: None, rank=None, coordinator=True, step=8
+    )
     run_parts._upload(run_parts._own_files())  # the shards reach the store, the marker never does
     assert any("checkpoint_s000000008_y/" in key for key in s3.objects(bucket))
     assert [c.name for c in ckpt.checkpoint_dirs(run)] == ["checkpoint_s000000004_x"]
