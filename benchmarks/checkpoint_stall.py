@@ -132,7 +132,8 @@ def main() -> None:
         sys.exit("moto_server not found: pip install 'moto[server]>=5.2.5' (or set RAYTRAIN_TEST_MOTO_SERVER)")
     work = Path(tempfile.mkdtemp(prefix="raytrain-stall-"))
     server = MotoServer(binary, work / "moto.log")
-    print(f"model: {sum(p.numel() for p in build().model.parameters()) / 1e6:.1f} M parameters; moto at {server.endpoint}")
+    parameters = sum(p.numel() for p in build().model.parameters())
+    print(f"model: {parameters / 1e6:.1f} M parameters; moto at {server.endpoint}")
     results: dict[str, list[dict[str, float]]] = {}
     try:
         for round_index in range(args.rounds):

@@ -5,7 +5,6 @@ exit status."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from raytrain import fields
@@ -100,9 +99,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     spec, file_values, flags = read_run_options(args, exclude={*own, "predict"}, example="digits --workers 1,2")
     args.spell = None  # bench names every option as a flag
     values = merge_layers(load_pipeline(spec).default_config, file_values, flags)
-    bench_config(
-        values, opts, workers=max(opts.workers), epochs=1, storage=Path(opts.storage), name="check"
-    )  # validate before starting
+    bench_config(values, opts, workers=max(opts.workers), epochs=1, storage=opts.storage, name="check")  # validated
     run_bench(spec, values, opts, echo=lambda line: print(line, flush=True))
     return 0
 

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 from raytrain.errors import StorageError
-from raytrain.rundir.faults import StorageUnavailable, boto_token, cause_of, classify, storage_error, unavailable
+from raytrain.rundir.faults import StorageUnavailable, cause_of, classify, storage_error, unavailable
+from raytrain.rundir.s3 import bounded, put_if_absent
 
 T = TypeVar("T")
 
@@ -55,9 +56,6 @@ def default_retry_s() -> float:
 
 # Backoff between retries of one call: doubling from the first, capped.
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 15.0
-# S3 requests: connecting, a transfer that moves no byte (curl's low-speed limit: a long upload
-# that keeps moving never times out), and pyarrow's own attempts per request.
-S3_CONNECT_TIMEOUT_S, S3_STALL_TIMEOUT_S, S3_ATTEMPTS = 5.0, 10.0, 2
 # gs:// without credentials retries inside google-cloud-cpp for about 15 minutes: bound it.
 GCS_RETRY_LIMIT_S = 15
 
@@ -159,7 +157,7 @@ class Store:
                 "gs://BUCKET/PREFIX or another URI pyarrow.fs resolves",
             ) from None
         if isinstance(fs, pafs.S3FileSystem):
-            fs = _bounded(fs)
+            fs = bounded(fs)
         return fs, path.rstrip("/")
 
     @property
@@ -295,38 +293,10 @@ class Store:
                 handle.write(data)
             return True
         if self.scheme == "s3":
-            return self._retry("create", name, self._s3_put_if_absent, name, data)
+            return self._retry("create", name, put_if_absent, self.fs, self.fs_path(name), data)
         if self.exists(name):  # no conditional write through pyarrow here: a check, then a write
             return False
         self.write_bytes(name, data)
-        return True
-
-    def _s3_put_if_absent(self, name: str, data: bytes) -> bool:
-        import boto3
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        options = self.fs.__reduce__()[1][0]
-        endpoint = options.get("endpoint_override") or None
-        if endpoint and "://" not in endpoint:
-            endpoint = f"{options.get('scheme') or 'https'}://{endpoint}"
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name=options.get("region") or None,
-            aws_access_key_id=options.get("access_key"),
-            aws_secret_access_key=options.get("secret_key"),
-            aws_session_token=options.get("session_token") or None,
-        )
-        bucket, _, key = self.fs_path(name).partition("/")
-        try:
-            client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
-            if code in ("PreconditionFailed", "ConditionalRequestConflict") or "412" in str(code):
-                return False
-            raise OSError(f"AWS Error {boto_token(code)} during PutObject operation: {exc}") from None
-        except BotoCoreError as exc:  # connection refused, timeouts, no credentials
-            raise OSError(f"AWS Error NETWORK_CONNECTION during PutObject operation: {exc}") from None
         return True
 
     # -- whole directories ----------------------------------------------------------------------
@@ -419,20 +389,6 @@ _CREDENTIALS = re.compile(r"(://)[^/?#@\s]*:[^@\s]*@")
 def without_credentials(text: str) -> str:
     """`text` with every `scheme://KEY:SECRET@` made `scheme://`."""
     return _CREDENTIALS.sub(r"\1", text)
-
-
-def _bounded(fs):
-    """The S3 file system with bounded waits: pyarrow's defaults leave a store that stopped
-    answering blocking one write for 90 s; this `Store`'s own retries decide how long to wait."""
-    import pyarrow.fs as pafs
-
-    options = dict(fs.__reduce__()[1][0])
-    options.update(
-        connect_timeout=S3_CONNECT_TIMEOUT_S,
-        request_timeout=S3_STALL_TIMEOUT_S,
-        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=S3_ATTEMPTS),
-    )
-    return pafs.S3FileSystem(**options)
 
 
 def _read_all(fs, path: str) -> bytes:
