@@ -10,9 +10,10 @@ last). "sync" runs the publish step in the loop's thread, as an upload without A
 
 Each round trains `--steps` optimizer steps of a 12 × Linear(2048, 2048) MLP (50.3 M
 parameters, AdamW: a 604 MB DCP checkpoint and a 201 MB model.pt) and checkpoints at step
-`--at`. The stall is that step's time minus the median of the steps before it; the steps
-after it show what a background upload costs the steps it overlaps (moto is a Python
-process on the same two cores here).
+`--at`. The stall is the time the loop's thread spends in the checkpoint call (the step's own
+compute excluded: on a loaded machine it varies more than the stall); the steps after it
+show what a background upload costs the steps it overlaps (moto is a Python process on the
+same two cores here).
 
     python benchmarks/checkpoint_stall.py --rounds 3            # starts moto_server itself
     MOTO_SERVER=/path/to/moto_server python benchmarks/checkpoint_stall.py
@@ -99,7 +100,9 @@ def one_round(store: Store, sync: bool, steps: int, at: int) -> dict[str, float]
             started = time.perf_counter()
             step(state, data)
             if index == at:
+                blocked = time.perf_counter()
                 background = checkpoint(state, store, staging_root, f"checkpoint_s{index:09d}_bench", sync)
+                blocked_s = time.perf_counter() - blocked
             times.append(time.perf_counter() - started)
         published = time.perf_counter()
         if background is not None:
@@ -111,7 +114,7 @@ def one_round(store: Store, sync: bool, steps: int, at: int) -> dict[str, float]
     after = times[at + 1 :]
     return {
         "step_s": before,
-        "stall_s": times[at] - before,
+        "stall_s": blocked_s,
         "after_extra_s": sum(t - before for t in after),
         "left_to_upload_s": waited,
         "complete": float(bool(ckpt.checkpoint_dirs(store))),
