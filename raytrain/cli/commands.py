@@ -11,7 +11,7 @@ from raytrain import fields
 from raytrain.cli.options import check_pipeline_args, read_run_options, resumed_options
 from raytrain.config import TrainConfig, merge_layers
 from raytrain.observe.render import plural
-from raytrain.rundir import RunDir
+from raytrain.rundir import RunDir, Store
 from raytrain.rundir.records import PLOTS, REPORT
 
 
@@ -27,11 +27,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig.from_dict(values)
     check_pipeline_args(load_pipeline(spec), cfg)
     result = fit(spec, cfg, echo=lambda line: print(line, flush=True), progress=True)
-    print_summary(result)
+    # The run's files through the storage as given (its credentials, if the URI holds them).
+    print_summary(result, RunDir(Store.of(cfg.storage) / Store.of(result.run_dir).name))
     return 0
 
 
-def print_summary(result) -> None:
+def print_summary(result, files: "RunDir | None" = None) -> None:
     s = result.summary
     metrics = "  ".join(f"{k} {v:.4f}" for k, v in s["final_metrics"].items() if isinstance(v, (int, float)))
     steady = f", {s['steady_samples_per_s']:,.0f} samples/s steady" if s.get("steady_samples_per_s") else ""
@@ -39,7 +40,7 @@ def print_summary(result) -> None:
     print(f"Run directory: {result.run_dir}")
     if result.model_path:
         print(f"Model: {result.model_path} (plain state_dict, loads with strict=True)")
-    files = RunDir(result.run_dir)
+    files = files or RunDir(result.run_dir)
     if files.has(REPORT):
         print(f"Report: {files.store / REPORT} (plots in {PLOTS}/); TensorBoard: tensorboard --logdir {files.store}")
 
