@@ -118,7 +118,12 @@ class Runtime:
         return ray.train.get_checkpoint()
 
     def report(
-        self, metrics: dict[str, Any], step: int, write: Callable[[Path, bool], Save] | None, run_dir: Any
+        self,
+        metrics: dict[str, Any],
+        step: int,
+        write: Callable[[Path, bool], Save] | None,
+        run_dir: Any,
+        asynchronous: bool = True,
     ) -> None:
         """Report metrics from every rank (a barrier); with `write`, a checkpoint of this step.
 
@@ -128,9 +133,12 @@ class Runtime:
         (`raytrain.rundir.publish`): renamed into the run directory, or uploaded with its
         marker last. Rank 0's report hands Ray Train that step as its upload function, so Ray
         registers the checkpoint (and prunes the oldest) only when it is complete. Reports
-        are asynchronous: a metrics report never waits behind an upload. A storage error
+        are asynchronous: a metrics report never waits behind an upload. Not `asynchronous`
+        (--no-checkpoint-async): every rank waits for its files, and rank 0 for the checkpoint to
+        be published, before reporting. A storage error
         names the path and the cause; a failed write never touches the previous checkpoint."""
-        upload_mode = {"checkpoint_upload_mode": CheckpointUploadMode.ASYNC}
+        mode = CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC
+        upload_mode = {"checkpoint_upload_mode": mode}
         if write is None:
             ray.train.report(metrics, checkpoint=None, **(upload_mode if self.distributed else {}))
             return
@@ -140,6 +148,8 @@ class Runtime:
         staging = ckpt.staging_dir(store) / name
         with storage_errors(staging, "write the checkpoint"):
             save = self._pending = write(staging, self.distributed_checkpoints)
+            if not asynchronous:
+                save.wait()
         publish = self._publisher(save, store, name, step)
         if not self.distributed:  # local mode: Ray keeps the checkpoint in memory only
             ray.train.report(metrics, checkpoint=publish())
@@ -199,19 +209,19 @@ class Runtime:
 
         return publish_uploaded
 
-    def finish_checkpoints(self) -> None:
+    def finish_checkpoints(self, timeout_s: float | None = None) -> None:
         """Wait for this rank's checkpoint files being written and published (rank 0: until the
         checkpoint is visible in the run directory), surfacing a write or upload that failed."""
         pending, self._pending = self._pending, None
         upload, self._upload = self._upload, None
         if pending is not None:
             with storage_errors(pending.directory, "write the checkpoint"):
-                pending.wait()
+                pending.wait(timeout_s)
         if upload is not None:
-            upload.wait()
+            upload.wait(timeout_s)
         elif pending is not None and self.is_rank0 and self.distributed:
             # Ray's upload step renames it; wait for that, briefly, so the run's end sees it
-            self._published.wait(PUBLISH_WAIT_S)
+            self._published.wait(min(PUBLISH_WAIT_S, timeout_s or PUBLISH_WAIT_S))
 
 
 def _ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
