@@ -66,6 +66,8 @@ def ray_session():
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
         # Other Rays may run on this host (the job test starts one): name our dashboard.
         "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard_port}",
+        # Runs on the test S3 server pass their keys in the URI: no cloud metadata lookups.
+        "AWS_EC2_METADATA_DISABLED": "true",
     }
     ray.init(
         address="local",
@@ -81,3 +83,24 @@ def ray_session():
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """One moto S3 server for the session (tests/s3_server.py), stopped by its pid at the end.
+    Requests off loopback are kept off: no cloud metadata lookups."""
+    from s3_server import MotoServer, moto_server_binary
+
+    binary = moto_server_binary()
+    if binary is None:
+        pytest.skip("moto_server not installed (pip install -e '.[test]')")
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+    server = MotoServer(binary, tmp_path_factory.mktemp("moto") / "moto.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3):
+    """A new, empty bucket on the session's S3 server."""
+    return s3.new_bucket()

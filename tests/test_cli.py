@@ -129,7 +129,10 @@ FLAG_CASES = [
     (["--collective-timeout-s", "inf"], "--collective-timeout-s: got inf; must be a positive number of seconds"),
     (["--cpus-per-worker", "0"], "--cpus-per-worker: got 0.0; must be a positive number of CPUs, e.g. 1"),
     (["--ddp-bucket-cap-mb", "0"], "--ddp-bucket-cap-mb: got 0.0; must be a positive size in MiB, e.g. 25"),
-    (["--storage", "s3://bucket/runs"], "--storage: got 's3://bucket/runs'; only file system paths are supported"),
+    (
+        ["--storage", "s3:///runs"],
+        "--storage: got 's3:///runs'; give a directory or an object store's URI with its bucket",
+    ),
     (["--storage", ""], "--storage: is empty; give a directory"),
     (
         ["--name", "bad name"],

@@ -198,10 +198,10 @@ def test_positive_integers(name, example, value):
         ({"cpus_per_worker": math.inf}, "cpus_per_worker: got inf; must be a positive number of CPUs"),
         ({"storage": ""}, "storage: is empty; give a directory, e.g. --storage ~/raytrain_results"),
         (
-            {"storage": "s3://bucket/runs"},
-            "storage: got 's3://bucket/runs'; only file system paths are supported (a shared mount",
+            {"storage": "s3:///runs"},
+            "storage: got 's3:///runs'; give a directory or an object store's URI with its bucket, e.g. s3://",
         ),
-        ({"storage": "gs://b"}, "storage: got 'gs://b'; only file system paths are supported"),
+        ({"storage": "gs://"}, "storage: got 'gs://'; give a directory or an object store's URI"),
         ({"ddp": {"bucket_cap_mb": 0}}, "ddp.bucket_cap_mb: got 0; must be a positive size in MiB, e.g. 25"),
         ({"ddp": {"bucket_cap_mb": -5.0}}, "ddp.bucket_cap_mb: got -5.0; must be a positive size in MiB, e.g. 25"),
         ({"ddp": {"bucket_cap_mb": math.nan}}, "ddp.bucket_cap_mb: got nan; must be a positive size in MiB"),
@@ -344,7 +344,7 @@ def test_resume_without_name():
 
 def test_several_value_problems_in_one_error():
     with pytest.raises(ConfigError) as info:
-        TrainConfig(epochs=0, lr=0.0, precision="fp8", workers="3:2", resume=True, storage="s3://x")
+        TrainConfig(epochs=0, lr=0.0, precision="fp8", workers="3:2", resume=True, storage="s3://")
     names = [name for name, _ in info.value.problems]
     assert names == ["epochs", "workers", "lr", "precision", "storage", "resume"]
     text = str(info.value)

@@ -11,6 +11,7 @@ from torch import nn
 
 import raytrain
 from raytrain.errors import DataError
+from raytrain.rundir.storage import Store, is_uri
 
 SPLIT_SEED = 1234
 
@@ -44,7 +45,8 @@ class ParquetArgs:
             problems.append(f"--pipeline-arg hidden: got {self.hidden}; a positive integer")
         if problems:
             raise ValueError("; ".join(problems))
-        self.path = str(Path(self.path).expanduser().absolute())
+        if not is_uri(self.path):  # s3://, gs://… stay URIs
+            self.path = str(Path(self.path).expanduser().absolute())
 
     @property
     def feature_list(self) -> list[str] | None:
@@ -52,14 +54,19 @@ class ParquetArgs:
 
 
 def read(path: str):
+    """The Parquet file or directory at `path` (a local path, or an object store's URI read through
+    raytrain's storage layer: its credentials, endpoint and retries)."""
     import ray.data
 
-    if not Path(path).exists():
+    store = Store.of(path)
+    if not store.exists():
         raise DataError(
-            f"pipeline parquet: {path} does not exist; point --pipeline-arg path at a Parquet file or directory"
+            f"pipeline parquet: {store} does not exist; point --pipeline-arg path at a Parquet file or directory"
         )
     try:
-        return ray.data.read_parquet(path)
+        if store.local:
+            return ray.data.read_parquet(path)
+        return ray.data.read_parquet(store.root, filesystem=store.fs)
     except Exception as exc:  # pyarrow raises several types for unreadable files
         raise DataError(f"pipeline parquet: cannot read {path}: {str(exc).splitlines()[0][:300]}") from None
 
@@ -116,11 +123,16 @@ def label_max(path: str, label: str, dataset) -> int:
     a full aggregation only when some file has none."""
     import pyarrow.parquet as pq
 
-    files = sorted(Path(path).rglob("*.parquet")) if Path(path).is_dir() else [Path(path)]
+    store = Store.of(path)
+    if store.is_file(""):
+        files = [store.root]
+    else:
+        files = [store.fs_path(name) for name in store.list(recursive=True) if name.endswith(".parquet")]
     best = None
     try:
         for file in files:
-            metadata = pq.ParquetFile(file).metadata
+            with store.fs.open_input_file(file) as handle:  # the footer only (a ranged read on a store)
+                metadata = pq.ParquetFile(handle).metadata
             column = metadata.schema.names.index(label)
             for group in range(metadata.num_row_groups):
                 stats = metadata.row_group(group).column(column).statistics

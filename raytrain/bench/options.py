@@ -11,6 +11,7 @@ from raytrain.config import DEFAULT_STORAGE, TrainConfig
 from raytrain.errors import ConfigError
 from raytrain.rules import costmodel
 from raytrain.rules.batch import BatchPlan
+from raytrain.rundir.storage import is_uri
 
 TEMPLATE_MODULE = "raytrain.baselines.classic_ddp"
 BASELINES = ("torchrun", "plain")
@@ -86,7 +87,8 @@ class BenchOptions:
         if problems:
             raise ConfigError(problems)
         self.workers = sorted({1, *self.workers})
-        self.storage = os.path.abspath(os.path.expanduser(self.storage.removeprefix("file://")))
+        if not is_uri(self.storage):  # an object store's URI stays one
+            self.storage = os.path.abspath(os.path.expanduser(self.storage.removeprefix("file://")))
 
 
 def worker_counts(text: str, option: str = "workers") -> list[int]:

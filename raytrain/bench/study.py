@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -16,7 +18,7 @@ from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
 from raytrain.observe.render import plural
 from raytrain.rules.batch import resolve_batch_plan
-from raytrain.rundir import PROGRESS, RunDir
+from raytrain.rundir import PROGRESS, RunDir, Store
 
 # -- the study -------------------------------------------------------------------------
 
@@ -30,15 +32,33 @@ def run_bench(
     alternate raytrain-first and baselines-first; each figure is the round picked by
     `opts.statistic` (a loaded machine slows single runs by several times).
     """
-    from raytrain.driver.session import ray_session
     from raytrain.pipeline import load_pipeline
 
     pipe = load_pipeline(pipeline)
     name = opts.name or f"bench-{pipeline.split(':')[-1].split('.')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out = Path(opts.storage) / name
-    if (out / "bench.json").exists():
-        raise ConfigError([("name", f"bench {name!r} already exists in {opts.storage}; choose another --name")])
-    base_cfg = bench_config(train_values, opts, workers=max(opts.workers), epochs=1, storage=out / "runs", name="probe")
+    where = Store.of(opts.storage) / name
+    if where.exists("bench.json"):
+        raise ConfigError([("name", f"bench {name!r} already exists in {where.parent}; choose another --name")])
+    # The study's own files are written here (on an object store: locally, then uploaded); the
+    # raytrain runs go to STORAGE/NAME/runs either way.
+    out = where.path if where.local else Path(tempfile.mkdtemp(prefix="raytrain-bench-"))
+    try:
+        report = _study(pipe, pipeline, name, train_values, opts, where, out, echo)
+        if not where.local:
+            for filename in ("bench.json", "bench.md", "scaling.png"):
+                where.upload(out / filename, filename)
+    finally:
+        if not where.local:
+            shutil.rmtree(out, ignore_errors=True)
+    echo(f"Wrote {where}/bench.json, bench.md and scaling.png")
+    return report
+
+
+def _study(pipe, pipeline: str, name: str, train_values, opts: BenchOptions, where, out: Path, echo) -> dict[str, Any]:
+    from raytrain.driver.session import ray_session
+
+    runs_storage = out / "runs" if where.local else (where / "runs").uri
+    base_cfg = bench_config(train_values, opts, workers=max(opts.workers), epochs=1, storage=runs_storage, name="probe")
     grad_bytes, params = gradient_bytes(pipe, base_cfg)
     started = time.time()
     measured: dict[str, dict[int, list[dict[str, Any]]]] = {"raytrain": {}, **{b: {} for b in opts.baselines}}
@@ -66,7 +86,7 @@ def run_bench(
         with ray_session(base_cfg):
             if not planned:
                 num_rows = prepare_data(pipe, base_cfg, out if opts.baselines else None, verbose=base_cfg.verbose)
-                planned = plan_runs(train_values, opts, out, num_rows)
+                planned = plan_runs(train_values, opts, out, num_rows, runs_storage)
             while blocks and blocks[0][0] == "raytrain":
                 tag = blocks.pop(0)[1]
                 for run in planned:
@@ -106,14 +126,16 @@ def run_bench(
     }
     write_bench_files(out, report)
     echo(render_text(report))
-    echo(f"Wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'scaling.png'}")
     return report
 
 
-def plan_runs(train_values: dict[str, Any], opts: BenchOptions, out: Path, num_rows: int) -> list[PlannedRun]:
+def plan_runs(
+    train_values: dict[str, Any], opts: BenchOptions, out: Path, num_rows: int, runs_storage: Any = None
+) -> list[PlannedRun]:
+    runs_storage = runs_storage or out / "runs"
     planned = []
     for n in opts.workers:
-        probe = bench_config(train_values, opts, workers=n, epochs=1, storage=out / "runs", name=f"w{n}")
+        probe = bench_config(train_values, opts, workers=n, epochs=1, storage=runs_storage, name=f"w{n}")
         plan = resolve_batch_plan(
             n, global_batch_size=probe.global_batch_size, batch_size_per_worker=probe.batch_size_per_worker
         )
@@ -121,7 +143,7 @@ def plan_runs(train_values: dict[str, Any], opts: BenchOptions, out: Path, num_r
             epochs = epochs_for(num_rows, plan.global_batch_size, opts.warmup_steps, opts.steps)
         except ValueError as exc:
             raise ConfigError([("steps", str(exc))]) from None
-        cfg = bench_config(train_values, opts, workers=n, epochs=epochs, storage=out / "runs", name=f"w{n}")
+        cfg = bench_config(train_values, opts, workers=n, epochs=epochs, storage=runs_storage, name=f"w{n}")
         steady = epochs * steady_steps_per_epoch(num_rows, plan.global_batch_size, opts.warmup_steps)
         planned.append(
             PlannedRun(workers=n, cfg=cfg, batch=plan, epochs=epochs, steady_steps=steady, num_rows=num_rows, out=out)
@@ -130,7 +152,7 @@ def plan_runs(train_values: dict[str, Any], opts: BenchOptions, out: Path, num_r
 
 
 def bench_config(
-    train_values: dict[str, Any], opts: BenchOptions, *, workers: int, epochs: int, storage: Path, name: str
+    train_values: dict[str, Any], opts: BenchOptions, *, workers: int, epochs: int, storage: "Path | str", name: str
 ) -> TrainConfig:
     values = {k: v for k, v in train_values.items() if k not in BENCH_OWNED}
     values.update(workers=workers, epochs=epochs, storage=str(storage), name=name, max_failures=0, time_phases=True)

@@ -5,13 +5,13 @@ exit status."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from raytrain import fields
 from raytrain.cli.options import check_pipeline_args, read_run_options, resumed_options
 from raytrain.config import TrainConfig, merge_layers
 from raytrain.observe.render import plural
+from raytrain.rundir import RunDir, Store
 from raytrain.rundir.records import PLOTS, REPORT
 
 
@@ -27,11 +27,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig.from_dict(values)
     check_pipeline_args(load_pipeline(spec), cfg)
     result = fit(spec, cfg, echo=lambda line: print(line, flush=True), progress=True)
-    print_summary(result)
+    # The run's files through the storage as given (its credentials, if the URI holds them).
+    print_summary(result, RunDir(Store.of(cfg.storage) / Store.of(result.run_dir).name))
     return 0
 
 
-def print_summary(result) -> None:
+def print_summary(result, files: "RunDir | None" = None) -> None:
     s = result.summary
     metrics = "  ".join(f"{k} {v:.4f}" for k, v in s["final_metrics"].items() if isinstance(v, (int, float)))
     steady = f", {s['steady_samples_per_s']:,.0f} samples/s steady" if s.get("steady_samples_per_s") else ""
@@ -39,19 +40,17 @@ def print_summary(result) -> None:
     print(f"Run directory: {result.run_dir}")
     if result.model_path:
         print(f"Model: {result.model_path} (plain state_dict, loads with strict=True)")
-    report = Path(result.run_dir) / REPORT
-    if report.exists():
-        print(f"Report: {report} (plots in {PLOTS}/); TensorBoard: tensorboard --logdir {result.run_dir}")
+    files = files or RunDir(result.run_dir)
+    if files.has(REPORT):
+        print(f"Report: {files.store / REPORT} (plots in {PLOTS}/); TensorBoard: tensorboard --logdir {files.store}")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from raytrain.observe.report import write_report
 
     path = write_report(args.run_dir)
-    plots = sorted((path.parent / PLOTS).glob("*.png"))
-    print(
-        f"Wrote {path} and {plural(len(plots), 'plot')}: {', '.join(p.name for p in plots) or 'none (no metrics yet)'}"
-    )
+    plots = [name for name in RunDir(args.run_dir).store.list(PLOTS) if name.endswith(".png")]
+    print(f"Wrote {path} and {plural(len(plots), 'plot')}: {', '.join(plots) or 'none (no metrics yet)'}")
     return 0
 
 
@@ -101,9 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     spec, file_values, flags = read_run_options(args, exclude={*own, "predict"}, example="digits --workers 1,2")
     args.spell = None  # bench names every option as a flag
     values = merge_layers(load_pipeline(spec).default_config, file_values, flags)
-    bench_config(
-        values, opts, workers=max(opts.workers), epochs=1, storage=Path(opts.storage), name="check"
-    )  # validate before starting
+    bench_config(values, opts, workers=max(opts.workers), epochs=1, storage=opts.storage, name="check")  # validated
     run_bench(spec, values, opts, echo=lambda line: print(line, flush=True))
     return 0
 

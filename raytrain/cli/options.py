@@ -97,12 +97,12 @@ def resumed_options(spec: str | None, file_values: dict[str, Any], flags: dict[s
     from raytrain.config import DEFAULT_STORAGE, merge_layers
     from raytrain.errors import ConfigError
     from raytrain.rules import resume
-    from raytrain.rundir import RunDir
+    from raytrain.rundir import RunDir, Store
 
     name = flags.get("name") or file_values.get("name")
     problems = resume.config_problems(True, name)
     if problems:
         raise ConfigError(problems)
     storage = flags.get("storage") or file_values.get("storage") or DEFAULT_STORAGE
-    stored = RunDir(Path(storage) / name).stored_run()
+    stored = RunDir(Store.of(storage) / name).stored_run()
     return resume.resumed_pipeline(stored, spec), merge_layers(stored.config, file_values, flags)

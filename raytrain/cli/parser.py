@@ -36,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_tune_parser(commands)
 
     export = commands.add_parser("export", help="write a plain state_dict from a run or checkpoint")
-    export.add_argument("source", metavar="RUN_DIR|CKPT", help="a run directory, a checkpoint directory or a .pt file")
+    export.add_argument(
+        "source",
+        metavar="RUN_DIR|CKPT",
+        help="a run directory, a checkpoint directory or a .pt file (a path or a URI: s3://..., gs://...)",
+    )
     export.add_argument("-o", "--output", required=True, metavar="F.pt", help="where to write the state_dict")
     export.add_argument(
         "--pipeline",
@@ -70,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = commands.add_parser("doctor", help="check what the cluster has and whether a run will work")
     doctor.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
-    doctor.add_argument("--storage", help="storage path runs will use (default ~/raytrain_results)")
+    doctor.add_argument(
+        "--storage", help="storage runs will use: a path (default ~/raytrain_results) or a URI (s3://BUCKET/PREFIX)"
+    )
     doctor.set_defaults(handler=handlers.cmd_doctor)
 
     report = commands.add_parser(
@@ -78,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plots and a Markdown summary of a run",
         description="Write RUN_DIR/report.md and RUN_DIR/plots/*.png from the run files.",
     )
-    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (STORAGE/NAME)")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (STORAGE/NAME; a path or a URI)")
     report.set_defaults(handler=handlers.cmd_report)
 
     add_bench_parser(commands)

@@ -204,11 +204,11 @@ def _check_run(c: Any) -> Iterable[tuple[str, str]]:
         yield "cpus_per_worker", f"got {c.cpus_per_worker}; must be a positive number of CPUs, e.g. 1"
     if not c.storage:
         yield "storage", "is empty; give a directory, e.g. --storage ~/raytrain_results"
-    elif "://" in c.storage and not c.storage.startswith("file://"):
+    elif "://" in c.storage and not _URI_RE.match(c.storage):
         yield (
             "storage",
-            f"got {c.storage!r}; only file system paths are supported (a shared mount such as NFS/EFS on multi-node "
-            "clusters)",
+            f"got {c.storage!r}; give a directory or an object store's URI with its bucket, e.g. "
+            "s3://my-bucket/raytrain or gs://my-bucket/raytrain",
         )
     if c.name is not None and not _NAME_RE.match(c.name):
         yield "name", f"got {c.name!r}; use letters, digits, '.', '_' and '-' only, e.g. --name digits-lr3e-3"
@@ -217,6 +217,9 @@ def _check_run(c: Any) -> Iterable[tuple[str, str]]:
         yield "progress_interval_s", f"got {c.progress_interval_s}; must be a positive number of seconds, e.g. 10"
     if not 0 < c.ddp.bucket_cap_mb < math.inf:
         yield "ddp.bucket_cap_mb", f"got {c.ddp.bucket_cap_mb}; must be a positive size in MiB, e.g. 25"
+
+
+_URI_RE = re.compile(r"^(file://.*|[a-z][a-z0-9+.-]*://[^/?#]+(/[^?#]*)?(\?.*)?)$")
 
 
 def _check_milestones(c: Any) -> Iterable[tuple[str, str]]:

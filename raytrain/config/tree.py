@@ -142,7 +142,8 @@ class TrainConfig:
     log_every_steps: int = 10
     """Write a metrics.jsonl row every this many optimizer steps (and at every epoch end)."""
     storage: str = DEFAULT_STORAGE
-    """Where runs are written: STORAGE/NAME/. Must be shared by all nodes of a multi-node cluster."""
+    """Where runs are written: STORAGE/NAME/. A directory shared by all nodes of a multi-node cluster,
+    or an object store's URI (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, any URI pyarrow.fs resolves)."""
     name: str | None = None
     """Run name; default PIPELINE-YYYYmmdd-HHMMSS."""
     resume: bool = field(default=False, metadata={"switch": True})
@@ -207,7 +208,9 @@ class TrainConfig:
         problems = problems_of(self)
         if problems:
             raise ConfigError(problems)
-        if self.storage:
+        if self.storage and "://" in self.storage and not self.storage.startswith("file://"):
+            self.storage = self.storage.rstrip("/")  # an object store's URI (raytrain.rundir.storage)
+        elif self.storage:
             self.storage = self.storage.removeprefix("file://")
             self.storage = os.path.abspath(os.path.expanduser(self.storage))
 

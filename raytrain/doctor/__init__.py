@@ -190,7 +190,15 @@ def assess(nodes: list[dict], probes: dict[str, dict[str, Any]], state: StorageS
                     f"{facts.get('cuda')}, "
                     "or no driver); check nvidia-smi on that node and install a torch build matching its driver"
                 )
-        if multi_node and state.marker and "sees_marker" in facts:
+        if state.remote and state.marker and "sees_marker" in facts:
+            if not facts["sees_marker"] or not facts.get("storage_writable", True):
+                report.problems.append(
+                    f"storage {state.path} cannot be used from node {name} ({facts.get('hostname', '?')}): "
+                    f"{facts.get('storage_error') or 'the marker written here reads back different'}; give every node "
+                    "credentials for the bucket (an instance role, or the AWS variables in the environment Ray starts "
+                    "with) and a route to its endpoint"
+                )
+        elif multi_node and state.marker and "sees_marker" in facts:
             if not facts["sees_marker"]:
                 report.problems.append(
                     f"storage {state.path} is not shared: node {name} ({facts.get('hostname', '?')}) does not see "
@@ -212,7 +220,10 @@ def assess(nodes: list[dict], probes: dict[str, dict[str, Any]], state: StorageS
         )
 
     # The storage as seen from here (the driver writes config.yaml, summary.json, model.pt).
-    if not state.exists:
+    if state.remote:
+        if not state.writable:
+            report.problems.append(state.error)
+    elif not state.exists:
         if state.explicit:
             report.problems.append(
                 f"storage path {state.path} does not exist; create it (mkdir -p {state.path}) or pass another --storage"

@@ -64,7 +64,31 @@ def _make_probe() -> Callable[..., dict[str, Any]]:
             facts["raytrain"] = raytrain.__version__
         except Exception as exc:  # noqa: BLE001
             facts["raytrain_error"] = f"{type(exc).__name__}: {exc}"
-        if marker:
+        if marker and "://" in storage:  # an object store: the same checks through pyarrow
+            try:
+                import pyarrow.fs as pafs
+
+                fs, base = pafs.FileSystem.from_uri(storage)
+                with fs.open_input_stream(f"{base}/{marker}") as handle:
+                    facts["sees_marker"] = handle.readall().decode() == token
+            except Exception as exc:  # noqa: BLE001 - the node's problem, reported
+                facts["sees_marker"] = False
+                facts["storage_error"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                return facts
+            try:
+                scratch = f"{base}/.raytrain-doctor-{uuid.uuid4().hex}"
+                with fs.open_output_stream(scratch) as out:
+                    out.write(b"raytrain")
+                with fs.open_input_stream(scratch) as handle:
+                    echoed = handle.readall()
+                fs.delete_file(scratch)
+                facts["storage_writable"] = echoed == b"raytrain"
+                if echoed != b"raytrain":
+                    facts["storage_error"] = "an object written reads back different (unsigned requests?)"
+            except Exception as exc:  # noqa: BLE001
+                facts["storage_writable"] = False
+                facts["storage_error"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        elif marker:
             try:
                 with open(os.path.join(storage, marker)) as handle:
                     facts["sees_marker"] = handle.read() == token
@@ -93,7 +117,9 @@ def probe_nodes(nodes: list[dict], state: StorageState, timeout_s: float) -> dic
     refs = {}
     for node in nodes:
         strategy = NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)
-        refs[node["NodeID"]] = task.options(scheduling_strategy=strategy).remote(state.path, state.marker, state.token)
+        refs[node["NodeID"]] = task.options(scheduling_strategy=strategy).remote(
+            state.uri or state.path, state.marker, state.token
+        )
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     results = {}
     for node_id, ref in refs.items():

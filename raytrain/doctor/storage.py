@@ -1,5 +1,7 @@
 """The storage a run would use, as the driver finds it: exists, a directory, writable, its file
-system type (shared by several machines or not), and a marker file the nodes read back."""
+system type (shared by several machines or not), and a marker file the nodes read back. An
+object store's URI is checked as a run checks it (credentials, the bucket, a write, read and
+delete round trip: `raytrain.rundir.storage`), and the marker is an object there."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from raytrain.config import DEFAULT_STORAGE
+from raytrain.errors import StorageError
+from raytrain.rundir.storage import Store, is_uri
 
 # File system types that can be shared by several machines (/proc/mounts' names).
 NETWORK_FS = frozenset(
@@ -31,6 +35,8 @@ class StorageState:
     marker: str = ""  # name of the file written here for the nodes to read back
     token: str = ""  # its content
     fs_type: str = ""
+    remote: bool = False  # an object store's URI (path is then the URI, without credentials)
+    uri: str = ""  # what the nodes open (the URI as given)
 
 
 # -- storage -------------------------------------------------------------------------------
@@ -39,8 +45,10 @@ class StorageState:
 def inspect_storage(storage: str | None) -> StorageState:
     """Check the path from this process; when it is a writable directory, leave a marker file
     in it for the nodes to read back (removed by `remove_marker`)."""
+    if storage and is_uri(storage):
+        return _inspect_store(Store.of(storage))
     path = Path(os.path.expanduser(storage or DEFAULT_STORAGE)).absolute()
-    state = StorageState(path=str(path), explicit=bool(storage))
+    state = StorageState(path=str(path), explicit=bool(storage), uri=str(path))
     state.exists = path.exists()
     state.is_dir = path.is_dir()
     state.fs_type = _fs_type(path)
@@ -55,10 +63,28 @@ def inspect_storage(storage: str | None) -> StorageState:
     return state
 
 
+def _inspect_store(store: Store) -> StorageState:
+    state = StorageState(path=store.public_uri, explicit=True, remote=True, uri=store.uri)
+    try:
+        store.check()
+        marker = f".raytrain-doctor-{uuid.uuid4().hex}"
+        token = f"{socket.gethostname()} {marker}"
+        store.write_text(marker, token)
+    except StorageError as exc:
+        state.error = str(exc)
+        return state
+    state.exists = state.is_dir = state.writable = True
+    state.marker, state.token, state.fs_type = marker, token, f"object store ({store.scheme})"
+    return state
+
+
 def remove_marker(state: StorageState) -> None:
     if state.marker:
         try:
-            (Path(state.path) / state.marker).unlink()
+            if state.remote:
+                Store.of(state.uri).delete(state.marker)
+            else:
+                (Path(state.path) / state.marker).unlink()
         except OSError:
             pass
         state.marker = ""
@@ -83,6 +109,11 @@ def _fs_type(path: Path) -> str:
 
 def describe_storage(state: StorageState, multi_node: bool) -> str:
     fs = f", {state.fs_type}" if state.fs_type else ""
+    if state.remote:
+        if not state.writable:
+            return f"Storage: {state.path} (cannot be used: {state.error})"
+        checked = "; written, read and deleted from every node" if state.marker else ""
+        return f"Storage: {state.path} (credentials, bucket and a write, read and delete checked here{fs}{checked})"
     if not state.exists:
         return f"Storage: {state.path} (does not exist{fs})"
     if not state.is_dir:

@@ -14,9 +14,7 @@ import contextlib
 import os
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 # Seconds the workers get to checkpoint and stop on their own before the run is aborted.
@@ -35,12 +33,14 @@ def set_controller(controller: Any) -> None:
 class Interrupted(Exception):
     """The run was stopped by a signal; it is resumable."""
 
-    def __init__(self, signum: int, run_dir: Path, cfg: Any = None, spec: str | None = None):
-        self.signum, self.run_dir = signum, run_dir
+    def __init__(self, signum: int, run_dir: Any, cfg: Any = None, spec: str | None = None):
+        from raytrain.rundir import Store
+
+        self.signum, self.run_dir = signum, Store.of(run_dir)
         name = signal.Signals(signum).name
         again = (
-            f"raytrain train {spec or 'PIPELINE'} --name {run_dir.name}"
-            + (f" --storage {run_dir.parent}" if cfg is not None else "")
+            f"raytrain train {spec or 'PIPELINE'} --name {self.run_dir.name}"
+            + (f" --storage {self.run_dir.parent.public_uri}" if cfg is not None else "")
             + " --resume"
         )
         super().__init__(f"stopped by {name}; the run is resumable from its last checkpoint: {again}")
@@ -52,7 +52,7 @@ class Interrupted(Exception):
 
 @dataclass
 class StopRequest:
-    run_dir: Path
+    run_dir: Any  # the run's Store (or path)
     echo: Callable[[str], None]
     signal: int = 0  # the first signal received (0: none)
     count: int = 0
@@ -65,7 +65,7 @@ class StopRequest:
             from raytrain import rundir
 
             with contextlib.suppress(Exception):
-                rundir.write_atomic(self.run_dir / rundir.STOP_FILE, str(time.time()))
+                rundir.RunDir(self.run_dir).request_stop()
             self.echo(
                 f"raytrain: {signal.Signals(signum).name}: stopping — the workers save a checkpoint at their next sync "
                 f"(within {STOP_GRACE_S:.0f} s, else the run is aborted); press Ctrl-C again to stop at once"
@@ -92,10 +92,10 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def stop_on_signals(run_dir: Path, echo: Callable[[str], None]) -> Iterator[StopRequest]:
+def stop_on_signals(run_dir: Any, echo: Callable[[str], None]) -> Iterator[StopRequest]:
     """Handle SIGINT and SIGTERM as above while the block runs (main thread only; elsewhere,
     as in a Tune trial, signals are left to the caller)."""
-    request = StopRequest(Path(run_dir), echo)
+    request = StopRequest(run_dir, echo)
     if threading.current_thread() is not threading.main_thread():
         yield request
         return

@@ -10,7 +10,6 @@ workers a typed payload (`raytrain.worker.loop.WorkerPayload`).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Sequence
 
 from raytrain.config import TrainConfig
@@ -52,10 +51,21 @@ def apply_train_timers(cfg: TrainConfig) -> None:
             _TIMERS_SET_HERE.add(key)
 
 
+def storage_of(run_dir) -> dict[str, Any]:
+    """RunConfig's storage options for the run directory `run_dir` (a Store)."""
+    if run_dir.local:
+        return {"storage_path": str(run_dir.parent)}
+    return {"storage_path": run_dir.parent.root, "storage_filesystem": run_dir.fs}
+
+
+def _passed_on(*names: str) -> dict[str, str]:
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
 def build_torch_trainer(
     pipe: Pipeline,
     cfg: TrainConfig,
-    run_dir: Path,
+    run_dir: Any,
     sources: dict[str, Source],
     use_gpu: bool,
     callbacks: Sequence[Any] = (),
@@ -67,6 +77,7 @@ def build_torch_trainer(
 
     from raytrain.driver.failfast import FailFastTrainer
     from raytrain.errors import summarize_on_raise
+    from raytrain.rundir.storage import RETRY_ENV, Store
     from raytrain.worker.loop import PAYLOAD, WorkerPayload, train_loop_per_worker
     from raytrain.worker.replicas import torchft_config
 
@@ -80,7 +91,7 @@ def build_torch_trainer(
         torch_config = TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s))
     return FailFastTrainer(
         summarize_on_raise(train_loop_per_worker),
-        train_loop_config={PAYLOAD: WorkerPayload(cfg, pipe, str(run_dir), sources)},
+        train_loop_config={PAYLOAD: WorkerPayload(cfg, pipe, Store.of(run_dir), sources)},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources, **elastic),
         torch_config=torch_config,
         # No `datasets=`: Ray's equal split drops tail rows and keeps no position. The
@@ -88,13 +99,16 @@ def build_torch_trainer(
         # reads its own units of a stream.
         run_config=RunConfig(
             name=cfg.name,
-            storage_path=cfg.storage,
+            # On an object store Ray Train gets the file system object the driver built (its
+            # snapshot and its pruning of old checkpoints go through it): Ray wants the
+            # bucket/prefix path beside it, not the URI.
+            **storage_of(Store.of(run_dir)),
             # Node preemptions have their own, unlimited budget: losing a spot node does
             # not use up --max-failures, which is kept for real errors.
             failure_config=FailureConfig(max_failures=cfg.max_failures, max_preemption_failures=-1),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
             logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "ERROR"),
-            worker_runtime_env={"env_vars": dict(WORKER_ENV)},
+            worker_runtime_env={"env_vars": {**WORKER_ENV, **_passed_on(RETRY_ENV)}},
             callbacks=list(callbacks),
         ),
     )

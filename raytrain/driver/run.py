@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from raytrain.config import TrainConfig
@@ -25,7 +24,7 @@ from raytrain.errors import ConfigError, RunFailed, find_user_error, pipeline_co
 from raytrain.observe.tracking import RunTracker
 from raytrain.pipeline import Pipeline, load_pipeline
 from raytrain.rules import batch, resume
-from raytrain.rundir import CONFIG, RunDir, StoredRun, claimed, strict, write_yaml
+from raytrain.rundir import RunDir, Store, StoredRun, claimed, strict
 from raytrain.rundir.checkpoints import model_shapes
 from raytrain.worker.strategy import check_compiler
 
@@ -70,7 +69,7 @@ def fit(
     embedded = will_embed_ray(cfg)
     if embedded:
         check_embedded_capacity(cfg, echo=echo)  # before anything is written or started
-    with claimed(Path(cfg.storage) / cfg.name, cfg.storage) as run_dir:
+    with claimed(Store.of(cfg.storage) / cfg.name, cfg.storage) as run_dir:
         stored = check_run_dir(run_dir, cfg, spec)
         tracker = RunTracker(cfg, run_dir, spec, echo=echo, progress=progress)
         with ray_session(cfg), interrupts.stop_on_signals(run_dir, echo) as stop:
@@ -80,7 +79,7 @@ def fit(
             sources = prepare_datasets(build_datasets(pipe, cfg), cfg, echo)
             if stored is not None:
                 check_resume(pipe, cfg, stored, sources, echo)
-            write_yaml(run_dir / CONFIG, {**cfg.to_dict(), "pipeline": spec, "gpu": use_gpu})
+            RunDir(run_dir).write_config({**cfg.to_dict(), "pipeline": spec, "gpu": use_gpu})
             trainer = build_torch_trainer(pipe, cfg, run_dir, sources, use_gpu, callbacks=callbacks)
             echo(
                 f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
@@ -106,7 +105,7 @@ def fit(
     return FitResult(
         metrics=summary.final_metrics,
         checkpoint_path=summary.best_checkpoint,
-        run_dir=str(run_dir),
+        run_dir=run_dir.public_uri,
         summary=strict(summary.to_json()),
         model_path=summary.model_path,
     )
@@ -127,7 +126,7 @@ def resolve_config(pipe: Pipeline, cfg: TrainConfig, pipeline_name: str) -> Trai
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
-def check_run_dir(run_dir: Path, cfg: TrainConfig, spec: str) -> StoredRun | None:
+def check_run_dir(run_dir: Store, cfg: TrainConfig, spec: str) -> StoredRun | None:
     """A new run needs a new name; a resume needs the run, and options it can honour
     (`raytrain.rules.resume`). Returns what the run directory holds, for a resume."""
     problems = resume.run_dir_problems(cfg.name, str(run_dir.parent), cfg.resume, RunDir(run_dir).has_run())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from pathlib import Path
 from typing import Any
 
 from raytrain.config import TrainConfig
@@ -13,10 +12,11 @@ from raytrain.errors import StorageError, explain_worker_errors, find_user_error
 from raytrain.observe.render import first_line
 from raytrain.rundir import MODEL, RunDir, Summary
 from raytrain.rundir.checkpoints import checkpoint_dirs
+from raytrain.rundir.storage import Store
 
 
 def write_summary(
-    run_dir: Path,
+    run_dir: Any,
     cfg: TrainConfig,
     result: Any,
     error: Exception | None,
@@ -37,7 +37,7 @@ def write_summary(
     fault = find_user_error(error)
     if status is None:
         status = _status(error, fault, interrupted)
-    model_path = run_dir / MODEL
+    has_model = files.has(MODEL)
     at = progress or last
     summary = Summary(
         status=status,
@@ -52,7 +52,7 @@ def write_summary(
         failures_recovered=sum(event.recovers_a_failure for event in files.events(since=started - 1)),
         final_metrics={"loss": last.loss, **last.validation} if last else {},
         best_checkpoint=_best_checkpoint(result, run_dir),
-        model_path=str(model_path) if model_path.exists() and status == "finished" else None,
+        model_path=(files.store / MODEL).public_uri if has_model and status == "finished" else None,
         error=None if error is None else first_line(str(fault if fault is not None else error)) or type(error).__name__,
     )
     if progress is not None and progress.get("checkpoints"):
@@ -75,19 +75,21 @@ def _status(error: Exception | None, fault: Exception | None, interrupted: int) 
     return "failed" if error is not None else "finished"
 
 
-def _best_checkpoint(result: Any, run_dir: Path) -> str | None:
+def _best_checkpoint(result: Any, run_dir: Any) -> str | None:
+    """A path, or on an object store the checkpoint's URI."""
+    store = Store.of(run_dir)
     if result is not None:
+        best = None
         with contextlib.suppress(Exception):
             best = result.get_best_checkpoint(metric="val_loss", mode="min")
-            if best is not None:
-                return best.path
-        if result.checkpoint is not None:
-            return result.checkpoint.path
-    found = checkpoint_dirs(run_dir)
-    return str(found[-1]) if found else None
+        best = best or result.checkpoint
+        if best is not None:
+            return best.path if store.local else (store / best.path.rstrip("/").rsplit("/", 1)[-1]).public_uri
+    found = checkpoint_dirs(store)
+    return (str(found[-1]) if store.local else found[-1].public_uri) if found else None
 
 
-def explain_failure(error: Exception, run_dir: Path, ray_logs: str | None = None) -> str:
+def explain_failure(error: Exception, run_dir: Any, ray_logs: str | None = None) -> str:
     """Which rank failed with which exception, where in the user's code, then where the logs are."""
     lines = explain_worker_errors(error)
     logs = ray_logs or "/tmp/ray/session_latest/logs"

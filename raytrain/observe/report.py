@@ -16,6 +16,7 @@ Plots use matplotlib's Agg canvas directly (no pyplot, no display, no global sta
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 
 from raytrain.errors import UserError
 from raytrain.observe.render import figure, is_number, markdown_table, plural
-from raytrain.rundir import PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Summary
+from raytrain.rundir import PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Store, Summary
 
 
 class ReportError(UserError, ValueError):
@@ -34,7 +35,7 @@ class ReportError(UserError, ValueError):
 class RunRecord:
     """What the run files say."""
 
-    run_dir: Path
+    run_dir: Store
     rows: list[MetricsRow]
     events: list[Event]
     summary: Summary | None = None
@@ -64,11 +65,12 @@ class RunRecord:
         return min(times) if times else None
 
 
-def load_run(run_dir: str | Path) -> RunRecord:
-    run_dir = Path(run_dir).expanduser()
-    if not run_dir.is_dir():
+def load_run(run_dir: "str | Path | Store") -> RunRecord:
+    run_dir = Store.of(run_dir)
+    if run_dir.local and not run_dir.path.is_dir():
         raise ReportError(
-            f"{run_dir} is not a directory; give a run directory (STORAGE/NAME, e.g. ~/raytrain_results/digits-...)"
+            f"{run_dir} is not a directory; give a run directory (STORAGE/NAME, e.g. ~/raytrain_results/digits-... "
+            "or s3://BUCKET/PREFIX/NAME)"
         )
     files = RunDir(run_dir)
     if not files.exists():
@@ -80,13 +82,21 @@ def load_run(run_dir: str | Path) -> RunRecord:
     )
 
 
-def write_report(run_dir: str | Path) -> Path:
-    """Write plots/ and report.md into `run_dir`; returns the report's path."""
+def write_report(run_dir: "str | Path | Store") -> "Path | Store":
+    """Write plots/ and report.md into `run_dir`; returns the report's path (on an object store:
+    its Store, the plots drawn on this machine and uploaded)."""
     run = load_run(run_dir)
-    plots = write_plots(run, run.run_dir / PLOTS)
-    path = run.run_dir / REPORT
-    path.write_text(render_markdown(run, plots))
-    return path
+    store = run.run_dir
+    if store.local:
+        plots = write_plots(run, store.path / PLOTS)
+        store.write_text(REPORT, render_markdown(run, plots))
+        return store.path / REPORT
+    with tempfile.TemporaryDirectory(prefix="raytrain-report-") as drawn:
+        plots = write_plots(run, Path(drawn))
+        for path in plots.values():
+            store.upload(path, f"{PLOTS}/{path.name}")
+    store.write_text(REPORT, render_markdown(run, plots))
+    return store / REPORT
 
 
 # -- plots -----------------------------------------------------------------------------------
@@ -284,7 +294,7 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
     if plots:
         lines += ["## Plots", ""]
         for key, path in plots.items():
-            lines += [f"![{key}]({path.relative_to(run.run_dir).as_posix()})", ""]
+            lines += [f"![{key}]({PLOTS}/{path.name})", ""]
     if cfg:
         lines += [
             "## Configuration",

@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from raytrain.observe.render import first_line
-from raytrain.rundir import EVENTS, LIVE, METRICS, Event, MetricsRow, Summary, Tail
+from raytrain.rundir import EVENTS, LIVE, METRICS, Event, MetricsRow, RunDir, Store, Summary
+
+# The driver polls an object store's run files at most this often.
+REMOTE_POLL_S = 1.0
 
 
 class Sink:
@@ -75,11 +78,15 @@ def record_time(record: Any) -> float:
 
 @contextlib.contextmanager
 def follow(
-    run_dir: Path, dispatcher: Dispatcher, since: float, interval_s: float = 0.5
+    run_dir: "Path | Store", dispatcher: Dispatcher, since: float, interval_s: float = 0.5
 ) -> Iterator[Callable[[], None]]:
     """Follow the run files in a background thread while the body runs; each poll sends the
-    new records of all files to the sinks in time order, then `tick`. Yields `pump` (one poll)."""
-    tails = {name: Tail(Path(run_dir) / name) for name in _FOLLOWED}
+    new records of all files to the sinks in time order, then `tick`. Yields `pump` (one poll).
+    On an object store a poll is a size check per file and a ranged read of what is new; a
+    store that does not answer skips the poll (the next one catches up)."""
+    files = RunDir(run_dir)
+    interval_s = interval_s if files.store.local else max(interval_s, REMOTE_POLL_S)
+    tails = {name: files.tail(name) for name in _FOLLOWED}
     lock = threading.Lock()
 
     def pump() -> None:
@@ -87,7 +94,11 @@ def follow(
             batch = []
             for order, (name, tail) in enumerate(tails.items()):
                 method, parse = _FOLLOWED[name]
-                for line in tail.read():
+                try:
+                    lines = tail.read()
+                except OSError:  # the store is away: the run's own writes will say so if it lasts
+                    continue
+                for line in lines:
                     with contextlib.suppress(TypeError):  # a line without a record's keys
                         record = parse(line)
                         # events.jsonl outlives a driver: older lines belong to an earlier session.

@@ -16,12 +16,29 @@ from typing import Any, Callable
 
 from raytrain.observe.render import markdown_table
 from raytrain.observe.sinks import Sink, record_time
-from raytrain.rundir import CONFIG, EVENTS, METRICS, MODEL, PLOTS, REPORT, SUMMARY, Event, Kind, MetricsRow, Summary
+from raytrain.rundir import (
+    CONFIG,
+    EVENTS,
+    METRICS,
+    MODEL,
+    PLOTS,
+    REPORT,
+    SUMMARY,
+    Event,
+    Kind,
+    MetricsRow,
+    RunDir,
+    Summary,
+)
+from raytrain.rundir.checkpoints import node_dir
+from raytrain.rundir.storage import Store
 
 # Metrics of a row that are series over steps (the rest are identifiers or flags).
 STEP_SERIES = ("loss", "lr", "samples_per_s", "global_batch_size", "world_size")
 # Run files logged next to the model when the run ends (MLflow artifacts).
 RUN_ARTIFACTS = (CONFIG, SUMMARY, METRICS, EVENTS, REPORT)
+# A run on an object store: its TensorBoard files are uploaded at most this often (and at the end).
+UPLOAD_INTERVAL_S = 30.0
 
 # -- tailing ---------------------------------------------------------------------------------
 
@@ -102,8 +119,12 @@ class TensorBoardSink(Sink):
 
     name = "TensorBoard"
 
-    def __init__(self, run_dir: Path, params: dict[str, str], flush_secs: int = 5):
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: "Path | Store", params: dict[str, str], flush_secs: int = 5):
+        self.store = Store.of(run_dir)
+        # On an object store the event files are written on this machine and uploaded (they grow
+        # by appends, which a store does not have) every UPLOAD_INTERVAL_S and at the end.
+        self.run_dir = self.store.path if self.store.local else node_dir(self.store) / "tensorboard"
+        self.uploaded = 0.0
         self.params = params
         self.flush_secs = flush_secs
         self.writer = None
@@ -151,6 +172,16 @@ class TensorBoardSink(Sink):
         if self.dirty and self.writer is not None:
             self.writer.flush()
             self.dirty = False
+            if time.monotonic() - self.uploaded >= UPLOAD_INTERVAL_S:
+                self._upload()
+
+    def _upload(self) -> None:
+        """The event files, copied to the object store (nothing on a file system)."""
+        self.uploaded = time.monotonic()
+        if self.store.local or not self.run_dir.is_dir():
+            return
+        for path in sorted(self.run_dir.glob("events.out.tfevents.*")):
+            self.store.upload(path, path.name)
 
     failed: BaseException | None = None  # set by the writer's own thread (a full disk, say)
 
@@ -180,6 +211,7 @@ class TensorBoardSink(Sink):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        self._upload()
 
 
 # -- MLflow ----------------------------------------------------------------------------------
@@ -209,7 +241,7 @@ class MLflowSink(Sink):
 
         self.client = MlflowClient(tracking_uri=uri)
         self.uri = uri
-        self.run_dir = Path(run_dir)
+        self.run_dir = Store.of(run_dir)
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
         self.run_id = self._existing_run(experiment_id) if getattr(cfg, "resume", False) else None
@@ -262,14 +294,15 @@ class MLflowSink(Sink):
             if (value := _number(summary.get(key))) is not None:
                 self.client.log_metric(self.run_id, f"summary/{key}", value)
         self.client.set_tag(self.run_id, "raytrain.world_sizes", " → ".join(map(str, summary.world_sizes)))
-        model = run_dir / MODEL
-        if model.exists():
-            self.client.log_artifact(self.run_id, str(model), artifact_path="model")
-        for name in RUN_ARTIFACTS:
-            if (run_dir / name).exists():
-                self.client.log_artifact(self.run_id, str(run_dir / name), artifact_path="run")
-        if (run_dir / PLOTS).is_dir():
-            self.client.log_artifacts(self.run_id, str(run_dir / PLOTS), artifact_path="run/plots")
+        with RunDir(run_dir).local_files((MODEL, *RUN_ARTIFACTS, PLOTS)) as local:
+            model = local / MODEL
+            if model.exists():
+                self.client.log_artifact(self.run_id, str(model), artifact_path="model")
+            for name in RUN_ARTIFACTS:
+                if (local / name).exists():
+                    self.client.log_artifact(self.run_id, str(local / name), artifact_path="run")
+            if (local / PLOTS).is_dir():
+                self.client.log_artifacts(self.run_id, str(local / PLOTS), artifact_path="run/plots")
         self.client.set_terminated(self.run_id, status="FINISHED" if summary.status == "finished" else "FAILED")
 
 
@@ -292,7 +325,7 @@ class WandbSink(Sink):
         import wandb
 
         self.wandb = wandb
-        self.run_dir = Path(run_dir)
+        self.run_dir = Store.of(run_dir)
         name = getattr(cfg, "name", None) or self.run_dir.name
         run_id = (
             re.sub(r"[^A-Za-z0-9_-]", "-", name)[:48] + "-" + hashlib.sha1(str(self.run_dir).encode()).hexdigest()[:8]
@@ -302,7 +335,7 @@ class WandbSink(Sink):
             name=name,
             id=run_id,
             resume="allow",
-            dir=str(self.run_dir),
+            dir=str(self.run_dir.path if self.run_dir.local else node_dir(self.run_dir)),
             config=params,
             settings=wandb.Settings(console="off", silent=True),
         )
@@ -327,11 +360,11 @@ class WandbSink(Sink):
                 self.run.log(
                     {"events": self.wandb.Table(columns=["time", "kind", "step", "message"], data=self.events)}
                 )
-            model = run_dir / MODEL
-            if model.exists():
-                artifact = self.wandb.Artifact(
-                    re.sub(r"[^A-Za-z0-9_.-]", "-", self.run.name or "model") + "-model", type="model"
-                )
-                artifact.add_file(str(model))
-                self.run.log_artifact(artifact)
+            with RunDir(run_dir).local_files((MODEL,)) as local:
+                if (local / MODEL).exists():
+                    artifact = self.wandb.Artifact(
+                        re.sub(r"[^A-Za-z0-9_.-]", "-", self.run.name or "model") + "-model", type="model"
+                    )
+                    artifact.add_file(str(local / MODEL))
+                    self.run.log_artifact(artifact)
         self.run.finish(exit_code=0 if summary and summary.status == "finished" else 1)

@@ -25,7 +25,7 @@ from raytrain.errors import ConfigError
 from raytrain.observe.render import first_line
 from raytrain.observe.sinks import Dispatcher, Sink, follow
 from raytrain.observe.trackers import MLflowSink, TensorBoardSink, WandbSink, mlflow_store_uri
-from raytrain.rundir import Summary
+from raytrain.rundir import Store, Summary
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class RunTracker:
     def __init__(
         self,
         cfg: Any,
-        run_dir: Path,
+        run_dir: "Path | Store",
         pipeline_name: str,
         *,
         echo: Callable[[str], None] | None = None,
@@ -78,7 +78,7 @@ class RunTracker:
         stream: Any = None,
     ):
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
+        self.run_dir = Store.of(run_dir)
         self.pipeline_name = pipeline_name
         self.echo = echo or (lambda line: None)
         self.options = options or TrackingOptions.from_config(cfg)

@@ -4,7 +4,11 @@
 - `records`: the typed records (`MetricsRow`, `Event`, `Summary`, `Progress`) and file names;
 - `tail`: following a JSONL file while it grows;
 - `writer`: `RunWriter`, rank 0's writer during training (imported from there: it needs torch);
+- `storage`: `Store`, where the files live (a local directory or an object-store prefix) and
+  the operations on them, retried and with one message per error;
 - `checkpoints`: the checkpoint directories of a run, written and read back safely;
+- `publish`: a checkpoint made visible only when complete (a rename, or an upload with a
+  marker written last);
 - `export`: a run's or a checkpoint's weights as a plain state_dict (`raytrain export`);
 - `RunDir` (here): read and write the records of one run directory. Rank 0's writer in the
   loop, the driver's summary, the report, the trackers and tune all go through it.
@@ -19,12 +23,15 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import yaml
 
 from raytrain.errors import CheckpointError
+from raytrain.rundir.faults import storage_error, storage_errors
 from raytrain.rundir.files import (
     LOCK_FILE,
     STOP_FILE,
@@ -33,10 +40,9 @@ from raytrain.rundir.files import (
     append_jsonl,
     check_storage,
     dumps,
+    parse_jsonl,
     read_json,
     read_jsonl,
-    storage_error,
-    storage_errors,
     strict,
     write_atomic,
     write_json,
@@ -60,42 +66,53 @@ from raytrain.rundir.records import (
     StoredRun,
     Summary,
 )
+from raytrain.rundir.storage import StorageUnavailable, Store, is_uri
 from raytrain.rundir.tail import Tail
 
 
 class RunDir:
-    """The records of one run directory. Reads never fail on a missing or torn file (they
-    return what is there); writes raise StorageError naming the path and the fix."""
+    """The records of one run directory, on a file system or an object store
+    (`raytrain.rundir.storage`). Reads never fail on a missing or torn file (they return what
+    is there); writes raise StorageError naming the path and the fix."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path).expanduser()
+    def __init__(self, path: "str | os.PathLike | Store"):
+        self.store = Store.of(path)
+
+    @property
+    def path(self) -> Path:
+        """The directory (a run on a file system; see `store` for one on an object store)."""
+        return self.store.path
 
     def __repr__(self) -> str:
-        return f"RunDir({str(self.path)!r})"
+        return f"RunDir({str(self.store)!r})"
 
     def exists(self) -> bool:
         """Whether this looks like a run directory (it has a config, metrics or a summary)."""
-        return any((self.path / name).exists() for name in (METRICS, CONFIG, SUMMARY))
+        return any(self.store.exists(name) for name in (METRICS, CONFIG, SUMMARY))
+
+    def has(self, name: str) -> bool:
+        """Whether the run file `name` (model.pt, report.md, …) is there."""
+        return self.store.exists(name)
 
     # -- reading -----------------------------------------------------------------------------
 
     def metrics(self) -> list[MetricsRow]:
-        return [MetricsRow.from_json(row) for row in read_jsonl(self.path / METRICS) if _has(row, "epoch", "step")]
+        return [MetricsRow.from_json(row) for row in self._jsonl(METRICS) if _has(row, "epoch", "step")]
 
     def epoch_rows(self) -> list[MetricsRow]:
         return [row for row in self.metrics() if row.epoch_end]
 
     def events(self, since: float | None = None) -> list[Event]:
         """The events, or only those written at or after `since` (a time.time())."""
-        events = [Event.from_json(e) for e in read_jsonl(self.path / EVENTS) if _has(e, "kind", "message")]
+        events = [Event.from_json(e) for e in self._jsonl(EVENTS) if _has(e, "kind", "message")]
         return [e for e in events if since is None or (e.time or 0) >= since]
 
     def summary(self) -> Summary | None:
-        values = read_json(self.path / SUMMARY)
+        values = self._json(SUMMARY)
         return Summary.from_json(values) if "status" in values else None
 
     def progress(self) -> Progress | None:
-        values = read_json(self.path / PROGRESS)
+        values = self._json(PROGRESS)
         return Progress.from_json(values) if values else None
 
     def finished(self, epochs: int) -> bool:
@@ -106,7 +123,7 @@ class RunDir:
 
     def config(self) -> dict[str, Any]:
         try:
-            value = yaml.safe_load((self.path / CONFIG).read_text())
+            value = yaml.safe_load(self.store.read_text(CONFIG))
         except (OSError, yaml.YAMLError):
             return {}
         return value if isinstance(value, dict) else {}
@@ -115,50 +132,84 @@ class RunDir:
         """Whether a run was started here (its config, or a checkpoint, is written)."""
         from raytrain.rundir.checkpoints import checkpoint_dirs
 
-        return (self.path / CONFIG).exists() or bool(checkpoint_dirs(self.path))
+        return self.store.exists(CONFIG) or bool(checkpoint_dirs(self.store))
 
     def stored_run(self) -> StoredRun:
         """The run's config.yaml and its furthest complete checkpoint, for a resume
         (CheckpointError when config.yaml is there but unreadable)."""
         from raytrain.rundir import checkpoints
 
-        path = self.path / CONFIG
+        where = f"{self.store}/{CONFIG}"
         try:
-            config = yaml.safe_load(path.read_text()) or {}
+            config = yaml.safe_load(self.store.read_text(CONFIG)) or {}
         except FileNotFoundError:
             config = {}
         except (OSError, yaml.YAMLError) as exc:
             first = str(exc).splitlines()[0]
-            raise CheckpointError(f"{path} cannot be read ({first}); the run cannot be resumed as it was") from None
+            raise CheckpointError(f"{where} cannot be read ({first}); the run cannot be resumed as it was") from None
         if not isinstance(config, dict):
-            raise CheckpointError(f"{path} is not a mapping of options; the run cannot be resumed as it was")
+            raise CheckpointError(f"{where} is not a mapping of options; the run cannot be resumed as it was")
         pipeline = config.pop("pipeline", None)
         config.pop("gpu", None)
-        latest = checkpoints.latest_complete(self.path)
-        position = {}
-        if latest is not None:
-            try:
-                position = json.loads((latest / checkpoints.POSITION_FILE).read_text())
-            except (OSError, ValueError):
-                position = {}
-        return StoredRun(self.path, config, pipeline, latest, position)
+        latest = checkpoints.latest_complete(self.store)
+        position = checkpoints.stored_position(latest) if latest is not None else {}
+        return StoredRun(self.store, config, pipeline, latest, position)
+
+    @contextlib.contextmanager
+    def local_files(self, names: tuple[str, ...]) -> Iterator[Path]:
+        """A local directory holding the run files `names` (files or directories) that exist:
+        the run directory itself, or a temporary copy of an object store's (removed after)."""
+        if self.store.local:
+            yield self.store.path
+            return
+        with tempfile.TemporaryDirectory(prefix="raytrain-files-") as copy:
+            for name in names:
+                if self.store.is_file(name):
+                    Path(copy, name).write_bytes(self.store.read_bytes(name))
+                elif self.store.list(name):
+                    self.store.download(name, Path(copy, name))
+            yield Path(copy)
+
+    def tail(self, name: str) -> Tail:
+        """A follower of the JSONL file `name` (rows appended since the last read)."""
+        return Tail(self.store, name)
+
+    def _jsonl(self, name: str) -> list[dict[str, Any]]:
+        if self.store.local:
+            return read_jsonl(self.store.path / name)
+        try:
+            return parse_jsonl(self.store.read_text(name))
+        except FileNotFoundError:
+            return []
+
+    def _json(self, name: str) -> dict[str, Any]:
+        if self.store.local:
+            return read_json(self.store.path / name)
+        try:
+            value = json.loads(self.store.read_text(name))
+        except (FileNotFoundError, ValueError):
+            return {}
+        return value if isinstance(value, dict) else {}
 
     # -- writing (rank 0 and the driver) -----------------------------------------------------
 
     def append_metrics(self, row: MetricsRow) -> None:
-        append_jsonl(self.path / METRICS, row.to_json())
+        self.store.append_text(METRICS, dumps(row.to_json()) + "\n")
 
     def append_event(self, event: Event) -> None:
-        append_jsonl(self.path / EVENTS, event.to_json())
+        self.store.append_text(EVENTS, dumps(event.to_json()) + "\n")
 
     def append_live(self, values: dict[str, Any]) -> None:
-        append_jsonl(self.path / LIVE, values)
+        self.store.append_text(LIVE, dumps(values) + "\n")
 
     def write_progress(self, progress: Progress) -> None:
-        write_json(self.path / PROGRESS, progress.to_json())
+        self.store.write_text(PROGRESS, dumps(progress.to_json(), indent=2) + "\n")
 
     def write_summary(self, summary: Summary) -> None:
-        write_json(self.path / SUMMARY, summary.to_json())
+        self.store.write_text(SUMMARY, dumps(summary.to_json(), indent=2) + "\n")
+
+    def write_config(self, values: dict[str, Any]) -> None:
+        self.store.write_text(CONFIG, yaml.safe_dump(values, sort_keys=False))
 
     def update_summary(self, **changes: Any) -> Summary | None:
         """Change fields of an existing summary.json (None, and nothing written, if there is none)."""
@@ -177,35 +228,48 @@ class RunDir:
     def truncate_metrics(self, last_step: int) -> None:
         """Keep the rows up to `last_step`: those after a checkpoint describe training that a
         restart is about to redo."""
-        path = self.path / METRICS
-        if path.exists():
-            kept = [row for row in read_jsonl(path) if row.get("step", 0) <= last_step]
-            write_atomic(path, "".join(dumps(row) + "\n" for row in kept))
+        if self.store.exists(METRICS):
+            kept = [row for row in self._jsonl(METRICS) if row.get("step", 0) <= last_step]
+            self.store.write_text(METRICS, "".join(dumps(row) + "\n" for row in kept))
+
+    # -- the stop request (the driver asks, rank 0 looks) ---------------------------------------
+
+    def request_stop(self) -> None:
+        self.store.write_text(STOP_FILE, str(time.time()))
+
+    def stop_requested(self) -> bool:
+        return self.store.exists(STOP_FILE)
+
+    def clear_stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.store.delete(STOP_FILE)
 
 
 @contextlib.contextmanager
-def claimed(run_dir: str | os.PathLike, storage: str | os.PathLike) -> Iterator[Path]:
+def claimed(run_dir: "str | os.PathLike | Store", storage: "str | os.PathLike | Store") -> Iterator[Store]:
     """The run directory, held for one run: checked writable before anything starts (a path
-    that cannot hold the run is a StorageError), locked against a second run of the same
+    that cannot hold the run is a StorageError; on an object store: the credentials, the
+    bucket and a write, read and delete round trip), locked against a second run of the same
     name, and left clean after (no staging area, no stop request; no empty directory when
     the run was refused before it began)."""
-    from raytrain.rundir.checkpoints import staging_dir
+    from raytrain.rundir.checkpoints import node_dir, staging_dir
 
-    run_dir = Path(run_dir)
-    created = not run_dir.exists()
-    check_storage(storage, run_dir)
-    lock = RunLock(run_dir)
+    store = Store.of(run_dir)
+    created = store.local and not store.path.exists()
+    check_storage(storage, store)
+    lock = RunLock(store)
     lock.acquire()
     try:
-        yield run_dir
+        yield store
     finally:
         lock.release()
-        shutil.rmtree(staging_dir(run_dir), ignore_errors=True)
-        with contextlib.suppress(OSError):
-            (run_dir / STOP_FILE).unlink()
+        shutil.rmtree(staging_dir(store), ignore_errors=True)
+        if not store.local:  # this node's staging and heartbeats
+            shutil.rmtree(node_dir(store), ignore_errors=True)
+        RunDir(store).clear_stop()
         if created:  # refused before the run began: leave no empty run directory behind
             with contextlib.suppress(OSError):
-                run_dir.rmdir()
+                store.path.rmdir()
 
 
 def _has(values: dict[str, Any], *keys: str) -> bool:
@@ -234,11 +298,15 @@ __all__ = [
     "RunLocked",
     "claimed",
     "StoredRun",
+    "Store",
+    "StorageUnavailable",
     "Summary",
     "Tail",
     "append_jsonl",
     "check_storage",
     "dumps",
+    "is_uri",
+    "parse_jsonl",
     "read_json",
     "read_jsonl",
     "storage_error",

@@ -15,27 +15,41 @@ A checkpoint directory (`checkpoint_s<step>_<time>/`, one logical format under e
 
 Torch files load with `torch.load(..., weights_only=True)`, and DCP files are read into
 tensors alone: only tensors and plain containers, never pickled code, so a checkpoint from
-elsewhere cannot run anything. A directory is written under `.staging/` and renamed into place
-once every file is complete, so a listed checkpoint is whole. `state.pt` (everything in one
-file) is the format of earlier versions, still read.
+elsewhere cannot run anything. `state.pt` (everything in one file) is the format of earlier
+versions, still read.
+
+Complete or invisible, on every storage. On a file system a directory is written under
+`.staging/` and renamed into place once every file is complete, so a listed checkpoint is
+whole. An object store has no rename: the files are staged on the writing node, uploaded
+(`raytrain.rundir.publish`), and a marker, `.complete.json`, is written last, once every
+rank's files are there; listing and resuming look for the marker only, so a checkpoint whose
+upload failed half-way is never seen, and the previous one is untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import io
 import json
 import os
+import re
+import shutil
+import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Union
 
 import torch
 
 from raytrain.errors import CheckpointError
 from raytrain.observe.render import first_line
 from raytrain.rundir.records import MODEL
+from raytrain.rundir.storage import Store, is_uri
+
+Where = Union[str, os.PathLike, Store]  # a checkpoint or run directory: a local path, a URI or a Store
 
 TRAIN_STATE_FILE = "train_state.pt"
 DCP_METADATA = ".metadata"  # written last by DCP: its shards are complete
@@ -43,6 +57,25 @@ LEGACY_STATE_FILE = "state.pt"
 MODEL_FILE = MODEL  # also the final model in the run directory
 POSITION_FILE = "position.json"
 STAGING = ".staging"
+COMPLETE = ".complete.json"  # an object store's checkpoint is complete once this is there (written last)
+# The files a checkpoint directory becomes complete with: written after every rank's shards.
+FINAL_FILES = (DCP_METADATA, MODEL_FILE, TRAIN_STATE_FILE, POSITION_FILE)
+_STEP_IN_NAME = re.compile(r"^checkpoint_s(\d+)_")
+
+
+def remote(where: Where) -> Store | None:
+    """The Store of a checkpoint or run directory on an object store; None for a local one."""
+    if isinstance(where, Store):
+        return None if where.local else where
+    return Store.of(where) if is_uri(where) else None
+
+
+def node_dir(run_dir: Where) -> Path:
+    """This node's own directory for a run whose files are on an object store: checkpoints are
+    staged and heartbeats kept here (node-local, removed when the run ends on the driver's node)."""
+    digest = hashlib.blake2b(str(Store.of(run_dir)).encode(), digest_size=6).hexdigest()
+    root = os.environ.get("RAYTRAIN_NODE_DIR") or tempfile.gettempdir()
+    return Path(root) / f"raytrain-node-{Store.of(run_dir).name}-{digest}"
 
 
 def save_torch(payload: Any, path: str | os.PathLike) -> None:
@@ -74,30 +107,57 @@ def write_train_state(directory: str | os.PathLike, train_state: dict[str, Any])
     (directory / POSITION_FILE).write_text(json.dumps(train_state.get("position", {})))
 
 
-def is_complete(directory: str | os.PathLike) -> bool:
+def is_complete(directory: Where) -> bool:
     """Whether `directory` holds a whole checkpoint: its position, and its train state with
-    DCP's metadata (or an earlier version's single state file)."""
+    DCP's metadata (or an earlier version's single state file); on an object store, its marker."""
+    store = remote(directory)
+    if store is not None:
+        return store.exists(COMPLETE)
     directory = Path(directory)
     files = (POSITION_FILE, TRAIN_STATE_FILE, DCP_METADATA)
     return all((directory / name).is_file() for name in files) or (directory / LEGACY_STATE_FILE).is_file()
 
 
-def is_legacy(directory: str | os.PathLike) -> bool:
+def is_legacy(directory: Where) -> bool:
     """A checkpoint of an earlier version: everything in one `state.pt`."""
+    if remote(directory) is not None:
+        return False  # object stores came after the single file
     return not (Path(directory) / DCP_METADATA).is_file() and (Path(directory) / LEGACY_STATE_FILE).is_file()
 
 
-def stored_step(directory: str | os.PathLike) -> int:
-    """The optimizer step a checkpoint directory was taken at (-1 if unknown)."""
+def stored_step(directory: Where) -> int:
+    """The optimizer step a checkpoint directory was taken at (-1 if unknown): from its name,
+    else its position.json."""
+    named = _STEP_IN_NAME.match(Store.of(directory).name)
+    if named:
+        return int(named[1])
     try:
-        return int(json.loads((Path(directory) / POSITION_FILE).read_text()).get("step", -1))
+        return int(json.loads(_read(directory, POSITION_FILE)).get("step", -1))
     except (OSError, ValueError, AttributeError):
         return -1
 
 
-def load_train_state(directory: str | os.PathLike) -> dict[str, Any]:
+def stored_position(directory: Where) -> dict[str, Any]:
+    """A checkpoint's position.json ({} when it cannot be read)."""
+    try:
+        value = json.loads(_read(directory, POSITION_FILE))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def load_train_state(directory: Where) -> dict[str, Any]:
     """A checkpoint's train state (an earlier version's whole state); CheckpointError naming the
     file when it is missing, truncated or not a raytrain checkpoint."""
+    store = remote(directory)
+    if store is not None:
+        if not is_complete(store):
+            raise CheckpointError(f"checkpoint {store} is incomplete or not a raytrain checkpoint (no {COMPLETE})")
+        try:
+            data = store.read_bytes(TRAIN_STATE_FILE)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {store} has no {TRAIN_STATE_FILE}; it is partial") from None
+        return _load_torch(io.BytesIO(data), "checkpoint file", f"{store}/{TRAIN_STATE_FILE}")
     directory = Path(directory)
     path = directory / (LEGACY_STATE_FILE if is_legacy(directory) else TRAIN_STATE_FILE)
     if not path.is_file() or not is_complete(directory):
@@ -105,10 +165,13 @@ def load_train_state(directory: str | os.PathLike) -> dict[str, Any]:
     return _load_torch(path, "checkpoint file")
 
 
-def load_state(directory: str | os.PathLike) -> dict[str, Any]:
+def load_state(directory: Where) -> dict[str, Any]:
     """Everything a checkpoint holds as plain containers, in one process (no process group):
     `model` and `optimizer` (keyed by parameter name) with the train state. For reading and
     tests; training loads its own shards (`raytrain.worker.state`)."""
+    if remote(directory) is not None:
+        with local_copy(directory) as copy:
+            return load_state(copy)
     directory = Path(directory)
     state = load_train_state(directory)
     if is_legacy(directory):
@@ -117,17 +180,55 @@ def load_state(directory: str | os.PathLike) -> dict[str, Any]:
     return {**state, "model": loaded.get("model", {}), "optimizer": loaded.get("optim", {})}
 
 
-def checkpoint_dirs(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoint directories of a run, oldest first (by their step, then name).
+def checkpoint_dirs(run_dir: Where) -> list:
+    """Complete checkpoint directories of a run, oldest first (by their step, then name): Paths
+    on a file system, Stores on an object store.
 
     raytrain writes a checkpoint under RUN_DIR/.staging/ and renames it into place when it is
     complete, so a directory here is whole; older runs (Ray's own copy) may hold partial
-    ones, which loading rejects."""
+    ones, which loading rejects. On an object store, those with their marker (one listing)."""
+    store = remote(run_dir)
+    if store is not None:
+        names = store.list(recursive=True)
+        found = [store / name.split("/")[0] for name in names if _is_marker(name)]
+        return sorted(found, key=lambda p: (stored_step(p), p.name))
     found = [p for p in Path(run_dir).glob("checkpoint_*") if is_complete(p)]
     return sorted(found, key=lambda p: (stored_step(p), p.name))
 
 
-def latest_complete(run_dir: str | os.PathLike) -> Path | None:
+def _is_marker(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and parts[0].startswith("checkpoint_") and parts[1] == COMPLETE
+
+
+def remove(directory: Where) -> None:
+    """Delete a checkpoint directory; on an object store its marker goes first, so a reader
+    never takes a checkpoint that is being deleted for a complete one."""
+    store = remote(directory)
+    if store is None:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    store.delete(COMPLETE)
+    store.delete_tree()
+
+
+@contextlib.contextmanager
+def local_copy(directory: Where) -> Iterator[Path]:
+    """A checkpoint directory as a local path: itself, or a temporary copy of an object
+    store's (deleted after)."""
+    store = remote(directory)
+    if store is None:
+        yield Path(directory)
+        return
+    copy = Path(tempfile.mkdtemp(prefix="raytrain-restore-"))
+    try:
+        store.download("", copy)
+        yield copy
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def latest_complete(run_dir: Where):
     """The furthest checkpoint of a run (by its stored step), or None."""
     found = checkpoint_dirs(run_dir)
     return found[-1] if found else None
@@ -140,14 +241,25 @@ def checkpoint_name(step: int) -> str:
     return f"checkpoint_s{step:09d}_{stamp}-{int(now * 1e6) % 1_000_000:06d}"
 
 
-def staging_dir(run_dir: str | os.PathLike) -> Path:
-    """Where checkpoints are written before they are renamed into place."""
+def staging_dir(run_dir: Where) -> Path:
+    """Where checkpoints are written before they are renamed into place, or uploaded (on an
+    object store: this node's own directory)."""
+    if remote(run_dir) is not None:
+        return node_dir(run_dir) / STAGING
     return Path(run_dir) / STAGING
 
 
-def model_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+def model_shapes(directory: Where) -> dict[str, tuple[int, ...]]:
     """The model's parameter and buffer names and shapes in a checkpoint, read from DCP's
     metadata (no tensor is loaded) or from its model file."""
+    store = remote(directory)
+    if store is not None:  # the metadata alone
+        with tempfile.TemporaryDirectory(prefix="raytrain-metadata-") as copy:
+            try:
+                Path(copy, DCP_METADATA).write_bytes(store.read_bytes(DCP_METADATA))
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint {store} has no {DCP_METADATA}; it is partial") from None
+            return model_shapes(copy)
     directory = Path(directory)
     if not is_legacy(directory) and (directory / DCP_METADATA).is_file():
         metadata = _dcp_metadata(directory)
@@ -160,10 +272,13 @@ def model_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return {key: tuple(value.shape) for key, value in load_model_weights(directory).items()}
 
 
-def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def load_model_weights(path: Where) -> dict[str, torch.Tensor]:
     """Model weights as a plain state_dict, from a run directory (model.pt, else its latest
     checkpoint), a checkpoint directory (its model.pt, else its DCP shards, gathered in this
-    process without a process group) or a .pt file."""
+    process without a process group) or a .pt file; each a local path or a URI."""
+    store = remote(path)
+    if store is not None:
+        return _remote_model_weights(store)
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(
@@ -185,12 +300,39 @@ def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             path = checkpoint / LEGACY_STATE_FILE
         else:  # sharded: its shards, gathered here
             return read_model(checkpoint)
-    weights = _load_torch(path, "model file")
+    return _checked_weights(_load_torch(path, "model file"), str(path))
+
+
+def _remote_model_weights(store: Store) -> dict[str, torch.Tensor]:
+    checkpoint = store if is_complete(store) else None
+    if checkpoint is None and not store.is_file(MODEL_FILE):
+        if store.is_file(""):  # a .pt object
+            return _checked_weights(_load_torch(io.BytesIO(store.read_bytes()), "model file", str(store)), str(store))
+        checkpoint = latest_complete(store)
+        if checkpoint is None:
+            raise CheckpointError(
+                f"{store} holds no model.pt and no complete checkpoint; give a run directory, a checkpoint directory "
+                "or a model .pt file (has the run saved one yet?)"
+            )
+    source = checkpoint or store
+    if source.is_file(MODEL_FILE):
+        data = source.read_bytes(MODEL_FILE)
+        return _checked_weights(_load_torch(io.BytesIO(data), "model file", f"{source}/{MODEL_FILE}"), str(source))
+    with local_copy(source) as copy:  # sharded: its shards, gathered here
+        return read_model(copy)
+
+
+def _checked_weights(weights: Any, where: str) -> dict[str, torch.Tensor]:
     if isinstance(weights, dict) and "model" in weights and isinstance(weights["model"], dict):
         weights = weights["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise CheckpointError(f"{path} does not hold a model state_dict")
+        raise CheckpointError(f"{where} does not hold a model state_dict")
     return weights
+
+
+def _read(directory: Where, name: str) -> str:
+    store = remote(directory)
+    return store.read_text(name) if store is not None else (Path(directory) / name).read_text()
 
 
 def read_model(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -210,10 +352,12 @@ def single_process() -> Iterator[None]:
         yield
 
 
-def _load_torch(path: Path, what: str) -> Any:
+def _load_torch(path: Path | io.BytesIO, what: str, name: str | None = None) -> Any:
+    path_name = name or path
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
+        path = path_name
         if what == "checkpoint file":
             raise CheckpointError(
                 f"checkpoint file {path} cannot be read ({first_line(exc)}); it is corrupt or partial"

@@ -7,25 +7,36 @@ with `strict=True`.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 from raytrain.errors import CheckpointError, UsageError, pipeline_code
 from raytrain.rundir.checkpoints import load_model_weights
 from raytrain.rundir.files import storage_errors
 from raytrain.rundir.records import CONFIG, MODEL
+from raytrain.rundir.storage import Store, is_uri
 
 # Prefixes the wrappers of a model add to its keys: DDP's and torch.compile's.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
-def export_weights(source: str, output: str, pipeline: str | None = None, echo: Callable[[str], None] = print) -> Path:
-    """Write the model of `source` (a run directory, a checkpoint directory or a .pt file) to
-    `output` as a plain state_dict; returns the path written."""
-    import torch
-
+def export_weights(
+    source: str, output: str, pipeline: str | None = None, echo: Callable[[str], None] = print
+) -> "Path | Store":
+    """Write the model of `source` (a run directory, a checkpoint directory or a .pt file; a
+    path or a URI) to `output` (a path or a URI) as a plain state_dict; returns where."""
     weights = {strip_wrappers(key): value for key, value in load_model_weights(source).items()}
-    checked = check_against_pipeline(pipeline, Path(source), weights) if pipeline else ""
+    checked = check_against_pipeline(pipeline, Store.of(source), weights) if pipeline else ""
+    if is_uri(output):  # straight to an object store
+        target = Store.of(output)
+        buffer = io.BytesIO()
+        torch.save(weights, buffer)
+        target.parent.write_bytes(target.name, buffer.getvalue())
+        echo(f"Wrote {target}: {len(weights)} tensors, {len(buffer.getvalue()) / 2**20:.2f} MiB{checked}")
+        return target
     path = Path(output).expanduser()
     if path.is_dir():
         raise UsageError(f"-o {path}: is a directory; give a file name, e.g. -o {path / MODEL}")
@@ -47,7 +58,7 @@ def strip_wrappers(key: str) -> str:
     return key
 
 
-def check_against_pipeline(spec: str, source: Path, weights: dict) -> str:
+def check_against_pipeline(spec: str, source: Store, weights: dict) -> str:
     """Load the weights into the pipeline's model with strict=True (the run's own options, from
     its config.yaml when the source is a run or one of its checkpoints, build the model)."""
     import yaml
@@ -56,11 +67,10 @@ def check_against_pipeline(spec: str, source: Path, weights: dict) -> str:
     from raytrain.pipeline import load_pipeline
 
     pipe = load_pipeline(spec)
-    run_dir = source if source.is_dir() else source.parent
     values: dict[str, Any] = {}
-    for candidate in (run_dir, run_dir.parent):
-        if (candidate / CONFIG).is_file():
-            values = yaml.safe_load((candidate / CONFIG).read_text()) or {}
+    for candidate in (source, source.parent, source.parent.parent):
+        if candidate.is_file(CONFIG):
+            values = yaml.safe_load(candidate.read_text(CONFIG)) or {}
             break
     values.pop("pipeline", None)
     values.pop("gpu", None)

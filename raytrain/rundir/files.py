@@ -4,7 +4,8 @@
   flushed and renamed over the target, so a reader sees the old file or the new one;
 - `append_jsonl`: one JSON line per call (a torn last line is skipped by `read_jsonl`);
 - JSON is strict: NaN and infinities become null (`strict`);
-- `RunLock`: one run per name at a time, taken over from a dead holder;
+- `RunLock`: one run per name at a time, taken over from a dead holder (on an object store
+  through a conditional create: `raytrain.rundir.storage`);
 - every OSError becomes a `StorageError` naming the path and the errno, with what to do.
 """
 
@@ -18,48 +19,24 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
 from raytrain.errors import StorageError
+from raytrain.rundir.faults import storage_errors
+from raytrain.rundir.storage import Store
 
 LOCK_FILE = ".lock"
 STOP_FILE = ".stop"  # the driver asks the workers to stop (SIGINT/SIGTERM) with this file
 
-_FIXES = {
-    errno_codes.ENOSPC: "the file system is full: free space there or use another one (--storage)",
-    errno_codes.EDQUOT: "the disk quota is exceeded: free space or use another file system (--storage)",
-    errno_codes.EROFS: "that file system is read-only: use a writable directory (--storage)",
-    errno_codes.EACCES: "no permission to write there: fix its permissions or use another directory",
-    errno_codes.EPERM: "no permission to write there: fix its permissions or use another directory",
-    errno_codes.ENAMETOOLONG: "the path is too long: choose a shorter name (--name, --storage)",
-    errno_codes.ENOTDIR: "part of the path is a file, not a directory",
-    errno_codes.EISDIR: "a directory is in the way of a file",
-    errno_codes.ENOENT: "a directory on that path is missing and cannot be created there (a mount that went away?)",
-}
 
-
-def storage_error(exc: OSError, path: str | os.PathLike, doing: str) -> StorageError:
-    """One message for an OSError: what, where, the errno and the fix."""
-    code = exc.errno or 0
-    name = errno_codes.errorcode.get(code, str(code))
-    fix = _FIXES.get(code, "check the path and its file system")
-    return StorageError(code, f"cannot {doing} {path}: {exc.strerror or exc} ({name}); {fix}")
-
-
-@contextlib.contextmanager
-def storage_errors(path: str | os.PathLike, doing: str) -> Iterator[None]:
-    try:
-        yield
-    except StorageError:
-        raise
-    except OSError as exc:
-        raise storage_error(exc, getattr(exc, "filename", None) or path, doing) from None
-
-
-def check_storage(storage: str | os.PathLike, run_dir: str | os.PathLike) -> None:
-    """Before Ray starts: the run directory can be created and written (StorageError if not)."""
+def check_storage(storage: "str | os.PathLike | Store", run_dir: "str | os.PathLike | Store") -> None:
+    """Before Ray starts: the run directory can be created and written (StorageError if not);
+    on an object store, the credentials, the bucket and a write, read and delete round trip."""
+    if not Store.of(run_dir).local:
+        Store.of(run_dir).check()
+        return
     storage, run_dir = Path(storage), Path(run_dir)
     if storage.exists() and not storage.is_dir():
         raise StorageError(
@@ -127,8 +104,13 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         return []
+    return parse_jsonl(path.read_text(errors="replace"))
+
+
+def parse_jsonl(text: str) -> list[dict[str, Any]]:
+    """Every complete JSON object of JSONL `text` (a torn or foreign line is skipped)."""
     rows = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in text.splitlines():
         with contextlib.suppress(ValueError):
             row = json.loads(line)
             if isinstance(row, dict):
@@ -140,43 +122,37 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 class RunLock:
-    """`RUN_DIR/.lock`, created exclusively; held by this process until `release`.
+    """`RUN_DIR/.lock`, created exclusively (`Store.create_exclusive`: O_EXCL on a file system,
+    a conditional write on S3); held by this process until `release`.
 
     A lock whose holder is gone (a dead process on this host) is taken over. A lock held by
     a live process, or by a process on another host, is refused with who holds it.
     """
 
-    def __init__(self, run_dir: str | os.PathLike):
-        self.path = Path(run_dir) / LOCK_FILE
+    def __init__(self, run_dir: "str | os.PathLike | Store"):
+        self.store = Store.of(run_dir)
+        self.path = self.store / LOCK_FILE
         self.held = False
 
     def acquire(self) -> None:
-        with storage_errors(self.path.parent, "create the run directory"):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.store.make_dir()
         for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._wait_for_holder()
-                if holder is None or self._alive(holder):
-                    raise RunLocked(self.path.parent, holder or {}) from None
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()  # a stale lock: its process is gone
-                continue
-            except OSError as exc:
-                raise storage_error(exc, self.path, "lock") from None
-            with os.fdopen(fd, "w") as handle:
-                json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}, handle)
-            self.held = True
-            return
-        raise RunLocked(self.path.parent, self.holder() or {})
+            record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+            if self.store.create_exclusive(LOCK_FILE, record.encode()):
+                self.held = True
+                return
+            holder = self._wait_for_holder()
+            if holder is None or self._alive(holder):
+                raise RunLocked(self.store, holder or {})
+            self.store.delete(LOCK_FILE)  # a stale lock: its process is gone
+        raise RunLocked(self.store, self.holder() or {})
 
     def release(self) -> None:
         if self.held:
             self.held = False
             with contextlib.suppress(OSError):
                 if (self.holder() or {}).get("pid") == os.getpid():
-                    self.path.unlink()
+                    self.store.delete(LOCK_FILE)
 
     def _wait_for_holder(self, wait_s: float = 2.0) -> dict[str, Any] | None:
         """The holder's record; a lock just created may not be written yet, so wait a moment
@@ -186,17 +162,17 @@ class RunLock:
             holder = self.holder()
             if holder is not None:
                 return holder
-            try:
-                age_s = time.time() - self.path.stat().st_mtime
-            except FileNotFoundError:
+            info = self.store.info(LOCK_FILE)
+            if info.type.name == "NotFound":
                 return {"pid": -1, "host": socket.gethostname()}  # released meanwhile: take it
+            age_s = time.time() - info.mtime.timestamp() if info.mtime is not None else 0.0
             if age_s > wait_s or time.monotonic() > deadline:
                 return {"pid": -1, "host": socket.gethostname()} if age_s > wait_s else None
             time.sleep(0.05)
 
     def holder(self) -> dict[str, Any] | None:
         try:
-            return json.loads(self.path.read_text())
+            return json.loads(self.store.read_text(LOCK_FILE))
         except (OSError, ValueError):
             return None
 
@@ -217,12 +193,13 @@ class RunLock:
 
 
 class RunLocked(StorageError):
-    def __init__(self, run_dir: Path, holder: dict[str, Any]):
+    def __init__(self, run_dir: "Store", holder: dict[str, Any]):
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if holder.get("since") else "?"
+        remove = "" if run_dir.local else f"; a holder that is gone for good leaves {run_dir}/{LOCK_FILE}: delete it"
         super().__init__(
             errno_codes.EBUSY,
             f"run {run_dir.name!r} in {run_dir.parent} is in use by process {holder.get('pid', '?')} on "
-            f"{holder.get('host', '?')} (since {since}); wait for it to end, stop it, or choose another --name",
+            f"{holder.get('host', '?')} (since {since}); wait for it to end, stop it, or choose another --name{remove}",
         )
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 # The files of STORAGE/NAME/, by role.
@@ -169,10 +168,10 @@ class StoredRun:
     """What a run directory says about the run before it resumes: its resolved config, its
     pipeline, and its furthest complete checkpoint with the position stored there."""
 
-    run_dir: Path
+    run_dir: Any  # a Store (raytrain.rundir.storage): a directory or an object store's prefix
     config: dict[str, Any]
     pipeline: str | None
-    checkpoint: Path | None
+    checkpoint: Any  # its furthest complete checkpoint: a Path, or a Store on an object store; None
     position: dict[str, Any]
 
     @property

@@ -1,4 +1,5 @@
-"""Following a JSONL run file while it grows (the driver's console and trackers)."""
+"""Following a JSONL run file while it grows (the driver's console and trackers), on a file
+system or an object store."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from raytrain.rundir.storage import Store
+
 
 class Tail:
     """The rows appended to a JSONL file since the last `read`.
@@ -16,41 +19,69 @@ class Tail:
     Rank 0 rewrites metrics.jsonl when it resumes from a checkpoint, keeping only the
     rows up to the checkpoint's step: a prefix of what was there. A rewrite is noticed
     (the last line read is no longer where it was) and only lines after the common
-    prefix are returned. A partial last line is left for the next read.
+    prefix are returned. A partial last line is left for the next read. On an object store
+    (where a file grows by being rewritten whole) each read is a size check and a ranged read
+    of what is new.
+
+    `Tail(path)` follows a local file; `Tail(store, name)` the file `name` of a Store.
     """
 
-    def __init__(self, path: Path, skip_existing: bool = True):
-        self.path = Path(path)
+    def __init__(self, path: "Path | Store", name: str | None = None, skip_existing: bool = True):
+        if name is None:
+            path = Path(path)
+            self.store, self.name = Store.of(path.parent), path.name
+        else:
+            self.store, self.name = Store.of(path), name
         self.offset = 0
         self.hashes: list[bytes] = []  # digest of every complete line read so far
         self.last_line = b""
         if skip_existing:
             self.read()
 
+    @property
+    def path(self) -> Path:
+        return self.store.path / self.name
+
     def read(self) -> list[dict[str, Any]]:
-        try:
-            handle = open(self.path, "rb")
-        except FileNotFoundError:
+        size = self._size()
+        if size is None:
             return []
-        with handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size < self.offset or not self._last_line_in_place(handle):
-                return self._parse(self._resync(handle))
-            handle.seek(self.offset)
-            chunk = handle.read(size - self.offset)
+        if size < self.offset or not self._last_line_in_place():
+            return self._parse(self._resync())
+        chunk = self._bytes(self.offset, size - self.offset)
         lines = chunk.split(b"\n")[:-1]  # the part after the last newline is incomplete
         self._consume(lines)
         return self._parse(lines)
 
-    def _last_line_in_place(self, handle) -> bool:
+    def _size(self) -> int | None:
+        if self.store.local:
+            try:
+                return os.stat(self.path).st_size
+            except FileNotFoundError:
+                return None
+        return self.store.size(self.name)
+
+    def _bytes(self, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        if self.store.local:
+            with open(self.path, "rb") as handle:
+                handle.seek(start)
+                return handle.read(length)
+        try:
+            return self.store.read_range(self.name, start, length)
+        except FileNotFoundError:
+            return b""
+
+    def _last_line_in_place(self) -> bool:
         if not self.last_line:
             return True
-        handle.seek(self.offset - len(self.last_line) - 1)
-        return handle.read(len(self.last_line) + 1) == self.last_line + b"\n"
+        start = self.offset - len(self.last_line) - 1
+        return self._bytes(start, len(self.last_line) + 1) == self.last_line + b"\n"
 
-    def _resync(self, handle) -> list[bytes]:
-        handle.seek(0)
-        lines = handle.read().split(b"\n")[:-1]
+    def _resync(self) -> list[bytes]:
+        size = self._size() or 0
+        lines = self._bytes(0, size).split(b"\n")[:-1]
         common = 0
         for line, seen in zip(lines, self.hashes):
             if _digest(line) != seen:

@@ -9,6 +9,7 @@ lines at no cost. It knows records, not the loop: the loop hands it an `Event`, 
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import shutil
 import time
@@ -19,41 +20,76 @@ import torch
 
 from raytrain.rundir import RunDir
 from raytrain.rundir import checkpoints as ckpt
-from raytrain.rundir.files import STOP_FILE, storage_errors
-from raytrain.rundir.records import MODEL, Event, Kind, MetricsRow, Progress
+from raytrain.rundir.buffered import BufferedLogs
+from raytrain.rundir.files import dumps, storage_errors
+from raytrain.rundir.records import EVENTS, LIVE, METRICS, MODEL, Event, Kind, MetricsRow, Progress
+from raytrain.rundir.storage import Store
 
 LIVE_INTERVAL_S = 1.0  # rank 0 writes live.jsonl at most this often
+STOP_CHECK_INTERVAL_S = 1.0  # on an object store, rank 0 looks for the stop request at most this often
 
 
 class RunWriter:
     """The run directory's files written from the workers: by rank 0 only, strict JSON,
-    and any OSError as one StorageError naming the path and errno (not retried)."""
+    and any OSError as one StorageError naming the path and errno (not retried). On an
+    object store the JSONL rows are written in the background (`raytrain.rundir.buffered`)
+    and the stop request is looked for at most every STOP_CHECK_INTERVAL_S."""
 
-    def __init__(self, run_dir: str | os.PathLike, enabled: bool):
-        self.run_dir = Path(run_dir)
-        self.rundir = RunDir(self.run_dir)
+    def __init__(self, run_dir: "str | os.PathLike | Store", enabled: bool):
+        self.store = Store.of(run_dir)
+        self.rundir = RunDir(self.store)
         self.enabled = enabled
         self.last_live = 0.0
         self.live_mark: tuple[float, int] | None = None  # (time, samples seen) of the last live row
+        self.logs = None if self.store.local else BufferedLogs(self.store, keep_last=(LIVE,))
+        self.stop_checked = (0.0, False)  # (when, what) the stop request was last looked for
+
+    @property
+    def run_dir(self) -> Path:
+        """The run directory on a file system (see `store` for either kind)."""
+        return self.store.path
 
     def event(self, kind: str, message: str, **extra: Any) -> None:
         """A line of events.jsonl; `kind` is one of `Kind`."""
         if self.enabled:
-            self.rundir.append_event(Event(kind, message, extra=extra))
+            self._append(EVENTS, Event(kind, message, extra=extra).to_json())
 
     def metrics(self, row: MetricsRow) -> None:
         if self.enabled:
-            self.rundir.append_metrics(row)
+            self._append(METRICS, row.to_json())
+
+    def _append(self, name: str, values: dict[str, Any]) -> None:
+        if self.logs is None:
+            self.rundir.store.append_text(name, dumps(values) + "\n")
+        else:
+            self.logs.append(name, dumps(values) + "\n")
+
+    def flush(self) -> None:
+        """Rows still queued for an object store, written now."""
+        if self.logs is not None and self.enabled:
+            self.logs.flush()
+
+    def close(self) -> None:
+        """At the end of the attempt, however it ends: the queued rows written."""
+        if self.logs is not None:
+            self.logs.close()
 
     def stop_requested(self, anyone: bool = False) -> bool:
         """The driver asks the run to stop (SIGINT/SIGTERM) with a file; rank 0 looks, and the
         next sync tells every rank (`anyone`: this rank looks too)."""
-        return (self.enabled or anyone) and (self.run_dir / STOP_FILE).exists()
+        if not (self.enabled or anyone):
+            return False
+        if self.store.local:
+            return self.rundir.stop_requested()
+        when, asked = self.stop_checked
+        if not asked and time.monotonic() - when >= STOP_CHECK_INTERVAL_S:
+            self.stop_checked = (time.monotonic(), self.rundir.stop_requested())
+        return self.stop_checked[1]
 
     def clear_staging(self) -> None:
         """Checkpoints half-written by an attempt that died: never published, so removed."""
         if self.enabled:
-            shutil.rmtree(ckpt.staging_dir(self.run_dir), ignore_errors=True)
+            shutil.rmtree(ckpt.staging_dir(self.store), ignore_errors=True)
 
     def start_attempt(self, announcement: Event, checkpoint_step: int) -> None:
         """An attempt begins from the checkpoint at `checkpoint_step` (0: none) and says so."""
@@ -61,8 +97,9 @@ class RunWriter:
             return
         # Rows written after the checkpoint we resume from describe training that is
         # about to be redone: drop them so the curve continues from the checkpoint.
+        self.flush()
         self.rundir.truncate_metrics(checkpoint_step)
-        self.rundir.append_event(announcement)
+        self._append(EVENTS, announcement.to_json())
 
     def live_due(self) -> bool:
         """Whether a live row is due (about once a second, rank 0 only)."""
@@ -86,7 +123,8 @@ class RunWriter:
         previous, self.live_mark = self.live_mark, (now, samples_seen)
         rate = (samples_seen - previous[1]) / (now - previous[0]) if previous and now > previous[0] else None
         self.last_live = now
-        self.rundir.append_live(
+        self._append(
+            LIVE,
             {
                 "time": now,
                 "epoch": epoch,
@@ -97,7 +135,7 @@ class RunWriter:
                 "world_size": world_size,
                 "loss": loss,
                 "samples_per_s": rate,
-            }
+            },
         )
 
     def epoch_end(self, row: MetricsRow, epochs: int) -> None:
@@ -113,15 +151,22 @@ class RunWriter:
         the last event."""
         if not self.enabled:
             return
-        with storage_errors(self.run_dir / MODEL, "write the final model"):
-            tmp = self.run_dir / f".{MODEL}.tmp"
-            ckpt.save_torch(weights, tmp)
-            tmp.replace(self.run_dir / MODEL)
+        if self.store.local:
+            with storage_errors(self.run_dir / MODEL, "write the final model"):
+                tmp = self.run_dir / f".{MODEL}.tmp"
+                ckpt.save_torch(weights, tmp)
+                tmp.replace(self.run_dir / MODEL)
+        else:
+            buffer = io.BytesIO()
+            torch.save(weights, buffer)
+            self.store.write_bytes(MODEL, buffer.getvalue())
         self.rundir.write_progress(progress)
         self.event(Kind.DONE, f"finished {progress.epoch} epochs, {progress.step} steps", step=progress.step)
+        self.flush()
 
     def interrupted(self, progress: Progress) -> None:
         """Stopped on request after a checkpoint at this step: no final model, resumable."""
         if self.enabled:
             self.rundir.write_progress(progress)
             self.event(Kind.INTERRUPTED, f"stopped at step {progress.step} with a checkpoint there", step=progress.step)
+            self.flush()

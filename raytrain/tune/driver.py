@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
 from raytrain.observe.render import is_number, sci
 from raytrain.pipeline import Pipeline, load_pipeline
+from raytrain.rundir.storage import Store
 from raytrain.tune.options import SearchSpace, TuneOptions
 from raytrain.tune.resources import (
     EMBEDDED_TRIAL_DRIVER_SLOTS,
@@ -196,9 +199,11 @@ def tune(
     base = sweep_base_config(cfg or TrainConfig(**pipe.default_config), space, spec)
     points = check_trials(base, space, options)
     runs = plan_sweep(base, points)
-    sweep_dir = Path(base.storage) / base.name
-    if sweep_dir.exists() and any(sweep_dir.iterdir()):
-        raise ConfigError([("name", f"sweep {base.name!r} already exists in {base.storage}; choose another --name")])
+    sweep = Store.of(base.storage) / base.name
+    if sweep.list():
+        raise ConfigError([("name", f"sweep {base.name!r} already exists in {sweep.parent}; choose another --name")])
+    # The sweep's own files are written here (on an object store: locally, then uploaded).
+    sweep_dir = sweep.path if sweep.local else Path(tempfile.mkdtemp(prefix="raytrain-sweep-"))
     worker_counts = sorted({p["workers"] for p in points})
 
     num_cpus = _embedded_ray_cpus(base, worker_counts)  # a trial too big for this machine fails here
@@ -221,18 +226,25 @@ def tune(
         _check_metric_source(pipe, base, options, build_datasets)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         _write_sweep_yaml(sweep_dir, spec, base, space, options, points, runs, concurrency)
-        echo(_describe_sweep(spec, base, space, options, points, runs, concurrency, resources, use_gpu, sweep_dir))
+        echo(_describe_sweep(spec, base, space, options, points, runs, concurrency, resources, use_gpu, sweep))
         pgs_before = _placement_groups()
-        tuner, console = _build_tuner(
-            pipeline, base, space, options, runs, concurrency, resources, sweep_dir, total, echo
-        )
+        tuner, console = _build_tuner(pipeline, base, space, options, runs, concurrency, resources, sweep, total, echo)
         with _quiet_tune(base.verbose):
             tuner.fit()
         leaked = _free_leaked_placement_groups(pgs_before, echo)
         wall = time.time() - started
         trials = [trial_run(t, base.epochs, console) for t in sorted(console.trials.values(), key=trial_index)]
-        rows, curves = sweep_rows(trials, runs, points, options, sweep_dir, base.epochs)
-    return write_sweep_files(spec, base, options, rows, curves, sweep_dir, wall, leaked, echo)
+        rows, curves = sweep_rows(trials, runs, points, options, sweep, base.epochs)
+    if sweep.local:
+        return write_sweep_files(spec, base, options, rows, curves, sweep_dir, wall, leaked, echo)
+    try:
+        result = write_sweep_files(spec, base, options, rows, curves, sweep_dir, wall, leaked, echo, str(sweep))
+        for path in sorted(sweep_dir.iterdir()):
+            sweep.upload(path, path.name)
+    finally:
+        shutil.rmtree(sweep_dir, ignore_errors=True)
+    best = (sweep / "best.yaml").public_uri if result.best_config_path else None
+    return dataclasses.replace(result, sweep_dir=sweep.public_uri, best_config_path=best)
 
 
 def _write_sweep_yaml(sweep_dir, spec, base, space, options, points, runs, concurrency) -> None:
@@ -284,14 +296,14 @@ def _check_metric_source(pipe: Pipeline, base: TrainConfig, options: TuneOptions
         )
 
 
-def _build_tuner(pipeline, base, space, options, runs: list[SweepRun], concurrency, resources, sweep_dir, total, echo):
+def _build_tuner(pipeline, base, space, options, runs: list[SweepRun], concurrency, resources, sweep, total, echo):
     from ray import tune as ray_tune
     from ray.tune.search import BasicVariantGenerator
 
     job = _TrialJob(
         pipeline=pipeline,
         base=base.to_dict(),
-        runs_dir=str(sweep_dir / "trials"),
+        runs_dir=(sweep / "trials").uri,
         metric=options.metric,
         mode=options.mode,
     )
@@ -315,9 +327,16 @@ def _build_tuner(pipeline, base, space, options, runs: list[SweepRun], concurren
             trial_name_creator=trial_name_creator,
             trial_dirname_creator=trial_name_creator,
         ),
-        run_config=ray_tune.RunConfig(name="tune", storage_path=str(sweep_dir), verbose=0, callbacks=[console]),
+        run_config=ray_tune.RunConfig(name="tune", **_tune_storage(sweep), verbose=0, callbacks=[console]),
     )
     return tuner, console
+
+
+def _tune_storage(sweep: Store) -> dict[str, Any]:
+    """Tune's own records go under the sweep, through the same file system as the run files."""
+    if sweep.local:
+        return {"storage_path": str(sweep.path)}
+    return {"storage_path": sweep.root, "storage_filesystem": sweep.fs}
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from raytrain.config import TrainConfig
 from raytrain.observe.render import figure, is_number, plural, sci, text_table
-from raytrain.rundir import Kind, RunDir, Summary, write_yaml
+from raytrain.rundir import Kind, RunDir, Store, Summary, write_yaml
 from raytrain.tune.options import SWEPT, TuneOptions
 from raytrain.tune.space import SweepRun, point_key, runs_by_point, trial_config
 
@@ -66,7 +66,7 @@ def sweep_rows(
     runs: Sequence[SweepRun],
     points: Sequence[dict[str, Any]],
     options: TuneOptions,
-    sweep_dir: Path,
+    sweep_dir: "Path | Store",
     epochs: int,
 ) -> tuple[list[dict[str, Any]], dict[str, list[tuple[int, float]]]]:
     """The rows of trials.csv, one per grid point in grid order (a run shared by several points
@@ -75,7 +75,7 @@ def sweep_rows(
     order = {point_key(p): i for i, p in enumerate(points)}
     rows, curves = [], {}
     for index, trial in enumerate(trials):
-        run_dir = sweep_dir / "trials" / trial.name
+        run_dir = Store.of(sweep_dir) / "trials" / trial.name
         reported_epoch = (trial.reported[-1].get("epoch", 0) or 0) if trial.reported else 0
         if trial.status == "stopped":
             mark_stopped(run_dir, reported_epoch, trial.started, trial.ended)
@@ -97,7 +97,7 @@ def sweep_rows(
                 **results,
                 "wall_time_s": round(trial.ended - trial.started, 1) if trial.started and trial.ended else None,
                 "error": (trial.error or "failed") if trial.status == "failed" else "",
-                "run_dir": str(run_dir),
+                "run_dir": run_dir.public_uri,
             }
             rows.append((order.get(point_key(point), len(order)), index, row))
     return [row for _, _, row in sorted(rows, key=lambda item: item[:2])], curves
@@ -231,8 +231,10 @@ def write_sweep_files(
     wall: float,
     leaked: int,
     echo: Callable[[str], None],
+    shown_as: str | None = None,
 ) -> SweepResult:
-    """trials.csv, best.yaml (when a trial finished), trials.png, then the closing table."""
+    """trials.csv, best.yaml (when a trial finished), trials.png, then the closing table
+    (`shown_as`: where the files end up, when `sweep_dir` is only where they are written)."""
     write_csv(sweep_dir / "trials.csv", rows)
     ranked = ranked_trials(rows, options)
     best = (
@@ -246,7 +248,9 @@ def write_sweep_files(
         write_yaml(best_path, best_config(spec, base, best))
     plot_trials(sweep_dir / "trials.png", rows, base.epochs, options, curves)
     per_workers = best_per_worker_count(rows, options)
-    for line in closing_table(rows, per_workers, best, options, wall, sweep_dir, best_path):
+    where = shown_as or str(sweep_dir)
+    shown_best = f"{where}/best.yaml" if best_path and shown_as else best_path
+    for line in closing_table(rows, per_workers, best, options, wall, where, shown_best):
         echo(line)
     return SweepResult(
         sweep_dir=str(sweep_dir),

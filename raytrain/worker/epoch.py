@@ -239,7 +239,7 @@ def sync_ranks(runner: StepRunner, position: Position, stop_requested: bool = Fa
     (TrainingDiverged), before its weights are saved."""
     loss, count, stop, diverged = sync(runner.runtime, runner.heartbeat, runner.window, position.step, stop_requested)
     if diverged:
-        last_good = checkpoints.latest_complete(Path(runner.run_dir)) if runner.run_dir else None
+        last_good = checkpoints.latest_complete(runner.run_dir) if runner.run_dir else None
         raise TrainingDiverged(
             divergence_message(
                 diverged,
@@ -280,7 +280,7 @@ def report_with_checkpoint(runner: StepRunner, position: Position, metrics: dict
     def write(directory: Path, distributed: bool):
         return runner.save_checkpoint(position, directory, distributed=distributed)
 
-    runner.runtime.report(metrics, position.step, write, Path(runner.run_dir), runner.cfg.checkpoint_async)
+    runner.runtime.report(metrics, position.step, write, runner.run_dir, runner.cfg.checkpoint_async)
     position.checkpoint_wait_s += time.perf_counter() - started
     position.checkpoints += 1
 

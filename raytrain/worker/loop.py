@@ -30,7 +30,9 @@ from raytrain.rules import resume
 from raytrain.rules.attempt import Attempt
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.position import Position
+from raytrain.rundir.checkpoints import node_dir
 from raytrain.rundir.records import HEARTBEATS, Kind
+from raytrain.rundir.storage import Store
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker.epoch import EpochResult, append_if_new, end_epoch, train_epoch, train_epoch_per_step
 from raytrain.worker.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
@@ -46,7 +48,7 @@ class WorkerPayload:
 
     config: TrainConfig
     pipeline: Pipeline
-    run_dir: str
+    run_dir: Store  # a local directory or an object store's prefix
     sources: dict[str, Source]  # "train", optional "val"
 
 
@@ -57,11 +59,11 @@ FINISH_ON_ERROR_S = 60.0
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     payload: WorkerPayload = loop_config[PAYLOAD]
-    cfg, run_dir = payload.config, Path(payload.run_dir)
+    cfg, run_dir = payload.config, Store.of(payload.run_dir)
     per_step = cfg.fault_tolerance == "per-step"
     runtime = ReplicaRuntime(cfg.collective_timeout_s, cfg.num_checkpoints_to_keep, run_dir) if per_step else Runtime()
     files = RunWriter(run_dir, enabled=runtime.is_rank0)
-    heartbeat = Heartbeat(run_dir / HEARTBEATS, runtime.world_rank, enabled=runtime.world_size > 1)
+    heartbeat = Heartbeat(heartbeat_dir(run_dir), runtime.world_rank, enabled=runtime.world_size > 1)
     if not per_step:  # a replacement replica must not clear what the live quorum is writing
         files.clear_staging()
     try:
@@ -77,8 +79,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         raise
     finally:
         heartbeat.stop()
+        files.close()
         if per_step:
             runtime.shutdown()
+
+
+def heartbeat_dir(run_dir: Store) -> Path:
+    """Where the ranks' heartbeats go: the run directory on a shared file system (a timed-out
+    rank reads every rank's); on an object store, each node's own directory (node-local: a
+    timed-out rank sees only the ranks of its node)."""
+    return run_dir.path / HEARTBEATS if run_dir.local else node_dir(run_dir) / HEARTBEATS
 
 
 class Begun(NamedTuple):
@@ -106,7 +116,7 @@ def begin(
     train_data = open_source("train", sources["train"], runtime.get_object, cfg.skip_nan_rows)
     val_data = open_source("val", sources["val"], runtime.get_object, cfg.skip_nan_rows) if "val" in sources else None
     plan = batch_plan_for(cfg, workers)
-    runner = StepRunner.build(pipeline, cfg, runtime, heartbeat, files.run_dir, plan, len(train_data))
+    runner = StepRunner.build(pipeline, cfg, runtime, heartbeat, files.store, plan, len(train_data))
     saved = runner.restore(checkpoints_to_try(runtime, files), files)
     position = Position.restored(saved)
     attempt = Attempt.of(saved is not None, position.world_sizes, workers)
@@ -249,9 +259,9 @@ class StallError(RuntimeError):
     """A collective timed out; the message names the stalled rank(s) and where each rank was."""
 
 
-def explain_stall(cfg: TrainConfig, runtime: Runtime, heartbeat: Heartbeat, run_dir: Path, exc: Exception) -> str:
+def explain_stall(cfg: TrainConfig, runtime: Runtime, heartbeat: Heartbeat, run_dir: Store, exc: Exception) -> str:
     heartbeat.write()
-    records = read_heartbeats(run_dir / HEARTBEATS, runtime.world_size, since=heartbeat.attempt_start)
+    records = read_heartbeats(heartbeat_dir(run_dir), runtime.world_size, since=heartbeat.attempt_start)
     cause = str(exc).splitlines()[0] if str(exc) else ""
     return (
         f"A collective timed out on rank {runtime.world_rank} after --collective-timeout-s "

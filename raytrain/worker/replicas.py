@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -32,7 +30,9 @@ import torch
 from raytrain.rundir import RunDir
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.files import storage_errors
+from raytrain.rundir.publish import Upload, publish_local
 from raytrain.rundir.records import Event, Kind
+from raytrain.rundir.storage import Store
 from raytrain.worker.runtime import Runtime
 
 # The lighthouse waits up to join_timeout_ms for every live (heartbeating) replica before it
@@ -113,7 +113,7 @@ class Quorum:
 class ReplicaRuntime(Runtime):
     """This worker as one replica of the quorum (see the module's docstring)."""
 
-    def __init__(self, timeout_s: float, checkpoints_to_keep: int, run_dir: str | os.PathLike) -> None:
+    def __init__(self, timeout_s: float, checkpoints_to_keep: int, run_dir: "str | os.PathLike | Store") -> None:
         super().__init__()
 
         self.replica_rank, self.replica_count = self.world_rank, self.world_size  # Ray Train's rank and size
@@ -122,7 +122,7 @@ class ReplicaRuntime(Runtime):
         self.healed = False  # the last quorum loaded the live state from a peer
         self.timeout_s = timeout_s
         self.manager = None
-        self.run_dir = Path(run_dir)
+        self.run_dir = Store.of(run_dir)
         self.watch = StallWatch(stall_seconds(timeout_s), self._leave_stalled)
         self.distributed = True
         self.backend = (
@@ -244,28 +244,36 @@ class ReplicaRuntime(Runtime):
         and every replica reads all of one."""
         return False
 
-    def report(self, metrics: dict[str, Any], step: int, write, run_dir: Path, asynchronous: bool = True) -> None:
-        """The quorum's rank 0 writes the checkpoint under RUN_DIR/.staging/ in the background and
-        renames it into place once complete; the oldest beyond --num-checkpoints-to-keep go.
-        (Ray's report is a barrier over every worker, which a lost replica would hold up.)"""
+    def report(self, metrics: dict[str, Any], step: int, write, run_dir: Any, asynchronous: bool = True) -> None:
+        """The quorum's rank 0 writes the checkpoint into a staging directory in the background
+        and publishes it once complete (renamed into place, or uploaded with its marker last:
+        `raytrain.rundir.publish`); the oldest beyond --num-checkpoints-to-keep go. (Ray's
+        report is a barrier over every worker, which a lost replica would hold up.)"""
         if write is None or not self.is_rank0:
             return
         self.finish_checkpoints()
+        store = Store.of(run_dir)
         name = ckpt.checkpoint_name(step)
-        staging, final = ckpt.staging_dir(run_dir) / name, Path(run_dir) / name
+        staging = ckpt.staging_dir(store) / name
         with storage_errors(staging, "write the checkpoint"):
             save = write(staging, False)
 
+        def wait_written() -> None:
+            with storage_errors(staging, "write the checkpoint"):
+                save.wait()
+
         def publish() -> None:
             try:
-                with storage_errors(staging, "write the checkpoint"):
-                    save.wait()
-                    os.rename(staging, final)
+                if store.local:
+                    wait_written()
+                    publish_local(staging, store.path / name)
+                else:
+                    Upload(staging, store / name, wait_written, rank=None, coordinator=True, step=step).run()
             except BaseException as exc:  # raised on the loop's thread by finish_checkpoints
                 save.errors.append(exc)
                 return
-            for old in ckpt.checkpoint_dirs(run_dir)[: -self.checkpoints_to_keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            for old in ckpt.checkpoint_dirs(store)[: -self.checkpoints_to_keep]:
+                ckpt.remove(old)
 
         self._publishing = threading.Thread(target=publish, name="raytrain-publish", daemon=True)
         self._publishing.start()

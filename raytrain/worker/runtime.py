@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,6 +21,8 @@ from ray.train import Checkpoint, CheckpointUploadMode
 from raytrain.errors import find_user_error
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir import storage_errors
+from raytrain.rundir.publish import Upload, publish_local
+from raytrain.rundir.storage import Store
 from raytrain.worker.state import Save
 
 # How long rank 0 waits at the end of a run for Ray's upload step to rename its last checkpoint.
@@ -40,6 +42,8 @@ class Runtime:
         self.backend = dist.get_backend() if self.distributed else "none (local mode)"
         self._checkpoint_group = None  # DCP's gloo group (dcp_options)
         self._pending: Save | None = None  # this rank's checkpoint being written
+        self._upload: Upload | None = None  # ... and being uploaded to an object store
+        self._published = threading.Event()  # rank 0's last checkpoint is renamed into place
 
     @property
     def is_rank0(self) -> bool:
@@ -118,63 +122,106 @@ class Runtime:
         metrics: dict[str, Any],
         step: int,
         write: Callable[[Path, bool], Save] | None,
-        run_dir: Path,
+        run_dir: Any,
         asynchronous: bool = True,
     ) -> None:
         """Report metrics from every rank (a barrier); with `write`, a checkpoint of this step.
 
-        Every rank writes its part into RUN_DIR/.staging/NAME (`write(directory, distributed)`),
-        in the background: the loop waits only while the state is copied to host memory. Rank
-        0's report hands Ray Train an upload step that waits for the files and renames the
-        directory into the run directory, so a checkpoint is never seen half-written and Ray
-        registers it (and prunes the oldest) only when complete. Not `asynchronous`
-        (--no-checkpoint-async): every rank waits for its files before reporting. A storage error
-        names the path and errno; a failed write never touches the previous checkpoint."""
+        Every rank writes its part into a staging directory (RUN_DIR/.staging/NAME; on an
+        object store, on its own node), in the background: the loop waits only while the state
+        is copied to host memory. The checkpoint becomes visible only when complete
+        (`raytrain.rundir.publish`): renamed into the run directory, or uploaded with its
+        marker last. Rank 0's report hands Ray Train that step as its upload function, so Ray
+        registers the checkpoint (and prunes the oldest) only when it is complete. Reports
+        are asynchronous: a metrics report never waits behind an upload. Not `asynchronous`
+        (--no-checkpoint-async): every rank waits for its files, and rank 0 for the checkpoint to
+        be published, before reporting. A storage error
+        names the path and the cause; a failed write never touches the previous checkpoint."""
+        mode = CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC
+        upload_mode = {"checkpoint_upload_mode": mode}
         if write is None:
-            ray.train.report(metrics, checkpoint=None)
+            ray.train.report(metrics, checkpoint=None, **(upload_mode if self.distributed else {}))
             return
-        self.finish_checkpoints()  # one in flight at a time: bounded host memory
+        self.finish_checkpoints()  # one in flight at a time: bounded host memory and local disk
+        store = Store.of(run_dir)
         name = self.all_gather_object(ckpt.checkpoint_name(step) if self.is_rank0 else None)[0]
-        staging, final = ckpt.staging_dir(run_dir) / name, Path(run_dir) / name
+        staging = ckpt.staging_dir(store) / name
         with storage_errors(staging, "write the checkpoint"):
             save = self._pending = write(staging, self.distributed_checkpoints)
             if not asynchronous:
                 save.wait()
-
-        def publish(checkpoint: Checkpoint | None = None, dir_name: str = name) -> Checkpoint:
-            with storage_errors(staging, "write the checkpoint"):
-                save.wait()
-            with storage_errors(final, "publish the checkpoint"):
-                os.rename(staging, final)
-            return Checkpoint.from_directory(str(final))
-
+        publish = self._publisher(save, store, name, step)
         if not self.distributed:  # local mode: Ray keeps the checkpoint in memory only
             ray.train.report(metrics, checkpoint=publish())
             return
-        upload = {"checkpoint_upload_mode": CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC}
         if not self.is_rank0:
-            ray.train.report(metrics, checkpoint=None, **upload)
+            ray.train.report(metrics, checkpoint=None, **upload_mode)
             return
         ray.train.report(
             metrics,
             checkpoint=Checkpoint.from_directory(str(staging)),
             checkpoint_dir_name=name,
-            checkpoint_upload_fn=publish,
+            checkpoint_upload_fn=lambda checkpoint, dir_name: publish(),
             delete_local_checkpoint_after_upload=False,
-            **upload,
+            **upload_mode,
         )
 
+    def _publisher(self, save: Save, store: Store, name: str, step: int) -> Callable[[], Checkpoint]:
+        """What makes this rank's part of the checkpoint visible; rank 0's (and a lone writer's)
+        returns the complete checkpoint, for Ray. Other ranks upload theirs in the background."""
+        staging = save.directory
+
+        def wait_written() -> None:
+            with storage_errors(staging, "write the checkpoint"):
+                save.wait()
+
+        if store.local:
+            final, published = store.path / name, threading.Event()
+            self._published = published
+
+            def publish_renamed() -> Checkpoint:
+                wait_written()
+                publish_local(staging, final)
+                published.set()
+                return Checkpoint.from_directory(str(final))
+
+            return publish_renamed
+        distributed = self.distributed_checkpoints
+        upload = Upload(
+            staging,
+            store / name,
+            wait_written,
+            rank=self.world_rank if distributed else None,
+            coordinator=self.is_rank0 or not distributed,
+            step=step,
+        )
+        self._upload = upload
+        if not upload.coordinator:
+            upload.start()
+
+        def publish_uploaded() -> Checkpoint:
+            upload.run()
+            target = store / name
+            if not self.distributed:
+                return Checkpoint(path=target.root, filesystem=target.fs)
+            storage = ray.train.get_context().get_storage()  # Ray accepts its own file system object only
+            return Checkpoint(path=target.root, filesystem=storage.storage_filesystem)
+
+        return publish_uploaded
+
     def finish_checkpoints(self, timeout_s: float | None = None) -> None:
-        """Wait for this rank's checkpoint files being written (rank 0: until the checkpoint is
-        in the run directory), surfacing a write that failed."""
+        """Wait for this rank's checkpoint files being written and published (rank 0: until the
+        checkpoint is visible in the run directory), surfacing a write or upload that failed."""
         pending, self._pending = self._pending, None
+        upload, self._upload = self._upload, None
         if pending is not None:
             with storage_errors(pending.directory, "write the checkpoint"):
                 pending.wait(timeout_s)
-            # rank 0: Ray's upload step renames it; wait for that, briefly, so the run's end sees it
-            deadline = time.monotonic() + min(PUBLISH_WAIT_S, timeout_s or PUBLISH_WAIT_S)
-            while self.is_rank0 and self.distributed and pending.directory.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+        if upload is not None:
+            upload.wait(timeout_s)
+        elif pending is not None and self.is_rank0 and self.distributed:
+            # Ray's upload step renames it; wait for that, briefly, so the run's end sees it
+            self._published.wait(min(PUBLISH_WAIT_S, timeout_s or PUBLISH_WAIT_S))
 
 
 def _ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -172,7 +172,14 @@ class TrainingState:
         this worker count and strategy), the scaler, and this rank's RNG (restored when the
         world size is unchanged, else derived from (seed, rank, step)). `load_optimizer(fn)`
         runs the optimizer's part, which the pipeline's build_optimizer decides. A file that
-        cannot be read is a CheckpointError."""
+        cannot be read is a CheckpointError. A checkpoint on an object store is read from a copy
+        on this node (removed after)."""
+        if checkpoints.remote(directory) is not None:
+            with checkpoints.local_copy(directory) as copy:
+                try:
+                    return self.load(copy, runtime, seed, distributed=distributed, load_optimizer=load_optimizer)
+                except CheckpointError as error:  # named as stored, not as copied
+                    raise CheckpointError(str(error).replace(copy.name, directory.name)) from None
         train_state = checkpoints.load_train_state(directory)
         if checkpoints.is_legacy(directory):
             self._load_legacy(directory, train_state, load_optimizer)
@@ -267,8 +274,8 @@ def checkpoints_to_try(runtime: "Runtime", files: "RunWriter") -> list[tuple[Pat
     run directory. Candidates are Ray's latest and every checkpoint directory of the run. An
     unreadable one is skipped, and said; when none is left, CheckpointError.
     """
-    latest = runtime.latest_checkpoint()
-    candidates = checkpoints.checkpoint_dirs(files.run_dir)
+    candidates = checkpoints.checkpoint_dirs(files.store)
+    latest = runtime.latest_checkpoint() if files.store.local else None  # on a store: listed once complete
     if latest is not None and Path(latest.path) not in candidates and checkpoints.is_complete(latest.path):
         candidates.append(Path(latest.path))
     if not candidates:
@@ -282,7 +289,7 @@ def checkpoints_to_try(runtime: "Runtime", files: "RunWriter") -> list[tuple[Pat
     if skipped:
         files.event(Kind.RESTORE, f"skipped unusable checkpoint(s): {'; '.join(skipped)}")
     if not usable:
-        raise CheckpointError(f"no usable checkpoint in {files.run_dir}: {'; '.join(skipped)}")
+        raise CheckpointError(f"no usable checkpoint in {files.store}: {'; '.join(skipped)}")
     return usable
 
 

@@ -47,7 +47,7 @@ class StepRunner:
     cfg: TrainConfig
     runtime: Runtime
     heartbeat: Heartbeat
-    run_dir: str  # "" in unit tests: no checkpoint to name
+    run_dir: Any  # the run's Store (or path); "" in unit tests: no checkpoint to name
     batch_plan: BatchPlan
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -69,7 +69,7 @@ class StepRunner:
         cfg: TrainConfig,
         runtime: Runtime,
         heartbeat: Heartbeat,
-        run_dir: Path,
+        run_dir: Any,
         batch_plan: BatchPlan,
         num_train_rows: int,
     ) -> "StepRunner":
@@ -96,7 +96,7 @@ class StepRunner:
             cfg=cfg,
             runtime=runtime,
             heartbeat=heartbeat,
-            run_dir=str(run_dir),
+            run_dir=run_dir,
             batch_plan=batch_plan,
             model=model,
             optimizer=optimizer,
@@ -136,7 +136,7 @@ class StepRunner:
         if not candidates:
             return None
         raise CheckpointError(
-            f"no usable checkpoint in {files.run_dir}: {'; '.join(skipped) or 'one failed to load on another rank'}"
+            f"no usable checkpoint in {files.store}: {'; '.join(skipped) or 'one failed to load on another rank'}"
         )
 
     # -- the rules of this attempt ----------------------------------------------------------
