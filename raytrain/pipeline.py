@@ -84,13 +84,30 @@ class Pipeline:
         root), and `--activation-checkpointing` and `--compile` apply to. Default: the children
         of every outermost `nn.ModuleList`/`nn.Sequential` of the model (the transformer
         convention: `model.layers`, `model.blocks`), else none (the root alone)."""
-        from raytrain.worker.strategy import default_blocks
-
         return default_blocks(model)
 
     @property
     def name(self) -> str:
         return type(self).__name__
+
+
+def default_blocks(model: "torch.nn.Module") -> list["torch.nn.Module"]:
+    """The children of every outermost `nn.ModuleList`/`nn.Sequential` inside the model (the
+    transformer convention: `model.layers`, `model.blocks`); none if it has no such container.
+    The model itself, when it is a Sequential, is not its own container of blocks."""
+    from torch import nn
+
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, (nn.ModuleList, nn.Sequential)):
+                found.extend(block for block in child.children() if any(True for _ in block.parameters()))
+            else:
+                visit(child)
+
+    visit(model)
+    return found
 
 
 def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:

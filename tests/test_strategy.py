@@ -14,6 +14,7 @@ import raytrain
 from pipelines.charlm.model import CharGPT
 from raytrain.config import TrainConfig
 from raytrain.errors import CheckpointError, ConfigError, PipelineCodeError
+from raytrain.pipeline import default_blocks
 from raytrain.rules import resume
 from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints
@@ -49,10 +50,10 @@ class Blocks(raytrain.Pipeline):
 
 def test_the_default_blocks_are_the_children_of_the_outermost_lists_of_blocks():
     tower = Tower()
-    assert strategy.default_blocks(tower) == list(tower.layers)  # not the Sequentials inside each block
+    assert default_blocks(tower) == list(tower.layers)  # not the Sequentials inside each block
     gpt = CharGPT(layers=3)
-    assert strategy.default_blocks(gpt) == list(gpt.blocks)
-    assert strategy.default_blocks(nn.Linear(2, 2)) == []  # no blocks: the root alone is sharded
+    assert default_blocks(gpt) == list(gpt.blocks)
+    assert default_blocks(nn.Linear(2, 2)) == []  # no blocks: the root alone is sharded
 
 
 def test_the_pipelines_blocks_are_named_in_model_order():

@@ -23,7 +23,7 @@ from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir import storage_errors
 from raytrain.rundir.publish import Upload, publish_local
 from raytrain.rundir.storage import Store
-from raytrain.worker.state import Save
+from raytrain.worker.saving import Save
 
 # How long rank 0 waits at the end of a run for Ray's upload step to rename its last checkpoint.
 PUBLISH_WAIT_S = 60.0

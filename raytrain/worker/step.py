@@ -34,7 +34,8 @@ from raytrain.worker import optim, strategy
 from raytrain.worker.heartbeat import Heartbeat, looks_like_timeout
 from raytrain.worker.phases import PhaseTimer, StepPhases
 from raytrain.worker.runtime import Runtime
-from raytrain.worker.state import Save, TrainingState, restore_rank_rng, seed_everything, unwrap
+from raytrain.worker.saving import Save
+from raytrain.worker.state import TrainingState, restore_rank_rng, seed_everything, unwrap
 from raytrain.worker.strategy import Prepared
 from raytrain.worker.window import LossWindow, Throughput
 

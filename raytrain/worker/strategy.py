@@ -14,6 +14,7 @@ parameters this rank holds.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -68,23 +69,6 @@ class Prepared:
     @property
     def sharded(self) -> bool:
         return self.strategy == "fsdp"
-
-
-def default_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of every outermost `nn.ModuleList`/`nn.Sequential` inside the model (the
-    transformer convention: `model.layers`, `model.blocks`); none if it has no such container.
-    The model itself, when it is a Sequential, is not its own container of blocks."""
-    found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if isinstance(child, (nn.ModuleList, nn.Sequential)):
-                found.extend(block for block in child.children() if any(True for _ in block.parameters()))
-            else:
-                visit(child)
-
-    visit(model)
-    return found
 
 
 def blocks_of(pipeline: "Pipeline", model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -170,7 +154,7 @@ def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime:
     else:
         if cfg.compile:
             model.compile()
-        model = runtime.prepare_model(model, _ddp_kwargs(cfg))
+        model = runtime.prepare_model(model, dataclasses.asdict(cfg.ddp))
         strategy = "ddp" if runtime.distributed and runtime.world_size > 1 else "local"
     local = sum(_local(p).numel() for p in model.parameters())
     names = tuple(name for name, _ in picked)
@@ -273,12 +257,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _nbytes(tensor: torch.Tensor) -> int:
     local = _local(tensor)
     return local.numel() * local.element_size()
-
-
-def _ddp_kwargs(cfg: "TrainConfig") -> dict[str, Any]:
-    import dataclasses
-
-    return dataclasses.asdict(cfg.ddp)
 
 
 def _count(n: int) -> str:
