@@ -51,7 +51,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(ray_sessi
     result = raytrain.fit(RecordingPipeline(str(first), num_rows=64), raytrain.TrainConfig(epochs=2, **base))
     checkpoints = checkpoint_dirs(result.run_dir)
     assert len(checkpoints) == 2
-    (checkpoints[-1] / "state.pt").write_bytes(b"truncated")  # a crash mid-write, or a bad disk
+    (checkpoints[-1] / "train_state.pt").write_bytes(b"truncated")  # a crash mid-write, or a bad disk
 
     resumed = raytrain.fit(
         RecordingPipeline(str(second), num_rows=64), raytrain.TrainConfig(epochs=3, resume=True, **base)

@@ -25,6 +25,7 @@ def test_optimizer_state_round_trips_a_kill_and_a_resume_at_another_worker_count
         storage=str(tmp_path),
         name=optimizer,
         checkpoint_every_steps=3,
+        checkpoint_async=False,  # the step-6 checkpoint is whole before the crash at step 7
         max_failures=0,
         log_every_steps=3,
         **({"momentum": 0.9, "nesterov": True} if optimizer == "sgd" else {}),
@@ -47,7 +48,15 @@ def test_optimizer_state_round_trips_a_kill_and_a_resume_at_another_worker_count
 def test_transform_batch_differs_each_epoch_and_repeats_after_a_resume(ray_session, tmp_path):
     out = tmp_path / "records"
     out.mkdir()
-    base = dict(epochs=2, global_batch_size=16, storage=str(tmp_path), name="aug", checkpoint_every_steps=2, workers=2)
+    base = dict(
+        epochs=2,
+        global_batch_size=16,
+        storage=str(tmp_path),
+        name="aug",
+        checkpoint_every_steps=2,
+        checkpoint_async=False,  # the step-4 checkpoint is whole before the crash at step 5
+        workers=2,
+    )
     with pytest.raises(raytrain.RunFailed):
         raytrain.fit(
             AugmentingPipeline(str(out), num_rows=128, crash_at_step=5), raytrain.TrainConfig(max_failures=0, **base)

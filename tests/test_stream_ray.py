@@ -108,8 +108,11 @@ def test_rank_killed_mid_epoch_then_resumed_at_another_worker_count(ray_session,
     pipeline = ShardedRecordingPipeline(str(out), path=str(data), crash_at_step=13)
     # Rank 0's process dies at step 13 of epoch 0; no retry allowed: the run fails with its
     # step-12 checkpoint in storage, then continues on 3 workers instead of 2.
+    # Synchronous checkpoints: the step-12 one is whole before step 13 begins.
     with pytest.raises(raytrain.RunFailed):
-        run(pipeline, tmp_path, "killed", workers=2, checkpoint_every_steps=4, data_partitions=4)
+        run(
+            pipeline, tmp_path, "killed", workers=2, checkpoint_every_steps=4, data_partitions=4, checkpoint_async=False
+        )
     before = preprocessed_rows(out)
     result = run(pipeline, tmp_path, "killed", workers=3, checkpoint_every_steps=4, data_partitions=4, resume=True)
     assert result.summary["status"] == "finished" and result.summary["samples_seen"] == EPOCHS * ROWS
