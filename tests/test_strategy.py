@@ -239,9 +239,12 @@ def test_unsharded_ranks_each_write_a_balanced_part_that_together_is_the_whole()
     state = trained()
     full = state._dcp_state()
     parts = [state._dcp_part(rank, 3) for rank in range(3)]
-    keys = [set(part["model"]) for part in parts]
-    assert set().union(*keys) == set(full["model"]) and sum(map(len, keys)) == len(full["model"])
-    assert set().union(*(part["optim"]["state"] for part in parts)) == set(full["optim"]["state"])
+    # rank 0 writes the whole model: it reads model.pt back from its own file (other ranks'
+    # files may be on other nodes, under an object store)
+    assert [set(part["model"]) for part in parts] == [set(full["model"]), set(), set()]
+    optim_keys = [set(part["optim"]["state"]) for part in parts]
+    assert set().union(*optim_keys) == set(full["optim"]["state"])
+    assert sum(map(len, optim_keys)) == len(full["optim"]["state"])
     assert [("param_groups" in part["optim"]) for part in parts] == [True, False, False]
 
     def nbytes(part):
@@ -250,4 +253,5 @@ def test_unsharded_ranks_each_write_a_balanced_part_that_together_is_the_whole()
 
     sizes = sorted(nbytes(part) for part in parts)
     assert sizes[-1] <= 1.5 * sizes[0]  # balanced by bytes
-    assert [set(p["model"]) for p in (state._dcp_part(r, 3) for r in range(3))] == keys  # the same every time
+    keys = [set(part["optim"]["state"]) for part in parts]
+    assert [set(p["optim"]["state"]) for p in (state._dcp_part(r, 3) for r in range(3))] == keys  # the same every time

@@ -177,9 +177,10 @@ class TrainingState:
 
     def _dcp_part(self, rank: int, world_size: int) -> dict[str, Any]:
         """What this rank writes of a checkpoint. Under fsdp its shards. Unsharded, every rank
-        holds all of the state: each writes (and first copies to host memory) only the
-        parameters it is given, with their optimizer state, balanced by bytes over the ranks;
-        together they are the whole, and any rank reads all of it back."""
+        holds all of the state: each writes (and first copies to host memory) only its part,
+        balanced by bytes over the ranks; together they are the whole. Rank 0's part holds
+        the whole model, so rank 0 reads the plain model.pt back from its own file: on an
+        object store the other ranks' files stay on their nodes."""
         state = self._dcp_state()
         if self.sharded or world_size == 1:
             return state
@@ -188,7 +189,7 @@ class TrainingState:
         part_optim = {"state": {k: v for k, v in optim.get("state", {}).items() if k in mine}}
         if rank == 0:  # the groups' settings (rates, decay), small: once
             part_optim["param_groups"] = optim.get("param_groups", [])
-        return {"model": {k: v for k, v in model.items() if k in mine}, "optim": part_optim}
+        return {"model": model if rank == 0 else {}, "optim": part_optim}
 
     def _load_legacy(self, directory: Path, saved: dict[str, Any], load_optimizer: Callable) -> None:
         """An earlier version's single state file: a plain model and an optimizer state keyed
@@ -319,15 +320,19 @@ def _snapshot(value: Any) -> Any:
 
 
 def _balanced_owners(model: dict[str, Any], optim: dict[str, Any], world_size: int) -> list[list[str]]:
-    """The model's keys dealt to `world_size` ranks, largest first to the least loaded, a key's
-    optimizer state counted with it: the same on every rank (it depends on names and sizes)."""
+    """Which parameters' optimizer state each of `world_size` ranks writes: largest first to
+    the least loaded, rank 0 starting with the whole model's bytes (it writes the model). The
+    same on every rank (it depends on names and sizes)."""
+
+    def nbytes(tensors: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
     def size(key: str) -> int:
-        tensors = [model[key], *[v for v in optim.get(key, {}).values() if torch.is_tensor(v)]]
-        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+        return nbytes(optim.get(key, {}).values())
 
     owners: list[list[str]] = [[] for _ in range(world_size)]
     loads = [0] * world_size
+    loads[0] = nbytes(model.values())
     for key in sorted(model, key=lambda k: (-size(k), k)):
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         owners[rank].append(key)
