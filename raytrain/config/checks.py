@@ -202,6 +202,8 @@ def _check_run(c: Any) -> Iterable[tuple[str, str]]:
     yield from resume.config_problems(c.resume, c.name)
     if not 0 < c.progress_interval_s < math.inf:
         yield "progress_interval_s", f"got {c.progress_interval_s}; must be a positive number of seconds, e.g. 10"
+    if c.peak_tflops is not None and not 0 < c.peak_tflops < math.inf:
+        yield "peak_tflops", f"got {c.peak_tflops}; must be a positive number of TFLOP/s, e.g. --peak-tflops 989"
     if not 0 < c.ddp.bucket_cap_mb < math.inf:
         yield "ddp.bucket_cap_mb", f"got {c.ddp.bucket_cap_mb}; must be a positive size in MiB, e.g. 25"
 

@@ -209,7 +209,9 @@ class ReplicaRuntime(Runtime):
 
     # -- what the loop sees -------------------------------------------------------------
 
-    def prepare_model(self, model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
+    def prepare_model(
+        self, model: torch.nn.Module, ddp_kwargs: dict[str, Any], sync_batchnorm: bool = False
+    ) -> torch.nn.Module:
         """On the device; torchft's DDP wraps it when the replica joins (`join`)."""
         return model.to(self.device)
 

@@ -78,7 +78,7 @@ class StepRunner:
                 raise PipelineCodeError(
                     f"pipeline {pipeline.name}: build_model returned a {type(model).__name__}, not a torch.nn.Module"
                 )
-        model = runtime.prepare_model(model, dataclasses.asdict(cfg.ddp))
+        model = runtime.prepare_model(model, dataclasses.asdict(cfg.ddp), cfg.sync_batchnorm)
         with pipeline_code(pipeline, "build_optimizer"):
             optimizer = pipeline.build_optimizer(unwrap(model), cfg)
             if not isinstance(optimizer, torch.optim.Optimizer):

@@ -1,0 +1,184 @@
+"""The check's per-worker function: the 1-worker reference and the N-worker run, step by step.
+
+Ray Train runs `check_loop_per_worker` on N workers. Rank 0 first takes the reference steps
+by itself (rank 0 of 1 on its own device, no DDP: one worker's run, the same math as
+`raytrain train --workers 1`) while the others wait; then all N take the same steps from
+the same initial weights over the same rows. Both sides are built from the trainer's own
+pieces (`StepRunner`, `open_source`, `rules.steps`), dropout layers in evaluation mode, and
+record for every step the global loss (sample-weighted over every rank's rows, all-reduced)
+and the global gradient norm, before the step's update.
+
+When the runs differ, rank 0 decides what to probe (`raytrain.check.verdict`): a model with
+per-rank BatchNorm is run again for a few steps with --sync-batchnorm on all N workers, to
+see whether the gap closes; the in-process probes (`raytrain.check.probes`) run on rank 0.
+Rank 0's return value (an `Outcome`) reaches the driver as Ray Train's `return_value`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raytrain.check import probes
+from raytrain.check.verdict import Cause, StepRecord, compare
+from raytrain.config import TrainConfig
+from raytrain.data.sources import Source, open_source
+from raytrain.data.stream import Stream
+from raytrain.data.table import Table
+from raytrain.pipeline import Pipeline
+from raytrain.rules import steps
+from raytrain.rules.batch import batch_plan_for
+from raytrain.rules.position import Position
+from raytrain.worker.epoch import advance
+from raytrain.worker.heartbeat import Heartbeat
+from raytrain.worker.runtime import Runtime
+from raytrain.worker.state import unwrap
+from raytrain.worker.step import Batch, StepRunner, update_context
+
+PAYLOAD = "raytrain_check"
+# Steps of the rerun that sees whether --sync-batchnorm closes a BatchNorm gap.
+RERUN_STEPS = 5
+
+
+@dataclass(frozen=True)
+class CheckPayload:
+    """What the driver hands every worker."""
+
+    config: TrainConfig  # the N-worker run's (global batch fixed)
+    reference: TrainConfig  # the 1-worker reference's
+    pipeline: Pipeline
+    sources: dict[str, Source]
+    steps: int
+    tolerance: float
+
+
+@dataclass
+class Outcome:
+    """Rank 0's records: both runs, the reruns, what the probes found, and what was neutralized."""
+
+    reference: list[StepRecord]
+    run: list[StepRecord]
+    reruns: dict[str, list[StepRecord]] = field(default_factory=dict)  # "sync_batchnorm": its steps
+    causes: list[Cause] = field(default_factory=list)
+    dropout_layers: int = 0
+    batchnorm_layers: list[str] = field(default_factory=list)
+    device: str = ""
+
+
+def check_loop_per_worker(loop_config: dict[str, Any]) -> Outcome | None:
+    payload: CheckPayload = loop_config[PAYLOAD]
+    runtime = Runtime()
+    pristine = copy.deepcopy(payload.pipeline)  # before any call: what a fresh worker holds
+    exact_fp32(runtime.device, payload.config.precision)
+    reference = None
+    if runtime.is_rank0:
+        reference, _ = record_steps(payload.reference, copy.deepcopy(pristine), runtime.alone(), payload)
+    runtime.all_gather_object(None)  # the others wait here while rank 0 takes the reference steps
+    run, model = record_steps(payload.config, copy.deepcopy(pristine), runtime, payload)
+    layers = probes.batchnorm_layers(unwrap(model))
+    differs = reference is not None and not compare(reference, run, payload.tolerance, runtime.world_size).equivalent
+    outcome = Outcome(reference or [], run, dropout_layers=probes.dropout_to_eval(model), batchnorm_layers=layers)
+    outcome.device = str(runtime.device)
+    # Every rank must agree to rerun; rank 0 alone holds the reference.
+    rerun = runtime.all_reduce_sum([float(differs and bool(layers))])[0] > 0
+    if rerun:
+        synced = dataclasses.replace(payload.config, sync_batchnorm=True)
+        outcome.reruns["sync_batchnorm"], _ = record_steps(
+            synced, copy.deepcopy(pristine), runtime, payload, min(payload.steps, RERUN_STEPS)
+        )
+    if differs:
+        outcome.causes = probe(pristine, payload, runtime.alone())
+    return outcome if runtime.is_rank0 else None
+
+
+def record_steps(
+    cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, payload: CheckPayload, count: int | None = None
+) -> tuple[list[StepRecord], torch.nn.Module]:
+    """`count` optimizer steps (default: the check's) from the seeded initial weights, each
+    recorded before its update; returns them and the model."""
+    runner, train = build(cfg, pipeline, runtime, payload)
+    position, records = Position(), []
+    count = payload.steps if count is None else count
+    while len(records) < count:
+        data = train.epoch(cfg.seed, position.epoch, position.epoch_offset, runtime.world_rank, runtime.world_size)
+        for step in steps.epoch_steps(len(train), runner.batch_plan.global_batch_size, position.epoch_offset):
+            update_context(runner, position)
+            phase = runner.phases(position, timed=False)
+            runner.gradients(data, step, position, phase)
+            records.append(StepRecord(global_loss(runner), grad_norm(runner)))
+            runner.apply_gradients(position, phase)
+            advance(position, step, steady=False, seconds=0.0)
+            if len(records) == count:
+                break
+        if position.epoch_offset >= len(train):
+            position.epoch, position.epoch_offset = position.epoch + 1, 0
+    return records, runner.model
+
+
+def build(
+    cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, payload: CheckPayload
+) -> tuple[StepRunner, Table | Stream]:
+    """The trainer's own step runner for `cfg` on `runtime` (seeded initial weights, dropout
+    layers in evaluation mode), and the training set."""
+    train = open_source("train", payload.sources["train"], runtime.get_object, cfg.skip_nan_rows)
+    heartbeat = Heartbeat(Path("."), runtime.world_rank, enabled=False)  # no run directory: nothing to write
+    plan = batch_plan_for(cfg, runtime.world_size)
+    runner = StepRunner.build(pipeline, cfg, runtime, heartbeat, "", plan, len(train), None)
+    runner.model.train()
+    probes.dropout_to_eval(runner.model)
+    return runner, train
+
+
+def global_loss(runner: StepRunner) -> float:
+    """The step's loss over every rank's rows, sample-weighted (one collective); the window
+    is cleared for the next step."""
+    window = runner.window
+    total, count = runner.runtime.all_reduce_sum([float(window.loss_sum.item()), float(window.loss_count)])
+    window.loss_sum.zero_()
+    window.loss_count = 0
+    return total / count if count else math.nan
+
+
+def grad_norm(runner: StepRunner) -> float:
+    """The global gradient norm after DDP's all-reduce (every rank holds the averaged
+    gradients; under a gradient scaler, unscaled). A sharded strategy (--strategy fsdp) holds
+    a shard per rank: its squared norms must be summed over ranks here."""
+    grads = [p.grad.detach().double() for p in unwrap(runner.model).parameters() if p.grad is not None]
+    norm = math.sqrt(sum(float(g.square().sum()) for g in grads)) if grads else 0.0
+    scale = runner.scaler.get_scale() if runner.scaler.is_enabled() else 1.0
+    return norm / scale
+
+
+def exact_fp32(device: torch.device, precision: str) -> None:
+    """At fp32, no TF32 on the GPU: its 10-bit mantissa would swamp reduction-order differences."""
+    if device.type == "cuda" and precision == "fp32":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def probe(pipeline: Pipeline, payload: CheckPayload, alone: Runtime) -> list[Cause]:
+    """The in-process probes on rank 0, on the rows of the first step at the initial weights."""
+    cfg = dataclasses.replace(payload.reference, precision="fp32")
+    runner, train = build(cfg, copy.deepcopy(pipeline), alone, payload)
+    data = train.epoch(cfg.seed, 0, 0, 0, 1)
+    first = steps.next_step(len(train), cfg.global_batch_size, 0)
+    update_context(runner, Position())
+    raw, _ = data.batch(data.rows(first), alone.device)
+    subject = probes.Subject(pipeline, runner.model, runner.augment(raw, 0, 0), wrap=Batch)
+    return probes.find_causes(subject, payload.config.max_workers, augment=augmenter(runner), raw=raw)
+
+
+def augmenter(runner: StepRunner):
+    """The pipeline's transform_batch as the step runs it, under generators seeded with `seed`."""
+
+    def augment(pipeline: Pipeline, batch: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+        other = dataclasses.replace(runner, pipeline=pipeline, cfg=dataclasses.replace(runner.cfg, seed=seed))
+        return other.augment({name: value.clone() for name, value in batch.items()}, 0, 0)
+
+    return augment
