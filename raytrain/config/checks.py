@@ -135,6 +135,12 @@ def _check_workers(c: Any) -> Iterable[tuple[str, str]]:
             "got per-step, but torchft is not installed; install it with pip install 'raytrain[ft]' (torchft-nightly), "
             "or use --fault-tolerance restart",
         )
+    if c.fault_tolerance == "per-step" and c.sync_batchnorm:
+        yield (
+            "sync_batchnorm",
+            "cannot sync BatchNorm across per-step replicas, which step in quorums of their own; drop --sync-batchnorm "
+            "or use --fault-tolerance restart",
+        )
     if c.fault_tolerance == "per-step" and c.max_failures == 0:
         yield (
             "max_failures",
