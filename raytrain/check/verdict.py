@@ -201,11 +201,11 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         rows.append(
             [
                 str(row.step),
-                _figure(row.reference.loss),
-                _figure(row.run.loss),
+                _shown(row.reference.loss),
+                _shown(row.run.loss),
                 f"{row.loss_difference:.1e}",
-                _figure(row.reference.grad_norm),
-                _figure(row.run.grad_norm),
+                _shown(row.reference.grad_norm),
+                _shown(row.run.grad_norm),
                 f"{row.norm_difference:.1e}",
                 mark,
             ]
@@ -213,5 +213,5 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def _figure(value: float) -> str:
+def _shown(value: float) -> str:
     return f"{value:.7g}" if math.isfinite(value) else str(value)

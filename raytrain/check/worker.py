@@ -102,7 +102,7 @@ def record_steps(
 ) -> tuple[list[StepRecord], torch.nn.Module]:
     """`count` optimizer steps (default: the check's) from the seeded initial weights, each
     recorded before its update; returns them and the model."""
-    runner, train = build(cfg, pipeline, runtime, payload)
+    runner, train = build_runner(cfg, pipeline, runtime, payload)
     position, records = Position(), []
     count = payload.steps if count is None else count
     while len(records) < count:
@@ -121,7 +121,7 @@ def record_steps(
     return records, runner.model
 
 
-def build(
+def build_runner(
     cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, payload: CheckPayload
 ) -> tuple[StepRunner, Table | Stream]:
     """The trainer's own step runner for `cfg` on `runtime` (seeded initial weights, dropout
@@ -165,7 +165,7 @@ def exact_fp32(device: torch.device, precision: str) -> None:
 def probe(pipeline: Pipeline, payload: CheckPayload, alone: Runtime) -> list[Cause]:
     """The in-process probes on rank 0, on the rows of the first step at the initial weights."""
     cfg = dataclasses.replace(payload.reference, precision="fp32")
-    runner, train = build(cfg, copy.deepcopy(pipeline), alone, payload)
+    runner, train = build_runner(cfg, copy.deepcopy(pipeline), alone, payload)
     data = train.epoch(cfg.seed, 0, 0, 0, 1)
     first = steps.next_step(len(train), cfg.global_batch_size, 0)
     update_context(runner, Position())

@@ -55,6 +55,7 @@ class StepRunner:
     window: LossWindow  # the steps since the last sync
     throughput: Throughput = field(default_factory=lambda: Throughput(time.perf_counter(), 0))
     loss_checked: bool = False  # compute_loss's result was checked (on the first call)
+    count_flops: bool = False  # rank 0 counts the FLOPs of its next micro-batch with rows (once per attempt)
 
     @classmethod
     def build(
@@ -111,6 +112,7 @@ class StepRunner:
             rate_multipliers=multipliers,
             window=LossWindow.on(runtime.device),
             throughput=Throughput(time.perf_counter(), position.samples_seen),
+            count_flops=runtime.is_rank0 and cfg.fault_tolerance == "restart",
         )
 
     # -- the rules of this attempt ----------------------------------------------------------
@@ -199,10 +201,11 @@ class StepRunner:
                 # over the samples actually present in the step (tail steps are smaller).
                 weight = steps.gradient_weight(count, self.runtime.world_size, step.size)
                 with self.accumulating(last=index == self.batch_plan.accumulation_steps - 1):
-                    with phase("forward"):
-                        loss, _ = self.compute_loss(batch)
-                    with phase("backward"):
-                        self.scaler.scale(loss * weight).backward()
+                    with self.counting_flops(position, count):
+                        with phase("forward"):
+                            loss, _ = self.compute_loss(batch)
+                        with phase("backward"):
+                            self.scaler.scale(loss * weight).backward()
                 self.window.add(loss, count, step_index)
 
     def apply_gradients(self, position: Position, phase: StepPhases) -> float:
@@ -215,6 +218,23 @@ class StepRunner:
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
         return lr
+
+    @contextlib.contextmanager
+    def counting_flops(self, position: Position, rows: int):
+        """The FLOPs of this micro-batch's forward and backward, per row, into the position
+        (`raytrain.rules.flops`): rank 0, the first micro-batch with rows of an attempt."""
+        if not self.count_flops or rows == 0:
+            yield
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False)
+        with counter:
+            yield
+        self.count_flops = False
+        position.flops_per_sample = counter.get_total_flops() / rows
+        device = self.runtime.device
+        position.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
     def clip_gradients(self, step_index: int) -> None:
         if self.cfg.grad_clip_norm is None:
