@@ -87,12 +87,3 @@ class WithDropout(Clean):
         model = SmallCNN()
         model.head.insert(3, nn.Dropout(0.5))
         return model
-
-
-class Augmented(Clean):
-    """Random flips in transform_batch: per-rank augmentation, a legitimate difference."""
-
-    def transform_batch(self, batch, ctx):
-        flip = torch.rand(len(batch["image"])) < 0.5
-        batch["image"] = torch.where(flip[:, None, None, None], batch["image"].flip(-1), batch["image"])
-        return batch

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from check_pipelines import (
-    Augmented,
     Clean,
     NoisyLoss,
     RankAware,
@@ -156,14 +155,32 @@ def test_a_probe_leaves_the_pipeline_and_the_generators_as_they_were(digits_batc
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_random_augmentation_in_transform_batch_is_named_as_legitimate(digits_batch):
-    def augment(pipeline, batch, seed):
-        with probes.seeded(seed):
-            return pipeline.transform_batch(dict(batch), None)
+def test_augmentation_row_by_row_gives_each_row_the_same_draws_however_the_rows_are_split():
+    from types import SimpleNamespace
 
-    found = probes.find_causes(subject(Augmented(), digits_batch), 2, augment=augment, raw=digits_batch)
-    assert [cause.name for cause in found] == ["random augmentation in transform_batch"]
-    assert "legitimate" in found[0].evidence
+    import numpy as np
+
+    from raytrain.check.worker import RowByRow
+    from raytrain.data.table import Table
+    from raytrain.rules.steps import Step
+
+    def transform(batch, key):  # noise drawn from the key, as StepRunner.transform seeds transform_batch
+        noise = torch.randn(batch["x"].shape, generator=torch.Generator().manual_seed(hash(tuple(key)) % 2**31))
+        return {**batch, "x": batch["x"] + noise}
+
+    runner = SimpleNamespace(cfg=SimpleNamespace(seed=3), transform=transform)
+    table = Table({"x": np.arange(40, dtype=np.float32).reshape(10, 4)})
+    step = Step(index=0, start=0, end=10)
+
+    def shares(world):
+        epochs = [RowByRow(table.epoch(3, 0, 0, rank, world), runner, epoch=0) for rank in range(world)]
+        return torch.cat([data.batch(data.rows(step), torch.device("cpu"))[0]["x"] for data in epochs])
+
+    one, two = shares(1), shares(2)
+    torch.testing.assert_close(one, two, rtol=0, atol=0)
+    assert not torch.equal(
+        one, torch.from_numpy(table.columns["x"])[torch.from_numpy(table.epoch(3, 0, 0, 0, 1).order)]
+    )
 
 
 def test_dropout_layers_are_put_in_evaluation_mode_and_counted():

@@ -128,7 +128,7 @@ def fit_check(
     payload = CheckPayload(run, reference, pipe, sources, opts.steps, tolerance)
     resources = {"CPU": run.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
     # The check writes no run: Ray Train's own records go to a directory removed after.
-    with tempfile.TemporaryDirectory(prefix="raytrain-check-") as storage:
+    with tempfile.TemporaryDirectory(prefix="raytrain-check-", ignore_cleanup_errors=True) as storage:
         trainer = FailFastTrainer(
             summarize_on_raise(check_loop_per_worker),
             train_loop_config={PAYLOAD: payload},
@@ -184,4 +184,12 @@ def report_lines(outcome: Outcome, verdict: Verdict) -> list[str]:
         "worker count)"
     )
     header, rows = table_rows(c)
-    return [dropout + ".", *text_table(header, rows), *verdict.lines()]
+    augmented = (
+        [
+            "transform_batch runs one row at a time on both sides, each row's draws seeded by its place in the epoch: "
+            "the augmentation does not depend on how the rows are split."
+        ]
+        if outcome.augmented_row_by_row
+        else []
+    )
+    return [dropout + ".", *augmented, *text_table(header, rows), *verdict.lines()]

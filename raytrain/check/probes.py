@@ -15,7 +15,6 @@ the call (and restored after it), so one probe leaves nothing behind for the nex
   its N shares (what the N workers' losses add up to). A ratio of N is a sum over the rows
   (reduction="sum"); a gap that closes when the BatchNorm layers normalize by their fixed
   running statistics is per-rank BatchNorm statistics;
-- augmentation: the pipeline's transform_batch under two seeds gives two batches.
 
 Nothing here starts Ray: the probes run on rank 0 of the check's worker group, and in the
 pure tests on tiny models.
@@ -33,7 +32,7 @@ import torch
 
 from raytrain.check.verdict import TOLERANCE, Cause, relative_difference
 from raytrain.errors import pipeline_code
-from raytrain.pipeline import _CONTEXT, Pipeline, overrides
+from raytrain.pipeline import _CONTEXT, Pipeline
 from raytrain.rules.steps import split_range
 
 # Two calls that should give the same loss: any difference beyond fp32 rounding is a finding.
@@ -254,42 +253,13 @@ def _batchnorm_frozen(model: torch.nn.Module) -> torch.nn.Module:
     return frozen
 
 
-def probe_augmentation(
-    pipeline: Pipeline, batch: Batch, augment: Callable[[Pipeline, Batch, int], Batch]
-) -> Cause | None:
-    """`augment(pipeline, batch, seed)`: the pipeline's transform_batch under generators seeded with `seed`."""
-    if not overrides(pipeline, "transform_batch"):
-        return None
-    first, second = (augment(copy.deepcopy(pipeline), batch, seed) for seed in SEEDS)
-    if (
-        all(torch.equal(first[name], second[name]) for name in first if name in second)
-        and first.keys() == second.keys()
-    ):
-        return None
-    return Cause(
-        "random augmentation in transform_batch",
-        "transform_batch gave two batches from the same rows under two seeds. raytrain seeds it per step and rank, "
-        "so at N workers each share is augmented from another stream than at 1 worker: a legitimate difference, "
-        "as dropout's masks are.",
-        "training with it is fine; to check the rest of the pipeline, run the check with the augmentation switched "
-        "off (a --pipeline-arg of your pipeline, for example).",
-    )
-
-
-def find_causes(
-    subject: Subject,
-    workers: int,
-    augment: Callable[[Pipeline, Batch, int], Batch] | None = None,
-    raw: Batch | None = None,
-) -> list[Cause]:
-    """Every probed cause found, the most specific first. `raw`: the batch before
-    transform_batch, for the augmentation probe (with `augment`)."""
+def find_causes(subject: Subject, workers: int) -> list[Cause]:
+    """Every probed cause found, the most specific first."""
     randomness = probe_randomness(subject)
     found = [
         probe_split(subject, workers, noisy=randomness is not None),
         randomness,
         probe_state(subject),
         probe_context(subject, workers),
-        probe_augmentation(subject.pipeline, raw, augment) if augment is not None and raw is not None else None,
     ]
     return [cause for cause in found if cause is not None]

@@ -29,9 +29,9 @@ from raytrain.check import probes
 from raytrain.check.verdict import Cause, StepRecord, compare
 from raytrain.config import TrainConfig
 from raytrain.data.sources import Source, open_source
-from raytrain.data.stream import Stream
-from raytrain.data.table import Table
-from raytrain.pipeline import Pipeline
+from raytrain.data.stream import Stream, StreamEpoch
+from raytrain.data.table import Table, TableEpoch
+from raytrain.pipeline import Pipeline, overrides
 from raytrain.rules import steps
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.position import Position
@@ -68,6 +68,7 @@ class Outcome:
     causes: list[Cause] = field(default_factory=list)
     dropout_layers: int = 0
     batchnorm_layers: list[str] = field(default_factory=list)
+    augmented_row_by_row: bool = False  # the pipeline's transform_batch, applied one row at a time (RowByRow)
     device: str = ""
 
 
@@ -85,6 +86,7 @@ def check_loop_per_worker(loop_config: dict[str, Any]) -> Outcome | None:
     differs = reference is not None and not compare(reference, run, payload.tolerance, runtime.world_size).equivalent
     outcome = Outcome(reference or [], run, dropout_layers=probes.dropout_to_eval(model), batchnorm_layers=layers)
     outcome.device = str(runtime.device)
+    outcome.augmented_row_by_row = overrides(pristine, "transform_batch")
     # Every rank must agree to rerun; rank 0 alone holds the reference.
     rerun = runtime.all_reduce_sum([float(differs and bool(layers))])[0] > 0
     if rerun:
@@ -106,7 +108,7 @@ def record_steps(
     position, records = Position(), []
     count = payload.steps if count is None else count
     while len(records) < count:
-        data = train.epoch(cfg.seed, position.epoch, position.epoch_offset, runtime.world_rank, runtime.world_size)
+        data = epoch_data(runner, train, position)
         for step in steps.epoch_steps(len(train), runner.batch_plan.global_batch_size, position.epoch_offset):
             update_context(runner, position)
             phase = runner.phases(position, timed=False)
@@ -129,7 +131,7 @@ def build_runner(
     train = open_source("train", payload.sources["train"], runtime.get_object, cfg.skip_nan_rows)
     heartbeat = Heartbeat(Path("."), runtime.world_rank, enabled=False)  # no run directory: nothing to write
     plan = batch_plan_for(cfg, runtime.world_size)
-    runner = StepRunner.build(pipeline, cfg, runtime, heartbeat, "", plan, len(train), None)
+    runner = CheckRunner.build(pipeline, cfg, runtime, heartbeat, "", plan, len(train), None)
     runner.model.train()
     probes.dropout_to_eval(runner.model)
     return runner, train
@@ -166,19 +168,54 @@ def probe(pipeline: Pipeline, payload: CheckPayload, alone: Runtime) -> list[Cau
     """The in-process probes on rank 0, on the rows of the first step at the initial weights."""
     cfg = dataclasses.replace(payload.reference, precision="fp32")
     runner, train = build_runner(cfg, copy.deepcopy(pipeline), alone, payload)
-    data = train.epoch(cfg.seed, 0, 0, 0, 1)
+    data = epoch_data(runner, train, Position())
     first = steps.next_step(len(train), cfg.global_batch_size, 0)
     update_context(runner, Position())
-    raw, _ = data.batch(data.rows(first), alone.device)
-    subject = probes.Subject(pipeline, runner.model, runner.augment(raw, 0, 0), wrap=Batch)
-    return probes.find_causes(subject, payload.config.max_workers, augment=augmenter(runner), raw=raw)
+    batch, _ = data.batch(data.rows(first), alone.device)
+    return probes.find_causes(probes.Subject(pipeline, runner.model, batch, wrap=Batch), payload.config.max_workers)
 
 
-def augmenter(runner: StepRunner):
-    """The pipeline's transform_batch as the step runs it, under generators seeded with `seed`."""
+class CheckRunner(StepRunner):
+    """The trainer's step runner, but transform_batch is applied by the data, row by row
+    (`RowByRow`), not to each rank's share as a whole."""
 
-    def augment(pipeline: Pipeline, batch: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-        other = dataclasses.replace(runner, pipeline=pipeline, cfg=dataclasses.replace(runner.cfg, seed=seed))
-        return other.augment({name: value.clone() for name, value in batch.items()}, 0, 0)
+    def augment(self, batch: dict[str, torch.Tensor], micro_index: int, step_index: int) -> dict[str, torch.Tensor]:
+        return batch
 
-    return augment
+
+def epoch_data(runner: StepRunner, train: Table | Stream, position: Position) -> "TableEpoch | StreamEpoch | RowByRow":
+    """This rank's rows of the epoch at `position`; augmented row by row when the pipeline augments."""
+    rank, world = runner.runtime.world_rank, runner.runtime.world_size
+    data = train.epoch(runner.cfg.seed, position.epoch, position.epoch_offset, rank, world)
+    return RowByRow(data, runner, position.epoch) if overrides(runner.pipeline, "transform_batch") else data
+
+
+@dataclass
+class RowByRow:
+    """An epoch's data whose batches come through transform_batch one row at a time, each
+    row's random draws seeded from (seed, epoch, its place in the epoch): the same row gets
+    the same augmentation however the step's rows are split over ranks. (In training,
+    transform_batch takes a rank's whole share, seeded per rank: a legitimate difference with
+    the worker count, as dropout's masks are. A transform that mixes rows, such as mixup, is
+    checked row by row.)"""
+
+    data: TableEpoch | StreamEpoch
+    runner: StepRunner
+    epoch: int
+
+    def rows(self, step: steps.Step) -> list[tuple]:
+        return self.data.rows(step)
+
+    def batch(self, rows: list[tuple], device: torch.device) -> tuple[dict[str, torch.Tensor], int]:
+        batch, count = self.data.batch(rows, device)
+        if not count:
+            return batch, count
+        # A place is the row's position in the epoch's order (in memory) or in its lane (streamed):
+        # neither depends on the worker count.
+        places = [(*piece[:-2], place) for piece in rows for place in range(piece[-2], piece[-1])][:count]
+        seed = self.runner.cfg.seed
+        one_by_one = [
+            self.runner.transform({name: value[i : i + 1] for name, value in batch.items()}, [seed, self.epoch, *place])
+            for i, place in enumerate(places)
+        ]
+        return {name: torch.cat([row[name] for row in one_by_one]) for name in one_by_one[0]}, count

@@ -267,7 +267,10 @@ class StepRunner:
         micro-batch): new every epoch, the same after a resume; the run's own streams untouched."""
         if not overrides(self.pipeline, "transform_batch"):
             return batch
-        key = [self.cfg.seed, _CONTEXT.epoch, step_index, self.runtime.world_rank, micro_index]
+        return self.transform(batch, [self.cfg.seed, _CONTEXT.epoch, step_index, self.runtime.world_rank, micro_index])
+
+    def transform(self, batch: dict[str, torch.Tensor], key: list[int]) -> dict[str, torch.Tensor]:
+        """transform_batch under torch's and numpy's generators seeded from `key`."""
         seed = int(np.random.SeedSequence(key).generate_state(1)[0])
         devices = [self.runtime.device] if self.runtime.device.type == "cuda" else []
         numpy_state = np.random.get_state()
