@@ -11,7 +11,7 @@ import time
 from typing import Callable
 
 from raytrain.check.options import CheckOptions
-from raytrain.check.verdict import DRIFT_FREE_STEPS, Comparison, Verdict, compare, table_rows, tolerance_for
+from raytrain.check.verdict import Comparison, Verdict, compare, horizon_of, table_rows, tolerance_for
 from raytrain.check.worker import PAYLOAD, CheckPayload, Outcome, check_loop_per_worker
 from raytrain.config import TrainConfig
 from raytrain.config.checks import parse_workers
@@ -47,7 +47,7 @@ def check_configs(pipe: Pipeline, cfg: TrainConfig, spec: str) -> tuple[TrainCon
     if cfg.global_batch_size is None:
         global_batch = batch_plan_for(cfg, high).global_batch_size
         cfg = dataclasses.replace(cfg, global_batch_size=global_batch, batch_size_per_worker=None)
-    run = resolve_config(pipe, dataclasses.replace(cfg, max_failures=0), spec)
+    run = resolve_config(pipe, cfg, spec)
     # --strategy fsdp (when the configuration has it) compares fsdp at N with ddp at 1.
     reference_changes = {"workers": 1, "sync_batchnorm": False}
     if hasattr(run, "strategy"):
@@ -96,11 +96,6 @@ def plan_lines(
         f"{run.precision}, tolerance {tolerance:.0e} relative per step"
         + (" (TF32 off)" if use_gpu and run.precision == "fp32" else ""),
     ]
-    if opts.steps > DRIFT_FREE_STEPS:
-        lines.append(
-            f"note: beyond about {DRIFT_FREE_STEPS} steps rounding differences compound through training and can "
-            f"pass the tolerance without any per-rank cause; {DRIFT_FREE_STEPS // 2} steps show a cause as well"
-        )
     return lines
 
 
@@ -121,8 +116,7 @@ def fit_check(
     from raytrain.driver.failfast import FailFastTrainer
     from raytrain.driver.launch import apply_train_timers
     from raytrain.driver.session import WORKER_ENV, ray_logs_dir
-    from raytrain.driver.summary import explain_failure
-    from raytrain.errors import summarize_on_raise
+    from raytrain.errors import explain_worker_errors, summarize_on_raise
 
     apply_train_timers(run)
     payload = CheckPayload(run, reference, pipe, sources, opts.steps, tolerance)
@@ -147,19 +141,26 @@ def fit_check(
             fault = find_user_error(exc)
             if fault is not None:
                 raise fault from None
-            raise RunFailed(explain_failure(exc, storage, ray_logs_dir())) from None
+            lines = explain_worker_errors(exc)
+            logs = ray_logs_dir() or "/tmp/ray/session_latest/logs"
+            raise RunFailed(
+                f"The check failed: {lines[0]}\n"
+                + "".join(f"  {line}\n" for line in lines[1:])
+                + f"Full worker logs: {logs} (worker-*.err); rerun with -v to see Ray's own logs."
+            ) from None
     return result.return_value
 
 
 def judge(outcome: Outcome, tolerance: float, workers: int) -> Verdict:
-    """The verdict from rank 0's records: the comparison, the probes' causes, and whether
-    the --sync-batchnorm rerun closed the gap."""
-    comparison = compare(outcome.reference, outcome.run, tolerance, workers)
+    """The verdict from rank 0's records: the comparison up to the pipeline's horizon, the
+    probes' causes, and whether the --sync-batchnorm rerun closed the gap."""
+    horizon = horizon_of(outcome.reference, outcome.reordered, tolerance)
+    comparison = compare(outcome.reference, outcome.run, tolerance, workers, horizon)
     verdict = Verdict(comparison, causes=list(outcome.causes))
     synced = outcome.reruns.get("sync_batchnorm")
     if synced:
-        rerun = compare(outcome.reference, synced, tolerance, workers)
-        steps = f"steps 1–{len(synced)}"
+        rerun = compare(outcome.reference, synced, tolerance, workers, horizon)
+        steps = f"steps 1–{len(rerun.judged_rows)}"
         if rerun.equivalent:
             verdict.confirmed.append(
                 f"rerun with --sync-batchnorm on {workers} workers, {steps} agree with 1 worker "
@@ -183,7 +184,7 @@ def report_lines(outcome: Outcome, verdict: Verdict) -> list[str]:
         else "no dropout layers (any would be put in evaluation mode: their masks legitimately differ with the "
         "worker count)"
     )
-    header, rows = table_rows(c)
+    header, rows = table_rows(c, outcome.reordered)
     augmented = (
         [
             "transform_batch runs one row at a time on both sides, each row's draws seeded by its place in the epoch: "
@@ -192,4 +193,8 @@ def report_lines(outcome: Outcome, verdict: Verdict) -> list[str]:
         if outcome.augmented_row_by_row
         else []
     )
-    return [dropout + ".", *augmented, *text_table(header, rows), *verdict.lines()]
+    legend = (
+        "1 vs 1 reordered: the 1-worker run against itself with each step's rows rotated by half (the same math, "
+        "summed in another order): how far this pipeline's training amplifies rounding."
+    )
+    return [dropout + ".", *augmented, legend, *text_table(header, rows), *verdict.lines()]

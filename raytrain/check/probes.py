@@ -201,8 +201,12 @@ def split_losses(subject: Subject, parts: int) -> tuple[float, float]:
     return whole, split
 
 
-def probe_split(subject: Subject, workers: int, noisy: bool = False) -> Cause | None:
-    """`noisy`: the loss is random (probe_randomness), so only a ratio of N says something."""
+def probe_split(subject: Subject, workers: int, noisy: bool = False, batchnorm_synced: bool = False) -> Cause | None:
+    """`noisy`: the loss is random (probe_randomness), so only a ratio of N says something.
+    `batchnorm_synced` (--sync-batchnorm): the BatchNorm layers see the global batch, as here
+    in one process; they are held at fixed statistics so that the split probes the rest."""
+    if batchnorm_synced:
+        subject = Subject(subject.pipeline, _batchnorm_frozen(subject.model), subject.batch, subject.wrap)
     whole, split = split_losses(subject, workers)
     gap = relative_difference(whole, split)
     if gap <= SAME:
@@ -220,7 +224,7 @@ def probe_split(subject: Subject, workers: int, noisy: bool = False) -> Cause | 
         )
     if noisy:
         return None
-    layers = batchnorm_layers(subject.model)
+    layers = [] if batchnorm_synced else batchnorm_layers(subject.model)
     if layers:
         frozen = Subject(subject.pipeline, _batchnorm_frozen(subject.model), subject.batch, subject.wrap)
         closed = relative_difference(*split_losses(frozen, workers))
@@ -253,11 +257,11 @@ def _batchnorm_frozen(model: torch.nn.Module) -> torch.nn.Module:
     return frozen
 
 
-def find_causes(subject: Subject, workers: int) -> list[Cause]:
+def find_causes(subject: Subject, workers: int, batchnorm_synced: bool = False) -> list[Cause]:
     """Every probed cause found, the most specific first."""
     randomness = probe_randomness(subject)
     found = [
-        probe_split(subject, workers, noisy=randomness is not None),
+        probe_split(subject, workers, noisy=randomness is not None, batchnorm_synced=batchnorm_synced),
         randomness,
         probe_state(subject),
         probe_context(subject, workers),

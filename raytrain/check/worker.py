@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from raytrain.check import probes
-from raytrain.check.verdict import Cause, StepRecord, compare
+from raytrain.check.verdict import Cause, StepRecord, compare, horizon_of
 from raytrain.config import TrainConfig
 from raytrain.data.sources import Source, open_source
 from raytrain.data.stream import Stream, StreamEpoch
@@ -63,6 +63,7 @@ class Outcome:
     """Rank 0's records: both runs, the reruns, what the probes found, and what was neutralized."""
 
     reference: list[StepRecord]
+    reordered: list[StepRecord]  # the reference again, each step's rows rotated by half (the horizon)
     run: list[StepRecord]
     reruns: dict[str, list[StepRecord]] = field(default_factory=dict)  # "sync_batchnorm": its steps
     causes: list[Cause] = field(default_factory=list)
@@ -77,14 +78,18 @@ def check_loop_per_worker(loop_config: dict[str, Any]) -> Outcome | None:
     runtime = Runtime()
     pristine = copy.deepcopy(payload.pipeline)  # before any call: what a fresh worker holds
     exact_fp32(runtime.device, payload.config.precision)
-    reference = None
+    reference = reordered = None
     if runtime.is_rank0:
-        reference, _ = record_steps(payload.reference, copy.deepcopy(pristine), runtime.alone(), payload)
-    runtime.all_gather_object(None)  # the others wait here while rank 0 takes the reference steps
+        alone = runtime.alone()
+        reference, _ = record_steps(payload.reference, copy.deepcopy(pristine), alone, payload)
+        reordered, _ = record_steps(payload.reference, copy.deepcopy(pristine), alone, payload, reorder=True)
+    runtime.all_gather_object(None)  # the others wait here while rank 0 takes the 1-worker steps
     run, model = record_steps(payload.config, copy.deepcopy(pristine), runtime, payload)
     layers = probes.batchnorm_layers(unwrap(model))
-    differs = reference is not None and not compare(reference, run, payload.tolerance, runtime.world_size).equivalent
-    outcome = Outcome(reference or [], run, dropout_layers=probes.dropout_to_eval(model), batchnorm_layers=layers)
+    differs = reference is not None and not agrees(reference, reordered, run, payload.tolerance, runtime.world_size)
+    outcome = Outcome(
+        reference or [], reordered or [], run, dropout_layers=probes.dropout_to_eval(model), batchnorm_layers=layers
+    )
     outcome.device = str(runtime.device)
     outcome.augmented_row_by_row = overrides(pristine, "transform_batch")
     # Every rank must agree to rerun; rank 0 alone holds the reference.
@@ -99,16 +104,28 @@ def check_loop_per_worker(loop_config: dict[str, Any]) -> Outcome | None:
     return outcome if runtime.is_rank0 else None
 
 
+def agrees(reference, reordered, run, tolerance: float, workers: int) -> bool:
+    """Whether the N-worker run agrees with the reference up to the pipeline's horizon."""
+    return compare(reference, run, tolerance, workers, horizon_of(reference, reordered, tolerance)).equivalent
+
+
 def record_steps(
-    cfg: TrainConfig, pipeline: Pipeline, runtime: Runtime, payload: CheckPayload, count: int | None = None
+    cfg: TrainConfig,
+    pipeline: Pipeline,
+    runtime: Runtime,
+    payload: CheckPayload,
+    count: int | None = None,
+    reorder: bool = False,
 ) -> tuple[list[StepRecord], torch.nn.Module]:
     """`count` optimizer steps (default: the check's) from the seeded initial weights, each
-    recorded before its update; returns them and the model."""
+    recorded before its update (`reorder`: each step's rows rotated by half); returns them
+    and the model."""
     runner, train = build_runner(cfg, pipeline, runtime, payload)
     position, records = Position(), []
     count = payload.steps if count is None else count
     while len(records) < count:
         data = epoch_data(runner, train, position)
+        data = Rotated(data) if reorder else data
         for step in steps.epoch_steps(len(train), runner.batch_plan.global_batch_size, position.epoch_offset):
             update_context(runner, position)
             phase = runner.phases(position, timed=False)
@@ -172,7 +189,8 @@ def probe(pipeline: Pipeline, payload: CheckPayload, alone: Runtime) -> list[Cau
     first = steps.next_step(len(train), cfg.global_batch_size, 0)
     update_context(runner, Position())
     batch, _ = data.batch(data.rows(first), alone.device)
-    return probes.find_causes(probes.Subject(pipeline, runner.model, batch, wrap=Batch), payload.config.max_workers)
+    subject = probes.Subject(pipeline, runner.model, batch, wrap=Batch)
+    return probes.find_causes(subject, payload.config.max_workers, batchnorm_synced=payload.config.sync_batchnorm)
 
 
 class CheckRunner(StepRunner):
@@ -219,3 +237,19 @@ class RowByRow:
             for i, place in enumerate(places)
         ]
         return {name: torch.cat([row[name] for row in one_by_one]) for name in one_by_one[0]}, count
+
+
+@dataclass
+class Rotated:
+    """An epoch's data with each batch's rows rotated by half (the second half first): the
+    same step, its sums taken in another order, as a split over ranks takes them (what makes
+    the horizon: `raytrain.check.verdict.horizon_of`)."""
+
+    data: Any
+
+    def rows(self, step: steps.Step) -> list[tuple]:
+        return self.data.rows(step)
+
+    def batch(self, rows: list[tuple], device: torch.device) -> tuple[dict[str, torch.Tensor], int]:
+        batch, count = self.data.batch(rows, device)
+        return ({name: value.roll(count // 2, 0) for name, value in batch.items()} if count else batch), count
