@@ -2,11 +2,13 @@
 
 Ray Train runs `check_loop_per_worker` on N workers. Rank 0 first takes the reference steps
 by itself (rank 0 of 1 on its own device, no DDP: one worker's run, the same math as
-`raytrain train --workers 1`) while the others wait; then all N take the same steps from
-the same initial weights over the same rows. Both sides are built from the trainer's own
-pieces (`StepRunner`, `open_source`, `rules.steps`), dropout layers in evaluation mode, and
-record for every step the global loss (sample-weighted over every rank's rows, all-reduced)
-and the global gradient norm, before the step's update.
+`raytrain train --workers 1`), then once more with each step's rows rotated by half (the
+pipeline's horizon: `raytrain.check.verdict`), while the others wait; then all N take the
+same steps from the same initial weights over the same rows. Every side is built from the
+trainer's own pieces (`StepRunner`, `open_source`, `rules.steps`), dropout layers in
+evaluation mode, `transform_batch` row by row (`RowByRow`), and records for every step the
+global loss (sample-weighted over every rank's rows, all-reduced) and the global gradient
+norm, before the step's update.
 
 When the runs differ, rank 0 decides what to probe (`raytrain.check.verdict`): a model with
 per-rank BatchNorm is run again for a few steps with --sync-batchnorm on all N workers, to
@@ -68,9 +70,7 @@ class Outcome:
     reruns: dict[str, list[StepRecord]] = field(default_factory=dict)  # "sync_batchnorm": its steps
     causes: list[Cause] = field(default_factory=list)
     dropout_layers: int = 0
-    batchnorm_layers: list[str] = field(default_factory=list)
     augmented_row_by_row: bool = False  # the pipeline's transform_batch, applied one row at a time (RowByRow)
-    device: str = ""
 
 
 def check_loop_per_worker(loop_config: dict[str, Any]) -> Outcome | None:
@@ -88,10 +88,12 @@ def check_loop_per_worker(loop_config: dict[str, Any]) -> Outcome | None:
     layers = probes.batchnorm_layers(unwrap(model))
     differs = reference is not None and not agrees(reference, reordered, run, payload.tolerance, runtime.world_size)
     outcome = Outcome(
-        reference or [], reordered or [], run, dropout_layers=probes.dropout_to_eval(model), batchnorm_layers=layers
+        reference or [],
+        reordered or [],
+        run,
+        dropout_layers=probes.dropout_to_eval(model),
+        augmented_row_by_row=overrides(pristine, "transform_batch"),
     )
-    outcome.device = str(runtime.device)
-    outcome.augmented_row_by_row = overrides(pristine, "transform_batch")
     # Every rank must agree to rerun; rank 0 alone holds the reference.
     rerun = runtime.all_reduce_sum([float(differs and bool(layers))])[0] > 0
     if rerun:
