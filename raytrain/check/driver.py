@@ -48,11 +48,8 @@ def check_configs(pipe: Pipeline, cfg: TrainConfig, spec: str) -> tuple[TrainCon
         global_batch = batch_plan_for(cfg, high).global_batch_size
         cfg = dataclasses.replace(cfg, global_batch_size=global_batch, batch_size_per_worker=None)
     run = resolve_config(pipe, cfg, spec)
-    # --strategy fsdp (when the configuration has it) compares fsdp at N with ddp at 1.
-    reference_changes = {"workers": 1, "sync_batchnorm": False}
-    if hasattr(run, "strategy"):
-        reference_changes["strategy"] = "ddp"
-    return run, dataclasses.replace(run, **reference_changes)
+    # --strategy fsdp compares fsdp at N workers with ddp at 1 (rank 0 by itself holds the whole model).
+    return run, dataclasses.replace(run, workers=1, sync_batchnorm=False, strategy="ddp")
 
 
 def run_check(

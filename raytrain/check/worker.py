@@ -150,7 +150,7 @@ def build_runner(
     train = open_source("train", payload.sources["train"], runtime.get_object, cfg.skip_nan_rows)
     heartbeat = Heartbeat(Path("."), runtime.world_rank, enabled=False)  # no run directory: nothing to write
     plan = batch_plan_for(cfg, runtime.world_size)
-    runner = CheckRunner.build(pipeline, cfg, runtime, heartbeat, "", plan, len(train), None)
+    runner = CheckRunner.build(pipeline, cfg, runtime, heartbeat, "", plan, len(train))
     runner.model.train()
     probes.dropout_to_eval(runner.model)
     return runner, train
@@ -167,13 +167,20 @@ def global_loss(runner: StepRunner) -> float:
 
 
 def grad_norm(runner: StepRunner) -> float:
-    """The global gradient norm after DDP's all-reduce (every rank holds the averaged
-    gradients; under a gradient scaler, unscaled). A sharded strategy (--strategy fsdp) holds
-    a shard per rank: its squared norms must be summed over ranks here."""
-    grads = [p.grad.detach().double() for p in unwrap(runner.model).parameters() if p.grad is not None]
-    norm = math.sqrt(sum(float(g.square().sum()) for g in grads)) if grads else 0.0
+    """The global gradient norm, unscaled under a gradient scaler. Under DDP every rank holds
+    the averaged gradients; under --strategy fsdp each holds its shards' (DTensors), whose
+    squared norms are summed over the ranks (one collective)."""
+    local = [strategy_local(p.grad) for p in unwrap(runner.model).parameters() if p.grad is not None]
+    squares = sum(float(g.detach().double().square().sum()) for g in local)
+    if runner.prepared is not None and runner.prepared.sharded:
+        squares = runner.runtime.all_reduce_sum([squares])[0]
     scale = runner.scaler.get_scale() if runner.scaler.is_enabled() else 1.0
-    return norm / scale
+    return math.sqrt(squares) / scale
+
+
+def strategy_local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (a DTensor's local shard), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def exact_fp32(device: torch.device, precision: str) -> None:

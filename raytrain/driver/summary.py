@@ -59,6 +59,11 @@ def write_summary(
     cost = _cost(progress, cfg)
     if cost is not None:
         summary.extra["cost"] = cost
+    if progress is not None and progress.get("checkpoints"):
+        # the loop's mean wait per checkpoint (its files are written while training goes on)
+        summary.extra["checkpoint_wait_s"] = round(
+            progress.get("checkpoint_wait_s", 0.0) / progress.get("checkpoints"), 4
+        )
     try:
         files.write_summary(summary)
     except StorageError as exc:  # a full disk must not hide the run's own error
