@@ -1,6 +1,7 @@
-"""`raytrain check` on 2 CPU workers (gloo): the built-in pipelines pass at fp32; one pipeline
-per named cause fails with that cause in its message; --sync-batchnorm makes the BatchNorm
-case pass (its 2-worker losses agree with 1 worker's within the tolerance)."""
+"""`raytrain check` on 2 CPU workers (gloo): the built-in pipelines pass at fp32 (charlm also
+sharded: fsdp at 2 workers against ddp at 1); one pipeline per named cause fails with that
+cause in its message; --sync-batchnorm makes the BatchNorm case pass (its 2-worker losses agree
+with 1 worker's within the tolerance)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,12 @@ def table(out: str) -> list[list[str]]:
 
 @pytest.mark.parametrize(
     "argv",
-    [["digits"], ["charlm", "--steps", "8", "--pipeline-arg", "corpus_mb=0.2"]],
-    ids=["digits", "charlm"],
+    [
+        ["digits"],
+        ["charlm", "--steps", "8", "--pipeline-arg", "corpus_mb=0.2"],
+        ["charlm", "--steps", "8", "--pipeline-arg", "corpus_mb=0.2", "--strategy", "fsdp"],
+    ],
+    ids=["digits", "charlm", "charlm-fsdp"],
 )
 def test_the_built_in_pipelines_train_at_2_workers_as_at_1(ray_session, capsys, argv):
     code, out = check(capsys, *argv)

@@ -170,7 +170,7 @@ def grad_norm(runner: StepRunner) -> float:
     """The global gradient norm, unscaled under a gradient scaler. Under DDP every rank holds
     the averaged gradients; under --strategy fsdp each holds its shards' (DTensors), whose
     squared norms are summed over the ranks (one collective)."""
-    local = [strategy_local(p.grad) for p in unwrap(runner.model).parameters() if p.grad is not None]
+    local = [local_part(p.grad) for p in unwrap(runner.model).parameters() if p.grad is not None]
     squares = sum(float(g.detach().double().square().sum()) for g in local)
     if runner.prepared is not None and runner.prepared.sharded:
         squares = runner.runtime.all_reduce_sum([squares])[0]
@@ -178,7 +178,7 @@ def grad_norm(runner: StepRunner) -> float:
     return math.sqrt(squares) / scale
 
 
-def strategy_local(tensor: torch.Tensor) -> torch.Tensor:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded tensor (a DTensor's local shard), or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
