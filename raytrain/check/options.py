@@ -19,6 +19,7 @@ CHECK_SKIPPED = (
     "fault_tolerance",
     "checkpoint_every_steps",
     "num_checkpoints_to_keep",
+    "checkpoint_async",
     "log_every_steps",
     "progress",
     "progress_interval_s",
