@@ -59,5 +59,12 @@ for precision in fp32 bf16; do
     raytrain bench digits --gpu --workers 1 --steps 200 --repeat 3 --precision "$precision" --baseline torchrun,plain \
         --storage "$STORE" --name "bench-$precision" || fail "bench --precision $precision"
     cp "$STORE/bench-$precision/bench.md" "$OUT/bench-$precision.md" 2>/dev/null
+    python - "$STORE/bench-$precision/bench.json" <<'EOF' || fail "the cost view of bench-$precision"
+import json, sys
+cost = json.load(open(sys.argv[1]))["results"][0]["cost"]
+assert cost and cost["flops_per_sample"] == 7_548_672, cost
+mfu = "none (no peak known for this GPU)" if cost["mfu"] is None else f"{cost['mfu']:.2%} of {cost['peak_tflops']:g} TFLOP/s"
+print(f"gpu-smoke: cost: {cost['achieved_tflops_per_worker']:.3g} TFLOP/s per worker on {cost['device']}, MFU {mfu}")
+EOF
 done
 say "all steps passed in $(( $(date +%s) - started )) s; figures in $OUT"

@@ -278,5 +278,10 @@ def test_bench_digits_one_and_two_workers(ray_session, tmp_path, capsys):
     assert rows[2]["steady_samples_per_s"] > 0 and rows[2]["efficiency"] == pytest.approx(rows[2]["speedup"] / 2)
     assert set(rows[2]["split_ms"]) == {"step", "data_wait", "compute", "communication", "optimizer", "other"}
     assert "| 1 | 32 |" in (folder / "bench.md").read_text()
+    # The cost view: the CNN's forward and backward FLOPs per sample, and what each worker achieved.
+    cost = rows[2]["cost"]
+    assert cost["flops_per_sample"] == 7_548_672 and cost["mfu"] is None  # a CPU: no peak known
+    assert cost["achieved_tflops_per_worker"] == pytest.approx(7_548_672 * rows[2]["steady_samples_per_s"] / 2 / 1e12)
+    assert "TFLOP/s/worker" in out and "FLOPs per sample: 7,548,672" in (folder / "bench.md").read_text()
     assert (folder / "scaling.png").read_bytes()[:8] == PNG_MAGIC
     assert "speedup" in out and str(folder / "bench.json") in out

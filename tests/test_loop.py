@@ -249,6 +249,8 @@ def test_finishing_writes_the_model_the_progress_and_the_last_event(tmp_path):
         "checkpoints",
         "data",
         "epoch_loss",
+        "flops_per_sample",
+        "device_name",
         "steady_samples_per_s",
         "status",
         "time",

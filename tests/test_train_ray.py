@@ -32,6 +32,12 @@ def test_digits_two_workers_trains_and_leaves_run_files(ray_session, tmp_path):
     for key in ("steps", "samples_seen", "wall_time_s", "best_checkpoint", "model_path"):
         assert summary[key], key
     assert summary["samples_seen"] == 4 * 1438  # every training sample once per epoch
+    # The cost view: the CNN's forward and backward FLOPs per sample, counted on rank 0's first batch
+    # (convolutions and linear layers: 2,528,512 forward + 5,020,160 backward), and what they make per worker.
+    cost = summary["cost"]
+    assert cost["flops_per_sample"] == 7_548_672 and cost["device"] == "cpu" and cost["mfu"] is None
+    assert cost["achieved_tflops_per_worker"] == pytest.approx(7_548_672 * summary["steady_samples_per_s"] / 2 / 1e12)
+    assert "Cost: 7.55 MFLOP per sample (forward + backward)" in (run_dir / "report.md").read_text()
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
     for key in (

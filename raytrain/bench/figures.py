@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from raytrain.rules import costmodel, steps
+from raytrain.rules import costmodel, flops, steps
 
 # -- pure: epochs, step split, ratios ------------------------------------------------------
 
@@ -53,9 +53,17 @@ def step_split(
 
 
 def scaling_rows(
-    runs: list[dict[str, Any]], grad_bytes: int, link: str | None, bucket_mb: float
+    runs: list[dict[str, Any]],
+    grad_bytes: int,
+    link: str | None,
+    bucket_mb: float,
+    *,
+    precision: str = "fp32",
+    peak_tflops: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Per worker count: throughput, speedup vs 1 worker, efficiency, step split, prediction."""
+    """Per worker count: throughput, speedup vs 1 worker, efficiency, step split, the cost
+    view (FLOPs per sample, achieved FLOP/s per worker, MFU: `raytrain.rules.flops`),
+    prediction."""
     base = next(r for r in runs if r["workers"] == 1)
     fb_1 = 1e3 * base["phase_time_s"].get("forward_backward", 0.0) / base["steady_steps"]
     rows = []
@@ -81,6 +89,14 @@ def scaling_rows(
             "split_ms": split,
             "implied_bandwidth_GBps": costmodel.implied_bandwidth_GBps(n, grad_bytes, split["communication"] / 1e3),
             "run_dir": run["run_dir"],
+            "cost": flops.cost_view(
+                run.get("flops_per_sample"),
+                run["steady_samples_per_s"],
+                n,
+                run.get("device_name") or "",
+                precision,
+                peak_tflops,
+            ),
         }
         if link:
             row["predicted_speedup"] = costmodel.predict(

@@ -51,6 +51,8 @@ def table_lines(report: dict[str, Any]) -> list[list[str]]:
         "comm",
         "optimizer",
         "other",
+        "TFLOP/s/worker",
+        "MFU",
     ]
     if predicted:
         header.append(f"predicted ({report['link']})")
@@ -69,11 +71,36 @@ def table_lines(report: dict[str, Any]) -> list[list[str]]:
             f"{s['communication']:.2f}",
             f"{s['optimizer']:.2f}",
             f"{s['other']:.2f}",
+            *_cost_cells(row.get("cost")),
         ]
         if predicted:
             line.append(f"{row['predicted_speedup']:.2f}×")
         lines.append(line)
     return lines
+
+
+def _cost_cells(cost: dict[str, Any] | None) -> list[str]:
+    if not cost:
+        return ["–", "–"]
+    mfu = cost.get("mfu")
+    return [f"{cost['achieved_tflops_per_worker']:.3g}", "–" if mfu is None else f"{mfu:.1%}"]
+
+
+def cost_sentence(report: dict[str, Any]) -> str | None:
+    """The cost view's FLOPs per sample and what the MFU is measured against."""
+    cost = next((row["cost"] for row in report["results"] if row.get("cost")), None)
+    if cost is None:
+        return None
+    peak = (
+        f"MFU against {cost['peak_tflops']:g} TFLOP/s per device ({cost['device']}, {cost['precision']}, "
+        f"{cost['peak_from']})"
+        if cost.get("peak_tflops")
+        else f"no MFU: no peak known for {cost['device'] or 'this device'} (give --peak-tflops)"
+    )
+    return (
+        f"FLOPs per sample: {cost['flops_per_sample']:,.0f} (forward and backward, torch's FlopCounterMode on one "
+        f"batch); TFLOP/s/worker = FLOPs per sample × steady samples/s ÷ workers; {peak}."
+    )
 
 
 def baseline_lines(report: dict[str, Any]) -> list[list[str]]:
@@ -106,6 +133,8 @@ def render_text(report: dict[str, Any]) -> str:
         f"Scaling of {report['pipeline']} (ms per step, rank 0; {report['grad_bytes'] / 1e6:.2f} MB of gradients):\n"
         + _text(table_lines(report))
     )
+    if cost_sentence(report):
+        text += "\n" + cost_sentence(report)
     if report["baselines"]:
         text += "\n\n" + _text(baseline_lines(report))
     return text
@@ -139,6 +168,8 @@ def bench_markdown(report: dict[str, Any]) -> str:
         _markdown(table_lines(report)),
         "",
     ]
+    if cost_sentence(report):
+        parts += [cost_sentence(report), ""]
     if report["baselines"]:
         parts += [
             "## Baselines (same model, data, per-worker batch and warm-up)",

@@ -98,7 +98,14 @@ def _study(pipe, pipeline: str, name: str, train_values, opts: BenchOptions, whe
         for mode, by_n in measured.items()
         if mode != "raytrain"
     }
-    rows = scaling_rows(runs, grad_bytes, opts.link, base_cfg.ddp.bucket_cap_mb)
+    rows = scaling_rows(
+        runs,
+        grad_bytes,
+        opts.link,
+        base_cfg.ddp.bucket_cap_mb,
+        precision=base_cfg.precision,
+        peak_tflops=base_cfg.peak_tflops,
+    )
     report = {
         "pipeline": pipeline,
         "name": name,
@@ -217,6 +224,8 @@ def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
         "steady_time_s": progress.get("steady_time_s"),
         "steady_samples_per_s": progress.steady_samples_per_s,
         "phase_time_s": progress.get("phase_time_s"),
+        "flops_per_sample": progress.get("flops_per_sample"),
+        "device_name": progress.get("device_name"),
         "run_dir": result.run_dir,
     }
     echo(f"bench: {what}: {measured['steady_samples_per_s']:,.0f} samples/s steady")

@@ -105,6 +105,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from raytrain.check.driver import run_check
+    from raytrain.check.options import CheckOptions
+    from raytrain.pipeline import load_pipeline
+
+    given = vars(args)
+    own = {option.name for option in fields.options(CheckOptions)}
+    opts = CheckOptions(**{name: given[name] for name in own if name in given})
+    spec, file_values, flags = read_run_options(args, exclude=own, example="digits --workers 2")
+    pipe = load_pipeline(spec)
+    cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, file_values, flags))
+    check_pipeline_args(pipe, cfg)
+    verdict = run_check(spec, cfg, opts, echo=lambda line: print(line, flush=True))
+    return verdict.exit_status
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from raytrain.rundir.export import export_weights
 

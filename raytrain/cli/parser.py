@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(handler=handlers.cmd_report)
 
     add_bench_parser(commands)
+    add_check_parser(commands)
     return parser
 
 
@@ -207,3 +208,23 @@ def add_bench_parser(commands) -> None:
     train = bench.add_argument_group("train options (as for raytrain train)")
     add_run_flags(train, skip=(*BENCH_OWNED, "time_phases"))
     bench.set_defaults(handler=handlers.cmd_bench)
+
+
+def add_check_parser(commands) -> None:
+    """`raytrain check`: CheckOptions and the train options the check takes."""
+    from raytrain.check.options import CHECK_SKIPPED, CheckOptions
+
+    check = commands.add_parser(
+        "check",
+        help="do N workers train like 1? per-step loss and gradient norm side by side; names the pitfall",
+        description="Train PIPELINE for --steps optimizer steps at 1 worker and at --workers N from the same initial "
+        "weights over the same rows (the same global batch, seed and rate), compare every step's loss and gradient "
+        "norm, and say whether they agree within the tolerance; when they do not, probe the pipeline for the cause "
+        "and name it with its fix. Exit status 0 equivalent, 1 differs, 2 bad usage.",
+    )
+    check.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
+    check.add_argument("--config", metavar="FILE.yaml", help="YAML file of train options (flags override it)")
+    add_flags(check, CheckOptions)
+    train = check.add_argument_group("train options (as for raytrain train)")
+    add_run_flags(train, skip=CHECK_SKIPPED)
+    check.set_defaults(handler=handlers.cmd_check)

@@ -135,6 +135,12 @@ def _check_workers(c: Any) -> Iterable[tuple[str, str]]:
             "got per-step, but torchft is not installed; install it with pip install 'raytrain[ft]' (torchft-nightly), "
             "or use --fault-tolerance restart",
         )
+    if c.fault_tolerance == "per-step" and c.sync_batchnorm:
+        yield (
+            "sync_batchnorm",
+            "cannot sync BatchNorm across per-step replicas, which step in quorums of their own; drop --sync-batchnorm "
+            "or use --fault-tolerance restart",
+        )
     if c.strategy == "fsdp" and max_workers == 0:
         yield (
             "strategy",
@@ -215,6 +221,8 @@ def _check_run(c: Any) -> Iterable[tuple[str, str]]:
     yield from resume.config_problems(c.resume, c.name)
     if not 0 < c.progress_interval_s < math.inf:
         yield "progress_interval_s", f"got {c.progress_interval_s}; must be a positive number of seconds, e.g. 10"
+    if c.peak_tflops is not None and not 0 < c.peak_tflops < math.inf:
+        yield "peak_tflops", f"got {c.peak_tflops}; must be a positive number of TFLOP/s, e.g. --peak-tflops 989"
     if not 0 < c.ddp.bucket_cap_mb < math.inf:
         yield "ddp.bucket_cap_mb", f"got {c.ddp.bucket_cap_mb}; must be a positive size in MiB, e.g. 25"
 

@@ -177,6 +177,13 @@ class TrainConfig:
     """Streamed training sets: each epoch their files (row groups) or blocks are dealt into this many partitions, each
     read by one worker. The order depends on it, not on the worker count; workers share partitions evenly when they
     divide it (24: 1, 2, 3, 4, 6, 8, 12 or 24 workers)."""
+    sync_batchnorm: bool = False
+    """Normalize BatchNorm layers with the statistics of the whole global batch across workers, as one worker would
+    (torch's SyncBatchNorm on GPUs; raytrain's own all-reduced BatchNorm over gloo on CPUs), instead of each worker's
+    share: costs a collective per BatchNorm layer per forward. `raytrain check` says when a pipeline needs it."""
+    peak_tflops: float | None = None
+    """The device's peak TFLOP/s at the run's precision, for the model FLOPs utilization (MFU) in the report and in
+    raytrain bench; default: a table of known GPUs (raytrain.rules.costmodel.DEVICE_PEAK_TFLOPS)."""
     time_phases: bool = False
     """Synchronize the GPU around each step phase so the step-time split is exact (slower; for benchmarks)."""
     timing_warmup_steps: int = 3

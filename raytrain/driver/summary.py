@@ -10,6 +10,7 @@ from typing import Any
 from raytrain.config import TrainConfig
 from raytrain.errors import StorageError, explain_worker_errors, find_user_error
 from raytrain.observe.render import first_line
+from raytrain.rules import flops
 from raytrain.rundir import MODEL, RunDir, Summary
 from raytrain.rundir.checkpoints import checkpoint_dirs
 from raytrain.rundir.storage import Store
@@ -55,6 +56,9 @@ def write_summary(
         model_path=(files.store / MODEL).public_uri if has_model and status == "finished" else None,
         error=None if error is None else first_line(str(fault if fault is not None else error)) or type(error).__name__,
     )
+    cost = _cost(progress, cfg)
+    if cost is not None:
+        summary.extra["cost"] = cost
     if progress is not None and progress.get("checkpoints"):
         # the loop's mean wait per checkpoint (its files are written while training goes on)
         summary.extra["checkpoint_wait_s"] = round(
@@ -65,6 +69,20 @@ def write_summary(
     except StorageError as exc:  # a full disk must not hide the run's own error
         summary.extra["summary_error"] = str(exc)
     return summary
+
+
+def _cost(progress: Any, cfg: TrainConfig) -> dict[str, Any] | None:
+    """The cost view of the run's steady throughput (`raytrain.rules.flops`), on the last worker count."""
+    if progress is None or not progress.world_sizes:
+        return None
+    return flops.cost_view(
+        progress.get("flops_per_sample"),
+        progress.steady_samples_per_s,
+        progress.world_sizes[-1],
+        progress.get("device_name") or "",
+        cfg.precision,
+        cfg.peak_tflops,
+    )
 
 
 def _status(error: Exception | None, fault: Exception | None, interrupted: int) -> str:

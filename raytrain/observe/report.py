@@ -24,6 +24,7 @@ from typing import Any
 
 from raytrain.errors import UserError
 from raytrain.observe.render import figure, is_number, markdown_table, plural
+from raytrain.rules import flops
 from raytrain.rundir import PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Store, Summary
 
 
@@ -280,6 +281,8 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
     lines += [_headline(run), ""]
     if s and s.error:
         lines += [f"**Error:** {s.error}", ""]
+    if s and s.get("cost"):
+        lines += [f"Cost: {flops.describe_cost(s.get('cost'))}.", ""]
     if s and s.final_metrics:
         lines += [
             *markdown_table(["final metric", "value"], [(key, _fmt(value)) for key, value in s.final_metrics.items()]),

@@ -26,6 +26,10 @@ class Position:
     checkpoint_wait_s: float = 0.0  # the loop's time in checkpoint reports (its files are written meanwhile)
     checkpoints: int = 0
     data: dict[str, Any] = field(default_factory=dict)  # what the training set was (its layout): resume needs the same
+    # the cost view (raytrain.rules.flops): FLOPs of one training sample, forward and backward, as
+    # rank 0 counted them on its first micro-batch of the attempt, and the device they ran on
+    flops_per_sample: float = 0.0
+    device_name: str = ""
     # per-step mode: the epoch's synced training loss (sum, samples), copied to a replica that
     # heals mid-epoch with the rest of the position, so whoever writes the epoch's row has it all
     epoch_loss: list[float] = field(default_factory=lambda: [-1.0, 0.0, 0.0])  # [epoch, sum, samples]

@@ -58,6 +58,7 @@ class StepRunner:
     window: LossWindow  # the steps since the last sync
     throughput: Throughput = field(default_factory=lambda: Throughput(time.perf_counter(), 0))
     loss_checked: bool = False  # compute_loss's result was checked (on the first call)
+    count_flops: bool = False  # rank 0 counts the FLOPs of its next micro-batch with rows (once per attempt)
 
     prepared: Prepared | None = None  # how the strategy holds the model (None in unit tests: a plain model)
     memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
@@ -106,6 +107,7 @@ class StepRunner:
             rate_multipliers=multipliers,
             window=LossWindow.on(runtime.device),
             prepared=prepared,
+            count_flops=runtime.is_rank0 and cfg.fault_tolerance == "restart",
         )
 
     def restore(self, candidates: list[tuple[Path, dict[str, Any]]], files: RunWriter) -> dict[str, Any] | None:
@@ -230,10 +232,11 @@ class StepRunner:
                 # over the samples actually present in the step (tail steps are smaller).
                 weight = steps.gradient_weight(count, self.runtime.world_size, step.size)
                 with self.accumulating(last=index == self.batch_plan.accumulation_steps - 1):
-                    with phase("forward"):
-                        loss, _ = self.compute_loss(batch)
-                    with phase("backward"):
-                        self.scaler.scale(loss * weight).backward()
+                    with self.counting_flops(position, count):
+                        with phase("forward"):
+                            loss, _ = self.compute_loss(batch)
+                        with phase("backward"):
+                            self.scaler.scale(loss * weight).backward()
                 self.window.add(loss, count, step_index)
 
     def apply_gradients(self, position: Position, phase: StepPhases) -> float:
@@ -248,6 +251,23 @@ class StepRunner:
                 self.memory = strategy.state_bytes(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         return lr
+
+    @contextlib.contextmanager
+    def counting_flops(self, position: Position, rows: int):
+        """The FLOPs of this micro-batch's forward and backward, per row, into the position
+        (`raytrain.rules.flops`): rank 0, the first micro-batch with rows of an attempt."""
+        if not self.count_flops or rows == 0:
+            yield
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False)
+        with counter:
+            yield
+        self.count_flops = False
+        position.flops_per_sample = counter.get_total_flops() / rows
+        device = self.runtime.device
+        position.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
     def clip_gradients(self, step_index: int) -> None:
         if self.cfg.grad_clip_norm is None:
@@ -281,7 +301,10 @@ class StepRunner:
         micro-batch): new every epoch, the same after a resume; the run's own streams untouched."""
         if not overrides(self.pipeline, "transform_batch"):
             return batch
-        key = [self.cfg.seed, _CONTEXT.epoch, step_index, self.runtime.world_rank, micro_index]
+        return self.transform(batch, [self.cfg.seed, _CONTEXT.epoch, step_index, self.runtime.world_rank, micro_index])
+
+    def transform(self, batch: dict[str, torch.Tensor], key: list[int]) -> dict[str, torch.Tensor]:
+        """transform_batch under torch's and numpy's generators seeded from `key`."""
         seed = int(np.random.SeedSequence(key).generate_state(1)[0])
         devices = [self.runtime.device] if self.runtime.device.type == "cuda" else []
         numpy_state = np.random.get_state()

@@ -134,9 +134,13 @@ def check_compiler(device_type: str) -> None:
 
 
 def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime: "Runtime") -> Prepared:
-    """The model as `cfg` asks: blocks checkpointed and compiled, then sharded (fsdp) or wrapped
-    (ddp), on the worker's device."""
+    """The model as `cfg` asks: BatchNorm over the global batch (--sync-batchnorm), blocks
+    checkpointed and compiled, then sharded (fsdp) or wrapped (ddp), on the worker's device."""
     check_model(pipeline, model)
+    if cfg.sync_batchnorm:  # before the blocks are picked and DDP or FSDP sees the modules
+        from raytrain.worker.runtime import sync_batchnorm_layers
+
+        model = sync_batchnorm_layers(model, runtime.device)
     picked = blocks_of(pipeline, model)
     blocks = [module for _, module in picked]
     total = sum(p.numel() for p in model.parameters())
