@@ -184,13 +184,19 @@ def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         elif is_legacy(checkpoint):
             path = checkpoint / LEGACY_STATE_FILE
         else:  # sharded: its shards, gathered here
-            return _read_dcp(checkpoint, only="model")["model"]
+            return read_model(checkpoint)
     weights = _load_torch(path, "model file")
     if isinstance(weights, dict) and "model" in weights and isinstance(weights["model"], dict):
         weights = weights["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise CheckpointError(f"{path} does not hold a model state_dict")
     return weights
+
+
+def read_model(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model of a checkpoint's DCP files as a plain state_dict, every rank's part gathered
+    in this process (no process group)."""
+    return _read_dcp(Path(directory), only="model")["model"]
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -215,8 +221,25 @@ def _load_torch(path: Path, what: str) -> Any:
         raise CheckpointError(f"{path} cannot be read as a torch file ({first_line(exc)})") from None
 
 
+def dcp_failure(exc: BaseException) -> str:
+    """What went wrong in a DCP save or load: the first rank's own error (DCP wraps them all in
+    one CheckpointException, a BaseException, whose text is every rank's traceback)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        inner, _ = failures[min(failures)]
+        return f"rank {min(failures)}: {type(inner).__name__}: {first_line(inner)}"[:300]
+    return first_line(exc)[:300]
+
+
+def dcp_errors() -> tuple[type[BaseException], ...]:
+    """What DCP raises on a failed save or load."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
 def _reason(exc: BaseException) -> str:
-    return first_line(exc)[:200]
+    return dcp_failure(exc)
 
 
 def _dcp_metadata(directory: Path):
@@ -242,7 +265,7 @@ def _read_dcp(directory: Path, only: str | None = None) -> dict[str, Any]:
     try:
         with single_process():
             dcp.load(flat, checkpoint_id=str(directory), no_dist=True)
-    except Exception as exc:
+    except dcp_errors() as exc:
         raise CheckpointError(f"checkpoint {directory}: its shards cannot be read ({_reason(exc)})") from None
     return _unflatten(flat, metadata.planner_data)
 
