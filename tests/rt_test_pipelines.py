@@ -405,7 +405,11 @@ class ReplicaRecordingPipeline(RecordingPipeline):
 
         import ray.train
 
-        if self.build_sleep_s and ray.train.get_context().get_world_rank() == self.slow_replica:
+        try:
+            replica = ray.train.get_context().get_world_rank()
+        except RuntimeError:  # the driver (a resume checks the checkpoint against the model)
+            replica = None
+        if self.build_sleep_s and replica == self.slow_replica:
             time.sleep(self.build_sleep_s)
         return super().build_model(cfg)
 
