@@ -9,6 +9,13 @@ after the failure, the time until the failed replica is training again, the step
 twice, and the final validation loss against runs without a failure over several seeds.
 
     python benchmarks/fault_tolerance.py OUT_DIR --analyze   # the table again, from OUT_DIR
+
+Per-step recovery under the failure patterns it exists for, each in one per-step run (two
+replicas lost in the same step, rank 0 lost, one replica hung with 3 and with 2 replicas,
+`--collective-timeout-s 5`): what a surviving replica waits, whether any survivor restarted,
+when the lost replicas are back, the run's world sizes and failures.
+
+    python benchmarks/fault_tolerance.py OUT_DIR --patterns [--analyze]
 """
 
 from __future__ import annotations
@@ -85,7 +92,7 @@ def stall_s(rows: list[dict], at: float) -> float:
 
 def measure(killed: dict, clean: dict) -> dict:
     records, run_dir = Path(killed["records"]), RunDir(killed["run_dir"])
-    kill = json.loads((records / "killed").read_text())
+    kill = json.loads((records / "killed-replica1").read_text())
     replica0 = rows_of(records / "steps-replica0.jsonl")
     replica1 = [r for r in rows_of(records / "steps-replica1.jsonl") if r["pid"] != kill["pid"]]
     back = min((r["time"] for r in replica1), default=float("nan"))
@@ -110,6 +117,112 @@ def measure(killed: dict, clean: dict) -> dict:
     }
 
 
+# name: (workers, replicas killed at the fault step, replica hung at it)
+PATTERNS = {
+    "one lost": (3, (1,), None),
+    "two lost at once": (3, (1, 2), None),
+    "rank 0 lost": (3, (0,), None),
+    "one hung, 3 replicas": (3, (), 1),
+    "one hung, 2 replicas": (2, (), 1),
+}
+PATTERN_TIMEOUT_S = 5
+
+
+def run_pattern(out: Path, name: str, args) -> dict:
+    workers, killed, hung = PATTERNS[name]
+    slug = name.replace(" ", "-").replace(",", "")
+    records = out / slug / "records"
+    records.mkdir(parents=True, exist_ok=True)
+    cfg = TrainConfig(
+        workers=str(workers),
+        epochs=args.epochs,
+        global_batch_size=96,
+        lr=2e-3,
+        warmup_epochs=1,
+        fault_tolerance="per-step",
+        collective_timeout_s=PATTERN_TIMEOUT_S,
+        checkpoint_every_steps=args.checkpoint_every_steps,
+        storage=str(out),
+        name=slug,
+        progress="off",
+    )
+    pipeline = KilledDigits(
+        str(records),
+        kill_step=args.kill_step if killed else None,
+        kill_replicas=killed,
+        step_sleep_s=args.step_sleep_s,
+        hang_step=args.kill_step if hung is not None else None,
+        hang_replica=hung if hung is not None else -1,
+    )
+    started = time.time()
+    result = fit(pipeline, cfg)
+    print(f"{name}: {time.time() - started:.0f} s, status {result.summary['status']}", flush=True)
+    return {
+        "name": name,
+        "workers": workers,
+        "lost": [*killed, *([hung] if hung is not None else [])],
+        "run_dir": result.run_dir,
+        "records": str(records),
+        "summary": result.summary,
+    }
+
+
+def measure_pattern(run: dict) -> dict:
+    records, run_dir = Path(run["records"]), RunDir(run["run_dir"])
+    faults = [json.loads(path.read_text()) for path in records.glob("*-replica*") if path.suffix != ".jsonl"]
+    at = min(fault["time"] for fault in faults)
+    survivors = [i for i in range(run["workers"]) if i not in run["lost"]]
+    rows = {i: rows_of(records / f"steps-replica{i}.jsonl") for i in range(run["workers"])}
+    regrown = [
+        e.time
+        for e in run_dir.events()
+        if e.kind == Kind.QUORUM and e.extra.get("world_size") == run["workers"] and e.time > at
+    ]
+    return {
+        "name": run["name"],
+        "stall_s": max(stall_s(rows[i], at) for i in survivors),
+        "survivors_restarted": any(len({r["pid"] for r in rows[i]}) > 1 for i in survivors),
+        "back_s": (min(regrown) - at) if regrown else float("nan"),
+        "world_sizes": run["summary"]["world_sizes"],
+        "failures_recovered": run["summary"]["failures_recovered"],
+        "status": run["summary"]["status"],
+    }
+
+
+def patterns(args) -> int:
+    path = args.out / "patterns.json"
+    if args.analyze:
+        runs = json.loads(path.read_text())
+    else:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
+        try:
+            runs = [run_pattern(args.out, name, args) for name in PATTERNS]
+        finally:
+            ray.shutdown()
+        path.write_text(json.dumps(runs, indent=2) + "\n")
+    table = [measure_pattern(run) for run in runs]
+    header = ["pattern", "a survivor's longest wait (s)", "survivors restarted", "all back after (s)"]
+    header += ["world sizes", "failures recovered", "status"]
+    rows = [
+        [
+            t["name"],
+            f"{t['stall_s']:.1f}",
+            "yes" if t["survivors_restarted"] else "no",
+            f"{t['back_s']:.1f}",
+            " → ".join(map(str, t["world_sizes"])),
+            t["failures_recovered"],
+            t["status"],
+        ]
+        for t in table
+    ]
+    print("\n".join(markdown_table(header, rows, align="right")))
+    print(
+        "\na survivor's longest wait: its longest time between two steps from the fault on, beyond its median; "
+        f"--collective-timeout-s {PATTERN_TIMEOUT_S}; all back after: from the fault until the quorum is whole again"
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -119,7 +232,10 @@ def main() -> int:
     parser.add_argument("--checkpoint-every-steps", type=int, default=10)
     parser.add_argument("--step-sleep-s", type=float, default=0.2)
     parser.add_argument("--analyze", action="store_true", help="no runs: the table from OUT_DIR/fault_tolerance.json")
+    parser.add_argument("--patterns", action="store_true", help="per-step only: the failure patterns (PATTERNS)")
     args = parser.parse_args()
+    if args.patterns:
+        return patterns(args)
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.analyze:
         saved = json.loads((args.out / "fault_tolerance.json").read_text())

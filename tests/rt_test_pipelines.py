@@ -373,9 +373,13 @@ class TorchDatasetPipeline(RecordingPipeline):
 
 class ReplicaRecordingPipeline(RecordingPipeline):
     """RecordingPipeline for per-step runs: each record names the process, its Ray Train rank
-    (its replica) and its place in the step's quorum; the replica `kill_replica` exits once
-    the run reaches `crash_at_step`, on its first process only. With `num_blocks`, the rows
-    come in that many blocks (the units a streamed run deals to its replicas)."""
+    (its replica) and its place in the step's quorum. Once the run reaches `crash_at_step`,
+    every replica in `kill_replica` (one rank or several) exits, on its first process only
+    (a marker `killed-replica<R>` each: several die in the same step, as on a lost node); the
+    replica `hang_replica` hangs instead once the run reaches `hang_at_step` (a stuck kernel:
+    it sleeps in the step and still heartbeats). The replica `slow_replica` takes
+    `build_sleep_s` longer to build its model (a slow restore). With `num_blocks`, the rows come
+    in that many blocks (the units a streamed run deals to its replicas)."""
 
     def __init__(
         self,
@@ -383,11 +387,31 @@ class ReplicaRecordingPipeline(RecordingPipeline):
         num_rows: int = 200,
         crash_at_step: int | None = None,
         step_sleep_s: float = 0.0,
-        kill_replica: int = 1,
+        kill_replica: int | tuple[int, ...] = 1,
         num_blocks: int | None = None,
+        hang_at_step: int | None = None,
+        hang_replica: int = 1,
+        build_sleep_s: float = 0.0,
+        slow_replica: int = 1,
     ):
         super().__init__(out_dir, num_rows, None, step_sleep_s)
-        self.kill_at_step, self.kill_replica, self.num_blocks = crash_at_step, kill_replica, num_blocks
+        self.kill_at_step, self.num_blocks = crash_at_step, num_blocks
+        self.kill_replicas = (kill_replica,) if isinstance(kill_replica, int) else tuple(kill_replica)
+        self.hang_at_step, self.hang_replica = hang_at_step, hang_replica
+        self.build_sleep_s, self.slow_replica = build_sleep_s, slow_replica
+
+    def build_model(self, cfg):
+        import time
+
+        import ray.train
+
+        try:
+            replica = ray.train.get_context().get_world_rank()
+        except RuntimeError:  # the driver (a resume checks the checkpoint against the model)
+            replica = None
+        if self.build_sleep_s and replica == self.slow_replica:
+            time.sleep(self.build_sleep_s)
+        return super().build_model(cfg)
 
     def build_datasets(self, cfg):
         if self.num_blocks is None:
@@ -405,14 +429,14 @@ class ReplicaRecordingPipeline(RecordingPipeline):
 
         replica = ray.train.get_context().get_world_rank()
         out = Path(self.out_dir)
-        if (
-            self.kill_at_step is not None
-            and ctx.step == self.kill_at_step
-            and replica == self.kill_replica
-            and not (out / "killed").exists()
-        ):
-            (out / "killed").write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+        marker = out / f"killed-replica{replica}"
+        if ctx.step == self.kill_at_step and replica in self.kill_replicas and not marker.exists():
+            marker.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
             os._exit(1)
+        marker = out / f"hung-replica{replica}"
+        if ctx.step == self.hang_at_step and replica == self.hang_replica and not marker.exists():
+            marker.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+            time.sleep(3600)
         row = {
             "pid": os.getpid(),
             "replica": replica,
@@ -426,3 +450,48 @@ class ReplicaRecordingPipeline(RecordingPipeline):
         }
         with open(out / f"ids-replica{replica}.jsonl", "a") as handle:
             handle.write(json.dumps(row) + "\n")
+
+
+@dataclass
+class ReplicaFaultsArgs:
+    """ReplicaRecordingPipeline's options from the command line (`--pipeline-arg KEY=VALUE`)."""
+
+    out_dir: str
+    num_rows: int = 600
+    step_sleep_s: float = 0.3
+    kill_at_step: int | None = None
+    kill_replicas: str = ""  # ranks, comma-separated
+    hang_at_step: int | None = None
+    hang_replica: int = 1
+    build_sleep_s: float = 0.0
+    slow_replica: int = 1
+
+
+class ReplicaFaultsPipeline(ReplicaRecordingPipeline):
+    """ReplicaRecordingPipeline for `raytrain train rt_test_pipelines:ReplicaFaultsPipeline
+    --pipeline-arg out_dir=DIR ...`: its options come from the run's config, read when the
+    driver builds the datasets and when each worker builds its model."""
+
+    Args = ReplicaFaultsArgs
+
+    def __init__(self):
+        super().__init__("")
+
+    def _configure(self, cfg) -> None:
+        args = self.args(cfg)
+        self.out_dir, self.num_rows, self.step_sleep_s = args.out_dir, args.num_rows, args.step_sleep_s
+        self.kill_at_step, self.hang_at_step, self.hang_replica = (
+            args.kill_at_step,
+            args.hang_at_step,
+            args.hang_replica,
+        )
+        self.kill_replicas = tuple(int(rank) for rank in args.kill_replicas.split(",") if rank)
+        self.build_sleep_s, self.slow_replica = args.build_sleep_s, args.slow_replica
+
+    def build_datasets(self, cfg):
+        self._configure(cfg)
+        return super().build_datasets(cfg)
+
+    def build_model(self, cfg):
+        self._configure(cfg)
+        return super().build_model(cfg)

@@ -9,11 +9,12 @@ import pytest
 
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
+from raytrain.rules import replicas as rules
 from raytrain.rules import steps
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.schedule import run_schedule
 from raytrain.rundir import Event, Kind
-from raytrain.worker.replicas import StallWatch, stall_seconds
+from raytrain.worker.replicas import StallWatch
 
 
 def split(step: steps.Step, size: int) -> list[tuple[int, int]]:
@@ -77,18 +78,36 @@ def test_survivors_keep_the_global_batch_and_rate_or_follow_the_rule_with_a_per_
 
 def test_the_stall_watch_ends_only_a_replica_stuck_in_one_step():
     now, stalled = [0.0], []
-    watch = StallWatch(10.0, lambda step, seconds: stalled.append((step, seconds)), clock=lambda: now[0])
+    watch = StallWatch(lambda step, seconds: stalled.append((step, seconds)), clock=lambda: now[0])
     assert not watch.check()  # between steps
-    watch.enter(7)
+    watch.enter(7, limit_s=10.0)
     now[0] = 9.0
     assert not watch.check()
-    watch.leave()
+    assert watch.leave() == 9.0
     now[0] = 50.0
-    assert not watch.check() and stalled == []
-    watch.enter(8)
+    assert not watch.check() and stalled == []  # waiting for a quorum is not a step's work
+    watch.enter(8, limit_s=10.0)
     now[0] = 61.0
     assert watch.check() and stalled == [(8, 11.0)]
-    assert stall_seconds(600) > 2 * 600  # longer than the others' collective timeout and the quorum's wait
+
+
+def test_a_replica_is_stuck_past_the_others_timeout_and_its_grace_never_in_a_slow_healthy_step():
+    timeout_s = 5.0
+    first = rules.stall_after_s(timeout_s, [])
+    assert first == timeout_s + rules.FIRST_STEP_GRACE_S  # a first step may compile
+    assert rules.stall_after_s(600.0, []) == 1200.0  # ... and never less than the timeout again
+    fast = rules.stall_after_s(timeout_s, [0.3] * 20)
+    assert fast == timeout_s + rules.STALL_GRACE_MIN_S  # the others lose about 15 s, not 70
+    slow = rules.stall_after_s(timeout_s, [0.3] * 5 + [20.0] * 20)  # the usual step, not the first ones
+    assert slow == timeout_s + 4 * 20.0 and slow > 20.0 + timeout_s  # a healthy 20 s step is never stuck
+    # Whoever waits for a quorum outlasts a stuck member's first step and the lighthouse's join wait.
+    assert rules.quorum_wait_s(timeout_s, 30.0, 1.0) > first + 30.0
+
+
+def test_replicas_start_with_their_group_only_when_the_controller_says_so():
+    assert rules.starts_with_group({rules.START_ENV: rules.STARTS_WITH_GROUP})
+    assert not rules.starts_with_group({rules.START_ENV: rules.REPLACES_ONE})
+    assert not rules.starts_with_group({})  # unsaid: a replacement, which holds no quorum up
 
 
 def test_per_step_configuration_is_checked_before_anything_starts():

@@ -42,6 +42,12 @@ PRIVATE_RAY_NAMES = {
         "ray.train.v2._internal.execution.failure_handling.FailureDecision",
         "ray.train.v2._internal.execution.failure_handling.FailurePolicy",
     },
+    # Ray Train's controller hooks: per-step replicas replaced several at once (its docstring).
+    "raytrain.driver.replacement": {
+        "ray.train.v2._internal.execution.callback.ControllerCallback",
+        "ray.train.v2._internal.execution.callback.ReplicaGroupCallback",
+        "ray.train.v2._internal.execution.callback.WorkerGroupCallback",
+    },
     "raytrain.driver.session": {
         "ray._private.worker._global_node",
     },

@@ -9,5 +9,7 @@ Nothing here imports Ray or torch, so every rule is unit-tested on its own:
 - `attempt`: what an attempt is (a fresh start, a restart, a resize) and the line it says;
 - `position`: where training is, stored in every checkpoint;
 - `resume`: every rule of `--resume`;
+- `replicas`: per-step fault tolerance's replicas: how one starts, when it is stuck, how long it
+  waits for its quorum;
 - `costmodel`: the predicted speedup of data-parallel training on a given link.
 """

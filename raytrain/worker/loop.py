@@ -36,7 +36,7 @@ from raytrain.rundir.storage import Store
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker.epoch import EpochResult, append_if_new, end_epoch, train_epoch, train_epoch_per_step
 from raytrain.worker.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
-from raytrain.worker.replicas import STARTUP_WAIT_S, ReplicaRuntime
+from raytrain.worker.replicas import JOIN_TIMEOUT_S, ReplicaRuntime
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import checkpoints_to_try
 from raytrain.worker.step import StepRunner
@@ -162,23 +162,42 @@ def run_replica(
     # restore, build, join
     if files.rundir.finished(cfg.epochs):
         return  # a replacement that came up after the others finished the run: nothing to join
+    if runtime.starts_with_group:  # heartbeating while it restores: the first quorum waits for it
+        runtime.start_manager()
     saved, position, attempt, train_data, val_data, runner = begin(
         cfg, pipeline, runtime, files, heartbeat, sources, runtime.replica_count
     )
     state = runner.training_state(position)
     model = runtime.join(runner.model, state.live, state.load_live)
     runner = dataclasses.replace(runner, model=model)
-    if saved is None:  # a fresh start: every replica heartbeats to the lighthouse before the first quorum
-        time.sleep(STARTUP_WAIT_S)
+    not_waited = runtime.wait_for_group()  # every replica restored and heartbeating, or why not
 
-    # loop, report: the attempt is announced at its first quorum (a replacement's is the quorum's line)
-    pending = [lambda: announce(files, attempt, runner, position, saved, train_data)]
+    def first_quorum() -> None:  # a replacement says nothing of its own: the quorum's line does
+        announce(files, attempt, runner, position, saved, train_data)
+        if runtime.starts_with_group and runtime.quorum.size < runtime.replica_count:
+            files.event(Kind.QUORUM, partial_start_line(runtime, not_waited), world_size=runtime.quorum.size)
+
+    # loop, report: the attempt is announced at its first quorum
+    pending = [first_quorum]
 
     def one_epoch(runner: StepRunner) -> tuple[EpochResult, StepRunner]:
         first = pending.pop() if pending else None
         return train_epoch_per_step(runner, train_data, position, files, runtime, on_first_quorum=first)
 
     run_epochs(runner, len(train_data), val_data, position, files, one_epoch)
+
+
+def partial_start_line(runtime: ReplicaRuntime, not_waited: str | None) -> str:
+    """Why replicas that started together do not all take the first step."""
+    why = (
+        f"the others could not wait for them ({not_waited})"
+        if not_waited
+        else f"they were not ready within the lighthouse's {JOIN_TIMEOUT_S:g} s join wait"
+    )
+    return (
+        f"Training starts with {runtime.quorum.size} of {runtime.replica_count} replicas: {why}; "
+        "the others join when ready, healed from a live peer"
+    )
 
 
 def run_epochs(

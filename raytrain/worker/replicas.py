@@ -13,27 +13,37 @@ position over the next quorum.
 this replica's place in the current quorum, its collectives go through the Manager, and
 checkpoints are written by the quorum's rank 0 straight to the run directory (Ray's report
 is a barrier over every worker, which a lost replica would hold up).
+
+Replicas that start together (a fresh start, a resume, a restart of every replica) start their
+Managers before they restore and meet at a barrier once restored, so the first quorum holds
+all of them; a replacement starts its Manager once it is built, so its restore holds up no
+live quorum (`raytrain.driver.replacement` tells each worker which it is).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 
+from raytrain.observe.render import first_line
+from raytrain.rules import replicas as rules
 from raytrain.rundir import RunDir
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.files import storage_errors
 from raytrain.rundir.publish import Upload, publish_local
 from raytrain.rundir.records import Event, Kind
 from raytrain.rundir.storage import Store
-from raytrain.worker.runtime import Runtime
+from raytrain.worker.runtime import Runtime, group_barrier
 
 # The lighthouse waits up to join_timeout_ms for every live (heartbeating) replica before it
 # forms a quorum: torchft's 100 ms default is shorter than a step, so the replicas would never
@@ -41,10 +51,12 @@ from raytrain.worker.runtime import Runtime
 # gone after heartbeat_timeout_ms without a heartbeat: what the survivors wait when one dies
 # (measured here: about 1 s lost per failure at 1000 ms).
 JOIN_TIMEOUT_S = 30.0
-LIGHTHOUSE_KWARGS = {"min_replicas": 1, "join_timeout_ms": int(JOIN_TIMEOUT_S * 1000), "heartbeat_timeout_ms": 1000}
-# Before the first quorum, time for every replica's manager to heartbeat to the lighthouse
-# (the first to ask would otherwise form a quorum alone and the others would heal from it).
-STARTUP_WAIT_S = 2.0
+HEARTBEAT_TIMEOUT_S = 1.0
+LIGHTHOUSE_KWARGS = {
+    "min_replicas": 1,
+    "join_timeout_ms": int(JOIN_TIMEOUT_S * 1000),
+    "heartbeat_timeout_ms": int(HEARTBEAT_TIMEOUT_S * 1000),
+}
 
 
 def torchft_config(use_gpu: bool, timeout_s: float):
@@ -57,23 +69,23 @@ def torchft_config(use_gpu: bool, timeout_s: float):
 
 
 class StallWatch:
-    """Ends a replica stuck in one step (a hung kernel, a lost NFS mount): past `stall_s` in a
-    step, `on_stall(step, seconds)` runs (it says so and exits the process, and Ray Train
-    replaces the replica). The others left that step long before: their collectives time out
-    sooner, the step is not committed, and the next quorum goes on without it."""
+    """Ends a replica stuck in one step's work (a hung kernel, a lost NFS mount): past the
+    step's limit (`raytrain.rules.stall.stall_after_s`), `on_stall(step, seconds)` runs (it
+    says so and exits the process, and Ray Train replaces the replica). The others' all-reduce
+    gave up on it long before; once it is gone the lighthouse forms their quorum without it."""
 
-    def __init__(
-        self, stall_s: float, on_stall: Callable[[int, float], None], clock: Callable[[], float] = time.monotonic
-    ):
-        self.stall_s, self.on_stall, self.clock = stall_s, on_stall, clock
+    def __init__(self, on_stall: Callable[[int, float], None], clock: Callable[[], float] = time.monotonic):
+        self.on_stall, self.clock = on_stall, clock
         self.step: int | None = None
-        self.since = 0.0
+        self.since, self.limit_s = 0.0, math.inf
 
-    def enter(self, step: int) -> None:
-        self.step, self.since = step, self.clock()
+    def enter(self, step: int, limit_s: float) -> None:
+        self.since, self.limit_s, self.step = self.clock(), limit_s, step
 
-    def leave(self) -> None:
+    def leave(self) -> float:
+        """Seconds since `enter`."""
         self.step = None
+        return self.clock() - self.since
 
     def check(self) -> bool:
         """Whether the replica is stalled (then `on_stall` has run)."""
@@ -81,7 +93,7 @@ class StallWatch:
         if step is None:
             return False
         seconds = self.clock() - self.since
-        if seconds <= self.stall_s:
+        if seconds <= self.limit_s:
             return False
         self.on_stall(step, seconds)
         return True
@@ -94,12 +106,6 @@ class StallWatch:
         thread = threading.Thread(target=watch, name="raytrain-stall-watch", daemon=True)
         thread.start()
         return thread
-
-
-def stall_seconds(collective_timeout_s: float) -> float:
-    """How long a replica may stay in one step: the others' collectives time out after
-    `collective_timeout_s`, and a quorum waits up to JOIN_TIMEOUT_S for its members."""
-    return 2 * collective_timeout_s + 2 * JOIN_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -121,9 +127,13 @@ class ReplicaRuntime(Runtime):
         self.checkpoints_to_keep = checkpoints_to_keep
         self.healed = False  # the last quorum loaded the live state from a peer
         self.timeout_s = timeout_s
+        self.starts_with_group = rules.starts_with_group(os.environ)
         self.manager = None
+        self._state: Callable[[], dict[str, Any]] | None = None
+        self._load: Callable[[dict[str, Any]], None] | None = None
         self.run_dir = Store.of(run_dir)
-        self.watch = StallWatch(stall_seconds(timeout_s), self._leave_stalled)
+        self.watch = StallWatch(self._leave_stalled)
+        self.work_s: deque[float] = deque(maxlen=rules.STEPS_REMEMBERED)  # committed steps' work
         self.distributed = True
         self.backend = (
             f"torchft ({'nccl' if self.device.type == 'cuda' else 'gloo'}) over {self.replica_count} replicas"
@@ -131,20 +141,15 @@ class ReplicaRuntime(Runtime):
 
     # -- the quorum ---------------------------------------------------------------------
 
-    def join(
-        self, model: torch.nn.Module, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
-    ) -> torch.nn.Module:
-        """Start this replica's torchft Manager, ready to step; returns `model` in torchft's DDP
-        (gradients averaged over each step's participants). `state`/`load`: what a joining
-        replica copies from a live one (model, optimizer, scaler, position).
-
-        Called once the replica is built: the Manager heartbeats from here on, and the
-        lighthouse waits for heartbeating replicas before it forms a quorum, so a replacement
-        that is still restoring must not hold the others up."""
-        from torchft import DistributedDataParallel, Manager, ProcessGroupGloo, ProcessGroupNCCL
+    def start_manager(self) -> None:
+        """Start this replica's torchft Manager: from here on it heartbeats to the lighthouse,
+        which waits for every heartbeating replica before it forms a quorum. Replicas that start
+        together call it before they restore, so that the first of them to ask for a quorum
+        waits for the others; a replacement calls it once built, so that its restore holds up
+        no live quorum."""
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
 
-        self._state, self._load = state, load
         timeout = timedelta(seconds=self.timeout_s)
         pg = ProcessGroupNCCL(timeout=timeout) if self.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
@@ -158,50 +163,80 @@ class ReplicaRuntime(Runtime):
             world_size=1,
             replica_id=f"raytrain_{self.replica_rank}",
             timeout=timeout,
-            quorum_timeout=timeout + timedelta(seconds=2 * JOIN_TIMEOUT_S),
+            quorum_timeout=timedelta(seconds=rules.quorum_wait_s(self.timeout_s, JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S)),
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device),
         )
+
+    def join(
+        self, model: torch.nn.Module, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
+    ) -> torch.nn.Module:
+        """Ready to step: returns `model` in torchft's DDP (gradients averaged over each step's
+        participants). `state`/`load`: what a joining replica copies from a live one (model,
+        optimizer, scaler, position). Starts the Manager if it has not started yet."""
+        from torchft import DistributedDataParallel
+
+        self._state, self._load = state, load
+        if self.manager is None:
+            self.start_manager()
         self.watch.run_in_background()
         return DistributedDataParallel(self.manager, model)
 
     def _live_state(self) -> dict[str, Any]:
-        return self._state()
+        return self._state() if self._state is not None else {}
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
-        if state:
+        if state and self._load is not None:
             self._load(state)
             self.healed = True
 
     def _leave_stalled(self, step: int, seconds: float) -> None:
         """Say which replica stalled, then exit: Ray Train replaces it, the others go on."""
+        usual = f"its steps take {statistics.median(self.work_s):.2g} s" if self.work_s else "its first step"
         message = (
-            f"Replica {self.replica_rank} stalled in step {step} for {seconds:.0f} s (2 × --collective-timeout-s and "
-            "the quorum's wait): "
-            "it leaves the quorum and is replaced; the others go on"
+            f"Replica {self.replica_rank} stuck in step {step} for {seconds:.0f} s (the others gave up on it after "
+            f"--collective-timeout-s {self.timeout_s:g}; {usual}): it leaves the quorum and is replaced; "
+            "the others go on"
         )
         with contextlib.suppress(Exception):
             RunDir(self.run_dir).append_event(
-                Event(Kind.STALL, message, extra={"replica": self.replica_rank, "step": step})
+                Event(Kind.STALL, message, extra={"replica": self.replica_rank, "step": step, "seconds": seconds})
             )
         os._exit(1)
 
     def start_step(self, step: int) -> Quorum:
-        """The quorum of the step at `step` (a joining replica heals first)."""
-        self.watch.enter(step)
+        """The quorum of the step at `step` (a joining replica heals first). From here to the
+        commit the stall watch runs: the wait for the quorum is not this replica's work."""
         self.healed = False
         self.manager.start_quorum()
         rank = self.manager.participating_rank()
         self.quorum = Quorum(self.manager.num_participants(), rank if rank is not None else 0)
         # The loop splits rows, weights gradients and writes files by its place in the quorum.
         self.world_size, self.world_rank = self.quorum.size, self.quorum.rank
+        self.watch.enter(step, rules.stall_after_s(self.timeout_s, list(self.work_s)))
         return self.quorum
 
     def commit(self) -> bool:
         """Whether every participant finished the step (then, and only then, apply it)."""
+        committed = False
         try:
-            return bool(self.manager.should_commit())
+            committed = bool(self.manager.should_commit())
+            return committed
         finally:
-            self.watch.leave()
+            seconds = self.watch.leave()
+            if committed:
+                self.work_s.append(seconds)
+
+    def wait_for_group(self) -> str | None:
+        """Replicas that start together meet here once restored, so that the first quorum holds
+        every one of them. Returns why it could not wait (a replica lost while the group
+        started, or one slower than --collective-timeout-s), or None."""
+        if not self.starts_with_group or self.replica_count == 1:
+            return None
+        try:
+            group_barrier()
+        except Exception as exc:  # a replica lost (Ray resets the barrier) or late: start without it
+            return f"{type(exc).__name__}: {first_line(str(exc))}"
+        return None
 
     def shutdown(self) -> None:
         if self.manager is not None:
@@ -290,4 +325,12 @@ class ReplicaRuntime(Runtime):
             raise pending.errors[0]
 
 
-__all__ = ["LIGHTHOUSE_KWARGS", "Quorum", "ReplicaRuntime", "StallWatch", "torchft_config"]
+__all__ = [
+    "HEARTBEAT_TIMEOUT_S",
+    "JOIN_TIMEOUT_S",
+    "LIGHTHOUSE_KWARGS",
+    "Quorum",
+    "ReplicaRuntime",
+    "StallWatch",
+    "torchft_config",
+]

@@ -233,6 +233,14 @@ class Runtime:
             self._published.wait(min(PUBLISH_WAIT_S, timeout_s or PUBLISH_WAIT_S))
 
 
+def group_barrier() -> None:
+    """Every worker of the group meets here (Ray Train's barrier; it gives up after
+    RAY_TRAIN_COLLECTIVE_TIMEOUT_S, and raises at once when Ray replaces a lost worker)."""
+    import ray.train.collective
+
+    ray.train.collective.barrier()
+
+
 def _ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Our flag names to this torch's DDP arguments (torch >= 2.12 renamed broadcast_buffers)."""
     kwargs = dict(kwargs)

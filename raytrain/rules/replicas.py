@@ -1,0 +1,79 @@
+"""Per-step fault tolerance's rules: how a replica starts, when it is stuck in a step, and how
+long it waits for its quorum.
+
+Replicas that start together (a fresh start, a resume, a restart of every replica) must all be
+in the first quorum, so they wait for each other; a replacement of one lost replica joins a
+live quorum and waits for no one. The controller tells each worker which it is (`START_ENV`).
+
+A step's work (after its quorum formed, to the commit) is the replica's forward and backward,
+then the gradient all-reduce, which gives up on a missing member after the collective timeout.
+A replica whose work outlasts that timeout by more than its grace is stuck (a hung kernel, a
+lost mount) and must leave: while it lives it heartbeats, and torchft's lighthouse keeps
+counting it. With three replicas or more the others go on without it after the lighthouse's
+join wait; with two, the lighthouse forms no quorum of one out of two live replicas (its guard
+against a split brain), so the survivor waits until the stuck one is gone.
+
+The grace follows the replica's own committed steps, so a slow but healthy step is never taken
+for a hang: four of its usual steps, at least STALL_GRACE_MIN_S. A replica that has not
+committed a step yet (its first, where a compile or a warm-up may run) gets the longer of
+FIRST_STEP_GRACE_S and the collective timeout. Pure: nothing here touches Ray or torch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+
+# Set on every per-step worker before its training function runs (raytrain.driver.replacement).
+START_ENV = "RAYTRAIN_REPLICA_START"
+STARTS_WITH_GROUP = "group"
+REPLACES_ONE = "replacement"
+
+# Floor of the grace: longer than the scheduling noise of a loaded machine (a healthy step
+# delayed by it must not be taken for a hang).
+STALL_GRACE_MIN_S = 10.0
+# The grace in usual steps of this replica.
+STEPS_OF_GRACE = 4
+# The grace of a replica that has not committed a step yet (first forward and backward: a
+# compile, allocations, a warm-up).
+FIRST_STEP_GRACE_S = 60.0
+# How many of a replica's last committed steps its usual step is taken from.
+STEPS_REMEMBERED = 50
+
+
+def starts_with_group(environ: Mapping[str, str]) -> bool:
+    """Whether this worker starts with its group (and waits for it). Unsaid, it is taken for a
+    replacement: one that waits for no one can never hold a live quorum up."""
+    return environ.get(START_ENV) == STARTS_WITH_GROUP
+
+
+def stall_after_s(collective_timeout_s: float, committed_work_s: Sequence[float]) -> float:
+    """How long a replica may stay in one step's work before it is taken as stuck: the
+    collective timeout (how long the others' all-reduce waits for it), then its grace."""
+    if not committed_work_s:
+        return collective_timeout_s + max(FIRST_STEP_GRACE_S, collective_timeout_s)
+    usual = statistics.median(committed_work_s[-STEPS_REMEMBERED:])
+    return collective_timeout_s + max(STALL_GRACE_MIN_S, STEPS_OF_GRACE * usual)
+
+
+def quorum_wait_s(collective_timeout_s: float, join_timeout_s: float, heartbeat_timeout_s: float) -> float:
+    """How long a replica waits for its quorum before it fails: long enough for a stuck member
+    to leave (the longest `stall_after_s`, that of a first step) and be forgotten by the
+    lighthouse, and for the lighthouse's join wait. A member stuck outside a step (validation, a
+    checkpoint write) is not watched: with two replicas the other waits this long for it, then
+    fails too, and Ray Train restarts both from the last checkpoint."""
+    first_step = stall_after_s(collective_timeout_s, ())
+    return first_step + join_timeout_s + 2 * heartbeat_timeout_s
+
+
+__all__ = [
+    "FIRST_STEP_GRACE_S",
+    "REPLACES_ONE",
+    "STALL_GRACE_MIN_S",
+    "START_ENV",
+    "STARTS_WITH_GROUP",
+    "STEPS_OF_GRACE",
+    "quorum_wait_s",
+    "stall_after_s",
+    "starts_with_group",
+]
