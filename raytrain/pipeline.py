@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import os
@@ -9,8 +10,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from raytrain import fields
-from raytrain.errors import PipelineError
+from raytrain import fields, hooks
+from raytrain.errors import PipelineCodeError, PipelineError, pipeline_code
 
 if TYPE_CHECKING:  # pragma: no cover
     import ray.data
@@ -89,6 +90,7 @@ def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:
     to its field's type as the command line converts flags (`raytrain.fields`); PipelineError
     listing every problem (unknown keys with the known ones, missing or unconvertible values)."""
     raw = dict(raw or {})
+    hooks.check_args_class(pipeline)
     spec = pipeline.Args
     if spec is None:
         if raw:
@@ -119,9 +121,12 @@ def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:
             problems.append(f"needs --pipeline-arg {name}=VALUE ({option.words(none=True)})")
     if not problems:
         try:
-            return spec(**values)
-        except (TypeError, ValueError) as exc:
-            problems.append(str(exc))
+            with pipeline_code(pipeline, "Args"):  # __post_init__ says a bad value with ValueError
+                return spec(**values)
+        except PipelineCodeError as exc:
+            if not isinstance(exc.__cause__, (TypeError, ValueError)):
+                raise
+            problems.append(str(exc.__cause__))
     raise PipelineError(f"pipeline {pipeline.name}: " + "; ".join(problems))
 
 
@@ -140,11 +145,7 @@ def load_pipeline(spec: "str | Pipeline") -> Pipeline:
             "or point at your own as module:attr, e.g. my_project.train:MyPipeline"
         )
     module_name, attr = target.split(":", 1)
-    # `raytrain train my_project.train:MyPipeline` from the directory holding my_project/:
-    # the console script's path does not include the working directory (workers get it
-    # through the runtime environment: raytrain.driver.run.ray_session).
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    add_working_directory()
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -152,6 +153,8 @@ def load_pipeline(spec: "str | Pipeline") -> Pipeline:
             f"pipeline {spec!r}: cannot import module {module_name!r} ({exc}); "
             "run from the directory that holds it or put it on PYTHONPATH"
         ) from None
+    if spec not in BUILTIN_PIPELINES:
+        check_not_shadowed(spec, module)
     try:
         obj = getattr(module, attr)
     except AttributeError:
@@ -164,6 +167,54 @@ def load_pipeline(spec: "str | Pipeline") -> Pipeline:
         f"pipeline {spec!r}: {attr} is a {type(obj).__name__}, not a raytrain.Pipeline; "
         "subclass raytrain.Pipeline and implement build_model, build_datasets, compute_loss"
     )
+
+
+def import_path() -> list[str]:
+    """Where pipelines are imported from, in order: the installation raytrain and the built-in
+    pipelines come from, the interpreter's path, then the working directory — last, so that a
+    folder there (a clone of this repository holding `raytrain/`) never shadows an installed
+    package; the workers get the same path (`raytrain.driver.session.driver_pythonpath`)."""
+    cwd = os.getcwd()
+    entries = [*_installation_roots(), *[p for p in sys.path if p and p != cwd and os.path.isdir(p)], cwd]
+    return list(dict.fromkeys(entries))
+
+
+def _installation_roots() -> list[str]:
+    """The directories holding the `raytrain` and `pipelines` packages this process imports
+    (site-packages, or the checkout of an editable install, which Python's path alone does not
+    name)."""
+    import importlib.util
+
+    roots = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    with contextlib.suppress(ImportError, ValueError):
+        found = sys.modules.get("pipelines") or importlib.util.find_spec("pipelines")
+        origin = getattr(found, "__file__", None) or getattr(found, "origin", None)
+        if origin:
+            roots.append(os.path.dirname(os.path.dirname(os.path.abspath(origin))))
+    return roots
+
+
+def add_working_directory() -> None:
+    """`raytrain train my_project.train:MyPipeline` from the directory holding my_project/: the
+    console script's path does not include the working directory; it goes last (`import_path`)."""
+    cwd = os.getcwd()
+    if cwd in sys.path or "" in sys.path:  # `python -m`, or already added: the user's own order
+        return
+    sys.path.extend(p for p in import_path() if p not in sys.path)
+
+
+def check_not_shadowed(spec: str, module: Any) -> None:
+    """A user's module that an installed one of the same name hides: PipelineError with the fix."""
+    top = module.__name__.split(".")[0]
+    cwd = os.getcwd()
+    mine = [os.path.join(cwd, top + ".py"), os.path.join(cwd, top)]
+    origin = os.path.abspath(getattr(sys.modules.get(top), "__file__", None) or "")
+    if any(os.path.exists(path) for path in mine) and origin and not origin.startswith(cwd + os.sep):
+        raise PipelineError(
+            f"pipeline {spec!r}: module {top!r} is imported from {origin}, an installed package of that name, not "
+            f"from {top} in the working directory ({cwd}); rename your module (e.g. my_{top}) and point at it, "
+            f"e.g. my_{top}{spec[len(top) :]}"
+        )
 
 
 def overrides(pipeline: Pipeline, method: str) -> bool:

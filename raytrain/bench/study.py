@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from raytrain import hooks
 from raytrain.bench.baselines import machine_facts, run_template
 from raytrain.bench.figures import baseline_rows, epochs_for, pick_run, scaling_rows, steady_steps_per_epoch
 from raytrain.bench.options import BENCH_OWNED, BenchError, BenchOptions, PlannedRun
@@ -34,7 +35,11 @@ def run_bench(
     from raytrain.pipeline import load_pipeline
 
     pipe = load_pipeline(pipeline)
-    name = opts.name or f"bench-{pipeline.split(':')[-1].split('.')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = (
+        opts.name
+        if opts.name is not None
+        else f"bench-{pipeline.split(':')[-1].split('.')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
     out = Path(opts.storage) / name
     if (out / "bench.json").exists():
         raise ConfigError([("name", f"bench {name!r} already exists in {opts.storage}; choose another --name")])
@@ -141,7 +146,7 @@ def bench_config(
 
 def gradient_bytes(pipe, cfg: TrainConfig) -> tuple[int, int]:
     """Bytes of one set of gradients (trainable parameters) and the parameter count."""
-    model = pipe.build_model(cfg)
+    model = hooks.call(pipe, "build_model", cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return sum(p.numel() * p.element_size() for p in trainable), sum(p.numel() for p in trainable)
 

@@ -124,7 +124,7 @@ class TrainConfig:
     """Write a metrics.jsonl row every this many optimizer steps (and at every epoch end)."""
     storage: str = DEFAULT_STORAGE
     """Where runs are written: STORAGE/NAME/. Must be shared by all nodes of a multi-node cluster."""
-    name: str | None = None
+    name: str | None = field(default=None, metadata={"text": True})
     """Run name; default PIPELINE-YYYYmmdd-HHMMSS."""
     resume: bool = field(default=False, metadata={"switch": True})
     """Continue the existing run NAME from its last checkpoint."""

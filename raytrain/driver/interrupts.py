@@ -55,13 +55,14 @@ class StopRequest:
     run_dir: Path
     echo: Callable[[str], None]
     signal: int = 0  # the first signal received (0: none)
+    requested_at: float | None = None  # its time.time()
     count: int = 0
     _timer: threading.Timer | None = field(default=None, repr=False)
 
     def handle(self, signum: int, frame: Any) -> None:
         self.count += 1
         if self.count == 1:
-            self.signal = signum
+            self.signal, self.requested_at = signum, time.time()
             from raytrain import rundir
 
             with contextlib.suppress(Exception):

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import socket
-import sys
 from typing import Callable, Iterator
 
 from raytrain.config import TrainConfig
@@ -254,9 +253,12 @@ def free_port() -> int:
 
 
 def driver_pythonpath() -> str:
-    """Workers import `module:attr` pipelines the way the driver does: from its cwd and path."""
-    entries = [os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
-    return os.pathsep.join(dict.fromkeys(entries))
+    """Workers import what the driver does: raytrain from where the driver has it, then the
+    driver's path, then its working directory (for `module:attr` pipelines) — last, so that a
+    folder there never shadows an installed package (`raytrain.pipeline.import_path`)."""
+    from raytrain.pipeline import import_path
+
+    return os.pathsep.join(import_path())
 
 
 def resolve_gpu(cfg: TrainConfig) -> bool:

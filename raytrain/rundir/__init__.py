@@ -118,8 +118,9 @@ class RunDir:
         return (self.path / CONFIG).exists() or bool(checkpoint_dirs(self.path))
 
     def stored_run(self) -> StoredRun:
-        """The run's config.yaml and its furthest complete checkpoint, for a resume
-        (CheckpointError when config.yaml is there but unreadable)."""
+        """The run's config.yaml and its furthest checkpoint whose files open (the workers skip
+        an unreadable one as well), for a resume (CheckpointError when config.yaml is there but
+        unreadable)."""
         from raytrain.rundir import checkpoints
 
         path = self.path / CONFIG
@@ -134,14 +135,14 @@ class RunDir:
             raise CheckpointError(f"{path} is not a mapping of options; the run cannot be resumed as it was")
         pipeline = config.pop("pipeline", None)
         config.pop("gpu", None)
-        latest = checkpoints.latest_complete(self.path)
+        latest, passed_over = checkpoints.latest_readable(self.path)
         position = {}
         if latest is not None:
             try:
                 position = json.loads((latest / checkpoints.POSITION_FILE).read_text())
             except (OSError, ValueError):
                 position = {}
-        return StoredRun(self.path, config, pipeline, latest, position)
+        return StoredRun(self.path, config, pipeline, latest, position, passed_over)
 
     # -- writing (rank 0 and the driver) -----------------------------------------------------
 

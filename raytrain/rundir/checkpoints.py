@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ STATE_FILE = "state.pt"
 MODEL_FILE = MODEL  # also the final model in the run directory
 POSITION_FILE = "position.json"
 STAGING = ".staging"
+ZIP_MAGIC = b"PK\x03\x04"  # how every file torch.save writes begins (its zip archive)
 
 
 def save_state(state: dict[str, Any], directory: str | os.PathLike) -> None:
@@ -78,8 +80,58 @@ def load_state(directory: str | os.PathLike) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         raise CheckpointError(
-            f"checkpoint file {path} cannot be read ({first_line(exc)}); it is corrupt or partial"
+            f"checkpoint file {path} cannot be read: {unreadable(exc, path, checkpoint=True)}"
         ) from None
+
+
+def readable(directory: str | os.PathLike) -> str | None:
+    """Why the checkpoint in `directory` cannot be restored (its state or model file is missing
+    or cannot be opened), or None. Cheap: the files are opened memory-mapped, their tensors
+    not read."""
+    for name in (STATE_FILE, MODEL_FILE):
+        path = Path(directory) / name
+        if not path.is_file():
+            return f"checkpoint {directory} has no {name}; it is incomplete or not a raytrain checkpoint"
+        try:
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            return f"checkpoint file {path} cannot be read: {unreadable(exc, path, checkpoint=True)}"
+    return None
+
+
+def unreadable(exc: BaseException, path: str | os.PathLike, *, checkpoint: bool = False) -> str:
+    """What a file that the safe loader (`torch.load(weights_only=True)`) refused is, from its
+    error and its first bytes, in place of torch's own advice (which suggests
+    weights_only=False: running whatever code the file names). `checkpoint`: a raytrain
+    checkpoint file, which never holds objects."""
+    text = str(exc)
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+    except OSError:
+        head = b""
+    if not head:
+        return "it is empty"
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found and checkpoint:
+        return (
+            f"it holds a pickled Python object ({found[1]}), not only tensors, so it is not loaded (raytrain loads "
+            "with weights_only=True and never runs code from a file); raytrain writes tensors and plain values "
+            "only, so this file was written by something else or changed since"
+        )
+    if found:
+        return (
+            f"it holds a pickled Python object ({found[1]}), not only tensors (e.g. a whole model saved with "
+            "torch.save(model) instead of torch.save(model.state_dict())), so it is not loaded: raytrain loads with "
+            "weights_only=True and never runs code from a file. If you trust where the file came from, convert it "
+            "once in Python: obj = torch.load(PATH, weights_only=False); torch.save(obj.state_dict() if "
+            "isinstance(obj, torch.nn.Module) else obj, 'plain.pt'), then give plain.pt"
+        )
+    if "central directory" in text or "PytorchStreamReader" in text:
+        return "it is truncated or damaged (its archive is incomplete): it was not written completely, or changed since"
+    if head != ZIP_MAGIC:
+        return "it is not a file torch.save wrote (torch.save writes a zip archive; this file does not start as one)"
+    return f"it is not a file torch.save wrote ({type(exc).__name__}: {first_line(str(exc)) or 'no message'})"
 
 
 def checkpoint_dirs(run_dir: str | os.PathLike) -> list[Path]:
@@ -97,6 +149,18 @@ def latest_complete(run_dir: str | os.PathLike) -> Path | None:
     """The furthest checkpoint of a run (by its stored step), or None."""
     found = checkpoint_dirs(run_dir)
     return found[-1] if found else None
+
+
+def latest_readable(run_dir: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """The furthest checkpoint of a run whose files open (`readable`), and why each further
+    one was passed over: what a resume continues from, as the workers choose it."""
+    passed = []
+    for directory in reversed(checkpoint_dirs(run_dir)):
+        problem = readable(directory)
+        if problem is None:
+            return directory, passed
+        passed.append(problem)
+    return None, passed
 
 
 def checkpoint_name(step: int) -> str:
@@ -129,7 +193,7 @@ def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     try:
         weights = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"{path} cannot be read as a torch file ({first_line(exc)})") from None
+        raise CheckpointError(f"{path} cannot be read as a torch file: {unreadable(exc, path)}") from None
     if isinstance(weights, dict) and "model" in weights and isinstance(weights["model"], dict):
         weights = weights["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from raytrain.errors import CheckpointError, UsageError, pipeline_code
+from raytrain import hooks
+from raytrain.errors import CheckpointError, UsageError
 from raytrain.rundir.checkpoints import load_model_weights
 from raytrain.rundir.files import storage_errors
 from raytrain.rundir.records import CONFIG, MODEL
@@ -65,8 +66,7 @@ def check_against_pipeline(spec: str, source: Path, weights: dict) -> str:
     values.pop("pipeline", None)
     values.pop("gpu", None)
     cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, values, {"resume": False}))
-    with pipeline_code(pipe, "build_model"):
-        model = pipe.build_model(cfg)
+    model = hooks.call(pipe, "build_model", cfg)
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:

@@ -113,18 +113,20 @@ def restore_latest(runtime: "Runtime", files: "RunWriter") -> dict[str, Any] | N
     """
     latest = runtime.latest_checkpoint()
     with latest.as_directory() if latest is not None else contextlib.nullcontext(None) as directory:
-        candidates = ([Path(directory)] if directory else []) + checkpoints.checkpoint_dirs(files.run_dir)
+        found = ([Path(directory)] if directory else []) + checkpoints.checkpoint_dirs(files.run_dir)
+        candidates = list(dict.fromkeys(found))  # Ray's latest is one of the run's own, as a rule
         if not candidates:
             return None
-        skipped = []
+        skipped, names = [], []
         for candidate in sorted(candidates, key=checkpoints.stored_step, reverse=True):
             try:
                 state = checkpoints.load_state(candidate)
             except CheckpointError as error:
                 skipped.append(str(error))
+                names.append(candidate.name)
                 continue
             if skipped:
-                files.event(Kind.RESTORE, f"skipped unusable checkpoint(s): {'; '.join(skipped)}")
+                files.event(Kind.SKIPPED, f"skipped unusable checkpoint(s): {'; '.join(skipped)}", checkpoints=names)
             return state
     raise CheckpointError(f"no usable checkpoint in {files.run_dir}: {'; '.join(skipped)}")
 
