@@ -224,3 +224,101 @@ def test_read_failure_inside_ray_data_becomes_a_data_error():
 
 def test_schema_row_bytes():
     assert Schema.of({"x": np.zeros((1, 8, 8), np.float32), "y": np.zeros(1, np.int64)}).row_bytes() == 8 * 8 * 4 + 8
+
+
+# -- a failed read of files names the file, the column and the fix -----------------------------------
+
+
+class FileUnits(FakeUnits):
+    """Units over Parquet files (one unit per file), whose reading fails as Ray Data's does on a
+    file it cannot decode."""
+
+    kind = "files"
+
+    def __init__(self, paths, error: Exception):
+        self.payload = [{"__path": str(path)} for path in paths]
+        self.labels = [f"{path} (row groups all)" for path in paths]
+        self.rows = tuple(4 for _ in paths)
+        self.source = type("Listing", (), {"filesystem": None})()
+        self.error = error
+
+    def dataset(self, ids, *, limit=None):
+        error = self.error
+
+        class _Dataset:
+            def iter_batches(self, **_):
+                raise error
+                yield
+
+        return _Dataset()
+
+
+def write_parquet_files(directory, columns_of_each: list[dict]) -> list:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = []
+    for index, columns in enumerate(columns_of_each):
+        path = directory / f"part-{index}.parquet"
+        pq.write_table(pa.table(columns), path)
+        paths.append(path)
+    return paths
+
+
+def read_units(units) -> None:
+    list(check_units(units, list(range(len(units.rows))), "train", Schema.of({"image": np.zeros(1)}), skip_nan_rows=0))
+
+
+def test_a_renamed_column_in_one_file_is_named_with_the_file_and_the_fix(tmp_path):
+    good = {"image": np.zeros(4, np.float32), "label": np.zeros(4, np.int64)}
+    renamed = {"img": np.zeros(4, np.float32), "label": np.zeros(4, np.int64)}
+    retyped = {"image": np.zeros(4, np.float32), "label": np.array(["a", "b", "c", "d"])}
+    paths = write_parquet_files(tmp_path, [good, good, renamed])
+    units = FileUnits(paths, TypeError("buffer is too small for requested array"))
+    with pytest.raises(DataError) as failure:
+        read_units(units)
+    assert str(failure.value) == (
+        f"dataset 'train': file {paths[2]} lacks column(s) 'image', has column(s) 'img' instead compared with "
+        f"{paths[0]}; every file of a dataset must have the same columns and types: rewrite that file with them "
+        "(e.g. table.rename_columns(...) in pyarrow), or move it out of the dataset's directory"
+    )
+    paths = write_parquet_files(tmp_path, [good, retyped])
+    with pytest.raises(DataError, match=r"part-1.parquet has column 'label' as string, not int64 compared with"):
+        read_units(FileUnits(paths, TypeError("buffer is too small for requested array")))
+
+
+def test_a_file_deleted_or_damaged_after_the_listing_is_named_with_the_fix(tmp_path):
+    columns = {"image": np.zeros(4, np.float32)}
+    paths = write_parquet_files(tmp_path, [columns, columns, columns])
+    paths[1].unlink()
+    with pytest.raises(DataError, match=rf"file {paths[1]} is gone .*put it back and continue with --resume"):
+        read_units(FileUnits(paths, FileNotFoundError(str(paths[1]))))
+    paths = write_parquet_files(tmp_path, [columns, columns, columns])
+    paths[2].write_bytes(paths[2].read_bytes()[:20])
+    with pytest.raises(DataError, match=rf"file {paths[2]} cannot be read as Parquet \(.*\): it is truncated, damaged"):
+        read_units(FileUnits(paths, OSError("Couldn't deserialize thrift")))
+
+
+def test_a_read_error_no_file_explains_keeps_ray_datas_words_and_where(tmp_path):
+    columns = {"image": np.zeros(4, np.float32)}
+    paths = write_parquet_files(tmp_path, [columns, columns])
+    with pytest.raises(DataError) as failure:
+        read_units(FileUnits(paths, ValueError("map_batches: bad things")))
+    assert str(failure.value).startswith(
+        f"dataset 'train' cannot be read: ValueError: map_batches: bad things (while reading {paths[0]} (row groups "
+        "all) or the units after it); check those files, or the pipeline's own steps over them (map_batches)"
+    )
+
+
+def test_the_parquet_pipeline_refuses_files_of_other_columns_before_reading_a_row(tmp_path):
+    from pipelines.parquet.pipeline import check_same_columns
+
+    good = {"image": np.zeros(4, np.float32), "label": np.zeros(4, np.int64)}
+    paths = write_parquet_files(tmp_path, [good, {"img": np.zeros(4, np.float32), "label": np.zeros(4, np.int64)}])
+    with pytest.raises(DataError, match=rf"file {paths[1]} lacks column\(s\) 'image', has column\(s\) 'img' instead"):
+        check_same_columns(str(tmp_path))
+    paths[1].write_text("not parquet")
+    with pytest.raises(DataError, match=rf"file {paths[1]} cannot be read as Parquet .*move it out of {tmp_path}"):
+        check_same_columns(str(tmp_path))
+    paths[1].unlink()
+    check_same_columns(str(tmp_path))

@@ -146,7 +146,7 @@ def check_units(
     except DataError:
         raise
     except Exception as exc:  # reading or preprocessing failed inside Ray Data (a bad file, the pipeline's map fn)
-        raise DataError(f"dataset {name!r} cannot be read: {first_error_line(exc)}") from None
+        raise read_error(units, ids[position:] or ids[-1:], name, exc) from None
     if position < len(ids):
         raise _count_error(units, ids[position:], name, expected[position:], got=have)
 
@@ -190,6 +190,17 @@ def load_table(units, name: str, schema: Schema, skip_nan_rows: bool) -> dict[st
     if not kept:
         raise DataError(f"dataset {name!r}: every row holds NaN or inf; nothing is left to train on")
     return {"columns": concat(kept), "dropped_rows": dropped}
+
+
+def read_error(units, ids: Sequence[int], name: str, exc: BaseException) -> DataError:
+    """A failed read of units `ids` (the first the failure can be in): the file behind it, named
+    with what is wrong and the fix (`raytrain.data.files`), else the error Ray Data gave."""
+    from raytrain.data.files import explain_read_error
+
+    return explain_read_error(units, ids, name) or DataError(
+        f"dataset {name!r} cannot be read: {first_error_line(exc)} (while reading {units.labels[ids[0]]} or the "
+        "units after it); check those files, or the pipeline's own steps over them (map_batches)"
+    )
 
 
 def first_error_line(exc: BaseException) -> str:

@@ -121,7 +121,7 @@ def read_probe(units: Units, name: str, skip_nan_rows: bool) -> dict[str, np.nda
     try:
         batch = units.dataset([first], limit=PROBE_ROWS).take_batch(PROBE_ROWS, batch_format="numpy")
     except Exception as exc:
-        raise DataError(f"dataset {name!r} cannot be read: {checks.first_error_line(exc)}") from None
+        raise checks.read_error(units, [first], name, exc) from None
     columns = checks.check_columns(batch, name, units.labels[first])
     bad = checks.non_finite(columns)
     if bad.any() and not skip_nan_rows:
