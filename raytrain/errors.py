@@ -142,6 +142,7 @@ class ErrorSummary:
 
     exception: list[str]  # "KeyError: 'nope'" (a message may span lines)
     frames: list[Frame]  # where it happened: user frames, innermost last
+    died: bool = False  # no exception: the worker process itself died (`exception` says how)
 
     def lines(self, max_frames: int = 3, max_message_lines: int = 8) -> list[str]:
         head = self.exception[:max_message_lines] or ["(no message)"]
@@ -309,6 +310,27 @@ def _attached_summaries(failures: dict[int, BaseException]) -> list[tuple[list[i
     return list(grouped.values())
 
 
+_DEATH = "A worker health check failed"  # how Ray Train says a worker process is gone
+
+
+def worker_death(text: str) -> ErrorSummary | None:
+    """A rank whose worker process died (Ray Train's failed health check, whose text dumps the
+    worker's actor, metadata and context: a dozen lines), said in one line — the process,
+    how it exited as Ray tells it, and the worker's log — or None for another error."""
+    if _DEATH not in text:
+        return None
+    pid = re.search(r"^\s*pid: (\d+)", text, re.MULTILINE)
+    detail = re.search(r"Worker exit detail: (.+?)(?= There are some potential root causes|\n|$)", text)
+    log = re.search(r"log_file_path='([^']+)'", text)
+    how = detail[1].strip().rstrip(".") if detail else "Ray gives no exit detail"
+    line = (
+        f"lost its worker process{f' (pid {pid[1]})' if pid else ''}: {how}. A process that vanishes like this was "
+        "killed (out of memory, SIGKILL) or crashed (e.g. SIGSEGV in native code)"
+        + (f"; its output: {log[1]}" if log else "")
+    )
+    return ErrorSummary(exception=[line], frames=[], died=True)
+
+
 def explain_worker_errors(error: BaseException) -> list[str]:
     """Per failed rank: `rank N raised Type: message`, then the user frames where it happened.
 
@@ -325,10 +347,12 @@ def explain_worker_errors(error: BaseException) -> list[str]:
     for index, match in enumerate(matches):
         end = matches[index + 1].start() if index + 1 < len(matches) else len(text)
         ranks = sorted(int(rank) for rank in re.findall(r"\d+", match[1]))
-        failed.append((ranks, summarize_traceback(text[match.end() : end])))
+        snippet = text[match.end() : end]
+        failed.append((ranks, worker_death(snippet) or summarize_traceback(snippet)))
     if not failed:
         for rank, exc in sorted((getattr(error, "worker_failures", None) or {}).items()):
-            failed.append(([rank], summarize_traceback(f"{type(exc).__name__}: {exc}")))
+            death = worker_death(str(exc))
+            failed.append(([rank], death or summarize_traceback(f"{type(exc).__name__}: {exc}")))
     if not failed:
         summary = summarize_traceback(text)
         if "Traceback (most recent call last)" not in text:
@@ -340,7 +364,7 @@ def explain_worker_errors(error: BaseException) -> list[str]:
     for number, (ranks, summary) in enumerate(failed[:4]):
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         lines = summary.lines(max_message_lines=12 if number == 0 else 1)
-        out.append(f"{who} raised {lines[0]}")
+        out.append(f"{who}{'' if summary.died else ' raised'} {lines[0]}")
         out.extend(lines[1:])
     if len(failed) > 4:
         out.append(f"(and {len(failed) - 4} more failed ranks: see the logs)")

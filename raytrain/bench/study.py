@@ -138,7 +138,11 @@ def bench_config(
     train_values: dict[str, Any], opts: BenchOptions, *, workers: int, epochs: int, storage: Path, name: str
 ) -> TrainConfig:
     values = {k: v for k, v in train_values.items() if k not in BENCH_OWNED}
-    values.update(workers=workers, epochs=epochs, storage=str(storage), name=name, max_failures=0, time_phases=True)
+    # A failure spoils a measurement: none is recovered (run_raytrain refuses a run that
+    # recovered one; per-step mode needs room for one replacement to start at all).
+    failures = 1 if values.get("fault_tolerance") == "per-step" else 0
+    values.update(workers=workers, epochs=epochs, storage=str(storage), name=name, max_failures=failures)
+    values["time_phases"] = True
     values["warmup_epochs"] = min(float(values.get("warmup_epochs", 1.0)), float(epochs))
     values["timing_warmup_steps"] = opts.warmup_steps
     return TrainConfig.from_dict(values)
@@ -190,6 +194,11 @@ def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
     progress = RunDir(result.run_dir).progress()
     if progress is None:
         raise BenchError(f"the {what} run left no {PROGRESS} in {result.run_dir}: its timings are unknown")
+    if result.summary.get("failures_recovered"):
+        raise BenchError(
+            f"a worker of the {what} run failed and was replaced during the measurement ({result.run_dir}/"
+            "events.jsonl): its timings are not steady; run the bench again"
+        )
     measured = {
         "workers": run.workers,
         "global_batch_size": run.batch.global_batch_size,
