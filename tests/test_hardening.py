@@ -316,3 +316,45 @@ def test_the_readme_example_imports_from_the_working_directory(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "Regression", done.stderr
+
+
+@pytest.mark.slow
+def test_a_clone_in_the_working_directory_never_shadows_the_installed_raytrain(tmp_path):
+    """A newcomer runs `raytrain train my_port:Pipe` from a directory that also holds a clone of
+    this repository (`./raytrain/`, a folder without __init__.py, and its `pipelines/`). The
+    driver finds my_port there, and the workers — given the driver's path, in a process started
+    elsewhere — import raytrain and the built-in pipelines from where the driver has them."""
+    (tmp_path / "raytrain" / "raytrain").mkdir(parents=True)  # the clone's root: a namespace package
+    (tmp_path / "pipelines").mkdir()
+    (tmp_path / "pipelines" / "__init__.py").write_text("raise ImportError('the clone was imported')\n")
+    (tmp_path / "my_port.py").write_text("import raytrain\nclass Pipe(raytrain.Pipeline):\n    pass\n")
+    code = (
+        "import os, sys, subprocess; sys.path = [p for p in sys.path if p not in ('', os.getcwd())];"
+        "import raytrain; from raytrain.pipeline import load_pipeline;"
+        "from raytrain.driver.session import driver_pythonpath;"
+        "print(type(load_pipeline('my_port:Pipe')).__name__, type(load_pipeline('digits')).__name__);"
+        "worker = 'import raytrain, pipelines.digits, my_port; print(raytrain.__file__, my_port.__file__)';"
+        "env = {**os.environ, 'PYTHONPATH': driver_pythonpath()};"
+        "print(subprocess.run([sys.executable, '-c', worker], env=env, cwd='/', capture_output=True, text=True,"
+        " check=True).stdout.strip(), raytrain.__file__)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(Path(raytrain.__file__).resolve().parents[1])  # this checkout, as installed
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    loaded, worker = done.stdout.strip().splitlines()
+    assert loaded == "Pipe DigitsPipeline"
+    worker_raytrain, worker_port, driver_raytrain = worker.split()
+    assert worker_raytrain == driver_raytrain and worker_port == str(tmp_path / "my_port.py")
+
+
+def test_a_module_an_installed_package_hides_is_named_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "json.py").write_text("class Pipe: pass\n")  # the standard library's json comes first
+    with pytest.raises(PipelineError) as failure:
+        raytrain.pipeline.load_pipeline("json:Pipe")
+    message = str(failure.value)
+    assert message.startswith("pipeline 'json:Pipe': module 'json' is imported from ")
+    assert f"not from json in the working directory ({tmp_path}); rename your module (e.g. my_json)" in message
