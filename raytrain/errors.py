@@ -208,14 +208,16 @@ def user_frames(exc: BaseException, limit: int = 3) -> list[str]:
 @contextlib.contextmanager
 def pipeline_code(pipeline, method: str) -> Iterator[None]:
     """Run a pipeline method; an exception from it (the user's code) becomes a
-    PipelineCodeError naming the method, the error and where in the user's code."""
+    PipelineCodeError naming the method, the error and where in the user's code. `pipeline`:
+    the Pipeline, or how the user named it (before there is one)."""
     try:
         yield
     except UserError:
         raise
     except Exception as exc:
         where = user_frames(exc)
-        message = f"pipeline {pipeline.name}: {method} raised {innermost_error(exc)}".rstrip(": ")
+        name = pipeline if isinstance(pipeline, str) else pipeline.name
+        message = f"pipeline {name}: {method} raised {innermost_error(exc)}".rstrip(": ")
         raise PipelineCodeError(message + "".join(f"\n  at {frame}" for frame in where)) from exc
 
 

@@ -82,6 +82,18 @@ def where(pipeline: Any, hook: str) -> str:
     return f"\n  at {path}:{line}, in {owner}"
 
 
+# The hooks that are attributes, not methods: checked once, when the pipeline is loaded.
+ATTRIBUTES = ("Args", "default_config")
+
+
+def check_attributes(pipeline: Any) -> None:
+    """The pipeline's attributes (`ATTRIBUTES`) hold what raytrain reads from them."""
+    for name in ATTRIBUTES:
+        problem = HOOKS[name].check(getattr(pipeline, name, None), None)
+        if problem:
+            raise PipelineCodeError(f"pipeline {pipeline.name}: {name} {problem}" + where(pipeline, name))
+
+
 def check_args_class(pipeline: Any) -> None:
     """The pipeline's `Args`, if it has one, must be a dataclass (its fields are the options)."""
     problem = _args_class(getattr(type(pipeline), "Args", None), None)
@@ -299,6 +311,15 @@ def _args_class(value: Any, before: Any) -> str | None:
     )
 
 
+def _defaults(value: Any, before: Any) -> str | None:
+    if value is None or isinstance(value, dict):
+        return None
+    return (
+        f"is {type(value).__name__} ({str(value)[:40]}), not a dict of options; give the pipeline's recipe as "
+        "default_config = {'epochs': 3, 'lr': 1e-3, ...} (the names of raytrain train's options, in snake_case)"
+    )
+
+
 HOOKS: dict[str, Hook] = {
     "build_model": Hook(_model),
     "build_datasets": Hook(_datasets),
@@ -308,4 +329,5 @@ HOOKS: dict[str, Hook] = {
     "lr_factor": Hook(_lr_factor, convert=_as_number),
     "shard_modules": Hook(_shard_modules, convert=list),
     "Args": Hook(_args_class),
+    "default_config": Hook(_defaults),
 }

@@ -133,6 +133,7 @@ def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:
 def load_pipeline(spec: "str | Pipeline") -> Pipeline:
     """A built-in name (`digits`), `module:attr` (a Pipeline class or instance), or an instance."""
     if isinstance(spec, Pipeline):
+        hooks.check_attributes(spec)
         return spec
     if not isinstance(spec, str) or not spec:
         raise PipelineError(
@@ -146,13 +147,7 @@ def load_pipeline(spec: "str | Pipeline") -> Pipeline:
         )
     module_name, attr = target.split(":", 1)
     add_working_directory()
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PipelineError(
-            f"pipeline {spec!r}: cannot import module {module_name!r} ({exc}); "
-            "run from the directory that holds it or put it on PYTHONPATH"
-        ) from None
+    module = import_user_module(spec, module_name)
     if spec not in BUILTIN_PIPELINES:
         check_not_shadowed(spec, module)
     try:
@@ -160,13 +155,53 @@ def load_pipeline(spec: "str | Pipeline") -> Pipeline:
     except AttributeError:
         raise PipelineError(f"pipeline {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
     if isinstance(obj, type) and issubclass(obj, Pipeline):
-        return obj()
-    if isinstance(obj, Pipeline):
-        return obj
-    raise PipelineError(
-        f"pipeline {spec!r}: {attr} is a {type(obj).__name__}, not a raytrain.Pipeline; "
-        "subclass raytrain.Pipeline and implement build_model, build_datasets, compute_loss"
-    )
+        obj = build_pipeline(spec, obj)
+    if not isinstance(obj, Pipeline):
+        raise PipelineError(
+            f"pipeline {spec!r}: {attr} is a {type(obj).__name__}, not a raytrain.Pipeline; "
+            "subclass raytrain.Pipeline and implement build_model, build_datasets, compute_loss"
+        )
+    hooks.check_attributes(obj)
+    return obj
+
+
+def import_user_module(spec: str, module_name: str) -> Any:
+    """The pipeline's module: PipelineError when it cannot be found or needs a package that is
+    not installed; PipelineCodeError (naming the line) when its own code fails as it is
+    imported (a syntax error, an exception at import)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise PipelineError(
+                f"pipeline {spec!r}: cannot find module {module_name!r} ({exc}); "
+                "run from the directory that holds it or put it on PYTHONPATH"
+            ) from None
+        raise PipelineError(
+            f"pipeline {spec!r}: module {module_name!r} imports {exc.name!r}, which is not installed here: install "
+            "it (on a cluster, on every node, or in the job's runtime environment)"
+        ) from None
+    except Exception:
+        with pipeline_code(repr(spec), f"importing module {module_name!r}"):
+            raise
+
+
+def build_pipeline(spec: str, cls: type) -> "Pipeline":
+    """An instance of the pipeline class `cls`, which raytrain builds without arguments."""
+    try:
+        return cls()
+    except TypeError as exc:
+        if "required" not in str(exc) or "__init__" not in str(exc):
+            with pipeline_code(repr(spec), f"{cls.__name__}()"):
+                raise
+        raise PipelineError(
+            f"pipeline {spec!r}: {cls.__name__}() raised TypeError: {exc}; raytrain builds a pipeline class without "
+            "arguments: take its options from --pipeline-arg (a dataclass Args on the class), or point at an "
+            "instance built in the module, module:INSTANCE"
+        ) from None
+    except Exception:
+        with pipeline_code(repr(spec), f"{cls.__name__}()"):
+            raise
 
 
 def import_path() -> list[str]:

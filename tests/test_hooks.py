@@ -20,7 +20,7 @@ from raytrain import hooks
 from raytrain.cli import main
 from raytrain.config import TrainConfig
 from raytrain.data.table import Table
-from raytrain.errors import PipelineCodeError, find_user_error
+from raytrain.errors import PipelineCodeError, PipelineError, find_user_error
 from raytrain.pipeline import Pipeline, parse_pipeline_args
 from raytrain.rules import steps
 from raytrain.rules.batch import resolve_batch_plan
@@ -42,7 +42,7 @@ def pipeline_hooks() -> set[str]:
         for name, value in vars(Pipeline).items()
         if not name.startswith("_") and inspect.isfunction(value) and name != "args"
     }
-    return methods | {"Args"}
+    return methods | {"Args", "default_config"}
 
 
 def test_every_hook_of_pipeline_has_its_return_check():
@@ -356,3 +356,59 @@ def test_the_cli_answers_args_dict_with_exit_2_and_one_message_before_ray(capsys
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("raytrain train: pipeline DictArgs: Args is dict, not a dataclass"), err
     assert "Traceback" not in err and not ray.is_initialized()
+
+
+# -- loading the pipeline: its module, its class, its attributes ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "source, spec, error, expected",
+    [
+        (
+            "class P(raytrain.Pipeline)\n    pass\n",
+            "m1:P",
+            PipelineCodeError,
+            "pipeline 'm1:P': importing module 'm1' raised SyntaxError: expected ':' (m1.py, line 2)",
+        ),
+        (
+            "raise RuntimeError('no /data/conf.json')\n",
+            "m2:P",
+            PipelineCodeError,
+            "pipeline 'm2:P': importing module 'm2' raised RuntimeError: no /data/conf.json\n  at ",
+        ),
+        (
+            "import torchvisionx\n",
+            "m3:P",
+            PipelineError,
+            "pipeline 'm3:P': module 'm3' imports 'torchvisionx', which is not installed here: install it",
+        ),
+        (
+            "class P(raytrain.Pipeline):\n    def __init__(self, path):\n        pass\n",
+            "m4:P",
+            PipelineError,
+            "pipeline 'm4:P': P() raised TypeError: P.__init__() missing 1 required positional argument: 'path'; "
+            "raytrain builds a pipeline class without arguments",
+        ),
+        (
+            "class P(raytrain.Pipeline):\n    def __init__(self):\n        raise ValueError('no GPU')\n",
+            "m5:P",
+            PipelineCodeError,
+            "pipeline 'm5:P': P() raised ValueError: no GPU\n  at ",
+        ),
+        (
+            "class P(raytrain.Pipeline):\n    default_config = ['epochs', 3]\n",
+            "m6:P",
+            PipelineCodeError,
+            "pipeline P: default_config is list (['epochs', 3]), not a dict of options",
+        ),
+    ],
+)
+def test_a_pipeline_that_cannot_be_loaded_is_named_with_the_line_and_the_fix(
+    tmp_path, monkeypatch, source, spec, error, expected
+):
+    module = spec.split(":")[0]
+    (tmp_path / f"{module}.py").write_text("import raytrain\n" + source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(error) as failure:
+        raytrain.pipeline.load_pipeline(spec)
+    assert str(failure.value).startswith(expected), str(failure.value)
