@@ -249,6 +249,29 @@ def innermost_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]
 
 
+def weights_mismatch(exc: BaseException) -> str:
+    """torch's load_state_dict error in one line: the keys the model lacks and has beyond the
+    file, and the tensors of another shape (`missing 1.weight, 1.bias; unexpected extra.w;
+    0.weight is [5, 4] in the file, [3, 4] in the model`)."""
+    text = str(exc)
+    parts = []
+    for label, pattern in (
+        ("missing", r"Missing key\(s\) in state_dict: (.*?)\.\s*$"),
+        ("unexpected", r"Unexpected key\(s\) in state_dict: (.*?)\.\s*$"),
+    ):
+        found = re.search(pattern, text, re.MULTILINE)
+        if found:
+            keys = re.findall(r'"([^"]+)"', found[1])
+            parts.append(f"{label} {', '.join(keys[:5])}{' …' if len(keys) > 5 else ''} ({len(keys)})")
+    for name, file_shape, model_shape in re.findall(
+        r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^\]]*\])\) from checkpoint, the shape in "
+        r"current model is torch.Size\((\[[^\]]*\])\)",
+        text,
+    )[:5]:
+        parts.append(f"{name} is {file_shape} in the file, {model_shape} in the model")
+    return "; ".join(parts) or (text.strip().splitlines() or [type(exc).__name__])[0]
+
+
 # -- reading a traceback's text --------------------------------------------------------------
 
 _SNIPPET = re.compile(r"^\[Rank ([\d,\s]+) Error Snippet\]:\s*$", re.MULTILINE)

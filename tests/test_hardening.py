@@ -358,3 +358,23 @@ def test_a_module_an_installed_package_hides_is_named_with_the_fix(tmp_path, mon
     message = str(failure.value)
     assert message.startswith("pipeline 'json:Pipe': module 'json' is imported from ")
     assert f"not from json in the working directory ({tmp_path}); rename your module (e.g. my_json)" in message
+
+
+def test_a_model_that_does_not_load_the_weights_is_said_key_by_key():
+    from raytrain.errors import weights_mismatch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    weights = {"0.weight": torch.zeros(5, 4), "0.bias": torch.zeros(3), "extra.w": torch.zeros(1)}
+    with pytest.raises(RuntimeError) as failure:
+        model.load_state_dict(weights, strict=True)
+    assert weights_mismatch(failure.value) == (
+        "missing 1.weight, 1.bias (2); unexpected extra.w (1); 0.weight is [5, 4] in the file, [3, 4] in the model"
+    )
+
+
+def test_pipeline_args_in_a_config_file_that_are_not_a_mapping_are_refused(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("pipeline_args: [1, 2]\n")
+    code = main(["train", "digits", "--config", str(config), "--storage", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"pipeline_args (in {config}): got [1, 2] (list); expected a mapping of KEY: value" in err

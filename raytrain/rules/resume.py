@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from raytrain.errors import CheckpointError, ConfigError, DataError, UsageError
+from raytrain.errors import CheckpointError, ConfigError, DataError, UsageError, weights_mismatch
 from raytrain.fields import flag_name
 from raytrain.rundir.records import StoredRun
 
@@ -150,7 +150,7 @@ def check_readable(stored: StoredRun) -> None:
 def model_mismatch(checkpoint_name: str, exc: Exception) -> CheckpointError:
     """The pipeline's model does not load the run's checkpoint (`exc`: load_state_dict's)."""
     return CheckpointError(
-        f"the pipeline's model does not load the run's checkpoint {checkpoint_name} ({str(exc).splitlines()[0]}); "
+        f"the pipeline's model does not load the run's checkpoint {checkpoint_name} ({weights_mismatch(exc)}); "
         "resume with the pipeline and options the run was trained with"
     )
 

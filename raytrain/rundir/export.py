@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raytrain import hooks
-from raytrain.errors import CheckpointError, UsageError
-from raytrain.rundir.checkpoints import load_model_weights
+from raytrain.errors import CheckpointError, UsageError, weights_mismatch
+from raytrain.rundir.checkpoints import load_model_weights, save_torch
 from raytrain.rundir.files import storage_errors
 from raytrain.rundir.records import CONFIG, MODEL
 
@@ -23,7 +23,6 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 def export_weights(source: str, output: str, pipeline: str | None = None, echo: Callable[[str], None] = print) -> Path:
     """Write the model of `source` (a run directory, a checkpoint directory or a .pt file) to
     `output` as a plain state_dict; returns the path written."""
-    import torch
 
     weights = {strip_wrappers(key): value for key, value in load_model_weights(source).items()}
     checked = check_against_pipeline(pipeline, Path(source), weights) if pipeline else ""
@@ -33,7 +32,7 @@ def export_weights(source: str, output: str, pipeline: str | None = None, echo: 
     with storage_errors(path, "write"):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
-        torch.save(weights, tmp)
+        save_torch(weights, tmp)  # a refused write as an OSError with its errno, not torch's RuntimeError
         tmp.replace(path)
     size_mb = path.stat().st_size / 2**20
     echo(f"Wrote {path}: {len(weights)} tensors, {size_mb:.2f} MiB{checked}")
@@ -71,6 +70,7 @@ def check_against_pipeline(spec: str, source: Path, weights: dict) -> str:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
         raise CheckpointError(
-            f"{source}: weights do not match {pipe.name}'s model: {str(exc).splitlines()[0]}"
+            f"{source}: weights do not match {pipe.name}'s model ({weights_mismatch(exc)}); give the pipeline the run "
+            "trained (and its --pipeline-arg options, read from the run's config.yaml)"
         ) from None
     return f"; checked: loads into {pipe.name}'s model with strict=True"
