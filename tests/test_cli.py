@@ -242,7 +242,7 @@ def test_no_pipeline(train):
             "module:attr",
         ),
         ("digit", "pipeline: unknown name 'digit'"),
-        ("no_such_module_xyz:Pipe", "pipeline 'no_such_module_xyz:Pipe': cannot import module 'no_such_module_xyz'"),
+        ("no_such_module_xyz:Pipe", "pipeline 'no_such_module_xyz:Pipe': cannot find module 'no_such_module_xyz'"),
         (
             "pipelines.digits:Missing",
             "pipeline 'pipelines.digits:Missing': module 'pipelines.digits' has no attribute 'Missing'",
@@ -282,9 +282,8 @@ def test_user_module_that_does_not_import(train, user_module):
         code,
         out,
         err,
-        f"cannot import module '{user_module}_broken'",
-        "a_package_that_is_not_installed_xyz",
-        "PYTHONPATH",
+        f"module '{user_module}_broken' imports 'a_package_that_is_not_installed_xyz', which is not installed here: "
+        "install it",
     )
 
 
