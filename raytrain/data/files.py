@@ -43,7 +43,7 @@ def explain_read_error(units: Any, ids: Sequence[int], name: str) -> DataError |
             )
         except Exception as exc:
             return DataError(
-                f"dataset {name!r}: file {path} cannot be read as Parquet ({_first_line(exc)}): it is truncated, "
+                f"dataset {name!r}: file {path} cannot be read as Parquet ({_error_line(exc)}): it is truncated, "
                 "damaged or not Parquet. Replace it, or move it out of the dataset's directory"
             )
         if expected is not None and path != reference:
@@ -86,6 +86,6 @@ def _path(row: Any) -> str | None:
     return row.get(PATH_KEY) if isinstance(row, dict) else None
 
 
-def _first_line(exc: BaseException) -> str:
+def _error_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
