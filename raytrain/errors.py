@@ -345,7 +345,7 @@ def worker_death(text: str) -> ErrorSummary | None:
     if _DEATH not in text:
         return None
     pid = re.search(r"^\s*pid: (\d+)", text, re.MULTILINE)
-    detail = re.search(r"Worker exit detail: (.+?)(?= There are some potential root causes|\n|$)", text)
+    detail = re.search(r"Worker exit detail: (.+?)(?= There are some potential root causes| Some common causes|\n|$)", text)
     log = re.search(r"log_file_path='([^']+)'", text)
     how = detail[1].strip().rstrip(".") if detail else "Ray gives no exit detail"
     line = (
@@ -367,7 +367,10 @@ def explain_worker_errors(error: BaseException) -> list[str]:
     error keeps a long message in full.
     """
     text = str(error)
-    failed = _attached_summaries(getattr(error, "worker_failures", None) or {})
+    failures = getattr(error, "worker_failures", None) or {}
+    failed = _attached_summaries(failures)
+    if failed:  # a rank whose process died carries no summary: say it too, it is the likely cause
+        failed += [([rank], death) for rank, exc in sorted(failures.items()) if (death := worker_death(str(exc)))]
     matches = [] if failed else list(_SNIPPET.finditer(text))
     for index, match in enumerate(matches):
         end = matches[index + 1].start() if index + 1 < len(matches) else len(text)
@@ -384,7 +387,7 @@ def explain_worker_errors(error: BaseException) -> list[str]:
             summary.exception = [f"{type(error).__name__}: {text.strip()}".strip().rstrip(":")]
             summary.exception = summary.exception[0].splitlines()
         return summary.lines()
-    failed.sort(key=lambda item: item[0])
+    failed.sort(key=lambda item: (not item[1].died, item[0]))  # a lost process first: the others' errors follow it
     out = []
     for number, (ranks, summary) in enumerate(failed[:4]):
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
