@@ -345,7 +345,9 @@ def worker_death(text: str) -> ErrorSummary | None:
     if _DEATH not in text:
         return None
     pid = re.search(r"^\s*pid: (\d+)", text, re.MULTILINE)
-    detail = re.search(r"Worker exit detail: (.+?)(?= There are some potential root causes| Some common causes|\n|$)", text)
+    detail = re.search(
+        r"Worker exit detail: (.+?)(?= There are some potential root causes| Some common causes|\n|$)", text
+    )
     log = re.search(r"log_file_path='([^']+)'", text)
     how = detail[1].strip().rstrip(".") if detail else "Ray gives no exit detail"
     line = (

@@ -9,6 +9,7 @@ Parquet, or whose columns differ from the dataset's first file is named with the
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 from raytrain.errors import DataError
@@ -25,17 +26,12 @@ def explain_read_error(units: Any, ids: Sequence[int], name: str) -> DataError |
     if getattr(units, "kind", None) != "files":
         return None
     filesystem = getattr(units.source, "filesystem", None)
-    reference = next((_path(row) for row in units.payload if _path(row)), None)
+    every = list(dict.fromkeys(p for p in map(_path, units.payload) if p))
     paths = list(dict.fromkeys(p for p in (_path(units.payload[i]) for i in ids) if p))[:FILES_LOOKED_AT]
-    if reference is None or not paths:
-        return None
-    try:
-        expected = _schema(reference, filesystem)
-    except Exception:  # the first file itself: looked at below like the others
-        expected = None
+    schemas: dict[str, Any] = {}
     for path in paths:
         try:
-            schema = _schema(path, filesystem)
+            schemas[path] = _schema(path, filesystem)
         except FileNotFoundError:
             return DataError(
                 f"dataset {name!r}: file {path} is gone (it was there when the run listed its files: deleted or "
@@ -46,14 +42,30 @@ def explain_read_error(units: Any, ids: Sequence[int], name: str) -> DataError |
                 f"dataset {name!r}: file {path} cannot be read as Parquet ({_error_line(exc)}): it is truncated, "
                 "damaged or not Parquet. Replace it, or move it out of the dataset's directory"
             )
-        if expected is not None and path != reference:
-            differs = schema_difference(expected, schema)
-            if differs:
-                return DataError(
-                    f"dataset {name!r}: file {path} {differs} compared with {reference}; every file of a dataset "
-                    "must have the same columns and types: rewrite that file with them (e.g. "
-                    "table.rename_columns(...) in pyarrow), or move it out of the dataset's directory"
-                )
+    for path in every[:3]:  # a few more, so that the columns most files have are known
+        if path not in schemas:
+            with contextlib.suppress(Exception):
+                schemas[path] = _schema(path, filesystem)
+    return _odd_one_out(schemas, paths, name)
+
+
+def _odd_one_out(schemas: dict[str, Any], paths: list[str], name: str) -> DataError | None:
+    """The first of `paths` whose columns differ from those most of `schemas` have (a tie: the
+    dataset's first file's), named with the difference and the fix."""
+    keys = {path: tuple((field.name, str(field.type)) for field in schema) for path, schema in schemas.items()}
+    counts: dict[tuple, int] = {}
+    for key in keys.values():
+        counts[key] = counts.get(key, 0) + 1
+    usual = max(counts, key=lambda key: counts[key])  # the first seen wins a tie
+    reference = next(path for path, key in keys.items() if key == usual)
+    for path in paths:
+        differs = schema_difference(schemas[reference], schemas[path]) if keys[path] != usual else None
+        if differs:
+            return DataError(
+                f"dataset {name!r}: file {path} {differs} compared with {reference}; every file of a dataset must "
+                "have the same columns and types: rewrite that file with them (e.g. table.rename_columns(...) in "
+                "pyarrow), or move it out of the dataset's directory"
+            )
     return None
 
 
