@@ -282,9 +282,8 @@ def test_a_renamed_column_in_one_file_is_named_with_the_file_and_the_fix(tmp_pat
         f"{paths[0]}; every file of a dataset must have the same columns and types: rewrite that file with them "
         "(e.g. table.rename_columns(...) in pyarrow), or move it out of the dataset's directory"
     )
-    first = (
-        write_parquet_files(tmp_path / "first", [renamed, good, good]) if (tmp_path / "first").mkdir() is None else []
-    )
+    (tmp_path / "first").mkdir()
+    first = write_parquet_files(tmp_path / "first", [renamed, good, good])
     with pytest.raises(DataError, match=rf"file {first[0]} lacks column\(s\) 'image', has column\(s\) 'img' instead"):
         read_units(FileUnits(first, TypeError("buffer is too small for requested array")))  # the odd one is the first
     paths = write_parquet_files(tmp_path, [good, retyped])
