@@ -105,10 +105,16 @@ def check_args_class(pipeline: Any) -> None:
 
 
 def _model(value: Any, before: Any) -> str | None:
+    """A module with parameters (there would be nothing to train)."""
     import torch
 
     if not isinstance(value, torch.nn.Module):
         return f"returned a {type(value).__name__}, not a torch.nn.Module"
+    if not any(True for _ in value.parameters()):
+        return (
+            f"returned a {type(value).__name__} without parameters: there is nothing to train; return the model "
+            "with its layers (nn.Linear, nn.Conv2d, ...)"
+        )
     return None
 
 
@@ -282,21 +288,28 @@ def _as_number(value: Any) -> float | None:
 
 
 def _shard_modules(value: Any, before: Any) -> str | None:
-    """A list of submodules of the model (what --strategy fsdp shards one by one)."""
+    """Distinct submodules of the model, none the model itself or inside another: the blocks
+    --strategy fsdp shards one by one."""
     import torch
 
     model = before[0]
-    if not isinstance(value, (list, tuple, torch.nn.ModuleList)):
+    what = "must return a list of the model's own submodules"
+    if not isinstance(value, (list, tuple)) or not all(isinstance(m, torch.nn.Module) for m in value):
+        got = type(value).__name__ if not isinstance(value, (list, tuple)) else "a list holding non-modules"
+        return f"{what}; it returned {got}"
+    names = {id(module): name for name, module in model.named_modules() if name}
+    strangers = [type(m).__name__ for m in value if id(m) not in names]
+    if strangers:
         return (
-            f"must return a list of the model's submodules; it returned a {type(value).__name__}: e.g. "
-            "return list(model.blocks)"
+            f"{what}; {len(strangers)} of them ({', '.join(sorted(set(strangers)))}) are not inside the model built "
+            "by build_model (or are the model itself): return modules of `model`, e.g. list(model.layers)"
         )
-    own = {id(m) for m in model.modules()}
-    for index, module in enumerate(value):
-        if not isinstance(module, torch.nn.Module):
-            return f"returned a {type(module).__name__} at index {index}, not a torch.nn.Module"
-        if id(module) not in own:
-            return f"returned a module at index {index} ({type(module).__name__}) that is not part of the model"
+    if len({id(m) for m in value}) != len(value):
+        return f"{what}; it names a module twice"
+    picked = [names[id(m)] for m in value]
+    nested = [a for a in picked for b in picked if a != b and a.startswith(b + ".")]
+    if nested:
+        return f"{what}, none inside another; {nested[0]} is inside another one returned"
     return None
 
 

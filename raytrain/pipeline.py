@@ -80,6 +80,15 @@ class Pipeline:
         from 0 at the end of warmup to 1 at the end of training. Used only when overridden."""
         raise NotImplementedError
 
+    def shard_modules(self, model: "torch.nn.Module") -> list["torch.nn.Module"]:
+        """The model's blocks: the submodules `--strategy fsdp` shards one by one (then the
+        root), and `--activation-checkpointing` and `--compile` apply to. Default: the children
+        of every outermost `nn.ModuleList`/`nn.Sequential` of the model (the transformer
+        convention: `model.layers`, `model.blocks`), else none (the root alone)."""
+        from raytrain.worker.strategy import default_blocks
+
+        return default_blocks(model)
+
     @property
     def name(self) -> str:
         return type(self).__name__

@@ -34,7 +34,7 @@ def test_stalled_rank_fails_the_attempt_naming_it_within_the_timeout(ray_session
     assert stalled_for_s < timeout_s + 30, stalled_for_s
 
 
-@pytest.mark.parametrize("corrupt", [("state.pt",), ("state.pt", "model.pt")])
+@pytest.mark.parametrize("corrupt", [("train_state.pt",), ("train_state.pt", "model.pt")])
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(ray_session, tmp_path, corrupt):
     from raytrain.rundir.checkpoints import checkpoint_dirs
 

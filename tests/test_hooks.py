@@ -300,9 +300,9 @@ def test_shard_modules_must_name_submodules_of_the_model():
             return self.blocks
 
     assert hooks.call(Shards((model[0], model[1])), "shard_modules", model) == [model[0], model[1]]
-    with pytest.raises(PipelineCodeError, match="at index 0 .* that is not part of the model"):
+    with pytest.raises(PipelineCodeError, match=r"1 of them \(Linear\) are not inside the model built by build_model"):
         hooks.call(Shards([nn.Linear(1, 1)]), "shard_modules", model)
-    with pytest.raises(PipelineCodeError, match="must return a list of the model's submodules; it returned a gen"):
+    with pytest.raises(PipelineCodeError, match="must return a list of the model's own submodules; it returned gen"):
         hooks.call(Shards(m for m in model), "shard_modules", model)
 
 
@@ -313,6 +313,13 @@ def test_build_model_must_return_a_module():
 
     with pytest.raises(PipelineCodeError, match="build_model returned a str, not a torch.nn.Module"):
         hooks.call(NotAModel(), "build_model", TrainConfig())
+
+    class NoParameters(Pipeline):
+        def build_model(self, cfg):
+            return nn.ReLU()
+
+    with pytest.raises(PipelineCodeError, match="returned a ReLU without parameters: there is nothing to train"):
+        hooks.call(NoParameters(), "build_model", TrainConfig())
 
 
 # -- Args -----------------------------------------------------------------------------------------------------

@@ -95,6 +95,11 @@ class CharLMPipeline(raytrain.Pipeline):
         opts = options(cfg)
         return CharGPT(block=opts["block"], width=opts["width"], layers=opts["layers"], heads=opts["heads"])
 
+    def shard_modules(self, model):
+        # The transformer blocks: each is one FSDP unit (gathered for its forward, freed after),
+        # one activation checkpoint and one compiled region.
+        return list(model.blocks)
+
     def compute_loss(self, model, batch):
         tokens = batch["tokens"]
         logits = model(tokens[:, :-1])

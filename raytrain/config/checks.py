@@ -136,6 +136,19 @@ def _check_workers(c: Any) -> Iterable[tuple[str, str]]:
             "got per-step, but torchft is not installed; install it with pip install 'raytrain[ft]' (torchft-nightly), "
             "or use --fault-tolerance restart",
         )
+    if c.strategy == "fsdp" and max_workers == 0:
+        yield (
+            "strategy",
+            "got fsdp with --workers 0: local mode runs the loop in this process without a process group, so there "
+            "is nothing to shard the model over; give --workers N (N >= 1), or use --strategy ddp in local mode",
+        )
+    if c.strategy == "fsdp" and c.fault_tolerance == "per-step":
+        yield (
+            "strategy",
+            "got fsdp with --fault-tolerance per-step: per-step replica groups hold one worker each, so there is "
+            "nothing to shard inside a group (a sharded replica group, HSDP, is not supported); use --strategy fsdp "
+            "with --fault-tolerance restart, or --strategy ddp with per-step",
+        )
     if c.fault_tolerance == "per-step" and c.max_failures == 0:
         yield (
             "max_failures",

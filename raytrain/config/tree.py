@@ -21,6 +21,7 @@ ScheduleName = Literal["cosine", "constant", "linear", "step", "onecycle"]
 OptimizerName = Literal["adamw", "sgd", "lamb"]
 ProgressMode = Literal["auto", "bar", "plain", "off"]
 FaultTolerance = Literal["restart", "per-step"]
+Strategy = Literal["ddp", "fsdp"]
 LR_RULES = get_args(LRRule)
 DEFAULT_STORAGE = "~/raytrain_results"
 
@@ -107,7 +108,21 @@ class TrainConfig:
     grad_clip_norm: float | None = None
     """Clip the global gradient norm to this (after unscaling, under fp16); none by default."""
     precision: Precision = "fp32"
-    """fp32, bf16 autocast, or fp16 autocast with a gradient scaler."""
+    """fp32, bf16 autocast, or fp16 autocast with a gradient scaler. Under --strategy fsdp, bf16 is FSDP2's
+    mixed-precision policy (bf16 parameters in compute, fp32 gradient reduction)."""
+    strategy: Strategy = "ddp"
+    """How the model is held: ddp (every worker holds all of it, its gradients and optimizer state; gradients are
+    averaged) or fsdp (FSDP2: each worker holds a shard of them, gathered block by block when needed, so a model
+    that outgrows one worker trains). Checkpoints resume under either."""
+    fsdp_reshard_after_forward: bool = True
+    """With --strategy fsdp: free each block's gathered parameters after its forward (ZeRO-3, least memory);
+    --no-fsdp-reshard-after-forward keeps them for the backward (ZeRO-2, one all-gather fewer per block)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass instead of keeping them (the blocks of the
+    pipeline's shard_modules): less memory for about one more forward of compute."""
+    compile: bool = False
+    """torch.compile the model: each block under --strategy fsdp, the whole model under ddp, before it is
+    sharded or wrapped (needs a C++ compiler on CPU, Triton on GPU)."""
     seed: int = 0
     """One seed for model init on every rank and for the data order of every epoch."""
     max_failures: int = 3
@@ -120,6 +135,10 @@ class TrainConfig:
     """Also checkpoint every this many optimizer steps (0: at the end of each epoch only)."""
     num_checkpoints_to_keep: int = 2
     """Checkpoints kept in storage (the latest is always kept)."""
+    checkpoint_async: bool = True
+    """Write checkpoints in the background: the loop waits only while the state is copied to host memory
+    (--no-checkpoint-async waits for every file: less host memory, and a worker lost right after a checkpoint
+    never loses it)."""
     log_every_steps: int = 10
     """Write a metrics.jsonl row every this many optimizer steps (and at every epoch end)."""
     storage: str = DEFAULT_STORAGE

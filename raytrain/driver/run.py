@@ -27,7 +27,8 @@ from raytrain.observe.tracking import RunTracker
 from raytrain.pipeline import Pipeline, load_pipeline
 from raytrain.rules import batch, resume
 from raytrain.rundir import CONFIG, RunDir, StoredRun, claimed, strict, write_yaml
-from raytrain.rundir.checkpoints import load_model_weights
+from raytrain.rundir.checkpoints import model_shapes
+from raytrain.worker.strategy import check_compiler
 
 
 @dataclass
@@ -67,13 +68,16 @@ def fit(
     spec = pipeline if isinstance(pipeline, str) else pipe.name
     cfg = resolve_config(pipe, cfg or TrainConfig(**pipe.default_config), spec)
     echo = echo or (lambda line: None)
-    if will_embed_ray(cfg):
+    embedded = will_embed_ray(cfg)
+    if embedded:
         check_embedded_capacity(cfg, echo=echo)  # before anything is written or started
     with claimed(Path(cfg.storage) / cfg.name, cfg.storage) as run_dir:
         stored = check_run_dir(run_dir, cfg, spec)
         tracker = RunTracker(cfg, run_dir, spec, echo=echo, progress=progress)
         with ray_session(cfg), interrupts.stop_on_signals(run_dir, echo) as stop:
             use_gpu, ray_logs = resolve_gpu(cfg), ray_logs_dir()
+            if cfg.compile and embedded:  # the workers are this machine: a missing compiler fails now
+                check_compiler("cuda" if use_gpu else "cpu")
             sources = prepare_datasets(build_datasets(pipe, cfg), cfg, echo)
             if stored is not None:
                 check_resume(pipe, cfg, stored, sources, echo)
@@ -149,10 +153,7 @@ def check_resume(
     epoch half done must continue on the same data; then say what the resume changes."""
     if stored.checkpoint is not None:
         model = hooks.call(pipe, "build_model", cfg)
-        try:
-            model.load_state_dict(load_model_weights(stored.checkpoint), strict=True)
-        except RuntimeError as exc:
-            raise resume.model_mismatch(stored.checkpoint.name, exc) from None
+        resume.check_model_fits(model_shapes(stored.checkpoint), model, stored.checkpoint.name)
         train = sources["train"]
         if isinstance(train, StreamSource):  # in memory: checked on the workers, which read the table
             before = stored.position.get("data") or {}

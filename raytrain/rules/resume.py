@@ -13,7 +13,7 @@ Every resume rule lives here; the CLI, the config checks, the driver and the wor
     others; at an epoch boundary they are allowed);
   - allowed and said in the resume line: everything else (epochs, batch knobs — the plan
     is derived again —, learning rate and schedule, workers, precision, cadences, trackers).
-- The pipeline's model must load the checkpoint (`model_mismatch`), and an epoch half done
+- The pipeline's model must load the checkpoint (`check_model_fits`), and an epoch half done
   continues only on the same training set (`check_same_data`: on the driver for a stream,
   whose layout it knows, and on every worker).
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from raytrain.errors import CheckpointError, ConfigError, DataError, UsageError, weights_mismatch
+from raytrain.errors import CheckpointError, ConfigError, DataError, UsageError
 from raytrain.fields import flag_name
 from raytrain.rundir.records import StoredRun
 
@@ -147,10 +147,26 @@ def check_readable(stored: StoredRun) -> None:
         )
 
 
-def model_mismatch(checkpoint_name: str, exc: Exception) -> CheckpointError:
-    """The pipeline's model does not load the run's checkpoint (`exc`: load_state_dict's)."""
-    return CheckpointError(
-        f"the pipeline's model does not load the run's checkpoint {checkpoint_name} ({weights_mismatch(exc)}); "
+def check_model_fits(stored: dict[str, tuple[int, ...]], model: Any, checkpoint_name: str) -> None:
+    """The pipeline's model must take the checkpoint's weights: the same names and shapes
+    (`stored`: the checkpoint's, read without loading a tensor)."""
+    mine = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    # in the model's order: the first difference is usually the telling one
+    missing, unexpected = [k for k in mine if k not in stored], [k for k in stored if k not in mine]
+    shapes = [key for key in mine if key in stored and mine[key] != stored[key]]
+    if not (missing or unexpected or shapes):
+        return
+    if shapes:
+        key = shapes[0]
+        what = f"{key} is {list(stored[key])} there and {list(mine[key])} in the model"
+    else:
+        what = "; ".join(
+            f"{label} {', '.join(keys[:3])}{' …' if len(keys) > 3 else ''}"
+            for label, keys in (("missing from the checkpoint:", missing), ("not in the model:", unexpected))
+            if keys
+        )
+    raise CheckpointError(
+        f"the pipeline's model does not load the run's checkpoint {checkpoint_name} ({what}); "
         "resume with the pipeline and options the run was trained with"
     )
 

@@ -1,21 +1,36 @@
-"""Checkpoint directories of a run: their names, how they are written and read back safely.
+"""Checkpoint directories of a run: their names, their files, and how they are read back safely.
 
-A checkpoint directory holds `state.pt` (what the training state saves: model, optimizer,
-scheduler, scaler, RNG states, position; `raytrain.worker.state`), `model.pt` (the unwrapped
-model alone) and `position.json` (the position, readable without loading tensors). Both
-torch files load with `torch.load(..., weights_only=True)`: only tensors and plain
-containers, never pickled code, so a checkpoint from elsewhere cannot run anything.
+A checkpoint directory (`checkpoint_s<step>_<time>/`, one logical format under every strategy):
+
+- the model and optimizer as `torch.distributed.checkpoint` (DCP) files, `.metadata` and one
+  `__<rank>_0.distcp` per writing rank: every rank writes its own shard in parallel, and DCP
+  reshards them on load, so a checkpoint resumes at any worker count and under --strategy
+  ddp or fsdp. Keys are the plain model's (`blocks.0.qkv.weight`), optimizer state keyed by
+  the same names;
+- `train_state.pt`: the rest (the gradient scaler, every rank's RNG state, the schedule, the
+  batch plan and the position);
+- `model.pt`: the unwrapped model as a plain state_dict, when a rank holds all of it (not
+  under --strategy fsdp: `raytrain export` reads the DCP files instead);
+- `position.json`: the position, readable without loading tensors.
+
+Torch files load with `torch.load(..., weights_only=True)`, and DCP files are read into
+tensors alone: only tensors and plain containers, never pickled code, so a checkpoint from
+elsewhere cannot run anything. A directory is written under `.staging/` and renamed into place
+once every file is complete, so a listed checkpoint is whole. `state.pt` (everything in one
+file) is the format of earlier versions, still read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import time
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -23,33 +38,23 @@ from raytrain.errors import CheckpointError
 from raytrain.observe.render import first_line
 from raytrain.rundir.records import MODEL
 
-STATE_FILE = "state.pt"
+TRAIN_STATE_FILE = "train_state.pt"
+DCP_METADATA = ".metadata"  # written last by DCP: its shards are complete
+LEGACY_STATE_FILE = "state.pt"
 MODEL_FILE = MODEL  # also the final model in the run directory
 POSITION_FILE = "position.json"
 STAGING = ".staging"
 ZIP_MAGIC = b"PK\x03\x04"  # how every file torch.save writes begins (its zip archive)
 
 
-def save_state(state: dict[str, Any], directory: str | os.PathLike) -> None:
-    """Write a checkpoint directory (OSError, with its errno, if the file system refuses)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    # Written to temporary names and renamed last, so a crash mid-write leaves no file
-    # that looks complete (raytrain also writes the directory under a staging name).
-    for name, payload in ((MODEL_FILE, state["model"]), (STATE_FILE, state)):
-        tmp = directory / (name + ".tmp")
-        save_torch(payload, tmp)
-        os.replace(tmp, directory / name)
-    # Small and readable: lets resume rank checkpoints without loading their tensors.
-    (directory / POSITION_FILE).write_text(json.dumps(state.get("position", {})))
-
-
 def save_torch(payload: Any, path: str | os.PathLike) -> None:
-    """torch.save, flushed to disk; a write the file system refuses is an OSError with its
-    errno (torch itself reports a full disk as a RuntimeError about stream positions)."""
+    """torch.save to a temporary name, flushed, then renamed: a crash mid-write leaves no file
+    that looks complete. A write the file system refuses is an OSError with its errno (torch
+    itself reports a full disk as a RuntimeError about stream positions)."""
     path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(path, "wb") as handle:
+        with open(tmp, "wb") as handle:
             torch.save(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -60,6 +65,28 @@ def save_torch(payload: Any, path: str | os.PathLike) -> None:
         if stats.f_bavail * stats.f_frsize < (1 << 20):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
         raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} ({str(exc).splitlines()[0][:120]})", str(path)) from exc
+    os.replace(tmp, path)
+
+
+def write_train_state(directory: str | os.PathLike, train_state: dict[str, Any]) -> None:
+    """The small part of a checkpoint, and its position as JSON (written by one rank)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_torch(train_state, directory / TRAIN_STATE_FILE)
+    (directory / POSITION_FILE).write_text(json.dumps(train_state.get("position", {})))
+
+
+def is_complete(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds a whole checkpoint: its position, and its train state with
+    DCP's metadata (or an earlier version's single state file)."""
+    directory = Path(directory)
+    files = (POSITION_FILE, TRAIN_STATE_FILE, DCP_METADATA)
+    return all((directory / name).is_file() for name in files) or (directory / LEGACY_STATE_FILE).is_file()
+
+
+def is_legacy(directory: str | os.PathLike) -> bool:
+    """A checkpoint of an earlier version: everything in one `state.pt`."""
+    return not (Path(directory) / DCP_METADATA).is_file() and (Path(directory) / LEGACY_STATE_FILE).is_file()
 
 
 def stored_step(directory: str | os.PathLike) -> int:
@@ -70,32 +97,49 @@ def stored_step(directory: str | os.PathLike) -> int:
         return -1
 
 
+def load_train_state(directory: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's train state (an earlier version's whole state); CheckpointError naming the
+    file when it is missing, truncated or not a raytrain checkpoint."""
+    directory = Path(directory)
+    path = directory / (LEGACY_STATE_FILE if is_legacy(directory) else TRAIN_STATE_FILE)
+    if not path.is_file() or not is_complete(directory):
+        raise CheckpointError(f"checkpoint {directory} is incomplete or not a raytrain checkpoint (no {path.name})")
+    return _load_torch(path, "checkpoint file")
+
+
 def load_state(directory: str | os.PathLike) -> dict[str, Any]:
-    path = Path(directory) / STATE_FILE
-    if not path.is_file():
-        raise CheckpointError(
-            f"checkpoint {directory} has no {STATE_FILE}; it is incomplete or not a raytrain checkpoint"
-        )
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(
-            f"checkpoint file {path} cannot be read: {unreadable(exc, path, checkpoint=True)}"
-        ) from None
+    """Everything a checkpoint holds as plain containers, in one process (no process group):
+    `model` and `optimizer` (keyed by parameter name) with the train state. For reading and
+    tests; training loads its own shards (`raytrain.worker.state`)."""
+    directory = Path(directory)
+    state = load_train_state(directory)
+    if is_legacy(directory):
+        return state
+    loaded = _read_dcp(directory)
+    return {**state, "model": loaded.get("model", {}), "optimizer": loaded.get("optim", {})}
 
 
 def readable(directory: str | os.PathLike) -> str | None:
-    """Why the checkpoint in `directory` cannot be restored (its state or model file is missing
-    or cannot be opened), or None. Cheap: the files are opened memory-mapped, their tensors
-    not read."""
-    for name in (STATE_FILE, MODEL_FILE):
-        path = Path(directory) / name
-        if not path.is_file():
-            return f"checkpoint {directory} has no {name}; it is incomplete or not a raytrain checkpoint"
+    """Why the checkpoint in `directory` cannot be restored — its train state (an earlier
+    version's state and model files) or DCP's metadata cannot be opened — or None. Cheap: torch
+    files are opened memory-mapped, no tensor is read, and DCP's shards are left to the workers
+    (one that fails to load there is skipped and said)."""
+    directory = Path(directory)
+    if is_legacy(directory):
+        names = [LEGACY_STATE_FILE] + ([MODEL_FILE] if (directory / MODEL_FILE).is_file() else [])
+    else:
+        names = [TRAIN_STATE_FILE]
+    for name in names:
+        path = directory / name
         try:
             torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:
             return f"checkpoint file {path} cannot be read: {unreadable(exc, path, checkpoint=True)}"
+    if not is_legacy(directory):
+        try:
+            _dcp_metadata(directory)
+        except CheckpointError as error:
+            return str(error)
     return None
 
 
@@ -135,13 +179,12 @@ def unreadable(exc: BaseException, path: str | os.PathLike, *, checkpoint: bool 
 
 
 def checkpoint_dirs(run_dir: str | os.PathLike) -> list[Path]:
-    """Checkpoint directories of a run that hold a state file, oldest first.
+    """Complete checkpoint directories of a run, oldest first (by their step, then name).
 
     raytrain writes a checkpoint under RUN_DIR/.staging/ and renames it into place when it is
     complete, so a directory here is whole; older runs (Ray's own copy) may hold partial
-    ones, which `load_state` rejects."""
-    run_dir = Path(run_dir)
-    found = [p for p in run_dir.glob("checkpoint_*") if (p / STATE_FILE).is_file()]
+    ones, which loading rejects."""
+    found = [p for p in Path(run_dir).glob("checkpoint_*") if is_complete(p)]
     return sorted(found, key=lambda p: (stored_step(p), p.name))
 
 
@@ -166,9 +209,8 @@ def latest_readable(run_dir: str | os.PathLike) -> tuple[Path | None, list[str]]
 def checkpoint_name(step: int) -> str:
     """`checkpoint_s000000412_20261201-101530-123456`: step-major, unique per write."""
     now = time.time()
-    return (
-        f"checkpoint_s{step:09d}_{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{int(now * 1e6) % 1_000_000:06d}"
-    )
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return f"checkpoint_s{step:09d}_{stamp}-{int(now * 1e6) % 1_000_000:06d}"
 
 
 def staging_dir(run_dir: str | os.PathLike) -> Path:
@@ -176,26 +218,141 @@ def staging_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / STAGING
 
 
+def model_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """The model's parameter and buffer names and shapes in a checkpoint, read from DCP's
+    metadata (no tensor is loaded) or from its model file."""
+    directory = Path(directory)
+    if not is_legacy(directory) and (directory / DCP_METADATA).is_file():
+        metadata = _dcp_metadata(directory)
+        prefix = "model."
+        return {
+            key[len(prefix) :]: tuple(meta.size)
+            for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and hasattr(meta, "size")
+        }
+    return {key: tuple(value.shape) for key, value in load_model_weights(directory).items()}
+
+
 def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Model weights from a run directory (model.pt, else the latest checkpoint), a checkpoint or a .pt file."""
+    """Model weights as a plain state_dict, from a run directory (model.pt, else its latest
+    checkpoint), a checkpoint directory (its model.pt, else its DCP shards, gathered in this
+    process without a process group) or a .pt file."""
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(
             f"{path} does not exist; give a run directory, a checkpoint directory or a model .pt file"
         )
     if path.is_dir():
-        candidates = [path / MODEL_FILE]
-        candidates += [p / MODEL_FILE for p in reversed(checkpoint_dirs(path))]
-        found = next((p for p in candidates if p.is_file()), None)
-        if found is None:
-            raise CheckpointError(f"{path} holds no model.pt and no complete checkpoint; has the run saved one yet?")
-        path = found
-    try:
-        weights = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{path} cannot be read as a torch file: {unreadable(exc, path)}") from None
+        checkpoint = path if is_complete(path) else None
+        if checkpoint is None and not (path / MODEL_FILE).is_file():  # a run without its final model yet
+            checkpoint = latest_complete(path)
+            if checkpoint is None:
+                raise CheckpointError(
+                    f"{path} holds no model.pt and no complete checkpoint; has the run saved one yet?"
+                )
+        if checkpoint is None:
+            path = path / MODEL_FILE
+        elif (checkpoint / MODEL_FILE).is_file():
+            path = checkpoint / MODEL_FILE
+        elif is_legacy(checkpoint):
+            path = checkpoint / LEGACY_STATE_FILE
+        else:  # sharded: its shards, gathered here
+            return read_model(checkpoint)
+    weights = _load_torch(path, "model file")
     if isinstance(weights, dict) and "model" in weights and isinstance(weights["model"], dict):
         weights = weights["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise CheckpointError(f"{path} does not hold a model state_dict")
     return weights
+
+
+def read_model(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model of a checkpoint's DCP files as a plain state_dict, every rank's part gathered
+    in this process (no process group)."""
+    return _read_dcp(Path(directory), only="model")["model"]
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """DCP in one process (no process group): its warning that it assumes so is expected here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _load_torch(path: Path, what: str) -> Any:
+    """A torch file read safely (weights_only); CheckpointError saying what the file is when it
+    cannot be (`unreadable`), never torch's own advice to load it unsafely."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for truncated or foreign files
+        if what == "checkpoint file":
+            raise CheckpointError(
+                f"checkpoint file {path} cannot be read: {unreadable(exc, path, checkpoint=True)}"
+            ) from None
+        raise CheckpointError(f"{path} cannot be read as a torch file: {unreadable(exc, path)}") from None
+
+
+def dcp_failure(exc: BaseException) -> str:
+    """What went wrong in a DCP save or load: the first rank's own error (DCP wraps them all in
+    one CheckpointException, a BaseException, whose text is every rank's traceback)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        inner, _ = failures[min(failures)]
+        return f"rank {min(failures)}: {type(inner).__name__}: {first_line(inner)}"[:300]
+    return first_line(exc)[:300]
+
+
+def dcp_errors() -> tuple[type[BaseException], ...]:
+    """What DCP raises on a failed save or load."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _reason(exc: BaseException) -> str:
+    return dcp_failure(exc)
+
+
+def _dcp_metadata(directory: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(directory)).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {directory}: its {DCP_METADATA} cannot be read ({_reason(exc)})") from None
+
+
+def _read_dcp(directory: Path, only: str | None = None) -> dict[str, Any]:
+    """The DCP files' tensors (all, or those under `only`) as nested plain dicts, read in this
+    process without a process group; DTensor shards come back whole."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = _dcp_metadata(directory)
+    flat: dict[str, torch.Tensor] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata) and (only is None or key.startswith(only + ".")):
+            flat[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    try:
+        with single_process():
+            dcp.load(flat, checkpoint_id=str(directory), no_dist=True)
+    except dcp_errors() as exc:
+        raise CheckpointError(f"checkpoint {directory}: its shards cannot be read ({_reason(exc)})") from None
+    return _unflatten(flat, metadata.planner_data)
+
+
+def _unflatten(flat: dict[str, torch.Tensor], mapping: Any) -> dict[str, Any]:
+    """DCP's flat keys back into nested dicts, by the key paths DCP recorded (`planner_data`)."""
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        path = mapping.get(key) if isinstance(mapping, dict) else None
+        parts = [str(p) for p in path] if path else key.split(".", 1)
+        node = nested
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return nested

@@ -23,7 +23,6 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 def export_weights(source: str, output: str, pipeline: str | None = None, echo: Callable[[str], None] = print) -> Path:
     """Write the model of `source` (a run directory, a checkpoint directory or a .pt file) to
     `output` as a plain state_dict; returns the path written."""
-
     weights = {strip_wrappers(key): value for key, value in load_model_weights(source).items()}
     checked = check_against_pipeline(pipeline, Path(source), weights) if pipeline else ""
     path = Path(output).expanduser()
@@ -31,9 +30,7 @@ def export_weights(source: str, output: str, pipeline: str | None = None, echo: 
         raise UsageError(f"-o {path}: is a directory; give a file name, e.g. -o {path / MODEL}")
     with storage_errors(path, "write"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_torch(weights, tmp)  # a refused write as an OSError with its errno, not torch's RuntimeError
-        tmp.replace(path)
+        save_torch(weights, path)  # whole or not at all; a refused write is an OSError with its errno
     size_mb = path.stat().st_size / 2**20
     echo(f"Wrote {path}: {len(weights)} tensors, {size_mb:.2f} MiB{checked}")
     echo(f"Load with: model.load_state_dict(torch.load({str(path)!r}, weights_only=True), strict=True)")

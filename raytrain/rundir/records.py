@@ -38,6 +38,7 @@ class Kind:
     INTERRUPTED = "interrupted"  # stopped on request, with a checkpoint at that step
     QUORUM = "quorum"  # per-step mode: the replicas stepping together changed (a loss, a rejoin)
     STALL = "stall"  # per-step mode: a replica stuck in a step leaves to be replaced
+    MEMORY = "memory"  # what each worker holds of the model's state, after an attempt's first step
     SKIPPED = "skipped"  # an unusable checkpoint was passed over for an earlier one
     NOTE = "note"  # something about the run's setup worth knowing (an optimizer that leaves parameters out)
 

@@ -181,6 +181,8 @@ def after_step(
     mid-epoch. Returns whether it was asked to stop. `every_replica_looks` (per-step mode):
     each replica reads the stop request itself rather than trusting the sync to carry it."""
     cfg, stop = runner.cfg, False
+    if runner.memory is not None and not runner.memory_said:
+        say_memory(runner, files)
     report_live(files, runner, position, epoch_rows)
     checkpoint_now = bool(cfg.checkpoint_every_steps) and position.step % cfg.checkpoint_every_steps == 0 and not last
     if position.step % cfg.log_every_steps == 0 or last or checkpoint_now:
@@ -198,6 +200,37 @@ def after_step(
     if checkpoint_now:
         report_checkpoint(runner, position)
     return stop
+
+
+def say_memory(runner: StepRunner, files: RunWriter) -> None:
+    """Once per attempt, after its first step (a collective): the bytes each worker holds of the
+    parameters, their gradients and the optimizer's state, and each process's peak RSS."""
+    import psutil
+
+    runner.memory_said = True
+    mine = {**(runner.memory or {}), "peak_rss": _peak_rss_bytes(psutil.Process())}
+    every = runner.runtime.all_gather_object(mine)
+    sharded = runner.prepared is not None and runner.prepared.sharded
+    held = ", ".join(
+        f"{_mib(mine[k])} {label}"
+        for k, label in (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"))
+    )
+    rss = ", ".join(_mib(rank["peak_rss"]) for rank in every)
+    files.event(
+        Kind.MEMORY,
+        f"memory per worker after the first step: {held}{' (its shards)' if sharded else ''}; peak RSS by rank: {rss}",
+        **{key: [rank.get(key, 0) for rank in every] for key in mine},
+    )
+
+
+def _peak_rss_bytes(process) -> int:
+    import resource
+
+    return max(process.memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
 
 
 def sync_ranks(runner: StepRunner, position: Position, stop_requested: bool = False) -> tuple[float, int, bool]:
@@ -229,16 +262,27 @@ def end_epoch(
     position.epoch, position.epoch_offset = position.epoch + 1, 0
     row = runner.metrics_row(position, loss=epoch.loss, samples_per_s=epoch.samples_per_s, extra=val_metrics)
     files.epoch_end(row, runner.cfg.epochs)
-    # report: a barrier on every rank; rank 0 attaches the checkpoint.
-    runner.heartbeat.mark(position.step, "report")
-    runner.runtime.report(row.to_json(), runner.checkpoint(position), checkpoints.save_state, files.run_dir)
+    report_with_checkpoint(runner, position, row.to_json())
 
 
 def report_checkpoint(runner: StepRunner, position: Position) -> None:
     """A mid-epoch checkpoint at the current step (a barrier on every rank)."""
-    runner.heartbeat.mark(position.step, "report")
     row = runner.metrics_row(position, loss=float("nan"), samples_per_s=0.0)
-    runner.runtime.report(row.to_json(), runner.checkpoint(position), checkpoints.save_state, runner.run_dir)
+    report_with_checkpoint(runner, position, row.to_json())
+
+
+def report_with_checkpoint(runner: StepRunner, position: Position, metrics: dict) -> None:
+    """Report `metrics` (a barrier on every rank) with a checkpoint of the step at `position`,
+    whose files are written while training goes on; the time the loop waited is counted."""
+    runner.heartbeat.mark(position.step, "report")
+    started = time.perf_counter()
+
+    def write(directory: Path, distributed: bool):
+        return runner.save_checkpoint(position, directory, distributed=distributed)
+
+    runner.runtime.report(metrics, position.step, write, Path(runner.run_dir), runner.cfg.checkpoint_async)
+    position.checkpoint_wait_s += time.perf_counter() - started
+    position.checkpoints += 1
 
 
 def report_live(files: RunWriter, runner: StepRunner, position: Position, epoch_rows: int) -> None:
@@ -279,7 +323,10 @@ def evaluate(runner: StepRunner, source: Table | Stream) -> dict[str, float]:
     # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
     # rank learns the metric names and joins the reduction below.
     rank, world = runtime.evaluation_share()
-    for n, batch in source.eval_batches(rank, world, batch_size, runtime.device):
+    batches = source.eval_batches(rank, world, batch_size, runtime.device)
+    if runner.prepared is not None and runner.prepared.sharded and world > 1:
+        batches = _in_step(batches, runtime)
+    for n, batch in batches:
         loss, metrics = runner.compute_loss(batch)
         for name, value in {"loss": loss, **metrics}.items():
             sums[name] = sums.get(name, 0.0) + float(value) * n
@@ -289,3 +336,20 @@ def evaluate(runner: StepRunner, source: Table | Stream) -> dict[str, float]:
     totals = runtime.all_reduce_sum(values) if world > 1 else values
     runner.model.train()
     return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}
+
+
+def _in_step(batches, runtime):
+    """The batches of a rank, and weight-0 repeats of its last one until every rank is done:
+    under fsdp a forward pass is a collective (each block's parameters are gathered from all
+    ranks), so every rank runs as many as the rank with the most validation rows."""
+    last = None
+    iterator = iter(batches)
+    while True:
+        item = next(iterator, None)
+        if runtime.all_reduce_sum([0.0 if item is None else 1.0])[0] == 0:
+            return
+        if item is not None:
+            last = item
+            yield item
+        else:
+            yield 0, last[1]

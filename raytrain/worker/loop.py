@@ -12,6 +12,7 @@ checkpoint holds `raytrain.worker.state`, and per-step fault tolerance's replica
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -24,6 +25,7 @@ from raytrain.config import TrainConfig
 from raytrain.data.sources import Source, data_digest, open_source
 from raytrain.data.stream import Stream
 from raytrain.data.table import Table
+from raytrain.errors import find_user_error
 from raytrain.pipeline import Pipeline
 from raytrain.rules import resume
 from raytrain.rules.attempt import Attempt
@@ -35,7 +37,7 @@ from raytrain.worker.epoch import EpochResult, append_if_new, end_epoch, train_e
 from raytrain.worker.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
 from raytrain.worker.replicas import STARTUP_WAIT_S, ReplicaRuntime
 from raytrain.worker.runtime import Runtime
-from raytrain.worker.state import restore_latest, unwrap
+from raytrain.worker.state import checkpoints_to_try, unwrap
 from raytrain.worker.step import StepRunner
 
 
@@ -50,6 +52,8 @@ class WorkerPayload:
 
 
 PAYLOAD = "raytrain"
+# When a run ends on the user's error, how long a rank waits for its checkpoint being written.
+FINISH_ON_ERROR_S = 60.0
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -66,6 +70,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     except Exception as exc:
         if runtime.world_size > 1 and looks_like_timeout(exc):
             raise StallError(explain_stall(cfg, runtime, heartbeat, run_dir, exc)) from exc
+        if find_user_error(exc) is not None:
+            # The run ends here (the user's to fix, never retried): the checkpoint being written
+            # holds a good step, so let it complete, and --resume loses nothing more.
+            with contextlib.suppress(Exception):
+                runtime.finish_checkpoints(timeout_s=FINISH_ON_ERROR_S)
         raise
     finally:
         heartbeat.stop()
@@ -93,18 +102,18 @@ def begin(
     sources: dict[str, Source],
     workers: int,
 ) -> Begun:
-    """Restore (the furthest checkpoint that loads), then build for `workers` workers."""
-    saved = restore_latest(runtime, files)
-    position = Position.restored(saved)
-    attempt = Attempt.of(saved is not None, position.world_sizes, workers)
-    heartbeat.mark(position.step, "data")
+    """Build for `workers` workers, then restore: the furthest checkpoint that loads."""
+    heartbeat.mark(0, "data")
     train_data = open_source("train", sources["train"], runtime.get_object, cfg.skip_nan_rows)
     val_data = open_source("val", sources["val"], runtime.get_object, cfg.skip_nan_rows) if "val" in sources else None
+    plan = batch_plan_for(cfg, workers)
+    runner = StepRunner.build(pipeline, cfg, runtime, heartbeat, files.run_dir, plan, len(train_data))
+    saved = runner.restore(checkpoints_to_try(runtime, files), files)
+    position = Position.restored(saved)
+    attempt = Attempt.of(saved is not None, position.world_sizes, workers)
     now = data_digest(train_data)
     resume.check_same_data(position.data, now, position.step, mid_epoch=bool(position.epoch_offset))
     position.data = now
-    plan = batch_plan_for(cfg, workers)
-    runner = StepRunner.build(pipeline, cfg, runtime, heartbeat, files.run_dir, plan, len(train_data), saved)
     return Begun(saved, position, attempt, train_data, val_data, runner)
 
 
@@ -188,7 +197,9 @@ def run_epochs(
     if position.epoch < epochs:
         files.interrupted(position.progress("interrupted"))
     else:
-        files.finish(runner.training_state(position).weights(), position.progress("finished"))
+        weights = runner.training_state(position).weights()  # a collective under fsdp: every rank gathers
+        files.finish(weights, position.progress("finished"))
+    runner.runtime.finish_checkpoints()  # the last checkpoint's files, written in the background
 
 
 def announce(

@@ -238,18 +238,48 @@ class ReplicaRuntime(Runtime):
     def latest_checkpoint(self):
         return None  # checkpoints are the run directory's (raytrain.worker.loop.restore reads them)
 
-    def report(self, metrics: dict[str, Any], state: dict[str, Any] | None, save_state, run_dir: Path) -> None:
-        """The quorum's rank 0 writes the checkpoint under RUN_DIR/.staging/ and renames it into
-        place; the oldest beyond --num-checkpoints-to-keep go."""
-        if state is None or not self.is_rank0:
+    @property
+    def distributed_checkpoints(self) -> bool:
+        """No collective outside a step: the quorum's rank 0 writes a whole checkpoint by itself,
+        and every replica reads all of one."""
+        return False
+
+    def report(self, metrics: dict[str, Any], step: int, write, run_dir: Path, asynchronous: bool = True) -> None:
+        """The quorum's rank 0 writes the checkpoint under RUN_DIR/.staging/ in the background and
+        renames it into place once complete; the oldest beyond --num-checkpoints-to-keep go.
+        (Ray's report is a barrier over every worker, which a lost replica would hold up.)"""
+        if write is None or not self.is_rank0:
             return
-        name = ckpt.checkpoint_name(state["position"]["step"])
+        self.finish_checkpoints()
+        name = ckpt.checkpoint_name(step)
         staging, final = ckpt.staging_dir(run_dir) / name, Path(run_dir) / name
         with storage_errors(staging, "write the checkpoint"):
-            save_state(state, staging)
-            os.rename(staging, final)
-        for old in ckpt.checkpoint_dirs(run_dir)[: -self.checkpoints_to_keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            save = write(staging, False)
+
+        def publish() -> None:
+            try:
+                with storage_errors(staging, "write the checkpoint"):
+                    save.wait()
+                    os.rename(staging, final)
+            except BaseException as exc:  # raised on the loop's thread by finish_checkpoints
+                save.errors.append(exc)
+                return
+            for old in ckpt.checkpoint_dirs(run_dir)[: -self.checkpoints_to_keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+        self._publishing = threading.Thread(target=publish, name="raytrain-publish", daemon=True)
+        self._publishing.start()
+        self._pending = save
+        if not asynchronous:
+            self.finish_checkpoints()
+
+    def finish_checkpoints(self, timeout_s: float | None = None) -> None:
+        publishing, self._publishing = getattr(self, "_publishing", None), None
+        if publishing is not None:
+            publishing.join(timeout_s)
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.errors:
+            raise pending.errors[0]
 
 
 __all__ = ["LIGHTHOUSE_KWARGS", "Quorum", "ReplicaRuntime", "StallWatch", "torchft_config"]

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray.train
 import torch
 import torch.distributed as dist
-from ray.train import Checkpoint
+from ray.train import Checkpoint, CheckpointUploadMode
 
 from raytrain.errors import find_user_error
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir import storage_errors
+from raytrain.worker.state import Save
+
+# How long rank 0 waits at the end of a run for Ray's upload step to rename its last checkpoint.
+PUBLISH_WAIT_S = 60.0
 
 
 class Runtime:
@@ -33,6 +38,8 @@ class Runtime:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.device = ray.train.torch.get_device() if self.distributed else _local_device()
         self.backend = dist.get_backend() if self.distributed else "none (local mode)"
+        self._checkpoint_group = None  # DCP's gloo group (dcp_options)
+        self._pending: Save | None = None  # this rank's checkpoint being written
 
     @property
     def is_rank0(self) -> bool:
@@ -87,30 +94,66 @@ class Runtime:
             raise
 
     # -- checkpoints and reports --------------------------------------------------------
+    @property
+    def distributed_checkpoints(self) -> bool:
+        """Whether every rank writes and reads its part of a checkpoint together (DCP over the
+        process group), rather than one process writing and reading all of it."""
+        return self.distributed
+
+    def dcp_options(self, load: bool = False) -> dict[str, Any]:
+        """DCP's process group: a gloo group of its own for saves, whose collectives run in a
+        background thread and on host memory (NCCL's would contend with training's); loads
+        use the default group."""
+        if load:
+            return {}
+        if self._checkpoint_group is None:  # a collective: every rank creates it at its first save
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return {"process_group": self._checkpoint_group}
+
     def latest_checkpoint(self) -> Checkpoint | None:
         return ray.train.get_checkpoint()
 
-    def report(self, metrics: dict[str, Any], state: dict[str, Any] | None, save_state, run_dir: Path) -> None:
-        """Report metrics from every rank (a barrier); rank 0 attaches a checkpoint of `state`.
+    def report(
+        self,
+        metrics: dict[str, Any],
+        step: int,
+        write: Callable[[Path, bool], Save] | None,
+        run_dir: Path,
+        asynchronous: bool = True,
+    ) -> None:
+        """Report metrics from every rank (a barrier); with `write`, a checkpoint of this step.
 
-        The checkpoint is written under RUN_DIR/.staging/ and renamed into the run directory
-        when complete (Ray calls the rename as its upload step), so a checkpoint directory
-        is never seen half-written; a storage error names the path and errno."""
-        if state is None or not self.is_rank0:
+        Every rank writes its part into RUN_DIR/.staging/NAME (`write(directory, distributed)`),
+        in the background: the loop waits only while the state is copied to host memory. Rank
+        0's report hands Ray Train an upload step that waits for the files and renames the
+        directory into the run directory, so a checkpoint is never seen half-written and Ray
+        registers it (and prunes the oldest) only when complete. Not `asynchronous`
+        (--no-checkpoint-async): every rank waits for its files before reporting. A storage error
+        names the path and errno; a failed write never touches the previous checkpoint."""
+        if write is None:
             ray.train.report(metrics, checkpoint=None)
             return
-        name = ckpt.checkpoint_name(state["position"]["step"])
+        self.finish_checkpoints()  # one in flight at a time: bounded host memory
+        name = self.all_gather_object(ckpt.checkpoint_name(step) if self.is_rank0 else None)[0]
         staging, final = ckpt.staging_dir(run_dir) / name, Path(run_dir) / name
         with storage_errors(staging, "write the checkpoint"):
-            save_state(state, staging)
+            save = self._pending = write(staging, self.distributed_checkpoints)
+            if not asynchronous:
+                save.wait()
 
-        def publish(checkpoint: Checkpoint, dir_name: str) -> Checkpoint:
+        def publish(checkpoint: Checkpoint | None = None, dir_name: str = name) -> Checkpoint:
+            with storage_errors(staging, "write the checkpoint"):
+                save.wait()
             with storage_errors(final, "publish the checkpoint"):
                 os.rename(staging, final)
             return Checkpoint.from_directory(str(final))
 
         if not self.distributed:  # local mode: Ray keeps the checkpoint in memory only
-            ray.train.report(metrics, checkpoint=publish(None, name))
+            ray.train.report(metrics, checkpoint=publish())
+            return
+        upload = {"checkpoint_upload_mode": CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC}
+        if not self.is_rank0:
+            ray.train.report(metrics, checkpoint=None, **upload)
             return
         ray.train.report(
             metrics,
@@ -118,7 +161,20 @@ class Runtime:
             checkpoint_dir_name=name,
             checkpoint_upload_fn=publish,
             delete_local_checkpoint_after_upload=False,
+            **upload,
         )
+
+    def finish_checkpoints(self, timeout_s: float | None = None) -> None:
+        """Wait for this rank's checkpoint files being written (rank 0: until the checkpoint is
+        in the run directory), surfacing a write that failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with storage_errors(pending.directory, "write the checkpoint"):
+                pending.wait(timeout_s)
+            # rank 0: Ray's upload step renames it; wait for that, briefly, so the run's end sees it
+            deadline = time.monotonic() + min(PUBLISH_WAIT_S, timeout_s or PUBLISH_WAIT_S)
+            while self.is_rank0 and self.distributed and pending.directory.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def _ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

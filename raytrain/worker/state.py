@@ -1,18 +1,21 @@
 """The training state: the one owner of what a checkpoint, a healed replica and an export hold.
 
 `TrainingState` is a worker's model, optimizer, gradient scaler and position. It alone says
-what each of these holds:
+what each of these holds, under --strategy ddp and fsdp alike:
 
-- a checkpoint (`checkpoint` / `restore`): the unwrapped model's weights, the optimizer,
-  the scaler, every rank's RNG state, the position, and what the run's rules were then
-  (schedule, batch plan, rate);
-- a replica that heals from a live peer in per-step mode (`live` / `load_live`): the same
-  but the RNG states, which stay each replica's own;
+- a checkpoint (`save` / `load`): the model and optimizer by parameter name, as DCP files every
+  rank writes its own part of (DCP reshards on load: any worker count, either strategy); and,
+  written by rank 0, the train state (the scaler, every rank's RNG state, the position, and
+  the rules the run had then), plus the plain model when a rank holds all of it
+  (`raytrain.rundir.checkpoints` names the files);
+- a replica that heals from a live peer in per-step mode (`live` / `load_live`): model,
+  optimizer, scaler and position, not the RNG states, which stay each replica's own;
 - an export and the final `model.pt` (`weights`): the plain model, without `module.` or
-  `_orig_mod.` prefixes, on the CPU.
+  `_orig_mod.` prefixes, on the CPU (gathered from the shards under fsdp).
 
-`restore_latest` finds the state to continue from: the furthest checkpoint of the run that
-loads (Ray's record of it can be behind the run directory).
+A save is asynchronous where a process group allows it: the loop blocks while the state is
+staged in host memory, and the files are written in the background (`Save.wait`).
+`checkpoints_to_try` lists where to continue from: the run's checkpoints, furthest first.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -30,6 +34,7 @@ import torch
 from raytrain.errors import CheckpointError
 from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints
+from raytrain.rundir.checkpoints import single_process
 from raytrain.rundir.records import Kind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,40 +43,192 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 @dataclass
+class Save:
+    """A checkpoint being written: DCP's future (distributed saves) or a writer thread, and
+    what failed. `wait` returns once every file of this rank is written, or raises."""
+
+    directory: Path
+    future: Any = None
+    thread: threading.Thread | None = None
+    errors: list[BaseException] = field(default_factory=list)
+
+    def done(self) -> bool:
+        if self.future is not None and not self.future.done():
+            return False
+        return self.thread is None or not self.thread.is_alive()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Every file of this rank written; a write that failed raises its own error (an
+        OSError with its errno for the file system's), not DCP's wrapper around every rank's.
+        With `timeout_s`, TimeoutError past it."""
+        try:
+            if self.future is not None:
+                self.future.result(timeout=timeout_s)
+            if self.thread is not None:
+                self.thread.join(timeout_s)
+                if self.thread.is_alive():
+                    raise TimeoutError(f"checkpoint {self.directory.name} still being written after {timeout_s} s")
+            if self.errors:
+                raise self.errors[0]
+        except checkpoints.dcp_errors() as exc:
+            inner = _inner(exc)
+            if isinstance(inner, Exception):
+                raise inner from None
+            raise RuntimeError(checkpoints.dcp_failure(exc)) from None
+
+
+@dataclass
 class TrainingState:
-    """A worker's model (as trained: wrapped by DDP or torchft), optimizer, scaler and position."""
+    """A worker's model (as trained: wrapped by DDP or torchft, or sharded by FSDP2), optimizer,
+    scaler and position. `sharded`: no rank holds all of the model (--strategy fsdp)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     position: Position
+    sharded: bool = False
+
+    # -- the plain model ----------------------------------------------------------------------
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The model as a plain state_dict on the CPU: what model.pt and an export hold."""
+        """The model as a plain state_dict on the CPU: what model.pt and an export hold. Under
+        fsdp a collective (every rank calls it); rank 0 gets the weights, the others {}."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_model_state_dict(self.model, options=options)
         return {key: value.detach().cpu().clone() for key, value in unwrap(self.model).state_dict().items()}
 
-    def checkpoint(self, runtime: "Runtime", rules: dict[str, Any]) -> dict[str, Any]:
-        """Everything needed to continue (a collective: every rank's RNG state is gathered).
-        `rules`: the schedule, batch plan and rate the run had here, for the resume line."""
-        return {
-            "model": self.weights(),
-            "optimizer": self.optimizer.state_dict(),
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save(self, directory: Path, runtime: "Runtime", rules: dict[str, Any], *, distributed: bool) -> Save:
+        """Write a checkpoint of this state into `directory` (every rank calls it: the RNG states
+        are gathered). `distributed`: all ranks write their parts of the DCP files together
+        (asynchronously when a process group allows it); else this rank writes all of it, in
+        a background thread (per-step replicas, local mode). `rules`: the schedule, batch plan
+        and rate the run had here, for the resume line."""
+        import torch.distributed.checkpoint as dcp
+
+        rng = runtime.all_gather_object(rng_state())
+        directory.mkdir(parents=True, exist_ok=True)
+        train_state = {
             "scaler": self.scaler.state_dict(),
-            "rng": runtime.all_gather_object(rng_state()),
+            "rng": rng,
             "position": dataclasses.asdict(self.position),
+            "sharded": self.sharded,
             **rules,
         }
+        if distributed:
+            save = Save(
+                directory,
+                future=dcp.async_save(
+                    self._dcp_part(runtime.world_rank, runtime.world_size),
+                    checkpoint_id=str(directory),
+                    **runtime.dcp_options(),
+                ),
+            )
+        else:
+            save = Save(directory)
+        writes = _snapshot(self._dcp_state()) if not distributed else None
 
-    def restore(
-        self, saved: dict[str, Any], runtime: "Runtime", seed: int, load: Callable[[Callable[[], None]], None]
+        def write() -> None:
+            try:
+                if writes is not None:
+                    with single_process():
+                        dcp.save(writes, checkpoint_id=str(directory), no_dist=True)
+                if runtime.is_rank0:
+                    if not self.sharded:  # the plain model too, read back from the files just written
+                        plain = writes["model"] if writes is not None else checkpoints.read_model(directory)
+                        checkpoints.save_torch(plain, directory / checkpoints.MODEL_FILE)
+                    # Last: a train state beside DCP's metadata is what makes the directory a checkpoint.
+                    checkpoints.write_train_state(directory, train_state)
+            except BaseException as exc:  # surfaced by Save.wait
+                save.errors.append(exc)
+
+        if distributed and runtime.is_rank0:
+            # rank 0's small files wait for the shards, so the directory is whole when listed
+            waiter = save.future
+
+            def write_after_shards() -> None:
+                try:
+                    waiter.result()
+                except BaseException as exc:
+                    save.errors.append(exc)
+                    return
+                write()
+
+            save.thread = threading.Thread(target=write_after_shards, name="raytrain-checkpoint", daemon=True)
+        elif not distributed:
+            save.thread = threading.Thread(target=write, name="raytrain-checkpoint", daemon=True)
+        if save.thread is not None:
+            save.thread.start()
+        return save
+
+    def load(
+        self, directory: Path, runtime: "Runtime", seed: int, *, distributed: bool, load_optimizer: Callable
     ) -> None:
-        """Continue from a checkpoint's `saved` state: weights, optimizer, scaler, and this rank's
-        RNG (restored when the world size is unchanged, else derived from (seed, rank, step)).
-        `load(fn)` runs the optimizer's part, which the pipeline's build_optimizer decides."""
+        """Continue from the checkpoint in `directory`: the model and optimizer (resharded for
+        this worker count and strategy), the scaler, and this rank's RNG (restored when the
+        world size is unchanged, else derived from (seed, rank, step)). `load_optimizer(fn)`
+        runs the optimizer's part, which the pipeline's build_optimizer decides. A file that
+        cannot be read is a CheckpointError."""
+        train_state = checkpoints.load_train_state(directory)
+        if checkpoints.is_legacy(directory):
+            self._load_legacy(directory, train_state, load_optimizer)
+        else:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+            state = self._dcp_state()
+            options = runtime.dcp_options(load=True) if distributed else {"no_dist": True}
+            try:
+                with contextlib.nullcontext() if distributed else single_process():
+                    dcp.load(state, checkpoint_id=str(directory), **options)
+            except checkpoints.dcp_errors() as exc:
+                reason = checkpoints.dcp_failure(exc)
+                raise CheckpointError(f"checkpoint {directory.name} cannot be read ({reason})") from None
+            target = self.model if self.sharded else unwrap(self.model)
+            set_model_state_dict(target, state["model"])
+            load_optimizer(lambda: set_optimizer_state_dict(target, self.optimizer, state["optim"]))
+        self.scaler.load_state_dict(train_state["scaler"])
+        restore_rank_rng(seed, runtime.world_rank, runtime.world_size, train_state)
+
+    def _dcp_state(self) -> dict[str, Any]:
+        """The model and optimizer by parameter name (DTensor shards under fsdp)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model = self.model if self.sharded else unwrap(self.model)
+        model_state, optim_state = get_state_dict(model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def _dcp_part(self, rank: int, world_size: int) -> dict[str, Any]:
+        """What this rank writes of a checkpoint. Under fsdp its shards. Unsharded, every rank
+        holds all of the state: each writes (and first copies to host memory) only the
+        parameters it is given, with their optimizer state, balanced by bytes over the ranks;
+        together they are the whole, and any rank reads all of it back."""
+        state = self._dcp_state()
+        if self.sharded or world_size == 1:
+            return state
+        model, optim = state["model"], state["optim"]
+        mine = set(_balanced_owners(model, optim.get("state", {}), world_size)[rank])
+        part_optim = {"state": {k: v for k, v in optim.get("state", {}).items() if k in mine}}
+        if rank == 0:  # the groups' settings (rates, decay), small: once
+            part_optim["param_groups"] = optim.get("param_groups", [])
+        return {"model": {k: v for k, v in model.items() if k in mine}, "optim": part_optim}
+
+    def _load_legacy(self, directory: Path, saved: dict[str, Any], load_optimizer: Callable) -> None:
+        """An earlier version's single state file: a plain model and an optimizer state keyed
+        by parameter index, which only an unsharded model takes."""
+        if self.sharded:
+            raise CheckpointError(
+                f"checkpoint {directory.name} was written by an earlier raytrain as one file, which --strategy fsdp "
+                "cannot reshard; resume it with --strategy ddp, and its next checkpoint resumes under fsdp"
+            )
         unwrap(self.model).load_state_dict(saved["model"], strict=True)
-        load(lambda: self.optimizer.load_state_dict(saved["optimizer"]))
-        self.scaler.load_state_dict(saved["scaler"])
-        restore_rank_rng(seed, runtime.world_rank, runtime.world_size, saved)
+        load_optimizer(lambda: self.optimizer.load_state_dict(saved["optimizer"]))
+
+    # -- a live peer (per-step) ---------------------------------------------------------------
 
     def live(self) -> dict[str, Any]:
         """What a joining replica copies from this one (per-step mode)."""
@@ -100,35 +257,34 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
-def restore_latest(runtime: "Runtime", files: "RunWriter") -> dict[str, Any] | None:
-    """The state to continue from: the furthest checkpoint of this run that loads.
+def checkpoints_to_try(runtime: "Runtime", files: "RunWriter") -> list[tuple[Path, dict[str, Any]]]:
+    """Where to continue from: this run's checkpoints whose train state loads, furthest first,
+    each with that train state (the position among it); [] for a fresh start.
 
     Ray registers a checkpoint only once its controller has processed the report, so the
     last one or two written before a crash can be missing from `get_checkpoint()` while
     complete on storage; and after a driver loss Ray's own record may be older than the
-    run directory. Candidates are Ray's latest and every checkpoint directory of the run;
-    the one furthest in training that loads wins, so a failure loses at most
-    --checkpoint-every-steps steps. A corrupt or partial directory is skipped, and said.
-    (A fresh run has neither: reusing a run name needs --resume.)
+    run directory. Candidates are Ray's latest and every checkpoint directory of the run. An
+    unreadable one is skipped, and said; when none is left, CheckpointError.
     """
     latest = runtime.latest_checkpoint()
-    with latest.as_directory() if latest is not None else contextlib.nullcontext(None) as directory:
-        found = ([Path(directory)] if directory else []) + checkpoints.checkpoint_dirs(files.run_dir)
-        candidates = list(dict.fromkeys(found))  # Ray's latest is one of the run's own, as a rule
-        if not candidates:
-            return None
-        skipped, names = [], []
-        for candidate in sorted(candidates, key=checkpoints.stored_step, reverse=True):
-            try:
-                state = checkpoints.load_state(candidate)
-            except CheckpointError as error:
-                skipped.append(str(error))
-                names.append(candidate.name)
-                continue
-            if skipped:
-                files.event(Kind.SKIPPED, f"skipped unusable checkpoint(s): {'; '.join(skipped)}", checkpoints=names)
-            return state
-    raise CheckpointError(f"no usable checkpoint in {files.run_dir}: {'; '.join(skipped)}")
+    candidates = checkpoints.checkpoint_dirs(files.run_dir)
+    if latest is not None and Path(latest.path) not in candidates and checkpoints.is_complete(latest.path):
+        candidates.append(Path(latest.path))
+    if not candidates:
+        return []
+    usable, skipped, names = [], [], []
+    for candidate in sorted(candidates, key=checkpoints.stored_step, reverse=True):
+        try:
+            usable.append((candidate, checkpoints.load_train_state(candidate)))
+        except CheckpointError as error:
+            skipped.append(str(error))
+            names.append(candidate.name)
+    if skipped:
+        files.event(Kind.SKIPPED, f"skipped unusable checkpoint(s): {'; '.join(skipped)}", checkpoints=names)
+    if not usable:
+        raise CheckpointError(f"no usable checkpoint in {files.run_dir}: {'; '.join(skipped)}")
+    return usable
 
 
 # -- random number generators -------------------------------------------------------------------
@@ -177,6 +333,40 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_to_tuples(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of a state dict on the CPU, for a writer thread while training goes on."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    return value
+
+
+def _balanced_owners(model: dict[str, Any], optim: dict[str, Any], world_size: int) -> list[list[str]]:
+    """The model's keys dealt to `world_size` ranks, largest first to the least loaded, a key's
+    optimizer state counted with it: the same on every rank (it depends on names and sizes)."""
+
+    def size(key: str) -> int:
+        tensors = [model[key], *[v for v in optim.get(key, {}).values() if torch.is_tensor(v)]]
+        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+    owners: list[list[str]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for key in sorted(model, key=lambda k: (-size(k), k)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[rank].append(key)
+        loads[rank] += size(key)
+    return owners
+
+
+def _inner(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's CheckpointException (else `exc`)."""
+    failures = getattr(exc, "failures", None)
+    return failures[min(failures)][0] if failures else exc
 
 
 def _to_lists(value: Any) -> Any:

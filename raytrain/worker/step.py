@@ -22,19 +22,21 @@ from raytrain import hooks
 from raytrain.config import TrainConfig
 from raytrain.data.stream import StreamEpoch
 from raytrain.data.table import TableEpoch
-from raytrain.errors import pipeline_code
+from raytrain.errors import CheckpointError, pipeline_code
 from raytrain.pipeline import _CONTEXT, Pipeline, overrides
 from raytrain.rules import steps
 from raytrain.rules.attempt import describe_plan
 from raytrain.rules.batch import BatchPlan, batch_plan_for
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import LRSchedule, run_schedule
-from raytrain.rundir.records import MetricsRow
-from raytrain.worker import optim
+from raytrain.rundir.records import Kind, MetricsRow
+from raytrain.rundir.writer import RunWriter
+from raytrain.worker import optim, strategy
 from raytrain.worker.heartbeat import Heartbeat, looks_like_timeout
 from raytrain.worker.phases import PhaseTimer, StepPhases
 from raytrain.worker.runtime import Runtime
-from raytrain.worker.state import TrainingState, restore_rank_rng, seed_everything, unwrap
+from raytrain.worker.state import Save, TrainingState, restore_rank_rng, seed_everything, unwrap
+from raytrain.worker.strategy import Prepared
 from raytrain.worker.window import LossWindow, Throughput
 
 
@@ -56,6 +58,10 @@ class StepRunner:
     window: LossWindow  # the steps since the last sync
     throughput: Throughput = field(default_factory=lambda: Throughput(time.perf_counter(), 0))
 
+    prepared: Prepared | None = None  # how the strategy holds the model (None in unit tests: a plain model)
+    memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
+    memory_said: bool = False
+
     @classmethod
     def build(
         cls,
@@ -66,26 +72,18 @@ class StepRunner:
         run_dir: Path,
         batch_plan: BatchPlan,
         num_train_rows: int,
-        saved: dict[str, Any] | None,
     ) -> "StepRunner":
-        """Everything an attempt steps with, continuing from a checkpoint's `saved` state (None:
-        a fresh start)."""
-        # One seed for model init on every rank: identical replicas before DDP's broadcast.
+        """Everything an attempt steps with, freshly initialized (`restore` continues from a
+        checkpoint): the pipeline's model, held as --strategy says, its optimizer and scaler."""
+        # One seed for model init on every rank: identical replicas (and identical shards'
+        # sources under fsdp) before DDP's broadcast.
         seed_everything(cfg.seed)
         model = hooks.call(pipeline, "build_model", cfg)
-        model = runtime.prepare_model(model, dataclasses.asdict(cfg.ddp))
+        prepared = strategy.prepare(pipeline, model, cfg, runtime)
+        model = prepared.model
         optimizer = hooks.call(pipeline, "build_optimizer", unwrap(model), cfg)
         multipliers = optim.rate_multipliers(optimizer, cfg.lr)  # before a checkpoint's state overwrites the rates
-        scaler = torch.amp.GradScaler(runtime.device.type, enabled=cfg.precision == "fp16")
-        position = Position.restored(saved)
-        if saved is not None:
-            # Another optimizer than the checkpoint's is the pipeline's doing (build_optimizer).
-            state = TrainingState(model, optimizer, scaler, position)
-            state.restore(
-                saved, runtime, cfg.seed, load=lambda load: _as_pipeline_code(pipeline, "build_optimizer", load)
-            )
-        else:
-            restore_rank_rng(cfg.seed, runtime.world_rank, runtime.world_size, None)
+        restore_rank_rng(cfg.seed, runtime.world_rank, runtime.world_size, None)
         return cls(
             pipeline=pipeline,
             cfg=cfg,
@@ -95,11 +93,46 @@ class StepRunner:
             batch_plan=batch_plan,
             model=model,
             optimizer=optimizer,
-            scaler=scaler,
+            scaler=strategy.grad_scaler(runtime.device, cfg.precision == "fp16", sharded=prepared.sharded),
             schedule=run_schedule(cfg, batch_plan, num_train_rows),
             rate_multipliers=multipliers,
             window=LossWindow.on(runtime.device),
-            throughput=Throughput(time.perf_counter(), position.samples_seen),
+            prepared=prepared,
+        )
+
+    def restore(self, candidates: list[tuple[Path, dict[str, Any]]], files: RunWriter) -> dict[str, Any] | None:
+        """Continue from the furthest of `candidates` (checkpoint directories, furthest first,
+        with their train state) that loads on every rank; returns its train state (None: none
+        given, a fresh start). A checkpoint a rank cannot read is skipped on every rank, and said."""
+        skipped, names = [], []
+        for directory, train_state in candidates:
+            state = self.training_state(Position.restored(train_state))
+            try:
+                state.load(
+                    directory,
+                    self.runtime,
+                    self.cfg.seed,
+                    distributed=self.runtime.distributed_checkpoints,
+                    load_optimizer=lambda load: _as_pipeline_code(self.pipeline, "build_optimizer", load),
+                )
+                failed = 0.0
+            except CheckpointError as error:
+                skipped.append(str(error))
+                names.append(directory.name)
+                failed = 1.0
+            if self.runtime.distributed_checkpoints:  # every rank continues from the same one
+                failed = self.runtime.all_reduce_sum([failed])[0]
+            if not failed:
+                if skipped:
+                    files.event(
+                        Kind.SKIPPED, f"skipped unusable checkpoint(s): {'; '.join(skipped)}", checkpoints=names
+                    )
+                self.throughput = Throughput(time.perf_counter(), state.position.samples_seen)
+                return train_state
+        if not candidates:
+            return None
+        raise CheckpointError(
+            f"no usable checkpoint in {files.run_dir}: {'; '.join(skipped) or 'one failed to load on another rank'}"
         )
 
     # -- the rules of this attempt ----------------------------------------------------------
@@ -113,7 +146,9 @@ class StepRunner:
         return self.schedule.lr(samples_seen, factor)
 
     def describe_plan(self) -> str:
-        return describe_plan(self.cfg, self.pipeline, self.batch_plan, self.schedule, self.runtime.backend)
+        plan = describe_plan(self.cfg, self.pipeline, self.batch_plan, self.schedule, self.runtime.backend)
+        model = self.prepared.describe() if self.prepared is not None else ""
+        return f"{plan}; {model}" if model else plan
 
     def for_quorum(self, replicas: int, num_train_rows: int) -> "StepRunner":
         """This runner with the batch plan and rate of a quorum of `replicas` (per-step mode)."""
@@ -122,10 +157,12 @@ class StepRunner:
 
     def training_state(self, position: Position) -> TrainingState:
         """What a checkpoint, a healed replica and the final model hold (`raytrain.worker.state`)."""
-        return TrainingState(self.model, self.optimizer, self.scaler, position)
+        sharded = self.prepared is not None and self.prepared.sharded
+        return TrainingState(self.model, self.optimizer, self.scaler, position, sharded=sharded)
 
-    def checkpoint(self, position: Position) -> dict[str, Any]:
-        """The checkpoint of the step at `position` (a collective: every rank calls it)."""
+    def save_checkpoint(self, position: Position, directory: Path, *, distributed: bool) -> Save:
+        """Write the checkpoint of the step at `position` into `directory` (every writing rank
+        calls it; see TrainingState.save)."""
         rules = {
             "scheduler": {
                 "samples_seen": position.samples_seen,
@@ -136,7 +173,7 @@ class StepRunner:
             "batch_plan": dataclasses.asdict(self.batch_plan),
             "lr": self.lr_at(position.samples_seen),
         }
-        return self.training_state(position).checkpoint(self.runtime, rules)
+        return self.training_state(position).save(directory, self.runtime, rules, distributed=distributed)
 
     def metrics_row(
         self, position: Position, *, loss: float, samples_per_s: float, extra: dict | None = None
@@ -202,6 +239,8 @@ class StepRunner:
             self.clip_gradients(position.step)
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            if self.memory is None:  # once: the gradients and the optimizer's state all exist now
+                self.memory = strategy.state_bytes(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         return lr
 
@@ -209,7 +248,7 @@ class StepRunner:
         if self.cfg.grad_clip_norm is None:
             return
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16's scaled ones
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
+        norm = strategy.full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm))
         if not self.scaler.is_enabled():  # under fp16 an inf norm is an overflow the scaler skips, not divergence
             self.window.note_if_bad(norm, step_index)
 
@@ -220,14 +259,15 @@ class StepRunner:
             torch.cuda.synchronize(self.runtime.device)
 
     def autocast(self):
-        if self.cfg.precision == "fp32":
+        # Under fsdp, bf16 and fp16 are FSDP2's mixed-precision policy (raytrain.worker.strategy).
+        if self.cfg.precision == "fp32" or (self.prepared is not None and self.prepared.sharded):
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
         return torch.autocast(device_type=self.runtime.device.type, dtype=dtype)
 
     def accumulating(self, last: bool):
-        """DDP's gradient all-reduce skipped on all micro-batches of a step but the last."""
-        return contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+        """The gradient reduction over ranks skipped on all micro-batches of a step but the last."""
+        return contextlib.nullcontext() if last else strategy.no_gradient_sync(self.model)
 
     # -- the pipeline's hooks ------------------------------------------------------------------
 
