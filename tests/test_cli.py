@@ -677,3 +677,8 @@ def test_gpu_on_a_cluster_without_gpus(ray_session, capsys, tmp_path):
         "raytrain train: Invalid configuration: --gpu: was asked for, but the Ray cluster has no GPUs; drop --gpu",
     )
     assert not (tmp_path / "gpu-check").exists()
+
+
+def test_doctor_with_an_empty_storage_is_refused_not_the_default_checked_instead(capsys):
+    code, out, err = cli(capsys, "doctor", "--storage", "")
+    assert_usage_error(code, out, err, "raytrain doctor: Invalid configuration: --storage: is empty; give a directory")
