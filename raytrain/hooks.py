@@ -1,11 +1,12 @@
 """A pipeline's hooks, called under one rule.
 
-Every method a user's `Pipeline` may define, and its `Args` class, is a hook. raytrain calls
-each through `call` (or checks `Args` with `check_args_class`), so that one rule holds for all
-of them: an exception from the hook, or a return its entry in `HOOKS` refuses, is a
-`PipelineCodeError` naming the pipeline, the hook and where in the user's code (exit 2, never
-retried: it would only repeat). The checks are cheap (types, shapes, counts; no device sync),
-so they run on every call.
+Every method a user's `Pipeline` may define, and its attributes `Args` and `default_config`,
+is a hook. raytrain calls each method through `call`, and checks the attributes with
+`check_attributes` when the pipeline is loaded, so that one rule holds for all of them: an
+exception from a hook, or a value its entry in `HOOKS` refuses, is a `PipelineCodeError`
+naming the pipeline, the hook and where in the user's code (exit 2, never retried: it would
+only repeat). The checks are cheap (types, shapes, counts; no device sync), so they run on
+every call.
 
 A hook added to `Pipeline` gets the rule by being listed in `HOOKS`; tests/test_hooks.py fails
 while one is not, or while raytrain calls one directly.
@@ -92,13 +93,6 @@ def check_attributes(pipeline: Any) -> None:
         problem = HOOKS[name].check(getattr(pipeline, name, None), None)
         if problem:
             raise PipelineCodeError(f"pipeline {pipeline.name}: {name} {problem}" + where(pipeline, name))
-
-
-def check_args_class(pipeline: Any) -> None:
-    """The pipeline's `Args`, if it has one, must be a dataclass (its fields are the options)."""
-    problem = _args_class(getattr(type(pipeline), "Args", None), None)
-    if problem:
-        raise PipelineCodeError(f"pipeline {pipeline.name}: Args {problem}" + where(pipeline, "Args"))
 
 
 # -- the checks ----------------------------------------------------------------------------------

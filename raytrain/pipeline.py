@@ -99,7 +99,7 @@ def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:
     to its field's type as the command line converts flags (`raytrain.fields`); PipelineError
     listing every problem (unknown keys with the known ones, missing or unconvertible values)."""
     raw = dict(raw or {})
-    hooks.check_args_class(pipeline)
+    hooks.check_attributes(pipeline)
     spec = pipeline.Args
     if spec is None:
         if raw:
