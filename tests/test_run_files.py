@@ -104,6 +104,9 @@ def test_a_resume_is_counted_as_a_resume_not_a_failure():
     assert tally(resized) == Tally(resumes=1)
     lost = attempt_events((Kind.PLAN, 2, None), (Kind.QUORUM, 1, 2), (Kind.QUORUM, 2, 1))  # per-step
     assert tally(lost) == Tally(failures_recovered=1)
+    # Before the first checkpoint a restart starts from scratch again: a failure, unless it grew.
+    early = attempt_events((Kind.PLAN, 2, None), (Kind.PLAN, 2, None), (Kind.PLAN, 3, None))
+    assert tally(early) == Tally(failures_recovered=1)
 
 
 def test_an_interruption_and_what_follows_the_stop_request_are_not_failures():

@@ -95,18 +95,21 @@ class Tally:
 def tally(events: Sequence[Event], *, interrupted: bool = False, stop_requested_at: float | None = None) -> Tally:
     """The counts of one invocation from its events, in order. Its first attempt is its start
     (a fresh one, or a resume from a checkpoint); every later restart or shrink is a failure
-    recovered — but one after a stop was asked (`stop_requested_at`, a time.time()) comes of
-    the stop, not of a failure. A growth is never a failure."""
-    failures, resumes, started = 0, 0, False
+    recovered — a start again from scratch too (no checkpoint yet), unless it has more workers —
+    but one after a stop was asked (`stop_requested_at`, a time.time()) comes of the stop, not
+    of a failure. A growth is never a failure."""
+    failures, resumes, size = 0, 0, None
     skipped: set[str] = set()
     for event in events:
         after_stop = stop_requested_at is not None and (event.time or 0) >= stop_requested_at
-        if event.kind in (Kind.PLAN, Kind.RESTORE, Kind.RESIZE):
-            if not started:
-                started, resumes = True, int(event.kind != Kind.PLAN)
-                continue
+        if event.kind in (Kind.PLAN, Kind.RESTORE, Kind.RESIZE) and size is None:
+            size, resumes = event.extra.get("world_size", 0), int(event.kind != Kind.PLAN)
+            continue
         if event.kind == Kind.SKIPPED:
             skipped.update(event.extra.get("checkpoints") or [event.message])
-        elif not after_stop and event.recovers_a_failure:
+            continue
+        again = event.kind == Kind.PLAN and event.extra.get("world_size", 0) <= (size or 0)
+        if not after_stop and (event.recovers_a_failure or again):
             failures += 1
+        size = event.extra.get("world_size", size)
     return Tally(failures, resumes, int(interrupted), len(skipped))
