@@ -326,3 +326,33 @@ def test_the_parquet_pipeline_refuses_files_of_other_columns_before_reading_a_ro
         check_same_columns(str(tmp_path))
     paths[1].unlink()
     check_same_columns(str(tmp_path))
+
+
+def test_nulls_from_a_file_of_other_columns_are_blamed_on_that_file(tmp_path):
+    """Ray Data reads every file with the columns of all: a file lacking 'image' shows up as
+    NaN in it. The file and its columns are the cause named, the NaN what was seen."""
+    good = {"image": np.zeros(4, np.float32), "label": np.zeros(4, np.int64)}
+    paths = write_parquet_files(tmp_path, [good, good, {"img": np.zeros(4, np.float32), "label": np.zeros(4)}])
+
+    class Unified(FakeUnits):
+        kind = "files"
+
+    units = Unified([{"image": np.full(4, v, np.float32)} for v in (0.0, 0.0, np.nan)])
+    units.payload = [{"__path": str(path)} for path in paths]
+    units.source = type("Listing", (), {"filesystem": None})()
+    with pytest.raises(DataError) as failure:
+        list(check_units(units, [0, 1, 2], "train", Schema.of({"image": np.zeros(1)}), skip_nan_rows=False))
+    message = str(failure.value)
+    assert message.startswith(f"dataset 'train': file {paths[2]} lacks column(s) 'image', has column(s) 'img' instead")
+    assert "(Seen as: dataset 'train': row 0 of file-2.parquet holds NaN or inf in column 'image'" in message
+
+
+def test_a_data_error_raised_in_ray_datas_tasks_comes_back_as_it_was():
+    from raytrain.data.checks import read_error
+
+    wrapped = RuntimeError(
+        "ray.exceptions.RayTaskError(UserCodeException): ray::MapBatches()\n"
+        "raytrain.errors.DataError: dataset 'train': sample 217, field '0' has shape (5,) where sample 0's has (4,)"
+    )
+    error = read_error(FakeUnits([{"x": np.zeros(3)}]), [0], "train", wrapped)
+    assert str(error) == "dataset 'train': sample 217, field '0' has shape (5,) where sample 0's has (4,)"

@@ -139,3 +139,14 @@ def test_summary_json_keeps_designs_keys_and_adds_the_counts(tmp_path):
     counts = {key: written[key] for key in ("failures_recovered", "resumes", "interruptions", "checkpoints_skipped")}
     assert counts == {"failures_recovered": 0, "resumes": 1, "interruptions": 1, "checkpoints_skipped": 0}
     assert written["status"] == "interrupted"
+
+
+def test_a_signal_after_the_last_epoch_leaves_the_run_finished(tmp_path):
+    progress = {"epoch": 2, "step": 90, "samples_seen": 2876, "status": "finished", "time": 20.0}
+    (tmp_path / "progress.json").write_text(json.dumps(progress))
+    cfg = TrainConfig(storage=str(tmp_path), epochs=2)
+    summary = write_summary(tmp_path, cfg, None, None, started=10.0, interrupted=2, stop_requested_at=30.0)
+    assert (summary.status, summary.interruptions) == ("finished", 1)
+    (tmp_path / "progress.json").write_text(json.dumps({**progress, "epoch": 1, "status": "interrupted"}))
+    summary = write_summary(tmp_path, cfg, None, None, started=10.0, interrupted=2, stop_requested_at=30.0)
+    assert summary.status == "interrupted"

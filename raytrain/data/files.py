@@ -49,6 +49,21 @@ def explain_read_error(units: Any, ids: Sequence[int], name: str) -> DataError |
     return _odd_one_out(schemas, paths, name)
 
 
+def odd_columns(units: Any, name: str) -> DataError | None:
+    """A file among the dataset's first FILES_LOOKED_AT whose columns differ from those most of
+    them have, named (None: none, or not a dataset of files). Ray Data reads every file with
+    the columns of all, so such a file can show only as nulls in a column of another."""
+    if getattr(units, "kind", None) != "files":
+        return None
+    filesystem = getattr(units.source, "filesystem", None)
+    paths = list(dict.fromkeys(p for p in map(_path, units.payload) if p))[:FILES_LOOKED_AT]
+    schemas = {}
+    for path in paths:
+        with contextlib.suppress(Exception):  # a file that cannot be read is named where it is read
+            schemas[path] = _schema(path, filesystem)
+    return _odd_one_out(schemas, list(schemas), name) if schemas else None
+
+
 def _odd_one_out(schemas: dict[str, Any], paths: list[str], name: str) -> DataError | None:
     """The first of `paths` whose columns differ from those most of `schemas` have (a tie: the
     dataset's first file's), named with the difference and the fix."""

@@ -99,8 +99,10 @@ def fit(
         if summary.extra.get("summary_error"):
             echo(f"raytrain: summary.json not written: {summary.extra['summary_error']}")
         tracker.finish(summary)
-    if stop.signal:
+    if stop.signal and summary.status != "finished":
         raise interrupts.Interrupted(stop.signal, run_dir, cfg, spec)
+    if stop.signal:
+        echo("raytrain: the run had finished when the signal came; nothing is left to resume")
     if error is not None:
         fault = find_user_error(error)
         if fault is not None:  # bad data, configuration, pipeline code or storage, or divergence: the user's to fix

@@ -38,7 +38,9 @@ def write_summary(
     last = epoch_rows[-1] if epoch_rows else (rows[-1] if rows else None)
     fault = find_user_error(error)
     if status is None:
-        status = _status(error, fault, interrupted)
+        # A signal that came after the last epoch's model was written stopped nothing.
+        done = error is None and progress is not None and progress.status == "finished" and progress.epoch >= cfg.epochs
+        status = _status(error, fault, interrupted and not done)
     model_path = run_dir / MODEL
     at = progress or last
     counts = tally(files.events(since=started - 1), interrupted=bool(interrupted), stop_requested_at=stop_requested_at)
