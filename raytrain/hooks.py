@@ -20,10 +20,11 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import os
 from dataclasses import dataclass, is_dataclass
 from typing import Any, Callable
 
-from raytrain.errors import PipelineCodeError, pipeline_code
+from raytrain.errors import DataError, PipelineCodeError, innermost_error, pipeline_code, user_frames
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Hook:
     check: Callable[[Any, Any], str | None]
     inputs: Callable[..., Any] = lambda *args: args
     convert: Callable[[Any], Any] = lambda value: value
+    reads_data: bool = False  # a reader's error in it (pyarrow, a missing file) is the data's: a DataError
 
 
 def call(pipeline: Any, hook: str, *args: Any, passthrough: Callable[[BaseException], bool] | None = None) -> Any:
@@ -51,11 +53,47 @@ def call(pipeline: Any, hook: str, *args: Any, passthrough: Callable[[BaseExcept
         cause = exc.__cause__
         if passthrough is not None and cause is not None and passthrough(cause):
             raise cause from None
+        if spec.reads_data and cause is not None and is_reader_error(cause):
+            raise data_error(pipeline, hook, cause) from None
         raise
     problem = spec.check(value, before)
     if problem:
         raise PipelineCodeError(f"pipeline {pipeline.name}: {hook} {problem}" + where(pipeline, hook))
     return spec.convert(value)
+
+
+def is_reader_error(exc: BaseException) -> bool:
+    """An error of reading files (pyarrow's, or the file system's), not of the code itself."""
+    return type(exc).__module__.split(".")[0] == "pyarrow" or isinstance(
+        exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+    )
+
+
+def data_error(pipeline: Any, hook: str, exc: BaseException) -> DataError:
+    """A reader's error inside the pipeline's own code (Ray Data reading footers as
+    build_datasets runs), as the data's: the file named where it can be found."""
+    path = getattr(exc, "filename", None) or _file_in_traceback(exc)
+    what = f" (file {path})" if path else ""
+    return DataError(
+        f"pipeline {pipeline.name}: {hook} cannot read its data{what}: {innermost_error(exc)}; the file is missing, "
+        "truncated, damaged or not in the format read: restore or replace it, or move it out of what the pipeline "
+        "reads" + "".join(f"\n  at {frame}" for frame in user_frames(exc))
+    )
+
+
+def _file_in_traceback(exc: BaseException) -> str | None:
+    """The file a reader was at when it failed: a path-like local of the innermost frames that
+    names an existing file (Ray Data reads Parquet footers in threads; the frame keeps `path`)."""
+    tb, frames = exc.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for name in ("path", "file_path", "filename", "fname", "file"):
+            value = frame.f_locals.get(name)
+            if isinstance(value, (str, os.PathLike)) and os.path.isfile(value):
+                return os.fspath(value)
+    return None
 
 
 def bound(pipeline: Any, hook: str) -> Callable[..., Any]:
@@ -329,7 +367,7 @@ def _defaults(value: Any, before: Any) -> str | None:
 
 HOOKS: dict[str, Hook] = {
     "build_model": Hook(_model),
-    "build_datasets": Hook(_datasets),
+    "build_datasets": Hook(_datasets, reads_data=True),
     "compute_loss": Hook(_loss),
     "build_optimizer": Hook(_optimizer),
     "transform_batch": Hook(_transformed, inputs=lambda batch, ctx: _batch_shape(batch)),

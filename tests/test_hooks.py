@@ -419,3 +419,37 @@ def test_a_pipeline_that_cannot_be_loaded_is_named_with_the_line_and_the_fix(
     with pytest.raises(error) as failure:
         raytrain.pipeline.load_pipeline(spec)
     assert str(failure.value).startswith(expected), str(failure.value)
+
+
+def test_a_reader_error_inside_build_datasets_is_the_datas_naming_the_file(tmp_path):
+    import pyarrow.parquet as pq
+
+    from raytrain.errors import DataError
+
+    truncated = tmp_path / "part-2.parquet"
+    truncated.write_bytes(b"PAR1" + b"\\0" * 40)
+
+    def footer(path):  # as Ray Data reads footers, in a helper whose frame keeps `path`
+        return pq.read_schema(path)
+
+    class Reads(Pipeline):
+        def build_datasets(self, cfg):
+            return {"train": footer(str(truncated))}
+
+    class Opens(Pipeline):
+        def build_datasets(self, cfg):
+            return {"train": open(tmp_path / "gone.npz", "rb")}
+
+    with pytest.raises(DataError) as failure:
+        hooks.call(Reads(), "build_datasets", TrainConfig())
+    assert str(failure.value).startswith(f"pipeline Reads: build_datasets cannot read its data (file {truncated}): ")
+    assert "truncated, damaged or not in the format read" in str(failure.value)
+    with pytest.raises(DataError, match=rf"build_datasets cannot read its data \(file {tmp_path}/gone.npz\)"):
+        hooks.call(Opens(), "build_datasets", TrainConfig())
+
+    class Buggy(Pipeline):
+        def build_datasets(self, cfg):
+            return {"train": 1 / 0}  # the code's own bug stays the code's
+
+    with pytest.raises(PipelineCodeError, match="build_datasets raised ZeroDivisionError"):
+        hooks.call(Buggy(), "build_datasets", TrainConfig())

@@ -122,10 +122,13 @@ def read_probe(units: Units, name: str, skip_nan_rows: bool) -> dict[str, np.nda
         batch = units.dataset([first], limit=PROBE_ROWS).take_batch(PROBE_ROWS, batch_format="numpy")
     except Exception as exc:
         raise checks.read_error(units, [first], name, exc) from None
-    columns = checks.check_columns(batch, name, units.labels[first])
-    bad = checks.non_finite(columns)
-    if bad.any() and not skip_nan_rows:
-        raise checks.nan_error(name, units.labels[first], columns, bad)
+    try:
+        columns = checks.check_columns(batch, name, units.labels[first])
+        bad = checks.non_finite(columns)
+        if bad.any() and not skip_nan_rows:
+            raise checks.nan_error(name, units.labels[first], columns, bad)
+    except DataError as error:  # perhaps another file's columns, read into this one's as nulls
+        raise checks.with_file_cause(units, name, error) from None
     return columns
 
 
