@@ -142,6 +142,7 @@ class ErrorSummary:
 
     exception: list[str]  # "KeyError: 'nope'" (a message may span lines)
     frames: list[Frame]  # where it happened: user frames, innermost last
+    died: bool = False  # no exception: the worker process itself died (`exception` says how)
 
     def lines(self, max_frames: int = 3, max_message_lines: int = 8) -> list[str]:
         head = self.exception[:max_message_lines] or ["(no message)"]
@@ -207,14 +208,16 @@ def user_frames(exc: BaseException, limit: int = 3) -> list[str]:
 @contextlib.contextmanager
 def pipeline_code(pipeline, method: str) -> Iterator[None]:
     """Run a pipeline method; an exception from it (the user's code) becomes a
-    PipelineCodeError naming the method, the error and where in the user's code."""
+    PipelineCodeError naming the method, the error and where in the user's code. `pipeline`:
+    the Pipeline, or how the user named it (before there is one)."""
     try:
         yield
     except UserError:
         raise
     except Exception as exc:
         where = user_frames(exc)
-        message = f"pipeline {pipeline.name}: {method} raised {innermost_error(exc)}".rstrip(": ")
+        name = pipeline if isinstance(pipeline, str) else pipeline.name
+        message = f"pipeline {name}: {method} raised {innermost_error(exc)}".rstrip(": ")
         raise PipelineCodeError(message + "".join(f"\n  at {frame}" for frame in where)) from exc
 
 
@@ -244,6 +247,29 @@ def innermost_error(exc: BaseException) -> str:
     if typed:
         return typed[-1][:500]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]
+
+
+def weights_mismatch(exc: BaseException) -> str:
+    """torch's load_state_dict error in one line: the keys the model lacks and has beyond the
+    file, and the tensors of another shape (`missing 1.weight, 1.bias; unexpected extra.w;
+    0.weight is [5, 4] in the file, [3, 4] in the model`)."""
+    text = str(exc)
+    parts = []
+    for label, pattern in (
+        ("missing", r"Missing key\(s\) in state_dict: (.*?)\.\s*$"),
+        ("unexpected", r"Unexpected key\(s\) in state_dict: (.*?)\.\s*$"),
+    ):
+        found = re.search(pattern, text, re.MULTILINE)
+        if found:
+            keys = re.findall(r'"([^"]+)"', found[1])
+            parts.append(f"{label} {', '.join(keys[:5])}{' …' if len(keys) > 5 else ''} ({len(keys)})")
+    for name, file_shape, model_shape in re.findall(
+        r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^\]]*\])\) from checkpoint, the shape in "
+        r"current model is torch.Size\((\[[^\]]*\])\)",
+        text,
+    )[:5]:
+        parts.append(f"{name} is {file_shape} in the file, {model_shape} in the model")
+    return "; ".join(parts) or (text.strip().splitlines() or [type(exc).__name__])[0]
 
 
 # -- reading a traceback's text --------------------------------------------------------------
@@ -309,6 +335,29 @@ def _attached_summaries(failures: dict[int, BaseException]) -> list[tuple[list[i
     return list(grouped.values())
 
 
+_DEATH = "A worker health check failed"  # how Ray Train says a worker process is gone
+
+
+def worker_death(text: str) -> ErrorSummary | None:
+    """A rank whose worker process died (Ray Train's failed health check, whose text dumps the
+    worker's actor, metadata and context: a dozen lines), said in one line — the process,
+    how it exited as Ray tells it, and the worker's log — or None for another error."""
+    if _DEATH not in text:
+        return None
+    pid = re.search(r"^\s*pid: (\d+)", text, re.MULTILINE)
+    detail = re.search(
+        r"Worker exit detail: (.+?)(?= There are some potential root causes| Some common causes|\n|$)", text
+    )
+    log = re.search(r"log_file_path='([^']+)'", text)
+    how = detail[1].strip().rstrip(".") if detail else "Ray gives no exit detail"
+    line = (
+        f"lost its worker process{f' (pid {pid[1]})' if pid else ''}: {how}. A process that vanishes like this was "
+        "killed (out of memory, SIGKILL) or crashed (e.g. SIGSEGV in native code)"
+        + (f"; its output: {log[1]}" if log else "")
+    )
+    return ErrorSummary(exception=[line], frames=[], died=True)
+
+
 def explain_worker_errors(error: BaseException) -> list[str]:
     """Per failed rank: `rank N raised Type: message`, then the user frames where it happened.
 
@@ -320,27 +369,32 @@ def explain_worker_errors(error: BaseException) -> list[str]:
     error keeps a long message in full.
     """
     text = str(error)
-    failed = _attached_summaries(getattr(error, "worker_failures", None) or {})
+    failures = getattr(error, "worker_failures", None) or {}
+    failed = _attached_summaries(failures)
+    if failed:  # a rank whose process died carries no summary: say it too, it is the likely cause
+        failed += [([rank], death) for rank, exc in sorted(failures.items()) if (death := worker_death(str(exc)))]
     matches = [] if failed else list(_SNIPPET.finditer(text))
     for index, match in enumerate(matches):
         end = matches[index + 1].start() if index + 1 < len(matches) else len(text)
         ranks = sorted(int(rank) for rank in re.findall(r"\d+", match[1]))
-        failed.append((ranks, summarize_traceback(text[match.end() : end])))
+        snippet = text[match.end() : end]
+        failed.append((ranks, worker_death(snippet) or summarize_traceback(snippet)))
     if not failed:
         for rank, exc in sorted((getattr(error, "worker_failures", None) or {}).items()):
-            failed.append(([rank], summarize_traceback(f"{type(exc).__name__}: {exc}")))
+            death = worker_death(str(exc))
+            failed.append(([rank], death or summarize_traceback(f"{type(exc).__name__}: {exc}")))
     if not failed:
         summary = summarize_traceback(text)
         if "Traceback (most recent call last)" not in text:
             summary.exception = [f"{type(error).__name__}: {text.strip()}".strip().rstrip(":")]
             summary.exception = summary.exception[0].splitlines()
         return summary.lines()
-    failed.sort(key=lambda item: item[0])
+    failed.sort(key=lambda item: (not item[1].died, item[0]))  # a lost process first: the others' errors follow it
     out = []
     for number, (ranks, summary) in enumerate(failed[:4]):
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         lines = summary.lines(max_message_lines=12 if number == 0 else 1)
-        out.append(f"{who} raised {lines[0]}")
+        out.append(f"{who}{'' if summary.died else ' raised'} {lines[0]}")
         out.extend(lines[1:])
     if len(failed) > 4:
         out.append(f"(and {len(failed) - 4} more failed ranks: see the logs)")

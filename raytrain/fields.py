@@ -13,7 +13,9 @@ in the field's metadata:
 - `flags`: the command-line spellings, when not `--field-name` (e.g. `("-v", "--verbose")`),
 - `switch`: a boolean that is only ever turned on (`--resume`, no `--no-resume`),
 - `repeat`: the flag may be given several times, each value appended,
-- `metavar`: how --help shows the value.
+- `metavar`: how --help shows the value,
+- `text`: an optional string whose every word is text (a name): `none`, `null` and the empty
+  string are values, never "no value" (`--name none` names the run "none").
 """
 
 from __future__ import annotations
@@ -102,12 +104,15 @@ class Option:
 
     def from_text(self, value: Any) -> Any:
         """`value` (text, or a YAML value) as the field's type: the field's own `parse` for
-        text; none/null/empty is None for an optional field; text stays text where the field
-        takes a string (`--workers 2` is "2", as `--workers 2:8` is "2:8"); else the first
-        declared type it converts to. ValueError when nothing fits."""
+        text; none/null/empty is None for an optional field, unless the field is marked `text`
+        (a name: every word is text); text stays text where the field takes a string
+        (`--workers 2` is "2", as `--workers 2:8` is "2:8"); else the first declared type it
+        converts to. ValueError when nothing fits."""
         parse = self.metadata.get("parse")
         if parse is not None and isinstance(value, str):
             return parse(value)
+        if isinstance(value, str) and self.metadata.get("text"):
+            return value
         if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
             if self.optional:
                 return None

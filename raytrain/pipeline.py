@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import os
@@ -9,8 +10,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from raytrain import fields
-from raytrain.errors import PipelineError
+from raytrain import fields, hooks
+from raytrain.errors import PipelineCodeError, PipelineError, pipeline_code
 
 if TYPE_CHECKING:  # pragma: no cover
     import ray.data
@@ -115,6 +116,7 @@ def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:
     to its field's type as the command line converts flags (`raytrain.fields`); PipelineError
     listing every problem (unknown keys with the known ones, missing or unconvertible values)."""
     raw = dict(raw or {})
+    hooks.check_attributes(pipeline)
     spec = pipeline.Args
     if spec is None:
         if raw:
@@ -145,15 +147,19 @@ def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:
             problems.append(f"needs --pipeline-arg {name}=VALUE ({option.words(none=True)})")
     if not problems:
         try:
-            return spec(**values)
-        except (TypeError, ValueError) as exc:
-            problems.append(str(exc))
+            with pipeline_code(pipeline, "Args"):  # __post_init__ says a bad value with ValueError
+                return spec(**values)
+        except PipelineCodeError as exc:
+            if not isinstance(exc.__cause__, (TypeError, ValueError)):
+                raise
+            problems.append(str(exc.__cause__))
     raise PipelineError(f"pipeline {pipeline.name}: " + "; ".join(problems))
 
 
 def load_pipeline(spec: "str | Pipeline") -> Pipeline:
     """A built-in name (`digits`), `module:attr` (a Pipeline class or instance), or an instance."""
     if isinstance(spec, Pipeline):
+        hooks.check_attributes(spec)
         return spec
     if not isinstance(spec, str) or not spec:
         raise PipelineError(
@@ -166,30 +172,110 @@ def load_pipeline(spec: "str | Pipeline") -> Pipeline:
             "or point at your own as module:attr, e.g. my_project.train:MyPipeline"
         )
     module_name, attr = target.split(":", 1)
-    # `raytrain train my_project.train:MyPipeline` from the directory holding my_project/:
-    # the console script's path does not include the working directory (workers get it
-    # through the runtime environment: raytrain.driver.run.ray_session).
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PipelineError(
-            f"pipeline {spec!r}: cannot import module {module_name!r} ({exc}); "
-            "run from the directory that holds it or put it on PYTHONPATH"
-        ) from None
+    add_working_directory()
+    module = import_user_module(spec, module_name)
+    if spec not in BUILTIN_PIPELINES:
+        check_not_shadowed(spec, module)
     try:
         obj = getattr(module, attr)
     except AttributeError:
         raise PipelineError(f"pipeline {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
     if isinstance(obj, type) and issubclass(obj, Pipeline):
-        return obj()
-    if isinstance(obj, Pipeline):
-        return obj
-    raise PipelineError(
-        f"pipeline {spec!r}: {attr} is a {type(obj).__name__}, not a raytrain.Pipeline; "
-        "subclass raytrain.Pipeline and implement build_model, build_datasets, compute_loss"
-    )
+        obj = build_pipeline(spec, obj)
+    if not isinstance(obj, Pipeline):
+        raise PipelineError(
+            f"pipeline {spec!r}: {attr} is a {type(obj).__name__}, not a raytrain.Pipeline; "
+            "subclass raytrain.Pipeline and implement build_model, build_datasets, compute_loss"
+        )
+    hooks.check_attributes(obj)
+    return obj
+
+
+def import_user_module(spec: str, module_name: str) -> Any:
+    """The pipeline's module: PipelineError when it cannot be found or needs a package that is
+    not installed; PipelineCodeError (naming the line) when its own code fails as it is
+    imported (a syntax error, an exception at import)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise PipelineError(
+                f"pipeline {spec!r}: cannot find module {module_name!r} ({exc}); "
+                "run from the directory that holds it or put it on PYTHONPATH"
+            ) from None
+        raise PipelineError(
+            f"pipeline {spec!r}: module {module_name!r} imports {exc.name!r}, which is not installed here: install "
+            "it (on a cluster, on every node, or in the job's runtime environment)"
+        ) from None
+    except Exception:
+        with pipeline_code(repr(spec), f"importing module {module_name!r}"):
+            raise
+
+
+def build_pipeline(spec: str, cls: type) -> "Pipeline":
+    """An instance of the pipeline class `cls`, which raytrain builds without arguments."""
+    try:
+        return cls()
+    except TypeError as exc:
+        if "required" not in str(exc) or "__init__" not in str(exc):
+            with pipeline_code(repr(spec), f"{cls.__name__}()"):
+                raise
+        raise PipelineError(
+            f"pipeline {spec!r}: {cls.__name__}() raised TypeError: {exc}; raytrain builds a pipeline class without "
+            "arguments: take its options from --pipeline-arg (a dataclass Args on the class), or point at an "
+            "instance built in the module, module:INSTANCE"
+        ) from None
+    except Exception:
+        with pipeline_code(repr(spec), f"{cls.__name__}()"):
+            raise
+
+
+def import_path() -> list[str]:
+    """Where pipelines are imported from, in order: the installation raytrain and the built-in
+    pipelines come from, the interpreter's path, then the working directory — last, so that a
+    folder there (a clone of this repository holding `raytrain/`) never shadows an installed
+    package; the workers get the same path (`raytrain.driver.session.driver_pythonpath`)."""
+    cwd = os.getcwd()
+    entries = [*_installation_roots(), *[p for p in sys.path if p and p != cwd and os.path.isdir(p)], cwd]
+    return list(dict.fromkeys(entries))
+
+
+def _installation_roots() -> list[str]:
+    """The directories holding the `raytrain` and `pipelines` packages this process imports
+    (site-packages, or the checkout of an editable install, which Python's path alone does not
+    name)."""
+    import importlib.util
+
+    roots = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    with contextlib.suppress(ImportError, ValueError):
+        found = sys.modules.get("pipelines") or importlib.util.find_spec("pipelines")
+        origin = getattr(found, "__file__", None) or getattr(found, "origin", None)
+        if origin:
+            roots.append(os.path.dirname(os.path.dirname(os.path.abspath(origin))))
+    return roots
+
+
+def add_working_directory() -> None:
+    """`raytrain train my_project.train:MyPipeline` from the directory holding my_project/: the
+    console script's path does not include the working directory; it goes last (`import_path`)."""
+    cwd = os.getcwd()
+    if cwd in sys.path or "" in sys.path:  # `python -m`, or already added: the user's own order
+        return
+    sys.path.extend(p for p in import_path() if p not in sys.path)
+
+
+def check_not_shadowed(spec: str, module: Any) -> None:
+    """A user's module that an installed one of the same name hides: PipelineError with the fix."""
+    top = module.__name__.split(".")[0]
+    cwd = os.getcwd()
+    mine = [os.path.join(cwd, top + ".py"), os.path.join(cwd, top)]
+    origin = os.path.abspath(getattr(sys.modules.get(top), "__file__", None) or "")
+    if any(os.path.exists(path) for path in mine) and origin and not origin.startswith(cwd + os.sep):
+        raise PipelineError(
+            f"pipeline {spec!r}: module {top!r} is imported from {origin}, an installed package of that name, not "
+            f"from {top} in the working directory ({cwd}); rename your module (e.g. my_{top}) and point at it, "
+            f"e.g. my_{top}{spec[len(top) :]}"
+        )
 
 
 def overrides(pipeline: Pipeline, method: str) -> bool:

@@ -290,6 +290,22 @@ class BrokenPipeline(RecordingPipeline):
         marker.touch()
 
 
+class NegativeRatePipeline(BrokenPipeline):
+    """A schedule of its own that goes below zero after warmup (gradient ascent if taken)."""
+
+    def lr_factor(self, progress):
+        self._note_attempt()
+        return 1.0 - 2.0 * progress
+
+
+class DroppingTransformPipeline(BrokenPipeline):
+    """An augmentation that loses half of every batch (those samples would never train)."""
+
+    def transform_batch(self, batch, ctx):
+        self._note_attempt()
+        return {key: value[: len(value) // 2] for key, value in batch.items()}
+
+
 class OtherShapePipeline(RecordingPipeline):
     """RecordingPipeline with a wider hidden layer: its model cannot load the other's checkpoints."""
 

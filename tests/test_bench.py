@@ -53,6 +53,18 @@ def test_bench_warmup_steps_reach_the_loop_through_the_config(tmp_path):
     assert cfg.timing_warmup_steps == 5  # bench owns it: the baselines leave out as many
 
 
+def test_bench_takes_per_step_fault_tolerance_without_flags_it_refuses(tmp_path):
+    """Bench owns --max-failures; under per-step it gives the room per-step needs itself, so
+    `raytrain bench --fault-tolerance per-step` never asks for a flag bench refuses."""
+    pytest.importorskip("torchft")
+    opts = BenchOptions(workers=[2], storage=str(tmp_path))
+    per_step = study.bench_config(
+        {"fault_tolerance": "per-step"}, opts, workers=2, epochs=1, storage=tmp_path, name="w"
+    )
+    restart = study.bench_config({}, opts, workers=2, epochs=1, storage=tmp_path, name="w")
+    assert (per_step.fault_tolerance, per_step.max_failures, restart.max_failures) == ("per-step", 1, 0)
+
+
 def test_step_split_estimates_communication_from_forward_backward():
     phases = {"data_wait": 0.02, "forward_backward": 0.30, "optimizer": 0.05}
     split = step_split(phases, steady_time_s=0.40, steady_steps=10, fb_1worker_ms=20.0)

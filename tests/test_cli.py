@@ -67,6 +67,16 @@ def train(capsys, tmp_path):
 
 # -- flags ----------------------------------------------------------------------------------
 
+
+@pytest.mark.parametrize("word", ["none", "null", "None", "NULL"])
+def test_a_run_name_is_text_never_unset(word):
+    from raytrain.cli.parser import build_parser
+
+    assert build_parser().parse_args(["train", "digits", "--name", word]).name == word
+    assert build_parser().parse_args(["bench", "digits", "--workers", "1", "--name", word]).name == word
+    assert TrainConfig.from_dict({"name": word}).name == word  # a YAML `name: none` too
+
+
 FLAG_CASES = [
     (["--epochs", "-1"], "--epochs: got -1; must be a positive integer, e.g. --epochs 5"),
     (["--epochs", "0"], "--epochs: got 0; must be a positive integer, e.g. --epochs 5"),
@@ -139,6 +149,11 @@ FLAG_CASES = [
         "--name: got 'bad name'; use letters, digits, '.', '_' and '-' only, e.g. --name digits-lr3e-3",
     ),
     (["--name", "../up"], "--name: got '../up'; use letters, digits"),
+    (
+        ["--name", ""],
+        "--name: got ''; a name cannot be empty: give one, e.g. --name digits-lr3e-3, or leave --name out",
+    ),
+    (["--name", "", "--resume"], "--resume: needs the run to continue: add --name RUN"),
     (["--resume"], "--resume: needs the run to continue: add --name RUN (the directory under --storage)"),
 ]
 
@@ -230,7 +245,7 @@ def test_no_pipeline(train):
             "module:attr",
         ),
         ("digit", "pipeline: unknown name 'digit'"),
-        ("no_such_module_xyz:Pipe", "pipeline 'no_such_module_xyz:Pipe': cannot import module 'no_such_module_xyz'"),
+        ("no_such_module_xyz:Pipe", "pipeline 'no_such_module_xyz:Pipe': cannot find module 'no_such_module_xyz'"),
         (
             "pipelines.digits:Missing",
             "pipeline 'pipelines.digits:Missing': module 'pipelines.digits' has no attribute 'Missing'",
@@ -270,9 +285,8 @@ def test_user_module_that_does_not_import(train, user_module):
         code,
         out,
         err,
-        f"cannot import module '{user_module}_broken'",
-        "a_package_that_is_not_installed_xyz",
-        "PYTHONPATH",
+        f"module '{user_module}_broken' imports 'a_package_that_is_not_installed_xyz', which is not installed here: "
+        "install it",
     )
 
 
@@ -612,7 +626,34 @@ def test_export_of_a_file_that_is_not_torch(capsys, tmp_path):
     junk = tmp_path / "junk.pt"
     junk.write_text("not a torch file")
     code, out, err = cli(capsys, "export", str(junk), "-o", str(tmp_path / "out.pt"))
-    assert_usage_error(code, out, err, f"raytrain export: {junk} cannot be read as a torch file (UnpicklingError: ")
+    assert_usage_error(
+        code, out, err, f"raytrain export: {junk} cannot be read as a torch file: it is not a file torch.save wrote"
+    )
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(2, 2)
+
+
+def test_export_of_a_whole_pickled_model_says_what_the_file_is_without_torchs_unsafe_advice(capsys, tmp_path):
+    pickled, truncated = tmp_path / "whole.pt", tmp_path / "half.pt"
+    torch.save(Net(), pickled)  # torch.save(model), not model.state_dict()
+    truncated.write_bytes(pickled.read_bytes()[:200])
+    code, out, err = cli(capsys, "export", str(pickled), "-o", str(tmp_path / "out.pt"))
+    assert_usage_error(
+        code,
+        out,
+        err,
+        f"{pickled} cannot be read as a torch file: it holds a pickled Python object (test_cli.Net), not only tensors",
+        "torch.save(model.state_dict())",
+        "never runs code from a file. If you trust where the file came from, convert it once",
+    )
+    assert "Re-running `torch.load` with `weights_only` set to `False` will likely succeed" not in err
+    code, out, err = cli(capsys, "export", str(truncated), "-o", str(tmp_path / "out.pt"))
+    assert_usage_error(code, out, err, f"{truncated} cannot be read as a torch file: it is truncated or damaged")
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_export_of_a_torch_file_that_is_not_a_state_dict(capsys, tmp_path):
@@ -639,3 +680,8 @@ def test_gpu_on_a_cluster_without_gpus(ray_session, capsys, tmp_path):
         "raytrain train: Invalid configuration: --gpu: was asked for, but the Ray cluster has no GPUs; drop --gpu",
     )
     assert not (tmp_path / "gpu-check").exists()
+
+
+def test_doctor_with_an_empty_storage_is_refused_not_the_default_checked_instead(capsys):
+    code, out, err = cli(capsys, "doctor", "--storage", "")
+    assert_usage_error(code, out, err, "raytrain doctor: Invalid configuration: --storage: is empty; give a directory")

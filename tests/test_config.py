@@ -213,14 +213,21 @@ def test_value_checks_name_option_value_and_fix(kwargs, expected):
         TrainConfig(**kwargs)
 
 
-@pytest.mark.parametrize("name", ["bad name", "../up", ".hidden", "a/b", "", "-dash", "semi;colon"])
+@pytest.mark.parametrize("name", ["bad name", "../up", ".hidden", "a/b", "-dash", "semi;colon"])
 def test_bad_run_name(name):
     expected = f"name: got {name!r}; use letters, digits, '.', '_' and '-' only, e.g. --name digits-lr3e-3"
     with pytest.raises(ConfigError, match=re.escape(expected)):
         TrainConfig(name=name)
 
 
-@pytest.mark.parametrize("name", ["digits", "digits-lr3e-3", "run_1.v2", "A"])
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_run_name_is_refused_with_the_fix(name):
+    expected = f"name: got {name!r}; a name cannot be empty: give one, e.g. --name digits-lr3e-3, or leave --name out"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        TrainConfig(name=name)
+
+
+@pytest.mark.parametrize("name", ["digits", "digits-lr3e-3", "run_1.v2", "A", "none", "null", "None"])
 def test_good_run_name(name):
     assert TrainConfig(name=name).name == name
 

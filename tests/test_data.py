@@ -224,3 +224,135 @@ def test_read_failure_inside_ray_data_becomes_a_data_error():
 
 def test_schema_row_bytes():
     assert Schema.of({"x": np.zeros((1, 8, 8), np.float32), "y": np.zeros(1, np.int64)}).row_bytes() == 8 * 8 * 4 + 8
+
+
+# -- a failed read of files names the file, the column and the fix -----------------------------------
+
+
+class FileUnits(FakeUnits):
+    """Units over Parquet files (one unit per file), whose reading fails as Ray Data's does on a
+    file it cannot decode."""
+
+    kind = "files"
+
+    def __init__(self, paths, error: Exception):
+        self.payload = [{"__path": str(path)} for path in paths]
+        self.labels = [f"{path} (row groups all)" for path in paths]
+        self.rows = tuple(4 for _ in paths)
+        self.source = type("Listing", (), {"filesystem": None})()
+        self.error = error
+
+    def dataset(self, ids, *, limit=None):
+        error = self.error
+
+        class _Dataset:
+            def iter_batches(self, **_):
+                raise error
+                yield
+
+        return _Dataset()
+
+
+def write_parquet_files(directory, columns_of_each: list[dict]) -> list:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = []
+    for index, columns in enumerate(columns_of_each):
+        path = directory / f"part-{index}.parquet"
+        pq.write_table(pa.table(columns), path)
+        paths.append(path)
+    return paths
+
+
+def read_units(units) -> None:
+    list(check_units(units, list(range(len(units.rows))), "train", Schema.of({"image": np.zeros(1)}), skip_nan_rows=0))
+
+
+def test_a_renamed_column_in_one_file_is_named_with_the_file_and_the_fix(tmp_path):
+    good = {"image": np.zeros(4, np.float32), "label": np.zeros(4, np.int64)}
+    renamed = {"img": np.zeros(4, np.float32), "label": np.zeros(4, np.int64)}
+    retyped = {"image": np.zeros(4, np.float32), "label": np.array(["a", "b", "c", "d"])}
+    paths = write_parquet_files(tmp_path, [good, good, renamed])
+    units = FileUnits(paths, TypeError("buffer is too small for requested array"))
+    with pytest.raises(DataError) as failure:
+        read_units(units)
+    assert str(failure.value) == (
+        f"dataset 'train': file {paths[2]} lacks column(s) 'image', has column(s) 'img' instead compared with "
+        f"{paths[0]}; every file of a dataset must have the same columns and types: rewrite that file with them "
+        "(e.g. table.rename_columns(...) in pyarrow), or move it out of the dataset's directory"
+    )
+    (tmp_path / "first").mkdir()
+    first = write_parquet_files(tmp_path / "first", [renamed, good, good])
+    with pytest.raises(DataError, match=rf"file {first[0]} lacks column\(s\) 'image', has column\(s\) 'img' instead"):
+        read_units(FileUnits(first, TypeError("buffer is too small for requested array")))  # the odd one is the first
+    paths = write_parquet_files(tmp_path, [good, retyped])
+    with pytest.raises(DataError, match=r"part-1.parquet has column 'label' as string, not int64 compared with"):
+        read_units(FileUnits(paths, TypeError("buffer is too small for requested array")))
+
+
+def test_a_file_deleted_or_damaged_after_the_listing_is_named_with_the_fix(tmp_path):
+    columns = {"image": np.zeros(4, np.float32)}
+    paths = write_parquet_files(tmp_path, [columns, columns, columns])
+    paths[1].unlink()
+    with pytest.raises(DataError, match=rf"file {paths[1]} is gone .*put it back and continue with --resume"):
+        read_units(FileUnits(paths, FileNotFoundError(str(paths[1]))))
+    paths = write_parquet_files(tmp_path, [columns, columns, columns])
+    paths[2].write_bytes(paths[2].read_bytes()[:20])
+    with pytest.raises(DataError, match=rf"file {paths[2]} cannot be read as Parquet \(.*\): it is truncated, damaged"):
+        read_units(FileUnits(paths, OSError("Couldn't deserialize thrift")))
+
+
+def test_a_read_error_no_file_explains_keeps_ray_datas_words_and_where(tmp_path):
+    columns = {"image": np.zeros(4, np.float32)}
+    paths = write_parquet_files(tmp_path, [columns, columns])
+    with pytest.raises(DataError) as failure:
+        read_units(FileUnits(paths, ValueError("map_batches: bad things")))
+    assert str(failure.value).startswith(
+        f"dataset 'train' cannot be read: ValueError: map_batches: bad things (while reading {paths[0]} (row groups "
+        "all) or the units after it); check those files, or the pipeline's own steps over them (map_batches)"
+    )
+
+
+def test_the_parquet_pipeline_refuses_files_of_other_columns_before_reading_a_row(tmp_path):
+    from pipelines.parquet.pipeline import check_same_columns
+
+    good = {"image": np.zeros(4, np.float32), "label": np.zeros(4, np.int64)}
+    paths = write_parquet_files(tmp_path, [good, {"img": np.zeros(4, np.float32), "label": np.zeros(4, np.int64)}])
+    with pytest.raises(DataError, match=rf"file {paths[1]} lacks column\(s\) 'image', has column\(s\) 'img' instead"):
+        check_same_columns(str(tmp_path))
+    paths[1].write_text("not parquet")
+    with pytest.raises(DataError, match=rf"file {paths[1]} cannot be read as Parquet .*move it out of {tmp_path}"):
+        check_same_columns(str(tmp_path))
+    paths[1].unlink()
+    check_same_columns(str(tmp_path))
+
+
+def test_nulls_from_a_file_of_other_columns_are_blamed_on_that_file(tmp_path):
+    """Ray Data reads every file with the columns of all: a file lacking 'image' shows up as
+    NaN in it. The file and its columns are the cause named, the NaN what was seen."""
+    good = {"image": np.zeros(4, np.float32), "label": np.zeros(4, np.int64)}
+    paths = write_parquet_files(tmp_path, [good, good, {"img": np.zeros(4, np.float32), "label": np.zeros(4)}])
+
+    class Unified(FakeUnits):
+        kind = "files"
+
+    units = Unified([{"image": np.full(4, v, np.float32)} for v in (0.0, 0.0, np.nan)])
+    units.payload = [{"__path": str(path)} for path in paths]
+    units.source = type("Listing", (), {"filesystem": None})()
+    with pytest.raises(DataError) as failure:
+        list(check_units(units, [0, 1, 2], "train", Schema.of({"image": np.zeros(1)}), skip_nan_rows=False))
+    message = str(failure.value)
+    assert message.startswith(f"dataset 'train': file {paths[2]} lacks column(s) 'image', has column(s) 'img' instead")
+    assert "(Seen as: dataset 'train': row 0 of file-2.parquet holds NaN or inf in column 'image'" in message
+
+
+def test_a_data_error_raised_in_ray_datas_tasks_comes_back_as_it_was():
+    from raytrain.data.checks import read_error
+
+    wrapped = RuntimeError(
+        "ray.exceptions.RayTaskError(UserCodeException): ray::MapBatches()\n"
+        "raytrain.errors.DataError: dataset 'train': sample 217, field '0' has shape (5,) where sample 0's has (4,)"
+    )
+    error = read_error(FakeUnits([{"x": np.zeros(3)}]), [0], "train", wrapped)
+    assert str(error) == "dataset 'train': sample 217, field '0' has shape (5,) where sample 0's has (4,)"

@@ -34,7 +34,8 @@ def test_stalled_rank_fails_the_attempt_naming_it_within_the_timeout(ray_session
     assert stalled_for_s < timeout_s + 30, stalled_for_s
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(ray_session, tmp_path):
+@pytest.mark.parametrize("corrupt", [("train_state.pt",), ("train_state.pt", "model.pt")])
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(ray_session, tmp_path, corrupt):
     from raytrain.rundir.checkpoints import checkpoint_dirs
 
     base = dict(
@@ -51,7 +52,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(ray_sessi
     result = raytrain.fit(RecordingPipeline(str(first), num_rows=64), raytrain.TrainConfig(epochs=2, **base))
     checkpoints = checkpoint_dirs(result.run_dir)
     assert len(checkpoints) == 2
-    (checkpoints[-1] / "train_state.pt").write_bytes(b"truncated")  # a crash mid-write, or a bad disk
+    for name in corrupt:  # a crash mid-write, or a bad disk
+        (checkpoints[-1] / name).write_bytes(b"truncated")
 
     resumed = raytrain.fit(
         RecordingPipeline(str(second), num_rows=64), raytrain.TrainConfig(epochs=3, resume=True, **base)
@@ -64,6 +66,9 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(ray_sessi
         e for e in read_jsonl(Path(result.run_dir) / "events.jsonl") if "skipped unusable checkpoint" in e["message"]
     ]
     assert skipped and checkpoints[-1].name in skipped[0]["message"]
+    # A resume that passed over a bad checkpoint recovered no failure; each is counted for what it is.
+    counts = {k: resumed.summary[k] for k in ("failures_recovered", "resumes", "interruptions", "checkpoints_skipped")}
+    assert counts == {"failures_recovered": 0, "resumes": 1, "interruptions": 0, "checkpoints_skipped": 1}
 
 
 def test_driver_killed_mid_run_then_resume_finishes_the_run(tmp_path):

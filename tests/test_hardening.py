@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import raytrain
-from raytrain import rundir
+from raytrain import hooks, rundir
 from raytrain.cli import main
 from raytrain.config import TrainConfig
 from raytrain.driver.session import address_problem, check_embedded_capacity
@@ -28,7 +28,7 @@ from raytrain.driver.summary import write_summary
 from raytrain.errors import ConfigError, PipelineCodeError, PipelineError, StorageError, find_user_error, pipeline_code
 from raytrain.pipeline import parse_pipeline_args
 from raytrain.rules.resume import StoredRun, changes
-from raytrain.worker.step import check_loss_output, is_collective_failure
+from raytrain.worker.step import is_collective_failure
 
 
 def test_run_files_are_strict_json():
@@ -199,11 +199,19 @@ def test_unknown_pipeline_arg_is_refused_by_the_cli_before_ray(capsys):
     ],
 )
 def test_compute_loss_results_are_checked_with_a_message_naming_compute_loss(output, expected):
+    def returning(value, training=True):
+        class Returns(raytrain.Pipeline):
+            def compute_loss(self, model, batch):
+                return value
+
+        model = torch.nn.Linear(1, 1).train(training)
+        return hooks.call(Returns(), "compute_loss", model, {})
+
     with pytest.raises(PipelineCodeError, match="compute_loss must return a scalar loss tensor") as failure:
-        check_loss_output(raytrain.Pipeline(), output, training=True)
-    assert expected in str(failure.value)
-    check_loss_output(raytrain.Pipeline(), torch.ones((), requires_grad=True), training=True)
-    check_loss_output(raytrain.Pipeline(), (torch.ones(()), {"accuracy": 1.0}), training=False)
+        returning(output)
+    assert expected in str(failure.value) and "in compute_loss" in str(failure.value)
+    returning(torch.ones((), requires_grad=True))
+    returning((torch.ones(()), {"accuracy": 1.0}), training=False)
 
 
 def test_pipeline_code_errors_name_the_method_and_the_users_frame():
@@ -308,3 +316,65 @@ def test_the_readme_example_imports_from_the_working_directory(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "Regression", done.stderr
+
+
+@pytest.mark.slow
+def test_a_clone_in_the_working_directory_never_shadows_the_installed_raytrain(tmp_path):
+    """A newcomer runs `raytrain train my_port:Pipe` from a directory that also holds a clone of
+    this repository (`./raytrain/`, a folder without __init__.py, and its `pipelines/`). The
+    driver finds my_port there, and the workers — given the driver's path, in a process started
+    elsewhere — import raytrain and the built-in pipelines from where the driver has them."""
+    (tmp_path / "raytrain" / "raytrain").mkdir(parents=True)  # the clone's root: a namespace package
+    (tmp_path / "pipelines").mkdir()
+    (tmp_path / "pipelines" / "__init__.py").write_text("raise ImportError('the clone was imported')\n")
+    (tmp_path / "my_port.py").write_text("import raytrain\nclass Pipe(raytrain.Pipeline):\n    pass\n")
+    code = (
+        "import os, sys, subprocess; sys.path = [p for p in sys.path if p not in ('', os.getcwd())];"
+        "import raytrain; from raytrain.pipeline import load_pipeline;"
+        "from raytrain.driver.session import driver_pythonpath;"
+        "print(type(load_pipeline('my_port:Pipe')).__name__, type(load_pipeline('digits')).__name__);"
+        "worker = 'import raytrain, pipelines.digits, my_port; print(raytrain.__file__, my_port.__file__)';"
+        "env = {**os.environ, 'PYTHONPATH': driver_pythonpath()};"
+        "print(subprocess.run([sys.executable, '-c', worker], env=env, cwd='/', capture_output=True, text=True,"
+        " check=True).stdout.strip(), raytrain.__file__)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(Path(raytrain.__file__).resolve().parents[1])  # this checkout, as installed
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    loaded, worker = done.stdout.strip().splitlines()
+    assert loaded == "Pipe DigitsPipeline"
+    worker_raytrain, worker_port, driver_raytrain = worker.split()
+    assert worker_raytrain == driver_raytrain and worker_port == str(tmp_path / "my_port.py")
+
+
+def test_a_module_an_installed_package_hides_is_named_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "json.py").write_text("class Pipe: pass\n")  # the standard library's json comes first
+    with pytest.raises(PipelineError) as failure:
+        raytrain.pipeline.load_pipeline("json:Pipe")
+    message = str(failure.value)
+    assert message.startswith("pipeline 'json:Pipe': module 'json' is imported from ")
+    assert f"not from json in the working directory ({tmp_path}); rename your module (e.g. my_json)" in message
+
+
+def test_a_model_that_does_not_load_the_weights_is_said_key_by_key():
+    from raytrain.errors import weights_mismatch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    weights = {"0.weight": torch.zeros(5, 4), "0.bias": torch.zeros(3), "extra.w": torch.zeros(1)}
+    with pytest.raises(RuntimeError) as failure:
+        model.load_state_dict(weights, strict=True)
+    assert weights_mismatch(failure.value) == (
+        "missing 1.weight, 1.bias (2); unexpected extra.w (1); 0.weight is [5, 4] in the file, [3, 4] in the model"
+    )
+
+
+def test_pipeline_args_in_a_config_file_that_are_not_a_mapping_are_refused(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("pipeline_args: [1, 2]\n")
+    code = main(["train", "digits", "--config", str(config), "--storage", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"pipeline_args (in {config}): got [1, 2] (list); expected a mapping of KEY: value" in err

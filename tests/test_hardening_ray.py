@@ -9,7 +9,15 @@ import os
 import subprocess
 
 import pytest
-from rt_test_pipelines import BrokenPipeline, DivergingPipeline, OtherShapePipeline, RecordingPipeline, read_jsonl
+from rt_test_pipelines import (
+    BrokenPipeline,
+    DivergingPipeline,
+    DroppingTransformPipeline,
+    NegativeRatePipeline,
+    OtherShapePipeline,
+    RecordingPipeline,
+    read_jsonl,
+)
 
 import raytrain
 from raytrain.cli import main
@@ -72,6 +80,33 @@ def test_errors_in_the_pipelines_code_are_not_retried_and_name_the_method(ray_se
         assert text in str(failure.value), str(failure.value)
     assert len(list(tmp_path.glob("attempt-*"))) <= 2  # two ranks, one attempt: --max-failures 3 unused
     assert json.loads((tmp_path / where / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    "pipeline, expected",
+    [
+        (NegativeRatePipeline, "pipeline NegativeRatePipeline: lr_factor must return a number ≥ 0"),
+        (DroppingTransformPipeline, "pipeline DroppingTransformPipeline: transform_batch returned 4 row(s) in column"),
+    ],
+)
+def test_a_wrong_return_from_a_newer_hook_is_the_pipelines_error_never_retried(
+    ray_session, tmp_path, pipeline, expected
+):
+    cfg = raytrain.TrainConfig(
+        workers=2,
+        epochs=1,
+        batch_size_per_worker=8,
+        storage=str(tmp_path),
+        name="hook",
+        max_failures=3,
+        warmup_epochs=0,
+    )
+    with pytest.raises(PipelineCodeError) as failure:
+        raytrain.fit(pipeline(str(tmp_path), where="none"), cfg)
+    assert str(failure.value).startswith(expected) and "rt_test_pipelines.py" in str(failure.value)
+    assert len(list(tmp_path.glob("attempt-*"))) <= 2  # two ranks, one attempt: --max-failures 3 unused
+    summary = json.loads((tmp_path / "hook" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["failures_recovered"] == 0
 
 
 def test_resume_as_documented_continues_the_runs_own_settings(ray_session, tmp_path, capsys):

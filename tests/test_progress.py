@@ -301,3 +301,49 @@ def test_a_summary_made_on_the_worker_names_the_users_frames_without_reading_tex
         f"  at {user_file}:5, in compute_loss: return helper(batch)",
         f"  at {user_file}:2, in helper: return x['nope']",
     ]
+
+
+DEATH = (
+    "A worker health check failed.\n"
+    "Worker info: Worker(\n"
+    "  actor=Actor(RayTrainWorker, 4d059412bac1c81e7854df0d01000000),\n"
+    "  metadata=ActorMetadata(\n"
+    "    hostname='vm',\n"
+    "    node_id='64bf41699e935d79bc3f59408ffa15824fa5ca2cfd74f06a44530fdc',\n"
+    "    node_ip='192.0.2.2',\n"
+    "    pid=8283,\n"
+    "  ),\n"
+    "  distributed_context=DistributedContext(world_rank=1, world_size=2, local_rank=1, local_world_size=2, "
+    "node_rank=0),\n"
+    "  log_file_path='/tmp/ray/session_x/logs/train/ray-train-app-worker-dc69.log',\n"
+    ")\n"
+    "The actor died unexpectedly before finishing this task.\n"
+    "\tclass_name: RayTrainWorker\n"
+    "\tactor_id: 4d059412bac1c81e7854df0d01000000\n"
+    "\tpid: 8283\n"
+    "\tnamespace: ae1c2d01-8700-4835-86a8-76ec1ff12925\n"
+    "\tip: 192.0.2.2\n"
+    "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+    "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the "
+    "process was killed by the OOM killer due to high memory usage, (2) ray stop --force was called, or (3) the "
+    "worker crashed unexpectedly due to SIGSEGV or another unexpected error."
+)
+
+
+def test_a_worker_process_that_died_is_one_line_and_comes_first_without_rays_dump_of_the_worker():
+    from raytrain.errors import SUMMARY_ATTRIBUTE, ErrorSummary
+
+    survivor = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:21411")
+    setattr(survivor, SUMMARY_ATTRIBUTE, ErrorSummary.from_exception(survivor))
+    error = WorkerGroupError("Training failed due to worker errors:\n...", {0: survivor, 1: RuntimeError(DEATH)})
+    lines = explain_worker_errors(error)
+    assert lines[0] == (
+        "rank 1 lost its worker process (pid 8283): Worker unexpectedly exits with a connection error code 2. End of "
+        "file. A process that vanishes like this was killed (out of memory, SIGKILL) or crashed (e.g. SIGSEGV in "
+        "native code); its output: /tmp/ray/session_x/logs/train/ray-train-app-worker-dc69.log"
+    )
+    assert lines[1].startswith("rank 0 raised RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed")
+    assert not any("Worker(" in line or "metadata=" in line for line in lines)
+    # The same from the text alone (Ray Train's snippets), as the driver may get it.
+    text = f"Training failed due to worker errors:\n[Rank 1 Error Snippet]:\n{DEATH}\n"
+    assert explain_worker_errors(WorkerGroupError(text, {})) == [lines[0]]

@@ -14,7 +14,7 @@ from torch import nn
 import raytrain
 from raytrain.config import TrainConfig
 from raytrain.data.table import Table
-from raytrain.data.torch_dataset import sample_columns
+from raytrain.data.torch_dataset import TorchSamples, sample_columns
 from raytrain.errors import ConfigError, DataError
 from raytrain.rules import steps
 from raytrain.rules.batch import resolve_batch_plan
@@ -194,6 +194,27 @@ def test_torch_samples_become_named_columns():
     assert list(sample_columns(torch.ones(5), "train", 0)) == ["0"]
     with pytest.raises(DataError, match=r"sample 7, field '1' is a str \('cat'\).*tensors, numpy arrays or numbers"):
         sample_columns((torch.zeros(2), "cat"), "train", 7)
+
+
+class Ragged(torch.utils.data.Dataset):
+    """Sample 217 has a wider image; sample 250 an extra field."""
+
+    def __len__(self):
+        return 300
+
+    def __getitem__(self, index):
+        if index == 250:
+            return torch.zeros(4), torch.zeros(1), torch.zeros(1)
+        return torch.zeros(5 if index == 217 else 4), torch.zeros(1)
+
+
+def test_a_torch_sample_of_another_shape_or_fields_is_refused_naming_its_index():
+    read = TorchSamples(Ragged(), "train", {"0": (4,), "1": (1,)})
+    assert read({"id": np.arange(200, 210)})["0"].shape == (10, 4)
+    with pytest.raises(DataError, match=r"sample 217, field '0' has shape \(5,\) where sample 0's has \(4,\);"):
+        read({"id": np.arange(210, 230)})
+    with pytest.raises(DataError, match=r"sample 250 has the fields \['0', '1', '2'\] where sample 0 has \['0', '1'\]"):
+        read({"id": np.arange(240, 260)})
 
 
 def test_a_missing_batch_key_lists_the_keys_the_batch_has():

@@ -76,3 +76,77 @@ def test_records_round_trip_with_the_keys_design_fixes(tmp_path):
     changed = run.update_summary(status="stopped", error=None, stopped_by="ASHA")
     written = json.loads((tmp_path / "summary.json").read_text())
     assert changed.status == "stopped" and "error" not in written and written["stopped_by"] == "ASHA"
+
+
+# -- what summary.json counts: failures apart from resumes, interruptions and skipped checkpoints -----
+
+
+def attempt_events(*kinds_and_sizes, start: float = 100.0) -> list:
+    """Events at times start, start+1, ...: (kind, world_size, previous_world_size) each."""
+    from raytrain.rundir.records import Event
+
+    events = []
+    for index, (kind, size, previous) in enumerate(kinds_and_sizes):
+        extra = {"world_size": size, **({"previous_world_size": previous} if previous else {})}
+        events.append(Event(kind, f"{kind} {size}", time=start + index, extra=extra))
+    return events
+
+
+def test_a_resume_is_counted_as_a_resume_not_a_failure():
+    from raytrain.rules.attempt import Tally, tally
+    from raytrain.rundir.records import Kind
+
+    fresh = attempt_events((Kind.PLAN, 2, None), (Kind.RESTORE, 2, None))  # a worker died once
+    assert tally(fresh) == Tally(failures_recovered=1)
+    resumed = attempt_events((Kind.RESTORE, 2, None))  # --resume continues from a checkpoint
+    assert tally(resumed) == Tally(resumes=1)
+    resized = attempt_events((Kind.RESIZE, 1, 2), (Kind.RESIZE, 2, 1))  # --resume at another size, then growth
+    assert tally(resized) == Tally(resumes=1)
+    lost = attempt_events((Kind.PLAN, 2, None), (Kind.QUORUM, 1, 2), (Kind.QUORUM, 2, 1))  # per-step
+    assert tally(lost) == Tally(failures_recovered=1)
+    # Before the first checkpoint a restart starts from scratch again: a failure, unless it grew.
+    early = attempt_events((Kind.PLAN, 2, None), (Kind.PLAN, 2, None), (Kind.PLAN, 3, None))
+    assert tally(early) == Tally(failures_recovered=1)
+
+
+def test_an_interruption_and_what_follows_the_stop_request_are_not_failures():
+    from raytrain.rules.attempt import Tally, tally
+    from raytrain.rundir.records import Event, Kind
+
+    events = attempt_events((Kind.PLAN, 2, None), (Kind.RESTORE, 2, None), (Kind.RESTORE, 2, None))
+    assert tally(events, interrupted=True, stop_requested_at=101.5) == Tally(failures_recovered=1, interruptions=1)
+    skipped = [
+        Event(Kind.SKIPPED, "skipped unusable checkpoint(s): a", time=100, extra={"checkpoints": ["c30"]}),
+        *attempt_events((Kind.RESTORE, 2, None), start=101),
+        Event(Kind.SKIPPED, "skipped unusable checkpoint(s): a", time=102, extra={"checkpoints": ["c30"]}),
+        *attempt_events((Kind.RESTORE, 2, None), start=103),
+    ]
+    assert tally(skipped) == Tally(failures_recovered=1, resumes=1, checkpoints_skipped=1)
+
+
+def test_summary_json_keeps_designs_keys_and_adds_the_counts(tmp_path):
+    from raytrain.rundir import RunDir
+    from raytrain.rundir.records import Kind
+
+    run = RunDir(tmp_path)
+    for event in attempt_events((Kind.RESTORE, 2, None), start=10.0):
+        run.append_event(event)
+    write_summary(tmp_path, TrainConfig(storage=str(tmp_path)), None, None, started=10.5, interrupted=2)
+    written = json.loads((tmp_path / "summary.json").read_text())
+    design = {"status", "epochs", "steps", "samples_seen", "wall_time_s", "steady_samples_per_s", "world_sizes"}
+    design |= {"failures_recovered", "final_metrics", "best_checkpoint", "model_path"}
+    assert design <= set(written)
+    counts = {key: written[key] for key in ("failures_recovered", "resumes", "interruptions", "checkpoints_skipped")}
+    assert counts == {"failures_recovered": 0, "resumes": 1, "interruptions": 1, "checkpoints_skipped": 0}
+    assert written["status"] == "interrupted"
+
+
+def test_a_signal_after_the_last_epoch_leaves_the_run_finished(tmp_path):
+    progress = {"epoch": 2, "step": 90, "samples_seen": 2876, "status": "finished", "time": 20.0}
+    (tmp_path / "progress.json").write_text(json.dumps(progress))
+    cfg = TrainConfig(storage=str(tmp_path), epochs=2)
+    summary = write_summary(tmp_path, cfg, None, None, started=10.0, interrupted=2, stop_requested_at=30.0)
+    assert (summary.status, summary.interruptions) == ("finished", 1)
+    (tmp_path / "progress.json").write_text(json.dumps({**progress, "epoch": 1, "status": "interrupted"}))
+    summary = write_summary(tmp_path, cfg, None, None, started=10.0, interrupted=2, stop_requested_at=30.0)
+    assert summary.status == "interrupted"

@@ -86,6 +86,7 @@ def test_sigterm_stops_with_a_checkpoint_status_interrupted_exit_143_and_resumes
     assert stopped_after_s < 60, stopped_after_s
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["model_path"] is None
+    assert (summary["interruptions"], summary["failures_recovered"]) == (1, 0)  # a stop is not a failure
     assert "--name term" in err and "--resume" in err and "Traceback" not in err
     positions = [json.loads((d / "position.json").read_text()) for d in checkpoint_dirs(run_dir)]
     assert positions and max(p["step"] for p in positions) == summary["steps"]  # checkpointed where it stopped
@@ -114,6 +115,9 @@ def test_sigterm_stops_with_a_checkpoint_status_interrupted_exit_143_and_resumes
     # --epochs 1 while the run stood mid-epoch 1 or later: the epoch finishes (or nothing is left).
     assert resumed.returncode == 0, resumed.stderr
     assert f"from step {summary['steps']}" in resumed.stdout
+    after = json.loads((run_dir / "summary.json").read_text())
+    counts = [after[key] for key in ("resumes", "failures_recovered", "interruptions")]
+    assert counts == [1, 0, 0]  # the resume is a resume
 
 
 def test_two_ctrl_c_stop_at_once_with_exit_130(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from raytrain.errors import StorageError
-from raytrain.rundir import Event, MetricsRow, RunDir, RunLock, RunLocked, StorageUnavailable, Store
+from raytrain.rundir import Event, MetricsRow, RunDir, RunLock, RunLocked, StorageUnavailable, Store, formats
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.publish import Upload
 
@@ -80,7 +80,7 @@ def _stage(directory: Path, step: int) -> None:
     import torch.distributed.checkpoint as dcp
 
     directory.mkdir(parents=True)
-    with ckpt.single_process():
+    with formats.single_process():
         dcp.save({"model": {"w": torch.full((4,), float(step))}}, checkpoint_id=str(directory), no_dist=True)
     ckpt.write_train_state(directory, {"position": {"step": step}, "scaler": {}, "rng": []})
 

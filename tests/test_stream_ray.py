@@ -176,3 +176,26 @@ def test_bad_row_stops_the_run_once_with_exit_2_naming_the_row(ray_session, tmp_
     kinds = [e["kind"] for e in read_jsonl(tmp_path / "bad" / "events.jsonl")]
     assert kinds.count("plan") == 1 and "restore" not in kinds, kinds
     assert json.loads((tmp_path / "bad" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_file_whose_column_was_renamed_stops_the_run_naming_the_file_and_the_column(ray_session, tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    data = write_id_parquet(tmp_path / "drift", ROWS, num_files=7)
+    odd = sorted(data.glob("*.parquet"))[4]
+    table = pq.read_table(odd)
+    pq.write_table(table.rename_columns(["g3" if c == "f3" else c for c in table.column_names]), odd)
+    out = tmp_path / "records"
+    out.mkdir()
+    args = ["--pipeline-arg", f"path={data}", "--pipeline-arg", f"out={out}", "--workers", "2", "--epochs", "1"]
+    args += ["--global-batch-size", "48", "--shuffle-window-rows", "120", "--max-failures", "3"]
+    code = main(
+        ["train", "rt_test_pipelines:ShardedRecordingPipeline", *args, "--storage", str(tmp_path), "--name", "d"]
+    )
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if line.startswith("raytrain train:")]
+    assert code == 2 and len(ours) == 1, err
+    assert f"file {odd} lacks column(s) 'f3', has column(s) 'g3' instead compared with" in ours[0]
+    assert "every file of a dataset must have the same columns and types" in ours[0]
+    kinds = [e["kind"] for e in read_jsonl(tmp_path / "d" / "events.jsonl")]
+    assert kinds.count("plan") == 1 and "restore" not in kinds, kinds  # not retried

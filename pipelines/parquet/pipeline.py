@@ -63,12 +63,43 @@ def read(path: str):
         raise DataError(
             f"pipeline parquet: {store} does not exist; point --pipeline-arg path at a Parquet file or directory"
         )
+    check_same_columns(path)
     try:
         if store.local:
             return ray.data.read_parquet(path)
         return ray.data.read_parquet(store.root, filesystem=store.fs)
     except Exception as exc:  # pyarrow raises several types for unreadable files
         raise DataError(f"pipeline parquet: cannot read {path}: {str(exc).splitlines()[0][:300]}") from None
+
+
+def check_same_columns(path: str) -> None:
+    """Every file under `path` has the first file's columns and types, from their footers (no
+    row is read): else a DataError naming the file, the columns and the fix, before Ray Data
+    fails on it deep in a read task."""
+    import pyarrow.parquet as pq
+
+    from raytrain.data.files import schema_difference
+
+    files = sorted(Path(path).rglob("*.parquet")) if Path(path).is_dir() else [Path(path)]
+    expected = None
+    for file in files:
+        try:
+            schema = pq.read_schema(file)
+        except Exception as exc:  # pyarrow raises several types for a file that is not Parquet
+            raise DataError(
+                f"pipeline parquet: file {file} cannot be read as Parquet ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200]}); replace it, or move it out of {path}"
+            ) from None
+        if expected is None:
+            expected, first = schema, file
+            continue
+        differs = schema_difference(expected, schema)
+        if differs:
+            raise DataError(
+                f"pipeline parquet: file {file} {differs} compared with {first}; every file under --pipeline-arg "
+                "path must have the same columns and types: rewrite that file with them, or move it out of the "
+                "directory"
+            )
 
 
 def pack(ds, spec: ParquetArgs, features: list[str], regression: bool):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from raytrain.config import DEFAULT_STORAGE, TrainConfig
+from raytrain.config.checks import EMPTY_NAME
 from raytrain.errors import ConfigError
 from raytrain.rules import costmodel
 from raytrain.rules.batch import BatchPlan
@@ -64,7 +65,7 @@ class BenchOptions:
     with --predict, the ring's link."""
     storage: str = DEFAULT_STORAGE
     """Results go to STORAGE/NAME/ (default ~/raytrain_results)."""
-    name: str | None = None
+    name: str | None = field(default=None, metadata={"text": True})
     """Default bench-PIPELINE-YYYYmmdd-HHMMSS."""
 
     def __post_init__(self) -> None:
@@ -82,6 +83,8 @@ class BenchOptions:
         for name in self.baselines:
             if name not in BASELINES:
                 problems.append(("baseline", f"got {name!r}; choose from {', '.join(BASELINES)}"))
+        if self.name is not None and not self.name.strip():
+            problems.append(("name", f"got {self.name!r}; {EMPTY_NAME} (bench-PIPELINE-DATE-TIME)"))
         if self.link is not None and self.link not in costmodel.LINKS:
             problems.append(("link", f"got {self.link!r}; choose one of {', '.join(costmodel.LINKS)}"))
         if problems:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from raytrain import hooks
 from raytrain.bench.baselines import machine_facts, run_template
 from raytrain.bench.figures import baseline_rows, epochs_for, pick_run, scaling_rows, steady_steps_per_epoch
 from raytrain.bench.options import BENCH_OWNED, BenchError, BenchOptions, PlannedRun
@@ -35,7 +36,11 @@ def run_bench(
     from raytrain.pipeline import load_pipeline
 
     pipe = load_pipeline(pipeline)
-    name = opts.name or f"bench-{pipeline.split(':')[-1].split('.')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = (
+        opts.name
+        if opts.name is not None
+        else f"bench-{pipeline.split(':')[-1].split('.')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
     where = Store.of(opts.storage) / name
     if where.exists("bench.json"):
         raise ConfigError([("name", f"bench {name!r} already exists in {where.parent}; choose another --name")])
@@ -162,7 +167,11 @@ def bench_config(
     train_values: dict[str, Any], opts: BenchOptions, *, workers: int, epochs: int, storage: "Path | str", name: str
 ) -> TrainConfig:
     values = {k: v for k, v in train_values.items() if k not in BENCH_OWNED}
-    values.update(workers=workers, epochs=epochs, storage=str(storage), name=name, max_failures=0, time_phases=True)
+    # A failure spoils a measurement: none is recovered (run_raytrain refuses a run that
+    # recovered one; per-step mode needs room for one replacement to start at all).
+    failures = 1 if values.get("fault_tolerance") == "per-step" else 0
+    values.update(workers=workers, epochs=epochs, storage=str(storage), name=name, max_failures=failures)
+    values["time_phases"] = True
     values["warmup_epochs"] = min(float(values.get("warmup_epochs", 1.0)), float(epochs))
     values["timing_warmup_steps"] = opts.warmup_steps
     return TrainConfig.from_dict(values)
@@ -170,7 +179,7 @@ def bench_config(
 
 def gradient_bytes(pipe, cfg: TrainConfig) -> tuple[int, int]:
     """Bytes of one set of gradients (trainable parameters) and the parameter count."""
-    model = pipe.build_model(cfg)
+    model = hooks.call(pipe, "build_model", cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return sum(p.numel() * p.element_size() for p in trainable), sum(p.numel() for p in trainable)
 
@@ -214,6 +223,11 @@ def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
     progress = RunDir(result.run_dir).progress()
     if progress is None:
         raise BenchError(f"the {what} run left no {PROGRESS} in {result.run_dir}: its timings are unknown")
+    if result.summary.get("failures_recovered"):
+        raise BenchError(
+            f"a worker of the {what} run failed and was replaced during the measurement ({result.run_dir}/"
+            "events.jsonl): its timings are not steady; run the bench again"
+        )
     measured = {
         "workers": run.workers,
         "global_batch_size": run.batch.global_batch_size,

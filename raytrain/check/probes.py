@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from raytrain import hooks
 from raytrain.check.verdict import TOLERANCE, Cause, relative_difference
-from raytrain.errors import pipeline_code
 from raytrain.pipeline import _CONTEXT, Pipeline
 from raytrain.rules.steps import split_range
 
@@ -115,8 +115,10 @@ class Subject:
         """compute_loss's loss (a float) on `rows` of the batch (all by default)."""
         batch = self.batch if rows is None else {name: value[rows] for name, value in self.batch.items()}
         pipe = pipeline if pipeline is not None else self.fresh()
-        with seeded(seed), pipeline_code(pipe, "compute_loss"):
-            output = pipe.compute_loss(model if model is not None else copy.deepcopy(self.model), self.wrap(batch))
+        with seeded(seed):
+            output = hooks.call(
+                pipe, "compute_loss", model if model is not None else copy.deepcopy(self.model), self.wrap(batch)
+            )
         loss = output[0] if isinstance(output, tuple) else output
         return float(loss.detach().float())
 

@@ -10,6 +10,7 @@ from typing import Any
 from raytrain import fields
 from raytrain.cli.options import check_pipeline_args, read_run_options, resumed_options
 from raytrain.config import TrainConfig, merge_layers
+from raytrain.errors import ConfigError
 from raytrain.observe.render import plural
 from raytrain.rundir import RunDir, Store
 from raytrain.rundir.records import PLOTS, REPORT
@@ -150,4 +151,6 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from raytrain.doctor import run_doctor
 
+    if args.storage is not None and not args.storage.strip():  # as `train` says it, not the default checked instead
+        raise ConfigError([("storage", "is empty; give a directory, e.g. --storage ~/raytrain_results")])
     return run_doctor(address=args.address, storage=args.storage, echo=print)

@@ -37,6 +37,7 @@ def parse_workers(value: int | str) -> tuple[int, int]:
 
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+EMPTY_NAME = "a name cannot be empty: give one, e.g. --name digits-lr3e-3, or leave --name out for a generated one"
 
 
 def problems_of(cfg: Any) -> list[tuple[str, str]]:
@@ -216,7 +217,9 @@ def _check_run(c: Any) -> Iterable[tuple[str, str]]:
             f"got {c.storage!r}; give a directory or an object store's URI with its bucket, e.g. "
             "s3://my-bucket/raytrain or gs://my-bucket/raytrain",
         )
-    if c.name is not None and not _NAME_RE.match(c.name):
+    if c.name is not None and not c.name.strip():
+        yield "name", f"got {c.name!r}; {EMPTY_NAME} (PIPELINE-DATE-TIME)"
+    elif c.name is not None and not _NAME_RE.match(c.name):
         yield "name", f"got {c.name!r}; use letters, digits, '.', '_' and '-' only, e.g. --name digits-lr3e-3"
     yield from resume.config_problems(c.resume, c.name)
     if not 0 < c.progress_interval_s < math.inf:

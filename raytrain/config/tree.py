@@ -144,7 +144,7 @@ class TrainConfig:
     storage: str = DEFAULT_STORAGE
     """Where runs are written: STORAGE/NAME/. A directory shared by all nodes of a multi-node cluster,
     or an object store's URI (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, any URI pyarrow.fs resolves)."""
-    name: str | None = None
+    name: str | None = field(default=None, metadata={"text": True})
     """Run name; default PIPELINE-YYYYmmdd-HHMMSS."""
     resume: bool = field(default=False, metadata={"switch": True})
     """Continue the existing run NAME from its last checkpoint."""
@@ -259,11 +259,19 @@ def merge_layers(*layers: dict[str, Any]) -> dict[str, Any]:
                 merged.setdefault("ddp", {})[key[4:]] = value
             elif key == "ddp" and isinstance(value, dict):
                 merged.setdefault("ddp", {}).update(value)
-            elif key == "pipeline_args" and isinstance(value, (dict, list)):
+            elif key == "pipeline_args" and _pairs(value):
                 merged.setdefault("pipeline_args", {}).update(dict(value))
             else:
                 merged[key] = value
     return merged
+
+
+def _pairs(value: Any) -> bool:
+    """A mapping, or (key, value) pairs (repeated --pipeline-arg): what merges key by key.
+    Anything else is left for the type check to name."""
+    if isinstance(value, dict):
+        return True
+    return isinstance(value, list) and all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in value)
 
 
 def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:

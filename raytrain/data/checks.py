@@ -12,7 +12,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from raytrain.errors import DataError, innermost_error
+from raytrain.errors import DataError, find_user_error, innermost_error
 
 # How many of Ray Data's output blocks a reading rank keeps in flight ahead of training.
 PREFETCH_BLOCKS = 2
@@ -143,10 +143,10 @@ def check_units(
                 while position < len(ids) and have == expected[position]:
                     yield ids[position], _finish_unit(pending, units.labels[ids[position]], name, skip_nan_rows)
                     pending, have, position = [], 0, position + 1
-    except DataError:
-        raise
+    except DataError as error:
+        raise with_file_cause(units, name, error) from None
     except Exception as exc:  # reading or preprocessing failed inside Ray Data (a bad file, the pipeline's map fn)
-        raise DataError(f"dataset {name!r} cannot be read: {first_error_line(exc)}") from None
+        raise read_error(units, ids[position:] or ids[-1:], name, exc) from None
     if position < len(ids):
         raise _count_error(units, ids[position:], name, expected[position:], got=have)
 
@@ -190,6 +190,36 @@ def load_table(units, name: str, schema: Schema, skip_nan_rows: bool) -> dict[st
     if not kept:
         raise DataError(f"dataset {name!r}: every row holds NaN or inf; nothing is left to train on")
     return {"columns": concat(kept), "dropped_rows": dropped}
+
+
+def read_error(units, ids: Sequence[int], name: str, exc: BaseException) -> DataError:
+    """A failed read of units `ids` (the first the failure can be in): a DataError raised in Ray
+    Data's tasks (a torch sample's check) as it was; else the file behind it, named with what is
+    wrong and the fix (`raytrain.data.files`); else the error Ray Data gave."""
+    from raytrain.data.files import explain_read_error
+
+    fault, text = find_user_error(exc), first_error_line(exc)
+    if isinstance(fault, DataError):
+        return fault
+    if text.startswith(_DATA_ERROR):  # only its text came back through Ray's wrappers
+        return DataError(text[len(_DATA_ERROR) :])
+    return explain_read_error(units, ids, name) or DataError(
+        f"dataset {name!r} cannot be read: {text} (while reading {units.labels[ids[0]]} or the units after it); "
+        "check those files, or the pipeline's own steps over them (map_batches)"
+    )
+
+
+_DATA_ERROR = f"{DataError.__module__}.{DataError.__name__}: "
+
+
+def with_file_cause(units, name: str, error: DataError) -> DataError:
+    """A check that failed on rows of a dataset of files, when one file's columns differ from the
+    others': that first, as the likely cause — Ray Data reads every file with the columns of
+    all, so a column missing from one shows up as nulls (NaN) or an extra column."""
+    from raytrain.data.files import odd_columns
+
+    cause = odd_columns(units, name)
+    return error if cause is None else DataError(f"{cause}. (Seen as: {error})")
 
 
 def first_error_line(exc: BaseException) -> str:

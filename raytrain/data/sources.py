@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 
 import numpy as np
 
+from raytrain import hooks
 from raytrain.data import checks
 from raytrain.data.checks import Schema
 from raytrain.data.shards import Units
 from raytrain.data.stream import Stream
 from raytrain.data.table import Table
-from raytrain.errors import DataError, PipelineCodeError, pipeline_code
+from raytrain.errors import DataError
 from raytrain.rules.order import StreamLayout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,33 +61,13 @@ Source = Union[MemorySource, StreamSource]
 def build_datasets(pipe: "Pipeline", cfg: "TrainConfig") -> dict[str, Any]:
     """The pipeline's datasets as Ray Datasets (map-style torch Datasets are converted)."""
     import ray.data
-    import torch.utils.data
 
     from raytrain.data.torch_dataset import from_torch_dataset
 
-    with pipeline_code(pipe, "build_datasets"):
-        datasets = pipe.build_datasets(cfg)
-    if not isinstance(datasets, dict) or "train" not in datasets:
-        got = (
-            f"a dict with keys {sorted(map(str, datasets))}"
-            if isinstance(datasets, dict)
-            else f"a {type(datasets).__name__}"
-        )
-        raise PipelineCodeError(
-            f"pipeline {pipe.name}: build_datasets must return a dict with a 'train' dataset "
-            f"(and optionally 'val'); it returned {got}"
-        )
-    out = {}
-    for name, ds in datasets.items():
-        if isinstance(ds, torch.utils.data.Dataset) and not isinstance(ds, ray.data.Dataset):
-            ds = from_torch_dataset(ds, name)
-        if not isinstance(ds, ray.data.Dataset):
-            raise PipelineCodeError(
-                f"pipeline {pipe.name}: build_datasets returned dataset {name!r} as a {type(ds).__name__}, "
-                "not a ray.data.Dataset or a torch Dataset"
-            )
-        out[name] = ds
-    return out
+    datasets = hooks.call(pipe, "build_datasets", cfg)
+    return {
+        name: ds if isinstance(ds, ray.data.Dataset) else from_torch_dataset(ds, name) for name, ds in datasets.items()
+    }
 
 
 def prepare_datasets(datasets: dict[str, Any], cfg: "TrainConfig", echo: Callable[[str], None]) -> dict[str, Source]:
@@ -140,11 +121,14 @@ def read_probe(units: Units, name: str, skip_nan_rows: bool) -> dict[str, np.nda
     try:
         batch = units.dataset([first], limit=PROBE_ROWS).take_batch(PROBE_ROWS, batch_format="numpy")
     except Exception as exc:
-        raise DataError(f"dataset {name!r} cannot be read: {checks.first_error_line(exc)}") from None
-    columns = checks.check_columns(batch, name, units.labels[first])
-    bad = checks.non_finite(columns)
-    if bad.any() and not skip_nan_rows:
-        raise checks.nan_error(name, units.labels[first], columns, bad)
+        raise checks.read_error(units, [first], name, exc) from None
+    try:
+        columns = checks.check_columns(batch, name, units.labels[first])
+        bad = checks.non_finite(columns)
+        if bad.any() and not skip_nan_rows:
+            raise checks.nan_error(name, units.labels[first], columns, bad)
+    except DataError as error:  # perhaps another file's columns, read into this one's as nulls
+        raise checks.with_file_cause(units, name, error) from None
     return columns
 
 

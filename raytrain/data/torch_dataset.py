@@ -30,22 +30,45 @@ def from_torch_dataset(dataset, name: str):
         ) from None
     if size == 0:
         raise DataError(f"dataset {name!r} is empty: the torch Dataset has length 0")
-    sample_columns(dataset[0], name, 0)  # the first sample's fields, checked before any worker starts
+    first = sample_columns(dataset[0], name, 0)  # the first sample's fields, checked before any worker starts
     blocks = max(1, min(size, TORCH_READ_TASKS))
+    shapes = {key: value.shape for key, value in first.items()}
     return ray.data.range(size, override_num_blocks=blocks).map_batches(
-        TorchSamples(dataset, name), batch_format="numpy"
+        TorchSamples(dataset, name, shapes), batch_format="numpy"
     )
 
 
 class TorchSamples:
-    """The map_batches step of `from_torch_dataset`: indices in, columns out."""
+    """The map_batches step of `from_torch_dataset`: indices in, columns out, every sample
+    with the fields and shapes of sample 0 (`shapes`)."""
 
-    def __init__(self, dataset, name: str):
-        self.dataset, self.name = dataset, name
+    def __init__(self, dataset, name: str, shapes: dict[str, tuple[int, ...]] | None = None):
+        self.dataset, self.name, self.shapes = dataset, name, shapes
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        rows = [sample_columns(self.dataset[int(index)], self.name, int(index)) for index in batch["id"]]
+        rows = []
+        for index in map(int, batch["id"]):
+            row = sample_columns(self.dataset[index], self.name, index)
+            check_like_first(row, self.shapes or {k: v.shape for k, v in (rows or [row])[0].items()}, self.name, index)
+            rows.append(row)
         return {column: np.stack([row[column] for row in rows]) for column in rows[0]}
+
+
+def check_like_first(row: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]], name: str, index: int) -> None:
+    """Sample `index` has the fields of sample 0, each of the same shape: else a DataError
+    naming the sample, the field and the fix (np.stack would fail without either)."""
+    if sorted(row) != sorted(shapes):
+        raise DataError(
+            f"dataset {name!r}: sample {index} has the fields {sorted(row)} where sample 0 has {sorted(shapes)}; "
+            "every sample of a torch Dataset must have the same fields"
+        )
+    for key, shape in shapes.items():
+        if row[key].shape != shape:
+            raise DataError(
+                f"dataset {name!r}: sample {index}, field {key!r} has shape {row[key].shape} where sample 0's has "
+                f"{shape}; every sample's field must have one shape: resize, crop or pad it in __getitem__ (e.g. "
+                "transforms.Resize for images, or padding sequences to one length)"
+            )
 
 
 def sample_columns(sample: Any, name: str, index: int) -> dict[str, np.ndarray]:

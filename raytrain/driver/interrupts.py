@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -55,13 +56,14 @@ class StopRequest:
     run_dir: Any  # the run's Store (or path)
     echo: Callable[[str], None]
     signal: int = 0  # the first signal received (0: none)
+    requested_at: float | None = None  # its time.time()
     count: int = 0
     _timer: threading.Timer | None = field(default=None, repr=False)
 
     def handle(self, signum: int, frame: Any) -> None:
         self.count += 1
         if self.count == 1:
-            self.signal = signum
+            self.signal, self.requested_at = signum, time.time()
             from raytrain import rundir
 
             with contextlib.suppress(Exception):

@@ -14,13 +14,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from raytrain import hooks
 from raytrain.config import TrainConfig
 from raytrain.data.sources import Source, StreamSource, build_datasets, prepare_datasets
 from raytrain.driver import interrupts
 from raytrain.driver.launch import build_torch_trainer
 from raytrain.driver.session import check_embedded_capacity, ray_logs_dir, ray_session, resolve_gpu, will_embed_ray
 from raytrain.driver.summary import explain_failure, write_summary
-from raytrain.errors import ConfigError, RunFailed, find_user_error, pipeline_code
+from raytrain.errors import ConfigError, RunFailed, find_user_error
 from raytrain.observe.tracking import RunTracker
 from raytrain.pipeline import Pipeline, load_pipeline
 from raytrain.rules import batch, resume
@@ -91,12 +92,16 @@ def fit(
                     result, error = trainer.fit(), None
                 except Exception as exc:  # Ray wraps worker errors; re-raised below
                     result, error = None, exc
-        summary = write_summary(run_dir, cfg, result, error, started, interrupted=stop.signal)
+        summary = write_summary(
+            run_dir, cfg, result, error, started, interrupted=stop.signal, stop_requested_at=stop.requested_at
+        )
         if summary.extra.get("summary_error"):
             echo(f"raytrain: summary.json not written: {summary.extra['summary_error']}")
         tracker.finish(summary)
-    if stop.signal:
+    if stop.signal and summary.status != "finished":
         raise interrupts.Interrupted(stop.signal, run_dir, cfg, spec)
+    if stop.signal:
+        echo("raytrain: the run had finished when the signal came; nothing is left to resume")
     if error is not None:
         fault = find_user_error(error)
         if fault is not None:  # bad data, configuration, pipeline code or storage, or divergence: the user's to fix
@@ -114,7 +119,7 @@ def fit(
 def resolve_config(pipe: Pipeline, cfg: TrainConfig, pipeline_name: str) -> TrainConfig:
     """Fill what depends on the run as a whole: the name, and the reference batch frozen once."""
     changes: dict[str, Any] = {}
-    if not cfg.name:
+    if cfg.name is None:
         stem = pipeline_name.split(":")[-1].split(".")[-1].lower() or "run"
         changes["name"] = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if cfg.reference_batch_size is None:
@@ -138,6 +143,7 @@ def check_run_dir(run_dir: Store, cfg: TrainConfig, spec: str) -> StoredRun | No
     _, refused = resume.changes(stored, cfg.to_dict(), spec)
     if refused:
         raise ConfigError(refused)
+    resume.check_readable(stored)
     return stored
 
 
@@ -147,8 +153,7 @@ def check_resume(
     """Before anything is written: the pipeline's model must load the checkpoint, and an
     epoch half done must continue on the same data; then say what the resume changes."""
     if stored.checkpoint is not None:
-        with pipeline_code(pipe, "build_model"):
-            model = pipe.build_model(cfg)
+        model = hooks.call(pipe, "build_model", cfg)
         resume.check_model_fits(model_shapes(stored.checkpoint), model, stored.checkpoint.name)
         train = sources["train"]
         if isinstance(train, StreamSource):  # in memory: checked on the workers, which read the table

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import socket
-import sys
 from typing import Callable, Iterator
 
 from raytrain.config import TrainConfig
@@ -43,9 +42,8 @@ def ray_session(
 
     os.environ.update(WORKER_ENV)
     DataContext.get_current().enable_progress_bars = False
-    if not cfg.verbose:  # Ray Data's per-execution INFO lines on the driver
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
-        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
+    if not cfg.verbose:
+        quiet_ray_data_console()
     if ray.is_initialized():
         note_cluster_capacity(cfg)
         yield
@@ -67,6 +65,15 @@ def ray_session(
         yield
     finally:
         ray.shutdown()
+
+
+def quiet_ray_data_console() -> None:
+    """Ray Data's lines on the driver's console — per-execution notes, and the tracebacks of a
+    read that failed, which raytrain explains in one message naming the file — go to its log
+    file only (`logs/ray-data/` in the session directory, the full trace kept); -v shows them."""
+    for handler in logging.getLogger("ray.data").handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.setLevel(logging.CRITICAL)
 
 
 def _join_cluster(address: str, runtime_env: dict, quiet: dict) -> None:
@@ -254,9 +261,12 @@ def free_port() -> int:
 
 
 def driver_pythonpath() -> str:
-    """Workers import `module:attr` pipelines the way the driver does: from its cwd and path."""
-    entries = [os.getcwd(), *[p for p in sys.path if p and os.path.isdir(p)]]
-    return os.pathsep.join(dict.fromkeys(entries))
+    """Workers import what the driver does: raytrain from where the driver has it, then the
+    driver's path, then its working directory (for `module:attr` pipelines) — last, so that a
+    folder there never shadows an installed package (`raytrain.pipeline.import_path`)."""
+    from raytrain.pipeline import import_path
+
+    return os.pathsep.join(import_path())
 
 
 def resolve_gpu(cfg: TrainConfig) -> bool:

@@ -11,6 +11,7 @@ from raytrain.config import TrainConfig
 from raytrain.errors import StorageError, explain_worker_errors, find_user_error
 from raytrain.observe.render import first_line
 from raytrain.rules import flops
+from raytrain.rules.attempt import tally
 from raytrain.rundir import MODEL, RunDir, Summary
 from raytrain.rundir.checkpoints import checkpoint_dirs
 from raytrain.rundir.storage import Store
@@ -24,6 +25,7 @@ def write_summary(
     started: float,
     *,
     interrupted: int = 0,
+    stop_requested_at: float | None = None,
     status: str | None = None,
 ) -> Summary:
     """summary.json (strict JSON, written atomically) from the run files of this invocation;
@@ -37,9 +39,12 @@ def write_summary(
     last = epoch_rows[-1] if epoch_rows else (rows[-1] if rows else None)
     fault = find_user_error(error)
     if status is None:
-        status = _status(error, fault, interrupted)
+        # A signal that came after the last epoch's model was written stopped nothing.
+        done = error is None and progress is not None and progress.status == "finished" and progress.epoch >= cfg.epochs
+        status = _status(error, fault, interrupted and not done)
     has_model = files.has(MODEL)
     at = progress or last
+    counts = tally(files.events(since=started - 1), interrupted=bool(interrupted), stop_requested_at=stop_requested_at)
     summary = Summary(
         status=status,
         epochs=at.epoch if at else 0,
@@ -50,7 +55,10 @@ def write_summary(
         steady_steps=progress.steady_steps if progress else None,
         world_sizes=(progress.world_sizes if progress else None)
         or sorted({row.world_size for row in rows if row.world_size}),
-        failures_recovered=sum(event.recovers_a_failure for event in files.events(since=started - 1)),
+        failures_recovered=counts.failures_recovered,
+        resumes=counts.resumes,
+        interruptions=counts.interruptions,
+        checkpoints_skipped=counts.checkpoints_skipped,
         final_metrics={"loss": last.loss, **last.validation} if last else {},
         best_checkpoint=_best_checkpoint(result, run_dir),
         model_path=(files.store / MODEL).public_uri if has_model and status == "finished" else None,

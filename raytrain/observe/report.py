@@ -345,6 +345,10 @@ def _headline(run: RunRecord) -> str:
         parts.append(f"workers {' → '.join(map(str, sizes))}")
     if s:
         parts.append(f"{plural(s.failures_recovered, 'failure')} recovered")
+        if s.resumes:
+            parts.append("resumed from a checkpoint")
+        if s.checkpoints_skipped:
+            parts.append(f"{plural(s.checkpoints_skipped, 'unusable checkpoint')} skipped")
     return " · ".join(parts)
 
 

@@ -290,7 +290,7 @@ class MLflowSink(Sink):
         if summary is None:
             self.client.set_terminated(self.run_id, status="KILLED")
             return
-        for key in ("steady_samples_per_s", "wall_time_s", "failures_recovered", "samples_seen"):
+        for key in ("steady_samples_per_s", "wall_time_s", "failures_recovered", "checkpoints_skipped", "samples_seen"):
             if (value := _number(summary.get(key))) is not None:
                 self.client.log_metric(self.run_id, f"summary/{key}", value)
         self.client.set_tag(self.run_id, "raytrain.world_sizes", " → ".join(map(str, summary.world_sizes)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from raytrain.config import TrainConfig
 from raytrain.observe.render import sci
@@ -79,3 +80,36 @@ def describe_plan(
         f"{batch_plan.describe()}; lr {sci(schedule.peak_lr)} = {sci(cfg.lr)} × {factor:.3g} "
         f"({rule}, reference batch {cfg.reference_batch_size}); {warmup}; {schedule_text}; {optimizer}; {backend}"
     )
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What happened to one invocation of a run, counted from its events (summary.json)."""
+
+    failures_recovered: int = 0  # worker or node failures training went on after
+    resumes: int = 0  # 1 when this invocation continued the run from a checkpoint (--resume)
+    interruptions: int = 0  # 1 when it was stopped by SIGINT/SIGTERM
+    checkpoints_skipped: int = 0  # unusable checkpoints passed over for an earlier one
+
+
+def tally(events: Sequence[Event], *, interrupted: bool = False, stop_requested_at: float | None = None) -> Tally:
+    """The counts of one invocation from its events, in order. Its first attempt is its start
+    (a fresh one, or a resume from a checkpoint); every later restart or shrink is a failure
+    recovered — a start again from scratch too (no checkpoint yet), unless it has more workers —
+    but one after a stop was asked (`stop_requested_at`, a time.time()) comes of the stop, not
+    of a failure. A growth is never a failure."""
+    failures, resumes, size = 0, 0, None
+    skipped: set[str] = set()
+    for event in events:
+        after_stop = stop_requested_at is not None and (event.time or 0) >= stop_requested_at
+        if event.kind in (Kind.PLAN, Kind.RESTORE, Kind.RESIZE) and size is None:
+            size, resumes = event.extra.get("world_size", 0), int(event.kind != Kind.PLAN)
+            continue
+        if event.kind == Kind.SKIPPED:
+            skipped.update(event.extra.get("checkpoints") or [event.message])
+            continue
+        again = event.kind == Kind.PLAN and event.extra.get("world_size", 0) <= (size or 0)
+        if not after_stop and (event.recovers_a_failure or again):
+            failures += 1
+        size = event.extra.get("world_size", size)
+    return Tally(failures, resumes, int(interrupted), len(skipped))

@@ -132,7 +132,19 @@ def resume_line(name: str, stored: StoredRun, changed: list[tuple[str, Any, Any]
         where = f"from step {stored.position.get('step', 0)} (epoch {int(stored.position.get('epoch', 0)) + 1})"
     else:
         where = "from the start (it has no checkpoint yet)"
-    return f"Resuming {name} {where}; {describe_changes(changed)}"
+    skipped = "".join(f"; skipped: {problem}" for problem in stored.passed_over)
+    return f"Resuming {name} {where}; {describe_changes(changed)}{skipped}"
+
+
+def check_readable(stored: StoredRun) -> None:
+    """A run whose checkpoints all fail to open cannot continue (starting it over would
+    overwrite its record): CheckpointError naming each and the ways out."""
+    if stored.checkpoint is None and stored.passed_over:
+        raise CheckpointError(
+            f"run {stored.run_dir.name!r} cannot be resumed: none of its checkpoints can be read ("
+            + "; ".join(stored.passed_over)
+            + f"). Restore them from a copy, or start over under another --name (or remove {stored.run_dir})"
+        )
 
 
 def check_model_fits(stored: dict[str, tuple[int, ...]], model: Any, checkpoint_name: str) -> None:

@@ -135,8 +135,9 @@ class RunDir:
         return self.store.exists(CONFIG) or bool(checkpoint_dirs(self.store))
 
     def stored_run(self) -> StoredRun:
-        """The run's config.yaml and its furthest complete checkpoint, for a resume
-        (CheckpointError when config.yaml is there but unreadable)."""
+        """The run's config.yaml and its furthest checkpoint whose files open (the workers skip
+        an unreadable one as well), for a resume (CheckpointError when config.yaml is there but
+        unreadable)."""
         from raytrain.rundir import checkpoints
 
         where = f"{self.store}/{CONFIG}"
@@ -151,9 +152,9 @@ class RunDir:
             raise CheckpointError(f"{where} is not a mapping of options; the run cannot be resumed as it was")
         pipeline = config.pop("pipeline", None)
         config.pop("gpu", None)
-        latest = checkpoints.latest_complete(self.store)
+        latest, passed_over = checkpoints.latest_readable(self.store)
         position = checkpoints.stored_position(latest) if latest is not None else {}
-        return StoredRun(self.store, config, pipeline, latest, position)
+        return StoredRun(self.store, config, pipeline, latest, position, passed_over)
 
     @contextlib.contextmanager
     def local_files(self, names: tuple[str, ...]) -> Iterator[Path]:

@@ -29,7 +29,6 @@ upload failed half-way is never seen, and the previous one is untouched.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import io
 import json
@@ -38,21 +37,26 @@ import re
 import shutil
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Iterator, Union
 
 import torch
 
 from raytrain.errors import CheckpointError
-from raytrain.observe.render import first_line
+from raytrain.rundir.formats import (
+    DCP_METADATA,
+    dcp_metadata,
+    load_torch,
+    read_dcp,
+    save_torch,
+    unreadable,
+)
 from raytrain.rundir.records import MODEL
 from raytrain.rundir.storage import Store, is_uri
 
 Where = Union[str, os.PathLike, Store]  # a checkpoint or run directory: a local path, a URI or a Store
 
 TRAIN_STATE_FILE = "train_state.pt"
-DCP_METADATA = ".metadata"  # written last by DCP: its shards are complete
 LEGACY_STATE_FILE = "state.pt"
 MODEL_FILE = MODEL  # also the final model in the run directory
 POSITION_FILE = "position.json"
@@ -76,27 +80,6 @@ def node_dir(run_dir: Where) -> Path:
     digest = hashlib.blake2b(str(Store.of(run_dir)).encode(), digest_size=6).hexdigest()
     root = os.environ.get("RAYTRAIN_NODE_DIR") or tempfile.gettempdir()
     return Path(root) / f"raytrain-node-{Store.of(run_dir).name}-{digest}"
-
-
-def save_torch(payload: Any, path: str | os.PathLike) -> None:
-    """torch.save to a temporary name, flushed, then renamed: a crash mid-write leaves no file
-    that looks complete. A write the file system refuses is an OSError with its errno (torch
-    itself reports a full disk as a RuntimeError about stream positions)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-    except OSError:
-        raise
-    except RuntimeError as exc:
-        stats = os.statvfs(path.parent)
-        if stats.f_bavail * stats.f_frsize < (1 << 20):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
-        raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} ({str(exc).splitlines()[0][:120]})", str(path)) from exc
-    os.replace(tmp, path)
 
 
 def write_train_state(directory: str | os.PathLike, train_state: dict[str, Any]) -> None:
@@ -157,12 +140,12 @@ def load_train_state(directory: Where) -> dict[str, Any]:
             data = store.read_bytes(TRAIN_STATE_FILE)
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint {store} has no {TRAIN_STATE_FILE}; it is partial") from None
-        return _load_torch(io.BytesIO(data), "checkpoint file", f"{store}/{TRAIN_STATE_FILE}")
+        return load_torch(io.BytesIO(data), "checkpoint file", f"{store}/{TRAIN_STATE_FILE}")
     directory = Path(directory)
     path = directory / (LEGACY_STATE_FILE if is_legacy(directory) else TRAIN_STATE_FILE)
     if not path.is_file() or not is_complete(directory):
         raise CheckpointError(f"checkpoint {directory} is incomplete or not a raytrain checkpoint (no {path.name})")
-    return _load_torch(path, "checkpoint file")
+    return load_torch(path, "checkpoint file")
 
 
 def load_state(directory: Where) -> dict[str, Any]:
@@ -176,8 +159,39 @@ def load_state(directory: Where) -> dict[str, Any]:
     state = load_train_state(directory)
     if is_legacy(directory):
         return state
-    loaded = _read_dcp(directory)
+    loaded = read_dcp(directory)
     return {**state, "model": loaded.get("model", {}), "optimizer": loaded.get("optim", {})}
+
+
+def readable(directory: Where) -> str | None:
+    """Why the checkpoint in `directory` cannot be restored — its train state (an earlier
+    version's state and model files) or DCP's metadata cannot be opened — or None. Cheap: torch
+    files are opened memory-mapped, no tensor is read, and DCP's shards are left to the workers
+    (one that fails to load there is skipped and said)."""
+    store = remote(directory)
+    if store is not None:
+        try:
+            load_train_state(store)
+        except CheckpointError as error:
+            return str(error)
+        return None if store.exists(DCP_METADATA) else f"checkpoint {store}: its {DCP_METADATA} is missing"
+    directory = Path(directory)
+    if is_legacy(directory):
+        names = [LEGACY_STATE_FILE] + ([MODEL_FILE] if (directory / MODEL_FILE).is_file() else [])
+    else:
+        names = [TRAIN_STATE_FILE]
+    for name in names:
+        path = directory / name
+        try:
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            return f"checkpoint file {path} cannot be read: {unreadable(exc, path, checkpoint=True)}"
+    if not is_legacy(directory):
+        try:
+            dcp_metadata(directory)
+        except CheckpointError as error:
+            return str(error)
+    return None
 
 
 def checkpoint_dirs(run_dir: Where) -> list:
@@ -234,6 +248,18 @@ def latest_complete(run_dir: Where):
     return found[-1] if found else None
 
 
+def latest_readable(run_dir: Where) -> tuple[Any, list[str]]:
+    """The furthest checkpoint of a run whose files open (`readable`), and why each further
+    one was passed over: what a resume continues from, as the workers choose it."""
+    passed = []
+    for directory in reversed(checkpoint_dirs(run_dir)):
+        problem = readable(directory)
+        if problem is None:
+            return directory, passed
+        passed.append(problem)
+    return None, passed
+
+
 def checkpoint_name(step: int) -> str:
     """`checkpoint_s000000412_20261201-101530-123456`: step-major, unique per write."""
     now = time.time()
@@ -262,7 +288,7 @@ def model_shapes(directory: Where) -> dict[str, tuple[int, ...]]:
             return model_shapes(copy)
     directory = Path(directory)
     if not is_legacy(directory) and (directory / DCP_METADATA).is_file():
-        metadata = _dcp_metadata(directory)
+        metadata = dcp_metadata(directory)
         prefix = "model."
         return {
             key[len(prefix) :]: tuple(meta.size)
@@ -300,14 +326,14 @@ def load_model_weights(path: Where) -> dict[str, torch.Tensor]:
             path = checkpoint / LEGACY_STATE_FILE
         else:  # sharded: its shards, gathered here
             return read_model(checkpoint)
-    return _checked_weights(_load_torch(path, "model file"), str(path))
+    return _checked_weights(load_torch(path, "model file"), str(path))
 
 
 def _remote_model_weights(store: Store) -> dict[str, torch.Tensor]:
     checkpoint = store if is_complete(store) else None
     if checkpoint is None and not store.is_file(MODEL_FILE):
         if store.is_file(""):  # a .pt object
-            return _checked_weights(_load_torch(io.BytesIO(store.read_bytes()), "model file", str(store)), str(store))
+            return _checked_weights(load_torch(io.BytesIO(store.read_bytes()), "model file", str(store)), str(store))
         checkpoint = latest_complete(store)
         if checkpoint is None:
             raise CheckpointError(
@@ -317,7 +343,7 @@ def _remote_model_weights(store: Store) -> dict[str, torch.Tensor]:
     source = checkpoint or store
     if source.is_file(MODEL_FILE):
         data = source.read_bytes(MODEL_FILE)
-        return _checked_weights(_load_torch(io.BytesIO(data), "model file", f"{source}/{MODEL_FILE}"), str(source))
+        return _checked_weights(load_torch(io.BytesIO(data), "model file", f"{source}/{MODEL_FILE}"), str(source))
     with local_copy(source) as copy:  # sharded: its shards, gathered here
         return read_model(copy)
 
@@ -338,90 +364,4 @@ def _read(directory: Where, name: str) -> str:
 def read_model(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model of a checkpoint's DCP files as a plain state_dict, every rank's part gathered
     in this process (no process group)."""
-    return _read_dcp(Path(directory), only="model")["model"]
-
-
-# -- reading -----------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def single_process() -> Iterator[None]:
-    """DCP in one process (no process group): its warning that it assumes so is expected here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
-
-
-def _load_torch(path: Path | io.BytesIO, what: str, name: str | None = None) -> Any:
-    path_name = name or path
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for truncated or foreign files
-        path = path_name
-        if what == "checkpoint file":
-            raise CheckpointError(
-                f"checkpoint file {path} cannot be read ({first_line(exc)}); it is corrupt or partial"
-            ) from None
-        raise CheckpointError(f"{path} cannot be read as a torch file ({first_line(exc)})") from None
-
-
-def dcp_failure(exc: BaseException) -> str:
-    """What went wrong in a DCP save or load: the first rank's own error (DCP wraps them all in
-    one CheckpointException, a BaseException, whose text is every rank's traceback)."""
-    failures = getattr(exc, "failures", None)
-    if failures:
-        inner, _ = failures[min(failures)]
-        return f"rank {min(failures)}: {type(inner).__name__}: {first_line(inner)}"[:300]
-    return first_line(exc)[:300]
-
-
-def dcp_errors() -> tuple[type[BaseException], ...]:
-    """What DCP raises on a failed save or load."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return (Exception, CheckpointException)
-
-
-def _reason(exc: BaseException) -> str:
-    return dcp_failure(exc)
-
-
-def _dcp_metadata(directory: Path):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return FileSystemReader(str(directory)).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {directory}: its {DCP_METADATA} cannot be read ({_reason(exc)})") from None
-
-
-def _read_dcp(directory: Path, only: str | None = None) -> dict[str, Any]:
-    """The DCP files' tensors (all, or those under `only`) as nested plain dicts, read in this
-    process without a process group; DTensor shards come back whole."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = _dcp_metadata(directory)
-    flat: dict[str, torch.Tensor] = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        if isinstance(meta, TensorStorageMetadata) and (only is None or key.startswith(only + ".")):
-            flat[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    try:
-        with single_process():
-            dcp.load(flat, checkpoint_id=str(directory), no_dist=True)
-    except dcp_errors() as exc:
-        raise CheckpointError(f"checkpoint {directory}: its shards cannot be read ({_reason(exc)})") from None
-    return _unflatten(flat, metadata.planner_data)
-
-
-def _unflatten(flat: dict[str, torch.Tensor], mapping: Any) -> dict[str, Any]:
-    """DCP's flat keys back into nested dicts, by the key paths DCP recorded (`planner_data`)."""
-    nested: dict[str, Any] = {}
-    for key, value in flat.items():
-        path = mapping.get(key) if isinstance(mapping, dict) else None
-        parts = [str(p) for p in path] if path else key.split(".", 1)
-        node = nested
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-    return nested
+    return read_dcp(Path(directory), only="model")["model"]

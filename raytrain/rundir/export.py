@@ -13,9 +13,11 @@ from typing import Any, Callable
 
 import torch
 
-from raytrain.errors import CheckpointError, UsageError, pipeline_code
+from raytrain import hooks
+from raytrain.errors import CheckpointError, UsageError, weights_mismatch
 from raytrain.rundir.checkpoints import load_model_weights
 from raytrain.rundir.files import storage_errors
+from raytrain.rundir.formats import save_torch
 from raytrain.rundir.records import CONFIG, MODEL
 from raytrain.rundir.storage import Store, is_uri
 
@@ -42,9 +44,7 @@ def export_weights(
         raise UsageError(f"-o {path}: is a directory; give a file name, e.g. -o {path / MODEL}")
     with storage_errors(path, "write"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        torch.save(weights, tmp)
-        tmp.replace(path)
+        save_torch(weights, path)  # whole or not at all; a refused write is an OSError with its errno
     size_mb = path.stat().st_size / 2**20
     echo(f"Wrote {path}: {len(weights)} tensors, {size_mb:.2f} MiB{checked}")
     echo(f"Load with: model.load_state_dict(torch.load({str(path)!r}, weights_only=True), strict=True)")
@@ -75,12 +75,12 @@ def check_against_pipeline(spec: str, source: Store, weights: dict) -> str:
     values.pop("pipeline", None)
     values.pop("gpu", None)
     cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, values, {"resume": False}))
-    with pipeline_code(pipe, "build_model"):
-        model = pipe.build_model(cfg)
+    model = hooks.call(pipe, "build_model", cfg)
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
         raise CheckpointError(
-            f"{source}: weights do not match {pipe.name}'s model: {str(exc).splitlines()[0]}"
+            f"{source}: weights do not match {pipe.name}'s model ({weights_mismatch(exc)}); give the pipeline the run "
+            "trained (and its --pipeline-arg options, read from the run's config.yaml)"
         ) from None
     return f"; checked: loads into {pipe.name}'s model with strict=True"

@@ -38,6 +38,8 @@ class Kind:
     QUORUM = "quorum"  # per-step mode: the replicas stepping together changed (a loss, a rejoin)
     STALL = "stall"  # per-step mode: a replica stuck in a step leaves to be replaced
     MEMORY = "memory"  # what each worker holds of the model's state, after an attempt's first step
+    SKIPPED = "skipped"  # an unusable checkpoint was passed over for an earlier one
+    NOTE = "note"  # something about the run's setup worth knowing (an optimizer that leaves parameters out)
 
     # Events worth a line in the report and a mark on the plots.
     MARKED: ClassVar[tuple[str, ...]] = (RESIZE, RESTORE, QUORUM)
@@ -135,6 +137,13 @@ class Summary(_Record):
     steady_steps: int | None = None
     world_sizes: list[int] = field(default_factory=list)
     failures_recovered: int = 0
+    """Worker or node failures the run trained on after (restarts, shrinks, lost replicas)."""
+    resumes: int = 0
+    """1 when this invocation continued the run from a checkpoint (--resume)."""
+    interruptions: int = 0
+    """1 when this invocation was stopped by SIGINT or SIGTERM."""
+    checkpoints_skipped: int = 0
+    """Unusable checkpoints passed over for an earlier one."""
     final_metrics: dict[str, Any] = field(default_factory=dict)
     best_checkpoint: str | None = None
     model_path: str | None = None
@@ -166,13 +175,14 @@ class Progress(_Record):
 @dataclass
 class StoredRun:
     """What a run directory says about the run before it resumes: its resolved config, its
-    pipeline, and its furthest complete checkpoint with the position stored there."""
+    pipeline, and its furthest checkpoint that can be read with the position stored there."""
 
     run_dir: Any  # a Store (raytrain.rundir.storage): a directory or an object store's prefix
     config: dict[str, Any]
     pipeline: str | None
     checkpoint: Any  # its furthest complete checkpoint: a Path, or a Store on an object store; None
     position: dict[str, Any]
+    passed_over: list[str] = field(default_factory=list)  # why each further checkpoint cannot be resumed from
 
     @property
     def mid_epoch(self) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from raytrain.rundir import RunDir
+from raytrain.rundir import RunDir, formats
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.buffered import BufferedLogs
 from raytrain.rundir.files import dumps, storage_errors
@@ -154,7 +154,7 @@ class RunWriter:
         if self.store.local:
             with storage_errors(self.run_dir / MODEL, "write the final model"):
                 tmp = self.run_dir / f".{MODEL}.tmp"
-                ckpt.save_torch(weights, tmp)
+                formats.save_torch(weights, tmp)
                 tmp.replace(self.run_dir / MODEL)
         else:
             buffer = io.BytesIO()

@@ -64,7 +64,7 @@ def sweep_base_config(cfg: TrainConfig, space: SearchSpace, pipeline_name: str) 
         raise ConfigError(problems)
     workers = space.workers if space.workers is not None else [cfg.max_workers]
     changes: dict[str, Any] = {"workers": max(workers)}
-    if not cfg.name:
+    if cfg.name is None:
         stem = pipeline_name.split(":")[-1].split(".")[-1].lower() or "run"
         changes["name"] = f"{stem}-tune-{time.strftime('%Y%m%d-%H%M%S')}"
     if cfg.reference_batch_size is None:

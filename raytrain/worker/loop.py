@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from raytrain import hooks
 from raytrain.config import TrainConfig
 from raytrain.data.sources import Source, data_digest, open_source
 from raytrain.data.stream import Stream
@@ -38,7 +39,7 @@ from raytrain.worker.epoch import EpochResult, append_if_new, end_epoch, train_e
 from raytrain.worker.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
 from raytrain.worker.replicas import JOIN_TIMEOUT_S, ReplicaRuntime
 from raytrain.worker.runtime import Runtime
-from raytrain.worker.state import checkpoints_to_try
+from raytrain.worker.state import checkpoints_to_try, unwrap
 from raytrain.worker.step import StepRunner
 
 
@@ -246,6 +247,9 @@ def announce(
     files.start_attempt(attempt.event(position, world_size, runner.describe_plan(), lr_now, lr_before), position.step)
     for note in data_notes(train_data, world_size):
         files.event(Kind.DATA, note)
+    note = hooks.optimizer_note(unwrap(runner.model), runner.optimizer)
+    if note:
+        files.event(Kind.NOTE, note)
 
 
 def data_notes(data: Table | Stream, world_size: int) -> list[str]:

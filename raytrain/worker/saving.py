@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raytrain.rundir import checkpoints
+from raytrain.rundir import formats
 
 
 @dataclass
@@ -38,11 +38,11 @@ class Save:
                     raise TimeoutError(f"checkpoint {self.directory.name} still being written after {timeout_s} s")
             if self.errors:
                 raise self.errors[0]
-        except checkpoints.dcp_errors() as exc:
+        except formats.dcp_errors() as exc:
             inner = _inner(exc)
             if isinstance(inner, Exception):
                 raise inner from None
-            raise RuntimeError(checkpoints.dcp_failure(exc)) from None
+            raise RuntimeError(formats.dcp_failure(exc)) from None
 
 
 def _inner(exc: BaseException) -> BaseException:

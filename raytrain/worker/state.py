@@ -33,8 +33,8 @@ import torch
 
 from raytrain.errors import CheckpointError
 from raytrain.rules.position import Position
-from raytrain.rundir import checkpoints
-from raytrain.rundir.checkpoints import single_process
+from raytrain.rundir import checkpoints, formats
+from raytrain.rundir.formats import single_process
 from raytrain.rundir.records import Kind
 from raytrain.worker.saving import Save
 
@@ -106,7 +106,7 @@ class TrainingState:
                 if runtime.is_rank0:
                     if not self.sharded:  # the plain model too, read back from the files just written
                         plain = writes["model"] if writes is not None else checkpoints.read_model(directory)
-                        checkpoints.save_torch(plain, directory / checkpoints.MODEL_FILE)
+                        formats.save_torch(plain, directory / checkpoints.MODEL_FILE)
                     # Last: a train state beside DCP's metadata is what makes the directory a checkpoint.
                     checkpoints.write_train_state(directory, train_state)
             except BaseException as exc:  # surfaced by Save.wait
@@ -158,8 +158,8 @@ class TrainingState:
             try:
                 with contextlib.nullcontext() if distributed else single_process():
                     dcp.load(state, checkpoint_id=str(directory), **options)
-            except checkpoints.dcp_errors() as exc:
-                reason = checkpoints.dcp_failure(exc)
+            except formats.dcp_errors() as exc:
+                reason = formats.dcp_failure(exc)
                 raise CheckpointError(f"checkpoint {directory.name} cannot be read ({reason})") from None
             target = self.model if self.sharded else unwrap(self.model)
             set_model_state_dict(target, state["model"])
@@ -247,14 +247,15 @@ def checkpoints_to_try(runtime: "Runtime", files: "RunWriter") -> list[tuple[Pat
         candidates.append(Path(latest.path))
     if not candidates:
         return []
-    usable, skipped = [], []
+    usable, skipped, names = [], [], []
     for candidate in sorted(candidates, key=checkpoints.stored_step, reverse=True):
         try:
             usable.append((candidate, checkpoints.load_train_state(candidate)))
         except CheckpointError as error:
             skipped.append(str(error))
+            names.append(candidate.name)
     if skipped:
-        files.event(Kind.RESTORE, f"skipped unusable checkpoint(s): {'; '.join(skipped)}")
+        files.event(Kind.SKIPPED, f"skipped unusable checkpoint(s): {'; '.join(skipped)}", checkpoints=names)
     if not usable:
         raise CheckpointError(f"no usable checkpoint in {files.store}: {'; '.join(skipped)}")
     return usable

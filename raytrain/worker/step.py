@@ -18,10 +18,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from raytrain import hooks
 from raytrain.config import TrainConfig
 from raytrain.data.stream import StreamEpoch
 from raytrain.data.table import TableEpoch
-from raytrain.errors import CheckpointError, PipelineCodeError, pipeline_code
+from raytrain.errors import CheckpointError, pipeline_code
 from raytrain.pipeline import _CONTEXT, Pipeline, overrides
 from raytrain.rules import steps
 from raytrain.rules.attempt import describe_plan
@@ -57,7 +58,6 @@ class StepRunner:
     rate_multipliers: list[float]  # per parameter group: its rate at build / --lr
     window: LossWindow  # the steps since the last sync
     throughput: Throughput = field(default_factory=lambda: Throughput(time.perf_counter(), 0))
-    loss_checked: bool = False  # compute_loss's result was checked (on the first call)
     count_flops: bool = False  # rank 0 counts the FLOPs of its next micro-batch with rows (once per attempt)
 
     prepared: Prepared | None = None  # how the strategy holds the model (None in unit tests: a plain model)
@@ -80,17 +80,10 @@ class StepRunner:
         # One seed for model init on every rank: identical replicas (and identical shards'
         # sources under fsdp) before DDP's broadcast.
         seed_everything(cfg.seed)
-        with pipeline_code(pipeline, "build_model"):
-            model = pipeline.build_model(cfg)
+        model = hooks.call(pipeline, "build_model", cfg)
         prepared = strategy.prepare(pipeline, model, cfg, runtime)
         model = prepared.model
-        with pipeline_code(pipeline, "build_optimizer"):
-            optimizer = pipeline.build_optimizer(unwrap(model), cfg)
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise PipelineCodeError(
-                    f"pipeline {pipeline.name}: build_optimizer returned a {type(optimizer).__name__}, "
-                    "not a torch.optim.Optimizer"
-                )
+        optimizer = hooks.call(pipeline, "build_optimizer", unwrap(model), cfg)
         multipliers = optim.rate_multipliers(optimizer, cfg.lr)  # before a checkpoint's state overwrites the rates
         restore_rank_rng(cfg.seed, runtime.world_rank, runtime.world_size, None)
         return cls(
@@ -114,7 +107,7 @@ class StepRunner:
         """Continue from the furthest of `candidates` (checkpoint directories, furthest first,
         with their train state) that loads on every rank; returns its train state (None: none
         given, a fresh start). A checkpoint a rank cannot read is skipped on every rank, and said."""
-        skipped = []
+        skipped, names = [], []
         for directory, train_state in candidates:
             state = self.training_state(Position.restored(train_state))
             try:
@@ -128,12 +121,15 @@ class StepRunner:
                 failed = 0.0
             except CheckpointError as error:
                 skipped.append(str(error))
+                names.append(directory.name)
                 failed = 1.0
             if self.runtime.distributed_checkpoints:  # every rank continues from the same one
                 failed = self.runtime.all_reduce_sum([failed])[0]
             if not failed:
                 if skipped:
-                    files.event(Kind.RESTORE, f"skipped unusable checkpoint(s): {'; '.join(skipped)}")
+                    files.event(
+                        Kind.SKIPPED, f"skipped unusable checkpoint(s): {'; '.join(skipped)}", checkpoints=names
+                    )
                 self.throughput = Throughput(time.perf_counter(), state.position.samples_seen)
                 return train_state
         if not candidates:
@@ -149,7 +145,7 @@ class StepRunner:
         return self.schedule.peak_lr
 
     def lr_at(self, samples_seen: int) -> float:
-        factor = self.pipeline.lr_factor if overrides(self.pipeline, "lr_factor") else None
+        factor = hooks.bound(self.pipeline, "lr_factor") if overrides(self.pipeline, "lr_factor") else None
         return self.schedule.lr(samples_seen, factor)
 
     def describe_plan(self) -> str:
@@ -312,31 +308,18 @@ class StepRunner:
             torch.manual_seed(seed)
             np.random.seed(seed)
             try:
-                with pipeline_code(self.pipeline, "transform_batch"):
-                    out = self.pipeline.transform_batch(Batch(batch), _CONTEXT)
+                return hooks.call(self.pipeline, "transform_batch", Batch(batch), _CONTEXT)
             finally:
                 np.random.set_state(numpy_state)
-        if not isinstance(out, dict):
-            raise PipelineCodeError(
-                f"pipeline {self.pipeline.name}: transform_batch must return the batch (a dict of tensors); "
-                f"it returned a {type(out).__name__}"
-            )
-        return out
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The pipeline's compute_loss under autocast; its first result is checked, and an
-        exception from it is the pipeline's (not retried), unless a collective failed in it."""
-        try:
-            with self.autocast():
-                output = self.pipeline.compute_loss(self.model, Batch(batch))
-        except Exception as exc:
-            if is_collective_failure(exc):
-                raise  # a peer died or stalled inside DDP's forward: a worker fault, retried
-            with pipeline_code(self.pipeline, "compute_loss"):
-                raise
-        if not self.loss_checked:
-            check_loss_output(self.pipeline, output, training=self.model.training)
-            self.loss_checked = True
+        """The pipeline's compute_loss under autocast, its result checked (`raytrain.hooks`); an
+        exception from it is the pipeline's (not retried), unless a collective failed in it (a
+        peer died or stalled inside DDP's forward: a worker fault, retried)."""
+        with self.autocast():
+            output = hooks.call(
+                self.pipeline, "compute_loss", self.model, Batch(batch), passthrough=is_collective_failure
+            )
         return split_loss(output)
 
 
@@ -368,31 +351,6 @@ def is_collective_failure(exc: BaseException) -> bool:
     text = str(exc)
     marks = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "ProcessGroup")
     return looks_like_timeout(exc) or any(mark in text for mark in marks)
-
-
-def check_loss_output(pipeline: Pipeline, output: Any, *, training: bool) -> None:
-    """compute_loss must return a scalar tensor (with grad, when training) or (loss, dict)."""
-    what = f"pipeline {pipeline.name}: compute_loss must return a scalar loss tensor or (loss, {{name: value}})"
-    loss, metrics = output if isinstance(output, tuple) and len(output) == 2 else (output, {})
-    if isinstance(output, tuple) and len(output) != 2:
-        raise PipelineCodeError(f"{what}; it returned a tuple of {len(output)}")
-    if not isinstance(loss, torch.Tensor):
-        raise PipelineCodeError(
-            f"{what}; it returned a {type(loss).__name__} ({str(loss)[:60]}): return the torch tensor itself, "
-            "not .item() or a float"
-        )
-    if loss.numel() != 1:
-        raise PipelineCodeError(
-            f"{what}; its loss has shape {tuple(loss.shape)}: reduce it, e.g. "
-            "F.cross_entropy(..., reduction='mean') or loss.mean()"
-        )
-    if training and not loss.requires_grad:
-        raise PipelineCodeError(
-            f"{what}; its loss has no gradient (requires_grad=False): compute it from the model's output, "
-            "without .detach() or torch.no_grad()"
-        )
-    if not isinstance(metrics, dict):
-        raise PipelineCodeError(f"{what}; its second item is a {type(metrics).__name__}, not a dict of metrics")
 
 
 def split_loss(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from raytrain.errors import ConfigError, PipelineCodeError, pipeline_code
+from raytrain import hooks
+from raytrain.errors import ConfigError, PipelineCodeError
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
@@ -72,42 +73,20 @@ class Prepared:
 
 
 def blocks_of(pipeline: "Pipeline", model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The pipeline's blocks (`shard_modules`), checked: a list of distinct submodules of the
-    model, none the model itself or inside another. (name, module) pairs, in model order."""
-    with pipeline_code(pipeline, "shard_modules"):
-        chosen = pipeline.shard_modules(model)
-    what = f"pipeline {pipeline.name}: shard_modules must return a list of the model's own submodules"
-    if not isinstance(chosen, (list, tuple)) or not all(isinstance(m, nn.Module) for m in chosen):
-        got = type(chosen).__name__ if not isinstance(chosen, (list, tuple)) else "a list holding non-modules"
-        raise PipelineCodeError(f"{what}; it returned {got}")
+    """The pipeline's blocks (`shard_modules`, checked by `raytrain.hooks`: distinct submodules
+    of the model, none the model itself or inside another), as (name, module) pairs in model
+    order."""
+    chosen = hooks.call(pipeline, "shard_modules", model)
     names = {id(module): name for name, module in model.named_modules() if name}
-    strangers = [type(m).__name__ for m in chosen if id(m) not in names]
-    if strangers:
-        raise PipelineCodeError(
-            f"{what}; {len(strangers)} of them ({', '.join(sorted(set(strangers)))}) are not inside the model built by "
-            "build_model (or are the model itself): return modules of `model`, e.g. list(model.layers)"
-        )
-    if len({id(m) for m in chosen}) != len(chosen):
-        raise PipelineCodeError(f"{what}; it names a module twice")
-    picked = sorted(((names[id(m)], m) for m in chosen), key=lambda item: list(names.values()).index(item[0]))
-    nested = [a for a, _ in picked for b, _ in picked if a != b and a.startswith(b + ".")]
-    if nested:
-        raise PipelineCodeError(f"{what}, none inside another; {nested[0]} is inside another one returned")
-    return picked
+    return sorted(((names[id(m)], m) for m in chosen), key=lambda item: list(names.values()).index(item[0]))
 
 
 def check_model(pipeline: "Pipeline", model: Any) -> None:
-    """What every strategy needs of build_model's result: a module with parameters."""
-    if not isinstance(model, nn.Module):
-        raise PipelineCodeError(
-            f"pipeline {pipeline.name}: build_model returned a {type(model).__name__}, not a torch.nn.Module"
-        )
-    if not any(True for _ in model.parameters()):
-        raise PipelineCodeError(
-            f"pipeline {pipeline.name}: build_model returned a {type(model).__name__} without parameters: there is "
-            "nothing "
-            "to train; return the model with its layers (nn.Linear, nn.Conv2d, ...)"
-        )
+    """What every strategy needs of build_model's result (`raytrain.hooks`): a module with
+    parameters."""
+    problem = hooks.HOOKS["build_model"].check(model, None)
+    if problem:
+        raise PipelineCodeError(f"pipeline {pipeline.name}: build_model {problem}")
 
 
 def check_compiler(device_type: str) -> None:
