@@ -13,7 +13,9 @@ in the field's metadata:
 - `flags`: the command-line spellings, when not `--field-name` (e.g. `("-v", "--verbose")`),
 - `switch`: a boolean that is only ever turned on (`--resume`, no `--no-resume`),
 - `repeat`: the flag may be given several times, each value appended,
-- `metavar`: how --help shows the value.
+- `metavar`: how --help shows the value,
+- `default_text`: how --help shows the default, when the value alone would not say it (a
+  default that depends on other options, a None that means "decided at run time").
 """
 
 from __future__ import annotations
@@ -88,6 +90,21 @@ class Option:
         if none and self.optional:
             names.append("none")
         return " or ".join(dict.fromkeys(names)) or "anything"
+
+    def default_words(self) -> str | None:
+        """The default as --help shows it (`default_text`, else the value; none: None or empty);
+        None for a required field."""
+        if self.metadata.get("default_text"):
+            return str(self.metadata["default_text"])
+        if self.default is dataclasses.MISSING:
+            return None
+        if self.default is None or self.default in ({}, [], ""):
+            return "none"
+        if isinstance(self.default, bool):
+            return "on" if self.default else "off"
+        if isinstance(self.default, (list, tuple)):
+            return ",".join(map(str, self.default))
+        return f"{self.default:g}" if isinstance(self.default, float) else str(self.default)
 
     def accepts(self, value: Any) -> bool:
         """Whether `value` (from Python or YAML) has one of the field's types: an int is a

@@ -21,6 +21,7 @@ BASELINE_TIMEOUT_S = 1800
 BENCH_OWNED = (
     "workers",
     "epochs",
+    "max_steps",
     "storage",
     "name",
     "resume",

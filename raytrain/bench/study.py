@@ -134,7 +134,8 @@ def bench_config(
 ) -> TrainConfig:
     values = {k: v for k, v in train_values.items() if k not in BENCH_OWNED}
     values.update(workers=workers, epochs=epochs, storage=str(storage), name=name, max_failures=0, time_phases=True)
-    values["warmup_epochs"] = min(float(values.get("warmup_epochs", 1.0)), float(epochs))
+    if values.get("warmup_steps") is None:
+        values["warmup_epochs"] = min(float(values.get("warmup_epochs") or 1.0), float(epochs))
     values["timing_warmup_steps"] = opts.warmup_steps
     return TrainConfig.from_dict(values)
 

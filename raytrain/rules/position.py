@@ -24,9 +24,11 @@ class Position:
     steady_time_s: float = 0.0
     phase_time_s: dict[str, float] = field(default_factory=dict)  # steady steps only, this rank
     data: dict[str, Any] = field(default_factory=dict)  # what the training set was (its layout): resume needs the same
-    # per-step mode: the epoch's synced training loss (sum, samples), copied to a replica that
-    # heals mid-epoch with the rest of the position, so whoever writes the epoch's row has it all
+    # the epoch's synced training loss (sum, samples): kept in every checkpoint, so the epoch's
+    # mean covers all of it after a restart mid-epoch, and copied to a replica that heals
+    # mid-epoch (per-step mode), so whoever writes the epoch's row has it all
     epoch_loss: list[float] = field(default_factory=lambda: [-1.0, 0.0, 0.0])  # [epoch, sum, samples]
+    last_loss: float | None = None  # the mean training loss over all ranks of the last sync's window
 
     @classmethod
     def restored(cls, state: dict[str, Any] | None) -> "Position":

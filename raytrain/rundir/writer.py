@@ -19,8 +19,8 @@ import torch
 
 from raytrain.rundir import RunDir
 from raytrain.rundir import checkpoints as ckpt
-from raytrain.rundir.files import STOP_FILE, storage_errors
-from raytrain.rundir.records import MODEL, Event, Kind, MetricsRow, Progress
+from raytrain.rundir.files import STOP_FILE, storage_errors, write_yaml
+from raytrain.rundir.records import CONFIG, EPOCH_LOSS, MODEL, Event, Kind, MetricsRow, Progress
 
 LIVE_INTERVAL_S = 1.0  # rank 0 writes live.jsonl at most this often
 
@@ -35,6 +35,8 @@ class RunWriter:
         self.enabled = enabled
         self.last_live = 0.0
         self.live_mark: tuple[float, int] | None = None  # (time, samples seen) of the last live row
+        self.last_row_step = 0  # the step of the last metrics row: a row's loss covers the steps since
+        self.window_steps = 0  # the steps the last row's loss covers
 
     def event(self, kind: str, message: str, **extra: Any) -> None:
         """A line of events.jsonl; `kind` is one of `Kind`."""
@@ -44,6 +46,8 @@ class RunWriter:
     def metrics(self, row: MetricsRow) -> None:
         if self.enabled:
             self.rundir.append_metrics(row)
+        self.window_steps = row.step - self.last_row_step
+        self.last_row_step = row.step
 
     def stop_requested(self, anyone: bool = False) -> bool:
         """The driver asks the run to stop (SIGINT/SIGTERM) with a file; rank 0 looks, and the
@@ -63,6 +67,12 @@ class RunWriter:
         # about to be redone: drop them so the curve continues from the checkpoint.
         self.rundir.truncate_metrics(checkpoint_step)
         self.rundir.append_event(announcement)
+        self.last_row_step = checkpoint_step
+
+    def update_config(self, values: dict[str, Any]) -> None:
+        """config.yaml rewritten as `values` (what ran, once a worker knows it)."""
+        if self.enabled and values:
+            write_yaml(self.run_dir / CONFIG, values)
 
     def live_due(self) -> bool:
         """Whether a live row is due (about once a second, rank 0 only)."""
@@ -100,13 +110,28 @@ class RunWriter:
             }
         )
 
-    def epoch_end(self, row: MetricsRow, epochs: int) -> None:
-        """The epoch's metrics row and its line for the console."""
+    def epoch_end(self, row: MetricsRow, epochs: int | None) -> None:
+        """The epoch's metrics row and its line for the console: the epoch's mean loss, then the
+        last window's, each named."""
         self.metrics(dataclasses.replace(row, epoch_end=True))
-        parts = [f"epoch {row.epoch}/{epochs}", f"loss {row.loss:.4f}"]
+        parts = [f"epoch {row.epoch}/{epochs}" if epochs else f"epoch {row.epoch}", *self._losses(row)]
         parts += [f"{key} {value:.4f}" for key, value in row.validation.items()]
         parts += [f"lr {row.lr:.2e}", f"{row.samples_per_s:,.0f} samples/s"]
         self.event(Kind.EPOCH, "  ".join(parts), epoch=row.epoch)
+
+    def evaluation(self, row: MetricsRow, final: bool = False) -> None:
+        """The line of a validation pass between epoch ends (`final`: the one at the step budget's
+        end), for the console: `step 200 (epoch 1): loss 2.4301 (steps 191–200)  val_loss 2.5123`."""
+        parts = [f"step {row.step:,} (epoch {row.epoch}{', the last step' if final else ''}):", *self._losses(row)]
+        parts += [f"{key} {value:.4f}" for key, value in row.validation.items()]
+        self.event(Kind.EVAL, "  ".join(parts), step=row.step, epoch=row.epoch)
+
+    def _losses(self, row: MetricsRow) -> list[str]:
+        """`epoch_loss 0.4500` (when the row has it) and `loss 0.3100 (steps 91–100)`: the last window's."""
+        parts = [f"{EPOCH_LOSS} {row.get(EPOCH_LOSS):.4f}"] if row.get(EPOCH_LOSS) is not None else []
+        window = self.window_steps
+        steps = f" (steps {row.step - window + 1:,}–{row.step:,})" if window > 1 else f" (step {row.step:,})"
+        return [*parts, f"loss {row.loss:.4f}{steps}" if row.loss is not None else "loss n/a"]
 
     def finish(self, weights: dict[str, torch.Tensor], progress: Progress) -> None:
         """Training finished: the final model (`weights`, a plain state_dict), progress.json and
