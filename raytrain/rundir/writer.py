@@ -122,9 +122,9 @@ class RunWriter:
     def evaluation(self, row: MetricsRow, final: bool = False) -> None:
         """The line of a validation pass between epoch ends (`final`: the one at the step budget's
         end), for the console: `step 200 (epoch 1): loss 2.4301 (steps 191–200)  val_loss 2.5123`."""
-        parts = [f"step {row.step:,} (epoch {row.epoch}{', the last step' if final else ''}):", *self._losses(row)]
-        parts += [f"{key} {value:.4f}" for key, value in row.validation.items()]
-        self.event(Kind.EVAL, "  ".join(parts), step=row.step, epoch=row.epoch)
+        parts = [*self._losses(row), *(f"{key} {value:.4f}" for key, value in row.validation.items())]
+        where = f"step {row.step:,} (epoch {row.epoch}{', the last step' if final else ''}):"
+        self.event(Kind.EVAL, f"{where} {'  '.join(parts)}", step=row.step, epoch=row.epoch)
 
     def _losses(self, row: MetricsRow) -> list[str]:
         """`epoch_loss 0.4500` (when the row has it) and `loss 0.3100 (steps 91–100)`: the last window's."""
