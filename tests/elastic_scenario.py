@@ -72,6 +72,7 @@ def main(out: Path) -> None:
         checkpoint_every_steps=4,
         log_every_steps=1,
         max_failures=5,
+        strategy=os.environ.get("ELASTIC_STRATEGY", "ddp"),
         storage=str(out),
         name="elastic",
     )

@@ -41,11 +41,19 @@ class RecordingPipeline(raytrain.Pipeline):
     process exits once the run reaches that global step, to exercise failure recovery.
     """
 
-    def __init__(self, out_dir: str, num_rows: int = 200, crash_at_step: int | None = None, step_sleep_s: float = 0.0):
+    def __init__(
+        self,
+        out_dir: str,
+        num_rows: int = 200,
+        crash_at_step: int | None = None,
+        step_sleep_s: float = 0.0,
+        fail_at_step: int | None = None,
+    ):
         self.out_dir = out_dir
         self.num_rows = num_rows
         self.crash_at_step = crash_at_step
         self.step_sleep_s = step_sleep_s
+        self.fail_at_step = fail_at_step  # every rank's compute_loss raises there: the pipeline's error
 
     def build_model(self, cfg):
         return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
@@ -60,6 +68,8 @@ class RecordingPipeline(raytrain.Pipeline):
     def compute_loss(self, model, batch):
         ctx = raytrain.context()
         if model.training:
+            if ctx.step == self.fail_at_step:
+                raise ValueError(f"a bug in compute_loss at step {ctx.step}")
             self._record(ctx, batch)
             if self.step_sleep_s:
                 import time

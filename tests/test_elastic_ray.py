@@ -1,10 +1,12 @@
 """Elastic run on a simulated 3-node cluster (ray.cluster_utils.Cluster, its own Ray in a
 subprocess): lose a node → continue at 2 workers; a node joins → grow back to 3. At every
-size the global batch and the learning rate follow the rules."""
+size the global batch and the learning rate follow the rules. The run is sharded
+(--strategy fsdp): every resize reshards its checkpoint for the new worker count."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +20,10 @@ SCENARIO = Path(__file__).with_name("elastic_scenario.py")
 
 
 def test_workers_2_to_3_shrinks_on_node_loss_and_grows_back(tmp_path):
-    done = subprocess.run([sys.executable, str(SCENARIO), str(tmp_path)], capture_output=True, text=True, timeout=1200)
+    env = {**os.environ, "ELASTIC_STRATEGY": "fsdp"}
+    done = subprocess.run(
+        [sys.executable, str(SCENARIO), str(tmp_path)], capture_output=True, text=True, timeout=1200, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert "timeout" not in result["observed"], result
@@ -39,5 +44,6 @@ def test_workers_2_to_3_shrinks_on_node_loss_and_grows_back(tmp_path):
         )
         assert row["lr"] == pytest.approx(expected, rel=1e-9)
     messages = result["events"]
+    assert any(m.startswith("global 48 = 3 workers") and "fsdp over the root" in m for m in messages)
     assert any(m.startswith("Resized 3 → 2 workers") and m.endswith("unchanged") for m in messages)
     assert any(m.startswith("Resized 2 → 3 workers") and m.endswith("unchanged") for m in messages)

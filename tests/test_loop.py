@@ -250,6 +250,8 @@ def test_finishing_writes_the_model_the_progress_and_the_last_event(tmp_path):
         "steady_samples",
         "steady_time_s",
         "phase_time_s",
+        "checkpoint_wait_s",
+        "checkpoints",
         "data",
         "epoch_loss",
         "last_loss",

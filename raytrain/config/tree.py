@@ -147,6 +147,10 @@ class TrainConfig:
     """Also checkpoint every this many optimizer steps (0: at the end of each epoch only)."""
     num_checkpoints_to_keep: int = 2
     """Checkpoints kept in storage (the latest is always kept)."""
+    checkpoint_async: bool = True
+    """Write checkpoints in the background: the loop waits only while the state is copied to host memory
+    (--no-checkpoint-async waits for every file: less host memory, and a worker lost right after a checkpoint
+    never loses it)."""
     log_every_steps: int = 10
     """Write a metrics.jsonl row every this many optimizer steps (and at every epoch end)."""
     eval_every_steps: int | None = None

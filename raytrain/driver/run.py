@@ -27,6 +27,7 @@ from raytrain.pipeline import Pipeline, load_pipeline, overrides, set_plan
 from raytrain.rules import batch, resume
 from raytrain.rundir import CONFIG, RunDir, StoredRun, claimed, strict, write_yaml
 from raytrain.rundir.checkpoints import model_shapes
+from raytrain.worker.strategy import check_compiler
 
 
 @dataclass
@@ -66,13 +67,16 @@ def fit(
     spec = pipeline if isinstance(pipeline, str) else pipe.name
     cfg = resolve_config(pipe, cfg or TrainConfig(**pipe.default_config), spec)
     echo = echo or (lambda line: None)
-    if will_embed_ray(cfg):
+    embedded = will_embed_ray(cfg)
+    if embedded:
         check_embedded_capacity(cfg, echo=echo)  # before anything is written or started
     with claimed(Path(cfg.storage) / cfg.name, cfg.storage) as run_dir:
         stored = check_run_dir(run_dir, cfg, spec, replaced_options(pipe))
         tracker = RunTracker(cfg, run_dir, spec, echo=echo, progress=progress)
         with ray_session(cfg), interrupts.stop_on_signals(run_dir, echo) as stop:
             use_gpu, ray_logs = resolve_gpu(cfg), ray_logs_dir()
+            if cfg.compile and embedded:  # the workers are this machine: a missing compiler fails now
+                check_compiler("cuda" if use_gpu else "cpu")
             show_planned_plan(cfg)  # what build_datasets sees of the plan (raytrain.context())
             sources = prepare_datasets(build_datasets(pipe, cfg), cfg, echo)
             check_validation_set(cfg, sources)

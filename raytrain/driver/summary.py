@@ -60,6 +60,11 @@ def write_summary(
         model_path=str(model_path) if model_path.exists() and status == "finished" else None,
         error=None if error is None else first_line(str(fault if fault is not None else error)) or type(error).__name__,
     )
+    if progress is not None and progress.get("checkpoints"):
+        # the loop's mean wait per checkpoint (its files are written while training goes on)
+        summary.extra["checkpoint_wait_s"] = round(
+            progress.get("checkpoint_wait_s", 0.0) / progress.get("checkpoints"), 4
+        )
     try:
         files.write_summary(summary)
     except StorageError as exc:  # a full disk must not hide the run's own error

@@ -71,9 +71,11 @@ def describe_plan(
     schedule: LRSchedule,
     backend: str,
     optimizer_detail: str | None = None,
+    model: str = "",
 ) -> str:
     """`global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, ...);
-    warmup 1 epoch; cosine; adamw; gloo; 4 epochs`. `optimizer_detail`: what the pipeline's build_optimizer built."""
+    warmup 1 epoch; cosine; adamw; gloo; 4 epochs`. `optimizer_detail`: what the pipeline's build_optimizer built;
+    `model`: how the strategy holds the model, when there is more to say than DDP's default."""
     factor = schedule.peak_lr / cfg.lr
     rule = {"linear": "linear rule", "sqrt": "square-root rule", "none": "no scaling"}[cfg.lr_scaling]
     if cfg.warmup_steps is not None:
@@ -93,5 +95,6 @@ def describe_plan(
     return (
         f"{batch_plan.describe()}; lr {sci(schedule.peak_lr)} = {sci(cfg.lr)} × {factor:.3g} "
         f"({rule}, reference batch {cfg.reference_batch_size}); {warmup}; {schedule_text}; {optimizer}; {backend}; "
-        f"{Budget.of(cfg).describe()}"
+        + (f"{model}; " if model else "")
+        + Budget.of(cfg).describe()
     )

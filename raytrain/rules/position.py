@@ -23,6 +23,8 @@ class Position:
     steady_samples: int = 0
     steady_time_s: float = 0.0
     phase_time_s: dict[str, float] = field(default_factory=dict)  # steady steps only, this rank
+    checkpoint_wait_s: float = 0.0  # the loop's time in checkpoint reports (its files are written meanwhile)
+    checkpoints: int = 0
     data: dict[str, Any] = field(default_factory=dict)  # what the training set was (its layout): resume needs the same
     # the epoch's synced training loss (sum, samples): kept in every checkpoint, so the epoch's
     # mean covers all of it after a restart mid-epoch, and copied to a replica that heals

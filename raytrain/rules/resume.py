@@ -182,8 +182,9 @@ def check_model_fits(stored: dict[str, tuple[int, ...]], model: Any, checkpoint_
     """The pipeline's model must take the checkpoint's weights: the same names and shapes
     (`stored`: the checkpoint's, read without loading a tensor)."""
     mine = {key: tuple(value.shape) for key, value in model.state_dict().items()}
-    missing, unexpected = sorted(set(mine) - set(stored)), sorted(set(stored) - set(mine))
-    shapes = [key for key in sorted(set(mine) & set(stored)) if mine[key] != stored[key]]
+    # in the model's order: the first difference is usually the telling one
+    missing, unexpected = [k for k in mine if k not in stored], [k for k in stored if k not in mine]
+    shapes = [key for key in mine if key in stored and mine[key] != stored[key]]
     if not (missing or unexpected or shapes):
         return
     if shapes:

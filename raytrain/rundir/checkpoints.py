@@ -215,8 +215,25 @@ def _load_torch(path: Path, what: str) -> Any:
         raise CheckpointError(f"{path} cannot be read as a torch file ({first_line(exc)})") from None
 
 
+def dcp_failure(exc: BaseException) -> str:
+    """What went wrong in a DCP save or load: the first rank's own error (DCP wraps them all in
+    one CheckpointException, a BaseException, whose text is every rank's traceback)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        inner, _ = failures[min(failures)]
+        return f"rank {min(failures)}: {type(inner).__name__}: {first_line(inner)}"[:300]
+    return first_line(exc)[:300]
+
+
+def dcp_errors() -> tuple[type[BaseException], ...]:
+    """What DCP raises on a failed save or load."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
 def _reason(exc: BaseException) -> str:
-    return first_line(exc)[:200]
+    return dcp_failure(exc)
 
 
 def _dcp_metadata(directory: Path):
@@ -242,7 +259,7 @@ def _read_dcp(directory: Path, only: str | None = None) -> dict[str, Any]:
     try:
         with single_process():
             dcp.load(flat, checkpoint_id=str(directory), no_dist=True)
-    except Exception as exc:
+    except dcp_errors() as exc:
         raise CheckpointError(f"checkpoint {directory}: its shards cannot be read ({_reason(exc)})") from None
     return _unflatten(flat, metadata.planner_data)
 

@@ -43,6 +43,7 @@ class Kind:
     QUORUM = "quorum"  # per-step mode: the replicas stepping together changed (a loss, a rejoin)
     STALL = "stall"  # per-step mode: a replica stuck in a step leaves to be replaced
     EVAL = "eval"  # a validation pass between epoch ends (--eval-every-steps), or at the step budget's end
+    MEMORY = "memory"  # what each worker holds of the model's state, after an attempt's first step
 
     # Events worth a line in the report and a mark on the plots.
     MARKED: ClassVar[tuple[str, ...]] = (RESIZE, RESTORE, QUORUM)

@@ -207,6 +207,8 @@ def after_step(
     asked to stop. `every_replica_looks` (per-step mode): each replica reads the stop request
     itself rather than trusting the sync to carry it."""
     cfg, stop = runner.cfg, False
+    if runner.memory is not None and not runner.memory_said:
+        say_memory(runner, files)
     report_live(files, runner, position, epoch_rows)
     checkpoint_now = bool(cfg.checkpoint_every_steps) and position.step % cfg.checkpoint_every_steps == 0 and not last
     evaluate_now = val_data is not None and evaluation_due(position.step, cfg.eval_every_steps, last)
@@ -232,6 +234,37 @@ def after_step(
     if checkpoint_now:
         report_checkpoint(runner, position)
     return stop
+
+
+def say_memory(runner: StepRunner, files: RunWriter) -> None:
+    """Once per attempt, after its first step (a collective): the bytes each worker holds of the
+    parameters, their gradients and the optimizer's state, and each process's peak RSS."""
+    import psutil
+
+    runner.memory_said = True
+    mine = {**(runner.memory or {}), "peak_rss": _peak_rss_bytes(psutil.Process())}
+    every = runner.runtime.all_gather_object(mine)
+    sharded = runner.prepared is not None and runner.prepared.sharded
+    held = ", ".join(
+        f"{_mib(mine[k])} {label}"
+        for k, label in (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"))
+    )
+    rss = ", ".join(_mib(rank["peak_rss"]) for rank in every)
+    files.event(
+        Kind.MEMORY,
+        f"memory per worker after the first step: {held}{' (its shards)' if sharded else ''}; peak RSS by rank: {rss}",
+        **{key: [rank.get(key, 0) for rank in every] for key in mine},
+    )
+
+
+def _peak_rss_bytes(process) -> int:
+    import resource
+
+    return max(process.memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
 
 
 def sync_ranks(runner: StepRunner, position: Position, stop_requested: bool = False) -> tuple[float, int, bool]:
@@ -269,9 +302,7 @@ def end_epoch(
         extra={EPOCH_LOSS: epoch.loss, **val_metrics},
     )
     files.epoch_end(row, runner.cfg.epochs)
-    # report: a barrier on every rank; the checkpoint is written while training goes on.
-    runner.heartbeat.mark(position.step, "report")
-    runner.runtime.report(row.to_json(), position.step, checkpoint_writer(runner, position), files.run_dir)
+    report_with_checkpoint(runner, position, row.to_json())
 
 
 def end_at_step_budget(
@@ -290,8 +321,7 @@ def end_at_step_budget(
     )
     files.metrics(row)
     files.evaluation(row, final=True)
-    runner.heartbeat.mark(position.step, "report")
-    runner.runtime.report(row.to_json(), position.step, checkpoint_writer(runner, position), files.run_dir)
+    report_with_checkpoint(runner, position, row.to_json())
 
 
 def evaluate_during(runner: StepRunner, val_data: Data, position: Position) -> dict[str, float]:
@@ -309,15 +339,22 @@ def _nan_if_none(value: float | None) -> float:
 
 def report_checkpoint(runner: StepRunner, position: Position) -> None:
     """A mid-epoch checkpoint at the current step (a barrier on every rank)."""
-    runner.heartbeat.mark(position.step, "report")
     row = runner.metrics_row(position, loss=float("nan"), samples_per_s=0.0)
-    runner.runtime.report(row.to_json(), position.step, checkpoint_writer(runner, position), runner.run_dir)
+    report_with_checkpoint(runner, position, row.to_json())
 
 
-def checkpoint_writer(runner: StepRunner, position: Position):
-    """What writes the checkpoint of the step at `position` into a directory, for the runtime
-    (which names the directory, and registers it once it is complete)."""
-    return lambda directory, distributed: runner.save_checkpoint(position, directory, distributed=distributed)
+def report_with_checkpoint(runner: StepRunner, position: Position, metrics: dict) -> None:
+    """Report `metrics` (a barrier on every rank) with a checkpoint of the step at `position`,
+    whose files are written while training goes on; the time the loop waited is counted."""
+    runner.heartbeat.mark(position.step, "report")
+    started = time.perf_counter()
+
+    def write(directory: Path, distributed: bool):
+        return runner.save_checkpoint(position, directory, distributed=distributed)
+
+    runner.runtime.report(metrics, position.step, write, Path(runner.run_dir), runner.cfg.checkpoint_async)
+    position.checkpoint_wait_s += time.perf_counter() - started
+    position.checkpoints += 1
 
 
 def report_live(files: RunWriter, runner: StepRunner, position: Position, epoch_rows: int) -> None:

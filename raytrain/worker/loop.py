@@ -12,6 +12,7 @@ checkpoint holds `raytrain.worker.state`, and per-step fault tolerance's replica
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -24,6 +25,7 @@ from raytrain.data.draws import Draws
 from raytrain.data.sources import Source, data_digest, open_source
 from raytrain.data.stream import Stream
 from raytrain.data.table import Table
+from raytrain.errors import find_user_error
 from raytrain.pipeline import Pipeline, overrides
 from raytrain.rules import resume
 from raytrain.rules.attempt import Attempt
@@ -59,6 +61,8 @@ class WorkerPayload:
 
 
 PAYLOAD = "raytrain"
+# When a run ends on the user's error, how long a rank waits for its checkpoint being written.
+FINISH_ON_ERROR_S = 60.0
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -75,6 +79,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     except Exception as exc:
         if runtime.world_size > 1 and looks_like_timeout(exc):
             raise StallError(explain_stall(cfg, runtime, heartbeat, run_dir, exc)) from exc
+        if find_user_error(exc) is not None:
+            # The run ends here (the user's to fix, never retried): the checkpoint being written
+            # holds a good step, so let it complete, and --resume loses nothing more.
+            with contextlib.suppress(Exception):
+                runtime.finish_checkpoints(timeout_s=FINISH_ON_ERROR_S)
         raise
     finally:
         heartbeat.stop()

@@ -244,7 +244,7 @@ class ReplicaRuntime(Runtime):
         and every replica reads all of one."""
         return False
 
-    def report(self, metrics: dict[str, Any], step: int, write, run_dir: Path) -> None:
+    def report(self, metrics: dict[str, Any], step: int, write, run_dir: Path, asynchronous: bool = True) -> None:
         """The quorum's rank 0 writes the checkpoint under RUN_DIR/.staging/ in the background and
         renames it into place once complete; the oldest beyond --num-checkpoints-to-keep go.
         (Ray's report is a barrier over every worker, which a lost replica would hold up.)"""
@@ -270,11 +270,13 @@ class ReplicaRuntime(Runtime):
         self._publishing = threading.Thread(target=publish, name="raytrain-publish", daemon=True)
         self._publishing.start()
         self._pending = save
+        if not asynchronous:
+            self.finish_checkpoints()
 
-    def finish_checkpoints(self) -> None:
+    def finish_checkpoints(self, timeout_s: float | None = None) -> None:
         publishing, self._publishing = getattr(self, "_publishing", None), None
         if publishing is not None:
-            publishing.join()
+            publishing.join(timeout_s)
         pending, self._pending = self._pending, None
         if pending is not None and pending.errors:
             raise pending.errors[0]

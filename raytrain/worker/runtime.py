@@ -114,7 +114,12 @@ class Runtime:
         return ray.train.get_checkpoint()
 
     def report(
-        self, metrics: dict[str, Any], step: int, write: Callable[[Path, bool], Save] | None, run_dir: Path
+        self,
+        metrics: dict[str, Any],
+        step: int,
+        write: Callable[[Path, bool], Save] | None,
+        run_dir: Path,
+        asynchronous: bool = True,
     ) -> None:
         """Report metrics from every rank (a barrier); with `write`, a checkpoint of this step.
 
@@ -122,8 +127,9 @@ class Runtime:
         in the background: the loop waits only while the state is copied to host memory. Rank
         0's report hands Ray Train an upload step that waits for the files and renames the
         directory into the run directory, so a checkpoint is never seen half-written and Ray
-        registers it (and prunes the oldest) only when complete. A storage error names the
-        path and errno; a failed write never touches the previous checkpoint."""
+        registers it (and prunes the oldest) only when complete. Not `asynchronous`
+        (--no-checkpoint-async): every rank waits for its files before reporting. A storage error
+        names the path and errno; a failed write never touches the previous checkpoint."""
         if write is None:
             ray.train.report(metrics, checkpoint=None)
             return
@@ -132,6 +138,8 @@ class Runtime:
         staging, final = ckpt.staging_dir(run_dir) / name, Path(run_dir) / name
         with storage_errors(staging, "write the checkpoint"):
             save = self._pending = write(staging, self.distributed_checkpoints)
+            if not asynchronous:
+                save.wait()
 
         def publish(checkpoint: Checkpoint | None = None, dir_name: str = name) -> Checkpoint:
             with storage_errors(staging, "write the checkpoint"):
@@ -143,7 +151,7 @@ class Runtime:
         if not self.distributed:  # local mode: Ray keeps the checkpoint in memory only
             ray.train.report(metrics, checkpoint=publish())
             return
-        upload = {"checkpoint_upload_mode": CheckpointUploadMode.ASYNC}
+        upload = {"checkpoint_upload_mode": CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC}
         if not self.is_rank0:
             ray.train.report(metrics, checkpoint=None, **upload)
             return
@@ -156,15 +164,15 @@ class Runtime:
             **upload,
         )
 
-    def finish_checkpoints(self) -> None:
+    def finish_checkpoints(self, timeout_s: float | None = None) -> None:
         """Wait for this rank's checkpoint files being written (rank 0: until the checkpoint is
         in the run directory), surfacing a write that failed."""
         pending, self._pending = self._pending, None
         if pending is not None:
             with storage_errors(pending.directory, "write the checkpoint"):
-                pending.wait()
+                pending.wait(timeout_s)
             # rank 0: Ray's upload step renames it; wait for that, briefly, so the run's end sees it
-            deadline = time.monotonic() + PUBLISH_WAIT_S
+            deadline = time.monotonic() + min(PUBLISH_WAIT_S, timeout_s or PUBLISH_WAIT_S)
             while self.is_rank0 and self.distributed and pending.directory.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
 

@@ -57,13 +57,24 @@ class Save:
             return False
         return self.thread is None or not self.thread.is_alive()
 
-    def wait(self) -> None:
-        if self.future is not None:
-            self.future.result()
-        if self.thread is not None:
-            self.thread.join()
-        if self.errors:
-            raise self.errors[0]
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Every file of this rank written; a write that failed raises its own error (an
+        OSError with its errno for the file system's), not DCP's wrapper around every rank's.
+        With `timeout_s`, TimeoutError past it."""
+        try:
+            if self.future is not None:
+                self.future.result(timeout=timeout_s)
+            if self.thread is not None:
+                self.thread.join(timeout_s)
+                if self.thread.is_alive():
+                    raise TimeoutError(f"checkpoint {self.directory.name} still being written after {timeout_s} s")
+            if self.errors:
+                raise self.errors[0]
+        except checkpoints.dcp_errors() as exc:
+            inner = _inner(exc)
+            if isinstance(inner, Exception):
+                raise inner from None
+            raise RuntimeError(checkpoints.dcp_failure(exc)) from None
 
 
 @dataclass
@@ -112,7 +123,11 @@ class TrainingState:
         if distributed:
             save = Save(
                 directory,
-                future=dcp.async_save(self._dcp_state(), checkpoint_id=str(directory), **runtime.dcp_options()),
+                future=dcp.async_save(
+                    self._dcp_part(runtime.world_rank, runtime.world_size),
+                    checkpoint_id=str(directory),
+                    **runtime.dcp_options(),
+                ),
             )
         else:
             save = Save(directory)
@@ -170,8 +185,9 @@ class TrainingState:
             try:
                 with contextlib.nullcontext() if distributed else single_process():
                     dcp.load(state, checkpoint_id=str(directory), **options)
-            except Exception as exc:
-                raise CheckpointError(f"checkpoint {directory.name} cannot be read ({_first_line(exc)})") from None
+            except checkpoints.dcp_errors() as exc:
+                reason = checkpoints.dcp_failure(exc)
+                raise CheckpointError(f"checkpoint {directory.name} cannot be read ({reason})") from None
             target = self.model if self.sharded else unwrap(self.model)
             set_model_state_dict(target, state["model"])
             load_optimizer(lambda: set_optimizer_state_dict(target, self.optimizer, state["optim"]))
@@ -185,6 +201,21 @@ class TrainingState:
         model = self.model if self.sharded else unwrap(self.model)
         model_state, optim_state = get_state_dict(model, self.optimizer)
         return {"model": model_state, "optim": optim_state}
+
+    def _dcp_part(self, rank: int, world_size: int) -> dict[str, Any]:
+        """What this rank writes of a checkpoint. Under fsdp its shards. Unsharded, every rank
+        holds all of the state: each writes (and first copies to host memory) only the
+        parameters it is given, with their optimizer state, balanced by bytes over the ranks;
+        together they are the whole, and any rank reads all of it back."""
+        state = self._dcp_state()
+        if self.sharded or world_size == 1:
+            return state
+        model, optim = state["model"], state["optim"]
+        mine = set(_balanced_owners(model, optim.get("state", {}), world_size)[rank])
+        part_optim = {"state": {k: v for k, v in optim.get("state", {}).items() if k in mine}}
+        if rank == 0:  # the groups' settings (rates, decay), small: once
+            part_optim["param_groups"] = optim.get("param_groups", [])
+        return {"model": {k: v for k, v in model.items() if k in mine}, "optim": part_optim}
 
     def _load_legacy(self, directory: Path, saved: dict[str, Any], load_optimizer: Callable) -> None:
         """An earlier version's single state file: a plain model and an optimizer state keyed
@@ -314,9 +345,27 @@ def _snapshot(value: Any) -> Any:
     return value
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:200]
+def _balanced_owners(model: dict[str, Any], optim: dict[str, Any], world_size: int) -> list[list[str]]:
+    """The model's keys dealt to `world_size` ranks, largest first to the least loaded, a key's
+    optimizer state counted with it: the same on every rank (it depends on names and sizes)."""
+
+    def size(key: str) -> int:
+        tensors = [model[key], *[v for v in optim.get(key, {}).values() if torch.is_tensor(v)]]
+        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+    owners: list[list[str]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for key in sorted(model, key=lambda k: (-size(k), k)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[rank].append(key)
+        loads[rank] += size(key)
+    return owners
+
+
+def _inner(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's CheckpointException (else `exc`)."""
+    failures = getattr(exc, "failures", None)
+    return failures[min(failures)][0] if failures else exc
 
 
 def _to_lists(value: Any) -> Any:

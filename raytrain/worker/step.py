@@ -61,6 +61,8 @@ class StepRunner:
     total_steps: int = 0  # the steps the whole run takes at this plan (raytrain.context())
 
     prepared: Prepared | None = None  # how the strategy holds the model (None in unit tests: a plain model)
+    memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
+    memory_said: bool = False
 
     @classmethod
     def build(
@@ -102,7 +104,7 @@ class StepRunner:
             batch_plan=batch_plan,
             model=model,
             optimizer=optimizer,
-            scaler=torch.amp.GradScaler(runtime.device.type, enabled=cfg.precision == "fp16"),
+            scaler=strategy.grad_scaler(runtime.device, cfg.precision == "fp16", sharded=prepared.sharded),
             schedule=run_schedule(cfg, batch_plan, num_train_rows),
             rate_multipliers=multipliers,
             window=LossWindow.on(runtime.device),
@@ -154,7 +156,10 @@ class StepRunner:
 
     def describe_plan(self) -> str:
         optimizer = optim.describe(self.optimizer) if overrides(self.pipeline, "build_optimizer") else None
-        return describe_plan(self.cfg, self.pipeline, self.batch_plan, self.schedule, self.runtime.backend, optimizer)
+        model = self.prepared.describe() if self.prepared is not None else ""
+        return describe_plan(
+            self.cfg, self.pipeline, self.batch_plan, self.schedule, self.runtime.backend, optimizer, model
+        )
 
     def for_quorum(self, replicas: int, num_train_rows: int) -> "StepRunner":
         """This runner with the batch plan and rate of a quorum of `replicas` (per-step mode)."""
@@ -247,6 +252,8 @@ class StepRunner:
             self.clip_gradients(position.step)
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            if self.memory is None:  # once: the gradients and the optimizer's state all exist now
+                self.memory = strategy.state_bytes(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         return lr
 

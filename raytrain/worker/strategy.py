@@ -41,19 +41,29 @@ class Prepared:
     blocks: tuple[str, ...]  # the blocks' names in the model ("blocks.0", ...)
     local_parameters: int  # parameters this rank holds (its shards under fsdp)
     total_parameters: int
+    checkpointed: bool = False  # --activation-checkpointing on the blocks
+    compiled: bool = False  # --compile
 
     def describe(self) -> str:
-        """`fsdp over 2 blocks (blocks.0–blocks.1) and the root: 1.1M of 2.2M parameters on this rank`."""
-        held = f"{_count(self.local_parameters)} of {_count(self.total_parameters)} parameters on this rank"
-        if self.strategy != "fsdp":
-            return f"{self.strategy}: {held}"
-        span = f" ({self.blocks[0]}–{self.blocks[-1]})" if len(self.blocks) > 1 else f" ({self.blocks[0]})"
-        blocks = (
-            f"{len(self.blocks)} block{'s' if len(self.blocks) != 1 else ''}{span} and the root"
-            if self.blocks
-            else "the root"
-        )
-        return f"fsdp over {blocks}: {held}"
+        """What the plan line says of the model, when there is more to say than DDP's default:
+        `fsdp over 2 blocks (blocks.0–blocks.1) and the root, 1.1M of 2.2M parameters on this
+        rank; activation checkpointing on 2 blocks; compiled per block`; "" otherwise."""
+        parts = []
+        if self.sharded:
+            held = f"{_count(self.local_parameters)} of {_count(self.total_parameters)} parameters on this rank"
+            parts.append(
+                f"fsdp over {self._blocks()} and the root, {held}" if self.blocks else f"fsdp over the root, {held}"
+            )
+        if self.checkpointed:
+            where = self._blocks() if self.blocks else "the whole model (no blocks)"
+            parts.append(f"activation checkpointing on {where}")
+        if self.compiled:
+            parts.append("compiled per block" if self.sharded and self.blocks else "compiled")
+        return "; ".join(parts)
+
+    def _blocks(self) -> str:
+        span = f"{self.blocks[0]}–{self.blocks[-1]}" if len(self.blocks) > 1 else self.blocks[0]
+        return f"{len(self.blocks)} block{'s' if len(self.blocks) != 1 else ''} ({span})"
 
     @property
     def sharded(self) -> bool:
@@ -116,10 +126,10 @@ def check_model(pipeline: "Pipeline", model: Any) -> None:
         )
 
 
-def check_compiler(device: torch.device) -> None:
+def check_compiler(device_type: str) -> None:
     """`--compile` needs a C++ compiler on CPU (TorchInductor's C++ backend) and Triton on a GPU:
     a ConfigError naming what is missing, before anything is compiled."""
-    if device.type == "cuda":
+    if device_type == "cuda":
         if importlib.util.find_spec("triton") is None:
             raise ConfigError(
                 [("compile", "needs Triton on a GPU (pip install triton), which is not installed; drop --compile")]
@@ -147,9 +157,9 @@ def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime:
     blocks = [module for _, module in picked]
     total = sum(p.numel() for p in model.parameters())
     if cfg.compile:
-        check_compiler(runtime.device)
+        check_compiler(runtime.device.type)
     if cfg.activation_checkpointing:
-        for block in blocks:
+        for block in blocks or [model]:  # without blocks, the model is one
             checkpoint_activations(block)
     if cfg.strategy == "fsdp" and runtime.distributed:
         if cfg.compile:
@@ -163,7 +173,10 @@ def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime:
         model = runtime.prepare_model(model, _ddp_kwargs(cfg))
         strategy = "ddp" if runtime.distributed and runtime.world_size > 1 else "local"
     local = sum(_local(p).numel() for p in model.parameters())
-    return Prepared(model, strategy, tuple(name for name, _ in picked), local, total)
+    names = tuple(name for name, _ in picked)
+    return Prepared(
+        model, strategy, names, local, total, checkpointed=cfg.activation_checkpointing, compiled=cfg.compile
+    )
 
 
 def shard(model: nn.Module, blocks: list[nn.Module], cfg: "TrainConfig") -> nn.Module:
@@ -176,9 +189,19 @@ def shard(model: nn.Module, blocks: list[nn.Module], cfg: "TrainConfig") -> nn.M
     if cfg.precision in ("bf16", "fp16"):
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for block in blocks:
-        fully_shard(block, **options)
-    fully_shard(model, **options)
+    try:
+        for block in blocks:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+    except ValueError as exc:
+        if "shared with a parameter" not in str(exc):
+            raise
+        # Tied weights (an embedding and the output layer, say) in two FSDP units.
+        raise PipelineCodeError(
+            f"--strategy fsdp cannot shard these blocks: a parameter is shared between two of them, or between a "
+            f"block and the rest of the model ({str(exc).splitlines()[0][:200]}); keep tied modules in one block "
+            "(or both outside the blocks) in the pipeline's shard_modules"
+        ) from None
     return model
 
 
@@ -195,6 +218,16 @@ def checkpoint_activations(block: nn.Module) -> None:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     block.forward = checkpointed
+
+
+def grad_scaler(device: torch.device, enabled: bool, *, sharded: bool) -> torch.amp.GradScaler:
+    """fp16's gradient scaler. Under fsdp each rank sees only its shards' gradients, so an
+    overflow found on one rank must skip the step on all (ShardedGradScaler all-reduces it)."""
+    if sharded and enabled:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type, enabled=True)
+    return torch.amp.GradScaler(device.type, enabled=enabled)
 
 
 def no_gradient_sync(model: nn.Module):

@@ -1,0 +1,252 @@
+"""--strategy, --activation-checkpointing and --compile, and the training state's checkpoints, in
+one process (pure tier): the blocks, their checks, and what a checkpoint holds and gives back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import raytrain
+from pipelines.charlm.model import CharGPT
+from raytrain.config import TrainConfig
+from raytrain.errors import CheckpointError, ConfigError, PipelineCodeError
+from raytrain.rules import resume
+from raytrain.rules.position import Position
+from raytrain.rundir import checkpoints
+from raytrain.worker import strategy
+from raytrain.worker.state import TrainingState
+
+# -- the blocks ---------------------------------------------------------------------------------
+
+
+class Tower(nn.Module):
+    """A stem, a ModuleList of blocks each holding a Sequential of its own, and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+class Blocks(raytrain.Pipeline):
+    def __init__(self, choose=None):
+        self.choose = choose
+
+    def shard_modules(self, model):
+        return self.choose(model) if self.choose else super().shard_modules(model)
+
+
+def test_the_default_blocks_are_the_children_of_the_outermost_lists_of_blocks():
+    tower = Tower()
+    assert strategy.default_blocks(tower) == list(tower.layers)  # not the Sequentials inside each block
+    gpt = CharGPT(layers=3)
+    assert strategy.default_blocks(gpt) == list(gpt.blocks)
+    assert strategy.default_blocks(nn.Linear(2, 2)) == []  # no blocks: the root alone is sharded
+
+
+def test_the_pipelines_blocks_are_named_in_model_order():
+    tower = Tower()
+    picked = strategy.blocks_of(Blocks(lambda m: [m.layers[2], m.layers[0]]), tower)
+    assert [name for name, _ in picked] == ["layers.0", "layers.2"]
+
+
+@pytest.mark.parametrize(
+    "choose, message",
+    [
+        (lambda m: m.layers, "it returned ModuleList"),
+        (lambda m: [m.layers[0], "head"], "it returned a list holding non-modules"),
+        (lambda m: [nn.Linear(8, 8)], "not inside the model built by build_model"),
+        (lambda m: [m], "not inside the model built by build_model \\(or are the model itself\\)"),
+        (lambda m: [m.layers[0], m.layers[0]], "it names a module twice"),
+        (lambda m: [m.layers[0], m.layers[0][0]], "none inside another; layers.0.0 is inside another"),
+    ],
+)
+def test_shard_modules_that_are_not_the_models_own_blocks_are_the_pipelines_error(choose, message):
+    with pytest.raises(PipelineCodeError, match=message):
+        strategy.blocks_of(Blocks(choose), Tower())
+
+
+def test_an_exception_in_shard_modules_names_the_hook():
+    def broken(model):
+        raise AttributeError("'Tower' object has no attribute 'blocks'")
+
+    with pytest.raises(PipelineCodeError, match="shard_modules raised AttributeError"):
+        strategy.blocks_of(Blocks(broken), Tower())
+
+
+def test_a_model_without_parameters_is_refused_with_the_fix():
+    with pytest.raises(PipelineCodeError, match="without parameters: there is nothing to train"):
+        strategy.check_model(Blocks(), nn.ReLU())
+    with pytest.raises(PipelineCodeError, match="returned a dict, not a torch.nn.Module"):
+        strategy.check_model(Blocks(), {})
+
+
+def test_compile_without_a_compiler_is_a_configuration_error(monkeypatch):
+    monkeypatch.setattr(strategy.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="compile: needs a C\\+\\+ compiler on CPU workers"):
+        strategy.check_compiler("cpu")
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"strategy": "fsdp", "workers": 0}, "got fsdp with --workers 0: local mode runs the loop in this process"),
+        ({"strategy": "fsdp", "workers": 2, "fault_tolerance": "per-step"}, "nothing to shard inside a group"),
+        ({"strategy": "zero3"}, "strategy: got 'zero3'; choose one of ddp, fsdp"),
+    ],
+)
+def test_strategy_options_that_cannot_work_are_refused(values, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**values)
+
+
+def test_the_plan_line_says_what_was_sharded_and_held():
+    prepared = strategy.Prepared(nn.Linear(1, 1), "fsdp", ("blocks.0", "blocks.1"), 1_100_000, 2_200_000, True, True)
+    assert prepared.describe() == (
+        "fsdp over 2 blocks (blocks.0–blocks.1) and the root, 1.1M of 2.2M parameters on this rank; "
+        "activation checkpointing on 2 blocks (blocks.0–blocks.1); compiled per block"
+    )
+    assert strategy.Prepared(nn.Linear(1, 1), "ddp", (), 10, 10).describe() == ""
+
+
+def test_activation_checkpointing_keeps_the_names_and_the_gradients():
+    torch.manual_seed(0)
+    plain, checkpointed = CharGPT(layers=2, width=32, heads=2), CharGPT(layers=2, width=32, heads=2)
+    checkpointed.load_state_dict(plain.state_dict())
+    for block in checkpointed.blocks:
+        strategy.checkpoint_activations(block)
+    assert list(checkpointed.state_dict()) == list(plain.state_dict())
+    tokens = torch.randint(0, 256, (2, 16))
+    for model in (plain, checkpointed):
+        model(tokens).float().square().mean().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
+
+
+# -- the training state's checkpoints ---------------------------------------------------------
+
+
+class OneProcess:
+    """What TrainingState asks of a runtime, for one process without a process group."""
+
+    world_rank, world_size, is_rank0 = 0, 1, True
+
+    def all_gather_object(self, value):
+        return [value]
+
+
+def trained(seed: int = 0) -> TrainingState:
+    torch.manual_seed(seed)
+    model = CharGPT(layers=2, width=32, heads=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 256, (2, 8))).float().mean().backward()
+    optimizer.step()
+    return TrainingState(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), Position(epoch=1, step=7))
+
+
+def test_a_checkpoint_holds_model_optimizer_and_position_and_gives_them_back(tmp_path):
+    saved = trained(seed=0)
+    save = saved.save(tmp_path / "ckpt", OneProcess(), {"lr": 0.01}, distributed=False)
+    save.wait()
+    directory = tmp_path / "ckpt"
+    assert checkpoints.is_complete(directory)
+    assert {p.name for p in directory.iterdir()} >= {".metadata", "train_state.pt", "model.pt", "position.json"}
+    assert json.loads((directory / "position.json").read_text())["step"] == 7
+
+    fresh = trained(seed=1)  # other weights, other optimizer state
+    fresh.load(directory, OneProcess(), seed=0, distributed=False, load_optimizer=lambda load: load())
+    for (name, a), (_, b) in zip(saved.model.state_dict().items(), fresh.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    moments = [s["exp_avg"] for s in saved.optimizer.state.values()]
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, fresh.optimizer.state.values()))
+
+
+def test_a_sharded_checkpoint_without_its_plain_model_still_exports_the_weights(tmp_path):
+    saved = trained()
+    saved.save(tmp_path / "ckpt", OneProcess(), {}, distributed=False).wait()
+    (tmp_path / "ckpt" / "model.pt").unlink()  # as under --strategy fsdp: only the DCP files
+    weights = checkpoints.load_model_weights(tmp_path / "ckpt")
+    CharGPT(layers=2, width=32, heads=2).load_state_dict(weights, strict=True)
+    assert checkpoints.model_shapes(tmp_path / "ckpt") == {k: tuple(v.shape) for k, v in weights.items()}
+    assert checkpoints.load_state(tmp_path / "ckpt")["optimizer"]["state"]  # the moments, by parameter name
+
+
+def test_a_checkpoint_of_another_model_is_named_before_anything_runs(tmp_path):
+    trained().save(tmp_path / "ckpt", OneProcess(), {}, distributed=False).wait()
+    shapes = checkpoints.model_shapes(tmp_path / "ckpt")
+    resume.check_model_fits(shapes, CharGPT(layers=2, width=32, heads=2), "ckpt")  # the same model: fine
+    with pytest.raises(CheckpointError, match="tokens.weight is \\[256, 32\\] there and \\[256, 64\\] in the model"):
+        resume.check_model_fits(shapes, CharGPT(layers=2, width=64, heads=2), "ckpt")
+    with pytest.raises(CheckpointError, match="missing from the checkpoint: blocks.2"):
+        resume.check_model_fits(shapes, CharGPT(layers=3, width=32, heads=2), "ckpt")
+
+
+def test_a_corrupt_shard_is_a_checkpoint_error_not_a_crash(tmp_path):
+    trained().save(tmp_path / "ckpt", OneProcess(), {}, distributed=False).wait()
+    shard = next((tmp_path / "ckpt").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        trained().load(tmp_path / "ckpt", OneProcess(), seed=0, distributed=False, load_optimizer=lambda load: load())
+
+
+def test_an_earlier_versions_single_file_checkpoint_still_resumes_unsharded(tmp_path):
+    saved = trained()
+    directory = tmp_path / "checkpoint_old"
+    directory.mkdir()
+    state = {
+        "model": saved.weights(),
+        "optimizer": saved.optimizer.state_dict(),
+        "scaler": saved.scaler.state_dict(),
+        "rng": [],
+        "position": {"epoch": 1, "step": 7},
+    }
+    torch.save(state, directory / "state.pt")
+    (directory / "position.json").write_text(json.dumps(state["position"]))
+    assert checkpoints.checkpoint_dirs(tmp_path) == [directory]
+    fresh = trained(seed=3)
+    fresh.load(directory, OneProcess(), seed=0, distributed=False, load_optimizer=lambda load: load())
+    assert all(torch.equal(a, b) for a, b in zip(saved.weights().values(), fresh.weights().values()))
+    fresh.sharded = True
+    with pytest.raises(CheckpointError, match="resume it with --strategy ddp"):
+        fresh.load(directory, OneProcess(), seed=0, distributed=False, load_optimizer=lambda load: load())
+
+
+def test_the_checkpoint_is_complete_only_once_its_train_state_is_written(tmp_path):
+    directory = tmp_path / "checkpoint_x"
+    directory.mkdir()
+    (directory / ".metadata").write_bytes(b"")
+    (directory / "position.json").write_text("{}")
+    assert not checkpoints.is_complete(directory)
+    (directory / "train_state.pt").write_bytes(b"")
+    assert checkpoints.is_complete(directory)
+    assert checkpoints.checkpoint_dirs(tmp_path) == [directory]
+    assert not checkpoints.is_complete(Path(tmp_path / "missing"))
+
+
+def test_unsharded_ranks_each_write_a_balanced_part_that_together_is_the_whole():
+    state = trained()
+    full = state._dcp_state()
+    parts = [state._dcp_part(rank, 3) for rank in range(3)]
+    keys = [set(part["model"]) for part in parts]
+    assert set().union(*keys) == set(full["model"]) and sum(map(len, keys)) == len(full["model"])
+    assert set().union(*(part["optim"]["state"] for part in parts)) == set(full["optim"]["state"])
+    assert [("param_groups" in part["optim"]) for part in parts] == [True, False, False]
+
+    def nbytes(part):
+        tensors = [*part["model"].values(), *(v for s in part["optim"]["state"].values() for v in s.values())]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    sizes = sorted(nbytes(part) for part in parts)
+    assert sizes[-1] <= 1.5 * sizes[0]  # balanced by bytes
+    assert [set(p["model"]) for p in (state._dcp_part(r, 3) for r in range(3))] == keys  # the same every time
