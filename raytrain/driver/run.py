@@ -82,7 +82,7 @@ def fit(
             check_validation_set(cfg, sources)
             if stored is not None:
                 check_resume(pipe, cfg, stored, sources, echo)
-            write_yaml(run_dir / CONFIG, recorded_config(pipe, cfg, spec, use_gpu))
+            write_yaml(run_dir / CONFIG, config_as_run(pipe, cfg, spec, use_gpu))
             trainer = build_torch_trainer(pipe, cfg, run_dir, sources, use_gpu, callbacks=callbacks)
             echo(
                 f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
@@ -165,7 +165,7 @@ def replaced_options(pipe: Pipeline) -> list[str]:
     return [hook for hook in resume.HOOK_FIELDS if overrides(pipe, hook)]
 
 
-def recorded_config(pipe: Pipeline, cfg: TrainConfig, spec: str, use_gpu: bool) -> dict[str, Any]:
+def config_as_run(pipe: Pipeline, cfg: TrainConfig, spec: str, use_gpu: bool) -> dict[str, Any]:
     """config.yaml: the resolved configuration as it runs — an option a pipeline hook replaces
     names the hook (rank 0 adds what the optimizer is once it is built)."""
     return resume.recorded_config({**cfg.to_dict(), "pipeline": spec, "gpu": use_gpu}, replaced_options(pipe))

@@ -43,7 +43,7 @@ from raytrain.worker.epoch import (
     train_epoch_per_step,
 )
 from raytrain.worker.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
-from raytrain.worker.optim import describe as describe_optimizer
+from raytrain.worker.optim import describe_optimizer
 from raytrain.worker.replicas import STARTUP_WAIT_S, ReplicaRuntime
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import checkpoints_to_try

@@ -58,7 +58,7 @@ def set_rates(optimizer: torch.optim.Optimizer, lr: float, multipliers: list[flo
         group["lr"] = lr * multiplier
 
 
-def describe(optimizer: torch.optim.Optimizer) -> str:
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
     """`AdamW, 2 groups`: what a pipeline's build_optimizer built, for the plan line and config.yaml."""
     groups = len(optimizer.param_groups)
     return f"{type(optimizer).__name__}, {groups} group{'s' if groups != 1 else ''}"

@@ -155,7 +155,7 @@ class StepRunner:
         return self.schedule.lr(samples_seen, factor)
 
     def describe_plan(self) -> str:
-        optimizer = optim.describe(self.optimizer) if overrides(self.pipeline, "build_optimizer") else None
+        optimizer = optim.describe_optimizer(self.optimizer) if overrides(self.pipeline, "build_optimizer") else None
         model = self.prepared.describe() if self.prepared is not None else ""
         return describe_plan(
             self.cfg, self.pipeline, self.batch_plan, self.schedule, self.runtime.backend, optimizer, model
