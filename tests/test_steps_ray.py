@@ -97,6 +97,7 @@ def test_max_steps_with_a_kill_and_a_resume_at_another_worker_count_is_exact_and
     base = dict(
         max_steps=8,  # 60 rows of 12: 5 steps an epoch, so the run ends 3 steps into the second
         global_batch_size=12,
+        reference_batch_size=6,  # as config.yaml froze it at the first start (the Python API resumes what it is given)
         checkpoint_every_steps=2,
         log_every_steps=1,
         storage=str(tmp_path),

@@ -23,7 +23,7 @@ from raytrain.rules import steps
 from raytrain.rules.budget import Budget, evaluation_due, evaluation_rows
 from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints
-from raytrain.rundir.records import EPOCH_LOSS, Kind
+from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker.replicas import ReplicaRuntime
 from raytrain.worker.step import StepRunner, update_context
@@ -290,17 +290,10 @@ def sync_ranks(runner: StepRunner, position: Position, stop_requested: bool = Fa
 def end_epoch(
     runner: StepRunner, val_data: Data | None, position: Position, files: RunWriter, epoch: EpochResult
 ) -> None:
-    """Validate, write the epoch's row and report it with a checkpoint. The row's `loss` is the
-    last window's, as every row's is; `epoch_loss` is the epoch's mean."""
-    runner.heartbeat.mark(position.step, "eval")
-    val_metrics = evaluate(runner, val_data) if val_data is not None else {}
+    """Validate, write the epoch's row and report it with a checkpoint."""
+    val_metrics = validate(runner, val_data, position)
     position.epoch, position.epoch_offset = position.epoch + 1, 0
-    row = runner.metrics_row(
-        position,
-        loss=_nan_if_none(position.last_loss),
-        samples_per_s=epoch.samples_per_s,
-        extra={EPOCH_LOSS: epoch.loss, **val_metrics},
-    )
+    row = closing_row(runner, position, epoch, val_metrics)
     files.epoch_end(row, runner.cfg.epochs)
     report_with_checkpoint(runner, position, row.to_json())
 
@@ -309,32 +302,34 @@ def end_at_step_budget(
     runner: StepRunner, val_data: Data | None, position: Position, files: RunWriter, epoch: EpochResult
 ) -> None:
     """The step budget (--max-steps) ran out inside an epoch: validate, write the run's last row
-    (the last window's loss, the epoch's mean so far as `epoch_loss`) and report it with a
-    checkpoint at this step."""
-    runner.heartbeat.mark(position.step, "eval")
-    val_metrics = evaluate(runner, val_data) if val_data is not None else {}
-    row = runner.metrics_row(
-        position,
-        loss=_nan_if_none(position.last_loss),
-        samples_per_s=epoch.samples_per_s,
-        extra={EPOCH_LOSS: epoch.loss, **val_metrics},
-    )
+    and report it with a checkpoint at this step."""
+    row = closing_row(runner, position, epoch, validate(runner, val_data, position))
     files.metrics(row)
     files.evaluation(row, final=True)
     report_with_checkpoint(runner, position, row.to_json())
 
 
+def closing_row(runner: StepRunner, position: Position, epoch: EpochResult, val_metrics: dict) -> MetricsRow:
+    """The row that closes an epoch (or the run, inside one): its `loss` is the last window's, as
+    every row's is; `epoch_loss` is the epoch's mean (so far)."""
+    last = math.nan if position.last_loss is None else position.last_loss
+    return runner.metrics_row(
+        position, loss=last, samples_per_s=epoch.samples_per_s, extra={EPOCH_LOSS: epoch.loss, **val_metrics}
+    )
+
+
+def validate(runner: StepRunner, val_data: Data | None, position: Position) -> dict[str, float]:
+    """A validation pass (none without a validation set)."""
+    runner.heartbeat.mark(position.step, "eval")
+    return evaluate(runner, val_data) if val_data is not None else {}
+
+
 def evaluate_during(runner: StepRunner, val_data: Data, position: Position) -> dict[str, float]:
     """A validation pass between two steps; its time is left out of the training throughput."""
-    runner.heartbeat.mark(position.step, "eval")
     tick = time.perf_counter()
-    metrics = evaluate(runner, val_data)
+    metrics = validate(runner, val_data, position)
     runner.throughput.since_time += time.perf_counter() - tick
     return metrics
-
-
-def _nan_if_none(value: float | None) -> float:
-    return math.nan if value is None else value
 
 
 def report_checkpoint(runner: StepRunner, position: Position) -> None:
