@@ -140,7 +140,7 @@ def _mark_epochs_and_events(axes, run: RunRecord) -> None:
 
 def _plot_loss(run: RunRecord, figure) -> bool:
     axes = figure.add_subplot()
-    x, y = _series(run.step_rows, "step", "loss")
+    x, y = _series(run.rows, "step", "loss")  # every row's loss is its window's, an epoch's row's too
     if x:
         axes.plot(x, y, color="tab:blue", linewidth=1, alpha=0.7, label="train (per logged window)")
     x, y = _series(run.epoch_rows, "step", EPOCH_LOSS)
