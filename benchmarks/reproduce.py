@@ -7,13 +7,19 @@ Recipes (docs/porting.md):
   AdamW, per-step cosine) on digits, vs `raytrain train digits --batch-size-per-worker 32
   --lr-scaling none --warmup-epochs 0`;
 - sgd: `examples/sgd_recipe/original.py` (SGD + Nesterov, warmup, step decay, label smoothing,
-  crop/flip) vs `examples.sgd_recipe.pipeline:SGDRecipe`.
+  crop/flip) vs `examples.sgd_recipe.pipeline:SGDRecipe`;
+- nanogpt: `examples/nanogpt_style/original.py` (step-based: 300 iterations of fresh random
+  windows of a token file, AdamW in two groups, warmup from 0 and a cosine to a floor, clipping,
+  8 windows per process) vs `examples.nanogpt_style.pipeline:NanoGPTStyle` (--max-steps, a
+  sampled training set, --global-batch-size 8 × workers). Both final models are scored by this
+  script on the same fixed windows of train.bin and val.bin (`fixed_windows`), so the two sides
+  are measured alike.
 
 Each original runs under torchrun (or alone at 1 worker) for every seed; the verdict compares
 the port's mean over the seeds with the original's mean, against the original's seed-to-seed
 spread (max − min over seeds). Usage:
 
-    python benchmarks/reproduce.py [--recipes template,sgd] [--seeds 0,1,2] [--workers 1,2] [--json out.json]
+    python benchmarks/reproduce.py [--recipes template,sgd,nanogpt] [--seeds 0,1,2] [--workers 1,2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RAYTRAIN = str(Path(sys.executable).with_name("raytrain"))
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-EPOCHS = {"template": 8, "sgd": 10}
+EPOCHS = {"template": 8, "sgd": 10, "nanogpt": None}  # nanogpt counts steps (its recipe's 300)
+SCORED_WINDOWS = 512  # windows of each split both nanogpt models are scored on
 
 
 def torchrun(workers: int, script: list[str]) -> list[str]:
@@ -98,6 +105,16 @@ def original(recipe: str, workers: int, seed: int, work: Path) -> dict:
             "--out",
             str(out),
         ]
+    elif recipe == "nanogpt":
+        model = work / f"orig-{recipe}-{workers}-{seed}.pt"
+        data = str(nanogpt_data(work))
+        run(
+            torchrun(
+                workers,
+                ["examples/nanogpt_style/original.py", "--data", data, "--seed", str(seed), "--save", str(model)],
+            )
+        )
+        return score_nanogpt(model, work)
     else:
         script = [
             "examples/sgd_recipe/original.py",
@@ -120,8 +137,7 @@ def port(recipe: str, workers: int, seed: int, work: Path) -> dict:
         str(workers),
         "--seed",
         str(seed),
-        "--epochs",
-        str(EPOCHS[recipe]),
+        *(["--epochs", str(EPOCHS[recipe])] if EPOCHS[recipe] else []),
         "--storage",
         str(work),
         "--name",
@@ -144,16 +160,58 @@ def port(recipe: str, workers: int, seed: int, work: Path) -> dict:
             "--warmup-epochs",
             "0",
         ]
+    elif recipe == "nanogpt":
+        command = [
+            RAYTRAIN,
+            "train",
+            "examples.nanogpt_style.pipeline:NanoGPTStyle",
+            *common,
+            "--global-batch-size",
+            str(8 * workers),  # the original's 8 windows per process
+            "--pipeline-arg",
+            f"data={nanogpt_data(work)}",
+        ]
+        run(command)
+        return score_nanogpt(work / name / "model.pt", work)
     else:
         command = [RAYTRAIN, "train", "examples.sgd_recipe.pipeline:SGDRecipe", *common]
     run(command)
     metrics = json.loads((work / name / "summary.json").read_text())["final_metrics"]
-    return {"train_loss": metrics["loss"], "val_loss": metrics["val_loss"]}
+    # the originals report the mean over the last epoch: its port's figure under that name
+    return {"train_loss": metrics["epoch_loss"], "val_loss": metrics["val_loss"]}
+
+
+def nanogpt_data(work: Path) -> Path:
+    from examples.nanogpt_style.data import prepare
+
+    return prepare(work / "nanogpt-data")
+
+
+def score_nanogpt(model_path: Path, work: Path) -> dict:
+    """The mean next-token loss of a final nanogpt model on the same fixed windows of each split."""
+    import torch
+    import torch.nn.functional as F
+
+    from examples.nanogpt_style.data import fixed_windows, tokens
+    from examples.nanogpt_style.original import BLOCK, HEADS, LAYERS, WIDTH
+    from pipelines.charlm.model import CharGPT
+
+    model = CharGPT(block=BLOCK, width=WIDTH, layers=LAYERS, heads=HEADS)
+    model.load_state_dict(torch.load(model_path, weights_only=True), strict=True)
+    model.eval()
+    figures = {}
+    with torch.no_grad():
+        for split in ("train", "val"):
+            windows = torch.from_numpy(fixed_windows(tokens(nanogpt_data(work), split), BLOCK, SCORED_WINDOWS))
+            logits = model(windows[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+            figures[f"{split}_loss"] = float(loss)
+    return figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipes", default="template,sgd")
+    parser.add_argument("--recipes", default="template,sgd,nanogpt")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--json")

@@ -16,6 +16,8 @@ in the field's metadata:
 - `metavar`: how --help shows the value,
 - `text`: an optional string whose every word is text (a name): `none`, `null` and the empty
   string are values, never "no value" (`--name none` names the run "none").
+- `default_text`: how --help shows the default, when the value alone would not say it (a
+  default that depends on other options, a None that means "decided at run time").
 """
 
 from __future__ import annotations
@@ -90,6 +92,21 @@ class Option:
         if none and self.optional:
             names.append("none")
         return " or ".join(dict.fromkeys(names)) or "anything"
+
+    def default_words(self) -> str | None:
+        """The default as --help shows it (`default_text`, else the value; none: None or empty);
+        None for a required field."""
+        if self.metadata.get("default_text"):
+            return str(self.metadata["default_text"])
+        if self.default is dataclasses.MISSING:
+            return None
+        if self.default is None or self.default in ({}, [], ""):
+            return "none"
+        if isinstance(self.default, bool):
+            return "on" if self.default else "off"
+        if isinstance(self.default, (list, tuple)):
+            return ",".join(map(str, self.default))
+        return f"{self.default:g}" if isinstance(self.default, float) else str(self.default)
 
     def accepts(self, value: Any) -> bool:
         """Whether `value` (from Python or YAML) has one of the field's types: an int is a

@@ -157,9 +157,14 @@ def _datasets(value: Any, before: Any) -> str | None:
     if not isinstance(value, dict) or "train" not in value:
         got = f"a dict with keys {sorted(map(str, value))}" if isinstance(value, dict) else f"a {type(value).__name__}"
         return f"must return a dict with a 'train' dataset (and optionally 'val'); it returned {got}"
+    from raytrain.sampled import Sampled
+
     for name, dataset in value.items():
-        if not isinstance(dataset, (ray.data.Dataset, torch.utils.data.Dataset)):
-            return f"returned dataset {name!r} as a {type(dataset).__name__}, not a ray.data.Dataset or a torch Dataset"
+        if not isinstance(dataset, (ray.data.Dataset, torch.utils.data.Dataset, Sampled)):
+            return (
+                f"returned dataset {name!r} as a {type(dataset).__name__}, not a ray.data.Dataset, a torch Dataset "
+                "or a raytrain.Sampled"
+            )
     return None
 
 

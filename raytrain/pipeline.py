@@ -285,7 +285,11 @@ def overrides(pipeline: Pipeline, method: str) -> bool:
 
 @dataclass
 class RunContext:
-    """Where the run is, readable from inside a pipeline's methods via `raytrain.context()`."""
+    """Where the run is, and its resolved plan, readable from inside a pipeline's methods via
+    `raytrain.context()`. In `build_datasets` (on the driver, before any worker starts) the plan
+    is the planned one: the largest worker count, `total_steps` not known yet (it needs the
+    training set's size); in `build_model`, `build_optimizer`, `lr_factor`, `compute_loss` and
+    `transform_batch` it is this attempt's."""
 
     epoch: int = 0
     step: int = 0
@@ -294,11 +298,41 @@ class RunContext:
     world_size: int = 1
     global_batch_size: int = 0
     lr: float = 0.0
+    batch_size_per_worker: int = 0
+    """The most samples one worker takes in a step (global batch ÷ workers, rounded up)."""
+    accumulation_steps: int = 1
+    max_steps: int | None = None
+    """The step budget (--max-steps); None: the run is counted in epochs only."""
+    total_steps: int | None = None
+    """The optimizer steps the whole run takes at this plan (--max-steps or --epochs, whichever comes first)."""
+    config: Any = None
+    """The run's TrainConfig (its pipeline options: `pipeline.args(context().config)`)."""
 
 
 _CONTEXT = RunContext()
 
 
 def context() -> RunContext:
-    """The current run's position: epoch, step, samples_seen, world_rank, world_size, global_batch_size, lr."""
+    """The current run's position and plan: epoch, step, samples_seen, world_rank, world_size,
+    global_batch_size, batch_size_per_worker, accumulation_steps, max_steps, total_steps, lr, config."""
     return _CONTEXT
+
+
+def set_plan(
+    *,
+    global_batch_size: int,
+    world_size: int,
+    accumulation_steps: int,
+    max_steps: int | None,
+    total_steps: int | None,
+    config: Any,
+) -> None:
+    """Tell `context()` the resolved plan (the driver before build_datasets, each attempt
+    before build_model)."""
+    _CONTEXT.global_batch_size = global_batch_size
+    _CONTEXT.world_size = world_size
+    _CONTEXT.batch_size_per_worker = -(-global_batch_size // max(1, world_size))
+    _CONTEXT.accumulation_steps = accumulation_steps
+    _CONTEXT.max_steps = max_steps
+    _CONTEXT.total_steps = total_steps
+    _CONTEXT.config = config

@@ -511,3 +511,66 @@ class ReplicaFaultsPipeline(ReplicaRecordingPipeline):
     def build_model(self, cfg):
         self._configure(cfg)
         return super().build_model(cfg)
+
+
+class RowsOf:
+    """`take` of a sampled dataset over a table: the rows of the drawn items (ids included)."""
+
+    def __init__(self, features: np.ndarray, labels: np.ndarray):
+        self.features, self.labels = features, labels
+
+    def __call__(self, items: np.ndarray) -> dict:
+        return {"x": self.features[items], "y": self.labels[items], "id": items}
+
+
+class StepsPipeline(RecordingPipeline):
+    """RecordingPipeline for step-based runs: a validation set, its training set walked or
+    sampled (`sampled`: a `raytrain.Sampled` of `num_rows` items), its own optimizer (two
+    groups) and lr_factor (reading its floor from the run's config through the context), and
+    what `raytrain.context()` shows `build_datasets` and `build_optimizer` (plan-*.json)."""
+
+    @dataclass
+    class Args:
+        floor: float = 0.1
+        """The rate's floor, as a fraction of the peak."""
+
+    def __init__(self, out_dir: str, num_rows: int = 64, sampled: bool = False, crash_at_step: int | None = None):
+        super().__init__(out_dir, num_rows=num_rows, crash_at_step=crash_at_step)
+        self.sampled = sampled
+
+    def build_datasets(self, cfg):
+        self._plan("datasets")
+        rng = np.random.default_rng(7)
+        features = rng.normal(size=(self.num_rows, 8)).astype(np.float32)
+        labels = (features[:, 0] > 0).astype(np.int64)
+        val = {"x": features[:40] + 0.5, "y": labels[:40], "id": np.arange(40, dtype=np.int64)}
+        if self.sampled:
+            train = raytrain.Sampled(self.num_rows, RowsOf(features, labels))
+        else:
+            train = _table_dataset({"x": features, "y": labels, "id": np.arange(self.num_rows, dtype=np.int64)})
+        return {"train": train, "val": _table_dataset(val)}
+
+    def build_optimizer(self, model, cfg):
+        self._plan("optimizer")
+        weights = [p for p in model.parameters() if p.ndim > 1]
+        others = [p for p in model.parameters() if p.ndim <= 1]
+        return torch.optim.AdamW([{"params": weights}, {"params": others, "weight_decay": 0.0}], lr=cfg.lr)
+
+    def lr_factor(self, progress):
+        floor = self.args(raytrain.context().config).floor
+        return floor + (1 - floor) * (1 - progress)
+
+    def _plan(self, hook: str) -> None:
+        ctx = raytrain.context()
+        seen = {
+            "global_batch_size": ctx.global_batch_size,
+            "batch_size_per_worker": ctx.batch_size_per_worker,
+            "world_size": ctx.world_size,
+            "max_steps": ctx.max_steps,
+            "total_steps": ctx.total_steps,
+        }
+        Path(self.out_dir, f"plan-{hook}-rank{ctx.world_rank}.json").write_text(json.dumps(seen))
+
+    @property
+    def name(self) -> str:
+        return "steps"

@@ -393,7 +393,8 @@ def test_render_spells_options_the_users_way():
 
 def test_from_dict_unknown_key_with_suggestion():
     with pytest.raises(
-        ConfigError, match=re.escape("lr_scale: unknown option (did you mean 'lr_scaling'?); known: epochs, workers")
+        ConfigError,
+        match=re.escape("lr_scale: unknown option (did you mean 'lr_scaling'?); known: epochs, max_steps, workers"),
     ):
         TrainConfig.from_dict({"lr_scale": "sqrt"})
 

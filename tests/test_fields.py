@@ -40,10 +40,12 @@ def test_every_train_config_field_is_a_train_flag_with_its_type_and_help(option)
     if option.nested is not None:  # ddp: one flag per DDPConfig field
         for inner in fields.options(option.nested):
             action = actions[f"{option.name}.{inner.name}"]
-            assert flag_name(f"{option.name}_{inner.name}") in action.option_strings and action.help == inner.help
+            assert flag_name(f"{option.name}_{inner.name}") in action.option_strings
+            assert action.help == f"{inner.help} (default: {inner.default_words()})"
         return
     action = actions[option.name]
-    assert action.help == option.help and action.help, option.name
+    # --help says every default: the docstring, then the default (`default_text` where the value would not say it)
+    assert option.help and action.help == f"{option.help} (default: {option.default_words()})", option.name
     assert action.default is argparse.SUPPRESS  # only what the user typed overrides the layers below
     if option.kinds == (bool,):
         assert action.nargs == 0
@@ -106,14 +108,15 @@ def test_a_new_field_is_a_flag_without_touching_the_cli():
     parsed = parser.parse_args(["--new-knob", "0.25", "--mode", "slow", "--targets", "a+b", "--epochs", "3"])
     assert (parsed.new_knob, parsed.mode, parsed.targets, parsed.epochs) == (0.25, "slow", ["a", "b"], 3)
     actions = actions_by_dest(parser)
-    assert actions["new_knob"].help == "A knob added to the config." and actions["mode"].metavar == "{fast,slow}"
+    assert actions["new_knob"].help == "A knob added to the config. (default: 0.5)"
+    assert actions["mode"].metavar == "{fast,slow}"
     assert actions["targets"].metavar == "A+B"
 
 
 def test_tune_and_bench_options_are_flags_of_their_commands():
     tune = actions_by_dest(subcommand("tune"))
     for option in fields.options(TuneOptions):
-        assert tune[option.name].help == option.help
+        assert tune[option.name].help.startswith(option.help)
     assert "--grace-period" in tune["grace_period_epochs"].option_strings and tune["grace_period_epochs"].type("2") == 2
     assert "resume" not in tune and "lr" in tune  # lr is a swept axis there, a comma-separated list
     bench = actions_by_dest(subcommand("bench"))

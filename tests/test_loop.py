@@ -195,6 +195,7 @@ def test_an_attempt_drops_the_rows_after_its_checkpoint_and_says_what_it_is(tmp_
 
 def test_an_epochs_end_writes_its_row_and_its_line(tmp_path):
     writer = RunWriter(tmp_path, enabled=True)
+    writer.metrics(MetricsRow(epoch=2, step=30, loss=0.7))  # the window before the epoch's last
     row = MetricsRow(
         epoch=2,
         step=40,
@@ -205,10 +206,10 @@ def test_an_epochs_end_writes_its_row_and_its_line(tmp_path):
         loss=0.5,
         samples_per_s=1000.0,
         time_s=1.0,
-        extra={"val_loss": 0.25},
+        extra={"val_loss": 0.25, "epoch_loss": 0.625},
     )
     writer.epoch_end(row, epochs=3)
-    (metrics,) = lines(tmp_path / "metrics.jsonl")
+    _, metrics = lines(tmp_path / "metrics.jsonl")
     assert metrics["epoch_end"] is True and metrics["val_loss"] == 0.25
     assert {
         "epoch",
@@ -223,7 +224,11 @@ def test_an_epochs_end_writes_its_row_and_its_line(tmp_path):
     } <= set(metrics)
     (event,) = lines(tmp_path / "events.jsonl")
     assert event["kind"] == "epoch" and event["epoch"] == 2
-    assert event["message"] == "epoch 2/3  loss 0.5000  val_loss 0.2500  lr 1.00e-03  1,000 samples/s"
+    # each loss named for what it is the mean of: the epoch, and the last window (the steps since the row before)
+    assert (
+        event["message"]
+        == "epoch 2/3  epoch_loss 0.6250  loss 0.5000 (steps 31–40)  val_loss 0.2500  lr 1.00e-03  1,000 samples/s"
+    )
     assert "epoch_end" not in row.to_json()  # the row reported to Ray stays without it
 
 
@@ -251,6 +256,7 @@ def test_finishing_writes_the_model_the_progress_and_the_last_event(tmp_path):
         "epoch_loss",
         "flops_per_sample",
         "device_name",
+        "last_loss",
         "steady_samples_per_s",
         "status",
         "time",

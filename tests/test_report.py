@@ -37,7 +37,13 @@ def write_run(run_dir: Path, *, summary: bool = True) -> Path:
             "time_s": T0 + 2 * step,
         }
         if step % 30 == 0:
-            row.update(epoch_end=True, epoch=step // 30, val_loss=row["loss"] * 1.1, val_accuracy=0.6 + 0.1 * epoch)
+            row.update(
+                epoch_end=True,
+                epoch=step // 30,
+                epoch_loss=row["loss"] * 1.5,
+                val_loss=row["loss"] * 1.1,
+                val_accuracy=0.6 + 0.1 * epoch,
+            )
         rows.append(row)
     events.append(
         {
@@ -112,8 +118,9 @@ def test_report_writes_valid_pngs_and_a_markdown_summary(tmp_path):
         "**finished** · pipeline `digits` · 3/3 epochs · 90 steps · 8,000 samples · 200.5 s wall · 2,500 samples/s "
         "steady · workers 2 → 4 · 1 failure recovered" in text
     )
-    assert "| epoch | step | train loss | val_accuracy | val_loss | lr | samples/s | workers | global batch |" in text
-    assert "| 3 | 90 | 0.2000 | 0.9000 | 0.2200 | 2.00e-03 | 3,600 | 4 | 128 |" in text
+    head = "| epoch | step | epoch_loss | loss (last window) | val_accuracy | val_loss | lr | samples/s | workers |"
+    assert head in text
+    assert "| 3 | 90 | 0.3000 | 0.2000 | 0.9000 | 0.2200 | 2.00e-03 | 3,600 | 4 | 128 |" in text
     assert "(+45 s): Restarted from the checkpoint at step 20 with 2 workers" in text
     assert "(+81 s): Resized 2 → 4 workers at step 40" in text
     for name in ("loss", "val", "lr", "workers", "throughput"):

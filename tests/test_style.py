@@ -110,7 +110,7 @@ def test_every_private_ray_name_exists_in_the_installed_ray(name):
 
 
 def test_the_public_surface_is_the_documented_names():
-    public = ["ConfigError", "FitResult", "Pipeline", "RunFailed", "TrainConfig", "context", "fit", "tune"]
+    public = ["ConfigError", "FitResult", "Pipeline", "RunFailed", "Sampled", "TrainConfig", "context", "fit", "tune"]
     assert sorted(raytrain.__all__) == public
     from raytrain import rundir
 

@@ -152,9 +152,12 @@ def test_step_scalars_split_window_epoch_and_validation_series():
         "train/global_batch_size": 64.0,
         "train/world_size": 2.0,
     }
-    end = step_scalars(metrics_row(23, epoch_end=True, val_loss=0.5, val_accuracy=0.9))
+    # a validation pass between epoch ends (--eval-every-steps) shows under val/ as an epoch's does
+    assert step_scalars(metrics_row(12, val_loss=0.6))["val/loss"] == 0.6
+    end = step_scalars(metrics_row(23, epoch_end=True, epoch_loss=1.25, val_loss=0.5, val_accuracy=0.9))
     assert end == {
-        "epoch/train_loss": 1.0,
+        "train/loss": 1.0,  # the last window's, a step series like every row's
+        "epoch/train_loss": 1.25,  # the epoch's mean, under its own name
         "epoch/samples_per_s": 1023.0,
         "train/lr": pytest.approx(0.023),
         "train/global_batch_size": 64.0,
@@ -232,7 +235,7 @@ def test_tensorboard_events_have_step_series_validation_and_text_events(tmp_path
     sink.event(event("plan", "global 64 = 2 workers × 32 per worker", T0))
     for step in (5, 10, 15):
         sink.metrics(metrics_row(step, loss=2.0 / step))
-    sink.metrics(metrics_row(20, epoch_end=True, loss=0.4, val_loss=0.5, val_accuracy=0.875))
+    sink.metrics(metrics_row(20, epoch_end=True, loss=0.4, epoch_loss=0.6, val_loss=0.5, val_accuracy=0.875))
     sink.event(
         event("resize", "Resized 2 → 1 workers at step 20", T0 + 30, step=20, world_size=1, previous_world_size=2)
     )
@@ -244,7 +247,8 @@ def test_tensorboard_events_have_step_series_validation_and_text_events(tmp_path
     scalars = set(tb.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/samples_per_s", "train/global_batch_size", "train/world_size"} <= scalars
     assert {"val/loss", "val/accuracy", "epoch/train_loss", "epoch/samples_per_s", "epoch/epoch"} <= scalars
-    assert series(tb, "train/loss") == [(5, 0.4), (10, 0.2), (15, 0.13333), (25, 0.3)]
+    assert series(tb, "train/loss") == [(5, 0.4), (10, 0.2), (15, 0.13333), (20, 0.4), (25, 0.3)]
+    assert series(tb, "epoch/train_loss") == [(20, 0.6)]
     assert series(tb, "train/world_size") == [(5, 2), (10, 2), (15, 2), (20, 2), (25, 1)]
     assert series(tb, "val/accuracy") == [(20, 0.875)]
     assert texts(tb, "events/text_summary") == [
@@ -290,7 +294,7 @@ def test_mlflow_run_holds_params_step_metrics_and_the_model(tmp_path, monkeypatc
     sink = MLflowSink(uri, "raytrain-tests", cfg, config_params(cfg, "digits", run_dir), run_dir, echo=lines.append)
     for step in (5, 10):
         sink.metrics(metrics_row(step, loss=1.0 / step))
-    sink.metrics(metrics_row(12, epoch_end=True, loss=0.3, val_loss=0.25, val_accuracy=0.9))
+    sink.metrics(metrics_row(12, epoch_end=True, loss=0.3, epoch_loss=0.4, val_loss=0.25, val_accuracy=0.9))
     sink.tick()
     (run_dir / "model.pt").write_bytes(b"weights")
     (run_dir / "config.yaml").write_text("epochs: 2\n")
@@ -312,7 +316,12 @@ def test_mlflow_run_holds_params_step_metrics_and_the_model(tmp_path, monkeypatc
         and params["pipeline"] == "digits"
         and params["ddp.static_graph"] == "False"
     )
-    assert [(m.step, m.value) for m in client.get_metric_history(sink.run_id, "loss")] == [(5, 0.2), (10, 0.1)]
+    assert [(m.step, m.value) for m in client.get_metric_history(sink.run_id, "loss")] == [
+        (5, 0.2),
+        (10, 0.1),
+        (12, 0.3),
+    ]
+    assert [(m.step, m.value) for m in client.get_metric_history(sink.run_id, "epoch_train_loss")] == [(12, 0.4)]
     assert [(m.step, m.value) for m in client.get_metric_history(sink.run_id, "val_accuracy")] == [(12, 0.9)]
     assert {
         "lr",
@@ -476,7 +485,7 @@ def test_digits_run_leaves_tensorboard_files_and_a_report(ray_session, tmp_path,
         "val/accuracy",
     } <= set(tb.Tags()["scalars"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [e.step for e in tb.Scalars("train/loss")] == [row["step"] for row in rows if not row.get("epoch_end")]
+    assert [e.step for e in tb.Scalars("train/loss")] == [row["step"] for row in rows]  # every row: its window's
     assert [e.step for e in tb.Scalars("val/accuracy")] == [row["step"] for row in rows if row.get("epoch_end")]
     assert [step for step, _ in texts(tb, "events/text_summary")][-1] == rows[-1]["step"]  # the "done" event
 

@@ -186,6 +186,9 @@ def test_trial_configs_are_checked_before_anything_starts():
     with pytest.raises(ConfigError, match=r"grace_period: got 3 epochs, longer than the 2 epochs of each trial"):
         check_trials(base, SearchSpace(workers=[1]), TuneOptions(grace_period_epochs=3))
     check_trials(base, SearchSpace(workers=[1]), TuneOptions(grace_period_epochs=3, early_stop=False))
+    steps_only = sweep_base_config(TrainConfig(max_steps=300), SearchSpace(workers=[1]), "digits")
+    with pytest.raises(ConfigError, match=r"max_steps: got 300 without --epochs: a sweep compares its trials at epoch"):
+        check_trials(steps_only, SearchSpace(workers=[1]), TuneOptions())
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ BASELINE_TIMEOUT_S = 1800
 BENCH_OWNED = (
     "workers",
     "epochs",
+    "max_steps",
     "storage",
     "name",
     "resume",

@@ -172,7 +172,8 @@ def bench_config(
     failures = 1 if values.get("fault_tolerance") == "per-step" else 0
     values.update(workers=workers, epochs=epochs, storage=str(storage), name=name, max_failures=failures)
     values["time_phases"] = True
-    values["warmup_epochs"] = min(float(values.get("warmup_epochs", 1.0)), float(epochs))
+    if values.get("warmup_steps") is None:
+        values["warmup_epochs"] = min(float(values.get("warmup_epochs") or 1.0), float(epochs))
     values["timing_warmup_steps"] = opts.warmup_steps
     return TrainConfig.from_dict(values)
 
@@ -194,12 +195,25 @@ def prepare_data(pipe, cfg: TrainConfig, out: Path | None, verbose: bool = False
     from raytrain.data import shards
     from raytrain.data.checks import Schema, load_table
     from raytrain.data.sources import build_datasets, read_probe
+    from raytrain.sampled import Sampled
 
     data_logger = logging.getLogger("ray.data")
     level = data_logger.level
     data_logger.setLevel(logging.INFO if verbose else logging.ERROR)
     try:
         dataset = build_datasets(pipe, cfg)["train"]
+        if isinstance(dataset, Sampled):
+            if out is not None:
+                raise ConfigError(
+                    [
+                        (
+                            "baseline",
+                            "the pipeline's training set is sampled (raytrain.Sampled): the baselines walk a "
+                            "table of rows; bench it without --baseline",
+                        )
+                    ]
+                )
+            return dataset.rows_per_epoch  # an epoch of draws
         if out is None:
             return dataset.count()
         units = shards.split(dataset)

@@ -35,7 +35,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def print_summary(result, files: "RunDir | None" = None) -> None:
     s = result.summary
-    metrics = "  ".join(f"{k} {v:.4f}" for k, v in s["final_metrics"].items() if isinstance(v, (int, float)))
+    window = s.get("final_loss_steps")
+    metrics = "  ".join(
+        f"{k} {v:.4f}" + (f" (steps {window[0]:,}–{window[1]:,})" if k == "loss" and window else "")
+        for k, v in s["final_metrics"].items()
+        if isinstance(v, (int, float))
+    )
     steady = f", {s['steady_samples_per_s']:,.0f} samples/s steady" if s.get("steady_samples_per_s") else ""
     print(f"Done in {s['wall_time_s']:.1f} s: {s['epochs']} epochs, {s['steps']} steps{steady}; {metrics}")
     print(f"Run directory: {result.run_dir}")

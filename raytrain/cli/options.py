@@ -105,4 +105,4 @@ def resumed_options(spec: str | None, file_values: dict[str, Any], flags: dict[s
         raise ConfigError(problems)
     storage = flags.get("storage") or file_values.get("storage") or DEFAULT_STORAGE
     stored = RunDir(Store.of(storage) / name).stored_run()
-    return resume.resumed_pipeline(stored, spec), merge_layers(stored.config, file_values, flags)
+    return resume.resumed_pipeline(stored, spec), merge_layers(resume.resolvable(stored.config), file_values, flags)

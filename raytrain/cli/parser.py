@@ -27,7 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     train = commands.add_parser(
-        "train", help="train a pipeline", description="Train PIPELINE (a built-in name or module:attr)."
+        "train",
+        help="train a pipeline",
+        description="Train PIPELINE (a built-in name or module:attr). `raytrain train PIPELINE --help` also lists "
+        "the pipeline's own options (--pipeline-arg) and defaults.",
+        add_help=False,
+    )
+    train.add_argument(
+        "-h", "--help", action=PipelineHelp, help="show this help (with PIPELINE first: and the pipeline's options)"
     )
     train.add_argument("pipeline", nargs="?", help="built-in name (digits) or module:attr; may come from --config")
     train.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (flags override it)")
@@ -92,6 +99,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class PipelineHelp(argparse.Action):
+    """--help that, after a PIPELINE, adds the pipeline's own options: its `Args` fields as
+    `--pipeline-arg KEY=TYPE` with their docstrings and defaults, and its default_config."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        spec = getattr(namespace, "pipeline", None)
+        if spec:
+            add_pipeline_options(parser, spec)
+        parser.print_help()
+        parser.exit()
+
+
+def add_pipeline_options(parser, spec: str) -> None:
+    """A help section for pipeline `spec` (or one line saying why it cannot be loaded)."""
+    from raytrain.errors import UserError
+    from raytrain.pipeline import load_pipeline
+
+    try:
+        pipe = load_pipeline(spec)
+    except UserError as exc:
+        parser.epilog = f"(the options of pipeline {spec} cannot be shown: {exc})"
+        return
+    defaults = ", ".join(f"{flag_name(key)} {value}" for key, value in pipe.default_config.items())
+    group = parser.add_argument_group(
+        f"options of pipeline {pipe.name} (--pipeline-arg KEY=VALUE, repeatable; YAML: pipeline_args)",
+        f"{pipe.name}'s own defaults, under --config and the flags: {defaults or 'none'}.",
+    )
+    if pipe.Args is None:
+        group.description += f" {pipe.name} takes no --pipeline-arg."
+        return
+    for option in fields.options(pipe.Args):
+        kind = "{" + ",".join(map(str, option.choices)) + "}" if option.choices else option.type_name.upper()
+        text = option.help or ""
+        default = option.default_words()
+        text = f"{text} (default: {default})" if default is not None else f"{text} (required)"
+        group.add_argument(f"--pipeline-arg {option.name}={kind}", action="store_const", const=None, help=text)
+
+
 def add_run_flags(parser, skip: Iterable[str] = ()) -> None:
     """A flag for every TrainConfig field but `skip` (DDPConfig's as `--ddp-<field>`), all
     defaulting to 'not given' so that only what the user typed overrides the layers below."""
@@ -120,7 +168,7 @@ def add_flags(
             continue
         dest = prefix + option.name
         names = spellings.get(option.name) or (option.flags if not prefix else (flag_name(dest),))
-        common = {"dest": dest, "default": argparse.SUPPRESS, "help": (option.help or "").replace("%", "%%") or None}
+        common = {"dest": dest, "default": argparse.SUPPRESS, "help": help_text(option)}
         if option.kinds == (bool,):
             action = "store_true" if option.metadata.get("switch") else argparse.BooleanOptionalAction
             parser.add_argument(*names, action=action, **common)
@@ -130,6 +178,15 @@ def add_flags(
             )
             action = "append" if option.metadata.get("repeat") else "store"
             parser.add_argument(*names, action=action, type=_flag_type(option), metavar=metavar, **common)
+
+
+def help_text(option: fields.Option) -> str | None:
+    """A flag's help: the field's docstring and its default (`(default: 5)`)."""
+    text = option.help or ""
+    default = option.default_words()
+    if default is not None and not option.nested:
+        text = f"{text} (default: {default})".strip()
+    return text.replace("%", "%%") or None
 
 
 def _flag_type(option: fields.Option) -> Callable[[str], Any]:
@@ -206,7 +263,8 @@ def add_bench_parser(commands) -> None:
     )
     add_flags(predict, PredictOptions, skip=("link",))  # --link is BenchOptions' too
     train = bench.add_argument_group("train options (as for raytrain train)")
-    add_run_flags(train, skip=(*BENCH_OWNED, "time_phases"))
+    # bench's own --warmup-steps is the timing warm-up; the learning-rate warmup in steps is YAML-only here
+    add_run_flags(train, skip=(*BENCH_OWNED, "time_phases", "warmup_steps"))
     bench.set_defaults(handler=handlers.cmd_bench)
 
 

@@ -83,6 +83,9 @@ def _positive_int(name: str, value: int | None, example: int) -> Iterable[tuple[
 
 def _check_counts(c: Any) -> Iterable[tuple[str, str]]:
     yield from _positive_int("epochs", c.epochs, 5)
+    yield from _positive_int("max_steps", c.max_steps, 1000)
+    yield from _positive_int("eval_every_steps", c.eval_every_steps, 100)
+    yield from _positive_int("eval_batches", c.eval_batches, 20)
     yield from _positive_int("global_batch_size", c.global_batch_size, 256)
     yield from _positive_int("batch_size_per_worker", c.batch_size_per_worker, 32)
     yield from _positive_int("micro_batch_size", c.micro_batch_size, 16)
@@ -192,13 +195,7 @@ def _check_rates(c: Any) -> Iterable[tuple[str, str]]:
         yield "nesterov", "applies to --optimizer sgd with a --momentum above 0"
     if c.grad_clip_norm is not None and not 0 < c.grad_clip_norm < math.inf:
         yield "grad_clip_norm", f"got {c.grad_clip_norm}; must be a positive norm, e.g. --grad-clip-norm 1.0"
-    if not 0 <= c.warmup_epochs < math.inf:
-        yield "warmup_epochs", f"got {c.warmup_epochs}; must be 0 or more, e.g. --warmup-epochs 1"
-    elif c.epochs >= 1 and c.warmup_epochs > c.epochs:
-        yield (
-            "warmup_epochs",
-            f"got {c.warmup_epochs}, longer than the {c.epochs} epochs of the run; lower it or raise --epochs",
-        )
+    yield from _check_warmup(c)
     if not 0 <= c.weight_decay < math.inf:
         yield "weight_decay", f"got {c.weight_decay}; must be 0 or more"
 
@@ -231,6 +228,30 @@ def _check_run(c: Any) -> Iterable[tuple[str, str]]:
 
 
 _URI_RE = re.compile(r"^(file://.*|[a-z][a-z0-9+.-]*://[^/?#]+(/[^?#]*)?(\?.*)?)$")
+
+
+def _check_warmup(c: Any) -> Iterable[tuple[str, str]]:
+    if not 0 <= c.warmup_epochs < math.inf:
+        yield "warmup_epochs", f"got {c.warmup_epochs}; must be 0 or more, e.g. --warmup-epochs 1"
+    elif c.warmup_steps is not None and c.warmup_epochs > 0:
+        yield (
+            "warmup_steps",
+            f"got {c.warmup_steps} together with --warmup-epochs {c.warmup_epochs:g}; give the warmup one way: in "
+            "steps (--warmup-steps) or in epochs (--warmup-epochs)",
+        )
+    elif c.epochs is not None and c.epochs >= 1 and c.warmup_epochs > c.epochs:
+        yield (
+            "warmup_epochs",
+            f"got {c.warmup_epochs}, longer than the {c.epochs} epochs of the run; lower it or raise --epochs",
+        )
+    if c.warmup_steps is not None and c.warmup_steps < 0:
+        yield "warmup_steps", f"got {c.warmup_steps}; must be 0 or more, e.g. --warmup-steps 100"
+    elif c.warmup_steps is not None and c.max_steps is not None and c.warmup_steps > c.max_steps:
+        yield (
+            "warmup_steps",
+            f"got {c.warmup_steps}, longer than the {c.max_steps} steps of the run (--max-steps); lower it or raise "
+            "--max-steps",
+        )
 
 
 def _check_milestones(c: Any) -> Iterable[tuple[str, str]]:

@@ -23,6 +23,12 @@ ProgressMode = Literal["auto", "bar", "plain", "off"]
 FaultTolerance = Literal["restart", "per-step"]
 Strategy = Literal["ddp", "fsdp"]
 LR_RULES = get_args(LRRule)
+# Knobs of which a layer (pipeline defaults < --config < flags) that names one replaces the other below it.
+EXCLUSIVE_PAIRS = (
+    {"global_batch_size", "batch_size_per_worker"},
+    {"epochs", "max_steps"},
+    {"warmup_epochs", "warmup_steps"},
+)
 DEFAULT_STORAGE = "~/raytrain_results"
 
 
@@ -63,27 +69,33 @@ class DDPConfig:
 class TrainConfig:
     """Everything a `raytrain train` run needs to know; see DESIGN.md, 'Meaning of the knobs'."""
 
-    epochs: int = 5
-    """Passes over the training set."""
+    epochs: int | None = field(default=None, metadata={"default_text": "5; none with --max-steps alone"})
+    """Passes over the training set (each one every row once). With --max-steps too: whichever comes first."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps, mid-epoch if need be (a checkpoint and the final model there); the
+    schedule spans them. With --epochs too: whichever comes first."""
     workers: int | str = 2
     """Worker count `N`, or `MIN:MAX` for an elastic run; 0 runs the loop in this process (debugging)."""
-    gpu: bool | None = None
+    gpu: bool | None = field(default=None, metadata={"default_text": "auto"})
     """Train on GPUs (NCCL) or CPUs (gloo); None: GPUs when the cluster has any."""
     global_batch_size: int | None = None
     """Samples per optimizer step across all workers, whatever the worker count."""
-    batch_size_per_worker: int | None = None
-    """Samples per optimizer step on each worker (global = this × workers). Default 32."""
+    batch_size_per_worker: int | None = field(default=None, metadata={"default_text": "32 without --global-batch-size"})
+    """Samples per optimizer step on each worker (global = this × workers)."""
     micro_batch_size: int | None = None
     """Most samples one worker puts through one forward pass; larger shares use gradient accumulation."""
     lr: float = 1e-3
     """Learning rate tuned for `reference_batch_size` (the single-GPU recipe)."""
     lr_scaling: LRRule = "linear"
     """How the peak rate follows the global batch: linear, sqrt or none."""
-    reference_batch_size: int | None = None
-    """The batch `lr` was tuned for. Default: the per-worker batch."""
-    warmup_epochs: float = 1.0
+    reference_batch_size: int | None = field(default=None, metadata={"default_text": "the per-worker batch"})
+    """The batch `lr` was tuned for."""
+    warmup_epochs: float | None = field(default=None, metadata={"default_text": "1; 0 with --warmup-steps"})
     """Gradual warmup from `lr` (or from warmup_start_factor × the peak) to the scaled peak, in epochs (counted in
     samples)."""
+    warmup_steps: int | None = None
+    """The warmup in optimizer steps instead of epochs (counted in samples: steps × the planned global batch, so a
+    resize never changes it)."""
     schedule: ScheduleName = "cosine"
     """After warmup: cosine (to 0), constant, linear (to 0), step (×lr_gamma at each of lr_milestones) or onecycle; a
     pipeline's lr_factor(progress) replaces it."""
@@ -141,10 +153,16 @@ class TrainConfig:
     never loses it)."""
     log_every_steps: int = 10
     """Write a metrics.jsonl row every this many optimizer steps (and at every epoch end)."""
+    eval_every_steps: int | None = None
+    """Also validate every this many optimizer steps (a metrics row with val_ figures, on the console and in
+    TensorBoard); validation runs at every epoch end regardless."""
+    eval_batches: int | None = None
+    """Bound every validation pass to this many global batches of the validation set, the same rows every time so
+    that passes compare (nanoGPT's eval_iters); default: all of it."""
     storage: str = DEFAULT_STORAGE
     """Where runs are written: STORAGE/NAME/. A directory shared by all nodes of a multi-node cluster,
     or an object store's URI (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, any URI pyarrow.fs resolves)."""
-    name: str | None = field(default=None, metadata={"text": True})
+    name: str | None = field(default=None, metadata={"text": True, "default_text": "PIPELINE-YYYYmmdd-HHMMSS"})
     """Run name; default PIPELINE-YYYYmmdd-HHMMSS."""
     resume: bool = field(default=False, metadata={"switch": True})
     """Continue the existing run NAME from its last checkpoint."""
@@ -152,7 +170,7 @@ class TrainConfig:
     """A collective (all-reduce, barrier) waiting longer than this fails the attempt."""
     cpus_per_worker: float = 1.0
     """CPUs reserved by each training worker."""
-    address: str | None = None
+    address: str | None = field(default=None, metadata={"default_text": "RAY_ADDRESS, else an embedded Ray"})
     """Ray cluster address; default RAY_ADDRESS, else an embedded local Ray."""
     verbose: bool = field(default=False, metadata={"switch": True, "flags": ("-v", "--verbose")})
     """Show Ray's own logs and the workers' output."""
@@ -169,7 +187,7 @@ class TrainConfig:
     """Seconds between plain progress lines when the output is not a terminal."""
     skip_nan_rows: bool = field(default=False, metadata={"switch": True})
     """Drop rows holding NaN or inf (counted and reported) instead of stopping the run at the first one."""
-    shuffle_window_rows: int | None = None
+    shuffle_window_rows: int | None = field(default=None, metadata={"default_text": "by size"})
     """How the training set is held: 0 reads it once into memory, shared by every worker (a full shuffle each epoch); N
     streams it from Ray Data, each worker reading only its share, shuffled within a window of about N rows across
     the job (for data larger than memory); unset: in memory up to about 1 GiB, streamed beyond."""
@@ -212,6 +230,10 @@ class TrainConfig:
             )
         if self.global_batch_size is None and self.batch_size_per_worker is None:
             self.batch_size_per_worker = 32
+        if self.epochs is None and self.max_steps is None:
+            self.epochs = 5
+        if self.warmup_epochs is None:
+            self.warmup_epochs = 0.0 if self.warmup_steps is not None else 1.0
         problems = problems_of(self)
         if problems:
             raise ConfigError(problems)
@@ -246,13 +268,15 @@ class TrainConfig:
 def merge_layers(*layers: dict[str, Any]) -> dict[str, Any]:
     """Later layers win; `ddp.x` flags and `ddp: {x: ..}` mappings merge into one ddp mapping."""
     merged: dict[str, Any] = {}
-    batch_knobs = {"global_batch_size", "batch_size_per_worker"}
     for layer in layers:
-        # A layer that sets one batch knob replaces the other from the layers below
-        # (`--global-batch-size` overrides a pipeline's `batch_size_per_worker`).
-        knobs = batch_knobs & {key.replace("-", "_") for key in layer}
-        if len(knobs) == 1:
-            merged.pop(*(batch_knobs - knobs), None)
+        # A layer that sets one knob of a pair replaces the other from the layers below
+        # (`--global-batch-size` overrides a pipeline's `batch_size_per_worker`; `--max-steps`
+        # alone its `epochs`); one layer that sets both keeps both.
+        given = {key.replace("-", "_") for key in layer}
+        for pair in EXCLUSIVE_PAIRS:
+            knobs = pair & given
+            if len(knobs) == 1:
+                merged.pop(*(pair - knobs), None)
         for key, value in layer.items():
             key = key.replace("-", "_")
             if key.startswith("ddp."):

@@ -6,9 +6,11 @@ dataset (docs/data.md); it reads no full pass:
 - in memory (`MemorySource`: small, or `--shuffle-window-rows 0`): one Ray task reads and
   checks it while the workers start; every worker maps the result from the object store;
 - streamed (`StreamSource`): the dataset's units (`raytrain.data.shards`) and the run's
-  `StreamLayout`; each rank reads only the units of its lanes (`raytrain.rules.order`).
+  `StreamLayout`; each rank reads only the units of its lanes (`raytrain.rules.order`);
+- sampled (`SampledSource`: the pipeline returned a `raytrain.Sampled`): nothing is read
+  ahead; every rank draws the rows of its share of each step (`raytrain.data.draws`).
 
-A worker turns its source into a `Table` or a `Stream` (`open_source`).
+A worker turns its source into a `Table`, a `Stream` or `Draws` (`open_source`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import numpy as np
 from raytrain import hooks
 from raytrain.data import checks
 from raytrain.data.checks import Schema
+from raytrain.data.draws import Draws
 from raytrain.data.shards import Units
 from raytrain.data.stream import Stream
 from raytrain.data.table import Table
 from raytrain.errors import DataError
 from raytrain.rules.order import StreamLayout
+from raytrain.sampled import Sampled
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
@@ -55,7 +59,15 @@ class StreamSource:
     sample: dict[str, np.ndarray]  # one checked row, for a rank with no rows in a step
 
 
-Source = Union[MemorySource, StreamSource]
+@dataclass(frozen=True)
+class SampledSource:
+    """A dataset drawn every step: the pipeline's `Sampled`, which every rank draws from itself."""
+
+    rows: int  # draws per epoch
+    spec: Sampled
+
+
+Source = Union[MemorySource, StreamSource, SampledSource]
 
 
 def build_datasets(pipe: "Pipeline", cfg: "TrainConfig") -> dict[str, Any]:
@@ -66,7 +78,8 @@ def build_datasets(pipe: "Pipeline", cfg: "TrainConfig") -> dict[str, Any]:
 
     datasets = hooks.call(pipe, "build_datasets", cfg)
     return {
-        name: ds if isinstance(ds, ray.data.Dataset) else from_torch_dataset(ds, name) for name, ds in datasets.items()
+        name: ds if isinstance(ds, (ray.data.Dataset, Sampled)) else from_torch_dataset(ds, name)
+        for name, ds in datasets.items()
     }
 
 
@@ -79,6 +92,9 @@ def prepare_datasets(datasets: dict[str, Any], cfg: "TrainConfig", echo: Callabl
 
     sources: dict[str, Source] = {}
     for name, ds in datasets.items():
+        if isinstance(ds, Sampled):
+            sources[name] = prepare_sampled(name, ds, echo)
+            continue
         units = shards.split(ds)
         if isinstance(units, str):
             echo(
@@ -112,6 +128,19 @@ def prepare_datasets(datasets: dict[str, Any], cfg: "TrainConfig", echo: Callabl
     return sources
 
 
+def prepare_sampled(name: str, spec: Sampled, echo: Callable[[str], None]) -> SampledSource:
+    """A sampled dataset, its rows checked on a first draw (as a walked one's first batch is)."""
+    probe = Draws(name, spec).rows_of(np.arange(min(PROBE_ROWS, spec.num_items), dtype=np.int64))
+    bad = checks.non_finite(probe)
+    if bad.any():
+        raise checks.nan_error(name, "rows from its Sampled take", probe, bad)
+    echo(
+        f"dataset {name!r}: sampled, {spec.num_items:,} items drawn with replacement, fresh rows every step from "
+        f"(seed, position); an epoch is {spec.rows_per_epoch:,} draws"
+    )
+    return SampledSource(spec.rows_per_epoch, spec)
+
+
 _UNIT_WORDS = {"files": "Parquet row groups/files", "tasks": "read tasks", "blocks": "blocks"}
 
 
@@ -132,17 +161,24 @@ def read_probe(units: Units, name: str, skip_nan_rows: bool) -> dict[str, np.nda
     return columns
 
 
-def open_source(name: str, source: Source, get_object: Callable[[Any], Any], skip_nan_rows: bool) -> Table | Stream:
+def open_source(
+    name: str, source: Source, get_object: Callable[[Any], Any], skip_nan_rows: bool
+) -> Table | Stream | Draws:
     """A dataset as the driver prepared it, on a worker: the in-memory table (mapped from the
-    object store with `get_object`, not copied), or a stream of units each rank reads its
-    own share of."""
+    object store with `get_object`, not copied), a stream of units each rank reads its own
+    share of, or the draws of a sampled one."""
+    if isinstance(source, SampledSource):
+        return Draws(name, source.spec)
     if isinstance(source, MemorySource):
         loaded = get_object(source.table)
         return Table(loaded["columns"], dropped_rows=loaded["dropped_rows"])
     return Stream(name, source.units, source.layout, source.schema, source.sample, skip_nan_rows=skip_nan_rows)
 
 
-def data_digest(data: Table | Stream) -> dict[str, Any]:
+def data_digest(data: Table | Stream | Draws) -> dict[str, Any]:
     """What a checkpoint records of the training set, so that an epoch half done never
-    continues on other data: a stream's layout, a table's row count."""
+    continues on other data: a stream's layout, a table's row count, a sampled set's items and
+    epoch."""
+    if isinstance(data, Draws):
+        return {"sampled_items": data.spec.num_items, "rows": len(data)}
     return data.layout.digest() if isinstance(data, Stream) else {"rows": len(data)}

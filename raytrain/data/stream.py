@@ -32,14 +32,23 @@ class Stream:
         return StreamEpoch(self, order.EpochPlan.build(self.layout, seed, epoch), rank, world_size, start)
 
     def eval_batches(
-        self, rank: int, world_size: int, batch_size: int, device: torch.device
+        self, rank: int, world_size: int, batch_size: int, device: torch.device, limit: int | None = None, seed: int = 0
     ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """The rows of this rank's units (`order.deal_units`) in batches; (0, one row) if none."""
-        mine = order.deal_units(self.units.rows, world_size)[rank]
+        """The rows of this rank's units (`order.deal_units`) in batches; (0, one row) if none.
+        With `limit`, the pass is the dataset's first `limit` rows in stored order (the units
+        that hold them; the same rows every pass, at any worker count)."""
+        unit_rows, keep = list(self.units.rows), {}
+        if limit is not None and limit < sum(unit_rows):
+            unit_rows, keep = _first_rows(unit_rows, limit)
+        mine = order.deal_units(unit_rows, world_size)[rank]
         served = False
         pending: list[dict[str, np.ndarray]] = []
-        for _, unit in check_units(self.units, mine, self.name, self.schema, skip_nan_rows=self.skip_nan_rows):
-            pending.append(unit.columns if unit.valid is None else {c: v[unit.valid] for c, v in unit.columns.items()})
+        for unit_id, unit in check_units(self.units, mine, self.name, self.schema, skip_nan_rows=self.skip_nan_rows):
+            columns, valid = unit.columns, unit.valid
+            if unit_id in keep:  # the unit the pass ends in: its first rows only
+                columns = {c: v[: keep[unit_id]] for c, v in columns.items()}
+                valid = None if valid is None else valid[: keep[unit_id]]
+            pending.append(columns if valid is None else {c: v[valid] for c, v in columns.items()})
             rows = concat(pending)
             while num_rows(rows) >= batch_size:
                 yield batch_size, to_device({c: v[:batch_size] for c, v in rows.items()}, device)
@@ -50,6 +59,19 @@ class Stream:
             yield num_rows(rows), to_device(rows, device)
         elif not served:
             yield 0, to_device(self.sample, device)
+
+
+def _first_rows(unit_rows: list[int], limit: int) -> tuple[list[int], dict[int, int]]:
+    """The units holding the first `limit` rows (later ones counted empty), and the unit the
+    rows end in with the rows of it that are kept."""
+    kept, total, keep = [], 0, {}
+    for unit, rows in enumerate(unit_rows):
+        take = max(0, min(rows, limit - total))
+        kept.append(take)
+        if 0 < take < rows:
+            keep[unit] = take
+        total += take
+    return kept, keep
 
 
 @dataclass

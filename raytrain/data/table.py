@@ -31,16 +31,20 @@ class Table:
         return TableEpoch(self, steps.epoch_order(len(self), seed, epoch), rank, world_size)
 
     def eval_batches(
-        self, rank: int, world_size: int, batch_size: int, device: torch.device
+        self, rank: int, world_size: int, batch_size: int, device: torch.device, limit: int | None = None, seed: int = 0
     ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """This rank's contiguous share of the rows in batches: (row count, batch); (0, one
-        row) when it has none."""
-        start, end = steps.split_range(len(self), world_size)[rank]
+        """This rank's contiguous share of one validation pass in batches: (row count, batch);
+        (0, one row) when it has none. The pass is every row, or with `limit` that many rows
+        drawn once from `seed` (the same rows every pass, at any worker count)."""
+        rows = np.arange(len(self))
+        if limit is not None and limit < len(self):
+            rows = np.sort(np.random.default_rng([seed, steps.EVAL_DRAWS]).permutation(len(self))[:limit])
+        start, end = steps.split_range(len(rows), world_size)[rank]
         if start >= end:
             yield 0, self.batch(np.arange(0, 1), device)
         for lo in range(start, end, batch_size):
             hi = min(end, lo + batch_size)
-            yield hi - lo, self.batch(np.arange(lo, hi), device)
+            yield hi - lo, self.batch(rows[lo:hi], device)
 
 
 class TableEpoch:

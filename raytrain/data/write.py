@@ -42,6 +42,7 @@ def write_datasets(
     `shuffle_seed` -1 keeps the pipeline's order."""
     from raytrain.data.sources import build_datasets
     from raytrain.driver.session import ray_session
+    from raytrain.sampled import Sampled
 
     out = Path(out).expanduser().absolute()
     if row_group_rows is not None and row_group_rows < 1:
@@ -50,6 +51,9 @@ def write_datasets(
         raise UsageError(f"--out: {out} is not empty; choose a new directory so no data is overwritten")
     with ray_session(dataclasses.replace(cfg, address=address)):
         for name, ds in build_datasets(pipe, cfg).items():
+            if isinstance(ds, Sampled):  # drawn at every step: no rows to write
+                echo(f"{name}: sampled (raytrain.Sampled), drawn at every step from its own source; not written")
+                continue
             rows = ds.count()
             group_rows, num_files = parquet_layout(rows, row_group_rows)
             if shuffle_seed >= 0:

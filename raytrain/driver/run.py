@@ -23,7 +23,7 @@ from raytrain.driver.session import check_embedded_capacity, ray_logs_dir, ray_s
 from raytrain.driver.summary import explain_failure, write_summary
 from raytrain.errors import ConfigError, RunFailed, find_user_error
 from raytrain.observe.tracking import RunTracker
-from raytrain.pipeline import Pipeline, load_pipeline
+from raytrain.pipeline import Pipeline, load_pipeline, overrides, set_plan
 from raytrain.rules import batch, resume
 from raytrain.rundir import RunDir, Store, StoredRun, claimed, strict
 from raytrain.rundir.checkpoints import model_shapes
@@ -71,16 +71,18 @@ def fit(
     if embedded:
         check_embedded_capacity(cfg, echo=echo)  # before anything is written or started
     with claimed(Store.of(cfg.storage) / cfg.name, cfg.storage) as run_dir:
-        stored = check_run_dir(run_dir, cfg, spec)
+        stored = check_run_dir(run_dir, cfg, spec, replaced_options(pipe))
         tracker = RunTracker(cfg, run_dir, spec, echo=echo, progress=progress)
         with ray_session(cfg), interrupts.stop_on_signals(run_dir, echo) as stop:
             use_gpu, ray_logs = resolve_gpu(cfg), ray_logs_dir()
             if cfg.compile and embedded:  # the workers are this machine: a missing compiler fails now
                 check_compiler("cuda" if use_gpu else "cpu")
+            show_planned_plan(cfg)  # what build_datasets sees of the plan (raytrain.context())
             sources = prepare_datasets(build_datasets(pipe, cfg), cfg, echo)
+            check_validation_set(cfg, sources)
             if stored is not None:
                 check_resume(pipe, cfg, stored, sources, echo)
-            RunDir(run_dir).write_config({**cfg.to_dict(), "pipeline": spec, "gpu": use_gpu})
+            RunDir(run_dir).write_config(config_as_run(pipe, cfg, spec, use_gpu))
             trainer = build_torch_trainer(pipe, cfg, run_dir, sources, use_gpu, callbacks=callbacks)
             echo(
                 f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
@@ -131,16 +133,59 @@ def resolve_config(pipe: Pipeline, cfg: TrainConfig, pipeline_name: str) -> Trai
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
-def check_run_dir(run_dir: Store, cfg: TrainConfig, spec: str) -> StoredRun | None:
+def show_planned_plan(cfg: TrainConfig) -> None:
+    """The plan at the largest worker count, in `raytrain.context()` for build_datasets."""
+    plan = batch.batch_plan_for(cfg, max(1, cfg.max_workers))
+    set_plan(
+        global_batch_size=plan.global_batch_size,
+        world_size=plan.world_size,
+        accumulation_steps=plan.accumulation_steps,
+        max_steps=cfg.max_steps,
+        total_steps=None,
+        config=cfg,
+    )
+
+
+def check_validation_set(cfg: TrainConfig, sources: dict[str, Source]) -> None:
+    """Options that need a validation set, against the datasets the pipeline built."""
+    if "val" in sources:
+        return
+    asked = [name for name in ("eval_every_steps", "eval_batches") if getattr(cfg, name) is not None]
+    if asked:
+        raise ConfigError(
+            [
+                (
+                    name,
+                    f"got {getattr(cfg, name)}, but the pipeline's build_datasets returns no 'val' dataset to "
+                    "validate on; return one, or leave the option out",
+                )
+                for name in asked
+            ]
+        )
+
+
+def replaced_options(pipe: Pipeline) -> list[str]:
+    """The pipeline's hooks that replace options (its own build_optimizer, lr_factor)."""
+    return [hook for hook in resume.HOOK_FIELDS if overrides(pipe, hook)]
+
+
+def config_as_run(pipe: Pipeline, cfg: TrainConfig, spec: str, use_gpu: bool) -> dict[str, Any]:
+    """config.yaml: the resolved configuration as it runs — an option a pipeline hook replaces
+    names the hook (rank 0 adds what the optimizer is once it is built)."""
+    return resume.recorded_config({**cfg.to_dict(), "pipeline": spec, "gpu": use_gpu}, replaced_options(pipe))
+
+
+def check_run_dir(run_dir: Store, cfg: TrainConfig, spec: str, hooks: Sequence[str] = ()) -> StoredRun | None:
     """A new run needs a new name; a resume needs the run, and options it can honour
-    (`raytrain.rules.resume`). Returns what the run directory holds, for a resume."""
+    (`raytrain.rules.resume`; `hooks`: the pipeline's hooks that replace options). Returns what
+    the run directory holds, for a resume."""
     problems = resume.run_dir_problems(cfg.name, str(run_dir.parent), cfg.resume, RunDir(run_dir).has_run())
     if problems:
         raise ConfigError(problems)
     if not cfg.resume:
         return None
     stored = RunDir(run_dir).stored_run()
-    _, refused = resume.changes(stored, cfg.to_dict(), spec)
+    _, refused = resume.changes(stored, cfg.to_dict(), spec, hooks)
     if refused:
         raise ConfigError(refused)
     resume.check_readable(stored)
@@ -159,7 +204,7 @@ def check_resume(
         if isinstance(train, StreamSource):  # in memory: checked on the workers, which read the table
             before = stored.position.get("data") or {}
             resume.check_same_data(before, train.layout.digest(), stored.position.get("step", 0), stored.mid_epoch)
-    changed, _ = resume.changes(stored, cfg.to_dict(), stored.pipeline or "")
+    changed, _ = resume.changes(stored, cfg.to_dict(), stored.pipeline or "", replaced_options(pipe))
     echo(resume.resume_line(cfg.name, stored, changed))
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from raytrain.config import TrainConfig
 from raytrain.errors import StorageError, explain_worker_errors, find_user_error
-from raytrain.observe.render import first_line
+from raytrain.observe.render import first_line, is_number
 from raytrain.rules import flops
 from raytrain.rules.attempt import tally
-from raytrain.rundir import MODEL, RunDir, Summary
+from raytrain.rundir import EPOCH_LOSS, MODEL, MetricsRow, RunDir, Summary
 from raytrain.rundir.checkpoints import checkpoint_dirs
 from raytrain.rundir.storage import Store
 
@@ -28,19 +28,22 @@ def write_summary(
     stop_requested_at: float | None = None,
     status: str | None = None,
 ) -> Summary:
-    """summary.json (strict JSON, written atomically) from the run files of this invocation;
-    returns it (with `summary_error` in `extra` when it could not be written)."""
+    """summary.json (strict JSON, written atomically) from the run files: the whole run across
+    resumes (its position, its final figures, its wall time summed over the invocations that
+    trained it), the status and error of this invocation; returns it (with `summary_error` in
+    `extra` when it could not be written)."""
     files = RunDir(run_dir)
     progress = files.progress()
     if progress is not None and progress.time < started:  # left by an earlier invocation
         progress = None
     rows = files.metrics()
-    epoch_rows = [row for row in rows if row.epoch_end]
-    last = epoch_rows[-1] if epoch_rows else (rows[-1] if rows else None)
+    last = rows[-1] if rows else None
+    final_metrics, window = final_figures(rows)
+    earlier = files.summary()  # an earlier invocation's (the run resumed since): its time counts too
     fault = find_user_error(error)
     if status is None:
         # A signal that came after the last epoch's model was written stopped nothing.
-        done = error is None and progress is not None and progress.status == "finished" and progress.epoch >= cfg.epochs
+        done = error is None and progress is not None and progress.status == "finished" and _all_trained(progress, cfg)
         status = _status(error, fault, interrupted and not done)
     has_model = files.has(MODEL)
     at = progress or last
@@ -50,7 +53,7 @@ def write_summary(
         epochs=at.epoch if at else 0,
         steps=at.step if at else 0,
         samples_seen=at.samples_seen if at else 0,
-        wall_time_s=round(time.time() - started, 3),
+        wall_time_s=round(time.time() - started + (earlier.wall_time_s or 0.0 if earlier else 0.0), 3),
         steady_samples_per_s=progress.steady_samples_per_s if progress else None,
         steady_steps=progress.steady_steps if progress else None,
         world_sizes=(progress.world_sizes if progress else None)
@@ -59,7 +62,9 @@ def write_summary(
         resumes=counts.resumes,
         interruptions=counts.interruptions,
         checkpoints_skipped=counts.checkpoints_skipped,
-        final_metrics={"loss": last.loss, **last.validation} if last else {},
+        final_metrics=final_metrics,
+        final_loss_steps=window,
+        starts=(earlier.starts if earlier else 0) + 1,
         best_checkpoint=_best_checkpoint(result, run_dir),
         model_path=(files.store / MODEL).public_uri if has_model and status == "finished" else None,
         error=None if error is None else first_line(str(fault if fault is not None else error)) or type(error).__name__,
@@ -79,6 +84,12 @@ def write_summary(
     return summary
 
 
+def _all_trained(progress: Any, cfg: TrainConfig) -> bool:
+    """Whether the position is the end of the run: its epochs, or its --max-steps."""
+    epochs_done = cfg.epochs is not None and progress.epoch >= cfg.epochs
+    return epochs_done or (cfg.max_steps is not None and progress.step >= cfg.max_steps)
+
+
 def _cost(progress: Any, cfg: TrainConfig) -> dict[str, Any] | None:
     """The cost view of the run's steady throughput (`raytrain.rules.flops`), on the last worker count."""
     if progress is None or not progress.world_sizes:
@@ -91,6 +102,25 @@ def _cost(progress: Any, cfg: TrainConfig) -> dict[str, Any] | None:
         cfg.precision,
         cfg.peak_tflops,
     )
+
+
+def final_figures(rows: list[MetricsRow]) -> tuple[dict[str, Any], list[int] | None]:
+    """summary.json's final metrics from the whole run's rows, each what its name says: `loss`,
+    the mean training loss of the last window (the steps since the row before; those steps are
+    returned, [first, last]); `epoch_loss`, the mean over the last epoch (so far, when the run
+    ended inside one); and the last validation figures."""
+    scored = [row for row in rows if is_number(row.loss)]
+    if not scored:
+        return {}, None
+    last = scored[-1]
+    before = [row.step for row in rows if row.step < last.step]
+    figures: dict[str, Any] = {"loss": last.loss}
+    epoch_loss = next((row.get(EPOCH_LOSS) for row in reversed(rows) if is_number(row.get(EPOCH_LOSS))), None)
+    if epoch_loss is not None:
+        figures[EPOCH_LOSS] = epoch_loss
+    validated = [row for row in rows if row.validation]
+    figures.update(validated[-1].validation if validated else {})
+    return figures, [max(before, default=0) + 1, last.step]
 
 
 def _status(error: Exception | None, fault: Exception | None, interrupted: int) -> str:

@@ -40,21 +40,29 @@ class Snapshot:
     """Where rank 0 is, as the display shows it."""
 
     epoch: int  # 1-based epoch being trained (or just finished)
-    epochs: int
-    epoch_step: int | None  # steps done in this epoch
-    epoch_steps: int | None  # steps this epoch has in all (None: not known yet)
+    epochs: int | None  # None: the run is counted in steps only
+    epoch_step: int | None  # steps done in this epoch (by_steps: in the run)
+    epoch_steps: int | None  # steps this epoch has in all (by_steps: the run); None: not known yet
     loss: float | None
     samples_per_s: float | None
-    eta_s: float | None  # until the end of this epoch's training steps
+    eta_s: float | None  # until the end of this epoch's training steps (by_steps: of the run's)
     world_size: int | None
+    by_steps: bool = False  # the run has a step budget (--max-steps): progress counts the run's steps
+
+    @property
+    def title(self) -> str:
+        """`epoch 2/5`, or `epoch 2` when the run is counted in steps."""
+        return f"epoch {self.epoch}/{self.epochs}" if self.epochs else f"epoch {self.epoch}"
 
     def line(self) -> str:
         """The plain progress line: no carriage return, no bar."""
-        parts = [f"epoch {self.epoch}/{self.epochs}"]
+        parts = [] if self.by_steps else [self.title]
         if self.epoch_step is not None:
             total = f"/{self.epoch_steps}" if self.epoch_steps else ""
             percent = f" ({100 * self.epoch_step / self.epoch_steps:.0f}%)" if self.epoch_steps else ""
             parts.append(f"step {self.epoch_step}{total}{percent}")
+        if self.by_steps:
+            parts.append(self.title)
         parts.append(self.postfix(workers=True).replace(", ", "  "))
         return "  ".join(part for part in parts if part)
 
@@ -80,19 +88,22 @@ class EpochProgress:
     first epoch end (every epoch sees every sample once, so samples_seen = epoch × rows).
     """
 
-    def __init__(self, epochs: int, train_rows: int | None = None):
+    def __init__(self, epochs: int | None, train_rows: int | None = None, max_steps: int | None = None):
         self.epochs = epochs
         self.train_rows = train_rows
+        self.max_steps = max_steps
         self.epoch_start_step: int | None = 0
 
     def update(self, row: MetricsRow) -> Snapshot | None:
         epoch, step, seen = row.epoch, row.step, row.samples_seen
         if not isinstance(epoch, int) or not isinstance(step, int):
             return None
-        if row.epoch_end:
-            return self._epoch_end(row, epoch, step, seen)
         if isinstance(row.get("epoch_rows"), int) and row.get("epoch_rows") > 0:
             self.train_rows = row.get("epoch_rows")  # live.jsonl rows say it
+        if self.max_steps:
+            return self._run_steps(row, epoch, step)
+        if row.epoch_end:
+            return self._epoch_end(row, epoch, step, seen)
         batch = row.global_batch_size or 0
         epoch_step, epoch_steps, eta = row.get("epoch_step"), row.get("epoch_steps"), None
         rows = self.train_rows
@@ -116,6 +127,17 @@ class EpochProgress:
             row.world_size,
         )
 
+    def _run_steps(self, row: MetricsRow, epoch: int, step: int) -> Snapshot:
+        """The run's steps against its budget: --max-steps, or fewer when its epochs end first."""
+        total, batch, rate = self.max_steps, row.global_batch_size or 0, row.samples_per_s
+        if self.epochs and self.train_rows and batch:
+            total = min(total, self.epochs * math.ceil(self.train_rows / batch))
+        eta = (total - step) * batch / rate if isinstance(rate, (int, float)) and rate > 0 and batch else None
+        if row.epoch_end and epoch >= 1:
+            epoch = epoch + 1 if step < total else epoch  # the epoch being trained now
+        loss, speed = _float(row.loss), _float(row.samples_per_s)
+        return Snapshot(epoch, self.epochs, step, total, loss, speed, eta, row.world_size, by_steps=True)
+
     def _epoch_end(self, row: MetricsRow, epoch: int, step: int, seen: Any) -> Snapshot:
         if epoch > 0 and isinstance(seen, int) and seen % epoch == 0:
             self.train_rows = self.train_rows or seen // epoch
@@ -130,8 +152,9 @@ class EpochProgress:
         self.epoch_start_step = None
 
     def next_epoch(self, snapshot: Snapshot, global_batch_size: int | None) -> Snapshot | None:
-        """The empty bar of the epoch after `snapshot` (an epoch end), or None after the last."""
-        if snapshot.epoch >= self.epochs:
+        """The empty bar of the epoch after `snapshot` (an epoch end), or None after the last
+        (and when progress counts the run's steps, whose bar goes on)."""
+        if snapshot.by_steps or (self.epochs is not None and snapshot.epoch >= self.epochs):
             return None
         steps = math.ceil(self.train_rows / global_batch_size) if self.train_rows and global_batch_size else None
         return Snapshot(snapshot.epoch + 1, self.epochs, 0, steps, None, None, None, snapshot.world_size)
@@ -161,19 +184,20 @@ class Console(Sink):
         self,
         echo: Callable[[str], None],
         *,
-        epochs: int,
+        epochs: int | None,
         train_rows: int | None = None,
         mode: str = "auto",
         interval_s: float = 10.0,
         stream: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        max_steps: int | None = None,
     ):
         self.echo = echo
         self.stream = stream if stream is not None else sys.stdout
         self.mode = ("bar" if is_terminal(self.stream) else "plain") if mode == "auto" else mode
         self.interval_s = interval_s
         self.clock = clock
-        self.state = EpochProgress(epochs, train_rows)
+        self.state = EpochProgress(epochs, train_rows, max_steps)
         self.snapshot: Snapshot | None = None
         self.bar = None
         self.bar_epoch: int | None = None
@@ -247,9 +271,11 @@ class Console(Sink):
                 mininterval=0,
                 bar_format=BAR_FORMAT,
             )
-        if self.bar_epoch != snapshot.epoch:
+        if snapshot.by_steps:  # one bar for the run, titled with the epoch it is in
+            self.bar.set_description_str(snapshot.title, refresh=False)
+        elif self.bar_epoch != snapshot.epoch:
             self.bar.reset(total=snapshot.epoch_steps)
-            self.bar.set_description_str(f"epoch {snapshot.epoch}/{snapshot.epochs}", refresh=False)
+            self.bar.set_description_str(snapshot.title, refresh=False)
             self.bar_epoch = snapshot.epoch
         self.bar.bar_format = BAR_FORMAT if snapshot.epoch_steps else BAR_FORMAT_NO_TOTAL
         return self.bar

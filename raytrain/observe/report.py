@@ -4,7 +4,7 @@ Reads the run files (metrics.jsonl, events.jsonl, summary.json, config.yaml) and
 
     RUN_DIR/report.md          summary, per-epoch table, resizes and restarts, plots
     RUN_DIR/plots/loss.png     training loss per logged window and per epoch, validation loss
-    RUN_DIR/plots/val.png      validation metrics per epoch (when the pipeline has any)
+    RUN_DIR/plots/val.png      validation metrics per pass (when the pipeline has any)
     RUN_DIR/plots/lr.png       the learning rate schedule (warmup, decay, rescaling)
     RUN_DIR/plots/workers.png  world size and global batch over wall time, resizes marked
     RUN_DIR/plots/throughput.png  samples/s per logged window and per epoch
@@ -25,7 +25,7 @@ from typing import Any
 from raytrain.errors import UserError
 from raytrain.observe.render import figure, is_number, markdown_table, plural
 from raytrain.rules import flops
-from raytrain.rundir import PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Store, Summary
+from raytrain.rundir import EPOCH_LOSS, PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Store, Summary
 
 
 class ReportError(UserError, ValueError):
@@ -55,8 +55,13 @@ class RunRecord:
         return [e for e in self.events if e.kind in Kind.MARKED]
 
     @property
+    def validated_rows(self) -> list[MetricsRow]:
+        """The rows of validation passes: every epoch's, and those of --eval-every-steps."""
+        return [row for row in self.rows if row.validation]
+
+    @property
     def val_names(self) -> list[str]:
-        return sorted({key for row in self.epoch_rows for key in row.validation})
+        return sorted({key for row in self.validated_rows for key in row.validation})
 
     @property
     def start_time(self) -> float | None:
@@ -146,13 +151,13 @@ def _mark_epochs_and_events(axes, run: RunRecord) -> None:
 
 def _plot_loss(run: RunRecord, figure) -> bool:
     axes = figure.add_subplot()
-    x, y = _series(run.step_rows, "step", "loss")
+    x, y = _series(run.rows, "step", "loss")  # every row's loss is its window's, an epoch's row's too
     if x:
         axes.plot(x, y, color="tab:blue", linewidth=1, alpha=0.7, label="train (per logged window)")
-    x, y = _series(run.epoch_rows, "step", "loss")
+    x, y = _series(run.epoch_rows, "step", EPOCH_LOSS)
     if x:
         axes.plot(x, y, "o-", color="tab:blue", label="train (epoch mean)")
-    x, y = _series(run.epoch_rows, "step", "val_loss")
+    x, y = _series(run.validated_rows, "step", "val_loss")
     if x:
         axes.plot(x, y, "s-", color="tab:orange", label="validation")
     if not axes.lines:
@@ -172,10 +177,10 @@ def _plot_val(run: RunRecord, figure) -> bool:
         return False
     axes = figure.add_subplot()
     for name in names:
-        x, y = _series(run.epoch_rows, "epoch", name)
+        x, y = _series(run.validated_rows, "step", name)
         axes.plot(x, y, "o-", label=name[4:])
-    axes.set(title="Validation metrics", xlabel="epoch", ylabel="value")
-    axes.xaxis.get_major_locator().set_params(integer=True)
+    _mark_epochs_and_events(axes, run)
+    axes.set(title="Validation metrics", xlabel="optimizer step", ylabel="value")
     axes.legend(fontsize="small")
     axes.grid(alpha=0.3)
     return True
@@ -284,10 +289,8 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
     if s and s.get("cost"):
         lines += [f"Cost: {flops.describe_cost(s.get('cost'))}.", ""]
     if s and s.final_metrics:
-        lines += [
-            *markdown_table(["final metric", "value"], [(key, _fmt(value)) for key, value in s.final_metrics.items()]),
-            "",
-        ]
+        labelled = [(final_label(key, s), _fmt(value)) for key, value in s.final_metrics.items()]
+        lines += [*markdown_table(["final metric", "value"], labelled), ""]
     lines += _epoch_table(run)
     if run.marked_events:
         start = run.start_time or 0
@@ -332,12 +335,13 @@ def _headline(run: RunRecord) -> str:
     if cfg.get("pipeline"):
         parts.append(f"pipeline `{cfg['pipeline']}`")
     epochs = s.epochs if s else max((row.epoch for row in run.epoch_rows), default=0)
-    if cfg.get("epochs"):
-        parts.append(f"{epochs}/{cfg['epochs']} epochs")
-    parts.append(f"{s.steps if s else (last.step if last else 0):,} steps")
+    parts.append(f"{epochs}/{cfg['epochs']} epochs" if cfg.get("epochs") else plural(epochs, "epoch"))
+    steps = s.steps if s else (last.step if last else 0)
+    parts.append(f"{steps:,}/{cfg['max_steps']:,} steps" if cfg.get("max_steps") else f"{steps:,} steps")
     parts.append(f"{s.samples_seen if s else (last.samples_seen if last else 0):,} samples")
     if s and is_number(s.wall_time_s):
-        parts.append(f"{s.wall_time_s:.1f} s wall")
+        starts = f" over {s.starts} starts" if (s.starts or 1) > 1 else ""
+        parts.append(f"{s.wall_time_s:.1f} s wall{starts}")
     if s and is_number(s.steady_samples_per_s):
         parts.append(f"{s.steady_samples_per_s:,.0f} samples/s steady")
     sizes = (s.world_sizes if s else None) or _distinct([row.world_size for row in rows])
@@ -355,12 +359,13 @@ def _headline(run: RunRecord) -> str:
 def _epoch_table(run: RunRecord) -> list[str]:
     if not run.epoch_rows:
         return []
-    names = run.val_names
-    head = ["epoch", "step", "train loss", *names, "lr", "samples/s", "workers", "global batch"]
+    names = sorted({key for row in run.epoch_rows for key in row.validation})
+    head = ["epoch", "step", "epoch_loss", "loss (last window)", *names, "lr", "samples/s", "workers", "global batch"]
     cells = [
         [
             row.epoch,
             row.step,
+            row.get(EPOCH_LOSS),
             row.loss,
             *[row.get(n) for n in names],
             row.lr,
@@ -376,6 +381,16 @@ def _epoch_table(run: RunRecord) -> list[str]:
         *markdown_table(head, [[_fmt(cell, key) for cell, key in zip(line, head)] for line in cells]),
         "",
     ]
+
+
+def final_label(key: str, summary: Summary) -> str:
+    """A final metric with what it is the mean of: `loss (last window: steps 291–300)`."""
+    if key == "loss" and summary.final_loss_steps:
+        first, last = summary.final_loss_steps
+        return f"loss (last window: steps {first:,}–{last:,})" if first < last else f"loss (last window: step {last:,})"
+    if key == EPOCH_LOSS:
+        return f"{EPOCH_LOSS} (mean over the last epoch)"
+    return key
 
 
 def _fmt(value: Any, key: str = "") -> str:

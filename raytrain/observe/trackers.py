@@ -18,6 +18,7 @@ from raytrain.observe.render import markdown_table
 from raytrain.observe.sinks import Sink, record_time
 from raytrain.rundir import (
     CONFIG,
+    EPOCH_LOSS,
     EVENTS,
     METRICS,
     MODEL,
@@ -84,8 +85,10 @@ def _number(value: Any) -> float | None:
 def step_scalars(row: MetricsRow) -> dict[str, float]:
     """The scalars of a metrics row, by tracker tag.
 
-    Rows within an epoch give per-step series under `train/`; the row at an epoch's end
-    gives the epoch's mean loss and throughput under `epoch/` and validation under `val/`.
+    Every row's loss (the mean over the steps since the previous row), rate and plan are
+    per-step series under `train/`; the row at an epoch's end adds the epoch's mean loss and
+    throughput under `epoch/`; a row with validation figures (every epoch's, and those of
+    --eval-every-steps) gives them under `val/`.
     """
     epoch_end = row.epoch_end
     scalars: dict[str, float] = {}
@@ -93,16 +96,18 @@ def step_scalars(row: MetricsRow) -> dict[str, float]:
         value = _number(row.get(key))
         if value is None:
             continue
-        if epoch_end and key in ("loss", "samples_per_s"):
-            scalars[f"epoch/{'train_loss' if key == 'loss' else key}"] = value
+        if epoch_end and key == "samples_per_s":
+            scalars["epoch/samples_per_s"] = value
         else:
             scalars[f"train/{key}"] = value
     if epoch_end:
         if (epoch := _number(row.epoch)) is not None:
             scalars["epoch/epoch"] = epoch
-        for key, value in row.validation.items():
-            if (number := _number(value)) is not None:
-                scalars[f"val/{key[4:]}"] = number
+        if (epoch_loss := _number(row.get(EPOCH_LOSS))) is not None:
+            scalars["epoch/train_loss"] = epoch_loss
+    for key, value in row.validation.items():
+        if (number := _number(value)) is not None:
+            scalars[f"val/{key[4:]}"] = number
     return scalars
 
 

@@ -25,7 +25,7 @@ from raytrain.errors import ConfigError
 from raytrain.observe.render import first_line
 from raytrain.observe.sinks import Dispatcher, Sink, follow
 from raytrain.observe.trackers import MLflowSink, TensorBoardSink, WandbSink, mlflow_store_uri
-from raytrain.rundir import Store, Summary
+from raytrain.rundir import RunDir, Store, Summary
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,9 @@ class RunTracker:
     def open_sinks(self, train_rows: int | None = None) -> list[Sink]:
         from raytrain.observe.console import Console
 
-        params = config_params(self.cfg, self.pipeline_name, self.run_dir)
+        # config.yaml when written: it says what ran (a pipeline's own optimizer, not --optimizer's default)
+        recorded = {k: v for k, v in RunDir(self.run_dir).config().items() if k != "pipeline"}
+        params = config_params(recorded or self.cfg, self.pipeline_name, self.run_dir)
         mode = self.options.progress if self.progress else "off"
         if mode in ("auto", "bar") and getattr(self.cfg, "verbose", False):
             mode = "plain"  # with -v Ray's worker logs share the console: no bar to break
@@ -101,6 +103,7 @@ class RunTracker:
             Console(
                 self.echo,
                 epochs=getattr(self.cfg, "epochs", 0),
+                max_steps=getattr(self.cfg, "max_steps", None),
                 train_rows=train_rows,
                 mode=mode,
                 interval_s=self.options.progress_interval_s,

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from raytrain.config import TrainConfig
 from raytrain.observe.render import sci
 from raytrain.pipeline import Pipeline, overrides
+from raytrain.rules import resume
 from raytrain.rules.batch import BatchPlan
+from raytrain.rules.budget import Budget
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import LRSchedule
 from raytrain.rundir.records import Event, Kind
@@ -64,21 +66,38 @@ class Attempt(enum.Enum):
 
 
 def describe_plan(
-    cfg: TrainConfig, pipeline: Pipeline, batch_plan: BatchPlan, schedule: LRSchedule, backend: str
+    cfg: TrainConfig,
+    pipeline: Pipeline,
+    batch_plan: BatchPlan,
+    schedule: LRSchedule,
+    backend: str,
+    optimizer_detail: str | None = None,
+    model: str = "",
 ) -> str:
-    """`global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, ...)`."""
+    """`global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, ...);
+    warmup 1 epoch; cosine; adamw; gloo; 4 epochs`. `optimizer_detail`: what the pipeline's build_optimizer built;
+    `model`: how the strategy holds the model, when there is more to say than DDP's default."""
     factor = schedule.peak_lr / cfg.lr
     rule = {"linear": "linear rule", "sqrt": "square-root rule", "none": "no scaling"}[cfg.lr_scaling]
-    warmup = f"warmup {cfg.warmup_epochs:g} epoch{'s' if cfg.warmup_epochs != 1 else ''}"
-    if cfg.warmup_epochs and cfg.warmup_start_factor is not None:
+    if cfg.warmup_steps is not None:
+        warmup = f"warmup {cfg.warmup_steps:,} step{'s' if cfg.warmup_steps != 1 else ''}"
+    else:
+        warmup = f"warmup {cfg.warmup_epochs:g} epoch{'s' if cfg.warmup_epochs != 1 else ''}"
+    if (cfg.warmup_epochs or cfg.warmup_steps) and cfg.warmup_start_factor is not None:
         warmup += f" from {sci(schedule.warmup_start_lr)}"
-    schedule_text = "own lr_factor" if overrides(pipeline, "lr_factor") else cfg.schedule
+    schedule_text = resume.hook_text("lr_factor") if overrides(pipeline, "lr_factor") else cfg.schedule
     if cfg.schedule == "step" and schedule_text == "step":
         schedule_text += f" ×{cfg.lr_gamma:g} at epochs {', '.join(f'{m:g}' for m in cfg.lr_milestones or [])}"
-    optimizer = "own optimizer" if overrides(pipeline, "build_optimizer") else cfg.optimizer
+    optimizer = (
+        resume.hook_text("build_optimizer", optimizer_detail)
+        if overrides(pipeline, "build_optimizer")
+        else cfg.optimizer
+    )
     return (
         f"{batch_plan.describe()}; lr {sci(schedule.peak_lr)} = {sci(cfg.lr)} × {factor:.3g} "
-        f"({rule}, reference batch {cfg.reference_batch_size}); {warmup}; {schedule_text}; {optimizer}; {backend}"
+        f"({rule}, reference batch {cfg.reference_batch_size}); {warmup}; {schedule_text}; {optimizer}; {backend}; "
+        + (f"{model}; " if model else "")
+        + Budget.of(cfg).describe()
     )
 
 

@@ -30,9 +30,11 @@ class Position:
     # rank 0 counted them on its first micro-batch of the attempt, and the device they ran on
     flops_per_sample: float = 0.0
     device_name: str = ""
-    # per-step mode: the epoch's synced training loss (sum, samples), copied to a replica that
-    # heals mid-epoch with the rest of the position, so whoever writes the epoch's row has it all
+    # the epoch's synced training loss (sum, samples): kept in every checkpoint, so the epoch's
+    # mean covers all of it after a restart mid-epoch, and copied to a replica that heals
+    # mid-epoch (per-step mode), so whoever writes the epoch's row has it all
     epoch_loss: list[float] = field(default_factory=lambda: [-1.0, 0.0, 0.0])  # [epoch, sum, samples]
+    last_loss: float | None = None  # the mean training loss over all ranks of the last sync's window
 
     @classmethod
     def restored(cls, state: dict[str, Any] | None) -> "Position":

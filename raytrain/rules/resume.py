@@ -13,6 +13,10 @@ Every resume rule lives here; the CLI, the config checks, the driver and the wor
     others; at an epoch boundary they are allowed);
   - allowed and said in the resume line: everything else (epochs, batch knobs — the plan
     is derived again —, learning rate and schedule, workers, precision, cadences, trackers).
+- config.yaml records what ran: an option a pipeline's hook replaced is written as the hook
+  ("optimizer: the pipeline's build_optimizer (AdamW, 2 groups)", "schedule: the pipeline's
+  lr_factor") and the options only it used are left out (`recorded_config`); a resume reads
+  them back as not given (`resolvable`) and compares like with like.
 - The pipeline's model must load the checkpoint (`check_model_fits`), and an epoch half done
   continues only on the same training set (`check_same_data`: on the driver for a stream,
   whose layout it knows, and on every worker).
@@ -24,8 +28,9 @@ managed to record.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any
+from typing import Any, Iterable
 
 from raytrain.errors import CheckpointError, ConfigError, DataError, UsageError
 from raytrain.fields import flag_name
@@ -38,6 +43,37 @@ STATE_FIELDS = ("optimizer", "decay_norm_and_bias")
 # Fields that are about this invocation, not the run: never reported as changes.
 INVOCATION_FIELDS = ("resume", "address", "verbose", "progress", "progress_interval_s", "name", "storage")
 NEEDS_NAME = "needs the run to continue: add --name RUN (the directory under --storage)"
+# A pipeline hook that replaces options: (the option config.yaml records it under, the options only it used).
+HOOK_FIELDS = {
+    "build_optimizer": ("optimizer", ("momentum", "nesterov", "weight_decay", "decay_norm_and_bias")),
+    "lr_factor": ("schedule", ("lr_milestones", "lr_gamma")),
+}
+HOOK_MARK = "the pipeline's "
+
+
+def hook_text(hook: str, detail: str | None = None) -> str:
+    """`the pipeline's build_optimizer (AdamW, 2 groups)`: how config.yaml and the plan line name a hook."""
+    return f"{HOOK_MARK}{hook}" + (f" ({detail})" if detail else "")
+
+
+def recorded_config(values: dict[str, Any], hooks: Iterable[str], details: dict[str, str] | None = None) -> dict:
+    """The configuration as config.yaml records it: for each pipeline hook in `hooks` that ran
+    (build_optimizer, lr_factor), the option it replaced names it (with `details[hook]`, e.g.
+    what the optimizer is) and the options only it used are left out."""
+    recorded = dict(values)
+    for hook in hooks:
+        if hook not in HOOK_FIELDS:
+            continue
+        field, unused = HOOK_FIELDS[hook]
+        recorded[field] = hook_text(hook, (details or {}).get(hook))
+        for name in unused:
+            recorded.pop(name, None)
+    return recorded
+
+
+def resolvable(values: dict[str, Any]) -> dict[str, Any]:
+    """A recorded configuration as options again: what a hook replaced is left out (not given)."""
+    return {key: value for key, value in values.items() if not (isinstance(value, str) and value.startswith(HOOK_MARK))}
 
 
 def config_problems(resume: bool, name: str | None) -> list[tuple[str, str]]:
@@ -74,9 +110,16 @@ def resumed_pipeline(stored: StoredRun, spec: str | None) -> str:
 
 
 def changes(
-    stored: StoredRun, new_config: dict[str, Any], new_pipeline: str
+    stored: StoredRun, new_config: dict[str, Any], new_pipeline: str, hooks: Iterable[str] = ()
 ) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, str]]]:
-    """(what the resume changes: (field, before, now)), (what it cannot honour: (field, why))."""
+    """(what the resume changes: (field, before, now)), (what it cannot honour: (field, why)).
+    `hooks`: the pipeline's hooks that replace options (`HOOK_FIELDS`): compared as recorded."""
+    new_config = resolvable(recorded_config(new_config, hooks))
+    before_config = resolvable(stored.config)
+    for hook in hooks:
+        for name in (HOOK_FIELDS[hook][0], *HOOK_FIELDS[hook][1]) if hook in HOOK_FIELDS else ():
+            before_config.pop(name, None)
+    stored = dataclasses.replace(stored, config=before_config)
     refused: list[tuple[str, str]] = []
     if stored.pipeline and new_pipeline != stored.pipeline:
         refused.append(

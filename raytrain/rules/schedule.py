@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from raytrain.rules.batch import BatchPlan, lr_scale
+from raytrain.rules.budget import Budget, planned_global_batch, samples_after_steps
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
@@ -85,16 +86,23 @@ def lr_at(
 
 def run_schedule(cfg: "TrainConfig", batch_plan: BatchPlan, num_train_rows: int) -> LRSchedule:
     """The run's schedule for `batch_plan`: the scaling rule's peak, warmup and the schedule,
-    with epochs (warmup, milestones, the run's length) turned into samples."""
+    with epochs and steps (warmup, milestones, the run's length: `raytrain.rules.budget`) turned
+    into samples. Only the peak depends on the batch plan: the lengths are counted at the
+    planned global batch, so a resize changes none of them."""
     peak = cfg.lr * lr_scale(cfg.lr_scaling, batch_plan.global_batch_size, cfg.reference_batch_size)
     start = cfg.lr if cfg.warmup_start_factor is None else peak * cfg.warmup_start_factor
     milestones = tuple(round(m * num_train_rows) for m in (cfg.lr_milestones or ()))
+    planned = planned_global_batch(cfg)
+    if cfg.warmup_steps is not None:
+        warmup = samples_after_steps(cfg.warmup_steps, num_train_rows, planned)
+    else:
+        warmup = round(cfg.warmup_epochs * num_train_rows)
     return LRSchedule(
         cfg.schedule,
         peak,
         start,
-        round(cfg.warmup_epochs * num_train_rows),
-        cfg.epochs * num_train_rows,
+        warmup,
+        Budget.of(cfg).samples(num_train_rows, planned),
         milestones,
         cfg.lr_gamma,
     )

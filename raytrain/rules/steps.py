@@ -34,6 +34,28 @@ def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
     return rng.permutation(num_rows)
 
 
+# A sampled epoch's draws come in blocks of this many positions, each block from its own
+# generator: any range of positions is drawn without drawing the epoch before it.
+DRAW_BLOCK = 4096
+TRAIN_DRAWS, EVAL_DRAWS = 0, 1  # the streams of draws: training epochs, and the validation pass
+
+
+def drawn_items(num_items: int, seed: int, epoch: int, lo: int, hi: int, stream: int = TRAIN_DRAWS) -> np.ndarray:
+    """The items at positions [lo, hi) of a sampled epoch: uniform draws, with replacement, from
+    range(num_items), each block of DRAW_BLOCK positions from a generator of (seed, epoch,
+    block, stream). They depend on the position alone — not on the worker count, the batch or
+    where a run resumed — which is what makes a sampled run reproducible and resumable."""
+    if hi <= lo:
+        return np.zeros(0, dtype=np.int64)
+    pieces = []
+    for block in range(lo // DRAW_BLOCK, (hi - 1) // DRAW_BLOCK + 1):
+        rng = np.random.default_rng([seed, epoch, block, stream])
+        draws = rng.integers(0, num_items, size=DRAW_BLOCK, dtype=np.int64)
+        start = block * DRAW_BLOCK
+        pieces.append(draws[max(lo, start) - start : min(hi, start + DRAW_BLOCK) - start])
+    return np.concatenate(pieces)
+
+
 @dataclass(frozen=True)
 class Step:
     """One optimizer step of an epoch: rows [start, end) of the epoch's order."""

@@ -50,6 +50,7 @@ from raytrain.rundir.files import (
 )
 from raytrain.rundir.records import (
     CONFIG,
+    EPOCH_LOSS,
     EVENTS,
     HEARTBEATS,
     LIVE,
@@ -115,11 +116,11 @@ class RunDir:
         values = self._json(PROGRESS)
         return Progress.from_json(values) if values else None
 
-    def finished(self, epochs: int) -> bool:
-        """Whether the run trained its `epochs` (progress.json says so; a resume that trains
-        on to more epochs has not)."""
+    def finished(self, budget: Any) -> bool:
+        """Whether the run trained all of its budget (a `raytrain.rules.budget.Budget`: epochs,
+        steps; progress.json says so; a resume that trains on to more has not)."""
         progress = self.progress()
-        return progress is not None and progress.status == "finished" and progress.epoch >= epochs
+        return progress is not None and progress.status == "finished" and budget.done(progress.epoch, progress.step)
 
     def config(self) -> dict[str, Any]:
         try:
@@ -279,6 +280,7 @@ def _has(values: dict[str, Any], *keys: str) -> bool:
 
 __all__ = [
     "CONFIG",
+    "EPOCH_LOSS",
     "EVENTS",
     "HEARTBEATS",
     "LIVE",

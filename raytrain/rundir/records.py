@@ -24,6 +24,10 @@ HEARTBEATS = "heartbeats"  # each rank's last phase and step (node-local state, 
 REPORT = "report.md"
 PLOTS = "plots"
 
+# Keys of a metrics row beyond its fields: every row's `loss` is the mean over the steps since the
+# previous row (the window); the epoch's mean, on the epoch's row and the run's last, is this.
+EPOCH_LOSS = "epoch_loss"
+
 
 class Kind:
     """The kinds of event line in events.jsonl."""
@@ -37,6 +41,7 @@ class Kind:
     INTERRUPTED = "interrupted"  # stopped on request, with a checkpoint at that step
     QUORUM = "quorum"  # per-step mode: the replicas stepping together changed (a loss, a rejoin)
     STALL = "stall"  # per-step mode: a replica stuck in a step leaves to be replaced
+    EVAL = "eval"  # a validation pass between epoch ends (--eval-every-steps), or at the step budget's end
     MEMORY = "memory"  # what each worker holds of the model's state, after an attempt's first step
     SKIPPED = "skipped"  # an unusable checkpoint was passed over for an earlier one
     NOTE = "note"  # something about the run's setup worth knowing (an optimizer that leaves parameters out)
@@ -125,7 +130,10 @@ class Summary(_Record):
     """summary.json: how the run ended (strict JSON: a non-finite number is written as null).
 
     `status` is finished, failed, interrupted or diverged (a tune trial stopped early by ASHA:
-    stopped); `error` is the first line of the cause when it did not finish.
+    stopped); `error` is the first line of the cause when it did not finish. It covers the whole
+    run across resumes: the position, the final figures and `wall_time_s`, summed over the
+    invocations that wrote a summary (a driver killed outright leaves none, and its time is not
+    counted).
     """
 
     status: str
@@ -145,6 +153,13 @@ class Summary(_Record):
     checkpoints_skipped: int = 0
     """Unusable checkpoints passed over for an earlier one."""
     final_metrics: dict[str, Any] = field(default_factory=dict)
+    """`loss`: the mean training loss of the last logged window (its steps: `final_loss_steps`);
+    `epoch_loss`: the mean over the last epoch (so far, when the run ended inside one); `val_*`:
+    the last validation pass."""
+    final_loss_steps: list[int] | None = None
+    """[first, last]: the steps `final_metrics.loss` is the mean over."""
+    starts: int = 1
+    """Invocations that trained the run (the first, then every --resume); `wall_time_s` is their sum."""
     best_checkpoint: str | None = None
     model_path: str | None = None
     error: str | None = None
@@ -191,6 +206,7 @@ class StoredRun:
 
 __all__ = [
     "CONFIG",
+    "EPOCH_LOSS",
     "EVENTS",
     "HEARTBEATS",
     "LIVE",

@@ -22,7 +22,7 @@ from raytrain.rundir import RunDir, formats
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.buffered import BufferedLogs
 from raytrain.rundir.files import dumps, storage_errors
-from raytrain.rundir.records import EVENTS, LIVE, METRICS, MODEL, Event, Kind, MetricsRow, Progress
+from raytrain.rundir.records import EPOCH_LOSS, EVENTS, LIVE, METRICS, MODEL, Event, Kind, MetricsRow, Progress
 from raytrain.rundir.storage import Store
 
 LIVE_INTERVAL_S = 1.0  # rank 0 writes live.jsonl at most this often
@@ -43,6 +43,8 @@ class RunWriter:
         self.live_mark: tuple[float, int] | None = None  # (time, samples seen) of the last live row
         self.logs = None if self.store.local else BufferedLogs(self.store, keep_last=(LIVE,))
         self.stop_checked = (0.0, False)  # (when, what) the stop request was last looked for
+        self.last_row_step = 0  # the step of the last metrics row: a row's loss covers the steps since
+        self.window_steps = 0  # the steps the last row's loss covers
 
     @property
     def run_dir(self) -> Path:
@@ -57,6 +59,8 @@ class RunWriter:
     def metrics(self, row: MetricsRow) -> None:
         if self.enabled:
             self._append(METRICS, row.to_json())
+        self.window_steps = row.step - self.last_row_step
+        self.last_row_step = row.step
 
     def _append(self, name: str, values: dict[str, Any]) -> None:
         if self.logs is None:
@@ -100,6 +104,12 @@ class RunWriter:
         self.flush()
         self.rundir.truncate_metrics(checkpoint_step)
         self._append(EVENTS, announcement.to_json())
+        self.last_row_step = checkpoint_step
+
+    def update_config(self, values: dict[str, Any]) -> None:
+        """config.yaml rewritten as `values` (what ran, once a worker knows it)."""
+        if self.enabled and values:
+            self.rundir.write_config(values)
 
     def live_due(self) -> bool:
         """Whether a live row is due (about once a second, rank 0 only)."""
@@ -138,13 +148,28 @@ class RunWriter:
             },
         )
 
-    def epoch_end(self, row: MetricsRow, epochs: int) -> None:
-        """The epoch's metrics row and its line for the console."""
+    def epoch_end(self, row: MetricsRow, epochs: int | None) -> None:
+        """The epoch's metrics row and its line for the console: the epoch's mean loss, then the
+        last window's, each named."""
         self.metrics(dataclasses.replace(row, epoch_end=True))
-        parts = [f"epoch {row.epoch}/{epochs}", f"loss {row.loss:.4f}"]
+        parts = [f"epoch {row.epoch}/{epochs}" if epochs else f"epoch {row.epoch}", *self._losses(row)]
         parts += [f"{key} {value:.4f}" for key, value in row.validation.items()]
         parts += [f"lr {row.lr:.2e}", f"{row.samples_per_s:,.0f} samples/s"]
         self.event(Kind.EPOCH, "  ".join(parts), epoch=row.epoch)
+
+    def evaluation(self, row: MetricsRow, final: bool = False) -> None:
+        """The line of a validation pass between epoch ends (`final`: the one at the step budget's
+        end), for the console: `step 200 (epoch 1): loss 2.4301 (steps 191–200)  val_loss 2.5123`."""
+        parts = [*self._losses(row), *(f"{key} {value:.4f}" for key, value in row.validation.items())]
+        where = f"step {row.step:,} (epoch {row.epoch}{', the last step' if final else ''}):"
+        self.event(Kind.EVAL, f"{where} {'  '.join(parts)}", step=row.step, epoch=row.epoch)
+
+    def _losses(self, row: MetricsRow) -> list[str]:
+        """`epoch_loss 0.4500` (when the row has it) and `loss 0.3100 (steps 91–100)`: the last window's."""
+        parts = [f"{EPOCH_LOSS} {row.get(EPOCH_LOSS):.4f}"] if row.get(EPOCH_LOSS) is not None else []
+        window = self.window_steps
+        steps = f" (steps {row.step - window + 1:,}–{row.step:,})" if window > 1 else f" (step {row.step:,})"
+        return [*parts, f"loss {row.loss:.4f}{steps}" if row.loss is not None else "loss n/a"]
 
     def finish(self, weights: dict[str, torch.Tensor], progress: Progress) -> None:
         """Training finished: the final model (`weights`, a plain state_dict), progress.json and

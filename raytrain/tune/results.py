@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from raytrain.config import TrainConfig
+from raytrain.driver.summary import final_figures
 from raytrain.observe.render import figure, is_number, plural, sci, text_table
 from raytrain.rundir import Kind, RunDir, Store, Summary, write_yaml
 from raytrain.tune.options import SWEPT, TuneOptions
@@ -167,6 +168,7 @@ def _stopped_summary(run: RunDir, started: float | None, ended: float | None, ex
     epoch_rows = [row for row in metrics if row.epoch_end]
     last = epoch_rows[-1] if epoch_rows else (metrics[-1] if metrics else None)
     progress = run.progress()
+    figures, window = final_figures(metrics)
     return Summary(
         status="stopped",
         epochs=last.epoch if last else 0,
@@ -176,7 +178,8 @@ def _stopped_summary(run: RunDir, started: float | None, ended: float | None, ex
         steady_samples_per_s=progress.steady_samples_per_s if progress else None,
         steady_steps=progress.steady_steps if progress else None,
         world_sizes=list(dict.fromkeys(row.world_size for row in metrics if row.world_size)),
-        final_metrics={"loss": last.loss, **last.validation} if last else {},
+        final_metrics=figures,
+        final_loss_steps=window,
         extra=dict(extra),
     )
 

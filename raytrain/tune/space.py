@@ -105,7 +105,15 @@ def check_trials(base: TrainConfig, space: SearchSpace, options: TuneOptions) ->
                 "with --fault-tolerance restart (the default)",
             )
         )
-    if options.early_stop and options.grace_period_epochs is not None and options.grace_period_epochs > base.epochs:
+    if base.epochs is None:
+        problems.append(
+            (
+                "max_steps",
+                f"got {base.max_steps} without --epochs: a sweep compares its trials at epoch ends (ASHA stops them "
+                "there); give --epochs too (with --max-steps, whichever comes first)",
+            )
+        )
+    elif options.early_stop and options.grace_period_epochs is not None and options.grace_period_epochs > base.epochs:
         problems.append(
             (
                 "grace_period",

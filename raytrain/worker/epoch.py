@@ -15,52 +15,71 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from raytrain.data.draws import Draws, DrawsEpoch
 from raytrain.data.stream import Stream, StreamEpoch
 from raytrain.data.table import Table, TableEpoch
 from raytrain.observe.render import sci
 from raytrain.rules import steps
+from raytrain.rules.budget import Budget, evaluation_due, evaluation_rows
 from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints
-from raytrain.rundir.records import Kind
+from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker.replicas import ReplicaRuntime
 from raytrain.worker.step import StepRunner, update_context
 from raytrain.worker.window import EpochLoss, TrainingDiverged, divergence_message, sync
 
+Data = Table | Stream | Draws  # a dataset on a worker
+
 
 class EpochResult(NamedTuple):
-    loss: float  # the epoch's mean training loss over all ranks
+    loss: float  # the epoch's mean training loss over all ranks (so far, when the step budget ended it)
     samples_per_s: float
     stopped: bool  # the run was asked to stop: a checkpoint at the current step has been reported
     finished_elsewhere: bool = False  # per-step: a replacement found the others done with the run
 
 
-def train_epoch(runner: StepRunner, source: Table | Stream, position: Position, files: RunWriter) -> EpochResult:
-    """Train the rest of the current epoch (to the step where the run was asked to stop, if it was)."""
+def train_epoch(
+    runner: StepRunner, source: Data, position: Position, files: RunWriter, val_data: Data | None = None
+) -> EpochResult:
+    """Train the rest of the current epoch: to its end, to the step budget (--max-steps), or to
+    the step where the run was asked to stop."""
     cfg, start, samples_before = runner.cfg, time.perf_counter(), position.samples_seen
     rank, world = runner.runtime.world_rank, runner.runtime.world_size
     data = source.epoch(cfg.seed, position.epoch, position.epoch_offset, rank, world)
     epoch_steps = steps.epoch_steps(len(source), runner.batch_plan.global_batch_size, position.epoch_offset)
+    budget = Budget.of(cfg)
     runner.model.train()
-    epoch_loss, stop = EpochLoss(), False
+    epoch_loss, stop = epoch_loss_so_far(position), False
     for step in epoch_steps:
         take_step(runner, data, step, position)
-        last = step is epoch_steps[-1]
-        stop = after_step(runner, position, files, len(source), last, epoch_loss)
+        last = step is epoch_steps[-1] or budget.steps_done(position.step)
+        stop = after_step(runner, position, files, len(source), last, epoch_loss, val_data=val_data)
         if stop and not last:
             return EpochResult(math.nan, math.nan, stopped=True)
-    note_skipped_rows(runner, data, position, files)
+        if last:
+            break
+    if position.epoch_offset >= len(source):
+        note_skipped_rows(runner, data, position, files)
     samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
     return EpochResult(epoch_loss.mean(), samples_per_s, stop)
 
 
+def epoch_loss_so_far(position: Position) -> EpochLoss:
+    """The epoch's synced training loss so far, from the position (a restart mid-epoch keeps the
+    part of the epoch trained before it)."""
+    epoch, total, count = position.epoch_loss[:3]
+    return EpochLoss(total, int(count)) if epoch == position.epoch else EpochLoss()
+
+
 def train_epoch_per_step(
     runner: StepRunner,
-    source: Table | Stream,
+    source: Data,
     position: Position,
     files: RunWriter,
     replicas: ReplicaRuntime,
     on_first_quorum: Callable[[], None] | None = None,
+    val_data: Data | None = None,
 ) -> tuple[EpochResult, StepRunner]:
     """Train the rest of the current epoch one step at a time over the quorum of live replicas.
 
@@ -73,7 +92,7 @@ def train_epoch_per_step(
     cfg, start, samples_before = runner.cfg, time.perf_counter(), position.samples_seen
     runner.model.train()
     data, split, taken, stop = None, None, 0, False
-    while position.epoch_offset < len(source):
+    while position.epoch_offset < len(source) and not Budget.of(cfg).steps_done(position.step):
         quorum = replicas.start_step(position.step)
         files.enabled = replicas.is_rank0
         if replicas.healed:  # the position (and the epoch's loss so far) came from a live peer
@@ -82,7 +101,7 @@ def train_epoch_per_step(
             position.epoch_loss = [float(position.epoch), 0.0, 0.0]
         if on_first_quorum is not None:
             # Alone in its first quorum after the others wrote the end: a replacement too late to join.
-            if quorum.size == 1 < replicas.replica_count and files.rundir.finished(cfg.epochs):
+            if quorum.size == 1 < replicas.replica_count and files.rundir.finished(Budget.of(cfg)):
                 return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True), runner
             if not replicas.healed:  # a replacement says nothing of its own: the quorum's line does
                 on_first_quorum()
@@ -105,9 +124,11 @@ def train_epoch_per_step(
         runner.apply_gradients(position, phase)
         advance(position, step, steady, time.perf_counter() - tick)
         taken += 1
-        last = position.epoch_offset >= len(source)
+        last = position.epoch_offset >= len(source) or Budget.of(cfg).steps_done(position.step)
         epoch_loss = EpochLoss(position.epoch_loss[1], int(position.epoch_loss[2]))
-        stop = after_step(runner, position, files, len(source), last, epoch_loss, every_replica_looks=True)
+        stop = after_step(
+            runner, position, files, len(source), last, epoch_loss, every_replica_looks=True, val_data=val_data
+        )
         position.epoch_loss[1:] = [epoch_loss.total, float(epoch_loss.count)]
         if stop and not last:
             return EpochResult(math.nan, math.nan, stopped=True), runner
@@ -158,7 +179,9 @@ def advance(position: Position, step: steps.Step, steady: bool, seconds: float) 
         position.steady_time_s += seconds
 
 
-def take_step(runner: StepRunner, data: TableEpoch | StreamEpoch, step: steps.Step, position: Position) -> None:
+def take_step(
+    runner: StepRunner, data: TableEpoch | StreamEpoch | DrawsEpoch, step: steps.Step, position: Position
+) -> None:
     """One optimizer step, and the position after it; steps past --timing-warmup-steps are timed."""
     tick = time.perf_counter()
     update_context(runner, position)
@@ -175,25 +198,36 @@ def after_step(
     last: bool,
     epoch_loss: EpochLoss,
     every_replica_looks: bool = False,
+    val_data: Data | None = None,
 ) -> bool:
     """After a step: rank 0's live row; at the logging cadence the sync (loss, stop request)
-    and a metrics row; a checkpoint when one is due, or when the run is asked to stop
-    mid-epoch. Returns whether it was asked to stop. `every_replica_looks` (per-step mode):
-    each replica reads the stop request itself rather than trusting the sync to carry it."""
+    and a metrics row (with a bounded validation pass every --eval-every-steps); a checkpoint
+    when one is due, or when the run is asked to stop mid-epoch. `last`: the epoch's last step,
+    or the step budget's, whose row and checkpoint the caller writes. Returns whether it was
+    asked to stop. `every_replica_looks` (per-step mode): each replica reads the stop request
+    itself rather than trusting the sync to carry it."""
     cfg, stop = runner.cfg, False
     if runner.memory is not None and not runner.memory_said:
         say_memory(runner, files)
     report_live(files, runner, position, epoch_rows)
     checkpoint_now = bool(cfg.checkpoint_every_steps) and position.step % cfg.checkpoint_every_steps == 0 and not last
-    if position.step % cfg.log_every_steps == 0 or last or checkpoint_now:
+    evaluate_now = val_data is not None and evaluation_due(position.step, cfg.eval_every_steps, last)
+    if position.step % cfg.log_every_steps == 0 or last or checkpoint_now or evaluate_now:
         # Every checkpoint follows a sync: weights are saved only after their loss was seen finite.
         asked = files.stop_requested(anyone=every_replica_looks)
         loss, count, stop = sync_ranks(runner, position, stop_requested=asked)
         stop = stop or asked
-        epoch_loss.add(loss, count)
+        if count:
+            epoch_loss.add(loss, count)
+            position.epoch_loss = [float(position.epoch), epoch_loss.total, float(epoch_loss.count)]
+            position.last_loss = loss
         if not last:
             rate = runner.throughput.lap(position.samples_seen)
-            files.metrics(runner.metrics_row(position, loss=loss, samples_per_s=rate))
+            validation = evaluate_during(runner, val_data, position) if evaluate_now else {}
+            row = runner.metrics_row(position, loss=loss, samples_per_s=rate, extra=validation)
+            files.metrics(row)
+            if evaluate_now:
+                files.evaluation(row)
         if stop and not last:
             report_checkpoint(runner, position)
             return True
@@ -254,15 +288,48 @@ def sync_ranks(runner: StepRunner, position: Position, stop_requested: bool = Fa
 
 
 def end_epoch(
-    runner: StepRunner, val_data: Table | Stream | None, position: Position, files: RunWriter, epoch: EpochResult
+    runner: StepRunner, val_data: Data | None, position: Position, files: RunWriter, epoch: EpochResult
 ) -> None:
     """Validate, write the epoch's row and report it with a checkpoint."""
-    runner.heartbeat.mark(position.step, "eval")
-    val_metrics = evaluate(runner, val_data) if val_data is not None else {}
+    val_metrics = validate(runner, val_data, position)
     position.epoch, position.epoch_offset = position.epoch + 1, 0
-    row = runner.metrics_row(position, loss=epoch.loss, samples_per_s=epoch.samples_per_s, extra=val_metrics)
+    row = closing_row(runner, position, epoch, val_metrics)
     files.epoch_end(row, runner.cfg.epochs)
     report_with_checkpoint(runner, position, row.to_json())
+
+
+def end_at_step_budget(
+    runner: StepRunner, val_data: Data | None, position: Position, files: RunWriter, epoch: EpochResult
+) -> None:
+    """The step budget (--max-steps) ran out inside an epoch: validate, write the run's last row
+    and report it with a checkpoint at this step."""
+    row = closing_row(runner, position, epoch, validate(runner, val_data, position))
+    files.metrics(row)
+    files.evaluation(row, final=True)
+    report_with_checkpoint(runner, position, row.to_json())
+
+
+def closing_row(runner: StepRunner, position: Position, epoch: EpochResult, val_metrics: dict) -> MetricsRow:
+    """The row that closes an epoch (or the run, inside one): its `loss` is the last window's, as
+    every row's is; `epoch_loss` is the epoch's mean (so far)."""
+    last = math.nan if position.last_loss is None else position.last_loss
+    return runner.metrics_row(
+        position, loss=last, samples_per_s=epoch.samples_per_s, extra={EPOCH_LOSS: epoch.loss, **val_metrics}
+    )
+
+
+def validate(runner: StepRunner, val_data: Data | None, position: Position) -> dict[str, float]:
+    """A validation pass (none without a validation set)."""
+    runner.heartbeat.mark(position.step, "eval")
+    return evaluate(runner, val_data) if val_data is not None else {}
+
+
+def evaluate_during(runner: StepRunner, val_data: Data, position: Position) -> dict[str, float]:
+    """A validation pass between two steps; its time is left out of the training throughput."""
+    tick = time.perf_counter()
+    metrics = validate(runner, val_data, position)
+    runner.throughput.since_time += time.perf_counter() - tick
+    return metrics
 
 
 def report_checkpoint(runner: StepRunner, position: Position) -> None:
@@ -311,8 +378,9 @@ def note_skipped_rows(runner: StepRunner, data: TableEpoch | StreamEpoch, positi
 
 
 @torch.no_grad()
-def evaluate(runner: StepRunner, source: Table | Stream) -> dict[str, float]:
-    """Validation loss and metrics, averaged over all validation samples of all ranks."""
+def evaluate(runner: StepRunner, source: Data) -> dict[str, float]:
+    """Validation loss and metrics, averaged over all validation samples of all ranks (over the
+    same --eval-batches global batches every pass, when given)."""
     runtime = runner.runtime
     runner.model.eval()
     batch_size = max(
@@ -323,7 +391,8 @@ def evaluate(runner: StepRunner, source: Table | Stream) -> dict[str, float]:
     # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
     # rank learns the metric names and joins the reduction below.
     rank, world = runtime.evaluation_share()
-    batches = source.eval_batches(rank, world, batch_size, runtime.device)
+    limit = evaluation_rows(runner.cfg)
+    batches = source.eval_batches(rank, world, batch_size, runtime.device, limit=limit, seed=runner.cfg.seed)
     if runner.prepared is not None and runner.prepared.sharded and world > 1:
         batches = _in_step(batches, runtime)
     for n, batch in batches:

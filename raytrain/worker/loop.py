@@ -22,21 +22,31 @@ from typing import Any, Callable, NamedTuple
 
 from raytrain import hooks
 from raytrain.config import TrainConfig
+from raytrain.data.draws import Draws
 from raytrain.data.sources import Source, data_digest, open_source
 from raytrain.data.stream import Stream
 from raytrain.data.table import Table
 from raytrain.errors import find_user_error
-from raytrain.pipeline import Pipeline
+from raytrain.pipeline import Pipeline, overrides
 from raytrain.rules import resume
 from raytrain.rules.attempt import Attempt
 from raytrain.rules.batch import batch_plan_for
+from raytrain.rules.budget import Budget
 from raytrain.rules.position import Position
 from raytrain.rundir.checkpoints import node_dir
 from raytrain.rundir.records import HEARTBEATS, Kind
 from raytrain.rundir.storage import Store
 from raytrain.rundir.writer import RunWriter
-from raytrain.worker.epoch import EpochResult, append_if_new, end_epoch, train_epoch, train_epoch_per_step
+from raytrain.worker.epoch import (
+    EpochResult,
+    append_if_new,
+    end_at_step_budget,
+    end_epoch,
+    train_epoch,
+    train_epoch_per_step,
+)
 from raytrain.worker.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
+from raytrain.worker.optim import describe_optimizer
 from raytrain.worker.replicas import JOIN_TIMEOUT_S, ReplicaRuntime
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import checkpoints_to_try, unwrap
@@ -98,8 +108,8 @@ class Begun(NamedTuple):
     saved: dict[str, Any] | None  # the checkpoint's state (None: a fresh start)
     position: Position
     attempt: Attempt
-    train_data: Table | Stream
-    val_data: Table | Stream | None
+    train_data: Table | Stream | Draws
+    val_data: Table | Stream | Draws | None
     runner: StepRunner
 
 
@@ -145,7 +155,7 @@ def run_attempt(
 
     # loop, report
     def one_epoch(runner: StepRunner) -> tuple[EpochResult, StepRunner]:
-        return train_epoch(runner, train_data, position, files), runner
+        return train_epoch(runner, train_data, position, files, val_data), runner
 
     run_epochs(runner, len(train_data), val_data, position, files, one_epoch)
 
@@ -161,7 +171,7 @@ def run_replica(
     """One replica of a per-step run (raytrain.worker.replicas): restore, build, then steps over
     the quorum of live replicas; a replacement heals from a live peer at its first step."""
     # restore, build, join
-    if files.rundir.finished(cfg.epochs):
+    if files.rundir.finished(Budget.of(cfg)):
         return  # a replacement that came up after the others finished the run: nothing to join
     if runtime.starts_with_group:  # heartbeating while it restores: the first quorum waits for it
         runtime.start_manager()
@@ -183,7 +193,9 @@ def run_replica(
 
     def one_epoch(runner: StepRunner) -> tuple[EpochResult, StepRunner]:
         first = pending.pop() if pending else None
-        return train_epoch_per_step(runner, train_data, position, files, runtime, on_first_quorum=first)
+        return train_epoch_per_step(
+            runner, train_data, position, files, runtime, on_first_quorum=first, val_data=val_data
+        )
 
     run_epochs(runner, len(train_data), val_data, position, files, one_epoch)
 
@@ -204,26 +216,27 @@ def partial_start_line(runtime: ReplicaRuntime, not_waited: str | None) -> str:
 def run_epochs(
     runner: StepRunner,
     num_train_rows: int,
-    val_data: Table | Stream | None,
+    val_data: Table | Stream | Draws | None,
     position: Position,
     files: RunWriter,
     train_one: Callable[[StepRunner], tuple[EpochResult, StepRunner]],
 ) -> None:
-    """Epochs to the last (`train_one(runner)` trains the rest of one: its result and the
-    runner to go on with), or to a stop request; then the final model, or the mark of a stop."""
-    epochs = runner.cfg.epochs
-    while position.epoch < epochs:
+    """Epochs to the budget's end — the last epoch, or the last step of --max-steps, mid-epoch if
+    need be (`train_one(runner)` trains the rest of an epoch, or up to that step: its result and
+    the runner to go on with) — or to a stop request; then the final model, or the mark of a stop."""
+    budget = Budget.of(runner.cfg)
+    while not budget.done(position.epoch, position.step):
         epoch, runner = train_one(runner)
         if epoch.finished_elsewhere:
             return
-        if (
-            epoch.stopped and position.epoch_offset < num_train_rows
-        ):  # asked to stop mid-epoch: checkpointed at this step
-            break
+        if position.epoch_offset < num_train_rows:  # inside the epoch
+            if budget.steps_done(position.step):  # the step budget's end: validated and checkpointed here
+                end_at_step_budget(runner, val_data, position, files, epoch)
+            break  # or asked to stop: checkpointed at this step
         end_epoch(runner, val_data, position, files, epoch)
         if epoch.stopped:
             break
-    if position.epoch < epochs:
+    if not budget.done(position.epoch, position.step):
         files.interrupted(position.progress("interrupted"))
     else:
         weights = runner.training_state(position).weights()  # a collective under fsdp: every rank gathers
@@ -237,7 +250,7 @@ def announce(
     runner: StepRunner,
     position: Position,
     saved: dict | None,
-    train_data: Table | Stream,
+    train_data: Table | Stream | Draws,
 ) -> None:
     """Rank 0 says what this attempt is (with the plan and rate it trains with, against the
     checkpoint's rate), and what the data costs the run."""
@@ -250,9 +263,12 @@ def announce(
     note = hooks.optimizer_note(unwrap(runner.model), runner.optimizer)
     if note:
         files.event(Kind.NOTE, note)
+    if overrides(runner.pipeline, "build_optimizer"):  # config.yaml says what the pipeline's optimizer is
+        details = {"build_optimizer": describe_optimizer(runner.optimizer)}
+        files.update_config(resume.recorded_config(files.rundir.config(), ["build_optimizer"], details))
 
 
-def data_notes(data: Table | Stream, world_size: int) -> list[str]:
+def data_notes(data: Table | Stream | Draws, world_size: int) -> list[str]:
     """What the data costs the run: rows skipped in memory, and stream partitions that cannot
     keep every worker equally busy."""
     notes = []

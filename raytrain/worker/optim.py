@@ -56,3 +56,9 @@ def rate_multipliers(optimizer: torch.optim.Optimizer, base_lr: float) -> list[f
 def set_rates(optimizer: torch.optim.Optimizer, lr: float, multipliers: list[float]) -> None:
     for group, multiplier in zip(optimizer.param_groups, multipliers):
         group["lr"] = lr * multiplier
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """`AdamW, 2 groups`: what a pipeline's build_optimizer built, for the plan line and config.yaml."""
+    groups = len(optimizer.param_groups)
+    return f"{type(optimizer).__name__}, {groups} group{'s' if groups != 1 else ''}"

@@ -23,10 +23,11 @@ from raytrain.config import TrainConfig
 from raytrain.data.stream import StreamEpoch
 from raytrain.data.table import TableEpoch
 from raytrain.errors import CheckpointError, pipeline_code
-from raytrain.pipeline import _CONTEXT, Pipeline, overrides
+from raytrain.pipeline import _CONTEXT, Pipeline, overrides, set_plan
 from raytrain.rules import steps
 from raytrain.rules.attempt import describe_plan
 from raytrain.rules.batch import BatchPlan, batch_plan_for
+from raytrain.rules.budget import Budget
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import LRSchedule, run_schedule
 from raytrain.rundir.records import Kind, MetricsRow
@@ -59,6 +60,7 @@ class StepRunner:
     window: LossWindow  # the steps since the last sync
     throughput: Throughput = field(default_factory=lambda: Throughput(time.perf_counter(), 0))
     count_flops: bool = False  # rank 0 counts the FLOPs of its next micro-batch with rows (once per attempt)
+    total_steps: int = 0  # the steps the whole run takes at this plan (raytrain.context())
 
     prepared: Prepared | None = None  # how the strategy holds the model (None in unit tests: a plain model)
     memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
@@ -77,6 +79,8 @@ class StepRunner:
     ) -> "StepRunner":
         """Everything an attempt steps with, freshly initialized (`restore` continues from a
         checkpoint): the pipeline's model, held as --strategy says, its optimizer and scaler."""
+        total_steps = Budget.of(cfg).total_steps(num_train_rows, batch_plan.global_batch_size)
+        show_plan(cfg, runtime, batch_plan, total_steps)  # what build_model and build_optimizer see
         # One seed for model init on every rank: identical replicas (and identical shards'
         # sources under fsdp) before DDP's broadcast.
         seed_everything(cfg.seed)
@@ -101,6 +105,7 @@ class StepRunner:
             window=LossWindow.on(runtime.device),
             prepared=prepared,
             count_flops=runtime.is_rank0 and cfg.fault_tolerance == "restart",
+            total_steps=total_steps,
         )
 
     def restore(self, candidates: list[tuple[Path, dict[str, Any]]], files: RunWriter) -> dict[str, Any] | None:
@@ -149,14 +154,18 @@ class StepRunner:
         return self.schedule.lr(samples_seen, factor)
 
     def describe_plan(self) -> str:
-        plan = describe_plan(self.cfg, self.pipeline, self.batch_plan, self.schedule, self.runtime.backend)
+        optimizer = optim.describe_optimizer(self.optimizer) if overrides(self.pipeline, "build_optimizer") else None
         model = self.prepared.describe() if self.prepared is not None else ""
-        return f"{plan}; {model}" if model else plan
+        return describe_plan(
+            self.cfg, self.pipeline, self.batch_plan, self.schedule, self.runtime.backend, optimizer, model
+        )
 
     def for_quorum(self, replicas: int, num_train_rows: int) -> "StepRunner":
         """This runner with the batch plan and rate of a quorum of `replicas` (per-step mode)."""
         plan = batch_plan_for(self.cfg, replicas)
-        return dataclasses.replace(self, batch_plan=plan, schedule=run_schedule(self.cfg, plan, num_train_rows))
+        total = Budget.of(self.cfg).total_steps(num_train_rows, plan.global_batch_size)
+        schedule = run_schedule(self.cfg, plan, num_train_rows)
+        return dataclasses.replace(self, batch_plan=plan, schedule=schedule, total_steps=total)
 
     def training_state(self, position: Position) -> TrainingState:
         """What a checkpoint, a healed replica and the final model hold (`raytrain.worker.state`)."""
@@ -325,13 +334,24 @@ class StepRunner:
 
 def update_context(runner: StepRunner, position: Position) -> None:
     """What `raytrain.context()` tells the pipeline's hooks during the step at `position`."""
+    show_plan(runner.cfg, runner.runtime, runner.batch_plan, runner.total_steps)
     _CONTEXT.epoch = position.epoch
     _CONTEXT.step = position.step
     _CONTEXT.samples_seen = position.samples_seen
-    _CONTEXT.world_rank = runner.runtime.world_rank
-    _CONTEXT.world_size = runner.runtime.world_size
-    _CONTEXT.global_batch_size = runner.batch_plan.global_batch_size
     _CONTEXT.lr = runner.lr_at(position.samples_seen)
+
+
+def show_plan(cfg: TrainConfig, runtime: Runtime, plan: BatchPlan, total_steps: int) -> None:
+    """The plan of this attempt (or quorum) in `raytrain.context()`."""
+    _CONTEXT.world_rank = runtime.world_rank
+    set_plan(
+        global_batch_size=plan.global_batch_size,
+        world_size=plan.world_size,
+        accumulation_steps=plan.accumulation_steps,
+        max_steps=cfg.max_steps,
+        total_steps=total_steps,
+        config=cfg,
+    )
 
 
 class Batch(dict):
