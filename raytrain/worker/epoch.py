@@ -25,6 +25,7 @@ from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints
 from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
+from raytrain.worker import prefetch
 from raytrain.worker.replicas import ReplicaRuntime
 from raytrain.worker.step import StepRunner, update_context
 from raytrain.worker.window import EpochLoss, TrainingDiverged, divergence_message, sync
@@ -46,21 +47,25 @@ def train_epoch(
     the step where the run was asked to stop."""
     cfg, start, samples_before = runner.cfg, time.perf_counter(), position.samples_seen
     rank, world = runner.runtime.world_rank, runner.runtime.world_size
-    data = source.epoch(cfg.seed, position.epoch, position.epoch_offset, rank, world)
+    data = plain = source.epoch(cfg.seed, position.epoch, position.epoch_offset, rank, world)
+    if prefetch.wanted(cfg.prefetch, runner.runtime.device):
+        data = prefetch.Prefetched(plain, runner.runtime.device)
     epoch_steps = steps.epoch_steps(len(source), runner.batch_plan.global_batch_size, position.epoch_offset)
     budget = Budget.of(cfg)
     runner.model.train()
     epoch_loss, stop = epoch_loss_so_far(position), False
-    for step in epoch_steps:
+    for index, step in enumerate(epoch_steps):
         take_step(runner, data, step, position)
         last = step is epoch_steps[-1] or budget.steps_done(position.step)
+        if isinstance(data, prefetch.Prefetched) and not last:  # the step's work is queued: stage the next batch
+            data.stage(epoch_steps[index + 1], runner.batch_plan.accumulation_steps)
         stop = after_step(runner, position, files, len(source), last, epoch_loss, val_data=val_data)
         if stop and not last:
             return EpochResult(math.nan, math.nan, stopped=True)
         if last:
             break
     if position.epoch_offset >= len(source):
-        note_skipped_rows(runner, data, position, files)
+        note_skipped_rows(runner, plain, position, files)
     samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
     return EpochResult(epoch_loss.mean(), samples_per_s, stop)
 
