@@ -27,12 +27,15 @@ from raytrain.worker.step import StepRunner
 from raytrain.worker.window import LossWindow
 
 ROWS = 203  # a partial last step
+CPU = torch.device("cpu")
 
 
 class OneProcess:
     world_rank, world_size, is_rank0, backend = 0, 1, True, "none"
-    device = torch.device("cpu")
     distributed_checkpoints = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
 
     def all_reduce_sum(self, values):
         return list(values)
@@ -80,7 +83,10 @@ class Recording(Pipeline):
         return loss
 
 
-def train(setting: str, micro_batch_size: int | None) -> tuple[Recording, list[torch.Tensor], Files]:
+def train(
+    setting: str, micro_batch_size: int | None, device: torch.device = CPU
+) -> tuple[Recording, list[torch.Tensor], Files]:
+    """Two epochs of a small MLP on `device` through the worker's own epoch and step code."""
     pipeline = Recording()
     cfg = TrainConfig(
         warmup_epochs=0,
@@ -101,27 +107,27 @@ def train(setting: str, micro_batch_size: int | None) -> tuple[Recording, list[t
     )
     torch.manual_seed(0)
     plan = batch_plan_for(cfg, 1)
-    model = pipeline.build_model(cfg)
+    model = pipeline.build_model(cfg).to(device)
     optimizer = hooks.call(pipeline, "build_optimizer", model, cfg)
     runner = StepRunner(
         pipeline=pipeline,
         cfg=cfg,
-        runtime=OneProcess(),
+        runtime=OneProcess(device),
         heartbeat=Heartbeat(Path("."), 0, enabled=False),
         run_dir="",
         batch_plan=plan,
         model=model,
         optimizer=optimizer,
-        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        scaler=torch.amp.GradScaler(device.type, enabled=False),
         schedule=run_schedule(cfg, plan, ROWS),
         rate_multipliers=[1.0] * len(optimizer.param_groups),
-        window=LossWindow.on(torch.device("cpu")),
+        window=LossWindow.on(device),
     )
     position, files = Position(), Files()
     for epoch in range(cfg.epochs):
         position.epoch, position.epoch_offset = epoch, 0
         train_epoch(runner, table, position, files)
-    return pipeline, [p.detach().clone() for p in model.parameters()], files
+    return pipeline, [p.detach().cpu() for p in model.parameters()], files
 
 
 @pytest.mark.parametrize("micro_batch_size", [None, 8])

@@ -55,10 +55,9 @@ def train_epoch(
     runner.model.train()
     epoch_loss, stop = epoch_loss_so_far(position), False
     for index, step in enumerate(epoch_steps):
-        take_step(runner, data, step, position)
+        final = step is epoch_steps[-1] or budget.steps_done(position.step + 1)
+        take_step(runner, data, step, position, ahead=None if final else epoch_steps[index + 1])
         last = step is epoch_steps[-1] or budget.steps_done(position.step)
-        if isinstance(data, prefetch.Prefetched) and not last:  # the step's work is queued: stage the next batch
-            data.stage(epoch_steps[index + 1], runner.batch_plan.accumulation_steps)
         stop = after_step(runner, position, files, len(source), last, epoch_loss, val_data=val_data)
         if stop and not last:
             return EpochResult(math.nan, math.nan, stopped=True)
@@ -185,13 +184,21 @@ def advance(position: Position, step: steps.Step, steady: bool, seconds: float) 
 
 
 def take_step(
-    runner: StepRunner, data: TableEpoch | StreamEpoch | DrawsEpoch, step: steps.Step, position: Position
+    runner: StepRunner,
+    data: TableEpoch | StreamEpoch | DrawsEpoch | prefetch.Prefetched,
+    step: steps.Step,
+    position: Position,
+    ahead: steps.Step | None = None,
 ) -> None:
-    """One optimizer step, and the position after it; steps past --timing-warmup-steps are timed."""
+    """One optimizer step, and the position after it; steps past --timing-warmup-steps are timed.
+    With prefetching data, the batch of `ahead` (the next step) is staged once this step's work
+    is queued, inside the step's time."""
     tick = time.perf_counter()
     update_context(runner, position)
     steady = step.index >= runner.cfg.timing_warmup_steps
     runner.optimizer_step(data, step, position, timed=steady)
+    if ahead is not None and isinstance(data, prefetch.Prefetched):
+        data.stage(ahead, runner.batch_plan.accumulation_steps)
     advance(position, step, steady, time.perf_counter() - tick)
 
 
