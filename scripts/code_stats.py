@@ -153,7 +153,7 @@ def report(texts: dict[str, str], longest: int) -> tuple[str, int]:
 # The layers of the package (docs/architecture.md), with the flat modules of the older layout
 # that each replaced, so that a comparison across the move reads layer by layer.
 LAYERS = {
-    "foundation": ("__init__", "config", "fields", "errors", "pipeline"),
+    "foundation": ("__init__", "config", "fields", "errors", "pipeline", "hooks", "sampled"),
     "rules": ("rules", "plan", "order", "attempt", "position", "resume", "costmodel"),
     "data": ("data", "shards"),
     "worker": ("worker", "loop", "runtime", "replicas", "heartbeat", "phases", "optim"),
