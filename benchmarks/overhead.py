@@ -297,7 +297,13 @@ def main() -> None:
     skip = {part for part in args.skip.split(",") if part}
     out = Path(tempfile.mkdtemp(prefix="raytrain-overhead-"))
     storage = str(out / "runs")
-    plans = {} if "throughput" in skip else {kind: plan(kind, out, args.steps) for kind in MODELS}
+    plans = {}
+    if "throughput" not in skip:
+        from raytrain.config import TrainConfig
+        from raytrain.driver.session import ray_session
+
+        with ray_session(TrainConfig(workers=2)):  # the datasets are Ray Datasets: read on raytrain's own Ray
+            plans = {kind: plan(kind, out, args.steps) for kind in MODELS}
     rounds = []
     for index in range(1, args.rounds + 1):
         first = index % 2 == 1
