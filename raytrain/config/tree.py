@@ -208,7 +208,8 @@ class TrainConfig:
     prefetch: PrefetchMode = "auto"
     """Stage each step's batch while the step before it computes: cut on the host, pinned, copied to the GPU on a
     side stream (auto: on GPUs; on: also on CPUs, where the batch is only cut a step early; off: every batch
-    copied when its step starts). The rows and their order are the same either way."""
+    copied when its step starts; so does --fault-tolerance per-step, whose steps may be taken again). The rows and
+    their order are the same either way."""
     timing_warmup_steps: int = 3
     """Steps at the start of every epoch left out of the steady throughput (first-step allocation, caches)."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
