@@ -8,6 +8,7 @@ tolerance: the live replicas take each step together, `raytrain.worker.replicas`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from raytrain.worker.step import StepRunner, update_context
 from raytrain.worker.window import EpochLoss, TrainingDiverged, divergence_message, sync
 
 Data = Table | Stream | Draws  # a dataset on a worker
+DIVERGED_CHECKPOINT_WAIT_S = 60.0  # how long a diverged rank waits for the checkpoint being written
 
 
 class EpochResult(NamedTuple):
@@ -285,6 +287,10 @@ def sync_ranks(runner: StepRunner, position: Position, stop_requested: bool = Fa
     (TrainingDiverged), before its weights are saved."""
     loss, count, stop, diverged = sync(runner.runtime, runner.heartbeat, runner.window, position.step, stop_requested)
     if diverged:
+        # The last good checkpoint may still be being written in the background: finish it first, so that the
+        # message names it (the run ends here either way).
+        with contextlib.suppress(Exception):
+            runner.runtime.finish_checkpoints(timeout_s=DIVERGED_CHECKPOINT_WAIT_S)
         last_good = checkpoints.latest_complete(runner.run_dir) if runner.run_dir else None
         raise TrainingDiverged(
             divergence_message(
