@@ -321,21 +321,13 @@ def context() -> RunContext:
     return _CONTEXT
 
 
-def set_plan(
-    *,
-    global_batch_size: int,
-    world_size: int,
-    accumulation_steps: int,
-    max_steps: int | None,
-    total_steps: int | None,
-    config: Any,
-) -> None:
-    """Tell `context()` the resolved plan (the driver before build_datasets, each attempt
-    before build_model)."""
-    _CONTEXT.global_batch_size = global_batch_size
-    _CONTEXT.world_size = world_size
-    _CONTEXT.batch_size_per_worker = -(-global_batch_size // max(1, world_size))
-    _CONTEXT.accumulation_steps = accumulation_steps
-    _CONTEXT.max_steps = max_steps
+def set_plan(plan: Any, config: Any, total_steps: int | None) -> None:
+    """Tell `context()` the resolved plan (a `raytrain.rules.batch.BatchPlan`): the driver's
+    before build_datasets, each attempt's before build_model."""
+    _CONTEXT.global_batch_size = plan.global_batch_size
+    _CONTEXT.world_size = plan.world_size
+    _CONTEXT.batch_size_per_worker = -(-plan.global_batch_size // max(1, plan.world_size))
+    _CONTEXT.accumulation_steps = plan.accumulation_steps
+    _CONTEXT.max_steps = config.max_steps
     _CONTEXT.total_steps = total_steps
     _CONTEXT.config = config

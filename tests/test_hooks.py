@@ -359,10 +359,11 @@ def test_an_exception_from_args_is_the_pipelines_error_naming_args():
 def test_the_cli_answers_args_dict_with_exit_2_and_one_message_before_ray(capsys, tmp_path):
     import ray
 
+    ray_before = ray.is_initialized()  # the suite's shared Ray may be up already
     code = main(["train", "test_hooks:DictArgs", "--storage", str(tmp_path), "--workers", "1"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("raytrain train: pipeline DictArgs: Args is dict, not a dataclass"), err
-    assert "Traceback" not in err and not ray.is_initialized()
+    assert "Traceback" not in err and ray.is_initialized() == ray_before and not list(tmp_path.iterdir())
 
 
 # -- loading the pipeline: its module, its class, its attributes ------------------------------------------

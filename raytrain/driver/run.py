@@ -135,15 +135,7 @@ def resolve_config(pipe: Pipeline, cfg: TrainConfig, pipeline_name: str) -> Trai
 
 def show_planned_plan(cfg: TrainConfig) -> None:
     """The plan at the largest worker count, in `raytrain.context()` for build_datasets."""
-    plan = batch.batch_plan_for(cfg, max(1, cfg.max_workers))
-    set_plan(
-        global_batch_size=plan.global_batch_size,
-        world_size=plan.world_size,
-        accumulation_steps=plan.accumulation_steps,
-        max_steps=cfg.max_steps,
-        total_steps=None,
-        config=cfg,
-    )
+    set_plan(batch.batch_plan_for(cfg, max(1, cfg.max_workers)), cfg, total_steps=None)
 
 
 def check_validation_set(cfg: TrainConfig, sources: dict[str, Source]) -> None:

@@ -349,14 +349,7 @@ def update_context(runner: StepRunner, position: Position) -> None:
 def show_plan(cfg: TrainConfig, runtime: Runtime, plan: BatchPlan, total_steps: int) -> None:
     """The plan of this attempt (or quorum) in `raytrain.context()`."""
     _CONTEXT.world_rank = runtime.world_rank
-    set_plan(
-        global_batch_size=plan.global_batch_size,
-        world_size=plan.world_size,
-        accumulation_steps=plan.accumulation_steps,
-        max_steps=cfg.max_steps,
-        total_steps=total_steps,
-        config=cfg,
-    )
+    set_plan(plan, cfg, total_steps)
 
 
 class Batch(dict):
