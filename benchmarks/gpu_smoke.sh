@@ -67,4 +67,20 @@ mfu = "none (no peak known for this GPU)" if cost["mfu"] is None else f"{cost['m
 print(f"gpu-smoke: cost: {cost['achieved_tflops_per_worker']:.3g} TFLOP/s per worker on {cost['device']}, MFU {mfu}")
 EOF
 done
+# The input copy overlapped (--prefetch): the time a step waits on its batch (bench's data wait,
+# the GPU synchronized around each phase), the CNN on 3×32×32 images at batch 64, staged ahead or not.
+for mode in off on; do
+    raytrain bench benchmarks.overhead:ImageCNN --gpu --workers 1 --steps 200 --prefetch "$mode" \
+        --storage "$STORE" --name "prefetch-$mode" || fail "bench --prefetch $mode"
+done
+python - "$STORE" <<'EOF' || fail "the prefetched copy did not shorten the data wait"
+import json, sys
+r = {m: json.load(open(f"{sys.argv[1]}/prefetch-{m}/bench.json"))["results"][0] for m in ("off", "on")}
+wait = {m: r[m]["split_ms"]["data_wait"] for m in r}
+rate = {m: r[m]["steady_samples_per_s"] for m in r}
+print(f"gpu-smoke: data wait per step: {wait['off']:.3f} ms copied at the step, {wait['on']:.3f} ms staged ahead; "
+      f"samples/s {rate['off']:,.0f} vs {rate['on']:,.0f} ({rate['on'] / rate['off']:.2f}x)")
+assert wait["on"] < wait["off"], wait
+EOF
+
 say "all steps passed in $(( $(date +%s) - started )) s; figures in $OUT"

@@ -52,9 +52,10 @@ def note(label: str, at: float | None = None, path: str | None = None) -> None:
 
 
 def timed(owner, attr: str, label: str, describe=None) -> None:
-    """Replace owner.attr by a wrapper noting '<label> start' and '<label> end' around each call."""
-    original = getattr(owner, attr)
-    if getattr(original, "_phased", False):
+    """Replace owner.attr by a wrapper noting '<label> start' and '<label> end' around each call
+    (nothing when the code no longer has that name: the phase is left out, not the run)."""
+    original = getattr(owner, attr, None)
+    if original is None or getattr(original, "_phased", False):
         return
 
     @functools.wraps(original)
@@ -80,7 +81,7 @@ def wrap_driver() -> None:
     timed(ray, "init", "ray.init")
     timed(TorchTrainer, "fit", "TorchTrainer.fit")
     timed(tracking, "RunTracker", "run tracker")
-    for name in ("resolve_gpu", "build_datasets", "prepare_datasets", "build_torch_trainer", "write_yaml"):
+    for name in ("resolve_gpu", "build_datasets", "prepare_datasets", "build_torch_trainer"):
         timed(trainer, name, name)
 
 
@@ -94,7 +95,7 @@ def wrap_worker() -> None:
     _WRAPPED.append(True)
 
     timed(loop, "Runtime", "worker context")
-    timed(loop, "restore_latest", "restore")
+    timed(loop, "begin", "restore and build")
     timed(loop, "open_source", "open_source", describe=lambda name, source, *_: f"{name} ({type(source).__name__})")
     timed(loop.StepRunner, "build", "StepRunner.build")
     timed(runtime.Runtime, "prepare_model", "prepare_model")

@@ -269,7 +269,10 @@ def check_not_shadowed(spec: str, module: Any) -> None:
     top = module.__name__.split(".")[0]
     cwd = os.getcwd()
     mine = [os.path.join(cwd, top + ".py"), os.path.join(cwd, top)]
-    origin = os.path.abspath(getattr(sys.modules.get(top), "__file__", None) or "")
+    imported = sys.modules.get(top)
+    # A namespace package (a folder without __init__.py) has no __file__: where its folder is.
+    where = getattr(imported, "__file__", None) or next(iter(getattr(imported, "__path__", None) or []), None)
+    origin = os.path.abspath(where) if where else ""
     if any(os.path.exists(path) for path in mine) and origin and not origin.startswith(cwd + os.sep):
         raise PipelineError(
             f"pipeline {spec!r}: module {top!r} is imported from {origin}, an installed package of that name, not "

@@ -65,3 +65,27 @@ def test_digits_trains_on_one_gpu_with_nccl_under_autocast_and_resumes(tmp_path,
     state = torch.load(tmp_path / f"{precision}.pt", map_location="cpu", weights_only=True)
     assert not any(key.startswith("module.") for key in state)
     assert all(torch.isfinite(value).all() for value in state.values() if value.is_floating_point())
+
+
+def test_prefetching_on_a_gpu_stages_pinned_batches_on_a_side_stream_and_changes_nothing(monkeypatch):
+    """--prefetch on a GPU: every step but an epoch's first is served a batch copied ahead on the
+    side stream from pinned memory; ids and order are exact, losses and weights the same."""
+    import torch
+    from test_prefetch import train
+
+    from raytrain.worker import prefetch
+
+    device = torch.device("cuda", 0)
+    pinned, staged = [], []
+    to = torch.Tensor.pin_memory
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: (pinned.append(1), to(self, *a))[1])
+    stage = prefetch.Prefetched.stage
+    monkeypatch.setattr(prefetch.Prefetched, "stage", lambda self, *a: (staged.append(self), stage(self, *a)))
+    plain, plain_weights, _ = train("off", None, device)
+    assert staged == [] and pinned == []
+    ahead, ahead_weights, _ = train("auto", None, device)
+    assert staged and all(data.stream is not None for data in staged) and len(pinned) == 3 * len(staged)
+    assert sum(data.staged_batches for data in set(staged)) == len(staged)
+    assert ahead.seen == plain.seen
+    assert ahead.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ahead_weights, plain_weights))

@@ -378,3 +378,15 @@ def test_pipeline_args_in_a_config_file_that_are_not_a_mapping_are_refused(tmp_p
     code = main(["train", "digits", "--config", str(config), "--storage", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and f"pipeline_args (in {config}): got [1, 2] (list); expected a mapping of KEY: value" in err
+
+
+def test_a_namespace_package_in_the_working_directory_is_the_users_own(tmp_path, monkeypatch):
+    """`raytrain train benchmarks.overhead:TinyMLP` from a checkout: `benchmarks/` has no
+    __init__.py (no __file__), and is still the user's module, not a shadowing install."""
+    from raytrain.pipeline import load_pipeline
+
+    (tmp_path / "nsbench").mkdir()
+    (tmp_path / "nsbench" / "pipe.py").write_text("import raytrain\nclass Pipe(raytrain.Pipeline):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert type(load_pipeline("nsbench.pipe:Pipe")).__name__ == "Pipe"

@@ -19,7 +19,7 @@ from raytrain.rundir.records import Event, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker.loop import data_notes
 from raytrain.worker.phases import PhaseTimer, StepPhases
-from raytrain.worker.window import LossWindow
+from raytrain.worker.window import FOLD_EVERY, LossWindow
 
 # -- what an attempt is ------------------------------------------------------------------
 
@@ -155,6 +155,22 @@ def test_the_loss_window_sums_finite_losses_and_notes_the_first_bad_step():
     assert float(window.first_bad_step) == 6
     assert window.mean_loss() == pytest.approx(6.0 / 5)
     assert LossWindow.on(torch.device("cpu")).mean_loss() is None
+
+
+def test_the_loss_window_folds_many_steps_and_a_snapshot_undoes_an_uncommitted_one():
+    window = LossWindow.on(torch.device("cpu"))
+    for step in range(3 * FOLD_EVERY + 5):  # several folds, and some still pending
+        window.add(torch.tensor(float(step)), 2, step_index=step)
+    saved = window.snapshot()
+    window.add(torch.tensor(math.nan), 1, step_index=999)  # the uncommitted step
+    window.restore(saved)
+    steps = 3 * FOLD_EVERY + 5
+    assert float(window.loss_sum) == 2.0 * sum(range(steps)) and window.loss_count == 2 * steps
+    assert math.isinf(float(window.first_bad_step))
+    window.note_if_bad(torch.tensor(math.inf), step_index=4)  # a gradient norm: noted, adds no samples
+    assert float(window.first_bad_step) == 4 and window.loss_count == 2 * steps
+    window.clear()
+    assert window.mean_loss() is None and math.isinf(float(window.first_bad_step))
 
 
 # -- what the data costs -----------------------------------------------------------------

@@ -161,8 +161,7 @@ def global_loss(runner: StepRunner) -> float:
     is cleared for the next step."""
     window = runner.window
     total, count = runner.runtime.all_reduce_sum([float(window.loss_sum.item()), float(window.loss_count)])
-    window.loss_sum.zero_()
-    window.loss_count = 0
+    window.clear()
     return total / count if count else math.nan
 
 

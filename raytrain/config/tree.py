@@ -22,6 +22,7 @@ OptimizerName = Literal["adamw", "sgd", "lamb"]
 ProgressMode = Literal["auto", "bar", "plain", "off"]
 FaultTolerance = Literal["restart", "per-step"]
 Strategy = Literal["ddp", "fsdp"]
+PrefetchMode = Literal["auto", "on", "off"]
 LR_RULES = get_args(LRRule)
 # Knobs of which a layer (pipeline defaults < --config < flags) that names one replaces the other below it.
 EXCLUSIVE_PAIRS = (
@@ -204,6 +205,11 @@ class TrainConfig:
     raytrain bench; default: a table of known GPUs (raytrain.rules.costmodel.DEVICE_PEAK_TFLOPS)."""
     time_phases: bool = False
     """Synchronize the GPU around each step phase so the step-time split is exact (slower; for benchmarks)."""
+    prefetch: PrefetchMode = "auto"
+    """Stage each step's batch while the step before it computes: cut on the host, pinned, copied to the GPU on a
+    side stream (auto: on GPUs; on: also on CPUs, where the batch is only cut a step early; off: every batch
+    copied when its step starts; so does --fault-tolerance per-step, whose steps may be taken again). The rows and
+    their order are the same either way."""
     timing_warmup_steps: int = 3
     """Steps at the start of every epoch left out of the steady throughput (first-step allocation, caches)."""
     ddp: DDPConfig = field(default_factory=DDPConfig)

@@ -59,6 +59,9 @@ class TableEpoch:
 
     def batch(self, rows: list[tuple[int, int]], device: torch.device) -> tuple[dict[str, torch.Tensor], int]:
         """The rows as one batch and their count; for none, one row (the caller weights it 0)."""
-        index = np.concatenate([self.order[lo:hi] for lo, hi in rows]) if rows else np.zeros(0, dtype=np.int64)
+        if len(rows) == 1:  # the common case, one contiguous slice: no concatenation
+            index = self.order[rows[0][0] : rows[0][1]]
+        else:
+            index = np.concatenate([self.order[lo:hi] for lo, hi in rows]) if rows else np.zeros(0, dtype=np.int64)
         count = len(index)
         return self.table.batch(index if count else self.order[:1], device), count

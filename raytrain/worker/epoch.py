@@ -8,6 +8,7 @@ tolerance: the live replicas take each step together, `raytrain.worker.replicas`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -25,11 +26,13 @@ from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints
 from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
+from raytrain.worker import prefetch
 from raytrain.worker.replicas import ReplicaRuntime
 from raytrain.worker.step import StepRunner, update_context
 from raytrain.worker.window import EpochLoss, TrainingDiverged, divergence_message, sync
 
 Data = Table | Stream | Draws  # a dataset on a worker
+DIVERGED_CHECKPOINT_WAIT_S = 60.0  # how long a diverged rank waits for the checkpoint being written
 
 
 class EpochResult(NamedTuple):
@@ -46,13 +49,16 @@ def train_epoch(
     the step where the run was asked to stop."""
     cfg, start, samples_before = runner.cfg, time.perf_counter(), position.samples_seen
     rank, world = runner.runtime.world_rank, runner.runtime.world_size
-    data = source.epoch(cfg.seed, position.epoch, position.epoch_offset, rank, world)
+    data = plain = source.epoch(cfg.seed, position.epoch, position.epoch_offset, rank, world)
+    if prefetch.wanted(cfg.prefetch, runner.runtime.device):
+        data = prefetch.Prefetched(plain, runner.runtime.device)
     epoch_steps = steps.epoch_steps(len(source), runner.batch_plan.global_batch_size, position.epoch_offset)
     budget = Budget.of(cfg)
     runner.model.train()
     epoch_loss, stop = epoch_loss_so_far(position), False
-    for step in epoch_steps:
-        take_step(runner, data, step, position)
+    for index, step in enumerate(epoch_steps):
+        final = step is epoch_steps[-1] or budget.steps_done(position.step + 1)
+        take_step(runner, data, step, position, ahead=None if final else epoch_steps[index + 1])
         last = step is epoch_steps[-1] or budget.steps_done(position.step)
         stop = after_step(runner, position, files, len(source), last, epoch_loss, val_data=val_data)
         if stop and not last:
@@ -60,7 +66,7 @@ def train_epoch(
         if last:
             break
     if position.epoch_offset >= len(source):
-        note_skipped_rows(runner, data, position, files)
+        note_skipped_rows(runner, plain, position, files)
     samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
     return EpochResult(epoch_loss.mean(), samples_per_s, stop)
 
@@ -180,13 +186,21 @@ def advance(position: Position, step: steps.Step, steady: bool, seconds: float) 
 
 
 def take_step(
-    runner: StepRunner, data: TableEpoch | StreamEpoch | DrawsEpoch, step: steps.Step, position: Position
+    runner: StepRunner,
+    data: TableEpoch | StreamEpoch | DrawsEpoch | prefetch.Prefetched,
+    step: steps.Step,
+    position: Position,
+    ahead: steps.Step | None = None,
 ) -> None:
-    """One optimizer step, and the position after it; steps past --timing-warmup-steps are timed."""
+    """One optimizer step, and the position after it; steps past --timing-warmup-steps are timed.
+    With prefetching data, the batch of `ahead` (the next step) is staged once this step's work
+    is queued, inside the step's time."""
     tick = time.perf_counter()
     update_context(runner, position)
     steady = step.index >= runner.cfg.timing_warmup_steps
     runner.optimizer_step(data, step, position, timed=steady)
+    if ahead is not None and isinstance(data, prefetch.Prefetched):
+        data.stage(ahead, runner.batch_plan.accumulation_steps)
     advance(position, step, steady, time.perf_counter() - tick)
 
 
@@ -273,6 +287,10 @@ def sync_ranks(runner: StepRunner, position: Position, stop_requested: bool = Fa
     (TrainingDiverged), before its weights are saved."""
     loss, count, stop, diverged = sync(runner.runtime, runner.heartbeat, runner.window, position.step, stop_requested)
     if diverged:
+        # The last good checkpoint may still be being written in the background: finish it first, so that the
+        # message names it (the run ends here either way).
+        with contextlib.suppress(Exception):
+            runner.runtime.finish_checkpoints(timeout_s=DIVERGED_CHECKPOINT_WAIT_S)
         last_good = checkpoints.latest_complete(runner.run_dir) if runner.run_dir else None
         raise TrainingDiverged(
             divergence_message(

@@ -8,9 +8,8 @@ split by raytrain bench): data_wait, forward_backward, optimizer.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 from raytrain.worker.heartbeat import Heartbeat
 
@@ -42,10 +41,23 @@ class StepPhases:
     def __init__(self, heartbeat: Heartbeat, step_index: int, timer: PhaseTimer):
         self.heartbeat, self.step_index, self.timer = heartbeat, step_index, timer
 
-    @contextlib.contextmanager
-    def __call__(self, mark: str | None = None, *, timed: str | None = None) -> Iterator[None]:
-        if mark is not None:
-            self.heartbeat.mark(self.step_index, mark)
-        yield
-        if timed is not None:
-            self.timer.lap(timed)
+    def __call__(self, mark: str | None = None, *, timed: str | None = None) -> "_Block":
+        return _Block(self, mark, timed)
+
+
+class _Block:
+    """One `with phases(...)` block: a plain class, not a generator context manager, as
+    several run every step."""
+
+    __slots__ = ("phases", "mark", "timed")
+
+    def __init__(self, phases: StepPhases, mark: str | None, timed: str | None):
+        self.phases, self.mark, self.timed = phases, mark, timed
+
+    def __enter__(self) -> None:
+        if self.mark is not None:
+            self.phases.heartbeat.mark(self.phases.step_index, self.mark)
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None and self.timed is not None:
+            self.phases.timer.lap(self.timed)

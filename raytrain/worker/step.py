@@ -209,7 +209,7 @@ class StepRunner:
         """The instrumentation of the step at `position`; `timed`: a steady step, whose phase
         times add to the position's."""
         return StepPhases(
-            self.heartbeat, position.step, PhaseTimer(position.phase_time_s if timed else None, self.sync_device)
+            self.heartbeat, position.step, PhaseTimer(position.phase_time_s if timed else None, self.phase_sync())
         )
 
     def optimizer_step(
@@ -241,7 +241,8 @@ class StepRunner:
                         with phase("forward"):
                             loss, _ = self.compute_loss(batch)
                         with phase("backward"):
-                            self.scaler.scale(loss * weight).backward()
+                            # A full step's weight is 1: no extra multiply in the graph.
+                            self.scaler.scale(loss if weight == 1.0 else loss * weight).backward()
                 self.window.add(loss, count, step_index)
 
     def apply_gradients(self, position: Position, phase: StepPhases) -> float:
@@ -287,6 +288,10 @@ class StepRunner:
         # waits next. Only when asked (raytrain bench), as it costs overlap.
         if self.cfg.time_phases and self.runtime.device.type == "cuda":
             torch.cuda.synchronize(self.runtime.device)
+
+    def phase_sync(self) -> Callable[[], None]:
+        """What the phase timer calls at each lap: `sync_device`, or nothing where it would do nothing."""
+        return self.sync_device if self.cfg.time_phases and self.runtime.device.type == "cuda" else _nothing
 
     def autocast(self):
         # Under fsdp, bf16 and fp16 are FSDP2's mixed-precision policy (raytrain.worker.strategy).
@@ -372,6 +377,10 @@ def split_loss(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         loss, metrics = output
         return loss, dict(metrics or {})
     return output, {}
+
+
+def _nothing() -> None:
+    pass
 
 
 def _as_pipeline_code(pipeline: Pipeline, method: str, fn: Callable[[], None]) -> None:

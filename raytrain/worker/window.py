@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,38 +29,81 @@ class TrainingDiverged(UserError, FloatingPointError):
     (status "diverged", exit status 1)."""
 
 
+# Losses wait in a list and are summed on the device this many at a time: a step costs a
+# list append instead of a handful of tiny kernels (benchmarks/RESULTS.md, section 15).
+FOLD_EVERY = 64
+
+
 @dataclass
 class LossWindow:
     """This rank's steps since the last sync: the sample-weighted training loss, and the first
     step whose loss or gradient norm was NaN/inf (inf: none). On the device: a step adds to
-    it without a host sync; `sync` reads and clears it."""
+    it without a host sync (its detached loss waits in a list, summed on the device every
+    FOLD_EVERY entries and when read); `sync` reads and clears it."""
 
-    loss_sum: torch.Tensor
-    first_bad_step: torch.Tensor
+    device: torch.device
+    folded_sum: torch.Tensor
+    folded_bad_step: torch.Tensor
     loss_count: int = 0
+    pending: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (value, samples, step)
 
     @classmethod
     def on(cls, device: torch.device) -> "LossWindow":
-        return cls(torch.zeros((), device=device), torch.full((), math.inf, dtype=torch.float64, device=device))
+        return cls(device, *cls._empty(device))
+
+    @staticmethod
+    def _empty(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros((), device=device), torch.full((), math.inf, dtype=torch.float64, device=device)
 
     def add(self, loss: torch.Tensor, count: int, step_index: int) -> None:
         """A micro-batch's loss over `count` samples (a non-finite one is noted, not summed)."""
-        detached = loss.detach().float()
-        self.note_if_bad(detached, step_index)
-        self.loss_sum += torch.nan_to_num(detached, nan=0.0, posinf=0.0, neginf=0.0) * count
+        self.pending.append((loss.detach(), count, step_index))
         self.loss_count += count
+        if len(self.pending) >= FOLD_EVERY:
+            self._fold()
 
     def note_if_bad(self, value: torch.Tensor, step_index: int) -> None:
         """Note the step if `value` (a loss, a gradient norm) is NaN/inf."""
-        bad = ~torch.isfinite(value) & torch.isinf(self.first_bad_step)
-        self.first_bad_step = torch.where(bad, torch.full_like(self.first_bad_step, step_index), self.first_bad_step)
+        self.pending.append((value.detach(), 0, step_index))
+        if len(self.pending) >= FOLD_EVERY:
+            self._fold()
 
-    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.loss_sum.clone(), self.first_bad_step.clone(), self.loss_count
+    def _fold(self) -> None:
+        """The pending values into the device sums: a few kernels, no host sync (the counts and
+        steps reach the device by an asynchronous copy). New tensors, so a snapshot stays valid."""
+        if not self.pending:
+            return
+        values = torch.stack([v.reshape(()).float() for v, _, _ in self.pending])
+        counts = torch.tensor([c for _, c, _ in self.pending], dtype=torch.float32)
+        at = torch.tensor([s for _, _, s in self.pending], dtype=torch.float64)
+        counts, at = counts.to(self.device, non_blocking=True), at.to(self.device, non_blocking=True)
+        finite = torch.isfinite(values)
+        self.folded_sum = self.folded_sum + (torch.where(finite, values, 0.0) * counts).sum()
+        first = torch.where(finite, math.inf, at).min()
+        self.folded_bad_step = torch.minimum(self.folded_bad_step, first)
+        self.pending = []
 
-    def restore(self, saved: tuple[torch.Tensor, torch.Tensor, int]) -> None:
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        self._fold()
+        return self.folded_sum
+
+    @property
+    def first_bad_step(self) -> torch.Tensor:
+        self._fold()
+        return self.folded_bad_step
+
+    def clear(self) -> None:
+        self.folded_sum, self.folded_bad_step = self._empty(self.device)
+        self.loss_count, self.pending = 0, []
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, int, list]:
+        return self.folded_sum, self.folded_bad_step, self.loss_count, list(self.pending)
+
+    def restore(self, saved: tuple[torch.Tensor, torch.Tensor, int, list]) -> None:
         """Back to `snapshot`: a step that was not committed counts for nothing."""
-        self.loss_sum, self.first_bad_step, self.loss_count = saved
+        self.folded_sum, self.folded_bad_step, self.loss_count, pending = saved
+        self.pending = list(pending)
 
     def mean_loss(self) -> float | None:
         """This rank's mean loss so far (a host sync; rank 0's live row only)."""
@@ -84,9 +127,7 @@ def sync(
         [float(window.loss_sum.item()), float(window.loss_count), float(stop_requested), *slots]
     )
     total, count, stop, bad_steps = totals[0], int(totals[1]), totals[2] > 0, totals[3:]
-    window.loss_sum.zero_()
-    window.loss_count = 0
-    window.first_bad_step.fill_(math.inf)
+    window.clear()
     diverged = {r: int(bad) for r, bad in enumerate(bad_steps) if math.isfinite(bad)}
     return (total / count if count else float("nan")), count, stop, diverged
 

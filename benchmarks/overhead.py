@@ -1,0 +1,337 @@
+"""raytrain's own cost against the classic torchrun template, side by side in one run.
+
+Throughput (steady samples/s at 2 CPU workers, `raytrain bench`'s machinery: the same
+planned runs, `run_raytrain` and `run_template`, the first steps of every epoch left out):
+
+- `mlp`: a ~2.8k-parameter MLP (32 -> 64 -> 10) whose step takes about 2 ms, where the
+  trainer's own per-step cost shows, as it would around a fast GPU step;
+- `cnn`: a small CNN on 3×32×32 images, batch 64 per worker.
+
+Start (each contender a fresh process; the clock runs from just before it starts):
+
+- `raytrain train benchmarks.overhead:MarkedDigits --workers 2 --epochs 1` (`digits`,
+  noting when rank 0 starts its first training step) against the template
+  (`torchrun --nproc_per_node 2 -m raytrain.baselines.classic_ddp`) on the same rows and
+  config: time to the first step and to the process's exit;
+- the floor: `benchmarks/startup_phases.py`'s bare TorchTrainer (ray.init + an almost empty
+  train function: prepare_model and one step), and raytrain's start phase by phase.
+
+Rounds alternate the order; every figure is the median over rounds. Usage:
+
+    flock /tmp/raytrain-heavy.lock python benchmarks/overhead.py --rounds 2 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MARK_ENV = "RAYTRAIN_OVERHEAD_MARK"
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import raytrain  # noqa: E402
+from pipelines.digits import DigitsPipeline  # noqa: E402
+
+TARGETS = {"mlp": 0.97, "cnn": 1.0, "first_step_s": 10.0, "end_to_end_s": 12.0}
+
+
+def _table(columns: dict[str, np.ndarray]):
+    import pyarrow as pa
+    import ray.data
+    from ray.data.extensions import ArrowTensorArray
+
+    return ray.data.from_arrow(
+        pa.table({k: ArrowTensorArray.from_numpy(v) if v.ndim > 1 else v for k, v in columns.items()})
+    )
+
+
+class TinyMLP(raytrain.Pipeline):
+    """32 features -> 64 -> 10 classes (2,762 parameters) on 32,768 random rows."""
+
+    default_config = {"batch_size_per_worker": 64, "lr": 1e-3, "warmup_epochs": 0}
+
+    def build_model(self, cfg):
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def build_datasets(self, cfg):
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((32_768, 32), dtype=np.float32)
+        return {"train": _table({"x": x, "y": rng.integers(0, 10, len(x))})}
+
+    def compute_loss(self, model, batch):
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    @property
+    def name(self) -> str:
+        return "tiny-mlp"
+
+
+class SmallCNN(nn.Module):
+    """Two conv blocks and a linear head for 3×32×32 images (the CIFAR tutorial's shape)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        conv = [nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+        conv += [nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+        self.features = nn.Sequential(*conv)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(), nn.Linear(128, num_classes))
+
+    def forward(self, images):
+        return self.head(self.features(images))
+
+
+class ImageCNN(raytrain.Pipeline):
+    """SmallCNN on 3,072 random 3×32×32 images, batch 64 per worker."""
+
+    default_config = {"batch_size_per_worker": 64, "lr": 1e-3, "warmup_epochs": 0}
+
+    def build_model(self, cfg):
+        return SmallCNN()
+
+    def build_datasets(self, cfg):
+        rng = np.random.default_rng(0)
+        images = rng.standard_normal((3_072, 3, 32, 32), dtype=np.float32)
+        return {"train": _table({"image": images, "label": rng.integers(0, 10, len(images))})}
+
+    def compute_loss(self, model, batch):
+        return F.cross_entropy(model(batch["image"]), batch["label"])
+
+    @property
+    def name(self) -> str:
+        return "image-cnn"
+
+
+class MarkedDigits(DigitsPipeline):
+    """`digits`, noting (once per process, the first writer kept) when a training step starts."""
+
+    def __init__(self) -> None:
+        self.mark_file = os.environ.get(MARK_ENV)  # read on the driver, pickled to the workers
+        self.marked = False
+
+    def compute_loss(self, model, batch):
+        if not self.marked and model.training and self.mark_file:
+            self.marked = True
+            stamp = repr(time.time())
+            try:
+                fd = os.open(self.mark_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                pass
+            else:
+                os.write(fd, stamp.encode())
+                os.close(fd)
+        return super().compute_loss(model, batch)
+
+    @property
+    def name(self) -> str:
+        return "digits"
+
+
+MODELS = {"mlp": "benchmarks.overhead:TinyMLP", "cnn": "benchmarks.overhead:ImageCNN"}
+
+
+# -- throughput: raytrain bench's planned runs, raytrain and the template -------------------------
+
+
+def plan(kind: str, out: Path, steps: int):
+    """The 2-worker run `raytrain bench` would plan for `kind`, with its data saved for the template."""
+    from raytrain.bench import BenchOptions, bench_config, plan_runs, prepare_data
+    from raytrain.pipeline import load_pipeline
+
+    spec = MODELS[kind]
+    pipe = load_pipeline(spec)
+    opts = BenchOptions(workers=[2], steps=steps, baselines=["torchrun"], storage=str(out), name=kind)
+    values = dict(pipe.default_config)
+    base = bench_config(values, opts, workers=2, epochs=1, storage=out / kind / "runs", name="probe")
+    (out / kind).mkdir(parents=True, exist_ok=True)
+    num_rows = prepare_data(pipe, base, out / kind)
+    run = next(r for r in plan_runs(values, opts, out / kind, num_rows) if r.workers == 2)
+    return spec, pipe, opts, run
+
+
+def throughput_round(index: int, plans: dict, out: Path, raytrain_first: bool) -> dict[str, dict[str, float]]:
+    from raytrain.bench import run_raytrain
+    from raytrain.bench.baselines import run_template
+    from raytrain.driver.session import ray_session
+
+    figures: dict[str, dict[str, float]] = {kind: {} for kind in MODELS}
+    tag = f"r{index}"
+
+    def ours() -> None:
+        with ray_session(next(iter(plans.values()))[3].cfg):
+            for kind, (_, pipe, _, run) in plans.items():
+                figures[kind]["raytrain"] = run_raytrain(pipe, run, tag, echo)["steady_samples_per_s"]
+
+    def theirs() -> None:
+        for kind, (spec, _, opts, run) in plans.items():
+            result = run_template(spec, run, opts, out / kind, mode="torchrun", tag=tag, echo=echo)
+            figures[kind]["template"] = result["steady_samples_per_s"]
+
+    for block in (ours, theirs) if raytrain_first else (theirs, ours):
+        block()
+    return figures
+
+
+# -- start: raytrain train vs the template, the bare floor, raytrain's phases ----------------------
+
+
+def start_raytrain(out: Path, storage: str) -> dict[str, float]:
+    command = [str(Path(sys.executable).with_name("raytrain")), "train", "benchmarks.overhead:MarkedDigits"]
+    command += ["--workers", "2", "--epochs", "1", "--storage", storage]
+    return timed_process(command, out / "mark-raytrain")
+
+
+def start_template(out: Path) -> dict[str, float]:
+    from pipelines.digits.pipeline import load_arrays, split
+    from raytrain.config import TrainConfig
+    from raytrain.driver.session import free_port
+
+    folder = out / "start-template"
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "train.npz").exists():
+        images, labels = load_arrays()
+        rows, _ = split(len(labels))
+        np.savez(folder / "train.npz", image=images[rows], label=labels[rows])
+        cfg = TrainConfig.from_dict({**DigitsPipeline.default_config, "workers": 2, "epochs": 1})
+        (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2"]
+    command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    command += ["-m", "raytrain.baselines.classic_ddp", "--pipeline", "benchmarks.overhead:MarkedDigits"]
+    command += ["--data", str(folder / "train.npz"), "--config", str(folder / "config.json"), "--epochs", "1"]
+    command += ["--warmup-steps", "0", "--out", str(folder / "out.json")]
+    return timed_process(command, out / "mark-template", threads=1)
+
+
+def timed_process(command: list[str], mark: Path, threads: int | None = None) -> dict[str, float]:
+    mark.unlink(missing_ok=True)
+    env = {**os.environ, MARK_ENV: str(mark), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]])}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)  # as Ray gives its 1-CPU workers
+    started = time.time()
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    ended = time.time()
+    if done.returncode != 0 or not mark.exists():
+        raise RuntimeError(f"{command[:4]} failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
+    return {"first_step_s": float(mark.read_text()) - started, "end_to_end_s": ended - started}
+
+
+def start_phased(kind: str, storage: str) -> dict:
+    """startup_phases' contender `kind` (raytrain or bare): its timeline and its end."""
+    from benchmarks import startup_phases
+
+    started = time.time()
+    timeline = startup_phases.measure(kind, 2, storage)
+    return {"timeline": timeline, "first_step_s": timeline[-1][2], "end_to_end_s": time.time() - started}
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+
+def echo(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def report(rounds: list[dict]) -> str:
+    lines = ["| figure | template | raytrain | raytrain / template | target | met |", "|---|---:|---:|---:|---|---|"]
+    kinds = (("mlp", "MLP (2.8k params), steady samples/s"), ("cnn", "CNN 3×32×32, steady samples/s"))
+    for kind, label in kinds if rounds[0]["throughput"] else ():
+        ours = median([r["throughput"][kind]["raytrain"] for r in rounds])
+        theirs = median([r["throughput"][kind]["template"] for r in rounds])
+        ratio = median([r["throughput"][kind]["raytrain"] / r["throughput"][kind]["template"] for r in rounds])
+        target = TARGETS[kind]
+        met = "yes" if ratio >= target else "no"
+        lines.append(f"| {label} | {theirs:,.0f} | {ours:,.0f} | {ratio:.3f} | ≥ {target} | {met} |")
+    starts = (("first_step_s", "time to the first step, s"), ("end_to_end_s", "train digits, end to end, s"))
+    both = all("raytrain" in r["start"] and "template" in r["start"] for r in rounds)
+    for key, label in starts if both else ():
+        ours = median([r["start"]["raytrain"][key] for r in rounds])
+        theirs = median([r["start"]["template"][key] for r in rounds])
+        target = TARGETS[key]
+        lines.append(
+            f"| {label} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f}× | ≤ {target:g} | "
+            f"{'yes' if ours <= target else 'no'} |"
+        )
+    if all("bare" in r["start"] for r in rounds):
+        first = median([r["start"]["bare"]["first_step_s"] for r in rounds])
+        end = median([r["start"]["bare"]["end_to_end_s"] for r in rounds])
+        lines.append(f"| the floor: bare TorchTrainer, first step / exit, s | | {first:.1f} / {end:.1f} | | | |")
+    each = ", ".join(
+        f"{k} " + "/".join(f"{r['throughput'][k]['raytrain'] / r['throughput'][k]['template']:.2f}" for r in rounds)
+        for k in (MODELS if rounds[0]["throughput"] else ())
+    )
+    lines.append(f"\nRatios by round: {each}.")
+    for kind in ("raytrain", "bare"):
+        timelines = [r["start"][f"{kind}-phases"]["timeline"] for r in rounds if f"{kind}-phases" in r["start"]]
+        if timelines:
+            from benchmarks.startup_phases import phase_table
+
+            lines.append(f"\n{kind}: the start phase by phase (median seconds since the process started)")
+            for row in phase_table(timelines):
+                lines.append(f"  {row['at']:6.2f}  +{row['seconds']:5.2f}  {row['process']:6s}  {row['to']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=150, help="steady steps per throughput run (default 150)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: throughput, start, phases")
+    parser.add_argument("--json", help="write every round's figures here")
+    args = parser.parse_args()
+    skip = {part for part in args.skip.split(",") if part}
+    out = Path(tempfile.mkdtemp(prefix="raytrain-overhead-"))
+    storage = str(out / "runs")
+    plans = {}
+    if "throughput" not in skip:
+        from raytrain.config import TrainConfig
+        from raytrain.driver.session import ray_session
+
+        with ray_session(TrainConfig(workers=2)):  # the datasets are Ray Datasets: read on raytrain's own Ray
+            plans = {kind: plan(kind, out, args.steps) for kind in MODELS}
+    rounds = []
+    for index in range(1, args.rounds + 1):
+        first = index % 2 == 1
+        figures: dict = {"throughput": {}, "start": {}}
+        if plans:
+            figures["throughput"] = throughput_round(index, plans, out, raytrain_first=first)
+        if "start" not in skip:
+            parts = [("raytrain", lambda: start_raytrain(out, storage)), ("template", lambda: start_template(out))]
+            if "phases" not in skip:
+                parts += [("bare", lambda: start_phased("bare", storage))]
+                parts += [("raytrain-phases", lambda: start_phased("raytrain", storage))]
+            for name, measure in parts if first else parts[::-1]:
+                try:
+                    figures["start"][name] = measure()
+                except Exception as exc:  # one contender failing leaves the others' figures
+                    echo(f"round {index}: {name} failed: {str(exc)[-1500:]}")
+                    continue
+                shown = {k: round(v, 2) for k, v in figures["start"][name].items() if k != "timeline"}
+                echo(f"round {index}: {name}: {shown}")
+            if "bare" in figures["start"]:
+                figures["start"]["bare-phases"] = figures["start"]["bare"]
+        rounds.append(figures)
+        echo(f"round {index} done (load {os.getloadavg()[0]:.1f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "rounds": rounds}, indent=2))
+    print(report(rounds))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The trainer's own CPU cost per step, without Ray: raytrain's step path against a bare loop.
+
+One process, one thread, no Ray and no process group: `benchmarks.overhead:TinyMLP` (a step of
+well under a millisecond) trained through raytrain's `take_step` (the context, the heartbeat
+marks, the phase timer, the loss window, the pipeline's hooks under their rule, the batch
+plan's weight, the rate set every step) and through the bare loop a user writes (slice,
+forward, backward, AdamW). Timed in CPU time of the thread (`time.thread_time`), so other
+work on a busy machine does not land in the figure; min and median over rounds, after 50
+warm-up steps each. Usage:
+
+    python benchmarks/step_cost.py [--rounds 7] [--steps 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from raytrain import hooks  # noqa: E402
+from raytrain.config import TrainConfig  # noqa: E402
+from raytrain.data.table import Table  # noqa: E402
+from raytrain.pipeline import load_pipeline  # noqa: E402
+from raytrain.rules import steps  # noqa: E402
+from raytrain.rules.batch import resolve_batch_plan  # noqa: E402
+from raytrain.rules.position import Position  # noqa: E402
+from raytrain.rules.schedule import run_schedule  # noqa: E402
+from raytrain.worker.epoch import take_step  # noqa: E402
+from raytrain.worker.heartbeat import Heartbeat  # noqa: E402
+from raytrain.worker.step import StepRunner  # noqa: E402
+from raytrain.worker.window import LossWindow  # noqa: E402
+
+BATCH, WARMUP = 64, 50
+
+
+class OneProcess:
+    """The runtime of a single process on the CPU (what local mode's runtime says)."""
+
+    world_rank, world_size, is_rank0, backend = 0, 1, True, "none"
+    device = torch.device("cpu")
+
+
+def setup(steps_per_round: int):
+    pipe = load_pipeline("benchmarks.overhead:TinyMLP")
+    rows = BATCH * (steps_per_round + WARMUP)
+    cfg = TrainConfig(
+        warmup_epochs=0, batch_size_per_worker=BATCH, reference_batch_size=BATCH, epochs=1, time_phases=True
+    )
+    rng = np.random.default_rng(0)
+    table = Table({"x": rng.standard_normal((rows, 32), dtype=np.float32), "y": rng.integers(0, 10, rows)})
+    return pipe, cfg, table
+
+
+def raytrain_step_s(pipe, cfg, table: Table, n: int) -> float:
+    torch.manual_seed(0)
+    plan = resolve_batch_plan(1, batch_size_per_worker=BATCH)
+    model = pipe.build_model(cfg)
+    optimizer = hooks.call(pipe, "build_optimizer", model, cfg)
+    runner = StepRunner(
+        pipeline=pipe,
+        cfg=cfg,
+        runtime=OneProcess(),
+        heartbeat=Heartbeat(Path("."), 0, enabled=False),
+        run_dir="",
+        batch_plan=plan,
+        model=model,
+        optimizer=optimizer,
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        schedule=run_schedule(cfg, plan, len(table)),
+        rate_multipliers=[1.0] * len(optimizer.param_groups),
+        window=LossWindow.on(torch.device("cpu")),
+    )
+    position, data = Position(), table.epoch(0, 0, 0, 0, 1)
+    planned = steps.epoch_steps(len(table), BATCH)[: n + WARMUP]
+    for step in planned[:WARMUP]:
+        take_step(runner, data, step, position)
+    started = time.thread_time()
+    for step in planned[WARMUP:]:
+        take_step(runner, data, step, position)
+    return (time.thread_time() - started) / n
+
+
+def bare_step_s(pipe, cfg, table: Table, n: int) -> float:
+    torch.manual_seed(0)
+    model = pipe.build_model(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    order = np.random.default_rng(0).permutation(len(table))
+    started = 0.0
+    for i in range(n + WARMUP):
+        if i == WARMUP:
+            started = time.thread_time()
+        rows = order[i * BATCH : (i + 1) * BATCH]
+        batch = {name: torch.from_numpy(column[rows]) for name, column in table.columns.items()}
+        pipe.compute_loss(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return (time.thread_time() - started) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=400)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    pipe, cfg, table = setup(args.steps)
+    ours = sorted(raytrain_step_s(pipe, cfg, table, args.steps) for _ in range(args.rounds))
+    bare = sorted(bare_step_s(pipe, cfg, table, args.steps) for _ in range(args.rounds))
+    mid = args.rounds // 2
+    print(
+        f"CPU time per step, min / median of {args.rounds} rounds of {args.steps} steps: raytrain "
+        f"{ours[0] * 1e6:.0f} / {ours[mid] * 1e6:.0f} µs, bare loop {bare[0] * 1e6:.0f} / {bare[mid] * 1e6:.0f} µs; "
+        f"raytrain's own cost {(ours[0] - bare[0]) * 1e6:.0f} µs per step (from the minima)"
+    )
+
+
+if __name__ == "__main__":
+    main()
