@@ -125,3 +125,29 @@ class ParquetLosesFile(ParquetPipeline):
         if victim.exists():
             os.remove(victim)
         return datasets
+
+
+class DefaultConfigTypo(DigitsPipeline):
+    default_config = {**DigitsPipeline.default_config, "epocs": 3}
+
+
+class OddSample(torch.utils.data.Dataset):
+    """Digits as a torch Dataset whose sample 7 has another image shape."""
+
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        image = torch.from_numpy(self.images[index])
+        return {"image": image[..., :7] if index == 7 else image, "label": int(self.labels[index])}
+
+
+class TorchOddShape(DigitsPipeline):
+    def build_datasets(self, cfg):
+        from pipelines.digits.pipeline import load_arrays
+
+        images, labels = load_arrays()
+        return {"train": OddSample(images[:512], labels[:512])}

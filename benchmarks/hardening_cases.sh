@@ -42,6 +42,9 @@ case_ "compute_loss returns loss.item()" "$RT" train $P:DetachedLoss "${Q[@]}" -
 case_ "build_datasets without a 'train' key" "$RT" train $P:NoTrain "${Q[@]}" --name notrain
 case_ "module:attr names a function" "$RT" train $P:not_a_pipeline "${Q[@]}" --name fn
 
+case_ "default_config with a typo (epocs)" "$RT" train $P:DefaultConfigTypo "${Q[@]}" --name dct
+case_ "torch Dataset, sample 7 of another shape" "$RT" train $P:TorchOddShape "${Q[@]}" --name odd
+case_ "--micro-batch-size 64 > --batch-size-per-worker 32" "$RT" train digits "${Q[@]}" --micro-batch-size 64 --name mb
 # -- names are text
 case_ "--name none (a run named none)" "$RT" train digits "${Q[@]}" --max-steps 3 --name none
 [ -d "$S/none" ] && echo "| (the run directory is $S/none) | | | |"
@@ -77,6 +80,8 @@ case_ "parquet: one file's column renamed" "$RT" train parquet --pipeline-arg pa
 case_ "parquet: one file truncated" "$RT" train parquet --pipeline-arg path="$WORK/truncated" "${PQ[@]}" --name pq2
 case_ "parquet: a file deleted after planning" "$RT" train $P:ParquetLosesFile --pipeline-arg path="$WORK/deleted" "${PQ[@]}" --max-failures 3 --name pq3
 
+case_ "parquet: --pipeline-arg path= (empty)" "$RT" train parquet --pipeline-arg path= "${PQ[@]}" --name pq4
+case_ "parquet: --pipeline-arg label=nosuch" "$RT" train parquet --pipeline-arg path="$WORK/deleted" --pipeline-arg label=nosuch "${Q[@]}" --name pq5
 # -- the working directory holds a clone's raytrain/ folder
 mkdir -p "$WORK/port/raytrain"
 echo '"""A clone of another version of raytrain."""' > "$WORK/port/raytrain/__init__.py"
