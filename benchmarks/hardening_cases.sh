@@ -11,6 +11,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${1:-/tmp/raytrain-hcases}
 RT=${RAYTRAIN:-$(dirname "$(command -v python)")/raytrain}
 PY=$(command -v python)
+[ -x "$RT" ] || { echo "no raytrain at $RT: activate the virtualenv first" >&2; exit 2; }
 export PYTHONPATH=$REPO:$REPO/benchmarks
 S=$WORK/runs
 rm -rf "$WORK"; mkdir -p "$S"; cd "$WORK" || exit 1
