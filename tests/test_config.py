@@ -425,3 +425,18 @@ def test_from_dict_accepts_dashes_and_non_string_keys_are_errors():
 def test_from_dict_round_trip():
     cfg = TrainConfig(workers="2:4", global_batch_size=64, lr_scaling="sqrt", ddp={"static_graph": True}, name="x")
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_an_unknown_option_from_the_pipelines_defaults_is_not_blamed_on_a_flag_or_the_file():
+    """A typo in a pipeline's default_config: the user gave no --epocs and their file has no
+    epocs; the message says where it is."""
+    from raytrain.cli.options import spelling
+
+    spell = spelling({"lr": 0.1}, "ok.yaml", {"epochs": 1})
+    assert spell("epocs") == "epocs (in the pipeline's default_config)"
+    assert spell("epochs") == "epochs (in ok.yaml)"
+    assert spell("lr") == "--lr"
+    assert spelling({}, None, {})("epocs") == "epocs (in the pipeline's default_config)"
+    assert spelling({}, None, {}, resuming=True)("epocs") == "epocs (in the run's config.yaml)"
+    assert spelling({}, None, {})("warmup_epochs") == "--warmup-epochs"  # a built-in default: the flag fixes it
+    assert spelling({}, "f.yaml")("epochs") == "epochs (in f.yaml)"  # the file's keys not told: as before
