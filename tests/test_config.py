@@ -440,3 +440,17 @@ def test_an_unknown_option_from_the_pipelines_defaults_is_not_blamed_on_a_flag_o
     assert spelling({}, None, {}, resuming=True)("epocs") == "epocs (in the run's config.yaml)"
     assert spelling({}, None, {})("warmup_epochs") == "--warmup-epochs"  # a built-in default: the flag fixes it
     assert spelling({}, "f.yaml")("epochs") == "epochs (in f.yaml)"  # the file's keys not told: as before
+
+
+def test_a_yaml_word_read_as_a_boolean_or_number_for_a_text_option_says_to_quote_it():
+    """`name: no` and `name: 2024` in a YAML file: YAML 1.1 made them False and 2024; the
+    message names the trap and the fix."""
+    for value in (False, 2024, 83):
+        with pytest.raises(ConfigError) as info:
+            TrainConfig.from_dict({"name": value})
+        text = str(info.value)
+        assert f"name: got {value!r}" in text and "expected a string" in text
+        assert 'quote it, e.g. name: "..."' in text
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_dict({"epochs": "many"})
+    assert "quote it" not in str(info.value)
