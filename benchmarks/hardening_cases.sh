@@ -126,6 +126,10 @@ case_ "YAML bad indentation" "$RT" train --config "$WORK/indent.yaml" --storage 
 printf 'pipeline: digits\nlr: !!python/object/apply:os.system ["touch %s/pwned"]\n' "$WORK" > "$WORK/tag.yaml"
 case_ "YAML python tag" "$RT" train --config "$WORK/tag.yaml" --storage "$S" --name y5
 [ -e "$WORK/pwned" ] && echo "| (the YAML tag RAN CODE) | | | |"
+printf 'pipeline: digits\nname: no\n' > "$WORK/no.yaml"
+case_ "YAML name: no (a boolean to YAML)" "$RT" train --config "$WORK/no.yaml" --storage "$S"
+printf 'pipeline: digits\nname: 2024\n' > "$WORK/year.yaml"
+case_ "YAML name: 2024 (a number to YAML)" "$RT" train --config "$WORK/year.yaml" --storage "$S"
 case_ "--config of a missing file" "$RT" train --config "$WORK/nope.yaml" --storage "$S" --name y6
 printf 'import raytrain\n\nclass Pipe(raytrain.Pipeline)\n    pass\n' > "$WORK/broken_mod.py"
 case_ "pipeline module with a syntax error" "$RT" train broken_mod:Pipe "${Q[@]}" --name syn
