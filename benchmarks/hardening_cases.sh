@@ -89,9 +89,7 @@ echo '"""A clone of another version of raytrain."""' > "$WORK/port/raytrain/__in
 printf 'from pipelines.digits.pipeline import DigitsPipeline\n\n\nclass Pipe(DigitsPipeline):\n    pass\n' > "$WORK/port/my_port.py"
 (cd "$WORK/port" && case_ "train my_port:Pipe beside a ./raytrain/ clone" "$RT" train my_port:Pipe "${Q[@]}" --max-steps 3 --name port)
 
-# -- bench, check, export
-case_ "bench digits --fault-tolerance per-step" timeout 300 "$RT" bench digits --fault-tolerance per-step --workers 1,2 --steps 5 --storage "$S" --name bench
-case_ "check digits --workers 1" timeout 300 "$RT" check digits --workers 1 --steps 5
+# -- export
 "$PY" -c "import torch; torch.save(torch.nn.Linear(4, 2), '$WORK/whole.pt')"
 case_ "export of a pickled whole-model file" "$RT" export "$WORK/whole.pt" -o "$WORK/out.pt"
 echo "not a checkpoint" > "$WORK/text.pt"
@@ -135,3 +133,7 @@ printf 'import raytrain\n\nclass Pipe(raytrain.Pipeline)\n    pass\n' > "$WORK/b
 case_ "pipeline module with a syntax error" "$RT" train broken_mod:Pipe "${Q[@]}" --name syn
 case_ "--pipeline-arg without =" "$RT" train parquet --pipeline-arg path "${Q[@]}" --name pa
 case_ "report of a directory that is not a run" "$RT" report "$WORK/port"
+
+# -- bench and check (last: the longest)
+case_ "bench digits --fault-tolerance per-step" timeout 300 "$RT" bench digits --fault-tolerance per-step --workers 1,2 --steps 5 --storage "$S" --name bench
+case_ "check digits --workers 1" timeout 300 "$RT" check digits --workers 1 --steps 5
