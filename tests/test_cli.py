@@ -627,7 +627,11 @@ def test_export_of_a_file_that_is_not_torch(capsys, tmp_path):
     junk.write_text("not a torch file")
     code, out, err = cli(capsys, "export", str(junk), "-o", str(tmp_path / "out.pt"))
     assert_usage_error(
-        code, out, err, f"raytrain export: {junk} cannot be read as a torch file: it is not a file torch.save wrote"
+        code,
+        out,
+        err,
+        f"raytrain export: {junk} cannot be read as a torch file: it is not a file torch.save wrote",
+        "give a state_dict saved with torch.save(model.state_dict(), PATH), or a run or checkpoint directory",
     )
 
 
@@ -660,7 +664,13 @@ def test_export_of_a_torch_file_that_is_not_a_state_dict(capsys, tmp_path):
     other = tmp_path / "other.pt"
     torch.save({"weight": [1, 2, 3]}, other)
     code, out, err = cli(capsys, "export", str(other), "-o", str(tmp_path / "out.pt"))
-    assert_usage_error(code, out, err, f"raytrain export: {other} does not hold a model state_dict")
+    assert_usage_error(
+        code,
+        out,
+        err,
+        f"raytrain export: {other} does not hold a model state_dict",
+        "save one with torch.save(model.state_dict(), PATH), or give a run or checkpoint directory",
+    )
 
 
 # -- needs a cluster to decide ---------------------------------------------------------------

@@ -425,3 +425,32 @@ def test_from_dict_accepts_dashes_and_non_string_keys_are_errors():
 def test_from_dict_round_trip():
     cfg = TrainConfig(workers="2:4", global_batch_size=64, lr_scaling="sqrt", ddp={"static_graph": True}, name="x")
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_an_unknown_option_from_the_pipelines_defaults_is_not_blamed_on_a_flag_or_the_file():
+    """A typo in a pipeline's default_config: the user gave no --epocs and their file has no
+    epocs; the message says where it is."""
+    from raytrain.cli.options import spelling
+
+    spell = spelling({"lr": 0.1}, "ok.yaml", {"epochs": 1})
+    assert spell("epocs") == "epocs (in the pipeline's default_config)"
+    assert spell("epochs") == "epochs (in ok.yaml)"
+    assert spell("lr") == "--lr"
+    assert spelling({}, None, {})("epocs") == "epocs (in the pipeline's default_config)"
+    assert spelling({}, None, {}, resuming=True)("epocs") == "epocs (in the run's config.yaml)"
+    assert spelling({}, None, {})("warmup_epochs") == "--warmup-epochs"  # a built-in default: the flag fixes it
+    assert spelling({}, "f.yaml")("epochs") == "epochs (in f.yaml)"  # the file's keys not told: as before
+
+
+def test_a_yaml_word_read_as_a_boolean_or_number_for_a_text_option_says_to_quote_it():
+    """`name: no` and `name: 2024` in a YAML file: YAML 1.1 made them False and 2024; the
+    message names the trap and the fix."""
+    for value in (False, 2024, 83):
+        with pytest.raises(ConfigError) as info:
+            TrainConfig.from_dict({"name": value})
+        text = str(info.value)
+        assert f"name: got {value!r}" in text and "expected a string" in text
+        assert 'quote it, e.g. name: "..."' in text
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_dict({"epochs": "many"})
+    assert "quote it" not in str(info.value)

@@ -5,6 +5,7 @@ names each option: as the user wrote it, a flag or a key of their file."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -30,7 +31,7 @@ def read_run_options(
         raise UsageError(f"no pipeline: give one (raytrain {args.command} {example}) or set `pipeline:` in --config")
     ignored = {"command", "handler", "pipeline", "config", "spell", *exclude}
     flags = {key: value for key, value in vars(args).items() if key not in ignored}
-    args.spell = spelling(flags, config_file)
+    args.spell = spelling(flags, config_file, file_values, resuming=bool(resuming))
     return spec, file_values, flags
 
 
@@ -73,13 +74,22 @@ _ConfigLoader.add_implicit_resolver(
 )
 
 
-def spelling(flags: dict[str, Any], config_file: str | None) -> Callable[[str], str]:
-    """Name an option as the user wrote it: the flag, or the key in their YAML file."""
+def spelling(
+    flags: dict[str, Any], config_file: str | None, file_values: dict[str, Any] | None = None, resuming: bool = False
+) -> Callable[[str], str]:
+    """Name an option as the user wrote it: the flag, or the key in their YAML file. An unknown
+    option in neither came from the layer below them (the pipeline's default_config, or a
+    resumed run's config.yaml), and is named so: not as a flag the user never gave."""
+    given = None if file_values is None else {key.replace("-", "_") for key in file_values}
+    known = {field.name for field in dataclasses.fields(TrainConfig)}
 
     def spell(field: str) -> str:
-        if field in flags or not config_file:
+        top = field.split(".")[0]
+        if config_file and top not in flags and (given is None or top in given):
+            return f"{field} (in {config_file})"
+        if top in flags or top in known:
             return flag_name(field.replace(".", "_"))
-        return f"{field} (in {config_file})"
+        return f"{field} (in the run's config.yaml)" if resuming else f"{field} (in the pipeline's default_config)"
 
     return spell
 

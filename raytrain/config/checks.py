@@ -56,7 +56,15 @@ def _check_types(cfg: Any, prefix: str = "") -> Iterable[tuple[str, str]]:
     for option in fields.options(type(cfg)):
         value = getattr(cfg, option.name)
         if not dataclasses.is_dataclass(value) and not option.accepts(value):
-            yield prefix + option.name, f"got {value!r} ({type(value).__name__}); expected {option.words()}"
+            said = f"got {value!r} ({type(value).__name__}); expected {option.words()}"
+            if str in option.kinds and isinstance(value, (bool, int, float)):
+                # YAML reads an unquoted no/yes/on/off as a boolean and 2024 or 0123 as a number: the
+                # user wrote text, which only quotes keep.
+                said += (
+                    f"; YAML reads an unquoted yes/no/on/off as true/false and digits as a number: quote it, e.g. "
+                    f'{option.name}: "..."'
+                )
+            yield prefix + option.name, said
 
 
 def _check_choices(cfg: Any) -> Iterable[tuple[str, str]]:

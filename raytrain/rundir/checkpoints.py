@@ -352,7 +352,10 @@ def _checked_weights(weights: Any, where: str) -> dict[str, torch.Tensor]:
     if isinstance(weights, dict) and "model" in weights and isinstance(weights["model"], dict):
         weights = weights["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise CheckpointError(f"{where} does not hold a model state_dict")
+        raise CheckpointError(
+            f"{where} does not hold a model state_dict (a dict of parameter names to tensors); save one with "
+            "torch.save(model.state_dict(), PATH), or give a run or checkpoint directory"
+        )
     return weights
 
 

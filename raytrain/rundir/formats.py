@@ -103,7 +103,12 @@ def load_torch(path: Path | io.BytesIO, what: str, name: str | None = None) -> A
         if what == "checkpoint file":
             why = unreadable(exc, shown, checkpoint=True, head=head)
             raise CheckpointError(f"checkpoint file {shown} cannot be read: {why}") from None
-        raise CheckpointError(f"{shown} cannot be read as a torch file: {unreadable(exc, shown, head=head)}") from None
+        why = unreadable(exc, shown, head=head)
+        if "convert it once" not in why:  # the pickled-object answer carries its own fix
+            why += (
+                "; give a state_dict saved with torch.save(model.state_dict(), PATH), or a run or checkpoint directory"
+            )
+        raise CheckpointError(f"{shown} cannot be read as a torch file: {why}") from None
 
 
 def dcp_failure(exc: BaseException) -> str:
