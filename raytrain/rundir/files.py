@@ -25,7 +25,7 @@ import yaml
 
 from raytrain.errors import StorageError
 from raytrain.rundir.faults import storage_errors
-from raytrain.rundir.storage import Store
+from raytrain.rundir.storage import Store, replace_file
 
 LOCK_FILE = ".lock"
 STOP_FILE = ".stop"  # the driver asks the workers to stop (SIGINT/SIGTERM) with this file
@@ -71,19 +71,7 @@ def dumps(value: Any, **kwargs: Any) -> str:
 
 def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
     """Replace `path` with `text` in one rename: readers see the old file or the new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with storage_errors(path, "write"):
-        try:
-            with open(tmp, "wb") as handle:
-                handle.write(text.encode() if isinstance(text, str) else text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+    replace_file(Path(path), text.encode() if isinstance(text, str) else text)
 
 
 def write_json(path: str | os.PathLike, value: Any) -> None:

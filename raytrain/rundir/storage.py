@@ -230,7 +230,7 @@ class Store:
     def write_bytes(self, name: str, data: bytes) -> None:
         """Replace the file with `data` in one step: readers see the old content or the new."""
         if self.local:
-            _write_local(self.path / name, data)
+            replace_file(self.path / name, data)
             return
 
         def put() -> None:
@@ -396,8 +396,9 @@ def _read_all(fs, path: str) -> bytes:
         return handle.readall()
 
 
-def _write_local(path: Path, data: bytes) -> None:
-    """A temporary file in the same directory, flushed and renamed over `path`."""
+def replace_file(path: Path, data: bytes) -> None:
+    """A temporary file in the same directory, flushed and renamed over `path`: readers see the
+    old file or the new one. An OSError is a StorageError naming the path."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         try:
@@ -418,4 +419,13 @@ def _local_error(exc: OSError, path: Path, doing: str) -> StorageError:
     return storage_error(exc, getattr(exc, "filename", None) or path, doing)
 
 
-__all__ = ["DEFAULT_RETRY_S", "RETRY_ENV", "Store", "StorageUnavailable", "classify", "default_retry_s", "is_uri"]
+__all__ = [
+    "DEFAULT_RETRY_S",
+    "RETRY_ENV",
+    "Store",
+    "StorageUnavailable",
+    "classify",
+    "default_retry_s",
+    "is_uri",
+    "replace_file",
+]
