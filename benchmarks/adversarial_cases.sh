@@ -12,13 +12,7 @@ PY=$(command -v python)
 export PYTHONPATH=$REPO:$REPO/benchmarks
 S=$WORK/runs
 rm -rf "$S"; mkdir -p "$S"; cd "$WORK" || exit 1
-case_() {  # name, command...
-    local name=$1; shift
-    local start; start=$(date +%s)
-    "$@" > out.txt 2> err.txt; local rc=$?
-    local first; first=$(grep -m1 '^raytrain' err.txt | cut -c1-400)
-    echo "| $name | $rc | $(( $(date +%s) - start )) s | ${first:-} |"
-}
+. "$REPO/benchmarks/cases_common.sh"
 echo "| case | exit | wall | raytrain's first line on stderr |"
 echo "|---|---:|---:|---|"
 Q=(--epochs 1 --workers 2 --storage "$S" --progress off)

@@ -3,9 +3,9 @@
 # Parquet files that drift, names that look like "no value", a clone that could shadow the
 # package, damaged checkpoints, resumes under changed flags, configs of the wrong shape. One row
 # per case with the exit status, the wall time and raytrain's first line on stderr (a Markdown
-# table on stdout). About 15 minutes on 2 cores; hold the heavy lock (it starts Ray).
+# table on stdout). About 15 minutes on 2 cores (it starts Ray).
 #
-#     flock /tmp/raytrain-heavy.lock bash benchmarks/hardening_cases.sh [WORK_DIR]
+#     bash benchmarks/hardening_cases.sh [WORK_DIR]
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${1:-/tmp/raytrain-hcases}
@@ -15,14 +15,7 @@ PY=$(command -v python)
 export PYTHONPATH=$REPO:$REPO/benchmarks
 S=$WORK/runs
 rm -rf "$WORK"; mkdir -p "$S"; cd "$WORK" || exit 1
-case_() {  # name, command...
-    local name=$1; shift
-    local start; start=$(date +%s)
-    "$@" > out.txt 2> err.txt; local rc=$?
-    local first; first=$(grep -m1 '^raytrain' err.txt | cut -c1-400)
-    echo "| $name | $rc | $(( $(date +%s) - start )) s | ${first:-} |"
-    cp err.txt "$WORK/err-$(echo "$name" | tr -c 'A-Za-z0-9' _ | cut -c1-60).txt"
-}
+. "$REPO/benchmarks/cases_common.sh"
 echo "| case | exit | wall | raytrain's first line on stderr |"
 echo "|---|---:|---:|---|"
 Q=(--epochs 1 --workers 2 --storage "$S" --progress off)

@@ -18,7 +18,7 @@ Start (each contender a fresh process; the clock runs from just before it starts
 
 Rounds alternate the order; every figure is the median over rounds. Usage:
 
-    flock /tmp/raytrain-heavy.lock python benchmarks/overhead.py --rounds 2 [--json out.json]
+    python benchmarks/overhead.py --rounds 2 [--json out.json]
 """
 
 from __future__ import annotations
