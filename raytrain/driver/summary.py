@@ -12,6 +12,7 @@ from raytrain.errors import StorageError, explain_worker_errors, find_user_error
 from raytrain.observe.render import first_line, is_number
 from raytrain.rules import flops
 from raytrain.rules.attempt import tally
+from raytrain.rules.budget import Budget
 from raytrain.rundir import EPOCH_LOSS, MODEL, MetricsRow, RunDir, Summary
 from raytrain.rundir.checkpoints import checkpoint_dirs
 from raytrain.rundir.storage import Store
@@ -43,7 +44,12 @@ def write_summary(
     fault = find_user_error(error)
     if status is None:
         # A signal that came after the last epoch's model was written stopped nothing.
-        done = error is None and progress is not None and progress.status == "finished" and _all_trained(progress, cfg)
+        done = (
+            error is None
+            and progress is not None
+            and progress.status == "finished"
+            and Budget.of(cfg).done(progress.epoch, progress.step)
+        )
         status = _status(error, fault, interrupted and not done)
     has_model = files.has(MODEL)
     at = progress or last
@@ -82,12 +88,6 @@ def write_summary(
     except StorageError as exc:  # a full disk must not hide the run's own error
         summary.extra["summary_error"] = str(exc)
     return summary
-
-
-def _all_trained(progress: Any, cfg: TrainConfig) -> bool:
-    """Whether the position is the end of the run: its epochs, or its --max-steps."""
-    epochs_done = cfg.epochs is not None and progress.epoch >= cfg.epochs
-    return epochs_done or (cfg.max_steps is not None and progress.step >= cfg.max_steps)
 
 
 def _cost(progress: Any, cfg: TrainConfig) -> dict[str, Any] | None:
