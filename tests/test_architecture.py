@@ -1,15 +1,22 @@
 """docs/architecture.md says what is true (pure tier: the source is parsed, nothing imported).
 
 - Its layer rule holds on the imports of every module of raytrain/: every import counts, at the
-  top of a file, inside a function and under `if TYPE_CHECKING:`; and no module imports itself
-  back through others (no import cycles).
+  top of a file, inside a function and under `if TYPE_CHECKING:`; and there are no import cycles.
 - Every module of raytrain/ is named in the row of its layer in the doc's table.
-- A reference to a raytrain name in a docstring, a field's text (what `--help` shows) or a
-  comment points at something that exists: a full one (`raytrain.rules.resume.changes`)
-  anywhere in the text; a short one in backticks (`resume.changes`, `storage.Store.of`), where
-  its first part is a module's name or the end of its dotted path (`resume`, `cli.commands`),
-  resolved in every module it may name (a short name is fine when it resolves in one); and a
-  repository file a text names (`docs/architecture.md`, `DESIGN.md`).
+- A reference in a docstring, a field's text (what `--help` shows), a comment, README.md or
+  docs/*.md (outside their code examples) points at something that exists:
+  - a full name, `raytrain.rules.resume.changes`, anywhere in the text;
+  - a short one in backticks, `resume.changes` or `cli.commands.cmd_train`: its first parts are
+    the end of a module's dotted path (`resume` is `raytrain.rules.resume`); where they fit
+    several modules (`replicas`), it is fine when it resolves in one; and through a module or a
+    package it may name a method of one of its classes (`runtime.prepare_model`, `data.batch`);
+  - `Class.member`, for a class name defined once in raytrain (members of a base outside
+    raytrain are not followed);
+  - `x.name` where no module is `x` but a raytrain function or class is `name`: a module
+    renamed under the text (`plan.epoch_order`);
+  - a file of the repository, `docs/architecture.md`, or a document by its name, `DESIGN.md`.
+  A dotted name ending in a file suffix (`config.yaml`) or in quotes (an MLflow tag
+  "raytrain.run_dir") is not a reference.
 
 Every failure says the file, the line and what is wrong.
 """
@@ -29,6 +36,7 @@ PACKAGE = REPO / "raytrain"
 DOC = REPO / "docs" / "architecture.md"
 # The last part of a file name a text mentions (`config.yaml`, `summary.json`): not a reference.
 FILE_SUFFIXES = {"yaml", "yml", "json", "jsonl", "pt", "md", "py", "parquet", "csv", "txt", "toml", "log", "sh", "lock"}
+FILE_SUFFIXES |= {"png", "svg", "html", "distcp"}
 
 
 @dataclass
@@ -275,7 +283,7 @@ def problems_in(where: str, line: int, text: str) -> list[str]:
     problems = []
     for offset, reference, full in references(text):
         if full is None:
-            wrong = None if (REPO / reference).exists() else "no such file in the repository"
+            wrong = None if _in_repository(reference) else "no such file in the repository"
         else:
             wrong = resolve(reference, full)
         if wrong:
@@ -371,12 +379,27 @@ def test_every_reference_in_a_docstring_help_or_comment_exists():
     assert not problems, "references to names or files that do not exist:\n" + "\n".join(problems)
 
 
-def test_every_reference_in_the_architecture_doc_exists():
-    text = DOC.read_text()
-    # In its code blocks (the path from `raytrain train` to the run directory) a dotted name is
-    # written without backticks: each is read as if it had them.
-    blocks = re.sub(r"```\n(.*?)```", lambda m: "\n" + CHAIN.sub(r"`\1`", m.group(1)), text, flags=re.S)
-    problems = problems_in("docs/architecture.md", 1, blocks)
+def _in_repository(name: str) -> bool:
+    """A path from the repository's root, or a document's own name (`RESULTS.md`) at the root or
+    in a top-level folder."""
+    if "/" in name:
+        return (REPO / name).exists()
+    folders = [REPO, *(p for p in REPO.iterdir() if p.is_dir() and not p.name.startswith("."))]
+    return any((folder / name).exists() for folder in folders)
+
+
+DOCS = [DOC, REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def test_every_reference_in_the_docs_exists():
+    problems = []
+    for path in dict.fromkeys(DOCS):
+        text = path.read_text()
+        if path == DOC:  # its code block, the path from `raytrain train` on, names modules unquoted
+            text = re.sub(r"```\n(.*?)```", lambda m: "\n" + CHAIN.sub(r"`\1`", m.group(1)), text, flags=re.S)
+        else:  # code blocks elsewhere are examples: `run.events()` is a variable's
+            text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+        problems += problems_in(path.relative_to(REPO).as_posix(), 1, text)
     assert not problems, "references to names or files that do not exist:\n" + "\n".join(problems)
 
 
