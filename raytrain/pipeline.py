@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from raytrain import fields, hooks
-from raytrain.errors import PipelineCodeError, PipelineError, pipeline_code
+from raytrain.errors import ConfigError, PipelineCodeError, PipelineError, pipeline_code
 
 if TYPE_CHECKING:  # pragma: no cover
     import ray.data
@@ -65,9 +65,7 @@ class Pipeline:
         (adamw, sgd or lamb) with --weight-decay (--no-decay-norm-and-bias: none on biases and
         norms). raytrain sets every group's rate each step: the rules' rate × the group's rate
         at build / --lr (build a group with lr=cfg.lr * 0.1 for a tenth)."""
-        from raytrain.worker.optim import build_default_optimizer
-
-        return build_default_optimizer(model, cfg)
+        return default_optimizer(model, cfg)
 
     def transform_batch(self, batch: dict[str, "torch.Tensor"], ctx: "RunContext") -> dict[str, "torch.Tensor"]:
         """Training-time augmentation of a training batch, on the worker's device. torch's and
@@ -109,6 +107,41 @@ def default_blocks(model: "torch.nn.Module") -> list["torch.nn.Module"]:
 
     visit(model)
     return found
+
+
+def default_optimizer(model: "torch.nn.Module", cfg: "TrainConfig") -> "torch.optim.Optimizer":
+    """--optimizer adamw | sgd | lamb over `param_groups`, at --lr (raytrain sets the rate per step)."""
+    import torch
+
+    groups = param_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    if cfg.optimizer == "lamb":
+        try:
+            from pytorch_optimizer import Lamb
+        except ImportError:
+            raise ConfigError(
+                [("optimizer", "lamb comes from the pytorch-optimizer package: pip install 'raytrain[large-batch]'")]
+            ) from None
+        return Lamb(groups, lr=cfg.lr)
+    return torch.optim.AdamW(groups, lr=cfg.lr)
+
+
+def param_groups(
+    model: "torch.nn.Module", weight_decay: float, decay_norm_and_bias: bool = True
+) -> list[dict[str, Any]]:
+    """Trainable parameters in groups; without decay on biases and norm weights (tensors of one
+    dimension or none) when `decay_norm_and_bias` is False."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if decay_norm_and_bias:
+        return [{"params": trainable, "weight_decay": weight_decay}]
+    matrices = [p for p in trainable if p.ndim > 1]
+    vectors = [p for p in trainable if p.ndim <= 1]
+    return [
+        g
+        for g in ({"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0})
+        if g["params"]
+    ]
 
 
 def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:

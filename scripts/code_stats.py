@@ -1,4 +1,5 @@
-"""Lines per module and per layer, the longest functions, import cycles and names defined twice in `raytrain/`.
+"""Lines per module and per layer, the longest functions, import cycles, names defined twice, and
+the worker core's shape (its lines, `.local` branches, the runner/position/files/data bundle) in `raytrain/`.
 
     python scripts/code_stats.py            # a Markdown report of the working tree
     python scripts/code_stats.py --rev REV  # the same for a git revision
@@ -6,6 +7,11 @@
 
 Every import of a raytrain module counts, at the top of a file or inside a function: a cycle
 deferred into a function is still two modules that cannot be understood one without the other.
+The worker core's figures (issue 34's targets): the lines of `raytrain/worker/`; every `.local`
+(a branch on the local vs object-store kind of a `Store`) outside `rundir/storage.py`, by module;
+and every function that takes two or more of the bundle's parts as separate parameters: `runner`,
+`position`, `files`, and the data (`data`, `train_data`, `val_data` or `source`).
+
 Exit status 1 when there is an import cycle.
 """
 
@@ -122,6 +128,66 @@ def functions(tree: ast.Module) -> list[tuple[str, int]]:
     return out
 
 
+def function_nodes(tree: ast.Module) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """(qualified name, node) of every function and method."""
+    out: list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((prefix + child.name, child))
+                walk(child, prefix + child.name + ".")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, prefix + child.name + ".")
+
+    walk(tree, "")
+    return out
+
+
+# The worker's bundle, by parameter name: each name stands for one part of it.
+BUNDLE = {"runner": "runner", "position": "position", "files": "files"}
+BUNDLE.update(dict.fromkeys(("data", "train_data", "val_data", "source"), "data"))
+STORAGE_MODULE = "rundir.storage"
+
+
+def worker_lines(texts: dict[str, str]) -> int:
+    return sum(t.count("\n") for m, t in texts.items() if m == "worker" or m.startswith("worker."))
+
+
+def local_branches(trees: dict[str, ast.Module]) -> dict[str, int]:
+    """Module -> how many times it reads an attribute `.local`, outside `rundir/storage.py`."""
+    counts = {
+        m: sum(1 for n in ast.walk(t) if isinstance(n, ast.Attribute) and n.attr == "local")
+        for m, t in trees.items()
+        if m != STORAGE_MODULE
+    }
+    return {m: n for m, n in sorted(counts.items()) if n}
+
+
+def bundle_functions(trees: dict[str, ast.Module]) -> list[tuple[str, list[str]]]:
+    """(module.function, its bundle parameters) for every function taking two or more parts."""
+    found = []
+    for m, t in sorted(trees.items()):
+        for name, node in function_nodes(t):
+            a = node.args
+            params = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs) if p.arg in BUNDLE]
+            if len({BUNDLE[p] for p in params}) >= 2:
+                found.append((f"{m}.{name}", params))
+    return found
+
+
+def worker_core(texts: dict[str, str], trees: dict[str, ast.Module]) -> list[str]:
+    local, bundle = local_branches(trees), bundle_functions(trees)
+    return [
+        "",
+        f"Lines of raytrain/worker/: {worker_lines(texts):,}",
+        f"`.local` outside rundir/storage.py: {sum(local.values())} in {len(local)} modules"
+        + "".join(f"\n- {m}: {n}" for m, n in local.items()),
+        "Functions taking two or more of the runner/position/files/data bundle: "
+        f"{len(bundle)}" + "".join(f"\n- {f}({', '.join(p)})" for f, p in bundle),
+    ]
+
+
 def report(texts: dict[str, str], longest: int) -> tuple[str, int]:
     trees = {m: ast.parse(t) for m, t in texts.items()}
     known = set(trees)
@@ -147,13 +213,14 @@ def report(texts: dict[str, str], longest: int) -> tuple[str, int]:
         f"Top-level names defined in more than one module: {len(twice)}"
         + "".join(f"\n- {n}: {', '.join(sorted(ms))}" for n, ms in sorted(twice.items()))
     ]
+    lines += worker_core(texts, trees)
     return "\n".join(lines), len(found)
 
 
 # The layers of the package (docs/architecture.md), with the flat modules of the older layout
 # that each replaced, so that a comparison across the move reads layer by layer.
 LAYERS = {
-    "foundation": ("__init__", "config", "fields", "errors", "pipeline", "hooks", "sampled"),
+    "foundation": ("__init__", "config", "fields", "errors", "pipeline", "hooks", "sampled", "text"),
     "rules": ("rules", "plan", "order", "attempt", "position", "resume", "costmodel"),
     "data": ("data", "shards"),
     "worker": ("worker", "loop", "runtime", "replicas", "heartbeat", "phases", "optim"),
@@ -196,9 +263,11 @@ def compare(before: dict[str, str], after: dict[str, str]) -> str:
                     top_level[node.name.lstrip("_")].add(m)
         biggest = max(((m, t.count("\n")) for m, t in texts.items()), key=lambda x: x[1])
         twice = sorted(n for n, ms in top_level.items() if len(ms) > 1)
-        return lines, modules, largest, longest, cycles(graph), twice, biggest
+        local = local_branches(trees)
+        core = (worker_lines(texts), sum(local.values()), len(local), len(bundle_functions(trees)))
+        return lines, modules, largest, longest, cycles(graph), twice, biggest, core
 
-    (lb, mb, gb, fb, cb, db, bb), (la, ma, ga, fa, ca, da, ba) = summary(before), summary(after)
+    (lb, mb, gb, fb, cb, db, bb, kb), (la, ma, ga, fa, ca, da, ba, ka) = summary(before), summary(after)
     out = [
         "| layer | lines before | after | modules before | after | largest module before | after "
         "| longest function before | after |",
@@ -220,6 +289,9 @@ def compare(before: dict[str, str], after: dict[str, str]) -> str:
         f"({'; '.join(' ↔ '.join(c) for c in ca) or 'none'})",
         f"Top-level names defined in more than one module: {len(db)} before ({', '.join(db) or 'none'}), {len(da)} "
         f"after ({', '.join(da) or 'none'})",
+        f"Lines of raytrain/worker/: {kb[0]:,} before, {ka[0]:,} after",
+        f"`.local` outside rundir/storage.py: {kb[1]} in {kb[2]} modules before, {ka[1]} in {ka[2]} modules after",
+        f"Functions taking two or more of the runner/position/files/data bundle: {kb[3]} before, {ka[3]} after",
     ]
     return "\n".join(out)
 

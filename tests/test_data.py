@@ -3,13 +3,16 @@ rank exactly its rows of every step while reading only its own units (fake Ray D
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 
 from raytrain.data.checks import Schema, check_columns, check_units, load_table
 from raytrain.data.stream import Stream
-from raytrain.errors import DataError
+from raytrain.data.write import write_datasets
+from raytrain.errors import DataError, UsageError
 from raytrain.rules import order
 from raytrain.rules.order import StreamLayout
 from raytrain.rules.steps import epoch_steps, micro_batches
@@ -356,3 +359,24 @@ def test_a_data_error_raised_in_ray_datas_tasks_comes_back_as_it_was():
     )
     error = read_error(FakeUnits([{"x": np.zeros(3)}]), [0], "train", wrapped)
     assert str(error) == "dataset 'train': sample 217, field '0' has shape (5,) where sample 0's has (4,)"
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_has_a_file", "message"),
+    [(None, True, "is not empty; choose a new directory"), (0, False, "--row-group-rows: got 0")],
+)
+def test_raytrain_data_refuses_its_options_before_ray_starts(tmp_path, rows, out_has_a_file, message):
+    """`raytrain data` overwrites nothing and says what is wrong before it starts Ray (the
+    command's session is entered only once OUT and --row-group-rows are accepted)."""
+    entered = []
+    if out_has_a_file:
+        (tmp_path / "kept.parquet").write_bytes(b"")
+
+    @contextlib.contextmanager
+    def session():
+        entered.append(True)
+        yield
+
+    with pytest.raises(UsageError, match=message):
+        write_datasets(None, None, tmp_path, row_group_rows=rows, session=session)
+    assert entered == [] and (tmp_path / "kept.parquet").exists() == out_has_a_file

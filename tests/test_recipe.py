@@ -16,6 +16,7 @@ from raytrain.config import TrainConfig
 from raytrain.data.table import Table
 from raytrain.data.torch_dataset import TorchSamples, sample_columns
 from raytrain.errors import ConfigError, DataError
+from raytrain.pipeline import default_optimizer
 from raytrain.rules import steps
 from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
@@ -115,14 +116,14 @@ def test_parameter_groups_keep_their_relative_rates_through_scaling_and_warmup()
 
 def test_default_optimizers_and_no_decay_on_norms_and_biases():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    sgd = optim.build_default_optimizer(
+    sgd = default_optimizer(
         model, TrainConfig(optimizer="sgd", momentum=0.8, nesterov=True, weight_decay=5e-4, decay_norm_and_bias=False)
     )
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["nesterov"] and sgd.defaults["momentum"] == 0.8
     decays = sorted((g["weight_decay"], sum(p.numel() for p in g["params"])) for g in sgd.param_groups)
     assert decays == [(0.0, 4 + 4 + 4 + 2), (5e-4, 16 + 8)]  # biases and the norm's weight/bias: no decay
-    assert isinstance(optim.build_default_optimizer(model, TrainConfig()), torch.optim.AdamW)
-    lamb = optim.build_default_optimizer(model, TrainConfig(optimizer="lamb"))
+    assert isinstance(default_optimizer(model, TrainConfig()), torch.optim.AdamW)
+    lamb = default_optimizer(model, TrainConfig(optimizer="lamb"))
     assert type(lamb).__name__ == "Lamb" and type(lamb).__module__.startswith("pytorch_optimizer")
 
 

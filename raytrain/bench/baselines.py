@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 
 from raytrain.bench.options import BASELINE_TIMEOUT_S, TEMPLATE_MODULE, BenchError, BenchOptions, PlannedRun
-from raytrain.observe.render import plural
+from raytrain.text import plural
 
 
 def run_template(

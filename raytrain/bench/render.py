@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from raytrain.observe.render import figure, markdown_table, plural, text_table
+from raytrain.observe.render import figure, markdown_table, text_table
+from raytrain.text import plural
 
 METHOD = (
     "Steady samples/s: the samples of all workers in the steady steps over rank 0's time in those steps (the "

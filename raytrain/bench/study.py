@@ -17,9 +17,9 @@ from raytrain.bench.options import BENCH_OWNED, BenchError, BenchOptions, Planne
 from raytrain.bench.render import METHOD, render_text, write_bench_files
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
-from raytrain.observe.render import plural
 from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rundir import PROGRESS, RunDir, Store
+from raytrain.text import plural
 
 # -- the study -------------------------------------------------------------------------
 

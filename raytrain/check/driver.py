@@ -16,11 +16,12 @@ from raytrain.check.worker import PAYLOAD, CheckPayload, Outcome, check_loop_per
 from raytrain.config import TrainConfig
 from raytrain.config.checks import parse_workers
 from raytrain.errors import ConfigError, RunFailed, find_user_error
-from raytrain.observe.render import plural, text_table
+from raytrain.observe.render import text_table
 from raytrain.pipeline import Pipeline, load_pipeline
 from raytrain.rules.attempt import describe_plan
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.schedule import run_schedule
+from raytrain.text import plural
 
 
 def check_configs(pipe: Pipeline, cfg: TrainConfig, spec: str) -> tuple[TrainConfig, TrainConfig]:

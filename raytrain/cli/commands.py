@@ -5,15 +5,16 @@ exit status."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from raytrain import fields
 from raytrain.cli.options import check_pipeline_args, read_run_options, resumed_options
 from raytrain.config import TrainConfig, merge_layers
 from raytrain.errors import ConfigError
-from raytrain.observe.render import plural
 from raytrain.rundir import RunDir, Store
 from raytrain.rundir.records import PLOTS, REPORT
+from raytrain.text import plural
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -136,6 +137,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_data(args: argparse.Namespace) -> int:
     from raytrain.data.write import write_datasets
+    from raytrain.driver.session import ray_session
     from raytrain.pipeline import load_pipeline
 
     pipe = load_pipeline(args.pipeline)
@@ -147,7 +149,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         args.out,
         shuffle_seed=args.shuffle_seed,
         row_group_rows=args.row_group_rows,
-        address=getattr(args, "address", None),
+        session=lambda: ray_session(dataclasses.replace(cfg, address=getattr(args, "address", None))),
         echo=lambda line: print(line, flush=True),
     )
     return 0

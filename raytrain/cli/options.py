@@ -102,15 +102,16 @@ def check_pipeline_args(pipe, cfg: TrainConfig) -> None:
 
 
 def resumed_options(spec: str | None, file_values: dict[str, Any], flags: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """A resumed run's pipeline and options (`raytrain.rules.resume.resumed_values`): the run
-    named by the flags or the file, in their storage."""
+    """A resumed run's pipeline and options (`raytrain.rules.resume.resumed_pipeline`, then
+    `raytrain.config.merge_layers`): the run named by the flags or the file, in their storage."""
     from raytrain.config import DEFAULT_STORAGE, merge_layers
+    from raytrain.config.checks import resume_problems
     from raytrain.errors import ConfigError
     from raytrain.rules import resume
     from raytrain.rundir import RunDir, Store
 
     name = flags.get("name") or file_values.get("name")
-    problems = resume.config_problems(True, name)
+    problems = resume_problems(True, name)
     if problems:
         raise ConfigError(problems)
     storage = flags.get("storage") or file_values.get("storage") or DEFAULT_STORAGE

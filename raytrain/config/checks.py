@@ -14,7 +14,6 @@ from typing import Any, Iterable
 
 from raytrain import fields
 from raytrain.fields import flag_name
-from raytrain.rules import resume
 
 
 def parse_workers(value: int | str) -> tuple[int, int]:
@@ -37,7 +36,13 @@ def parse_workers(value: int | str) -> tuple[int, int]:
 
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+NEEDS_NAME = "needs the run to continue: add --name RUN (the directory under --storage)"
 EMPTY_NAME = "a name cannot be empty: give one, e.g. --name digits-lr3e-3, or leave --name out for a generated one"
+
+
+def resume_problems(resume: bool, name: str | None) -> list[tuple[str, str]]:
+    """`--resume` continues a run by its name: without `--name` there is none to continue."""
+    return [("resume", NEEDS_NAME)] if resume and not name else []
 
 
 def problems_of(cfg: Any) -> list[tuple[str, str]]:
@@ -226,7 +231,7 @@ def _check_run(c: Any) -> Iterable[tuple[str, str]]:
         yield "name", f"got {c.name!r}; {EMPTY_NAME} (PIPELINE-DATE-TIME)"
     elif c.name is not None and not _NAME_RE.match(c.name):
         yield "name", f"got {c.name!r}; use letters, digits, '.', '_' and '-' only, e.g. --name digits-lr3e-3"
-    yield from resume.config_problems(c.resume, c.name)
+    yield from resume_problems(c.resume, c.name)
     if not 0 < c.progress_interval_s < math.inf:
         yield "progress_interval_s", f"got {c.progress_interval_s}; must be a positive number of seconds, e.g. 10"
     if c.peak_tflops is not None and not 0 < c.peak_tflops < math.inf:

@@ -1,6 +1,6 @@
 """The one typed configuration tree of a run.
 
-Every knob of DESIGN.md lives here, with its meaning and unit. `TrainConfig` checks
+Every knob of a run lives here, with its meaning and unit (its text is the flag's `--help`). `TrainConfig` checks
 itself in `__post_init__` and raises one `ConfigError` listing every problem, each
 naming the option, the value received and the fix. Nothing here imports Ray.
 """
@@ -68,7 +68,7 @@ class DDPConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Everything a `raytrain train` run needs to know; see DESIGN.md, 'Meaning of the knobs'."""
+    """Everything a `raytrain train` run needs to know; README.md, 'Command line', says how to give it."""
 
     epochs: int | None = field(default=None, metadata={"default_text": "5; none with --max-steps alone"})
     """Passes over the training set (each one every row once). With --max-steps too: whichever comes first."""
@@ -202,7 +202,7 @@ class TrainConfig:
     share: costs a collective per BatchNorm layer per forward. `raytrain check` says when a pipeline needs it."""
     peak_tflops: float | None = None
     """The device's peak TFLOP/s at the run's precision, for the model FLOPs utilization (MFU) in the report and in
-    raytrain bench; default: a table of known GPUs (raytrain.rules.costmodel.DEVICE_PEAK_TFLOPS)."""
+    raytrain bench; default: a table of known GPUs (raytrain.rules.flops.DEVICE_PEAK_TFLOPS)."""
     time_phases: bool = False
     """Synchronize the GPU around each step phase so the step-time split is exact (slower; for benchmarks)."""
     prefetch: PrefetchMode = "auto"

@@ -14,7 +14,7 @@ order: its reading and preprocessing run in Ray Data (tasks, prefetch, backpress
 spilling) as the pipeline wrote them, only over the rows a worker trains on.
 
 This is the one module that reads Ray Data's logical plan (Ray 2.60's internals); it is
-covered by tests/test_shards_ray.py. A plan it cannot cut (an all-to-all step such as
+covered by tests/test_stream_ray.py. A plan it cannot cut (an all-to-all step such as
 `random_shuffle`, a `zip` or `union`, a `filter`, or a file format without row counts in
 its metadata) comes back as a reason, and the caller materializes the dataset once.
 """

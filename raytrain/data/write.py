@@ -7,9 +7,9 @@ partitions and workers.
 
 from __future__ import annotations
 
-import dataclasses
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from raytrain.errors import UsageError
 
@@ -35,13 +35,13 @@ def write_datasets(
     *,
     shuffle_seed: int = 0,
     row_group_rows: int | None = None,
-    address: str | None = None,
+    session: Callable[[], AbstractContextManager[Any]],
     echo: Callable[[str], None] = print,
 ) -> Path:
     """Write each of the pipeline's datasets under OUT/<dataset>/*.parquet; returns OUT.
-    `shuffle_seed` -1 keeps the pipeline's order."""
+    `shuffle_seed` -1 keeps the pipeline's order. `session()`: Ray up while the rows are
+    written (the command's `raytrain.driver.session.ray_session`), entered once OUT is checked."""
     from raytrain.data.sources import build_datasets
-    from raytrain.driver.session import ray_session
     from raytrain.sampled import Sampled
 
     out = Path(out).expanduser().absolute()
@@ -49,7 +49,7 @@ def write_datasets(
         raise UsageError(f"--row-group-rows: got {row_group_rows}; must be a positive row count, e.g. 8192")
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"--out: {out} is not empty; choose a new directory so no data is overwritten")
-    with ray_session(dataclasses.replace(cfg, address=address)):
+    with session():
         for name, ds in build_datasets(pipe, cfg).items():
             if isinstance(ds, Sampled):  # drawn at every step: no rows to write
                 echo(f"{name}: sampled (raytrain.Sampled), drawn at every step from its own source; not written")

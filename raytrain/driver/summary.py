@@ -9,13 +9,13 @@ from typing import Any
 
 from raytrain.config import TrainConfig
 from raytrain.errors import StorageError, explain_worker_errors, find_user_error
-from raytrain.observe.render import first_line, is_number
 from raytrain.rules import flops
 from raytrain.rules.attempt import tally
 from raytrain.rules.budget import Budget
 from raytrain.rundir import EPOCH_LOSS, MODEL, MetricsRow, RunDir, Summary
 from raytrain.rundir.checkpoints import checkpoint_dirs
 from raytrain.rundir.storage import Store
+from raytrain.text import first_line, is_number
 
 
 def write_summary(

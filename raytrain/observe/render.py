@@ -1,39 +1,15 @@
-"""How raytrain shows things: numbers, tables, figures and one-line errors.
+"""How raytrain shows things: tables and figures (numbers and one-line errors: `raytrain.text`).
 
 Every report (bench, tune, a run's report, the console) formats through these, so a
-learning rate or a table reads the same wherever it appears.
+table reads the same wherever it appears.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
-
-def sci(value: float) -> str:
-    """2.0e-3, not 2.0e-03."""
-    mantissa, exponent = f"{value:.1e}".split("e")
-    return f"{mantissa}e{int(exponent)}"
-
-
-def is_number(value: Any) -> bool:
-    """A finite int or float (not a bool, not None, not NaN)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def plural(count: int, noun: str) -> str:
-    """`1 worker`, `2 workers`."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
-def first_line(error: BaseException | str) -> str:
-    """`Type: first line of the message` of an exception (torch's load errors run to a dozen
-    lines), or the first non-blank line of a text."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if isinstance(error, BaseException):
-        return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-    return lines[0] if lines else ""
+from raytrain.text import first_line, sci
 
 
 def _cell(value: Any) -> str:
@@ -77,4 +53,4 @@ def figure(width_in: float, height_in: float, **kwargs: Any):
     return fig
 
 
-__all__ = ["figure", "first_line", "is_number", "markdown_table", "plural", "sci", "text_table"]
+__all__ = ["figure", "first_line", "markdown_table", "sci", "text_table"]

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from raytrain.errors import UserError
-from raytrain.observe.render import figure, is_number, markdown_table, plural
+from raytrain.observe.render import figure, markdown_table
 from raytrain.rules import flops
 from raytrain.rundir import EPOCH_LOSS, PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Store, Summary
+from raytrain.text import is_number, plural
 
 
 class ReportError(UserError, ValueError):

@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from raytrain.observe.render import first_line
 from raytrain.rundir import EVENTS, LIVE, METRICS, Event, MetricsRow, RunDir, Store, Summary
+from raytrain.text import first_line
 
 # The driver polls an object store's run files at most this often.
 REMOTE_POLL_S = 1.0

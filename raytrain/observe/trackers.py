@@ -226,7 +226,7 @@ class MLflowSink(Sink):
     """One MLflow run per raytrain run: params = the resolved config, per-step metrics
     (the metrics.jsonl names), the final model.pt, report and run files as artifacts.
 
-    `--resume` continues the MLflow run of the same run directory (tag raytrain.run_dir).
+    `--resume` continues the MLflow run of the same run directory (tag "raytrain.run_dir").
     Any MLflow URI works: a server (http://...), sqlite:///mlflow.db, file:./mlruns.
     """
 

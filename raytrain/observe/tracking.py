@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from raytrain.errors import ConfigError
-from raytrain.observe.render import first_line
 from raytrain.observe.sinks import Dispatcher, Sink, follow
 from raytrain.observe.trackers import MLflowSink, TensorBoardSink, WandbSink, mlflow_store_uri
 from raytrain.rundir import RunDir, Store, Summary
+from raytrain.text import first_line
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from raytrain.config import TrainConfig
-from raytrain.observe.render import sci
 from raytrain.pipeline import Pipeline, overrides
 from raytrain.rules import resume
 from raytrain.rules.batch import BatchPlan
@@ -22,6 +21,7 @@ from raytrain.rules.budget import Budget
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import LRSchedule
 from raytrain.rundir.records import Event, Kind
+from raytrain.text import sci
 
 
 class Attempt(enum.Enum):

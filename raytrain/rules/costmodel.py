@@ -22,7 +22,7 @@ import difflib
 import math
 from dataclasses import dataclass
 
-from raytrain.observe.render import plural
+from raytrain.text import plural
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-# Keep these draws apart from each other and from `plan.epoch_order`'s.
+# Keep these draws apart from each other and from `steps.epoch_order`'s.
 _UNIT_ORDER, _BLOCK_ORDER = 101, 102
 
 

@@ -1,8 +1,9 @@
 """`--resume`: continue the run that was, with only the changes it can honour.
 
-Every resume rule lives here; the CLI, the config checks, the driver and the workers ask.
+Every resume rule lives here; the CLI, the driver and the workers ask.
 
-- A new run needs a new name; `--resume` needs `--name` and a run by that name.
+- A new run needs a new name; `--resume` needs a run by that name (and `--name`: a check of
+  the options, `raytrain.config.checks.resume_problems`).
 - A resumed run starts from its own resolved `config.yaml`; the `--config` file and the
   flags given with `--resume` override only what they name (`resumed_pipeline`).
 - Before anything is written, the driver checks what the new options would change
@@ -42,7 +43,6 @@ ORDER_FIELDS = ("seed", "shuffle_window_rows", "data_partitions")
 STATE_FIELDS = ("optimizer", "decay_norm_and_bias")
 # Fields that are about this invocation, not the run: never reported as changes.
 INVOCATION_FIELDS = ("resume", "address", "verbose", "progress", "progress_interval_s", "name", "storage")
-NEEDS_NAME = "needs the run to continue: add --name RUN (the directory under --storage)"
 # A pipeline hook that replaces options: (the option config.yaml records it under, the options only it used).
 HOOK_FIELDS = {
     "build_optimizer": ("optimizer", ("momentum", "nesterov", "weight_decay", "decay_norm_and_bias")),
@@ -74,11 +74,6 @@ def recorded_config(values: dict[str, Any], hooks: Iterable[str], details: dict[
 def resolvable(values: dict[str, Any]) -> dict[str, Any]:
     """A recorded configuration as options again: what a hook replaced is left out (not given)."""
     return {key: value for key, value in values.items() if not (isinstance(value, str) and value.startswith(HOOK_MARK))}
-
-
-def config_problems(resume: bool, name: str | None) -> list[tuple[str, str]]:
-    """What a configuration asking to resume lacks (checked with the other options)."""
-    return [("resume", NEEDS_NAME)] if resume and not name else []
 
 
 def run_dir_problems(name: str, storage: str, resume: bool, exists: bool) -> list[tuple[str, str]]:

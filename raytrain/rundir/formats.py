@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from raytrain.errors import CheckpointError
-from raytrain.observe.render import first_line
+from raytrain.text import first_line
 
 DCP_METADATA = ".metadata"  # written last by DCP: its shards are complete
 

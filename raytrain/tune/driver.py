@@ -31,9 +31,9 @@ from typing import Any, Callable
 
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
-from raytrain.observe.render import is_number, sci
 from raytrain.pipeline import Pipeline, load_pipeline
 from raytrain.rundir.storage import Store
+from raytrain.text import is_number, sci
 from raytrain.tune.options import SearchSpace, TuneOptions
 from raytrain.tune.resources import (
     EMBEDDED_TRIAL_DRIVER_SLOTS,

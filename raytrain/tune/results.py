@@ -16,8 +16,9 @@ from typing import Any, Callable, Sequence
 
 from raytrain.config import TrainConfig
 from raytrain.driver.summary import final_figures
-from raytrain.observe.render import figure, is_number, plural, sci, text_table
+from raytrain.observe.render import figure, text_table
 from raytrain.rundir import Kind, RunDir, Store, Summary, write_yaml
+from raytrain.text import is_number, plural, sci
 from raytrain.tune.options import SWEPT, TuneOptions
 from raytrain.tune.space import SweepRun, point_key, runs_by_point, trial_config
 

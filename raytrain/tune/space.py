@@ -21,8 +21,8 @@ from typing import Any, Sequence
 
 from raytrain.config import TrainConfig, parse_workers
 from raytrain.errors import ConfigError
-from raytrain.observe.render import sci
 from raytrain.rules.batch import batch_plan_for, default_reference_batch_size, lr_scale
+from raytrain.text import sci
 from raytrain.tune.options import SWEPT, SearchSpace, TuneOptions
 
 # -- the trials ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import contextlib
 import time
 from typing import Any, Callable
 
-from raytrain.observe.render import first_line, sci
+from raytrain.text import first_line, sci
 from raytrain.tune.options import TuneOptions
 from raytrain.tune.results import TrialRun
 from raytrain.tune.space import (

@@ -9,5 +9,5 @@
 - `runtime`: the worker's Ray Train and torch.distributed calls, in one place;
 - `replicas`: per-step fault tolerance (each worker a torchft replica);
 - `heartbeat`, `phases`: each rank's phase and step, to name a hung rank; step timings;
-- `optim`: the default optimizers and per-group rates.
+- `optim`: per-group rates (the default optimizer is `Pipeline.build_optimizer`'s own).
 """

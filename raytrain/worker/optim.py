@@ -1,4 +1,5 @@
-"""The optimizer of a run: the config's choice, or the pipeline's own `build_optimizer`.
+"""The rates of a run's optimizer: the config's choice (`raytrain.pipeline.default_optimizer`,
+`Pipeline.build_optimizer`'s default) or the pipeline's own `build_optimizer`.
 
 raytrain owns the learning rate whatever the optimizer: at every step each parameter group
 gets the rate of the rules (scaling rule × warmup × schedule, keyed to samples seen) times the
@@ -9,43 +10,7 @@ resizes; a group built without its own `lr` follows the schedule.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-
-from raytrain.config import TrainConfig
-from raytrain.errors import ConfigError
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float, decay_norm_and_bias: bool = True) -> list[dict[str, Any]]:
-    """Trainable parameters in groups; without decay on biases and norm weights (tensors of one
-    dimension or none) when `decay_norm_and_bias` is False."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if decay_norm_and_bias:
-        return [{"params": trainable, "weight_decay": weight_decay}]
-    matrices = [p for p in trainable if p.ndim > 1]
-    vectors = [p for p in trainable if p.ndim <= 1]
-    return [
-        g
-        for g in ({"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0})
-        if g["params"]
-    ]
-
-
-def build_default_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """--optimizer adamw | sgd | lamb over `param_groups`, at --lr (raytrain sets the rate per step)."""
-    groups = param_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
-    if cfg.optimizer == "lamb":
-        try:
-            from pytorch_optimizer import Lamb
-        except ImportError:
-            raise ConfigError(
-                [("optimizer", "lamb comes from the pytorch-optimizer package: pip install 'raytrain[large-batch]'")]
-            ) from None
-        return Lamb(groups, lr=cfg.lr)
-    return torch.optim.AdamW(groups, lr=cfg.lr)
 
 
 def rate_multipliers(optimizer: torch.optim.Optimizer, base_lr: float) -> list[float]:

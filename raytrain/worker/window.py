@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from raytrain.errors import UserError
-from raytrain.observe.render import sci
+from raytrain.text import sci
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.worker.heartbeat import Heartbeat
