@@ -63,7 +63,7 @@ def run_command(args: argparse.Namespace) -> int:
     except (RunFailed, BenchError) as exc:
         say(str(exc))
         return EXIT_FAILED
-    except FloatingPointError as exc:  # raytrain.worker.loop.TrainingDiverged: the run failed, status "diverged"
+    except FloatingPointError as exc:  # raytrain.worker.window.TrainingDiverged: the run failed, status "diverged"
         say(str(exc))
         return EXIT_FAILED
     except ConfigError as exc:

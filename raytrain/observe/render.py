@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from raytrain.text import first_line, sci
-
 
 def _cell(value: Any) -> str:
     return "" if value is None else str(value).replace("|", "\\|").replace("\n", " ")
@@ -53,4 +51,4 @@ def figure(width_in: float, height_in: float, **kwargs: Any):
     return fig
 
 
-__all__ = ["figure", "first_line", "markdown_table", "sci", "text_table"]
+__all__ = ["figure", "markdown_table", "text_table"]

@@ -19,13 +19,13 @@ import torch
 from raytrain.data.draws import Draws, DrawsEpoch
 from raytrain.data.stream import Stream, StreamEpoch
 from raytrain.data.table import Table, TableEpoch
-from raytrain.observe.render import sci
 from raytrain.rules import steps
 from raytrain.rules.budget import Budget, evaluation_due, evaluation_rows
 from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints
 from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
+from raytrain.text import sci
 from raytrain.worker import prefetch
 from raytrain.worker.replicas import ReplicaRuntime
 from raytrain.worker.step import StepRunner, update_context

@@ -35,7 +35,6 @@ from typing import Any, Callable
 
 import torch
 
-from raytrain.observe.render import first_line
 from raytrain.rules import replicas as rules
 from raytrain.rundir import RunDir
 from raytrain.rundir import checkpoints as ckpt
@@ -43,6 +42,7 @@ from raytrain.rundir.files import storage_errors
 from raytrain.rundir.publish import Upload, publish_local
 from raytrain.rundir.records import Event, Kind
 from raytrain.rundir.storage import Store
+from raytrain.text import first_line
 from raytrain.worker.runtime import Runtime, group_barrier
 
 # The lighthouse waits up to join_timeout_ms for every live (heartbeating) replica before it
@@ -70,7 +70,7 @@ def torchft_config(use_gpu: bool, timeout_s: float):
 
 class StallWatch:
     """Ends a replica stuck in one step's work (a hung kernel, a lost NFS mount): past the
-    step's limit (`raytrain.rules.stall.stall_after_s`), `on_stall(step, seconds)` runs (it
+    step's limit (`raytrain.rules.replicas.stall_after_s`), `on_stall(step, seconds)` runs (it
     says so and exits the process, and Ray Train replaces the replica). The others' all-reduce
     gave up on it long before; once it is gone the lighthouse forms their quorum without it."""
 
@@ -267,11 +267,11 @@ class ReplicaRuntime(Runtime):
 
     def all_gather_object(self, value: Any) -> list[Any]:
         """This replica's only (no collective outside a step): a checkpoint keeps one RNG state,
-        and replicas restored from it reseed by their rank (`loop._restore_rank_rng`)."""
+        and replicas restored from it reseed by their rank (`state.restore_rank_rng`)."""
         return [value]
 
     def latest_checkpoint(self):
-        return None  # checkpoints are the run directory's (raytrain.worker.loop.restore reads them)
+        return None  # checkpoints are the run directory's (raytrain.worker.step.StepRunner.restore reads them)
 
     @property
     def distributed_checkpoints(self) -> bool:
