@@ -33,7 +33,7 @@ from raytrain.rules.attempt import Attempt
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.budget import Budget
 from raytrain.rules.position import Position
-from raytrain.rundir.checkpoints import node_dir
+from raytrain.rundir.checkpoints import node_dir, resume_choice
 from raytrain.rundir.records import HEARTBEATS, Kind
 from raytrain.rundir.storage import Store
 from raytrain.rundir.writer import RunWriter
@@ -49,7 +49,7 @@ from raytrain.worker.heartbeat import Heartbeat, diagnose, looks_like_timeout, r
 from raytrain.worker.optim import describe_optimizer
 from raytrain.worker.replicas import JOIN_TIMEOUT_S, ReplicaRuntime
 from raytrain.worker.runtime import Runtime
-from raytrain.worker.state import checkpoints_to_try, unwrap
+from raytrain.worker.state import unwrap
 from raytrain.worker.step import StepRunner
 
 
@@ -128,7 +128,7 @@ def begin(
     val_data = open_source("val", sources["val"], runtime.get_object, cfg.skip_nan_rows) if "val" in sources else None
     plan = batch_plan_for(cfg, workers)
     runner = StepRunner.build(pipeline, cfg, runtime, heartbeat, files.store, plan, len(train_data))
-    saved = runner.restore(checkpoints_to_try(runtime, files), files)
+    saved = runner.restore(resume_choice(files.store, also=runtime.latest_checkpoint()), files)
     position = Position.restored(saved)
     attempt = Attempt.of(saved is not None, position.world_sizes, workers)
     now = data_digest(train_data)

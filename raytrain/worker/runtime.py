@@ -123,8 +123,15 @@ class Runtime:
             self._checkpoint_group = dist.new_group(backend="gloo")
         return {"process_group": self._checkpoint_group}
 
-    def latest_checkpoint(self) -> Checkpoint | None:
-        return ray.train.get_checkpoint()
+    def latest_checkpoint(self) -> Path | None:
+        """Ray's latest checkpoint when it is on this file system (on an object store Ray
+        registers one only once complete, and listing the run finds it)."""
+        import pyarrow.fs
+
+        latest = ray.train.get_checkpoint()
+        if latest is None or not isinstance(latest.filesystem, pyarrow.fs.LocalFileSystem):
+            return None
+        return Path(latest.path)
 
     def report(
         self,

@@ -15,7 +15,7 @@ what each of these holds, under --strategy ddp and fsdp alike:
 
 A save is asynchronous where a process group allows it: the loop blocks while the state is
 staged in host memory, and the files are written in the background (`Save.wait`).
-`checkpoints_to_try` lists where to continue from: the run's checkpoints, furthest first.
+Where a run continues from is `raytrain.rundir.checkpoints.resume_choice`.
 """
 
 from __future__ import annotations
@@ -35,11 +35,9 @@ from raytrain.errors import CheckpointError
 from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints, formats
 from raytrain.rundir.formats import single_process
-from raytrain.rundir.records import Kind
 from raytrain.worker.saving import Save
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raytrain.rundir.writer import RunWriter
     from raytrain.worker.runtime import Runtime
 
 
@@ -229,36 +227,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner
-
-
-def checkpoints_to_try(runtime: "Runtime", files: "RunWriter") -> list[tuple[Path, dict[str, Any]]]:
-    """Where to continue from: this run's checkpoints whose train state loads, furthest first,
-    each with that train state (the position among it); [] for a fresh start.
-
-    Ray registers a checkpoint only once its controller has processed the report, so the
-    last one or two written before a crash can be missing from `get_checkpoint()` while
-    complete on storage; and after a driver loss Ray's own record may be older than the
-    run directory. Candidates are Ray's latest and every checkpoint directory of the run. An
-    unreadable one is skipped, and said; when none is left, CheckpointError.
-    """
-    candidates = checkpoints.checkpoint_dirs(files.store)
-    latest = runtime.latest_checkpoint() if files.store.local else None  # on a store: listed once complete
-    if latest is not None and Path(latest.path) not in candidates and checkpoints.is_complete(latest.path):
-        candidates.append(Path(latest.path))
-    if not candidates:
-        return []
-    usable, skipped, names = [], [], []
-    for candidate in sorted(candidates, key=checkpoints.stored_step, reverse=True):
-        try:
-            usable.append((candidate, checkpoints.load_train_state(candidate)))
-        except CheckpointError as error:
-            skipped.append(str(error))
-            names.append(candidate.name)
-    if skipped:
-        files.event(Kind.SKIPPED, f"skipped unusable checkpoint(s): {'; '.join(skipped)}", checkpoints=names)
-    if not usable:
-        raise CheckpointError(f"no usable checkpoint in {files.store}: {'; '.join(skipped)}")
-    return usable
 
 
 # -- random number generators -------------------------------------------------------------------

@@ -24,12 +24,13 @@ from raytrain.data.stream import StreamEpoch
 from raytrain.data.table import TableEpoch
 from raytrain.errors import CheckpointError, pipeline_code
 from raytrain.pipeline import _CONTEXT, Pipeline, overrides, set_plan
-from raytrain.rules import steps
+from raytrain.rules import resume, steps
 from raytrain.rules.attempt import describe_plan
 from raytrain.rules.batch import BatchPlan, batch_plan_for
 from raytrain.rules.budget import Budget
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import LRSchedule, run_schedule
+from raytrain.rundir.checkpoints import ResumeChoice
 from raytrain.rundir.records import Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker import optim, strategy
@@ -108,12 +109,12 @@ class StepRunner:
             total_steps=total_steps,
         )
 
-    def restore(self, candidates: list[tuple[Path, dict[str, Any]]], files: RunWriter) -> dict[str, Any] | None:
-        """Continue from the furthest of `candidates` (checkpoint directories, furthest first,
-        with their train state) that loads on every rank; returns its train state (None: none
-        given, a fresh start). A checkpoint a rank cannot read is skipped on every rank, and said."""
-        skipped, names = [], []
-        for directory, train_state in candidates:
+    def restore(self, choice: ResumeChoice, files: RunWriter) -> dict[str, Any] | None:
+        """Continue from the furthest checkpoint of `choice` (`rundir.checkpoints.resume_choice`)
+        that loads on every rank; returns its train state (None: a fresh start). One a rank
+        cannot load is passed over on every rank, and said once."""
+        saved = None
+        for directory, train_state in choice.usable:
             state = self.training_state(Position.restored(train_state))
             try:
                 state.load(
@@ -125,23 +126,21 @@ class StepRunner:
                 )
                 failed = 0.0
             except CheckpointError as error:
-                skipped.append(str(error))
-                names.append(directory.name)
+                choice.pass_over(directory, str(error))
                 failed = 1.0
             if self.runtime.distributed_checkpoints:  # every rank continues from the same one
                 failed = self.runtime.all_reduce_sum([failed])[0]
             if not failed:
-                if skipped:
-                    files.event(
-                        Kind.SKIPPED, f"skipped unusable checkpoint(s): {'; '.join(skipped)}", checkpoints=names
-                    )
+                saved = train_state
                 self.throughput = Throughput(time.perf_counter(), state.position.samples_seen)
-                return train_state
-        if not candidates:
-            return None
-        raise CheckpointError(
-            f"no usable checkpoint in {files.store}: {'; '.join(skipped) or 'one failed to load on another rank'}"
-        )
+                break
+            if not choice.names or choice.names[-1] != directory.name:  # failed on another rank
+                choice.pass_over(directory, f"checkpoint {directory.name} failed to load on another rank")
+        if choice.skipped_line():
+            files.event(Kind.SKIPPED, choice.skipped_line(), checkpoints=choice.names)
+        if saved is None and choice.passed_over:
+            raise resume.unusable(files.store, choice.passed_over)
+        return saved
 
     # -- the rules of this attempt ----------------------------------------------------------
 
