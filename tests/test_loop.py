@@ -13,7 +13,8 @@ import torch
 
 from raytrain.data.table import Table
 from raytrain.rules.attempt import Attempt
-from raytrain.rules.position import Position
+from raytrain.rules.position import Position, Telemetry
+from raytrain.rules.position import progress as progress_of
 from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
@@ -194,7 +195,7 @@ def test_the_writer_writes_nothing_on_other_ranks(tmp_path):
     writer.event(Kind.DATA, "x")
     writer.metrics(MetricsRow(epoch=1, step=1))
     writer.start_attempt(Event(Kind.PLAN, "plan"), 0)
-    writer.interrupted(Position().progress("interrupted"))
+    writer.interrupted(progress_of(Position(), Telemetry(), "interrupted"))
     assert not writer.live_due() and not writer.stop_requested()
     assert list(tmp_path.iterdir()) == []
 
@@ -250,10 +251,9 @@ def test_an_epochs_end_writes_its_row_and_its_line(tmp_path):
 
 def test_finishing_writes_the_model_the_progress_and_the_last_event(tmp_path):
     writer = RunWriter(tmp_path, enabled=True)
-    position = Position(
-        epoch=2, step=40, samples_seen=1280, world_sizes=[2], steady_steps=30, steady_samples=960, steady_time_s=2.0
-    )
-    writer.finish(torch.nn.Linear(2, 1).state_dict(), position.progress("finished"))
+    position = Position(epoch=2, step=40, samples_seen=1280, world_sizes=[2])
+    telemetry = Telemetry(steady_steps=30, steady_samples=960, steady_time_s=2.0)
+    writer.finish(torch.nn.Linear(2, 1).state_dict(), progress_of(position, telemetry, "finished"))
     assert set(torch.load(tmp_path / "model.pt", weights_only=True)) == {"weight", "bias"}
     progress = json.loads((tmp_path / "progress.json").read_text())
     assert set(progress) == {

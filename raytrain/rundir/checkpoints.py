@@ -29,7 +29,6 @@ upload failed half-way is never seen, and the previous one is untouched.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -71,16 +70,14 @@ _STEP_IN_NAME = re.compile(r"^checkpoint_s(\d+)_")
 def remote(where: Where) -> Store | None:
     """The Store of a checkpoint or run directory on an object store; None for a local one."""
     if isinstance(where, Store):
-        return None if where.local else where
+        return None if where.local_path() is not None else where
     return Store.of(where) if is_uri(where) else None
 
 
 def node_dir(run_dir: Where) -> Path:
     """This node's own directory for a run whose files are on an object store: checkpoints are
-    staged and heartbeats kept here (node-local, removed when the run ends on the driver's node)."""
-    digest = hashlib.blake2b(str(Store.of(run_dir)).encode(), digest_size=6).hexdigest()
-    root = os.environ.get("RAYTRAIN_NODE_DIR") or tempfile.gettempdir()
-    return Path(root) / f"raytrain-node-{Store.of(run_dir).name}-{digest}"
+    staged and heartbeats kept here (`Store.work_dir`)."""
+    return Store.of(run_dir).node_dir()
 
 
 def write_train_state(directory: str | os.PathLike, train_state: dict[str, Any]) -> None:
@@ -335,9 +332,7 @@ def checkpoint_name(step: int) -> str:
 def staging_dir(run_dir: Where) -> Path:
     """Where checkpoints are written before they are renamed into place, or uploaded (on an
     object store: this node's own directory)."""
-    if remote(run_dir) is not None:
-        return node_dir(run_dir) / STAGING
-    return Path(run_dir) / STAGING
+    return Store.of(run_dir).work_dir() / STAGING
 
 
 def model_shapes(directory: Where) -> dict[str, tuple[int, ...]]:

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import random
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from raytrain.errors import CheckpointError
-from raytrain.rules.position import Position
+from raytrain.rules.position import Position, Telemetry
 from raytrain.rundir import checkpoints, formats
 from raytrain.rundir.formats import single_process
 from raytrain.worker.saving import Save
@@ -51,6 +51,7 @@ class TrainingState:
     scaler: torch.amp.GradScaler
     position: Position
     sharded: bool = False
+    telemetry: Telemetry = field(default_factory=Telemetry)  # kept beside the position, never needed to resume
 
     # -- the plain model ----------------------------------------------------------------------
 
@@ -80,6 +81,7 @@ class TrainingState:
             "scaler": self.scaler.state_dict(),
             "rng": rng,
             "position": dataclasses.asdict(self.position),
+            "telemetry": dataclasses.asdict(self.telemetry),
             "sharded": self.sharded,
             **rules,
         }
@@ -209,6 +211,7 @@ class TrainingState:
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "position": dataclasses.asdict(self.position),
+            "telemetry": dataclasses.asdict(self.telemetry),
         }
 
     def load_live(self, live: dict[str, Any]) -> None:
@@ -216,8 +219,9 @@ class TrainingState:
         unwrap(self.model).load_state_dict(live["model"])
         self.optimizer.load_state_dict(live["optimizer"])
         self.scaler.load_state_dict(live["scaler"])
-        for name, value in live["position"].items():
-            setattr(self.position, name, value)
+        for part, restored in ((self.position, Position.restored(live)), (self.telemetry, Telemetry.restored(live))):
+            for name in (f.name for f in dataclasses.fields(part)):
+                setattr(part, name, getattr(restored, name))
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
