@@ -390,3 +390,59 @@ def test_a_namespace_package_in_the_working_directory_is_the_users_own(tmp_path,
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert type(load_pipeline("nsbench.pipe:Pipe")).__name__ == "Pipe"
+
+
+def _checkpoint(run: Path, step: int) -> Path:
+    """A tiny complete checkpoint as one writer leaves it: DCP files and the final files."""
+    import torch.distributed.checkpoint as dcp
+
+    from raytrain.rundir import checkpoints, formats
+
+    directory = run / f"checkpoint_s{step:09d}_x"
+    directory.mkdir(parents=True)
+    with formats.single_process():
+        dcp.save({"model": {"w": torch.full((2,), float(step))}}, checkpoint_id=str(directory), no_dist=True)
+    checkpoints.write_train_state(directory, {"position": {"step": step}, "scaler": {}, "rng": []})
+    return directory
+
+
+def test_the_checkpoint_a_run_resumes_from_is_one_rule_for_the_driver_and_the_workers(tmp_path):
+    from raytrain.errors import CheckpointError
+    from raytrain.rules.resume import check_readable
+    from raytrain.rundir.checkpoints import TRAIN_STATE_FILE, resume_choice
+
+    run = tmp_path / "run"
+    _checkpoint(run, 4)
+    _checkpoint(run, 8)
+    (_checkpoint(run, 12) / TRAIN_STATE_FILE).write_bytes(b"not a torch file")
+    choice = resume_choice(run)  # the workers' view: every usable one, furthest first
+    assert [d.name for d, _ in choice.usable] == ["checkpoint_s000000008_x", "checkpoint_s000000004_x"]
+    assert [state["position"]["step"] for _, state in choice.usable] == [8, 4]
+    assert choice.names == ["checkpoint_s000000012_x"] and "cannot be read" in choice.skipped_line()
+    stored = rundir.RunDir(run).stored_run()  # the driver's: the same first one, passed over the same
+    assert stored.checkpoint.name == "checkpoint_s000000008_x" and stored.passed_over == choice.passed_over
+    for directory in run.glob("checkpoint_s00000000[48]_x"):
+        (directory / TRAIN_STATE_FILE).write_bytes(b"")
+    stored = rundir.RunDir(run).stored_run()
+    assert stored.checkpoint is None and len(stored.passed_over) == 3
+    with pytest.raises(CheckpointError, match="cannot be resumed: none of its checkpoints can be read"):
+        check_readable(stored)
+
+
+def test_rays_record_naming_a_deleted_checkpoint_is_set_aside_and_a_current_one_kept(tmp_path):
+    from raytrain.rundir.checkpoints import RAY_SNAPSHOT, forget_missing
+
+    run = tmp_path / "run"
+    kept = _checkpoint(run, 4)
+    record = {
+        "checkpoint_results": [{"checkpoint_dir_name": kept.name, "metrics": {}}],
+        "latest_checkpoint_result": {"checkpoint_dir_name": kept.name, "metrics": {}},
+        "validated_checkpoint_dir_names": [],
+    }
+    (run / RAY_SNAPSHOT).write_text(json.dumps(record))
+    assert forget_missing(run) == [] and (run / RAY_SNAPSHOT).is_file()  # it names what is there
+    gone = "checkpoint_s000000002_y"
+    record["checkpoint_results"].insert(0, {"checkpoint_dir_name": gone, "metrics": {}})
+    (run / RAY_SNAPSHOT).write_text(json.dumps(record))
+    assert forget_missing(run) == [gone] and not (run / RAY_SNAPSHOT).exists()
+    assert forget_missing(run) == []  # nothing left to set aside

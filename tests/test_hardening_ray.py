@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -246,3 +247,27 @@ def test_a_full_disk_stops_the_run_once_naming_the_path_and_resume_continues_aft
     assert result.summary["status"] == "finished" and result.summary["steps"] == 4 * 23
     events = read_jsonl(small_disk / "full" / "events.jsonl")
     assert any("Restarted from the checkpoint at step 46" in e["message"] for e in events)
+
+
+def test_resuming_a_run_whose_only_checkpoint_was_deleted_starts_over_and_says_so_every_time(ray_session, tmp_path):
+    """--num-checkpoints-to-keep 1, the one checkpoint deleted, then --resume: Ray Train's own
+    record still names it (CheckpointManagerInitializationError if it reads that); every time,
+    the run starts over from the start and says so."""
+    from raytrain.rundir.checkpoints import RAY_SNAPSHOT
+
+    out = tmp_path / "records"
+    out.mkdir()
+    base = dict(workers=1, epochs=1, batch_size_per_worker=16, storage=str(tmp_path), name="kept1")
+    raytrain.fit(RecordingPipeline(str(out), num_rows=64), raytrain.TrainConfig(**base, num_checkpoints_to_keep=1))
+    run = tmp_path / "kept1"
+    for _ in range(2):
+        (only,) = checkpoint_dirs(run)
+        assert only.name in (run / RAY_SNAPSHOT).read_text()  # Ray's record names it
+        shutil.rmtree(only)
+        lines: list[str] = []
+        result = raytrain.fit(
+            RecordingPipeline(str(out), num_rows=64), raytrain.TrainConfig(**base, resume=True), echo=lines.append
+        )
+        assert any("Resuming kept1 from the start (it has no checkpoint yet)" in line for line in lines)
+        assert any(f"names 1 that are gone ({only.name})" in line for line in lines), lines
+        assert result.summary["status"] == "finished" and result.summary["steps"] == 4

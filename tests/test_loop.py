@@ -4,6 +4,7 @@ writer of the run files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -13,7 +14,8 @@ import torch
 
 from raytrain.data.table import Table
 from raytrain.rules.attempt import Attempt
-from raytrain.rules.position import Position
+from raytrain.rules.position import Position, Telemetry
+from raytrain.rules.position import progress as progress_of
 from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
@@ -194,7 +196,7 @@ def test_the_writer_writes_nothing_on_other_ranks(tmp_path):
     writer.event(Kind.DATA, "x")
     writer.metrics(MetricsRow(epoch=1, step=1))
     writer.start_attempt(Event(Kind.PLAN, "plan"), 0)
-    writer.interrupted(Position().progress("interrupted"))
+    writer.interrupted(progress_of(Position(), Telemetry(), "interrupted"))
     assert not writer.live_due() and not writer.stop_requested()
     assert list(tmp_path.iterdir()) == []
 
@@ -250,10 +252,9 @@ def test_an_epochs_end_writes_its_row_and_its_line(tmp_path):
 
 def test_finishing_writes_the_model_the_progress_and_the_last_event(tmp_path):
     writer = RunWriter(tmp_path, enabled=True)
-    position = Position(
-        epoch=2, step=40, samples_seen=1280, world_sizes=[2], steady_steps=30, steady_samples=960, steady_time_s=2.0
-    )
-    writer.finish(torch.nn.Linear(2, 1).state_dict(), position.progress("finished"))
+    position = Position(epoch=2, step=40, samples_seen=1280, world_sizes=[2])
+    telemetry = Telemetry(steady_steps=30, steady_samples=960, steady_time_s=2.0)
+    writer.finish(torch.nn.Linear(2, 1).state_dict(), progress_of(position, telemetry, "finished"))
     assert set(torch.load(tmp_path / "model.pt", weights_only=True)) == {"weight", "bias"}
     progress = json.loads((tmp_path / "progress.json").read_text())
     assert set(progress) == {
@@ -305,3 +306,38 @@ def test_live_rows_come_about_once_a_second_with_the_rate_between_them(tmp_path)
         "loss",
         "samples_per_s",
     }
+
+
+def test_a_checkpoint_of_the_earlier_position_resumes_its_state_and_keeps_its_figures():
+    """train_state.pt / position.json as earlier versions wrote them: the telemetry inside the
+    position, the epoch's loss as a list [epoch, sum, samples]."""
+    earlier = {
+        "position": {
+            "epoch": 1,
+            "epoch_offset": 64,
+            "step": 12,
+            "samples_seen": 448,
+            "world_sizes": [2, 3],
+            "steady_steps": 10,
+            "steady_samples": 320,
+            "steady_time_s": 2.0,
+            "phase_time_s": {"forward": 0.5},
+            "checkpoint_wait_s": 0.25,
+            "checkpoints": 3,
+            "data": {"rows": 384},
+            "flops_per_sample": 1e6,
+            "device_name": "cpu",
+            "epoch_loss": [1.0, 6.4, 64.0],
+            "last_loss": 0.1,
+        }
+    }
+    position, telemetry = Position.restored(earlier), Telemetry.restored(earlier)
+    assert (position.epoch, position.epoch_offset, position.step, position.samples_seen) == (1, 64, 12, 448)
+    assert position.world_sizes == [2, 3] and position.data == {"rows": 384}
+    assert position.epoch_loss_so_far().mean() == pytest.approx(0.1) and position.epoch_loss_so_far().count == 64
+    assert (telemetry.steady_steps, telemetry.checkpoints, telemetry.last_loss) == (10, 3, 0.1)
+    assert telemetry.phase_time_s == {"forward": 0.5} and telemetry.device_name == "cpu"
+    # written now: each under its own key, and read back the same
+    now = {"position": dataclasses.asdict(position), "telemetry": dataclasses.asdict(telemetry)}
+    assert Position.restored(now) == position and Telemetry.restored(now) == telemetry
+    assert Position(epoch=2, epoch_loss=position.epoch_loss).epoch_loss_so_far().count == 0  # another epoch's

@@ -21,8 +21,10 @@ from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
 from raytrain.worker import prefetch
-from raytrain.worker.epoch import train_epoch
+from raytrain.worker.checkpointer import Checkpointer
 from raytrain.worker.heartbeat import Heartbeat
+from raytrain.worker.loop import Training
+from raytrain.worker.runtime import Runtime
 from raytrain.worker.step import StepRunner
 from raytrain.worker.window import LossWindow
 
@@ -32,7 +34,8 @@ CPU = torch.device("cpu")
 
 class OneProcess:
     world_rank, world_size, is_rank0, backend = 0, 1, True, "none"
-    distributed_checkpoints = False
+    distributed_checkpoints = per_step = healed = False
+    replica_count, start_step, commit = Runtime.replica_count, Runtime.start_step, Runtime.commit
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -49,6 +52,7 @@ class Files:
 
     def __init__(self):
         self.rows = []
+        self.enabled = True
 
     def live_due(self):
         return False
@@ -124,9 +128,11 @@ def train(
         window=LossWindow.on(device),
     )
     position, files = Position(), Files()
+    checkpointer = Checkpointer(cfg, runner.runtime, Path("."), via_ray=True)
+    training = Training(cfg, runner.runtime, files, runner, checkpointer, table, None, position, announced=True)
     for epoch in range(cfg.epochs):
         position.epoch, position.epoch_offset = epoch, 0
-        train_epoch(runner, table, position, files)
+        training.train_epoch()
     return pipeline, [p.detach().cpu() for p in model.parameters()], files
 
 

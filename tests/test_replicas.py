@@ -4,6 +4,7 @@ steps, the plan and rate a quorum trains with, the stall watch, the mode's confi
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -129,7 +130,7 @@ def test_a_quorum_that_lost_a_replica_counts_as_a_recovered_failure():
 
 
 class FakeRunner:
-    """What follow_quorum needs of a StepRunner."""
+    """What follow_quorum needs of an attempt's StepRunner."""
 
     def __init__(self, size: int):
         self.batch_plan = type("Plan", (), {"world_size": size})()
@@ -149,17 +150,21 @@ def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tm
     from raytrain.rules.position import Position
     from raytrain.rundir import RunDir
     from raytrain.rundir.writer import RunWriter
-    from raytrain.worker.epoch import follow_quorum
+    from raytrain.worker.epoch import Epochs
+
+    def attempt(files, position, runner):
+        return SimpleNamespace(files=files, position=position, runner=runner, train_data=range(1000))
 
     files, position, runner = RunWriter(tmp_path, enabled=True), Position(), FakeRunner(3)
+    training = attempt(files, position, runner)
     for step, size in [(0, 3), (5, 3), (6, 2), (7, 2), (30, 3)]:
         position.step = step
-        runner = follow_quorum(runner, size, position, files, 1000)
-        assert runner.batch_plan.world_size == size
+        Epochs.follow_quorum(training, size)
+        assert training.runner.batch_plan.world_size == size
     # A replacement healed with the survivors' position (sizes 3, 2) joins a quorum of 3: the same line.
     healed, other = Position(step=30, world_sizes=[3, 2]), tmp_path / "other"
     other.mkdir()
-    follow_quorum(FakeRunner(3), 3, healed, RunWriter(other, enabled=True), 1000)
+    Epochs.follow_quorum(attempt(RunWriter(other, enabled=True), healed, FakeRunner(3)), 3)
     events = RunDir(tmp_path).events()
     assert [(e.extra["previous_world_size"], e.extra["world_size"], e.step) for e in events] == [(3, 2, 6), (2, 3, 30)]
     assert (

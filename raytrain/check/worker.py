@@ -134,7 +134,7 @@ def record_steps(
             runner.gradients(data, step, position, phase)
             records.append(StepRecord(global_loss(runner), grad_norm(runner)))
             runner.apply_gradients(position, phase)
-            advance(position, step, steady=False, seconds=0.0)
+            advance(position, step)
             if len(records) == count:
                 break
         if position.epoch_offset >= len(train):

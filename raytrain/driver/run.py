@@ -26,7 +26,7 @@ from raytrain.observe.tracking import RunTracker
 from raytrain.pipeline import Pipeline, load_pipeline, overrides, set_plan
 from raytrain.rules import batch, resume
 from raytrain.rundir import RunDir, Store, StoredRun, claimed, strict
-from raytrain.rundir.checkpoints import model_shapes
+from raytrain.rundir.checkpoints import forget_missing, model_shapes
 from raytrain.worker.strategy import check_compiler
 
 
@@ -188,7 +188,8 @@ def check_resume(
     pipe: Pipeline, cfg: TrainConfig, stored: StoredRun, sources: dict[str, Source], echo: Callable[[str], None]
 ) -> None:
     """Before anything is written: the pipeline's model must load the checkpoint, and an
-    epoch half done must continue on the same data; then say what the resume changes."""
+    epoch half done must continue on the same data; then say what the resume changes. Ray's
+    record of checkpoints that are gone is set aside (`checkpoints.forget_missing`)."""
     if stored.checkpoint is not None:
         model = hooks.call(pipe, "build_model", cfg)
         resume.check_model_fits(model_shapes(stored.checkpoint), model, stored.checkpoint.name)
@@ -198,6 +199,9 @@ def check_resume(
             resume.check_same_data(before, train.layout.digest(), stored.position.get("step", 0), stored.mid_epoch)
     changed, _ = resume.changes(stored, cfg.to_dict(), stored.pipeline or "", replaced_options(pipe))
     echo(resume.resume_line(cfg.name, stored, changed))
+    gone = forget_missing(stored.run_dir)
+    if gone:
+        echo(resume.forgotten_line(gone))
 
 
 def describe_workers(cfg: TrainConfig) -> str:

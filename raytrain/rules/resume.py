@@ -174,15 +174,30 @@ def resume_line(name: str, stored: StoredRun, changed: list[tuple[str, Any, Any]
     return f"Resuming {name} {where}; {describe_changes(changed)}{skipped}"
 
 
+def forgotten_line(gone: list[str]) -> str:
+    """What a resume says when Ray's record of the run named checkpoints that are gone."""
+    shown = ", ".join(gone[:3]) + (" …" if len(gone) > 3 else "")
+    return (
+        f"raytrain: Ray Train's record of this run's checkpoints names {len(gone)} that are gone ({shown}); "
+        "it is set aside, and the run continues from what its directory holds"
+    )
+
+
 def check_readable(stored: StoredRun) -> None:
     """A run whose checkpoints all fail to open cannot continue (starting it over would
     overwrite its record): CheckpointError naming each and the ways out."""
     if stored.checkpoint is None and stored.passed_over:
-        raise CheckpointError(
-            f"run {stored.run_dir.name!r} cannot be resumed: none of its checkpoints can be read ("
-            + "; ".join(stored.passed_over)
-            + f"). Restore them from a copy, or start over under another --name (or remove {stored.run_dir})"
-        )
+        raise unusable(stored.run_dir, stored.passed_over)
+
+
+def unusable(run_dir: Any, passed_over: list[str]) -> CheckpointError:
+    """The error of a run none of whose checkpoints can be read (the driver's, and a worker's
+    when the last one fails to load there)."""
+    return CheckpointError(
+        f"run {run_dir.name!r} cannot be resumed: none of its checkpoints can be read ("
+        + "; ".join(passed_over)
+        + f"). Restore them from a copy, or start over under another --name (or remove {run_dir})"
+    )
 
 
 def check_model_fits(stored: dict[str, tuple[int, ...]], model: Any, checkpoint_name: str) -> None:

@@ -29,7 +29,6 @@ upload failed half-way is never seen, and the previous one is untouched.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -64,22 +63,21 @@ STAGING = ".staging"
 COMPLETE = ".complete.json"  # an object store's checkpoint is complete once this is there (written last)
 # The files a checkpoint directory becomes complete with: written after every rank's shards.
 FINAL_FILES = (DCP_METADATA, MODEL_FILE, TRAIN_STATE_FILE, POSITION_FILE)
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints reported to it
 _STEP_IN_NAME = re.compile(r"^checkpoint_s(\d+)_")
 
 
 def remote(where: Where) -> Store | None:
     """The Store of a checkpoint or run directory on an object store; None for a local one."""
     if isinstance(where, Store):
-        return None if where.local else where
+        return None if where.local_path() is not None else where
     return Store.of(where) if is_uri(where) else None
 
 
 def node_dir(run_dir: Where) -> Path:
     """This node's own directory for a run whose files are on an object store: checkpoints are
-    staged and heartbeats kept here (node-local, removed when the run ends on the driver's node)."""
-    digest = hashlib.blake2b(str(Store.of(run_dir)).encode(), digest_size=6).hexdigest()
-    root = os.environ.get("RAYTRAIN_NODE_DIR") or tempfile.gettempdir()
-    return Path(root) / f"raytrain-node-{Store.of(run_dir).name}-{digest}"
+    staged and heartbeats kept here (`Store.work_dir`)."""
+    return Store.of(run_dir).node_dir()
 
 
 def write_train_state(directory: str | os.PathLike, train_state: dict[str, Any]) -> None:
@@ -163,37 +161,6 @@ def load_state(directory: Where) -> dict[str, Any]:
     return {**state, "model": loaded.get("model", {}), "optimizer": loaded.get("optim", {})}
 
 
-def readable(directory: Where) -> str | None:
-    """Why the checkpoint in `directory` cannot be restored — its train state (an earlier
-    version's state and model files) or DCP's metadata cannot be opened — or None. Cheap: torch
-    files are opened memory-mapped, no tensor is read, and DCP's shards are left to the workers
-    (one that fails to load there is skipped and said)."""
-    store = remote(directory)
-    if store is not None:
-        try:
-            load_train_state(store)
-        except CheckpointError as error:
-            return str(error)
-        return None if store.exists(DCP_METADATA) else f"checkpoint {store}: its {DCP_METADATA} is missing"
-    directory = Path(directory)
-    if is_legacy(directory):
-        names = [LEGACY_STATE_FILE] + ([MODEL_FILE] if (directory / MODEL_FILE).is_file() else [])
-    else:
-        names = [TRAIN_STATE_FILE]
-    for name in names:
-        path = directory / name
-        try:
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:
-            return f"checkpoint file {path} cannot be read: {unreadable(exc, path, checkpoint=True)}"
-    if not is_legacy(directory):
-        try:
-            dcp_metadata(directory)
-        except CheckpointError as error:
-            return str(error)
-    return None
-
-
 def checkpoint_dirs(run_dir: Where) -> list:
     """Complete checkpoint directories of a run, oldest first (by their step, then name): Paths
     on a file system, Stores on an object store.
@@ -248,16 +215,111 @@ def latest_complete(run_dir: Where):
     return found[-1] if found else None
 
 
+class ResumeChoice:
+    """Where a run continues from (`resume_choice`): its usable checkpoints, furthest first, each
+    with its train state, and why each further one was passed over. The driver says the first;
+    the workers load them in order, and pass over one that fails to load on a rank (`pass_over`)."""
+
+    def __init__(self) -> None:
+        self.usable: list[tuple[Any, dict[str, Any]]] = []
+        self.passed_over: list[str] = []  # why, one line per checkpoint
+        self.names: list[str] = []  # the checkpoints passed over
+
+    @property
+    def latest(self):
+        return self.usable[0][0] if self.usable else None
+
+    def pass_over(self, directory: Where, problem: str) -> None:
+        self.passed_over.append(problem)
+        self.names.append(Store.of(directory).name)
+
+    def skipped_line(self) -> str | None:
+        """The event line that says what was passed over (None: nothing was)."""
+        return f"skipped unusable checkpoint(s): {'; '.join(self.passed_over)}" if self.passed_over else None
+
+
+def resume_choice(run_dir: Where, also: Where | None = None, first_only: bool = False) -> ResumeChoice:
+    """THE rule of where a run continues from, for the driver (`first_only`: it names one) and
+    the workers alike: the run's complete checkpoints (and `also`, Ray's latest, when complete
+    and not among them), furthest first, that open: their train state loads, and DCP's
+    metadata (or an earlier version's model file) opens. None usable: a fresh start when there
+    were none; when every one was passed over, the caller refuses (`rules.resume`)."""
+    found = checkpoint_dirs(run_dir)
+    if also is not None and Path(also) not in found and is_complete(also):
+        found.append(Path(also))
+    choice = ResumeChoice()
+    for directory in sorted(found, key=stored_step, reverse=True):
+        try:
+            choice.usable.append((directory, _openable(directory)))
+        except CheckpointError as error:
+            choice.pass_over(directory, str(error))
+            continue
+        if first_only:
+            break
+    return choice
+
+
+def _openable(directory: Where) -> dict[str, Any]:
+    """The train state of the checkpoint in `directory` once its other files open (no tensor of
+    the model is read); CheckpointError naming the file that does not."""
+    state = load_train_state(directory)
+    store = remote(directory)
+    if store is not None:
+        if not store.exists(DCP_METADATA):
+            raise CheckpointError(f"checkpoint {store}: its {DCP_METADATA} is missing")
+        return state
+    directory = Path(directory)
+    if not is_legacy(directory):
+        dcp_metadata(directory)
+    elif (directory / MODEL_FILE).is_file():
+        path = directory / MODEL_FILE
+        try:
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            why = unreadable(exc, path, checkpoint=True)
+            raise CheckpointError(f"checkpoint file {path} cannot be read: {why}") from None
+    return state
+
+
 def latest_readable(run_dir: Where) -> tuple[Any, list[str]]:
-    """The furthest checkpoint of a run whose files open (`readable`), and why each further
-    one was passed over: what a resume continues from, as the workers choose it."""
-    passed = []
-    for directory in reversed(checkpoint_dirs(run_dir)):
-        problem = readable(directory)
-        if problem is None:
-            return directory, passed
-        passed.append(problem)
-    return None, passed
+    """The checkpoint a resume continues from (`resume_choice`), and why each further one was
+    passed over."""
+    choice = resume_choice(run_dir, first_only=True)
+    return choice.latest, choice.passed_over
+
+
+def forget_missing(run_dir: Where) -> list[str]:
+    """Ray Train's own record of a run's checkpoints (RAY_SNAPSHOT), when it names one the run
+    no longer holds whole, is removed: Ray refuses to start on such a record
+    (CheckpointManagerInitializationError), and where a run continues from is the run
+    directory's to say (`resume_choice`). Returns the names it listed that are gone."""
+    store = Store.of(run_dir)
+    try:
+        record = json.loads(store.read_text(RAY_SNAPSHOT))
+    except FileNotFoundError:
+        return []
+    except ValueError:  # unreadable: Ray would refuse it too
+        store.delete(RAY_SNAPSHOT)
+        return [RAY_SNAPSHOT]
+    held = {Store.of(directory).name for directory in checkpoint_dirs(store)}
+    gone = sorted(set(_named_checkpoints(record)) - held)
+    if gone:
+        store.delete(RAY_SNAPSHOT)
+    return gone
+
+
+def _named_checkpoints(value: Any) -> Iterator[str]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key == "checkpoint_dir_name" and isinstance(item, str):
+                yield item
+            elif key.endswith("checkpoint_dir_names") and isinstance(item, list):
+                yield from (name for name in item if isinstance(name, str))
+            else:
+                yield from _named_checkpoints(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _named_checkpoints(item)
 
 
 def checkpoint_name(step: int) -> str:
@@ -270,9 +332,7 @@ def checkpoint_name(step: int) -> str:
 def staging_dir(run_dir: Where) -> Path:
     """Where checkpoints are written before they are renamed into place, or uploaded (on an
     object store: this node's own directory)."""
-    if remote(run_dir) is not None:
-        return node_dir(run_dir) / STAGING
-    return Path(run_dir) / STAGING
+    return Store.of(run_dir).work_dir() / STAGING
 
 
 def model_shapes(directory: Where) -> dict[str, tuple[int, ...]]:

@@ -4,17 +4,18 @@ Every rank writes its part of a checkpoint into a staging directory on its own n
 shards `__<rank>_<i>.distcp`; rank 0 also DCP's `.metadata`, the train state, the plain model
 and the position: `checkpoints.FINAL_FILES`). Then:
 
-- on a file system shared by all ranks, the staging directory is renamed into the run
-  directory (`publish_local`): one atomic step;
-- on an object store there is no rename (`Upload`): every rank uploads its own shards; the
+- on a file system shared by all ranks, the coordinator renames the staging directory into
+  the run directory once its files are written: one atomic step;
+- on an object store there is no rename: every rank uploads its own shards; the
   coordinator (rank 0, or the one process that wrote everything) waits until every shard DCP's
   metadata names is in the store, uploads the final files, and writes the marker
   (`checkpoints.COMPLETE`) last. Readers look for the marker only, so a checkpoint is
   invisible until every byte of it is stored, and one whose upload failed is never seen (nor
   does it touch the previous one). The staged files are removed once uploaded.
 
-Both run in the background (Ray Train's upload thread for rank 0, a thread of their own
-elsewhere): the training loop waits only for the state to be copied to host memory.
+One `Publish` does either, as its store answers (`Store.renames`). Both run in the background
+(Ray Train's upload thread for rank 0, a thread of their own elsewhere): the training loop
+waits only for the state to be copied to host memory.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def publish_local(staging: Path, final: Path) -> None:
         os.rename(staging, final)
 
 
-class Upload:
-    """One rank's upload of one checkpoint to an object store (see the module's docstring).
+class Publish:
+    """One rank's part in making one checkpoint visible (see the module's docstring).
 
     `wait_written()` returns once this rank's files are written locally (or raises what the
     write raised). `coordinator`: this rank writes the final files and the marker; `rank`:
@@ -66,39 +67,48 @@ class Upload:
         self.done = threading.Event()
         self.error: BaseException | None = None
 
-    def run(self) -> None:
-        """Upload (in the calling thread); errors are kept for `wait` and raised."""
+    def run(self, then: Callable[[], None] | None = None) -> None:
+        """Publish (in the calling thread), then `then()`; errors are kept for `wait` and raised."""
         try:
             self.wait_written()
-            self._upload(self._own_files())
-            if self.coordinator:
-                self._wait_for_shards()
-                self._upload([name for name in ckpt.FINAL_FILES if (self.staging / name).is_file()])
-                self._write_marker()
-                shutil.rmtree(self.staging, ignore_errors=True)
+            if self.target.renames:
+                if self.coordinator:
+                    publish_local(self.staging, self.target.path)
             else:
-                _remove_if_empty(self.staging)
+                self._upload_all()
+            if then is not None:
+                then()
         except BaseException as exc:
             self.error = exc
             raise
         finally:
             self.done.set()
 
-    def start(self) -> threading.Thread:
-        """Upload in a background thread (its error is raised by `wait`)."""
+    def _upload_all(self) -> None:
+        self._upload(self._own_files())
+        if self.coordinator:
+            self._wait_for_shards()
+            self._upload([name for name in ckpt.FINAL_FILES if (self.staging / name).is_file()])
+            self._write_marker()
+            shutil.rmtree(self.staging, ignore_errors=True)
+        else:
+            _remove_if_empty(self.staging)
+
+    def start(self, then: Callable[[], None] | None = None) -> threading.Thread:
+        """Publish in a background thread (its error is raised by `wait`); `then` once published."""
 
         def run() -> None:
             try:
-                self.run()
+                self.run(then)
             except BaseException:  # kept in self.error: raised by wait() on the loop's thread
                 pass
 
-        thread = threading.Thread(target=run, name="raytrain-upload", daemon=True)
+        thread = threading.Thread(target=run, name="raytrain-publish", daemon=True)
         thread.start()
         return thread
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Until this rank's part is uploaded (the coordinator's: the checkpoint is visible)."""
+        """Until this rank's part is published (the coordinator's: the checkpoint is visible)."""
         self.done.wait(timeout_s)
         if self.error is not None:
             raise self.error
@@ -156,4 +166,6 @@ def _remove_if_empty(directory: Path) -> None:
         pass
 
 
-__all__ = ["SHARDS_WAIT_S", "Upload", "publish_local"]
+Upload = Publish  # the name an object store's part had
+
+__all__ = ["SHARDS_WAIT_S", "Publish", "Upload", "publish_local"]

@@ -28,8 +28,10 @@ import contextlib
 import dataclasses
 import errno as errno_codes
 import functools
+import hashlib
 import os
 import re
+import tempfile
 import time
 import urllib.parse
 from pathlib import Path
@@ -348,6 +350,23 @@ class Store:
         from raytrain.rundir.faults import check_store
 
         check_store(self)
+
+    # -- what a run's checkpoints and heartbeats need of each kind of storage ----------------------
+
+    @property
+    def renames(self) -> bool:  # a whole directory appears renamed into place, not by a marker written last
+        return self.local
+
+    def local_path(self) -> Path | None:
+        return self.path if self.local else None
+
+    def work_dir(self) -> Path:
+        """Where this node stages checkpoints and keeps heartbeats: the run directory on a file system."""
+        return self.path if self.local else self.node_dir()
+
+    def node_dir(self) -> Path:  # this node's own directory for the run (node-local)
+        digest = hashlib.blake2b(str(self).encode(), digest_size=6).hexdigest()
+        return Path(os.environ.get("RAYTRAIN_NODE_DIR") or tempfile.gettempdir(), f"raytrain-node-{self.name}-{digest}")
 
     # -- errors ---------------------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
-"""An epoch on one worker: its steps, what follows each step (the sync, the metrics row, the
-checkpoint), and the epoch's end (validation, its row, the reported checkpoint).
+"""An epoch of one attempt (`raytrain.worker.loop.Training`): its steps, what follows each
+step (the sync, the metrics row, the checkpoint), and the epoch's end (validation, its row,
+the reported checkpoint).
 
-Two ways through an epoch: `train_epoch` (every rank takes every step; a failure restarts
-the worker group from the last checkpoint) and `train_epoch_per_step` (per-step fault
-tolerance: the live replicas take each step together, `raytrain.worker.replicas`).
+One way through an epoch, `train_epoch`, whatever the fault tolerance: the runtime's policy
+of the step (`Runtime.start_step`, `Runtime.commit`) is every rank, always, for a worker
+group that restarts on a failure, and the quorum of live replicas for per-step fault
+tolerance (`raytrain.worker.replicas`).
 """
 
 from __future__ import annotations
@@ -11,14 +13,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from raytrain.data.draws import Draws, DrawsEpoch
+from raytrain.data.draws import Draws
 from raytrain.data.stream import Stream, StreamEpoch
-from raytrain.data.table import Table, TableEpoch
+from raytrain.data.table import Table
 from raytrain.rules import steps
 from raytrain.rules.budget import Budget, evaluation_due, evaluation_rows
 from raytrain.rules.position import Position
@@ -27,9 +28,8 @@ from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
 from raytrain.text import sci
 from raytrain.worker import prefetch
-from raytrain.worker.replicas import ReplicaRuntime
 from raytrain.worker.step import StepRunner, update_context
-from raytrain.worker.window import EpochLoss, TrainingDiverged, divergence_message, sync
+from raytrain.worker.window import TrainingDiverged, divergence_message, sync
 
 Data = Table | Stream | Draws  # a dataset on a worker
 DIVERGED_CHECKPOINT_WAIT_S = 60.0  # how long a diverged rank waits for the checkpoint being written
@@ -42,121 +42,211 @@ class EpochResult(NamedTuple):
     finished_elsewhere: bool = False  # per-step: a replacement found the others done with the run
 
 
-def train_epoch(
-    runner: StepRunner, source: Data, position: Position, files: RunWriter, val_data: Data | None = None
-) -> EpochResult:
-    """Train the rest of the current epoch: to its end, to the step budget (--max-steps), or to
-    the step where the run was asked to stop."""
-    cfg, start, samples_before = runner.cfg, time.perf_counter(), position.samples_seen
-    rank, world = runner.runtime.world_rank, runner.runtime.world_size
-    data = plain = source.epoch(cfg.seed, position.epoch, position.epoch_offset, rank, world)
-    if prefetch.wanted(cfg.prefetch, runner.runtime.device):
-        data = prefetch.Prefetched(plain, runner.runtime.device)
-    epoch_steps = steps.epoch_steps(len(source), runner.batch_plan.global_batch_size, position.epoch_offset)
-    budget = Budget.of(cfg)
-    runner.model.train()
-    epoch_loss, stop = epoch_loss_so_far(position), False
-    for index, step in enumerate(epoch_steps):
-        final = step is epoch_steps[-1] or budget.steps_done(position.step + 1)
-        take_step(runner, data, step, position, ahead=None if final else epoch_steps[index + 1])
-        last = step is epoch_steps[-1] or budget.steps_done(position.step)
-        stop = after_step(runner, position, files, len(source), last, epoch_loss, val_data=val_data)
-        if stop and not last:
-            return EpochResult(math.nan, math.nan, stopped=True)
-        if last:
-            break
-    if position.epoch_offset >= len(source):
-        note_skipped_rows(runner, plain, position, files)
-    samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
-    return EpochResult(epoch_loss.mean(), samples_per_s, stop)
+class Epochs:
+    """An attempt's epochs: the one loop over an epoch's steps, what follows each step, and the
+    epoch's end. `raytrain.worker.loop.Training` holds what they use (cfg, runtime, files,
+    runner, checkpointer, data, position) and says what its first quorum is (`first_quorum`)."""
 
+    announced: bool
 
-def epoch_loss_so_far(position: Position) -> EpochLoss:
-    """The epoch's synced training loss so far, from the position (a restart mid-epoch keeps the
-    part of the epoch trained before it)."""
-    epoch, total, count = position.epoch_loss[:3]
-    return EpochLoss(total, int(count)) if epoch == position.epoch else EpochLoss()
+    def train_epoch(self) -> EpochResult:
+        """Train the rest of the current epoch: to its end, to the step budget (--max-steps), or to
+        the step where the run was asked to stop. Each step: the quorum (the runtime's policy: a
+        restarting group's is every rank, always; per-step, the live replicas, a joining one
+        healed first, position included); on a new quorum the batch plan and rate follow its size
+        and the rows from the current offset are split over its members; forward and backward;
+        then the step is applied only if every member commits it. An uncommitted step is taken
+        again from the same offset, so a committed step is the only one that counts its rows:
+        every row once per epoch."""
+        cfg, runtime, position, source = self.cfg, self.runtime, self.position, self.train_data
+        start, samples_before, budget = time.perf_counter(), position.samples_seen, Budget.of(cfg)
+        self.runner.model.train()
+        data = plain = split = None
+        taken, stop = 0, False
+        while position.epoch_offset < len(source) and not budget.steps_done(position.step):
+            quorum = runtime.start_step(position.step)
+            self.files.enabled = runtime.is_rank0
+            if runtime.healed:  # the position (and the epoch's loss so far) came from a live peer
+                start, samples_before = time.perf_counter(), position.samples_seen
+            if not self.announced:
+                # Alone in its first quorum after the others wrote the end: a replacement too late to join.
+                if quorum.size == 1 < runtime.replica_count and self.files.rundir.finished(budget):
+                    return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True)
+                if runtime.healed:  # a replacement says nothing of its own: the quorum's line does
+                    self.announced = True
+                else:
+                    self.first_quorum(quorum.size)
+            if quorum != split:
+                self.follow_quorum(quorum.size)
+                split, data = quorum, None
+            if data is None:  # a new split, or the rows of an uncommitted step to read again
+                data = plain = source.epoch(cfg.seed, position.epoch, position.epoch_offset, quorum.rank, quorum.size)
+                if prefetch.wanted(cfg.prefetch, runtime.device):
+                    data = prefetch.Prefetched(plain, runtime.device)
+            runner, plan = self.runner, self.runner.batch_plan
+            step = steps.next_step(len(source), plan.global_batch_size, position.epoch_offset, index=taken)
+            update_context(runner, position)
+            tick, steady = time.perf_counter(), step.index >= cfg.timing_warmup_steps
+            phase, window = runner.phases(position, timed=steady), runner.window.snapshot()
+            runner.gradients(data, step, position, phase)
+            if not runtime.commit():  # a member failed inside the step: nothing of it is applied
+                runner.optimizer.zero_grad(set_to_none=True)
+                runner.window.restore(window)
+                data = None
+                continue
+            runner.apply_gradients(position, phase)
+            last = step.end >= len(source) or budget.steps_done(position.step + 1)
+            if not last and isinstance(data, prefetch.Prefetched):  # the next step's batch, inside this step's time
+                data.stage(
+                    steps.next_step(len(source), plan.global_batch_size, step.end, taken + 1), plan.accumulation_steps
+                )
+            advance(position, step)
+            if steady:
+                runner.telemetry.add_steady(step.size, time.perf_counter() - tick)
+            taken += 1
+            stop = self.after_step(last)
+            if stop and not last:
+                return EpochResult(math.nan, math.nan, stopped=True)
+        if position.epoch_offset >= len(source) and not runtime.per_step:  # no collective outside a step per-step
+            self.note_skipped_rows(plain)
+        samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
+        return EpochResult(position.epoch_loss_so_far().mean(), samples_per_s, stop)
 
+    def follow_quorum(self, size: int) -> None:
+        """The runner for a quorum of `size` (its batch plan and rate), and one event line when the
+        size differs from the one the run last trained with (the position says it, the same on
+        every member, a healed one included)."""
+        position = self.position
+        if size != self.runner.batch_plan.world_size:
+            self.runner = self.runner.for_quorum(size, len(self.train_data))
+        previous = position.world_sizes[-1] if position.world_sizes else size
+        if size != previous:
+            line = quorum_line(self.runner, position, previous)
+            self.files.event(Kind.QUORUM, line, world_size=size, previous_world_size=previous, step=position.step)
+        position.world_sizes = append_if_new(position.world_sizes, size)
 
-def train_epoch_per_step(
-    runner: StepRunner,
-    source: Data,
-    position: Position,
-    files: RunWriter,
-    replicas: ReplicaRuntime,
-    on_first_quorum: Callable[[], None] | None = None,
-    val_data: Data | None = None,
-) -> tuple[EpochResult, StepRunner]:
-    """Train the rest of the current epoch one step at a time over the quorum of live replicas.
+    def after_step(self, last: bool) -> bool:
+        """After a step: rank 0's live row; at the logging cadence the sync (loss, stop request)
+        and a metrics row (with a bounded validation pass every --eval-every-steps); a checkpoint
+        when one is due (`Checkpointer.due`), or when the run is asked to stop mid-epoch. `last`:
+        the epoch's last step, or the step budget's, whose row and checkpoint the caller writes.
+        Returns whether the run was asked to stop. Per-step, each replica reads the stop request
+        itself rather than trusting the sync to carry it."""
+        cfg, runner, position, files, stop = self.cfg, self.runner, self.position, self.files, False
+        if runner.memory is not None and not runner.memory_said:
+            say_memory(runner, files)
+        self.report_live()
+        checkpoint_now = self.checkpointer.due(position.step, last)
+        evaluate_now = self.val_data is not None and evaluation_due(position.step, cfg.eval_every_steps, last)
+        if position.step % cfg.log_every_steps == 0 or last or checkpoint_now or evaluate_now:
+            # Every checkpoint follows a sync: weights are saved only after their loss was seen finite.
+            asked = files.stop_requested(anyone=self.runtime.per_step)
+            loss, count, stop = self.sync_ranks(stop_requested=asked)
+            stop = stop or asked
+            if count:
+                position.epoch_loss = position.epoch_loss_so_far()
+                position.epoch_loss.add(loss, count)
+                runner.telemetry.last_loss = loss
+            if not last:
+                rate = runner.throughput.lap(position.samples_seen)
+                validation = self.evaluate_during() if evaluate_now else {}
+                row = runner.metrics_row(position, loss=loss, samples_per_s=rate, extra=validation)
+                files.metrics(row)
+                if evaluate_now:
+                    files.evaluation(row)
+            checkpoint_now = checkpoint_now or (stop and not last)
+        if checkpoint_now:
+            row = runner.metrics_row(position, loss=float("nan"), samples_per_s=0.0)
+            self.checkpointer.save(runner, position, row.to_json())
+        return stop
 
-    Each step: the quorum (a joining replica heals here, position included); on a new quorum
-    the batch plan and rate follow its size and the rows from the current offset are split
-    over its members; forward and backward; then the step is applied only if every member
-    commits it. An uncommitted step is taken again from the same offset, so a committed step
-    is the only one that counts its rows: every row once per epoch. Returns the epoch's
-    result and the runner of the last quorum."""
-    cfg, start, samples_before = runner.cfg, time.perf_counter(), position.samples_seen
-    runner.model.train()
-    data, split, taken, stop = None, None, 0, False
-    while position.epoch_offset < len(source) and not Budget.of(cfg).steps_done(position.step):
-        quorum = replicas.start_step(position.step)
-        files.enabled = replicas.is_rank0
-        if replicas.healed:  # the position (and the epoch's loss so far) came from a live peer
-            start, samples_before = time.perf_counter(), position.samples_seen
-        if position.epoch_loss[0] != position.epoch:
-            position.epoch_loss = [float(position.epoch), 0.0, 0.0]
-        if on_first_quorum is not None:
-            # Alone in its first quorum after the others wrote the end: a replacement too late to join.
-            if quorum.size == 1 < replicas.replica_count and files.rundir.finished(Budget.of(cfg)):
-                return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True), runner
-            if not replicas.healed:  # a replacement says nothing of its own: the quorum's line does
-                on_first_quorum()
-            on_first_quorum = None
-        if quorum != split:
-            runner = follow_quorum(runner, quorum.size, position, files, len(source))
-            split, data = quorum, None
-        if data is None:  # a new split, or the rows of an uncommitted step to read again
-            data = source.epoch(cfg.seed, position.epoch, position.epoch_offset, quorum.rank, quorum.size)
-        step = steps.next_step(len(source), runner.batch_plan.global_batch_size, position.epoch_offset, index=taken)
-        update_context(runner, position)
-        tick, steady = time.perf_counter(), step.index >= cfg.timing_warmup_steps
-        phase, window = runner.phases(position, timed=steady), runner.window.snapshot()
-        runner.gradients(data, step, position, phase)
-        if not replicas.commit():  # a member failed inside the step: nothing of it is applied
-            runner.optimizer.zero_grad(set_to_none=True)
-            runner.window.restore(window)
-            data = None
-            continue
-        runner.apply_gradients(position, phase)
-        advance(position, step, steady, time.perf_counter() - tick)
-        taken += 1
-        last = position.epoch_offset >= len(source) or Budget.of(cfg).steps_done(position.step)
-        epoch_loss = EpochLoss(position.epoch_loss[1], int(position.epoch_loss[2]))
-        stop = after_step(
-            runner, position, files, len(source), last, epoch_loss, every_replica_looks=True, val_data=val_data
+    def sync_ranks(self, stop_requested: bool = False) -> tuple[float, int, bool]:
+        """The sync (`raytrain.worker.window.sync`): the mean loss since the last one, the samples
+        it covers and whether to stop. A NaN/inf loss on any rank ends the run here
+        (TrainingDiverged), before its weights are saved."""
+        runner, position = self.runner, self.position
+        loss, count, stop, diverged = sync(
+            runner.runtime, runner.heartbeat, runner.window, position.step, stop_requested
         )
-        position.epoch_loss[1:] = [epoch_loss.total, float(epoch_loss.count)]
-        if stop and not last:
-            return EpochResult(math.nan, math.nan, stopped=True), runner
-    samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
-    total, count = position.epoch_loss[1], position.epoch_loss[2]
-    return EpochResult(total / count if count else math.nan, samples_per_s, stop), runner
+        if diverged:
+            # The last good checkpoint may still be being written in the background: finish it first, so that the
+            # message names it (the run ends here either way).
+            with contextlib.suppress(Exception):
+                self.checkpointer.finish(timeout_s=DIVERGED_CHECKPOINT_WAIT_S)
+            last_good = checkpoints.latest_complete(self.checkpointer.store)
+            raise TrainingDiverged(
+                divergence_message(
+                    diverged,
+                    stopped_at=position.step,
+                    lr=runner.cfg.lr,
+                    peak_lr=runner.peak_lr,
+                    precision=runner.cfg.precision,
+                    last_good=str(last_good) if last_good else None,
+                )
+            )
+        return loss, count, stop
 
+    def end_epoch(self, epoch: EpochResult) -> None:
+        """Validate, write the epoch's row and report it with a checkpoint."""
+        position = self.position
+        val_metrics = self.validate()
+        position.epoch, position.epoch_offset = position.epoch + 1, 0
+        row = self.closing_row(epoch, val_metrics)
+        self.files.epoch_end(row, self.cfg.epochs)
+        self.checkpointer.save(self.runner, position, row.to_json())
 
-def follow_quorum(
-    runner: StepRunner, size: int, position: Position, files: RunWriter, num_train_rows: int
-) -> StepRunner:
-    """The runner for a quorum of `size` replicas (its batch plan and rate), and one event line
-    when the size differs from the one the run last trained with (the position says it, the
-    same on every member, a healed one included)."""
-    if size != runner.batch_plan.world_size:
-        runner = runner.for_quorum(size, num_train_rows)
-    previous = position.world_sizes[-1] if position.world_sizes else size
-    if size != previous:
-        line = quorum_line(runner, position, previous)
-        files.event(Kind.QUORUM, line, world_size=size, previous_world_size=previous, step=position.step)
-    position.world_sizes = append_if_new(position.world_sizes, size)
-    return runner
+    def end_at_step_budget(self, epoch: EpochResult) -> None:
+        """The step budget (--max-steps) ran out inside an epoch: validate, write the run's last row
+        and report it with a checkpoint at this step."""
+        row = self.closing_row(epoch, self.validate())
+        self.files.metrics(row)
+        self.files.evaluation(row, final=True)
+        self.checkpointer.save(self.runner, self.position, row.to_json())
+
+    def closing_row(self, epoch: EpochResult, val_metrics: dict) -> MetricsRow:
+        """The row that closes an epoch (or the run, inside one): its `loss` is the last window's, as
+        every row's is; `epoch_loss` is the epoch's mean (so far)."""
+        last_loss = self.runner.telemetry.last_loss
+        last = math.nan if last_loss is None else last_loss
+        return self.runner.metrics_row(
+            self.position, loss=last, samples_per_s=epoch.samples_per_s, extra={EPOCH_LOSS: epoch.loss, **val_metrics}
+        )
+
+    def validate(self) -> dict[str, float]:
+        """A validation pass (none without a validation set)."""
+        self.runner.heartbeat.mark(self.position.step, "eval")
+        return evaluate(self.runner, self.val_data) if self.val_data is not None else {}
+
+    def evaluate_during(self) -> dict[str, float]:
+        """A validation pass between two steps; its time is left out of the training throughput."""
+        tick = time.perf_counter()
+        metrics = self.validate()
+        self.runner.throughput.since_time += time.perf_counter() - tick
+        return metrics
+
+    def report_live(self) -> None:
+        """About once a second, where rank 0 is in the epoch (for the driver's progress bar)."""
+        if self.files.live_due():
+            runner, position = self.runner, self.position
+            self.files.live(
+                epoch=position.epoch + 1,
+                step=position.step,
+                samples_seen=position.samples_seen,
+                epoch_rows=len(self.train_data),
+                global_batch_size=runner.batch_plan.global_batch_size,
+                world_size=runner.runtime.world_size,
+                loss=runner.window.mean_loss(),
+            )
+
+    def note_skipped_rows(self, data: Any) -> None:
+        """Rows of the stream skipped this epoch for NaN/inf (--skip-nan-rows), over all ranks."""
+        if self.cfg.skip_nan_rows and isinstance(data, StreamEpoch):  # a collective: every rank, at the epoch's end
+            skipped = int(self.runtime.all_reduce_sum([float(data.skipped_rows)])[0])
+            if skipped:
+                self.files.event(
+                    Kind.DATA,
+                    f"epoch {self.position.epoch + 1}: skipped {skipped:,} row(s) holding NaN or inf (--skip-nan-rows)",
+                )
 
 
 def quorum_line(runner: StepRunner, position: Position, previous: int) -> str:
@@ -174,80 +264,11 @@ def append_if_new(sizes: list[int], size: int) -> list[int]:
     return sizes if sizes and sizes[-1] == size else [*sizes, size]
 
 
-def advance(position: Position, step: steps.Step, steady: bool, seconds: float) -> None:
-    """The position after `step` (a timed step adds to the steady throughput)."""
+def advance(position: Position, step: steps.Step) -> None:
+    """The position after `step`."""
     position.step += 1
     position.samples_seen += step.size
     position.epoch_offset = step.end
-    if steady:
-        position.steady_steps += 1
-        position.steady_samples += step.size
-        position.steady_time_s += seconds
-
-
-def take_step(
-    runner: StepRunner,
-    data: TableEpoch | StreamEpoch | DrawsEpoch | prefetch.Prefetched,
-    step: steps.Step,
-    position: Position,
-    ahead: steps.Step | None = None,
-) -> None:
-    """One optimizer step, and the position after it; steps past --timing-warmup-steps are timed.
-    With prefetching data, the batch of `ahead` (the next step) is staged once this step's work
-    is queued, inside the step's time."""
-    tick = time.perf_counter()
-    update_context(runner, position)
-    steady = step.index >= runner.cfg.timing_warmup_steps
-    runner.optimizer_step(data, step, position, timed=steady)
-    if ahead is not None and isinstance(data, prefetch.Prefetched):
-        data.stage(ahead, runner.batch_plan.accumulation_steps)
-    advance(position, step, steady, time.perf_counter() - tick)
-
-
-def after_step(
-    runner: StepRunner,
-    position: Position,
-    files: RunWriter,
-    epoch_rows: int,
-    last: bool,
-    epoch_loss: EpochLoss,
-    every_replica_looks: bool = False,
-    val_data: Data | None = None,
-) -> bool:
-    """After a step: rank 0's live row; at the logging cadence the sync (loss, stop request)
-    and a metrics row (with a bounded validation pass every --eval-every-steps); a checkpoint
-    when one is due, or when the run is asked to stop mid-epoch. `last`: the epoch's last step,
-    or the step budget's, whose row and checkpoint the caller writes. Returns whether it was
-    asked to stop. `every_replica_looks` (per-step mode): each replica reads the stop request
-    itself rather than trusting the sync to carry it."""
-    cfg, stop = runner.cfg, False
-    if runner.memory is not None and not runner.memory_said:
-        say_memory(runner, files)
-    report_live(files, runner, position, epoch_rows)
-    checkpoint_now = bool(cfg.checkpoint_every_steps) and position.step % cfg.checkpoint_every_steps == 0 and not last
-    evaluate_now = val_data is not None and evaluation_due(position.step, cfg.eval_every_steps, last)
-    if position.step % cfg.log_every_steps == 0 or last or checkpoint_now or evaluate_now:
-        # Every checkpoint follows a sync: weights are saved only after their loss was seen finite.
-        asked = files.stop_requested(anyone=every_replica_looks)
-        loss, count, stop = sync_ranks(runner, position, stop_requested=asked)
-        stop = stop or asked
-        if count:
-            epoch_loss.add(loss, count)
-            position.epoch_loss = [float(position.epoch), epoch_loss.total, float(epoch_loss.count)]
-            position.last_loss = loss
-        if not last:
-            rate = runner.throughput.lap(position.samples_seen)
-            validation = evaluate_during(runner, val_data, position) if evaluate_now else {}
-            row = runner.metrics_row(position, loss=loss, samples_per_s=rate, extra=validation)
-            files.metrics(row)
-            if evaluate_now:
-                files.evaluation(row)
-        if stop and not last:
-            report_checkpoint(runner, position)
-            return True
-    if checkpoint_now:
-        report_checkpoint(runner, position)
-    return stop
 
 
 def say_memory(runner: StepRunner, files: RunWriter) -> None:
@@ -279,120 +300,6 @@ def _peak_rss_bytes(process) -> int:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
-
-
-def sync_ranks(runner: StepRunner, position: Position, stop_requested: bool = False) -> tuple[float, int, bool]:
-    """The sync (`raytrain.worker.window.sync`): the mean loss since the last one, the samples
-    it covers and whether to stop. A NaN/inf loss on any rank ends the run here
-    (TrainingDiverged), before its weights are saved."""
-    loss, count, stop, diverged = sync(runner.runtime, runner.heartbeat, runner.window, position.step, stop_requested)
-    if diverged:
-        # The last good checkpoint may still be being written in the background: finish it first, so that the
-        # message names it (the run ends here either way).
-        with contextlib.suppress(Exception):
-            runner.runtime.finish_checkpoints(timeout_s=DIVERGED_CHECKPOINT_WAIT_S)
-        last_good = checkpoints.latest_complete(runner.run_dir) if runner.run_dir else None
-        raise TrainingDiverged(
-            divergence_message(
-                diverged,
-                stopped_at=position.step,
-                lr=runner.cfg.lr,
-                peak_lr=runner.peak_lr,
-                precision=runner.cfg.precision,
-                last_good=str(last_good) if last_good else None,
-            )
-        )
-    return loss, count, stop
-
-
-def end_epoch(
-    runner: StepRunner, val_data: Data | None, position: Position, files: RunWriter, epoch: EpochResult
-) -> None:
-    """Validate, write the epoch's row and report it with a checkpoint."""
-    val_metrics = validate(runner, val_data, position)
-    position.epoch, position.epoch_offset = position.epoch + 1, 0
-    row = closing_row(runner, position, epoch, val_metrics)
-    files.epoch_end(row, runner.cfg.epochs)
-    report_with_checkpoint(runner, position, row.to_json())
-
-
-def end_at_step_budget(
-    runner: StepRunner, val_data: Data | None, position: Position, files: RunWriter, epoch: EpochResult
-) -> None:
-    """The step budget (--max-steps) ran out inside an epoch: validate, write the run's last row
-    and report it with a checkpoint at this step."""
-    row = closing_row(runner, position, epoch, validate(runner, val_data, position))
-    files.metrics(row)
-    files.evaluation(row, final=True)
-    report_with_checkpoint(runner, position, row.to_json())
-
-
-def closing_row(runner: StepRunner, position: Position, epoch: EpochResult, val_metrics: dict) -> MetricsRow:
-    """The row that closes an epoch (or the run, inside one): its `loss` is the last window's, as
-    every row's is; `epoch_loss` is the epoch's mean (so far)."""
-    last = math.nan if position.last_loss is None else position.last_loss
-    return runner.metrics_row(
-        position, loss=last, samples_per_s=epoch.samples_per_s, extra={EPOCH_LOSS: epoch.loss, **val_metrics}
-    )
-
-
-def validate(runner: StepRunner, val_data: Data | None, position: Position) -> dict[str, float]:
-    """A validation pass (none without a validation set)."""
-    runner.heartbeat.mark(position.step, "eval")
-    return evaluate(runner, val_data) if val_data is not None else {}
-
-
-def evaluate_during(runner: StepRunner, val_data: Data, position: Position) -> dict[str, float]:
-    """A validation pass between two steps; its time is left out of the training throughput."""
-    tick = time.perf_counter()
-    metrics = validate(runner, val_data, position)
-    runner.throughput.since_time += time.perf_counter() - tick
-    return metrics
-
-
-def report_checkpoint(runner: StepRunner, position: Position) -> None:
-    """A mid-epoch checkpoint at the current step (a barrier on every rank)."""
-    row = runner.metrics_row(position, loss=float("nan"), samples_per_s=0.0)
-    report_with_checkpoint(runner, position, row.to_json())
-
-
-def report_with_checkpoint(runner: StepRunner, position: Position, metrics: dict) -> None:
-    """Report `metrics` (a barrier on every rank) with a checkpoint of the step at `position`,
-    whose files are written while training goes on; the time the loop waited is counted."""
-    runner.heartbeat.mark(position.step, "report")
-    started = time.perf_counter()
-
-    def write(directory: Path, distributed: bool):
-        return runner.save_checkpoint(position, directory, distributed=distributed)
-
-    runner.runtime.report(metrics, position.step, write, runner.run_dir, runner.cfg.checkpoint_async)
-    position.checkpoint_wait_s += time.perf_counter() - started
-    position.checkpoints += 1
-
-
-def report_live(files: RunWriter, runner: StepRunner, position: Position, epoch_rows: int) -> None:
-    """About once a second, where rank 0 is in the epoch (for the driver's progress bar)."""
-    if files.live_due():
-        files.live(
-            epoch=position.epoch + 1,
-            step=position.step,
-            samples_seen=position.samples_seen,
-            epoch_rows=epoch_rows,
-            global_batch_size=runner.batch_plan.global_batch_size,
-            world_size=runner.runtime.world_size,
-            loss=runner.window.mean_loss(),
-        )
-
-
-def note_skipped_rows(runner: StepRunner, data: TableEpoch | StreamEpoch, position: Position, files: RunWriter) -> None:
-    """Rows of the stream skipped this epoch for NaN/inf (--skip-nan-rows), over all ranks."""
-    if runner.cfg.skip_nan_rows and isinstance(data, StreamEpoch):  # a collective: every rank, at the epoch's end
-        skipped = int(runner.runtime.all_reduce_sum([float(data.skipped_rows)])[0])
-        if skipped:
-            files.event(
-                Kind.DATA,
-                f"epoch {position.epoch + 1}: skipped {skipped:,} row(s) holding NaN or inf (--skip-nan-rows)",
-            )
 
 
 @torch.no_grad()

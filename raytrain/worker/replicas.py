@@ -29,7 +29,6 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -37,13 +36,10 @@ import torch
 
 from raytrain.rules import replicas as rules
 from raytrain.rundir import RunDir
-from raytrain.rundir import checkpoints as ckpt
-from raytrain.rundir.files import storage_errors
-from raytrain.rundir.publish import Upload, publish_local
 from raytrain.rundir.records import Event, Kind
 from raytrain.rundir.storage import Store
 from raytrain.text import first_line
-from raytrain.worker.runtime import Runtime, group_barrier
+from raytrain.worker.runtime import Quorum, Runtime, group_barrier
 
 # The lighthouse waits up to join_timeout_ms for every live (heartbeating) replica before it
 # forms a quorum: torchft's 100 ms default is shorter than a step, so the replicas would never
@@ -108,24 +104,17 @@ class StallWatch:
         return thread
 
 
-@dataclass(frozen=True)
-class Quorum:
-    """The replicas taking a step: how many, and this one's rank among them."""
-
-    size: int
-    rank: int
-
-
 class ReplicaRuntime(Runtime):
     """This worker as one replica of the quorum (see the module's docstring)."""
 
-    def __init__(self, timeout_s: float, checkpoints_to_keep: int, run_dir: "str | os.PathLike | Store") -> None:
+    per_step = True
+
+    def __init__(self, timeout_s: float, run_dir: "str | os.PathLike | Store") -> None:
         super().__init__()
 
-        self.replica_rank, self.replica_count = self.world_rank, self.world_size  # Ray Train's rank and size
+        self.replica_rank, self._replicas = self.world_rank, self.world_size  # Ray Train's rank and size
         self.quorum = Quorum(self.replica_count, self.replica_rank)  # until the first step's quorum
-        self.checkpoints_to_keep = checkpoints_to_keep
-        self.healed = False  # the last quorum loaded the live state from a peer
+        self.healed = False
         self.timeout_s = timeout_s
         self.starts_with_group = rules.starts_with_group(os.environ)
         self.manager = None
@@ -138,6 +127,10 @@ class ReplicaRuntime(Runtime):
         self.backend = (
             f"torchft ({'nccl' if self.device.type == 'cuda' else 'gloo'}) over {self.replica_count} replicas"
         )
+
+    @property
+    def replica_count(self) -> int:
+        return self._replicas
 
     # -- the quorum ---------------------------------------------------------------------
 
@@ -270,59 +263,11 @@ class ReplicaRuntime(Runtime):
         and replicas restored from it reseed by their rank (`state.restore_rank_rng`)."""
         return [value]
 
-    def latest_checkpoint(self):
-        return None  # checkpoints are the run directory's (raytrain.worker.step.StepRunner.restore reads them)
-
     @property
     def distributed_checkpoints(self) -> bool:
         """No collective outside a step: the quorum's rank 0 writes a whole checkpoint by itself,
         and every replica reads all of one."""
         return False
-
-    def report(self, metrics: dict[str, Any], step: int, write, run_dir: Any, asynchronous: bool = True) -> None:
-        """The quorum's rank 0 writes the checkpoint into a staging directory in the background
-        and publishes it once complete (renamed into place, or uploaded with its marker last:
-        `raytrain.rundir.publish`); the oldest beyond --num-checkpoints-to-keep go. (Ray's
-        report is a barrier over every worker, which a lost replica would hold up.)"""
-        if write is None or not self.is_rank0:
-            return
-        self.finish_checkpoints()
-        store = Store.of(run_dir)
-        name = ckpt.checkpoint_name(step)
-        staging = ckpt.staging_dir(store) / name
-        with storage_errors(staging, "write the checkpoint"):
-            save = write(staging, False)
-
-        def wait_written() -> None:
-            with storage_errors(staging, "write the checkpoint"):
-                save.wait()
-
-        def publish() -> None:
-            try:
-                if store.local:
-                    wait_written()
-                    publish_local(staging, store.path / name)
-                else:
-                    Upload(staging, store / name, wait_written, rank=None, coordinator=True, step=step).run()
-            except BaseException as exc:  # raised on the loop's thread by finish_checkpoints
-                save.errors.append(exc)
-                return
-            for old in ckpt.checkpoint_dirs(store)[: -self.checkpoints_to_keep]:
-                ckpt.remove(old)
-
-        self._publishing = threading.Thread(target=publish, name="raytrain-publish", daemon=True)
-        self._publishing.start()
-        self._pending = save
-        if not asynchronous:
-            self.finish_checkpoints()
-
-    def finish_checkpoints(self, timeout_s: float | None = None) -> None:
-        publishing, self._publishing = getattr(self, "_publishing", None), None
-        if publishing is not None:
-            publishing.join(timeout_s)
-        pending, self._pending = self._pending, None
-        if pending is not None and pending.errors:
-            raise pending.errors[0]
 
 
 __all__ = [

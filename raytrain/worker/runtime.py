@@ -10,9 +10,9 @@ from __future__ import annotations
 import copy
 import inspect
 import os
-import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray.train
 import torch
@@ -20,18 +20,24 @@ import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from raytrain.errors import find_user_error
-from raytrain.rundir import checkpoints as ckpt
-from raytrain.rundir import storage_errors
-from raytrain.rundir.publish import Upload, publish_local
 from raytrain.rundir.storage import Store
-from raytrain.worker.saving import Save
 
-# How long rank 0 waits at the end of a run for Ray's upload step to rename its last checkpoint.
-PUBLISH_WAIT_S = 60.0
+
+@dataclass(frozen=True)
+class Quorum:
+    """The workers taking a step: how many, and this one's rank among them."""
+
+    size: int
+    rank: int
 
 
 class Runtime:
-    """Rank, world size, device and the collective helpers of the current worker."""
+    """Rank, world size, device and the collective helpers of the current worker; and its
+    policy of the step: a worker group that restarts on a failure takes every step with every
+    rank, and commits every one (`raytrain.worker.replicas.ReplicaRuntime`: the quorum's)."""
+
+    per_step = False  # per-step fault tolerance: no collective outside a step
+    healed = False  # the last quorum loaded the live state from a peer
 
     def __init__(self) -> None:
         context = ray.train.get_context()
@@ -42,9 +48,18 @@ class Runtime:
         self.device = ray.train.torch.get_device() if self.distributed else _local_device()
         self.backend = dist.get_backend() if self.distributed else "none (local mode)"
         self._checkpoint_group = None  # DCP's gloo group (dcp_options)
-        self._pending: Save | None = None  # this rank's checkpoint being written
-        self._upload: Upload | None = None  # ... and being uploaded to an object store
-        self._published = threading.Event()  # rank 0's last checkpoint is renamed into place
+
+    @property
+    def replica_count(self) -> int:
+        return self.world_size
+
+    def start_step(self, step: int) -> Quorum:
+        """The workers of the step at `step`: all of them."""
+        return Quorum(self.world_size, self.world_rank)
+
+    def commit(self) -> bool:
+        """Whether to apply the step: always (a failure restarts the group from a checkpoint)."""
+        return True
 
     def alone(self) -> "Runtime":
         """This worker by itself, on the same device: rank 0 of 1, no collectives, no DDP
@@ -123,114 +138,57 @@ class Runtime:
             self._checkpoint_group = dist.new_group(backend="gloo")
         return {"process_group": self._checkpoint_group}
 
-    def latest_checkpoint(self) -> Checkpoint | None:
-        return ray.train.get_checkpoint()
+    def latest_checkpoint(self) -> Path | None:
+        """Ray's latest checkpoint when it is on this file system (on an object store Ray
+        registers one only once complete, and listing the run finds it)."""
+        import pyarrow.fs
+
+        latest = ray.train.get_checkpoint()
+        if latest is None or not isinstance(latest.filesystem, pyarrow.fs.LocalFileSystem):
+            return None
+        return Path(latest.path)
 
     def report(
-        self,
-        metrics: dict[str, Any],
-        step: int,
-        write: Callable[[Path, bool], Save] | None,
-        run_dir: Any,
-        asynchronous: bool = True,
+        self, metrics: dict[str, Any], name: str = "", staging: Path | None = None, publish=None, asynchronous=True
     ) -> None:
-        """Report metrics from every rank (a barrier); with `write`, a checkpoint of this step.
-
-        Every rank writes its part into a staging directory (RUN_DIR/.staging/NAME; on an
-        object store, on its own node), in the background: the loop waits only while the state
-        is copied to host memory. The checkpoint becomes visible only when complete
-        (`raytrain.rundir.publish`): renamed into the run directory, or uploaded with its
-        marker last. Rank 0's report hands Ray Train that step as its upload function, so Ray
-        registers the checkpoint (and prunes the oldest) only when it is complete. Reports
-        are asynchronous: a metrics report never waits behind an upload. Not `asynchronous`
-        (--no-checkpoint-async): every rank waits for its files, and rank 0 for the checkpoint to
-        be published, before reporting. A storage error
-        names the path and the cause; a failed write never touches the previous checkpoint."""
+        """Report `metrics` to Ray Train from every rank (a barrier); rank 0's (`publish`) with
+        the checkpoint `name` staged in `staging`: Ray runs the publish step as its upload
+        function, and registers (and prunes the oldest of) complete checkpoints only. Reports
+        are asynchronous unless --no-checkpoint-async: a metrics report never waits behind an
+        upload (`raytrain.worker.checkpointer`)."""
         mode = CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC
-        upload_mode = {"checkpoint_upload_mode": mode}
-        if write is None:
-            ray.train.report(metrics, checkpoint=None, **(upload_mode if self.distributed else {}))
+        if publish is None:
+            ray.train.report(metrics, checkpoint=None, **({"checkpoint_upload_mode": mode} if self.distributed else {}))
             return
-        self.finish_checkpoints()  # one in flight at a time: bounded host memory and local disk
-        store = Store.of(run_dir)
-        name = self.all_gather_object(ckpt.checkpoint_name(step) if self.is_rank0 else None)[0]
-        staging = ckpt.staging_dir(store) / name
-        with storage_errors(staging, "write the checkpoint"):
-            save = self._pending = write(staging, self.distributed_checkpoints)
-            if not asynchronous:
-                save.wait()
-        publish = self._publisher(save, store, name, step)
+        target = publish.target
         if not self.distributed:  # local mode: Ray keeps the checkpoint in memory only
-            ray.train.report(metrics, checkpoint=publish())
+            publish.run()
+            ray.train.report(metrics, checkpoint=_ray_checkpoint(target, self.distributed))
             return
-        if not self.is_rank0:
-            ray.train.report(metrics, checkpoint=None, **upload_mode)
-            return
+
+        def upload(checkpoint: Checkpoint, dir_name: str) -> Checkpoint:
+            publish.run()
+            return _ray_checkpoint(target, self.distributed)
+
         ray.train.report(
             metrics,
             checkpoint=Checkpoint.from_directory(str(staging)),
             checkpoint_dir_name=name,
-            checkpoint_upload_fn=lambda checkpoint, dir_name: publish(),
+            checkpoint_upload_fn=upload,
             delete_local_checkpoint_after_upload=False,
-            **upload_mode,
+            checkpoint_upload_mode=mode,
         )
 
-    def _publisher(self, save: Save, store: Store, name: str, step: int) -> Callable[[], Checkpoint]:
-        """What makes this rank's part of the checkpoint visible; rank 0's (and a lone writer's)
-        returns the complete checkpoint, for Ray. Other ranks upload theirs in the background."""
-        staging = save.directory
 
-        def wait_written() -> None:
-            with storage_errors(staging, "write the checkpoint"):
-                save.wait()
-
-        if store.local:
-            final, published = store.path / name, threading.Event()
-            self._published = published
-
-            def publish_renamed() -> Checkpoint:
-                wait_written()
-                publish_local(staging, final)
-                published.set()
-                return Checkpoint.from_directory(str(final))
-
-            return publish_renamed
-        distributed = self.distributed_checkpoints
-        upload = Upload(
-            staging,
-            store / name,
-            wait_written,
-            rank=self.world_rank if distributed else None,
-            coordinator=self.is_rank0 or not distributed,
-            step=step,
-        )
-        self._upload = upload
-        if not upload.coordinator:
-            upload.start()
-
-        def publish_uploaded() -> Checkpoint:
-            upload.run()
-            target = store / name
-            if not self.distributed:
-                return Checkpoint(path=target.root, filesystem=target.fs)
-            storage = ray.train.get_context().get_storage()  # Ray accepts its own file system object only
-            return Checkpoint(path=target.root, filesystem=storage.storage_filesystem)
-
-        return publish_uploaded
-
-    def finish_checkpoints(self, timeout_s: float | None = None) -> None:
-        """Wait for this rank's checkpoint files being written and published (rank 0: until the
-        checkpoint is visible in the run directory), surfacing a write or upload that failed."""
-        pending, self._pending = self._pending, None
-        upload, self._upload = self._upload, None
-        if pending is not None:
-            with storage_errors(pending.directory, "write the checkpoint"):
-                pending.wait(timeout_s)
-        if upload is not None:
-            upload.wait(timeout_s)
-        elif pending is not None and self.is_rank0 and self.distributed:
-            # Ray's upload step renames it; wait for that, briefly, so the run's end sees it
-            self._published.wait(min(PUBLISH_WAIT_S, timeout_s or PUBLISH_WAIT_S))
+def _ray_checkpoint(target: Store, distributed: bool) -> Checkpoint:
+    """A published checkpoint as Ray Train takes it."""
+    local = target.local_path()
+    if local is not None:
+        return Checkpoint.from_directory(str(local))
+    if not distributed:
+        return Checkpoint(path=target.root, filesystem=target.fs)
+    storage = ray.train.get_context().get_storage()  # Ray accepts its own file system object only
+    return Checkpoint(path=target.root, filesystem=storage.storage_filesystem)
 
 
 def group_barrier() -> None:

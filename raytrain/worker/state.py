@@ -15,7 +15,7 @@ what each of these holds, under --strategy ddp and fsdp alike:
 
 A save is asynchronous where a process group allows it: the loop blocks while the state is
 staged in host memory, and the files are written in the background (`Save.wait`).
-`checkpoints_to_try` lists where to continue from: the run's checkpoints, furthest first.
+Where a run continues from is `raytrain.rundir.checkpoints.resume_choice`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import random
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -32,14 +32,12 @@ import numpy as np
 import torch
 
 from raytrain.errors import CheckpointError
-from raytrain.rules.position import Position
+from raytrain.rules.position import Position, Telemetry
 from raytrain.rundir import checkpoints, formats
 from raytrain.rundir.formats import single_process
-from raytrain.rundir.records import Kind
 from raytrain.worker.saving import Save
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raytrain.rundir.writer import RunWriter
     from raytrain.worker.runtime import Runtime
 
 
@@ -53,6 +51,7 @@ class TrainingState:
     scaler: torch.amp.GradScaler
     position: Position
     sharded: bool = False
+    telemetry: Telemetry = field(default_factory=Telemetry)  # kept beside the position, never needed to resume
 
     # -- the plain model ----------------------------------------------------------------------
 
@@ -82,6 +81,7 @@ class TrainingState:
             "scaler": self.scaler.state_dict(),
             "rng": rng,
             "position": dataclasses.asdict(self.position),
+            "telemetry": dataclasses.asdict(self.telemetry),
             "sharded": self.sharded,
             **rules,
         }
@@ -211,6 +211,7 @@ class TrainingState:
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "position": dataclasses.asdict(self.position),
+            "telemetry": dataclasses.asdict(self.telemetry),
         }
 
     def load_live(self, live: dict[str, Any]) -> None:
@@ -218,8 +219,9 @@ class TrainingState:
         unwrap(self.model).load_state_dict(live["model"])
         self.optimizer.load_state_dict(live["optimizer"])
         self.scaler.load_state_dict(live["scaler"])
-        for name, value in live["position"].items():
-            setattr(self.position, name, value)
+        for part, restored in ((self.position, Position.restored(live)), (self.telemetry, Telemetry.restored(live))):
+            for name in (f.name for f in dataclasses.fields(part)):
+                setattr(part, name, getattr(restored, name))
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -229,36 +231,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner
-
-
-def checkpoints_to_try(runtime: "Runtime", files: "RunWriter") -> list[tuple[Path, dict[str, Any]]]:
-    """Where to continue from: this run's checkpoints whose train state loads, furthest first,
-    each with that train state (the position among it); [] for a fresh start.
-
-    Ray registers a checkpoint only once its controller has processed the report, so the
-    last one or two written before a crash can be missing from `get_checkpoint()` while
-    complete on storage; and after a driver loss Ray's own record may be older than the
-    run directory. Candidates are Ray's latest and every checkpoint directory of the run. An
-    unreadable one is skipped, and said; when none is left, CheckpointError.
-    """
-    candidates = checkpoints.checkpoint_dirs(files.store)
-    latest = runtime.latest_checkpoint() if files.store.local else None  # on a store: listed once complete
-    if latest is not None and Path(latest.path) not in candidates and checkpoints.is_complete(latest.path):
-        candidates.append(Path(latest.path))
-    if not candidates:
-        return []
-    usable, skipped, names = [], [], []
-    for candidate in sorted(candidates, key=checkpoints.stored_step, reverse=True):
-        try:
-            usable.append((candidate, checkpoints.load_train_state(candidate)))
-        except CheckpointError as error:
-            skipped.append(str(error))
-            names.append(candidate.name)
-    if skipped:
-        files.event(Kind.SKIPPED, f"skipped unusable checkpoint(s): {'; '.join(skipped)}", checkpoints=names)
-    if not usable:
-        raise CheckpointError(f"no usable checkpoint in {files.store}: {'; '.join(skipped)}")
-    return usable
 
 
 # -- random number generators -------------------------------------------------------------------

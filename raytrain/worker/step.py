@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -24,19 +23,19 @@ from raytrain.data.stream import StreamEpoch
 from raytrain.data.table import TableEpoch
 from raytrain.errors import CheckpointError, pipeline_code
 from raytrain.pipeline import _CONTEXT, Pipeline, overrides, set_plan
-from raytrain.rules import steps
+from raytrain.rules import resume, steps
 from raytrain.rules.attempt import describe_plan
 from raytrain.rules.batch import BatchPlan, batch_plan_for
 from raytrain.rules.budget import Budget
-from raytrain.rules.position import Position
+from raytrain.rules.position import Position, Telemetry
 from raytrain.rules.schedule import LRSchedule, run_schedule
+from raytrain.rundir.checkpoints import ResumeChoice
 from raytrain.rundir.records import Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker import optim, strategy
 from raytrain.worker.heartbeat import Heartbeat, looks_like_timeout
 from raytrain.worker.phases import PhaseTimer, StepPhases
 from raytrain.worker.runtime import Runtime
-from raytrain.worker.saving import Save
 from raytrain.worker.state import TrainingState, restore_rank_rng, seed_everything, unwrap
 from raytrain.worker.strategy import Prepared
 from raytrain.worker.window import LossWindow, Throughput
@@ -65,6 +64,7 @@ class StepRunner:
     prepared: Prepared | None = None  # how the strategy holds the model (None in unit tests: a plain model)
     memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
     memory_said: bool = False
+    telemetry: Telemetry = field(default_factory=Telemetry)  # what the attempt measures (restored with it)
 
     @classmethod
     def build(
@@ -108,12 +108,12 @@ class StepRunner:
             total_steps=total_steps,
         )
 
-    def restore(self, candidates: list[tuple[Path, dict[str, Any]]], files: RunWriter) -> dict[str, Any] | None:
-        """Continue from the furthest of `candidates` (checkpoint directories, furthest first,
-        with their train state) that loads on every rank; returns its train state (None: none
-        given, a fresh start). A checkpoint a rank cannot read is skipped on every rank, and said."""
-        skipped, names = [], []
-        for directory, train_state in candidates:
+    def restore(self, choice: ResumeChoice, files: RunWriter) -> dict[str, Any] | None:
+        """Continue from the furthest checkpoint of `choice` (`rundir.checkpoints.resume_choice`)
+        that loads on every rank; returns its train state (None: a fresh start). One a rank
+        cannot load is passed over on every rank, and said once."""
+        saved = None
+        for directory, train_state in choice.usable:
             state = self.training_state(Position.restored(train_state))
             try:
                 state.load(
@@ -125,23 +125,22 @@ class StepRunner:
                 )
                 failed = 0.0
             except CheckpointError as error:
-                skipped.append(str(error))
-                names.append(directory.name)
+                choice.pass_over(directory, str(error))
                 failed = 1.0
             if self.runtime.distributed_checkpoints:  # every rank continues from the same one
                 failed = self.runtime.all_reduce_sum([failed])[0]
             if not failed:
-                if skipped:
-                    files.event(
-                        Kind.SKIPPED, f"skipped unusable checkpoint(s): {'; '.join(skipped)}", checkpoints=names
-                    )
+                saved = train_state
+                self.telemetry = Telemetry.restored(train_state)
                 self.throughput = Throughput(time.perf_counter(), state.position.samples_seen)
-                return train_state
-        if not candidates:
-            return None
-        raise CheckpointError(
-            f"no usable checkpoint in {files.store}: {'; '.join(skipped) or 'one failed to load on another rank'}"
-        )
+                break
+            if not choice.names or choice.names[-1] != directory.name:  # failed on another rank
+                choice.pass_over(directory, f"checkpoint {directory.name} failed to load on another rank")
+        if choice.skipped_line():
+            files.event(Kind.SKIPPED, choice.skipped_line(), checkpoints=choice.names)
+        if saved is None and choice.passed_over:
+            raise resume.unusable(files.store, choice.passed_over)
+        return saved
 
     # -- the rules of this attempt ----------------------------------------------------------
 
@@ -170,22 +169,7 @@ class StepRunner:
     def training_state(self, position: Position) -> TrainingState:
         """What a checkpoint, a healed replica and the final model hold (`raytrain.worker.state`)."""
         sharded = self.prepared is not None and self.prepared.sharded
-        return TrainingState(self.model, self.optimizer, self.scaler, position, sharded=sharded)
-
-    def save_checkpoint(self, position: Position, directory: Path, *, distributed: bool) -> Save:
-        """Write the checkpoint of the step at `position` into `directory` (every writing rank
-        calls it; see TrainingState.save)."""
-        rules = {
-            "scheduler": {
-                "samples_seen": position.samples_seen,
-                "peak_lr": self.peak_lr,
-                "schedule": self.cfg.schedule,
-                "rate_multipliers": self.rate_multipliers,
-            },
-            "batch_plan": dataclasses.asdict(self.batch_plan),
-            "lr": self.lr_at(position.samples_seen),
-        }
-        return self.training_state(position).save(directory, self.runtime, rules, distributed=distributed)
+        return TrainingState(self.model, self.optimizer, self.scaler, position, sharded, self.telemetry)
 
     def metrics_row(
         self, position: Position, *, loss: float, samples_per_s: float, extra: dict | None = None
@@ -209,7 +193,7 @@ class StepRunner:
         """The instrumentation of the step at `position`; `timed`: a steady step, whose phase
         times add to the position's."""
         return StepPhases(
-            self.heartbeat, position.step, PhaseTimer(position.phase_time_s if timed else None, self.phase_sync())
+            self.heartbeat, position.step, PhaseTimer(self.telemetry.phase_time_s if timed else None, self.phase_sync())
         )
 
     def optimizer_step(
@@ -271,9 +255,9 @@ class StepRunner:
         with counter:
             yield
         self.count_flops = False
-        position.flops_per_sample = counter.get_total_flops() / rows
+        self.telemetry.flops_per_sample = counter.get_total_flops() / rows
         device = self.runtime.device
-        position.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        self.telemetry.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
     def clip_gradients(self, step_index: int) -> None:
         if self.cfg.grad_clip_norm is None:

@@ -153,21 +153,6 @@ def divergence_message(
 
 
 @dataclass
-class EpochLoss:
-    """The epoch's sample-weighted training loss over all ranks, from the syncs."""
-
-    total: float = 0.0
-    count: int = 0
-
-    def add(self, loss: float, count: int) -> None:
-        self.total += loss * count
-        self.count += count
-
-    def mean(self) -> float:
-        return self.total / self.count if self.count else math.nan
-
-
-@dataclass
 class Throughput:
     """Samples per second from one metrics row to the next."""
 
