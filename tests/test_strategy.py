@@ -12,6 +12,7 @@ from torch import nn
 
 import raytrain
 from pipelines.charlm.model import CharGPT
+from raytrain import fields
 from raytrain.config import TrainConfig
 from raytrain.errors import CheckpointError, ConfigError, PipelineCodeError
 from raytrain.pipeline import default_blocks
@@ -167,6 +168,22 @@ def test_the_tied_parameters_found_are_the_ones_fsdp_refuses(one_rank_group, cas
     except ValueError as exc:
         refused = "is shared with a parameter already managed by another FSDP group" in str(exc)
     assert bool(found) == refused
+
+
+def test_every_precision_has_one_compute_dtype():
+    choices = fields.option(TrainConfig, "precision").choices
+    assert {p: strategy.compute_dtype(p) for p in choices} == {
+        "fp32": None,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+    }
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_fsdp_computes_in_the_precisions_dtype(one_rank_group, precision, dtype):
+    cfg = TrainConfig(strategy="fsdp", workers=2, precision=precision)
+    model = strategy.shard(Tower(), [], cfg)
+    assert model(torch.ones(2, 4)).dtype == dtype
 
 
 def test_an_exception_in_shard_modules_names_the_hook():
