@@ -108,7 +108,7 @@ def exit_status(error: BaseException) -> int | None:
     """The command line's exit status for `error`, by its type (its class's `exit_status`); None
     for an error raytrain does not anticipate (a bug: its traceback shows)."""
     status = getattr(error, "exit_status", None)
-    return status if isinstance(status, int) and not isinstance(status, bool) else None
+    return status if isinstance(status, int) else None
 
 
 def find_user_error(error: BaseException | None) -> UserError | None:

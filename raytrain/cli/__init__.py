@@ -55,7 +55,7 @@ def run_command(args: argparse.Namespace) -> int:
         return 130
     except Exception as exc:
         error = exc
-        if exit_status(exc) is None and isinstance(exc, OSError):  # the file system said no where this command goes
+        if exit_status(exc) is None and isinstance(exc, OSError):  # the file system refused a path the command uses
             error = storage_error(exc, exc.filename or "a file", "use")
         status = exit_status(error)
         if status is None:

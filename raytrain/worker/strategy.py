@@ -8,7 +8,8 @@ a parameter (`nn.Module.compile` compiles in place; the checkpoint wraps the blo
 so the state a checkpoint or an export holds is keyed the same under every combination.
 
 `Prepared` says what was done, for the plan line: which modules were sharded and how many
-parameters this rank holds.
+parameters this rank holds. `compute_dtype` is --precision's one map to torch (autocast, FSDP2's
+policy); `is_collective_failure` tells a lost or stalled peer (retried) from the user's error.
 """
 
 from __future__ import annotations
