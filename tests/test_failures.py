@@ -5,8 +5,10 @@ pipeline's (never retried)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pkgutil
 import signal
 import subprocess
 import sys
@@ -80,6 +82,8 @@ def test_every_error_type_has_its_exit_status(kind):
 
 
 def test_every_user_error_and_run_failure_is_in_the_table():
+    for module in pkgutil.walk_packages(raytrain.__path__, "raytrain."):  # an error type anywhere
+        importlib.import_module(module.name)
     assert {
         kind for kind in subclasses(UserError) | subclasses(RunFailed) if kind.__module__.startswith("raytrain.")
     } <= (set(STATUSES))
