@@ -218,8 +218,8 @@ def split_parameters(model: nn.Module, picked: list[tuple[str, nn.Module]]) -> l
 # torch 2.13, a peer that exits or is killed in a collective gives "[.../third_party/gloo/gloo/
 # transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:port. This is typically caused
 # by a remote worker crashing…", and one that stalls past the timeout "[.../gloo/transport/tcp/
-# unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete" (all_reduce
-# and its async wait alike; tests/gloo_peers.py). NCCL's (DistBackendError) and the store's
+# unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete" (all_reduce,
+# its async wait and DDP's backward alike; tests/gloo_peers.py). NCCL's (DistBackendError) and the store's
 # (DistStoreError, DistNetworkError) are typed.
 _GLOO_ERROR = re.compile(r"^\[[^\]\n]*\bgloo/[^\]\n]*:\d+\] ")
 
