@@ -1,10 +1,14 @@
 """What can go wrong, by who must act: the user (never retried, exit 2) or nobody (retried).
 
 `UserError` is the one root of what the user must fix: bad configuration, usage, data,
-pipeline code, a checkpoint or storage. It is deterministic: running the attempt again
-repeats it, so raytrain's failure policy ends the run at once (`raytrain.driver.failfast`)
-and the CLI exits 2 with the message. Worker deaths, lost nodes and collective timeouts are
-not UserErrors: they keep --max-failures.
+pipeline code, a checkpoint or storage, a diverged loss. It is deterministic: running the
+attempt again repeats it, so raytrain's failure policy ends the run at once
+(`raytrain.driver.failfast`). Worker deaths, lost nodes and collective timeouts are not
+UserErrors: they keep --max-failures.
+
+The command line's exit status is a property of the error's type (`exit_status`): 2 for a
+UserError, 1 for a run that failed (`RunFailed`) or diverged (`TrainingDiverged`, a UserError
+whose run failed), 130/143 for a signal.
 
 The second half reads failures: an `ErrorSummary` (the exception and the user's frames) made
 on the worker from the exception object, or from a traceback's text when only that reached
@@ -41,8 +45,10 @@ EXIT_FAILED, EXIT_USAGE = 1, 2
 
 
 class UserError(Exception):
-    """An error the user must fix: one message naming what is wrong and the fix; exit 2,
-    never retried."""
+    """An error the user must fix: one message naming what is wrong and the fix; never
+    retried; exit status 2 (a diverged run's, `TrainingDiverged`, is 1: the run failed)."""
+
+    exit_status = EXIT_USAGE
 
 
 class ConfigError(UserError, ValueError):
@@ -94,6 +100,15 @@ class PipelineCodeError(UserError, RuntimeError):
 class RunFailed(RuntimeError):
     """The run started but did not finish: the cause in one paragraph and where the logs are
     (exit status 1)."""
+
+    exit_status = EXIT_FAILED
+
+
+def exit_status(error: BaseException) -> int | None:
+    """The command line's exit status for `error`, by its type (its class's `exit_status`); None
+    for an error raytrain does not anticipate (a bug: its traceback shows)."""
+    status = getattr(error, "exit_status", None)
+    return status if isinstance(status, int) else None
 
 
 def find_user_error(error: BaseException | None) -> UserError | None:

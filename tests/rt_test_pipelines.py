@@ -244,6 +244,21 @@ class ShardedRecordingPipeline(RecordingPipeline):
         return {"train": ds.map_batches(count_preprocessed(self.out_dir), batch_format="numpy")}
 
 
+class TiedPipeline(RecordingPipeline):
+    """The input and the output projection share one weight (tied), and shard_modules returns
+    them as two units: under --strategy fsdp, shard_modules' error."""
+
+    def build_model(self, cfg):
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 8, bias=False), torch.nn.Tanh(), torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 3)
+        )
+        model[2].weight = model[0].weight
+        return model
+
+    def shard_modules(self, model):
+        return [model[0], model[2]]
+
+
 class DivergingPipeline(RecordingPipeline):
     """The loss turns NaN from global step `nan_at_step` on rank `nan_rank`."""
 

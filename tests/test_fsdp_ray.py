@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rt_test_pipelines import RecordingPipeline, read_jsonl
+from rt_test_pipelines import RecordingPipeline, TiedPipeline, read_jsonl
 
 import raytrain
 from raytrain.cli import main
@@ -133,3 +133,13 @@ def test_a_ddp_checkpoint_resumes_under_fsdp_and_back(ray_session, tmp_path):
     assert summary["status"] == "finished" and summary["epochs"] == 3
     lines = [e["message"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] in ("plan", "restore")]
     assert ["fsdp over the root" in line for line in lines] == [False, True, False]
+
+
+def test_tied_weights_split_over_two_units_are_shard_modules_error_before_any_step(ray_session, tmp_path):
+    with pytest.raises(PipelineCodeError) as failure:
+        raytrain.fit(TiedPipeline(str(tmp_path), num_rows=ROWS), config(tmp_path, epochs=1))
+    message = str(failure.value)
+    assert message.startswith("pipeline TiedPipeline: shard_modules puts one parameter in two FSDP units")
+    assert "0.weight (block 0) and 2.weight (block 2) are one tied parameter" in message
+    assert "compute_loss" not in message and "rt_test_pipelines.py" in message
+    assert not checkpoint_dirs(tmp_path / "fsdp")

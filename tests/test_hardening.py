@@ -28,7 +28,6 @@ from raytrain.driver.summary import write_summary
 from raytrain.errors import ConfigError, PipelineCodeError, PipelineError, StorageError, find_user_error, pipeline_code
 from raytrain.pipeline import parse_pipeline_args
 from raytrain.rules.resume import StoredRun, changes
-from raytrain.worker.step import is_collective_failure
 
 
 def test_run_files_are_strict_json():
@@ -225,11 +224,6 @@ def test_pipeline_code_errors_name_the_method_and_the_users_frame():
     assert message.startswith("pipeline Pipeline: build_model raised KeyError: 'missing'")
     assert "test_hardening.py" in message and "in users_code" in message
     assert find_user_error(RuntimeError("wrapper")) is None and find_user_error(failure.value) is failure.value
-
-
-def test_collective_failures_are_not_the_pipelines_fault():
-    assert is_collective_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
-    assert not is_collective_failure(IndexError("Target 12 is out of bounds."))
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from rt_test_pipelines import (
 
 import raytrain
 from raytrain.cli import main
-from raytrain.errors import PipelineCodeError, StorageError
+from raytrain.errors import PipelineCodeError, StorageError, exit_status
 from raytrain.rundir.checkpoints import checkpoint_dirs
 from raytrain.worker.window import TrainingDiverged
 
@@ -47,6 +47,7 @@ def test_a_nan_loss_stops_the_run_as_diverged_without_saving_bad_weights(ray_ses
     with pytest.raises(TrainingDiverged) as failure:
         raytrain.fit(DivergingPipeline(str(tmp_path), nan_at_step=30, nan_rank=1), cfg)
     message = str(failure.value)
+    assert exit_status(failure.value) == 1  # the command line's: the run failed (never retried, like a UserError)
     assert "NaN or inf at step 30 on rank 1" in message and "--lr" in message and "Last good checkpoint:" in message
     run = tmp_path / "nan"
     strict = {"parse_constant": lambda c: pytest.fail(f"non-strict JSON {c}")}  # json.loads would take NaN

@@ -12,6 +12,7 @@ from torch import nn
 
 import raytrain
 from pipelines.charlm.model import CharGPT
+from raytrain import fields
 from raytrain.config import TrainConfig
 from raytrain.errors import CheckpointError, ConfigError, PipelineCodeError
 from raytrain.pipeline import default_blocks
@@ -76,6 +77,113 @@ def test_the_pipelines_blocks_are_named_in_model_order():
 def test_shard_modules_that_are_not_the_models_own_blocks_are_the_pipelines_error(choose, message):
     with pytest.raises(PipelineCodeError, match=message):
         strategy.blocks_of(Blocks(choose), Tower())
+
+
+class Ends(nn.Module):
+    """An embedding whose weight is also the output layer's (tied), and the model's body between."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens, body):
+        return self.head(body(self.embed(tokens)))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ends = Ends()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, tokens):
+        return self.ends(tokens, self.body)
+
+    def body(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+UNITS = {  # shard_modules' choice -> the tied parameter's units it gives, by name
+    "the embedding and the head apart": (
+        ["ends.embed", "ends.head"],
+        [("block ends.embed", "ends.embed.weight"), ("block ends.head", "ends.head.weight")],
+    ),
+    "the embedding alone": (
+        ["ends.embed"],
+        [("block ends.embed", "ends.embed.weight"), ("the root", "ends.head.weight")],
+    ),
+    "the blocks": (["blocks.0", "blocks.1"], None),
+    "the module holding both": (["ends", "blocks.0"], None),
+    "nothing": ([], None),
+}
+
+
+@pytest.mark.parametrize("case", UNITS)
+def test_tied_parameters_split_over_fsdp_units_are_found_before_sharding(case):
+    chosen, split = UNITS[case]
+    model = Tied()
+    modules = dict(model.named_modules())
+    picked = strategy.blocks_of(Blocks(lambda m: [modules[name] for name in chosen]), model)
+    assert strategy.split_parameters(model, picked) == ([split] if split else [])
+    if split is None:
+        strategy.check_units(Blocks(), model, picked)
+        return
+    with pytest.raises(PipelineCodeError) as failure:
+        strategy.check_units(Blocks(), model, picked)
+    message = str(failure.value)
+    assert message.startswith("pipeline Blocks: shard_modules puts one parameter in two FSDP units")
+    assert " and ".join(f"{name} ({unit})" for unit, name in split) in message
+    assert "leave the modules that share it out of shard_modules" in message and "untie them" in message
+    assert "test_strategy.py" in message and "in shard_modules" in message  # where the user's hook is
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank in this process: FSDP2's own checks, no ports."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+@pytest.mark.parametrize("case", UNITS)
+def test_the_tied_parameters_found_are_the_ones_fsdp_refuses(one_rank_group, case):
+    from torch.distributed.fsdp import fully_shard
+
+    model = Tied()
+    modules = dict(model.named_modules())
+    picked = strategy.blocks_of(Blocks(lambda m: [modules[name] for name in UNITS[case][0]]), model)
+    found = strategy.split_parameters(model, picked)
+    for _, block in picked:
+        fully_shard(block)
+    fully_shard(model)
+    try:  # FSDP2 checks at the first forward, which is compute_loss's
+        model(torch.tensor([[1, 2, 3]])).sum().backward()
+        refused = False
+    except ValueError as exc:
+        refused = "is shared with a parameter already managed by another FSDP group" in str(exc)
+    assert bool(found) == refused
+
+
+def test_every_precision_has_one_compute_dtype():
+    choices = fields.option(TrainConfig, "precision").choices
+    assert {p: strategy.compute_dtype(p) for p in choices} == {
+        "fp32": None,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+    }
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_fsdp_computes_in_the_precisions_dtype(one_rank_group, precision, dtype):
+    cfg = TrainConfig(strategy="fsdp", workers=2, precision=precision)
+    model = strategy.shard(Tower(), [], cfg)
+    assert model(torch.ones(2, 4)).dtype == dtype
 
 
 def test_an_exception_in_shard_modules_names_the_hook():

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from raytrain.config import TrainConfig
 from raytrain.pipeline import load_pipeline
+from raytrain.worker.strategy import compute_dtype
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,11 +86,8 @@ def train_classic() -> None:
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps)))
     )
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    autocast = (
-        contextlib.nullcontext
-        if cfg.precision == "fp32"
-        else lambda: torch.autocast(device.type, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float16)
-    )
+    dtype = compute_dtype(cfg.precision)
+    autocast = contextlib.nullcontext if dtype is None else lambda: torch.autocast(device.type, dtype=dtype)
 
     def sync() -> None:
         if use_cuda:

@@ -9,7 +9,7 @@ from typing import Literal, get_args
 
 from raytrain.config import DEFAULT_STORAGE, TrainConfig
 from raytrain.config.checks import EMPTY_NAME
-from raytrain.errors import ConfigError
+from raytrain.errors import ConfigError, RunFailed
 from raytrain.rules import costmodel
 from raytrain.rules.batch import BatchPlan
 from raytrain.rundir.storage import is_uri
@@ -33,7 +33,7 @@ BENCH_OWNED = (
 )
 
 
-class BenchError(RuntimeError):
+class BenchError(RunFailed):
     """A benchmark run failed; the message says which and where its log is."""
 
 

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 
-from raytrain.errors import EXIT_FAILED, EXIT_USAGE, ConfigError
+from raytrain.errors import EXIT_USAGE, ConfigError
 from raytrain.fields import flag_name
 
 
@@ -34,13 +34,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run a command's handler; every error becomes one message and an exit status, here
-    and nowhere else: 2 for what the user must fix (configuration, data, pipeline code,
-    checkpoint, storage), 1 for a run that failed or diverged, 130/143 for SIGINT/SIGTERM.
-    No traceback. A ConfigError names each option as the user wrote it (`args.spell`, set
-    by `read_run_options`; else as a flag)."""
-    from raytrain.bench.options import BenchError
-    from raytrain.driver.interrupts import Interrupted
-    from raytrain.errors import RunFailed, UserError
+    and nowhere else, the status decided by the error's type (`raytrain.errors.exit_status`):
+    2 for what the user must fix (configuration, data, pipeline code, checkpoint, storage),
+    1 for a run that failed or diverged, 130/143 for SIGINT/SIGTERM. No traceback, except for
+    an error raytrain does not anticipate (a bug). A ConfigError names each option as the
+    user wrote it (`args.spell`, set by `read_run_options`; else as a flag)."""
+    from raytrain.errors import exit_status
     from raytrain.rundir import storage_error
 
     def say(message: str) -> None:
@@ -51,30 +50,18 @@ def run_command(args: argparse.Namespace) -> int:
     )
     try:
         return args.handler(args)
-    except Interrupted as exc:
-        say(str(exc))
-        return exc.exit_status
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C outside a run (a run raises Interrupted: raytrain.driver.interrupts)
         say("interrupted")
         return 130
-    except Terminated:
-        say("terminated")
-        return 143
-    except (RunFailed, BenchError) as exc:
-        say(str(exc))
-        return EXIT_FAILED
-    except FloatingPointError as exc:  # raytrain.worker.window.TrainingDiverged: the run failed, status "diverged"
-        say(str(exc))
-        return EXIT_FAILED
-    except ConfigError as exc:
-        say(exc.render(getattr(args, "spell", None) or flag_name))
-        return EXIT_USAGE
-    except UserError as exc:
-        say(str(exc))
-        return EXIT_USAGE
-    except OSError as exc:  # the file system said no somewhere this command writes or reads
-        say(str(storage_error(exc, exc.filename or "a file", "use")))
-        return EXIT_USAGE
+    except Exception as exc:
+        error = exc
+        if exit_status(exc) is None and isinstance(exc, OSError):  # the file system refused a path the command uses
+            error = storage_error(exc, exc.filename or "a file", "use")
+        status = exit_status(error)
+        if status is None:
+            raise
+        say(error.render(getattr(args, "spell", None) or flag_name) if isinstance(error, ConfigError) else str(error))
+        return status
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -82,6 +69,11 @@ def run_command(args: argparse.Namespace) -> int:
 
 class Terminated(Exception):
     """SIGTERM outside a run (a run handles it itself: raytrain.driver.interrupts)."""
+
+    exit_status = 143
+
+    def __str__(self) -> str:
+        return "terminated"
 
 
 def _terminate(signum, frame):

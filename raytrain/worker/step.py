@@ -33,7 +33,7 @@ from raytrain.rundir.checkpoints import ResumeChoice
 from raytrain.rundir.records import Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker import optim, strategy
-from raytrain.worker.heartbeat import Heartbeat, looks_like_timeout
+from raytrain.worker.heartbeat import Heartbeat
 from raytrain.worker.phases import PhaseTimer, StepPhases
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import TrainingState, restore_rank_rng, seed_everything, unwrap
@@ -281,7 +281,7 @@ class StepRunner:
         # Under fsdp, bf16 and fp16 are FSDP2's mixed-precision policy (raytrain.worker.strategy).
         if self.cfg.precision == "fp32" or (self.prepared is not None and self.prepared.sharded):
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
+        dtype = strategy.compute_dtype(self.cfg.precision)
         return torch.autocast(device_type=self.runtime.device.type, dtype=dtype)
 
     def accumulating(self, last: bool):
@@ -316,7 +316,7 @@ class StepRunner:
         peer died or stalled inside DDP's forward: a worker fault, retried)."""
         with self.autocast():
             output = hooks.call(
-                self.pipeline, "compute_loss", self.model, Batch(batch), passthrough=is_collective_failure
+                self.pipeline, "compute_loss", self.model, Batch(batch), passthrough=strategy.is_collective_failure
             )
         return split_loss(output)
 
@@ -343,16 +343,6 @@ class Batch(dict):
         raise KeyError(
             f"{key!r}: the batch has no such column; it has {', '.join(map(repr, self))} (columns of the dataset)"
         )
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """An error from torch.distributed (a peer that died or stalled), not from user code."""
-    dist_errors = tuple(getattr(torch.distributed, name) for name in ("DistError",) if hasattr(torch.distributed, name))
-    if dist_errors and isinstance(exc, dist_errors):
-        return True
-    text = str(exc)
-    marks = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "ProcessGroup")
-    return looks_like_timeout(exc) or any(mark in text for mark in marks)
 
 
 def split_loss(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:

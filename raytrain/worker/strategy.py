@@ -8,7 +8,8 @@ a parameter (`nn.Module.compile` compiles in place; the checkpoint wraps the blo
 so the state a checkpoint or an export holds is keyed the same under every combination.
 
 `Prepared` says what was done, for the plan line: which modules were sharded and how many
-parameters this rank holds.
+parameters this rank holds. `compute_dtype` is --precision's one map to torch (autocast, FSDP2's
+policy); `is_collective_failure` tells a lost or stalled peer (retried) from the user's error.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -70,6 +72,17 @@ class Prepared:
     @property
     def sharded(self) -> bool:
         return self.strategy == "fsdp"
+
+
+# --precision as the dtype the forward computes in (autocast's, or FSDP2's parameters'); fp32: none.
+COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype --precision computes in: None for fp32 (no autocast, no mixed-precision policy).
+    The one map from the option to torch, for the step's autocast, FSDP2's policy and the
+    torchrun baseline."""
+    return COMPUTE_DTYPES[precision]
 
 
 def blocks_of(pipeline: "Pipeline", model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -129,6 +142,7 @@ def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime:
         for block in blocks or [model]:  # without blocks, the model is one
             checkpoint_activations(block)
     if cfg.strategy == "fsdp" and runtime.distributed:
+        check_units(pipeline, model, picked)
         if cfg.compile:
             for block in blocks:
                 block.compile()
@@ -153,23 +167,84 @@ def shard(model: nn.Module, blocks: list[nn.Module], cfg: "TrainConfig") -> nn.M
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     options: dict[str, Any] = {"reshard_after_forward": cfg.fsdp_reshard_after_forward}
-    if cfg.precision in ("bf16", "fp16"):
-        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
+    dtype = compute_dtype(cfg.precision)
+    if dtype is not None:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    try:
-        for block in blocks:
-            fully_shard(block, **options)
-        fully_shard(model, **options)
-    except ValueError as exc:
-        if "shared with a parameter" not in str(exc):
-            raise
-        # Tied weights (an embedding and the output layer, say) in two FSDP units.
-        raise PipelineCodeError(
-            f"--strategy fsdp cannot shard these blocks: a parameter is shared between two of them, or between a "
-            f"block and the rest of the model ({str(exc).splitlines()[0][:200]}); keep tied modules in one block "
-            "(or both outside the blocks) in the pipeline's shard_modules"
-        ) from None
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     return model
+
+
+def check_units(pipeline: "Pipeline", model: nn.Module, picked: list[tuple[str, nn.Module]]) -> None:
+    """FSDP2 holds a parameter in one unit only, and says so at the first forward, inside
+    compute_loss: tied parameters (an embedding's weight that is also the output layer's) that
+    shard_modules split over two units are the hook's error, named here before anything is
+    sharded, with the fix."""
+    split = split_parameters(model, picked)
+    if not split:
+        return
+    names = [" and ".join(f"{name} ({unit})" for unit, name in units) for units in split[:3]]
+    more = f" (and {len(split) - 3} more)" if len(split) > 3 else ""
+    raise PipelineCodeError(
+        f"pipeline {pipeline.name}: shard_modules puts one parameter in two FSDP units under --strategy fsdp: "
+        f"{'; '.join(names)}{more} are one tied parameter, and FSDP2 holds a parameter in one unit only: leave the "
+        "modules that share it out of shard_modules (the root then holds them), or return one module holding them "
+        "all, or untie them" + hooks.where(pipeline, "shard_modules")
+    )
+
+
+def split_parameters(model: nn.Module, picked: list[tuple[str, nn.Module]]) -> list[list[tuple[str, str]]]:
+    """The parameters that would be in two FSDP units: for each, its (unit, name) pairs, one per
+    unit. A unit is a block (`picked`: its name) or the root ("the root": every module not
+    inside a block), as FSDP2 assigns them: by module, so a module reached by two paths is
+    the same unit's."""
+    blocks = {id(module): f"block {name}" for name, module in picked}
+    found: dict[int, dict[str, str]] = {}  # parameter -> unit -> its first name there
+
+    def visit(module: nn.Module, prefix: str, unit: str, path: tuple[int, ...]) -> None:
+        unit = blocks.get(id(module), unit)
+        for name, parameter in module.named_parameters(recurse=False):
+            found.setdefault(id(parameter), {}).setdefault(unit, prefix + name)
+        for name, child in module.named_children():
+            if id(child) not in path:
+                visit(child, f"{prefix}{name}.", unit, (*path, id(child)))
+
+    visit(model, "", "the root", (id(model),))
+    return [list(units.items()) for units in found.values() if len(units) > 1]
+
+
+# gloo's errors are bare RuntimeErrors whose message opens with gloo's source location. On
+# torch 2.13, a peer that exits or is killed in a collective gives "[.../third_party/gloo/gloo/
+# transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:port. This is typically caused
+# by a remote worker crashing…", and one that stalls past the timeout "[.../gloo/transport/tcp/
+# unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete" (all_reduce,
+# its async wait and DDP's backward alike; tests/gloo_peers.py). NCCL's (DistBackendError) and the store's
+# (DistStoreError, DistNetworkError) are typed.
+_GLOO_ERROR = re.compile(r"^\[[^\]\n]*\bgloo/[^\]\n]*:\d+\] ")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """A failure of the collectives (a peer that died or stalled: a worker fault, retried), not
+    of the user's code: torch's DistError and its subclasses, Ray's for a lost actor, worker or
+    node, or gloo's RuntimeError; in `exc` or the exceptions it was raised from."""
+    import ray.exceptions
+
+    lost = (
+        torch.distributed.DistError,
+        ray.exceptions.RayActorError,
+        ray.exceptions.WorkerCrashedError,
+        ray.exceptions.NodeDiedError,
+        ray.exceptions.LocalRayletDiedError,
+        ray.exceptions.OwnerDiedError,
+    )
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, lost) or (isinstance(exc, RuntimeError) and _GLOO_ERROR.match(str(exc))):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def checkpoint_activations(block: nn.Module) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from raytrain.errors import UserError
+from raytrain.errors import EXIT_FAILED, UserError
 from raytrain.text import sci
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -25,8 +25,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class TrainingDiverged(UserError, FloatingPointError):
-    """A NaN/inf training loss: retrying from the last checkpoint would diverge the same way
-    (status "diverged", exit status 1)."""
+    """A NaN/inf training loss: retrying from the last checkpoint would diverge the same way,
+    so it is never retried; the run failed (status "diverged", exit status 1)."""
+
+    exit_status = EXIT_FAILED
 
 
 # Losses wait in a list and are summed on the device this many at a time: a step costs a
