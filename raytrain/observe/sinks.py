@@ -17,8 +17,6 @@ from typing import Any, Callable, Iterator, Sequence
 from raytrain.rundir import EVENTS, LIVE, METRICS, Event, MetricsRow, RunDir, Store, Summary
 from raytrain.text import first_line
 
-# The driver polls an object store's run files at most this often.
-
 
 class Sink:
     """Receives the run's records. Override what you need; calls come from one thread at a time."""
