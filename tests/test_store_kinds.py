@@ -5,11 +5,13 @@ files. Each test holds for both kinds (the object store: moto on loopback, in th
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import pytest
 
-from raytrain.rundir import MetricsRow, RunDir, Store, claimed
+from raytrain.rundir import MetricsRow, RunDir, RunLock, RunLocked, Store, claimed
 from raytrain.rundir.writer import RunWriter
 
 
@@ -110,3 +112,17 @@ def test_check_creates_a_local_run_directory_and_says_so(store):
         assert store.check() is True and store.path.is_dir() and store.check() is False
     else:
         assert store.check() is False
+
+
+def test_a_lock_held_on_another_host_says_how_to_remove_it_whichever_the_kind(store):
+    store.make_dir()
+    store.write_text(".lock", json.dumps({"pid": 1, "host": "elsewhere", "since": time.time()}))
+    with pytest.raises(RunLocked, match=r"on elsewhere .*leaves .*/\.lock: delete it"):
+        RunLock(store).acquire()
+    store.delete(".lock")
+    here = RunLock(store)
+    here.acquire()  # a live holder on this host: it is checked, and nothing is to be deleted by hand
+    with pytest.raises(RunLocked, match=f"in use by process {os.getpid()}") as refused:
+        RunLock(store).acquire()
+    assert "delete it" not in str(refused.value)
+    here.release()
