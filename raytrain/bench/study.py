@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -44,17 +42,10 @@ def run_bench(
     where = Store.of(opts.storage) / name
     if where.exists("bench.json"):
         raise ConfigError([("name", f"bench {name!r} already exists in {where.parent}; choose another --name")])
-    # The study's own files are written here (on an object store: locally, then uploaded); the
-    # raytrain runs go to STORAGE/NAME/runs either way.
-    out = where.path if where.local else Path(tempfile.mkdtemp(prefix="raytrain-bench-"))
-    try:
+    # The study's own files are written here (on an object store: locally, then its report is
+    # uploaded); the raytrain runs go to STORAGE/NAME/runs either way.
+    with where.write_locally(("bench.json", "bench.md", "scaling.png")) as out:
         report = _study(pipe, pipeline, name, train_values, opts, where, out, echo)
-        if not where.local:
-            for filename in ("bench.json", "bench.md", "scaling.png"):
-                where.upload(out / filename, filename)
-    finally:
-        if not where.local:
-            shutil.rmtree(out, ignore_errors=True)
     echo(f"Wrote {where}/bench.json, bench.md and scaling.png")
     return report
 
@@ -62,7 +53,7 @@ def run_bench(
 def _study(pipe, pipeline: str, name: str, train_values, opts: BenchOptions, where, out: Path, echo) -> dict[str, Any]:
     from raytrain.driver.session import ray_session
 
-    runs_storage = out / "runs" if where.local else (where / "runs").uri
+    runs_storage = (where / "runs").uri
     base_cfg = bench_config(train_values, opts, workers=max(opts.workers), epochs=1, storage=runs_storage, name="probe")
     grad_bytes, params = gradient_bytes(pipe, base_cfg)
     started = time.time()

@@ -51,13 +51,6 @@ def apply_train_timers(cfg: TrainConfig) -> None:
             _TIMERS_SET_HERE.add(key)
 
 
-def storage_of(run_dir) -> dict[str, Any]:
-    """RunConfig's storage options for the run directory `run_dir` (a Store)."""
-    if run_dir.local:
-        return {"storage_path": str(run_dir.parent)}
-    return {"storage_path": run_dir.parent.root, "storage_filesystem": run_dir.fs}
-
-
 def _passed_on(*names: str) -> dict[str, str]:
     return {name: os.environ[name] for name in names if name in os.environ}
 
@@ -102,7 +95,7 @@ def build_torch_trainer(
             # On an object store Ray Train gets the file system object the driver built (its
             # snapshot and its pruning of old checkpoints go through it): Ray wants the
             # bucket/prefix path beside it, not the URI.
-            **storage_of(Store.of(run_dir)),
+            **Store.of(run_dir).parent.ray_storage(),
             # Node preemptions have their own, unlimited budget: losing a spot node does
             # not use up --max-failures, which is kept for real errors.
             failure_config=FailureConfig(max_failures=cfg.max_failures, max_preemption_failures=-1),

@@ -70,7 +70,7 @@ def fit(
     embedded = will_embed_ray(cfg)
     if embedded:
         check_embedded_capacity(cfg, echo=echo)  # before anything is written or started
-    with claimed(Store.of(cfg.storage) / cfg.name, cfg.storage) as run_dir:
+    with claimed(Store.of(cfg.storage) / cfg.name) as run_dir:
         stored = check_run_dir(run_dir, cfg, spec, replaced_options(pipe))
         tracker = RunTracker(cfg, run_dir, spec, echo=echo, progress=progress)
         with ray_session(cfg), interrupts.stop_on_signals(run_dir, echo) as stop:

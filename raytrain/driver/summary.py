@@ -140,9 +140,9 @@ def _best_checkpoint(result: Any, run_dir: Any) -> str | None:
             best = result.get_best_checkpoint(metric="val_loss", mode="min")
         best = best or result.checkpoint
         if best is not None:
-            return best.path if store.local else (store / best.path.rstrip("/").rsplit("/", 1)[-1]).public_uri
+            return (store / best.path.rstrip("/").rsplit("/", 1)[-1]).public_uri
     found = checkpoint_dirs(store)
-    return (str(found[-1]) if store.local else found[-1].public_uri) if found else None
+    return Store.of(found[-1]).public_uri if found else None
 
 
 def explain_failure(error: Exception, run_dir: Any, ray_logs: str | None = None) -> str:

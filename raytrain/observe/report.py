@@ -16,7 +16,6 @@ Plots use matplotlib's Agg canvas directly (no pyplot, no display, no global sta
 from __future__ import annotations
 
 import math
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +73,7 @@ class RunRecord:
 
 def load_run(run_dir: "str | Path | Store") -> RunRecord:
     run_dir = Store.of(run_dir)
-    if run_dir.local and not run_dir.path.is_dir():
+    if run_dir.info().type.name != "Directory":
         raise ReportError(
             f"{run_dir} is not a directory; give a run directory (STORAGE/NAME, e.g. ~/raytrain_results/digits-... "
             "or s3://BUCKET/PREFIX/NAME)"
@@ -89,19 +88,13 @@ def load_run(run_dir: "str | Path | Store") -> RunRecord:
     )
 
 
-def write_report(run_dir: "str | Path | Store") -> "Path | Store":
-    """Write plots/ and report.md into `run_dir`; returns the report's path (on an object store:
-    its Store, the plots drawn on this machine and uploaded)."""
+def write_report(run_dir: "str | Path | Store") -> Store:
+    """Write plots/ and report.md into `run_dir`; returns the report's location (on an object
+    store the plots are drawn on this machine and uploaded)."""
     run = load_run(run_dir)
     store = run.run_dir
-    if store.local:
-        plots = write_plots(run, store.path / PLOTS)
-        store.write_text(REPORT, render_markdown(run, plots))
-        return store.path / REPORT
-    with tempfile.TemporaryDirectory(prefix="raytrain-report-") as drawn:
-        plots = write_plots(run, Path(drawn))
-        for path in plots.values():
-            store.upload(path, f"{PLOTS}/{path.name}")
+    with store.write_locally() as local:
+        plots = write_plots(run, local / PLOTS)
     store.write_text(REPORT, render_markdown(run, plots))
     return store / REPORT
 

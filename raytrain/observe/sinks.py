@@ -17,9 +17,6 @@ from typing import Any, Callable, Iterator, Sequence
 from raytrain.rundir import EVENTS, LIVE, METRICS, Event, MetricsRow, RunDir, Store, Summary
 from raytrain.text import first_line
 
-# The driver polls an object store's run files at most this often.
-REMOTE_POLL_S = 1.0
-
 
 class Sink:
     """Receives the run's records. Override what you need; calls come from one thread at a time."""
@@ -85,7 +82,7 @@ def follow(
     On an object store a poll is a size check per file and a ranged read of what is new; a
     store that does not answer skips the poll (the next one catches up)."""
     files = RunDir(run_dir)
-    interval_s = interval_s if files.store.local else max(interval_s, REMOTE_POLL_S)
+    interval_s = max(interval_s, files.store.poll_s)
     tails = {name: files.tail(name) for name in _FOLLOWED}
     lock = threading.Lock()
 

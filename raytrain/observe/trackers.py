@@ -28,10 +28,8 @@ from raytrain.rundir import (
     Event,
     Kind,
     MetricsRow,
-    RunDir,
     Summary,
 )
-from raytrain.rundir.checkpoints import node_dir
 from raytrain.rundir.storage import Store
 
 # Metrics of a row that are series over steps (the rest are identifiers or flags).
@@ -128,7 +126,7 @@ class TensorBoardSink(Sink):
         self.store = Store.of(run_dir)
         # On an object store the event files are written on this machine and uploaded (they grow
         # by appends, which a store does not have) every UPLOAD_INTERVAL_S and at the end.
-        self.run_dir = self.store.path if self.store.local else node_dir(self.store) / "tensorboard"
+        self.run_dir = self.store.local_dir
         self.uploaded = 0.0
         self.params = params
         self.flush_secs = flush_secs
@@ -183,10 +181,7 @@ class TensorBoardSink(Sink):
     def _upload(self) -> None:
         """The event files, copied to the object store (nothing on a file system)."""
         self.uploaded = time.monotonic()
-        if self.store.local or not self.run_dir.is_dir():
-            return
-        for path in sorted(self.run_dir.glob("events.out.tfevents.*")):
-            self.store.upload(path, path.name)
+        self.store.upload_from(self.run_dir, ("events.out.tfevents.*",))
 
     failed: BaseException | None = None  # set by the writer's own thread (a full disk, say)
 
@@ -299,7 +294,7 @@ class MLflowSink(Sink):
             if (value := _number(summary.get(key))) is not None:
                 self.client.log_metric(self.run_id, f"summary/{key}", value)
         self.client.set_tag(self.run_id, "raytrain.world_sizes", " → ".join(map(str, summary.world_sizes)))
-        with RunDir(run_dir).local_files((MODEL, *RUN_ARTIFACTS, PLOTS)) as local:
+        with Store.of(run_dir).local_copy((MODEL, *RUN_ARTIFACTS, PLOTS)) as local:
             model = local / MODEL
             if model.exists():
                 self.client.log_artifact(self.run_id, str(model), artifact_path="model")
@@ -340,7 +335,7 @@ class WandbSink(Sink):
             name=name,
             id=run_id,
             resume="allow",
-            dir=str(self.run_dir.path if self.run_dir.local else node_dir(self.run_dir)),
+            dir=str(self.run_dir.local_dir),
             config=params,
             settings=wandb.Settings(console="off", silent=True),
         )
@@ -365,7 +360,7 @@ class WandbSink(Sink):
                 self.run.log(
                     {"events": self.wandb.Table(columns=["time", "kind", "step", "message"], data=self.events)}
                 )
-            with RunDir(run_dir).local_files((MODEL,)) as local:
+            with Store.of(run_dir).local_copy((MODEL,)) as local:
                 if (local / MODEL).exists():
                     artifact = self.wandb.Artifact(
                         re.sub(r"[^A-Za-z0-9_.-]", "-", self.run.name or "model") + "-model", type="model"

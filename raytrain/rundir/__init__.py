@@ -23,14 +23,13 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import yaml
 
-from raytrain.errors import CheckpointError
+from raytrain.errors import CheckpointError, StorageError
 from raytrain.rundir.faults import storage_error, storage_errors
 from raytrain.rundir.files import (
     LOCK_FILE,
@@ -38,7 +37,6 @@ from raytrain.rundir.files import (
     RunLock,
     RunLocked,
     append_jsonl,
-    check_storage,
     dumps,
     parse_jsonl,
     read_json,
@@ -157,39 +155,22 @@ class RunDir:
         position = checkpoints.stored_position(latest) if latest is not None else {}
         return StoredRun(self.store, config, pipeline, latest, position, passed_over)
 
-    @contextlib.contextmanager
-    def local_files(self, names: tuple[str, ...]) -> Iterator[Path]:
-        """A local directory holding the run files `names` (files or directories) that exist:
-        the run directory itself, or a temporary copy of an object store's (removed after)."""
-        if self.store.local:
-            yield self.store.path
-            return
-        with tempfile.TemporaryDirectory(prefix="raytrain-files-") as copy:
-            for name in names:
-                if self.store.is_file(name):
-                    Path(copy, name).write_bytes(self.store.read_bytes(name))
-                elif self.store.list(name):
-                    self.store.download(name, Path(copy, name))
-            yield Path(copy)
-
     def tail(self, name: str) -> Tail:
         """A follower of the JSONL file `name` (rows appended since the last read)."""
         return Tail(self.store, name)
 
     def _jsonl(self, name: str) -> list[dict[str, Any]]:
-        if self.store.local:
-            return read_jsonl(self.store.path / name)
         try:
             return parse_jsonl(self.store.read_text(name))
         except FileNotFoundError:
             return []
 
     def _json(self, name: str) -> dict[str, Any]:
-        if self.store.local:
-            return read_json(self.store.path / name)
         try:
             value = json.loads(self.store.read_text(name))
-        except (FileNotFoundError, ValueError):
+        except StorageError:  # an object store's error (retried, or permanent): not a missing file
+            raise
+        except (OSError, ValueError):
             return {}
         return value if isinstance(value, dict) else {}
 
@@ -248,17 +229,16 @@ class RunDir:
 
 
 @contextlib.contextmanager
-def claimed(run_dir: "str | os.PathLike | Store", storage: "str | os.PathLike | Store") -> Iterator[Store]:
+def claimed(run_dir: "str | os.PathLike | Store") -> Iterator[Store]:
     """The run directory, held for one run: checked writable before anything starts (a path
     that cannot hold the run is a StorageError; on an object store: the credentials, the
     bucket and a write, read and delete round trip), locked against a second run of the same
-    name, and left clean after (no staging area, no stop request; no empty directory when
-    the run was refused before it began)."""
-    from raytrain.rundir.checkpoints import node_dir, staging_dir
+    name, and left clean after (no staging area, no node-local files of an object store's run,
+    no stop request; no empty directory when the run was refused before it began)."""
+    from raytrain.rundir.checkpoints import staging_dir
 
     store = Store.of(run_dir)
-    created = store.local and not store.path.exists()
-    check_storage(storage, store)
+    created = store.check()
     lock = RunLock(store)
     lock.acquire()
     try:
@@ -266,8 +246,7 @@ def claimed(run_dir: "str | os.PathLike | Store", storage: "str | os.PathLike | 
     finally:
         lock.release()
         shutil.rmtree(staging_dir(store), ignore_errors=True)
-        if not store.local:  # this node's staging and heartbeats
-            shutil.rmtree(node_dir(store), ignore_errors=True)
+        store.release_local_dir()
         RunDir(store).clear_stop()
         if created:  # refused before the run began: leave no empty run directory behind
             with contextlib.suppress(OSError):
@@ -306,7 +285,6 @@ __all__ = [
     "Summary",
     "Tail",
     "append_jsonl",
-    "check_storage",
     "dumps",
     "is_uri",
     "parse_jsonl",

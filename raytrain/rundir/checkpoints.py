@@ -74,12 +74,6 @@ def remote(where: Where) -> Store | None:
     return Store.of(where) if is_uri(where) else None
 
 
-def node_dir(run_dir: Where) -> Path:
-    """This node's own directory for a run whose files are on an object store: checkpoints are
-    staged and heartbeats kept here (`Store.work_dir`)."""
-    return Store.of(run_dir).node_dir()
-
-
 def write_train_state(directory: str | os.PathLike, train_state: dict[str, Any]) -> None:
     """The small part of a checkpoint, and its position as JSON (written by one rank)."""
     directory = Path(directory)
@@ -332,7 +326,7 @@ def checkpoint_name(step: int) -> str:
 def staging_dir(run_dir: Where) -> Path:
     """Where checkpoints are written before they are renamed into place, or uploaded (on an
     object store: this node's own directory)."""
-    return Store.of(run_dir).work_dir() / STAGING
+    return Store.of(run_dir).local_dir / STAGING
 
 
 def model_shapes(directory: Where) -> dict[str, tuple[int, ...]]:

@@ -3,8 +3,9 @@
 Each error from pyarrow (or boto3) is either permanent — no credentials, a missing bucket,
 access denied: `classify` gives the reason and the fix, and no retry is made — or transient —
 a timeout, a refused connection, a 5xx, throttling: retried by `Store` with backoff, and after
-`retry_s` a `StorageUnavailable`. `check_store` runs before Ray starts: credentials, the bucket,
-and a write, read and delete round trip, with one message for what is wrong.
+`retry_s` a `StorageUnavailable` (`retried`). Before Ray starts, `check_store` tries the
+credentials, the bucket, and a write, read and delete round trip, and `check_local` that a local
+run directory can be created and written, with one message for what is wrong.
 """
 
 from __future__ import annotations
@@ -16,9 +17,26 @@ import os
 import re
 import time
 import urllib.parse
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 from raytrain.errors import StorageError
+
+T = TypeVar("T")
+
+# How long a run rides out an object-store outage before it stops (seconds of retries per call);
+# RAYTRAIN_STORAGE_RETRY_S, in the environment of the driver (which passes it to the workers), wins.
+DEFAULT_RETRY_S = 120.0
+RETRY_ENV = "RAYTRAIN_STORAGE_RETRY_S"
+# Backoff between retries of one call: doubling from the first, capped.
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 15.0
+
+
+def default_retry_s() -> float:
+    try:
+        return float(os.environ.get(RETRY_ENV, DEFAULT_RETRY_S))
+    except ValueError:
+        return DEFAULT_RETRY_S
+
 
 # What to do about a local file system's refusal, by errno.
 _FIXES = {
@@ -50,6 +68,41 @@ def storage_errors(path: str | os.PathLike, doing: str) -> Iterator[None]:
         raise
     except OSError as exc:
         raise storage_error(exc, getattr(exc, "filename", None) or path, doing) from None
+
+
+@contextlib.contextmanager
+def local_errors(store: Any, name: str, doing: str) -> Iterator[None]:
+    """An OSError on the local file `name` of `store` as one StorageError naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise storage_error(exc, getattr(exc, "filename", None) or store.path / name, doing) from None
+
+
+def retried(store: Any, doing: str, name: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`call`, retried with backoff while the store's errors are transient; a permanent one raises a
+    StorageError at once, and an outage longer than the store's `retry_s` a StorageUnavailable."""
+    started, delay = time.monotonic(), FIRST_BACKOFF_S
+    while True:
+        try:
+            return call(*args, **kwargs)
+        except (FileNotFoundError, StorageError):
+            raise
+        except OSError as exc:
+            permanent = classify(exc)
+            where = f"{store}/{name}" if name else str(store)
+            if permanent is not None:
+                reason, fix = permanent
+                raise StorageError(
+                    errno_codes.EIO, f"cannot {doing} {where}: {reason} ({cause_of(exc)}); {fix}"
+                ) from None
+            waited = time.monotonic() - started
+            if waited + delay > (default_retry_s() if store.retry_s is None else store.retry_s):
+                error = StorageUnavailable(errno_codes.EIO, unavailable(str(store), doing, where, waited, exc))
+                error.cause = f"cannot {doing} {where}: {cause_of(exc)}"
+                raise error from None
+            time.sleep(delay)
+            delay = min(2 * delay, MAX_BACKOFF_S)
 
 
 # pyarrow's texts for errors that retrying cannot fix, with what the user does about each.
@@ -104,12 +157,32 @@ class StorageUnavailable(StorageError):
     cause = ""
 
 
+def check_local(store: Any) -> bool:
+    """Before anything starts: the run directory `store` can be created and written (a StorageError
+    naming the fix if not); True when it was created here."""
+    storage, run_dir = store.parent.path, store.path
+    if storage.exists() and not storage.is_dir():
+        raise StorageError(
+            errno_codes.ENOTDIR, f"--storage {storage} is a file, not a directory; point --storage at a directory"
+        )
+    if run_dir.exists() and not run_dir.is_dir():
+        raise StorageError(
+            errno_codes.ENOTDIR, f"run directory {run_dir} is a file, not a directory; choose another --name"
+        )
+    created = not run_dir.exists()
+    with storage_errors(run_dir, "create the run directory"):
+        run_dir.mkdir(parents=True, exist_ok=True)
+    probe = run_dir / f".write-test-{os.getpid()}"
+    with storage_errors(run_dir, "write in the run directory"):
+        probe.write_bytes(b"raytrain")
+        probe.unlink()
+    return created
+
+
 def check_store(store: Any) -> None:
     """Before anything starts: credentials, the bucket, and a write, read and delete round
     trip under this location; one StorageError naming what is wrong and the fix (an
     unreachable endpoint is not retried here)."""
-    if store.local:
-        return
     quick = dataclasses.replace(store, retry_s=0.0)
     _check_credentials(quick)
     probe = f".raytrain-check-{os.getpid()}-{time.time_ns()}"
@@ -178,10 +251,18 @@ def cause_of(exc: BaseException) -> str:
     """The error's first line without pyarrow's error-code prefix (Ray Train retries an upload
     whose error names one of those codes, which would triple the wait)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    text = re.sub(r"(://)[^/?#@\s]*:[^@\s]*@", r"\1", text)  # never a secret in a message
+    text = without_credentials(text)  # never a secret in a message
     text = re.sub(r"AWS Error [A-Z_]+ (\(HTTP status \d+\) )?during (\w+) operation: ?", r"\2: ", text)
     text = text.replace("NETWORK_CONNECTION", "network").replace("SERVICE_UNAVAILABLE", "unavailable")
     return re.sub(r"\s+", " ", text).strip()[:300]
+
+
+_CREDENTIALS = re.compile(r"(://)[^/?#@\s]*:[^@\s]*@")
+
+
+def without_credentials(text: str) -> str:
+    """`text` with every `scheme://KEY:SECRET@` made `scheme://`."""
+    return _CREDENTIALS.sub(r"\1", text)
 
 
 def boto_token(code: str) -> str:
@@ -200,7 +281,11 @@ __all__ = [
     "StorageUnavailable",
     "storage_error",
     "storage_errors",
+    "check_local",
     "check_store",
+    "local_errors",
+    "retried",
+    "without_credentials",
     "classify",
     "cause_of",
     "unavailable",

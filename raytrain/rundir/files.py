@@ -25,33 +25,10 @@ import yaml
 
 from raytrain.errors import StorageError
 from raytrain.rundir.faults import storage_errors
-from raytrain.rundir.storage import Store, replace_file
+from raytrain.rundir.storage import Store
 
 LOCK_FILE = ".lock"
 STOP_FILE = ".stop"  # the driver asks the workers to stop (SIGINT/SIGTERM) with this file
-
-
-def check_storage(storage: "str | os.PathLike | Store", run_dir: "str | os.PathLike | Store") -> None:
-    """Before Ray starts: the run directory can be created and written (StorageError if not);
-    on an object store, the credentials, the bucket and a write, read and delete round trip."""
-    if not Store.of(run_dir).local:
-        Store.of(run_dir).check()
-        return
-    storage, run_dir = Path(storage), Path(run_dir)
-    if storage.exists() and not storage.is_dir():
-        raise StorageError(
-            errno_codes.ENOTDIR, f"--storage {storage} is a file, not a directory; point --storage at a directory"
-        )
-    if run_dir.exists() and not run_dir.is_dir():
-        raise StorageError(
-            errno_codes.ENOTDIR, f"run directory {run_dir} is a file, not a directory; choose another --name"
-        )
-    with storage_errors(run_dir, "create the run directory"):
-        run_dir.mkdir(parents=True, exist_ok=True)
-    probe = run_dir / f".write-test-{os.getpid()}"
-    with storage_errors(run_dir, "write in the run directory"):
-        probe.write_bytes(b"raytrain")
-        probe.unlink()
 
 
 def strict(value: Any) -> Any:
@@ -71,7 +48,8 @@ def dumps(value: Any, **kwargs: Any) -> str:
 
 def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
     """Replace `path` with `text` in one rename: readers see the old file or the new one."""
-    replace_file(Path(path), text.encode() if isinstance(text, str) else text)
+    path = Path(path)
+    Store.of(path.parent).write_bytes(path.name, text.encode() if isinstance(text, str) else text)
 
 
 def write_json(path: str | os.PathLike, value: Any) -> None:
@@ -183,7 +161,9 @@ class RunLock:
 class RunLocked(StorageError):
     def __init__(self, run_dir: "Store", holder: dict[str, Any]):
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if holder.get("since") else "?"
-        remove = "" if run_dir.local else f"; a holder that is gone for good leaves {run_dir}/{LOCK_FILE}: delete it"
+        # A holder on another host cannot be checked from here (a dead one on this host is taken over).
+        elsewhere = holder.get("host") != socket.gethostname()
+        remove = f"; a holder that is gone for good leaves {run_dir}/{LOCK_FILE}: delete it" if elsewhere else ""
         super().__init__(
             errno_codes.EBUSY,
             f"run {run_dir.name!r} in {run_dir.parent} is in use by process {holder.get('pid', '?')} on "

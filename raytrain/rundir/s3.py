@@ -1,13 +1,36 @@
-"""What S3 needs beyond pyarrow.fs: requests with bounded waits, and the conditional create the
-run lock uses (pyarrow has no way to send `If-None-Match`)."""
+"""What object stores need beyond pyarrow.fs: opened from a URI with bounded waits (S3, GCS), and
+the conditional create the run lock uses on S3 (pyarrow has no way to send `If-None-Match`)."""
 
 from __future__ import annotations
 
-from raytrain.rundir.faults import boto_token
+import errno as errno_codes
+
+from raytrain.errors import StorageError
+from raytrain.rundir.faults import boto_token, cause_of
 
 # S3 requests: connecting, a transfer that moves no byte (curl's low-speed limit: a long upload
 # that keeps moving never times out), and pyarrow's own attempts per request.
 S3_CONNECT_TIMEOUT_S, S3_STALL_TIMEOUT_S, S3_ATTEMPTS = 5.0, 10.0, 2
+# gs:// without credentials retries inside google-cloud-cpp for about 15 minutes: bound it.
+GCS_RETRY_LIMIT_S = 15
+
+
+def open_store(uri: str, shown: str):
+    """(file system, path inside it) of an object-store URI (`shown` in messages: no credentials);
+    a StorageError naming the fix when pyarrow cannot open it."""
+    import pyarrow.fs as pafs
+
+    if uri.split("://", 1)[0] in ("gs", "gcs") and "retry_limit_seconds" not in uri:
+        uri += ("&" if "?" in uri else "?") + f"retry_limit_seconds={GCS_RETRY_LIMIT_S}"
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri)
+    except Exception as exc:  # ArrowInvalid for an unknown scheme or option
+        raise StorageError(
+            errno_codes.EINVAL,
+            f"--storage {shown}: pyarrow cannot open it ({cause_of(exc)}); give a local path, s3://BUCKET/PREFIX, "
+            "gs://BUCKET/PREFIX or another URI pyarrow.fs resolves",
+        ) from None
+    return (bounded(fs) if isinstance(fs, pafs.S3FileSystem) else fs), path
 
 
 def bounded(fs):
@@ -56,4 +79,4 @@ def put_if_absent(fs, path: str, data: bytes) -> bool:
     return True
 
 
-__all__ = ["bounded", "put_if_absent"]
+__all__ = ["GCS_RETRY_LIMIT_S", "bounded", "open_store", "put_if_absent"]

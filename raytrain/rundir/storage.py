@@ -17,6 +17,11 @@ done as each kind of storage allows:
   credentials, a missing bucket, access denied) raise a `StorageError` at once, naming the
   location and the fix.
 
+What differs between the kinds is answered here, so that callers never ask which kind a Store
+is: how a file becomes visible (`staged_file`, `write_locally`), a local path for tools that
+need one (`local_dir`, `local_copy`), how often to look (`poll_s`) and whether to batch appends
+(`appends_in_place`), and where Ray keeps its own files (`ray_storage`).
+
 Paths inside a store are relative names with `/` (`checkpoint_x/.metadata`). A Store pickles
 as its URI: each process builds its own file system object (credentials come from that
 process's environment or the machine's role, never from a pickle).
@@ -26,40 +31,32 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno as errno_codes
 import functools
 import hashlib
 import os
-import re
+import shutil
 import tempfile
-import time
 import urllib.parse
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
-from raytrain.errors import StorageError
-from raytrain.rundir.faults import StorageUnavailable, cause_of, classify, storage_error, unavailable
-from raytrain.rundir.s3 import bounded, put_if_absent
+from raytrain.rundir.faults import (
+    DEFAULT_RETRY_S,
+    RETRY_ENV,
+    StorageUnavailable,
+    classify,
+    default_retry_s,
+    local_errors,
+    retried,
+    storage_error,
+    without_credentials,
+)
+from raytrain.rundir.s3 import open_store, put_if_absent
 
-T = TypeVar("T")
-
-# How long a run rides out an object-store outage before it stops (seconds of retries per call);
-# RAYTRAIN_STORAGE_RETRY_S, in the environment of the driver (which passes it to the workers), wins.
-DEFAULT_RETRY_S = 120.0
-RETRY_ENV = "RAYTRAIN_STORAGE_RETRY_S"
-
-
-def default_retry_s() -> float:
-    try:
-        return float(os.environ.get(RETRY_ENV, DEFAULT_RETRY_S))
-    except ValueError:
-        return DEFAULT_RETRY_S
-
-
-# Backoff between retries of one call: doubling from the first, capped.
-FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 15.0
-# gs:// without credentials retries inside google-cloud-cpp for about 15 minutes: bound it.
-GCS_RETRY_LIMIT_S = 15
+# On an object store a file is looked at (a request each time) at most this often.
+POLL_S = 1.0
+# Where an object store's run keeps this node's own files (`Store.local_dir`); default: the temp directory.
+NODE_DIR_ENV = "RAYTRAIN_NODE_DIR"
 
 
 def is_uri(location: str | os.PathLike) -> bool:
@@ -147,19 +144,7 @@ class Store:
 
         if self.local:
             return pafs.LocalFileSystem(), self.uri
-        uri = self.uri
-        if self.scheme in ("gs", "gcs") and "retry_limit_seconds" not in uri:
-            uri += ("&" if "?" in uri else "?") + f"retry_limit_seconds={GCS_RETRY_LIMIT_S}"
-        try:
-            fs, path = pafs.FileSystem.from_uri(uri)
-        except Exception as exc:  # ArrowInvalid for an unknown scheme or option
-            raise StorageError(
-                errno_codes.EINVAL,
-                f"--storage {self}: pyarrow cannot open it ({cause_of(exc)}); give a local path, s3://BUCKET/PREFIX, "
-                "gs://BUCKET/PREFIX or another URI pyarrow.fs resolves",
-            ) from None
-        if isinstance(fs, pafs.S3FileSystem):
-            fs = bounded(fs)
+        fs, path = open_store(self.uri, str(self))
         return fs, path.rstrip("/")
 
     @property
@@ -232,7 +217,10 @@ class Store:
     def write_bytes(self, name: str, data: bytes) -> None:
         """Replace the file with `data` in one step: readers see the old content or the new."""
         if self.local:
-            replace_file(self.path / name, data)
+            with self.staged_file(name) as tmp, self._local_errors(name, "write"), open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
             return
 
         def put() -> None:
@@ -274,8 +262,6 @@ class Store:
     def delete_tree(self, name: str = "") -> None:
         """Remove a directory and everything under it; nothing when it is already gone."""
         if self.local:
-            import shutil
-
             shutil.rmtree(self.path / name, ignore_errors=True)
             return
         with contextlib.suppress(FileNotFoundError):
@@ -290,7 +276,7 @@ class Store:
             except FileExistsError:
                 return False
             except OSError as exc:
-                raise _local_error(exc, self.path / name, "create") from None
+                raise storage_error(exc, getattr(exc, "filename", None) or self.path / name, "create") from None
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
             return True
@@ -306,24 +292,14 @@ class Store:
     def upload(self, local_file: str | os.PathLike, name: str) -> None:
         """Copy a local file to `name` (an object appears whole when its upload completes)."""
         if self.local:
-            import shutil
-
             target = self.path / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(local_file, target)
             return
         import pyarrow.fs as pafs
 
-        self._retry(
-            "upload",
-            name,
-            pafs.copy_files,
-            str(local_file),
-            self.fs_path(name),
-            source_filesystem=pafs.LocalFileSystem(),
-            destination_filesystem=self.fs,
-            use_threads=False,
-        )
+        here, there = pafs.LocalFileSystem(), self.fs_path(name)
+        self._retry("upload", name, pafs.copy_files, str(local_file), there, here, self.fs, use_threads=False)
 
     def download(self, name: str, local_dir: str | os.PathLike) -> Path:
         """Copy the directory `name` into `local_dir` (created); returns `local_dir`."""
@@ -332,24 +308,104 @@ class Store:
         local_dir = Path(local_dir)
         local_dir.mkdir(parents=True, exist_ok=True)
         self._retry(
-            "download",
-            name,
-            pafs.copy_files,
-            self.fs_path(name),
-            str(local_dir),
-            source_filesystem=self.fs,
-            destination_filesystem=pafs.LocalFileSystem(),
+            "download", name, pafs.copy_files, self.fs_path(name), str(local_dir), self.fs, pafs.LocalFileSystem()
         )
         return local_dir
 
+    # -- what each kind needs (so that callers never ask which kind it is) -----------------------
+
+    @property
+    def appends_in_place(self) -> bool:
+        """Whether `append_text` adds to the file (local) or rewrites it whole (an object: batch appends)."""
+        return self.local
+
+    @property
+    def poll_s(self) -> float:
+        """The least time between two looks at a file here: none locally, POLL_S where each look is a request."""
+        return 0.0 if self.local else POLL_S
+
+    @property
+    def local_dir(self) -> Path:
+        """This directory on this node: itself, or an object store's node-local stand-in (staging, heartbeats,
+        the files of tools that write to a path), removed by `release_local_dir`."""
+        if self.local:
+            return self.path
+        digest = hashlib.blake2b(str(self).encode(), digest_size=6).hexdigest()
+        return Path(os.environ.get(NODE_DIR_ENV) or tempfile.gettempdir()) / f"raytrain-node-{self.name}-{digest}"
+
+    def release_local_dir(self) -> None:
+        """Remove an object store's `local_dir` (a local directory is the run itself, and stays)."""
+        if not self.local:
+            shutil.rmtree(self.local_dir, ignore_errors=True)
+
+    def ray_storage(self) -> dict[str, Any]:
+        """Ray's RunConfig storage options that put its files here (on a store, the file system built here)."""
+        return {"storage_path": self.uri} if self.local else {"storage_path": self.root, "storage_filesystem": self.fs}
+
+    @contextlib.contextmanager
+    def staged_file(self, name: str) -> Iterator[Path]:
+        """A local path to write `name` at; when the block ends it is visible whole (renamed, or uploaded)."""
+        if not self.local:
+            with tempfile.TemporaryDirectory(prefix="raytrain-stage-") as scratch:
+                yield Path(scratch, Path(name).name)
+                self.upload(Path(scratch, Path(name).name), name)
+            return
+        target = self.path / name
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            yield tmp
+            with self._local_errors(name, "write"):
+                os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+    @contextlib.contextmanager
+    def write_locally(self, patterns: tuple[str, ...] = ("**/*",)) -> Iterator[Path]:
+        """A local directory whose files (those matching `patterns`) are this one's once the block ends
+        without error: itself, or a temporary one that is uploaded, then removed."""
+        if self.local:
+            yield self.path
+            return
+        with tempfile.TemporaryDirectory(prefix=f"raytrain-{self.name}-") as scratch:
+            yield Path(scratch)
+            self.upload_from(scratch, patterns)
+
+    def upload_from(self, local_dir: str | os.PathLike, patterns: tuple[str, ...] = ("**/*",)) -> None:
+        """Copy the files of `local_dir` matching `patterns` here, by the same relative names (nothing
+        when `local_dir` is this directory)."""
+        local_dir = Path(local_dir).absolute()
+        if self.local and local_dir == self.path:
+            return
+        for path in sorted({path for pattern in patterns for path in local_dir.glob(pattern) if path.is_file()}):
+            self.upload(path, path.relative_to(local_dir).as_posix())
+
+    @contextlib.contextmanager
+    def local_copy(self, names: tuple[str, ...] | None = None) -> Iterator[Path]:
+        """A local directory holding this one's files `names` (files or directories; None: all) that exist:
+        itself, or a temporary copy, removed after."""
+        if self.local:
+            yield self.path
+            return
+        with tempfile.TemporaryDirectory(prefix="raytrain-copy-") as copy:
+            for name in names if names is not None else ("",):
+                if name and self.is_file(name):
+                    Path(copy, name).write_bytes(self.read_bytes(name))
+                elif not name or self.list(name):
+                    self.download(name, Path(copy, name))
+            yield Path(copy)
+
     # -- before a run -----------------------------------------------------------------------------
 
-    def check(self) -> None:
-        """Before anything starts: credentials, the bucket, and a write, read and delete round
-        trip (`raytrain.rundir.faults.check_store`)."""
-        from raytrain.rundir.faults import check_store
+    def check(self) -> bool:
+        """Before anything starts, that run files can be written here (StorageError naming the fix if not):
+        True when it created the (local) directory (`faults.check_local`, `faults.check_store`)."""
+        from raytrain.rundir.faults import check_local, check_store
 
+        if self.local:
+            return check_local(self)
         check_store(self)
+        return False
 
     # -- what a run's checkpoints and heartbeats need of each kind of storage ----------------------
 
@@ -360,54 +416,10 @@ class Store:
     def local_path(self) -> Path | None:
         return self.path if self.local else None
 
-    def work_dir(self) -> Path:
-        """Where this node stages checkpoints and keeps heartbeats: the run directory on a file system."""
-        return self.path if self.local else self.node_dir()
-
-    def node_dir(self) -> Path:  # this node's own directory for the run (node-local)
-        digest = hashlib.blake2b(str(self).encode(), digest_size=6).hexdigest()
-        return Path(os.environ.get("RAYTRAIN_NODE_DIR") or tempfile.gettempdir(), f"raytrain-node-{self.name}-{digest}")
-
     # -- errors ---------------------------------------------------------------------------------
 
-    def _retry(self, doing: str, name: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`call`, retried with backoff while the store's errors are transient (see the module)."""
-        started, delay = time.monotonic(), FIRST_BACKOFF_S
-        while True:
-            try:
-                return call(*args, **kwargs)
-            except (FileNotFoundError, StorageError):
-                raise
-            except OSError as exc:
-                permanent = classify(exc)
-                where = f"{self}/{name}" if name else str(self)
-                if permanent is not None:
-                    reason, fix = permanent
-                    raise StorageError(
-                        errno_codes.EIO, f"cannot {doing} {where}: {reason} ({cause_of(exc)}); {fix}"
-                    ) from None
-                waited = time.monotonic() - started
-                if waited + delay > (default_retry_s() if self.retry_s is None else self.retry_s):
-                    error = StorageUnavailable(errno_codes.EIO, unavailable(str(self), doing, where, waited, exc))
-                    error.cause = f"cannot {doing} {where}: {cause_of(exc)}"
-                    raise error from None
-                time.sleep(delay)
-                delay = min(2 * delay, MAX_BACKOFF_S)
-
-    @contextlib.contextmanager
-    def _local_errors(self, name: str, doing: str) -> Iterator[None]:
-        try:
-            yield
-        except OSError as exc:
-            raise _local_error(exc, self.path / name, doing) from None
-
-
-_CREDENTIALS = re.compile(r"(://)[^/?#@\s]*:[^@\s]*@")
-
-
-def without_credentials(text: str) -> str:
-    """`text` with every `scheme://KEY:SECRET@` made `scheme://`."""
-    return _CREDENTIALS.sub(r"\1", text)
+    _retry = retried  # retried with backoff while the store's errors are transient (`faults.retried`)
+    _local_errors = local_errors  # an OSError of a local file as one StorageError naming it
 
 
 def _read_all(fs, path: str) -> bytes:
@@ -415,36 +427,15 @@ def _read_all(fs, path: str) -> bytes:
         return handle.readall()
 
 
-def replace_file(path: Path, data: bytes) -> None:
-    """A temporary file in the same directory, flushed and renamed over `path`: readers see the
-    old file or the new one. An OSError is a StorageError naming the path."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        try:
-            with open(tmp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-    except OSError as exc:
-        raise _local_error(exc, path, "write") from None
-
-
-def _local_error(exc: OSError, path: Path, doing: str) -> StorageError:
-    return storage_error(exc, getattr(exc, "filename", None) or path, doing)
-
-
 __all__ = [
     "DEFAULT_RETRY_S",
     "RETRY_ENV",
+    "NODE_DIR_ENV",
+    "POLL_S",
     "Store",
     "StorageUnavailable",
     "classify",
     "default_retry_s",
     "is_uri",
-    "replace_file",
+    "without_credentials",
 ]

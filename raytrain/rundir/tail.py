@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -19,9 +18,9 @@ class Tail:
     Rank 0 rewrites metrics.jsonl when it resumes from a checkpoint, keeping only the
     rows up to the checkpoint's step: a prefix of what was there. A rewrite is noticed
     (the last line read is no longer where it was) and only lines after the common
-    prefix are returned. A partial last line is left for the next read. On an object store
-    (where a file grows by being rewritten whole) each read is a size check and a ranged read
-    of what is new.
+    prefix are returned. A partial last line is left for the next read. Each read is a size
+    check and a ranged read of what is new (on an object store, where a file grows by being
+    rewritten whole, two requests).
 
     `Tail(path)` follows a local file; `Tail(store, name)` the file `name` of a Store.
     """
@@ -38,10 +37,6 @@ class Tail:
         if skip_existing:
             self.read()
 
-    @property
-    def path(self) -> Path:
-        return self.store.path / self.name
-
     def read(self) -> list[dict[str, Any]]:
         size = self._size()
         if size is None:
@@ -54,20 +49,11 @@ class Tail:
         return self._parse(lines)
 
     def _size(self) -> int | None:
-        if self.store.local:
-            try:
-                return os.stat(self.path).st_size
-            except FileNotFoundError:
-                return None
         return self.store.size(self.name)
 
     def _bytes(self, start: int, length: int) -> bytes:
         if length <= 0:
             return b""
-        if self.store.local:
-            with open(self.path, "rb") as handle:
-                handle.seek(start)
-                return handle.read(length)
         try:
             return self.store.read_range(self.name, start, length)
         except FileNotFoundError:

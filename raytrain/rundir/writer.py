@@ -9,7 +9,6 @@ lines at no cost. It knows records, not the loop: the loop hands it an `Event`, 
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import shutil
 import time
@@ -26,14 +25,13 @@ from raytrain.rundir.records import EPOCH_LOSS, EVENTS, LIVE, METRICS, MODEL, Ev
 from raytrain.rundir.storage import Store
 
 LIVE_INTERVAL_S = 1.0  # rank 0 writes live.jsonl at most this often
-STOP_CHECK_INTERVAL_S = 1.0  # on an object store, rank 0 looks for the stop request at most this often
 
 
 class RunWriter:
     """The run directory's files written from the workers: by rank 0 only, strict JSON,
     and any OSError as one StorageError naming the path and errno (not retried). On an
     object store the JSONL rows are written in the background (`raytrain.rundir.buffered`)
-    and the stop request is looked for at most every STOP_CHECK_INTERVAL_S."""
+    and the stop request is looked for at most every `Store.poll_s`."""
 
     def __init__(self, run_dir: "str | os.PathLike | Store", enabled: bool):
         self.store = Store.of(run_dir)
@@ -41,7 +39,7 @@ class RunWriter:
         self.enabled = enabled
         self.last_live = 0.0
         self.live_mark: tuple[float, int] | None = None  # (time, samples seen) of the last live row
-        self.logs = None if self.store.local else BufferedLogs(self.store, keep_last=(LIVE,))
+        self.logs = None if self.store.appends_in_place else BufferedLogs(self.store, keep_last=(LIVE,))
         self.stop_checked = (0.0, False)  # (when, what) the stop request was last looked for
         self.last_row_step = 0  # the step of the last metrics row: a row's loss covers the steps since
         self.window_steps = 0  # the steps the last row's loss covers
@@ -83,10 +81,8 @@ class RunWriter:
         next sync tells every rank (`anyone`: this rank looks too)."""
         if not (self.enabled or anyone):
             return False
-        if self.store.local:
-            return self.rundir.stop_requested()
         when, asked = self.stop_checked
-        if not asked and time.monotonic() - when >= STOP_CHECK_INTERVAL_S:
+        if not asked and time.monotonic() - when >= self.store.poll_s:
             self.stop_checked = (time.monotonic(), self.rundir.stop_requested())
         return self.stop_checked[1]
 
@@ -176,15 +172,8 @@ class RunWriter:
         the last event."""
         if not self.enabled:
             return
-        if self.store.local:
-            with storage_errors(self.run_dir / MODEL, "write the final model"):
-                tmp = self.run_dir / f".{MODEL}.tmp"
-                formats.save_torch(weights, tmp)
-                tmp.replace(self.run_dir / MODEL)
-        else:
-            buffer = io.BytesIO()
-            torch.save(weights, buffer)
-            self.store.write_bytes(MODEL, buffer.getvalue())
+        with self.store.staged_file(MODEL) as tmp, storage_errors(self.store / MODEL, "write the final model"):
+            formats.save_torch(weights, tmp)
         self.rundir.write_progress(progress)
         self.event(Kind.DONE, f"finished {progress.epoch} epochs, {progress.step} steps", step=progress.step)
         self.flush()

@@ -21,12 +21,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from raytrain.config import TrainConfig
@@ -202,47 +199,42 @@ def tune(
     sweep = Store.of(base.storage) / base.name
     if sweep.list():
         raise ConfigError([("name", f"sweep {base.name!r} already exists in {sweep.parent}; choose another --name")])
-    # The sweep's own files are written here (on an object store: locally, then uploaded).
-    sweep_dir = sweep.path if sweep.local else Path(tempfile.mkdtemp(prefix="raytrain-sweep-"))
     worker_counts = sorted({p["workers"] for p in points})
 
     num_cpus = _embedded_ray_cpus(base, worker_counts)  # a trial too big for this machine fails here
     started = time.time()
-    with ray_session(base, num_cpus=num_cpus, resources={TRIAL_DRIVER_RESOURCE: EMBEDDED_TRIAL_DRIVER_SLOTS}):
-        use_gpu = resolve_gpu(base)
-        resources = ray.cluster_resources()
-        total = len(runs) * space.samples
-        concurrency = min(
-            total,
-            max_concurrent_trials(
-                worker_counts,
-                cpus_per_worker=base.cpus_per_worker,
-                cluster_cpus=resources.get("CPU", 0),
-                use_gpu=use_gpu,
-                cluster_gpus=resources.get("GPU", 0),
-                requested=options.max_concurrent_trials,
-            ),
-        )
-        _check_metric_source(pipe, base, options, build_datasets)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        _write_sweep_yaml(sweep_dir, spec, base, space, options, points, runs, concurrency)
-        echo(_describe_sweep(spec, base, space, options, points, runs, concurrency, resources, use_gpu, sweep))
-        pgs_before = _placement_groups()
-        tuner, console = _build_tuner(pipeline, base, space, options, runs, concurrency, resources, sweep, total, echo)
-        with _quiet_tune(base.verbose):
-            tuner.fit()
-        leaked = _free_leaked_placement_groups(pgs_before, echo)
-        wall = time.time() - started
-        trials = [trial_run(t, base.epochs, console) for t in sorted(console.trials.values(), key=trial_index)]
-        rows, curves = sweep_rows(trials, runs, points, options, sweep, base.epochs)
-    if sweep.local:
-        return write_sweep_files(spec, base, options, rows, curves, sweep_dir, wall, leaked, echo)
-    try:
+    # The sweep's own files are written here (on an object store: locally, then uploaded).
+    with sweep.write_locally() as sweep_dir:
+        with ray_session(base, num_cpus=num_cpus, resources={TRIAL_DRIVER_RESOURCE: EMBEDDED_TRIAL_DRIVER_SLOTS}):
+            use_gpu = resolve_gpu(base)
+            resources = ray.cluster_resources()
+            total = len(runs) * space.samples
+            concurrency = min(
+                total,
+                max_concurrent_trials(
+                    worker_counts,
+                    cpus_per_worker=base.cpus_per_worker,
+                    cluster_cpus=resources.get("CPU", 0),
+                    use_gpu=use_gpu,
+                    cluster_gpus=resources.get("GPU", 0),
+                    requested=options.max_concurrent_trials,
+                ),
+            )
+            _check_metric_source(pipe, base, options, build_datasets)
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            _write_sweep_yaml(sweep_dir, spec, base, space, options, points, runs, concurrency)
+            echo(_describe_sweep(spec, base, space, options, points, runs, concurrency, resources, use_gpu, sweep))
+            pgs_before = _placement_groups()
+            tuner, console = _build_tuner(
+                pipeline, base, space, options, runs, concurrency, resources, sweep, total, echo
+            )
+            with _quiet_tune(base.verbose):
+                tuner.fit()
+            leaked = _free_leaked_placement_groups(pgs_before, echo)
+            wall = time.time() - started
+            trials = [trial_run(t, base.epochs, console) for t in sorted(console.trials.values(), key=trial_index)]
+            rows, curves = sweep_rows(trials, runs, points, options, sweep, base.epochs)
         result = write_sweep_files(spec, base, options, rows, curves, sweep_dir, wall, leaked, echo, str(sweep))
-        for path in sorted(sweep_dir.iterdir()):
-            sweep.upload(path, path.name)
-    finally:
-        shutil.rmtree(sweep_dir, ignore_errors=True)
     best = (sweep / "best.yaml").public_uri if result.best_config_path else None
     return dataclasses.replace(result, sweep_dir=sweep.public_uri, best_config_path=best)
 
@@ -327,16 +319,10 @@ def _build_tuner(pipeline, base, space, options, runs: list[SweepRun], concurren
             trial_name_creator=trial_name_creator,
             trial_dirname_creator=trial_name_creator,
         ),
-        run_config=ray_tune.RunConfig(name="tune", **_tune_storage(sweep), verbose=0, callbacks=[console]),
+        # Tune's own records go under the sweep, through the same file system as the run files.
+        run_config=ray_tune.RunConfig(name="tune", **sweep.ray_storage(), verbose=0, callbacks=[console]),
     )
     return tuner, console
-
-
-def _tune_storage(sweep: Store) -> dict[str, Any]:
-    """Tune's own records go under the sweep, through the same file system as the run files."""
-    if sweep.local:
-        return {"storage_path": str(sweep.path)}
-    return {"storage_path": sweep.root, "storage_filesystem": sweep.fs}
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ staged, published and pruned, and where an attempt continues from.
 - What: the training state (`raytrain.worker.state.TrainingState`: model, optimizer, scaler,
   RNG, position) and the rules the run had at that step (`contents`).
 - How and where, for both fault-tolerance modes: every writing rank writes its part into a
-  staging directory (`Store.work_dir`), in the background; the checkpoint becomes visible
+  staging directory (`Store.local_dir`), in the background; the checkpoint becomes visible
   once complete (`raytrain.rundir.publish.Publish`: renamed into place, or uploaded with its
   marker last). With a restarting worker group, Ray Train registers it (rank 0 hands Ray the
   publish step as its upload function: Ray lists, and prunes, only complete checkpoints).

@@ -66,7 +66,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     per_step = cfg.fault_tolerance == "per-step"
     runtime = ReplicaRuntime(cfg.collective_timeout_s, run_dir) if per_step else Runtime()
     files = RunWriter(run_dir, enabled=runtime.is_rank0)
-    heartbeat = Heartbeat(run_dir.work_dir() / HEARTBEATS, runtime.world_rank, enabled=runtime.world_size > 1)
+    heartbeat = Heartbeat(run_dir.local_dir / HEARTBEATS, runtime.world_rank, enabled=runtime.world_size > 1)
     checkpointer = Checkpointer(cfg, runtime, run_dir, via_ray=not per_step)
     if not per_step:  # a replacement replica must not clear what the live quorum is writing
         files.clear_staging()
@@ -243,7 +243,7 @@ class StallError(RuntimeError):
 
 def explain_stall(cfg: TrainConfig, runtime: Runtime, heartbeat: Heartbeat, run_dir: Store, exc: Exception) -> str:
     heartbeat.write()
-    records = read_heartbeats(run_dir.work_dir() / HEARTBEATS, runtime.world_size, since=heartbeat.attempt_start)
+    records = read_heartbeats(run_dir.local_dir / HEARTBEATS, runtime.world_size, since=heartbeat.attempt_start)
     cause = str(exc).splitlines()[0] if str(exc) else ""
     return (
         f"A collective timed out on rank {runtime.world_rank} after --collective-timeout-s "
