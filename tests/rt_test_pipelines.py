@@ -24,6 +24,10 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def _paced(step_sleep_s: float, pace_until: str | None) -> bool:
+    return bool(step_sleep_s) and not (pace_until and os.path.exists(pace_until))
+
+
 def _table_dataset(columns: dict[str, np.ndarray]):
     import pyarrow as pa
     import ray.data
@@ -39,6 +43,8 @@ class RecordingPipeline(raytrain.Pipeline):
 
     `crash_at_step`: on the first attempt only (a marker file in `out_dir`), rank 0's
     process exits once the run reaches that global step, to exercise failure recovery.
+    `step_sleep_s` paces every training step, until the file `pace_until` exists (when given):
+    a test keeps the run going while it waits for something, then lets it finish at full speed.
     """
 
     def __init__(
@@ -48,11 +54,13 @@ class RecordingPipeline(raytrain.Pipeline):
         crash_at_step: int | None = None,
         step_sleep_s: float = 0.0,
         fail_at_step: int | None = None,
+        pace_until: str | None = None,
     ):
         self.out_dir = out_dir
         self.num_rows = num_rows
         self.crash_at_step = crash_at_step
         self.step_sleep_s = step_sleep_s
+        self.pace_until = pace_until
         self.fail_at_step = fail_at_step  # every rank's compute_loss raises there: the pipeline's error
 
     def build_model(self, cfg):
@@ -71,7 +79,7 @@ class RecordingPipeline(raytrain.Pipeline):
             if ctx.step == self.fail_at_step:
                 raise ValueError(f"a bug in compute_loss at step {ctx.step}")
             self._record(ctx, batch)
-            if self.step_sleep_s:
+            if _paced(self.step_sleep_s, getattr(self, "pace_until", None)):
                 import time
 
                 time.sleep(self.step_sleep_s)
@@ -146,13 +154,15 @@ class StallingPipeline(RecordingPipeline):
 
 
 class SlowDigitsPipeline(DigitsPipeline):
-    """digits with a pause per training forward, so a run lasts long enough to resize it."""
+    """digits with a pause per training forward, so a run lasts long enough to resize it
+    (until the file `pace_until` exists, when given)."""
 
-    def __init__(self, step_sleep_s: float = 0.25):
+    def __init__(self, step_sleep_s: float = 0.25, pace_until: str | None = None):
         self.step_sleep_s = step_sleep_s
+        self.pace_until = pace_until
 
     def compute_loss(self, model, batch):
-        if model.training and self.step_sleep_s:
+        if model.training and _paced(self.step_sleep_s, self.pace_until):
             import time
 
             time.sleep(self.step_sleep_s)
