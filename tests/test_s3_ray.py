@@ -126,14 +126,9 @@ def test_per_step_fault_tolerance_checkpoints_to_the_bucket(ray_session, s3, buc
     assert not [key for key in s3.objects(bucket, "runs/ft/") if "/.staging" in key]
 
 
-TESTS = Path(__file__).resolve().parent
-
-
-def _train(storage: str, name: str, unpaced: Path, *extra: str) -> list[str]:
-    """digits, a pause per step until the file `unpaced` exists (rt_test_pipelines)."""
+def _train(storage: str, name: str, *extra: str) -> list[str]:
     code = "import sys; from raytrain.cli import main; sys.exit(main(sys.argv[1:]))"
-    pipeline = ["rt_test_pipelines:PacedDigitsPipeline", "--pipeline-arg", f"pace_until={unpaced}"]
-    return [sys.executable, "-c", code, "train", *pipeline, "--workers", "2", "--epochs", "6"] + [
+    return [sys.executable, "-c", code, "train", "digits", "--workers", "2", "--epochs", "6"] + [
         "--storage",
         storage,
         "--name",
@@ -154,13 +149,10 @@ def test_driver_sigkill_then_store_frozen_mid_run_each_resumed_from_the_uri(s3, 
     Then the server freezes for longer than the retries: the run stops once (exit 2, one
     message) or rides it out; resumed again, it finishes, and every checkpoint it left loads."""
     storage, run = s3.uri(bucket, "runs"), Store.of(s3.uri(bucket, "runs/k"))
-    # A pause per step (0.25 s: an epoch ≥ 5 s) keeps the run going for a while after a checkpoint, for
-    # the events to land mid-run; once the server answers again, the rest goes at full speed.
-    unpaced = tmp_path / "unpaced"
-    pythonpath = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": pythonpath, "RAYTRAIN_STORAGE_RETRY_S": "4"}
+    # Ray's own report pace keeps the run going for a while after a checkpoint, for the events to land mid-run.
+    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2", "RAYTRAIN_STORAGE_RETRY_S": "4"}
 
-    driver = subprocess.Popen(_train(storage, "k", unpaced), env=env, start_new_session=True, stdout=subprocess.DEVNULL)
+    driver = subprocess.Popen(_train(storage, "k"), env=env, start_new_session=True, stdout=subprocess.DEVNULL)
     try:
         _wait_for(lambda: len(ckpt.checkpoint_dirs(run)) >= 1, 240, "a first checkpoint")
     finally:
@@ -170,13 +162,12 @@ def test_driver_sigkill_then_store_frozen_mid_run_each_resumed_from_the_uri(s3, 
     stopped_at = ckpt.stored_step(ckpt.latest_complete(run))
 
     resumed = subprocess.Popen(
-        _train(storage, "k", unpaced, "--resume"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        _train(storage, "k", "--resume"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     _wait_for(lambda: ckpt.stored_step(ckpt.latest_complete(run)) > stopped_at, 240, "a checkpoint after the resume")
     s3.pause()
     time.sleep(20)
     s3.resume()
-    unpaced.touch()
     stdout, stderr = resumed.communicate(timeout=300)
     assert "Restarted from the checkpoint" in stdout or "resum" in stdout.lower()
     if resumed.returncode != 0:  # stopped once, resumable
@@ -185,7 +176,7 @@ def test_driver_sigkill_then_store_frozen_mid_run_each_resumed_from_the_uri(s3, 
         # snapshot through the same store, may be the first to give up (exit 1, the run failed).
         assert resumed.returncode in (1, 2) and lines, stderr
         assert resumed.returncode == 1 or ("did not answer" in lines[-1] and "--resume" in lines[-1]), stderr
-        final = subprocess.run(_train(storage, "k", unpaced, "--resume"), env=env, capture_output=True, text=True)
+        final = subprocess.run(_train(storage, "k", "--resume"), env=env, capture_output=True, text=True)
         assert final.returncode == 0, final.stderr
     files = RunDir(run)
     assert files.summary().status == "finished" and files.summary().epochs == 6
