@@ -66,11 +66,8 @@ def test_digits_to_s3_end_to_end_then_export_and_report_from_the_uri(ray_session
 def test_rank_killed_mid_epoch_recovers_from_the_bucket_every_id_once(ray_session, s3, bucket, tmp_path):
     out = tmp_path / "records"
     out.mkdir()
-    # A short pause per step lets the step-8 checkpoint's upload finish before the crash at step 9
-    # (the crash's marker file ends the pauses: the recovered attempt needs none).
-    pipeline = RecordingPipeline(
-        str(out), num_rows=203, crash_at_step=9, step_sleep_s=0.3, pace_until=str(out / "crashed")
-    )
+    # A short pause per step lets the step-8 checkpoint's upload finish before the crash at step 9.
+    pipeline = RecordingPipeline(str(out), num_rows=203, crash_at_step=9, step_sleep_s=0.3)
     cfg = raytrain.TrainConfig(
         workers=2,
         epochs=2,
