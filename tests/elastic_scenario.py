@@ -77,15 +77,18 @@ def main(out: Path) -> None:
         name="elastic",
     )
     run_dir = out / "elastic"
+    # Steps are paced until the driver has seen both resizes; then the rest of the run goes
+    # at full speed (the pauses only make room for the resizes, nothing after them needs one).
+    unpaced = out / "unpaced"
     observed: dict = {}
     result_box: dict = {}
 
     def train() -> None:
         try:
             pipeline = (
-                SlowDigitsPipeline(step_sleep_s=0.25)
+                SlowDigitsPipeline(step_sleep_s=0.25, pace_until=str(unpaced))
                 if os.environ.get("ELASTIC_PIPELINE") == "digits"
-                else RecordingPipeline(str(records), num_rows=960, step_sleep_s=0.25)
+                else RecordingPipeline(str(records), num_rows=960, step_sleep_s=0.25, pace_until=str(unpaced))
             )
             result_box["summary"] = raytrain.fit(pipeline, cfg).summary
         except Exception as exc:  # reported in result.json
@@ -114,6 +117,8 @@ def main(out: Path) -> None:
         )
     except TimeoutError as exc:
         observed["timeout"] = str(exc)
+    finally:
+        unpaced.touch()
     thread.join(timeout=600)
     if "shrink_s" in observed:
         observed["recovery_s"] = _first_row_after(run_dir, removed_at, world_size=2)

@@ -24,6 +24,10 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def _paced(step_sleep_s: float, pace_until: str | None) -> bool:
+    return bool(step_sleep_s) and not (pace_until and os.path.exists(pace_until))
+
+
 def _table_dataset(columns: dict[str, np.ndarray]):
     import pyarrow as pa
     import ray.data
@@ -39,6 +43,8 @@ class RecordingPipeline(raytrain.Pipeline):
 
     `crash_at_step`: on the first attempt only (a marker file in `out_dir`), rank 0's
     process exits once the run reaches that global step, to exercise failure recovery.
+    `step_sleep_s` paces every training step, until the file `pace_until` exists (when given):
+    a test keeps the run going while it waits for something, then lets it finish at full speed.
     """
 
     def __init__(
@@ -48,11 +54,13 @@ class RecordingPipeline(raytrain.Pipeline):
         crash_at_step: int | None = None,
         step_sleep_s: float = 0.0,
         fail_at_step: int | None = None,
+        pace_until: str | None = None,
     ):
         self.out_dir = out_dir
         self.num_rows = num_rows
         self.crash_at_step = crash_at_step
         self.step_sleep_s = step_sleep_s
+        self.pace_until = pace_until
         self.fail_at_step = fail_at_step  # every rank's compute_loss raises there: the pipeline's error
 
     def build_model(self, cfg):
@@ -71,12 +79,15 @@ class RecordingPipeline(raytrain.Pipeline):
             if ctx.step == self.fail_at_step:
                 raise ValueError(f"a bug in compute_loss at step {ctx.step}")
             self._record(ctx, batch)
-            if self.step_sleep_s:
+            if self._paced():
                 import time
 
                 time.sleep(self.step_sleep_s)
         logits = model(batch["x"])
         return F.cross_entropy(logits, batch["y"])
+
+    def _paced(self) -> bool:
+        return _paced(self.step_sleep_s, getattr(self, "pace_until", None))
 
     def _record(self, ctx, batch):
         out = Path(self.out_dir)
@@ -146,17 +157,43 @@ class StallingPipeline(RecordingPipeline):
 
 
 class SlowDigitsPipeline(DigitsPipeline):
-    """digits with a pause per training forward, so a run lasts long enough to resize it."""
+    """digits with a pause per training forward, so a run lasts long enough to resize it
+    (until the file `pace_until` exists, when given)."""
 
-    def __init__(self, step_sleep_s: float = 0.25):
+    def __init__(self, step_sleep_s: float = 0.25, pace_until: str | None = None):
         self.step_sleep_s = step_sleep_s
+        self.pace_until = pace_until
 
     def compute_loss(self, model, batch):
-        if model.training and self.step_sleep_s:
+        if model.training and _paced(self.step_sleep_s, self.pace_until):
             import time
 
             time.sleep(self.step_sleep_s)
         return super().compute_loss(model, batch)
+
+
+@dataclass
+class PacedDigitsArgs:
+    """PacedDigitsPipeline's options from the command line (`--pipeline-arg KEY=VALUE`)."""
+
+    step_sleep_s: float = 0.25
+    pace_until: str = ""
+
+
+class PacedDigitsPipeline(SlowDigitsPipeline):
+    """SlowDigitsPipeline for `raytrain train rt_test_pipelines:PacedDigitsPipeline
+    --pipeline-arg step_sleep_s=S --pipeline-arg pace_until=FILE`: each worker reads its options
+    from the run's config when it builds its model."""
+
+    Args = PacedDigitsArgs
+
+    def __init__(self):
+        super().__init__()
+
+    def build_model(self, cfg):
+        args = self.args(cfg)
+        self.step_sleep_s, self.pace_until = args.step_sleep_s, args.pace_until or None
+        return super().build_model(cfg)
 
 
 def count_preprocessed(out_dir: str):
@@ -453,6 +490,17 @@ class ReplicaRecordingPipeline(RecordingPipeline):
         rows = [{"id": i, "x": rng.normal(size=8).astype(np.float32), "y": i % 3} for i in range(self.num_rows)]
         return {"train": ray.data.from_items(rows, override_num_blocks=self.num_blocks)}
 
+    def _paced(self) -> bool:
+        """Paced until every replica the run kills or hangs has a replacement training: the
+        pauses keep the run going until then, and nothing after needs them."""
+        victims = (self.kill_replicas if self.kill_at_step is not None else ()) + (
+            (self.hang_replica,) if self.hang_at_step is not None else ()
+        )
+        out = Path(self.out_dir)
+        if victims and all((out / f"rejoined-replica{replica}").exists() for replica in victims):
+            return False
+        return super()._paced()
+
     def _record(self, ctx, batch):
         import time
 
@@ -460,6 +508,12 @@ class ReplicaRecordingPipeline(RecordingPipeline):
 
         replica = ray.train.get_context().get_world_rank()
         out = Path(self.out_dir)
+        if not getattr(self, "_rejoined", False):  # a replacement's first step: it has rejoined
+            for kind in ("killed", "hung"):
+                marker = out / f"{kind}-replica{replica}"
+                if marker.exists() and json.loads(marker.read_text())["pid"] != os.getpid():
+                    (out / f"rejoined-replica{replica}").touch()
+                    self._rejoined = True
         marker = out / f"killed-replica{replica}"
         if ctx.step == self.kill_at_step and replica in self.kill_replicas and not marker.exists():
             marker.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))

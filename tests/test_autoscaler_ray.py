@@ -3,9 +3,10 @@
 The test starts a head of its own (tests/ray_head.py) with no CPUs and Ray's fake
 multi-node autoscaler (`RAY_FAKE_CLUSTER=1`, provider `fake_multinode`,
 tests/fake_cluster.yaml): every "node" it adds is a local raylet with 1 CPU, 1 at the start
-(min_workers) and up to 3. `raytrain train digits --workers 1:3 --address HEAD` starts on the
-one node; the run asks Ray for 3 workers, the autoscaler adds two nodes, and the run resizes
-to 3 workers and finishes there, every epoch seen exactly once. The head, its autoscaler and
+(min_workers) and up to 3. `raytrain train --workers 1:3 --address HEAD` of digits (paced:
+rt_test_pipelines:PacedDigitsPipeline) starts on the one node; the run asks Ray for 3 workers,
+the autoscaler adds two nodes, and the run resizes to 3 workers and finishes there, every
+epoch seen exactly once. The head, its autoscaler and
 the raylets of the added nodes are then stopped, and nothing of them may be left; never
 `ray stop`, which kills every Ray process on the machine.
 """
@@ -13,6 +14,7 @@ the raylets of the added nodes are then stopped, and nothing of them may be left
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -32,13 +34,15 @@ CONFIG = Path(__file__).with_name("fake_cluster.yaml")
 WORKER_TYPE = "ray.worker.cpu"
 # Ray grows the run some 15-45 s after its workers start: the nodes join within seconds, but
 # Train's view of them refreshes every 20 s and raytrain checks for a bigger group every 15 s.
-# The run must last longer than that at 1 worker, and not much longer at 3. A checkpoint
-# every CHECKPOINT_EVERY steps paces it, whatever the machine's speed: with Ray's own poll
-# interval (REPORT_PACE, exported for this run, so it wins over raytrain's 0.25 s) Ray Train
-# lets a report through about once per 2 s, and an epoch is 45 steps at 1 worker, 15 at 3.
+# The run must last longer than that at 1 worker. A pause per step (STEP_SLEEP_S) paces it,
+# whatever the machine's speed: an epoch is 45 steps at 1 worker (≥ 18 s), 15 at 3. Once the
+# test sees the resize to 3, it lifts the pause (the file `unpaced`): the rest goes at full
+# speed. A checkpoint every CHECKPOINT_EVERY steps is where the run can resize.
 EPOCHS = 5
 CHECKPOINT_EVERY = 5
-REPORT_PACE = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}
+STEP_SLEEP_S = 0.4
+PIPELINE = "rt_test_pipelines:PacedDigitsPipeline"
+TESTS = Path(__file__).resolve().parent
 
 
 def _train_rows() -> int:
@@ -115,10 +119,15 @@ def test_elastic_run_grows_as_the_autoscaler_adds_nodes(tmp_path):
             time.sleep(0.5)
         phase(f"worker node {min(seen)[-5:]} alive (min_workers)")
         log = open(tmp_path / "train.log", "w")
+        unpaced = tmp_path / "unpaced"
         cmd = [
             str(BIN / "raytrain"),
             "train",
-            "digits",
+            PIPELINE,
+            "--pipeline-arg",
+            f"step_sleep_s={STEP_SLEEP_S}",
+            "--pipeline-arg",
+            f"pace_until={unpaced}",
             "--workers",
             "1:3",
             "--epochs",
@@ -134,9 +143,15 @@ def test_elastic_run_grows_as_the_autoscaler_adds_nodes(tmp_path):
             "--name",
             name,
         ]
-        # The driver joins the head as a client; it is not one of the head's processes.
+        # The driver joins the head as a client; it is not one of the head's processes. Its
+        # workers import the pipeline from the driver's path (tests/ on it).
+        pythonpath = os.pathsep.join([str(TESTS.parent), str(TESTS), head.cli_env.get("PYTHONPATH", "")])
         train = subprocess.Popen(
-            cmd, env={**head.cli_env, **REPORT_PACE}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            env={**head.cli_env, "PYTHONPATH": pythonpath},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         most_alive, reported = len(seen), set()
         try:
@@ -153,8 +168,12 @@ def test_elastic_run_grows_as_the_autoscaler_adds_nodes(tmp_path):
                     if event["kind"] in ("plan", "resize", "done") and key not in reported:
                         reported.add(key)
                         phase(event["message"])
+                    if event["kind"] == "resize" and event.get("world_size") == 3 and not unpaced.exists():
+                        unpaced.touch()
+                        phase("grown to 3: the pause per step lifted")
                 time.sleep(1)
         finally:
+            unpaced.touch()
             if train.poll() is None:
                 train.kill()
             train.wait()
