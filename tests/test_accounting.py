@@ -104,3 +104,15 @@ def test_measured_costs_for_the_planner():
     g = Goodput(goodput=0.9, step_s=0.2, recovery_s=30.0, failures=2).to_json()
     assert measured_costs(g, 1.5) == {"step_s": 0.2, "stall_s": 1.5, "recovery_s": 15.0}
     assert measured_costs(None, None) == {}
+
+
+def test_the_rows_a_restart_dropped_are_named_by_its_event():
+    # metrics.jsonl lost the rows past the checkpoint (step 20); the restore names step 30 at 1014.5
+    events = [
+        Event(Kind.PLAN, "plan", time=1010.0),
+        Event(Kind.RESTORE, "restored", time=1040.0, extra={"step": 20, "last_step": 30, "last_step_time": 1014.5}),
+    ]
+    rows = [row(10, 1012.0), row(20, 1013.0), row(30, 1042.0), row(40, 1043.0)]
+    g = account(wall_s=50.0, started=STARTED, events=events, rows=rows, progress=progress())
+    assert g.redone_s == pytest.approx(1.0)
+    assert g.recovery_s == pytest.approx(26.5)

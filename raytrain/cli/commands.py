@@ -159,3 +159,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.storage is not None and not args.storage.strip():  # as `train` says it, not the default checked instead
         raise ConfigError([("storage", "is empty; give a directory, e.g. --storage ~/raytrain_results")])
     return run_doctor(address=args.address, storage=args.storage, echo=print)
+
+
+# -- raytrain plan -----------------------------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from raytrain.bench.plan import PlanOptions, run_plan
+
+    given = vars(args)
+    run_plan(PlanOptions(**{o.name: given[o.name] for o in fields.options(PlanOptions) if o.name in given}))
+    return 0

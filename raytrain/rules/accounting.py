@@ -106,9 +106,14 @@ def _attempt_step(event: Event) -> int:
 
 
 def _before(event: Event, marks: Sequence[_Mark], started: float) -> _Mark:
-    """The last record before `event`: when training was last known to be going on."""
+    """The last record before `event`: when training was last known to be going on (the rows a
+    restart drops are gone from metrics.jsonl; its event names the last of them)."""
     earlier = [mark for mark in marks if mark.time < event.time]
-    return earlier[-1] if earlier else _Mark(started, _attempt_step(event))
+    found = earlier[-1] if earlier else _Mark(started, _attempt_step(event))
+    said = event.last_recorded
+    if said is not None and found.time < said[1] < event.time:
+        return _Mark(said[1], said[0])
+    return found
 
 
 def _after(event: Event, marks: Sequence[_Mark], step_s: float) -> float:

@@ -116,6 +116,13 @@ class Event(_Record):
         return self.extra.get("step")
 
     @property
+    def last_recorded(self) -> tuple[int, float] | None:
+        """An attempt's event: (step, time) of the last training recorded before it (a metrics or
+        live row), from which the steps redone and the time to recover are counted."""
+        step, at = self.extra.get("last_step"), self.extra.get("last_step_time")
+        return (step, at) if isinstance(step, int) and isinstance(at, (int, float)) else None
+
+    @property
     def recovers_a_failure(self) -> bool:
         """A restart from a checkpoint, or training on with fewer workers (a resize, or a
         per-step quorum that lost a replica)."""
