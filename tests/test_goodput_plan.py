@@ -4,10 +4,11 @@ measured figures, drawn against the worker count; bad input exits 2 naming the o
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import yaml
-from test_cli import assert_usage_error, cli
+from test_cli import RAYTRAIN, assert_usage_error, cli, needs_script
 
 from raytrain.bench.plan import PlanOptions, inputs, run_plan, worker_counts
 from raytrain.errors import ConfigError
@@ -92,3 +93,17 @@ def test_cli_plan_bad_input_names_the_option(capsys, tmp_path, argv, message):
     code, out, err = cli(capsys, "plan", *argv, "--plot", str(tmp_path / "p.png"))
     assert_usage_error(code, out, err, message, lines=None)
     assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.slow
+@needs_script
+def test_the_installed_script_plans_and_refuses_bad_input(tmp_path):
+    ok = subprocess.run(
+        [str(RAYTRAIN), "plan", "--workers", "8,16384"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "16384   2048" in ok.stdout and (tmp_path / "goodput.png").read_bytes()[:8] == PNG_SIGNATURE
+    bad = subprocess.run(
+        [str(RAYTRAIN), "plan", "--mtbf-hours", "-3"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert_usage_error(bad.returncode, bad.stdout, bad.stderr, "--mtbf-hours: got -3.0; must be a positive number")

@@ -126,7 +126,10 @@ def scenarios(opts: PlanOptions) -> list[Scenario]:
         )
         for n in worker_counts(opts.workers)
     ]
-    problems = [(OPTION_OF.get(name, name), why) for name, why in built[0].check()]
+    # the MTBF as the user gave it, in hours (the scenario holds seconds)
+    problems = [(OPTION_OF.get(name, name), why) for name, why in built[0].check() if name != "node_mtbf_s"]
+    if not 0 < opts.mtbf_hours < float("inf"):
+        problems.append(("mtbf_hours", f"got {opts.mtbf_hours}; must be a positive number of hours per node"))
     if not opts.storage_gbps > 0:
         problems.append(("storage_gbps", f"got {opts.storage_gbps}; must be a positive number of GB/s"))
     if opts.checkpoint_gb < 0:

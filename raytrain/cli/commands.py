@@ -42,6 +42,8 @@ def print_summary(result, files: "RunDir | None" = None) -> None:
         if isinstance(v, (int, float))
     )
     steady = f", {s['steady_samples_per_s']:,.0f} samples/s steady" if s.get("steady_samples_per_s") else ""
+    if isinstance((s.get("goodput") or {}).get("goodput"), (int, float)):
+        steady += f", goodput {s['goodput']['goodput']:.0%}"  # kept step time over wall time
     print(f"Done in {s['wall_time_s']:.1f} s: {s['epochs']} epochs, {s['steps']} steps{steady}; {metrics}")
     print(f"Run directory: {result.run_dir}")
     if result.model_path:
