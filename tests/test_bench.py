@@ -107,6 +107,12 @@ def test_speedup_is_exactly_one_at_one_worker():
     assert "predicted_speedup" not in rows[1]
     predicted = scaling_rows(runs, grad_bytes=340_000, link="eth10", bucket_mb=25.0)
     assert predicted[0]["predicted_speedup"] == 1.0 and 1.0 < predicted[1]["predicted_speedup"] < 2.0
+    assert rows[0]["goodput"] is None  # a run without it in its summary
+
+
+def test_bench_json_gives_each_worker_counts_goodput():
+    rows = scaling_rows([{**_run(1, 3000.0, 0.08), "goodput": 0.61}, _run(2, 5000.0, 0.1)], 340_000, None, 25.0)
+    assert [row["goodput"] for row in rows] == [0.61, None]
 
 
 def test_baseline_ratios_and_median_round():

@@ -204,11 +204,14 @@ def test_the_writer_writes_nothing_on_other_ranks(tmp_path):
 def test_an_attempt_drops_the_rows_after_its_checkpoint_and_says_what_it_is(tmp_path):
     writer = RunWriter(tmp_path, enabled=True)
     for step in (10, 20, 30):
-        writer.metrics(MetricsRow(epoch=1, step=step, loss=1.0))
+        writer.metrics(MetricsRow(epoch=1, step=step, loss=1.0, time_s=100.0 + step))
     writer.start_attempt(Event(Kind.RESTORE, "Restarted", extra={"world_size": 2, "step": 20}), 20)
     assert [row.step for row in RunDir(tmp_path).metrics()] == [10, 20]
     (event,) = lines(tmp_path / "events.jsonl")
-    assert set(event) == {"time", "kind", "message", "world_size", "step"} and event["kind"] == "restore"
+    assert set(event) == {"time", "kind", "message", "world_size", "step", "last_step", "last_step_time"}
+    assert event["kind"] == "restore"
+    # the last training recorded before it (its row is dropped): goodput counts the steps redone from it
+    assert (event["last_step"], event["last_step_time"]) == (30, 130.0)
 
 
 def test_an_epochs_end_writes_its_row_and_its_line(tmp_path):

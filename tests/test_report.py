@@ -161,3 +161,29 @@ def test_report_command(tmp_path, capsys):
     )
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert "raytrain report: " in capsys.readouterr().err
+
+
+def test_report_says_the_goodput_and_where_the_rest_went(tmp_path):
+    run_dir = write_run(tmp_path / "elastic")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["goodput"] = {
+        "goodput": 0.8123,
+        "wall_s": 200.5,
+        "kept_steps_s": 162.87,
+        "step_s": 1.81,
+        "start_s": 12.0,
+        "checkpoint_stall_s": 3.5,
+        "recovery_s": 15.0,
+        "redone_s": 4.0,
+        "validation_s": None,
+        "other_s": 3.13,
+        "failures": 1,
+        "checkpoints": 3,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    text = write_report(run_dir).read_text()
+    assert "1 failure recovered · goodput 81%" in text
+    assert "## Goodput" in text and "**81.2%** of the wall time went to steps that were kept" in text
+    assert "| recovery | 15.0 | 7.5% |" in text
+    assert "| validation | not recorded |  |" in text
+    assert "their time is part of *other*" in text

@@ -772,3 +772,15 @@ def test_a_worker_count_that_cannot_fit_fails_fast(ray_session, capsys, tmp_path
     )
     assert time.time() - started < 30
     assert not (tmp_path / "big").exists()
+
+
+def test_trials_csv_gives_each_trials_goodput(tmp_path):
+    from raytrain.tune.results import trial_results
+
+    run_dir = tmp_path / "trial"
+    run_dir.mkdir()
+    rows = [{"epoch": 1, "val_loss": 0.5, "time_s": 1.0}]
+    assert trial_results(rows, run_dir, TuneOptions())["goodput"] is None  # no summary.json
+    summary = {"status": "finished", "goodput": {"goodput": 0.731, "wall_s": 10.0}}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    assert trial_results(rows, run_dir, TuneOptions())["goodput"] == 0.731

@@ -89,6 +89,7 @@ def scaling_rows(
             "split_ms": split,
             "implied_bandwidth_GBps": costmodel.implied_bandwidth_GBps(n, grad_bytes, split["communication"] / 1e3),
             "run_dir": run["run_dir"],
+            "goodput": run.get("goodput"),  # the run's kept step time over its wall time (startup included)
             "cost": flops.cost_view(
                 run.get("flops_per_sample"),
                 run["steady_samples_per_s"],

@@ -245,6 +245,7 @@ def run_raytrain(pipe, run: PlannedRun, tag: str, echo) -> dict[str, Any]:
         "phase_time_s": progress.get("phase_time_s"),
         "flops_per_sample": progress.get("flops_per_sample"),
         "device_name": progress.get("device_name"),
+        "goodput": (result.summary.get("goodput") or {}).get("goodput"),
         "run_dir": result.run_dir,
     }
     echo(f"bench: {what}: {measured['steady_samples_per_s']:,.0f} samples/s steady")

@@ -43,6 +43,8 @@ def print_summary(result, files: "RunDir | None" = None) -> None:
         if isinstance(v, (int, float))
     )
     steady = f", {s['steady_samples_per_s']:,.0f} samples/s steady" if s.get("steady_samples_per_s") else ""
+    if isinstance((s.get("goodput") or {}).get("goodput"), (int, float)):
+        steady += f", goodput {s['goodput']['goodput']:.0%}"  # kept step time over wall time
     print(f"Done in {s['wall_time_s']:.1f} s: {s['epochs']} epochs, {s['steps']} steps{steady}; {metrics}")
     print(f"Run directory: {result.run_dir}")
     if result.model_path:
@@ -161,3 +163,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.storage is not None and not args.storage.strip():  # as `train` says it, not the default checked instead
         raise ConfigError([("storage", "is empty; give a directory, e.g. --storage ~/raytrain_results")])
     return run_doctor(address=args.address, storage=args.storage, echo=print)
+
+
+# -- raytrain plan -----------------------------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from raytrain.bench.plan import PlanOptions, run_plan
+
+    given = vars(args)
+    run_plan(PlanOptions(**{o.name: given[o.name] for o in fields.options(PlanOptions) if o.name in given}))
+    return 0

@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(commands)
     add_check_parser(commands)
+    add_plan_parser(commands)
     return parser
 
 
@@ -286,3 +287,22 @@ def add_check_parser(commands) -> None:
     train = check.add_argument_group("train options (as for raytrain train)")
     add_run_flags(train, skip=CHECK_SKIPPED)
     check.set_defaults(handler=handlers.cmd_check)
+
+
+# -- raytrain plan -----------------------------------------------------------------------------
+
+
+def add_plan_parser(commands) -> None:
+    """`raytrain plan`: the goodput model on paper (PlanOptions)."""
+    from raytrain.bench.plan import PlanOptions
+
+    plan = commands.add_parser(
+        "plan",
+        help="goodput and the best checkpoint interval per fault-tolerance mode, up to 16,384 workers",
+        description="Predict, for each fault-tolerance mode (restart, per-step, per-step with replica groups), the "
+        "checkpoint interval that gives the most goodput and that goodput, at each worker count, from the costs of "
+        "a step, a save and a recovery and the nodes' MTBF (docs/fault-tolerance.md); runs nothing. With --run, a "
+        "run directory's measured figures replace the defaults.",
+    )
+    add_flags(plan, PlanOptions)
+    plan.set_defaults(handler=handlers.cmd_plan)

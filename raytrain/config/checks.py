@@ -114,6 +114,7 @@ def _check_counts(c: Any) -> Iterable[tuple[str, str]]:
             "checkpoint_every_steps",
             f"got {c.checkpoint_every_steps}; must be 0 (epoch ends only) or a positive step count",
         )
+    yield from _check_auto_interval(c)
     if c.seed < 0:
         yield "seed", f"got {c.seed}; must be 0 or more"
     if c.max_failures < -1:
@@ -123,6 +124,25 @@ def _check_counts(c: Any) -> Iterable[tuple[str, str]]:
             "shuffle_window_rows",
             f"got {c.shuffle_window_rows}; must be 0 (hold the data in memory) or a row count, e.g. "
             "--shuffle-window-rows 65536",
+        )
+
+
+def _check_auto_interval(c: Any) -> Iterable[tuple[str, str]]:
+    """--checkpoint-every auto and its inputs (raytrain.rules.interval)."""
+    if c.checkpoint_every == "auto" and c.checkpoint_every_steps > 0:
+        yield (
+            "checkpoint_every",
+            f"got auto together with --checkpoint-every-steps {c.checkpoint_every_steps}; give one: "
+            "--checkpoint-every auto chooses the interval from the measured costs, --checkpoint-every-steps N fixes it",
+        )
+    if not 0 < c.mtbf_hours < math.inf:
+        yield "mtbf_hours", f"got {c.mtbf_hours}; must be a positive number of hours per node, e.g. --mtbf-hours 6335"
+    yield from _positive_int("checkpoint_min_steps", c.checkpoint_min_steps, 10)
+    if c.checkpoint_min_steps >= 1 and c.checkpoint_max_steps < c.checkpoint_min_steps:
+        yield (
+            "checkpoint_max_steps",
+            f"got {c.checkpoint_max_steps}, fewer than --checkpoint-min-steps {c.checkpoint_min_steps}; raise it or "
+            "lower --checkpoint-min-steps",
         )
 
 

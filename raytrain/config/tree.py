@@ -29,6 +29,7 @@ EXCLUSIVE_PAIRS = (
     {"global_batch_size", "batch_size_per_worker"},
     {"epochs", "max_steps"},
     {"warmup_epochs", "warmup_steps"},
+    {"checkpoint_every", "checkpoint_every_steps"},
 )
 DEFAULT_STORAGE = "~/raytrain_results"
 
@@ -146,6 +147,17 @@ class TrainConfig:
     install 'raytrain[ft]')."""
     checkpoint_every_steps: int = 0
     """Also checkpoint every this many optimizer steps (0: at the end of each epoch only)."""
+    checkpoint_every: Literal["auto"] | None = None
+    """auto: checkpoint every so many steps, the interval chosen by Daly's rule from the run's measured stall per
+    save and step time and the failure rate (--mtbf-hours, updated by the run's own failures), re-derived after
+    every save and failure, printed when it changes (docs/fault-tolerance.md); instead of --checkpoint-every-steps."""
+    mtbf_hours: float = 6335.0
+    """With --checkpoint-every auto: the mean time between failures of one node, in hours, before the run has seen
+    its own (default: Llama 3's 419 unexpected interruptions in 54 days on 2,048 nodes of 8 GPUs)."""
+    checkpoint_min_steps: int = 10
+    """With --checkpoint-every auto: the fewest steps between two checkpoints."""
+    checkpoint_max_steps: int = 100_000
+    """With --checkpoint-every auto: the most steps between two checkpoints."""
     num_checkpoints_to_keep: int = 2
     """Checkpoints kept in storage (the latest is always kept)."""
     checkpoint_async: bool = True

@@ -10,6 +10,7 @@ from typing import Any
 from raytrain.config import TrainConfig
 from raytrain.errors import StorageError, explain_worker_errors, find_user_error
 from raytrain.rules import flops
+from raytrain.rules.accounting import account
 from raytrain.rules.attempt import tally
 from raytrain.rules.budget import Budget
 from raytrain.rundir import EPOCH_LOSS, MODEL, MetricsRow, RunDir, Summary
@@ -53,13 +54,15 @@ def write_summary(
         status = _status(error, fault, interrupted and not done)
     has_model = files.has(MODEL)
     at = progress or last
-    counts = tally(files.events(since=started - 1), interrupted=bool(interrupted), stop_requested_at=stop_requested_at)
+    events = files.events(since=started - 1)
+    counts = tally(events, interrupted=bool(interrupted), stop_requested_at=stop_requested_at)
+    wall_time_s = round(time.time() - started + (earlier.wall_time_s or 0.0 if earlier else 0.0), 3)
     summary = Summary(
         status=status,
         epochs=at.epoch if at else 0,
         steps=at.step if at else 0,
         samples_seen=at.samples_seen if at else 0,
-        wall_time_s=round(time.time() - started + (earlier.wall_time_s or 0.0 if earlier else 0.0), 3),
+        wall_time_s=wall_time_s,
         steady_samples_per_s=progress.steady_samples_per_s if progress else None,
         steady_steps=progress.steady_steps if progress else None,
         world_sizes=(progress.world_sizes if progress else None)
@@ -75,6 +78,15 @@ def write_summary(
         model_path=(files.store / MODEL).public_uri if has_model and status == "finished" else None,
         error=None if error is None else first_line(str(fault if fault is not None else error)) or type(error).__name__,
     )
+    goodput = account(
+        wall_s=wall_time_s,
+        started=started,
+        events=events,
+        rows=rows,
+        progress=progress,
+        earlier=earlier.goodput if earlier else None,
+    )
+    summary.goodput = goodput.to_json() if goodput is not None else None
     cost = _cost(progress, cfg)
     if cost is not None:
         summary.extra["cost"] = cost

@@ -24,7 +24,9 @@ from typing import Any
 from raytrain.errors import UserError
 from raytrain.observe.render import figure, markdown_table
 from raytrain.rules import flops
+from raytrain.rules.accounting import markdown as goodput_markdown
 from raytrain.rundir import EPOCH_LOSS, PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Store, Summary
+from raytrain.rundir.records import Goodput
 from raytrain.text import is_number, plural
 
 
@@ -282,6 +284,8 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
         lines += [f"**Error:** {s.error}", ""]
     if s and s.get("cost"):
         lines += [f"Cost: {flops.describe_cost(s.get('cost'))}.", ""]
+    if s and s.goodput:
+        lines += goodput_markdown(Goodput.from_json(s.goodput))
     if s and s.final_metrics:
         labelled = [(final_label(key, s), _fmt(value)) for key, value in s.final_metrics.items()]
         lines += [*markdown_table(["final metric", "value"], labelled), ""]
@@ -343,6 +347,8 @@ def _headline(run: RunRecord) -> str:
         parts.append(f"workers {' → '.join(map(str, sizes))}")
     if s:
         parts.append(f"{plural(s.failures_recovered, 'failure')} recovered")
+        if s.goodput and is_number(s.goodput.get("goodput")):
+            parts.append(f"goodput {s.goodput['goodput']:.0%}")
         if s.resumes:
             parts.append("resumed from a checkpoint")
         if s.checkpoints_skipped:

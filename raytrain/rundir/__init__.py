@@ -208,6 +208,17 @@ class RunDir:
         self.write_summary(summary)
         return summary
 
+    def last_record(self) -> tuple[int, float] | None:
+        """(step, time) of the furthest training recorded: the last metrics row or live row,
+        whichever came later (read before a restart drops the rows it will redo)."""
+        found = [
+            (int(row["step"]), float(row[key]))
+            for name, key in ((METRICS, "time_s"), (LIVE, "time"))
+            for row in self._jsonl(name)[-1:]
+            if isinstance(row.get("step"), int) and isinstance(row.get(key), (int, float))
+        ]
+        return max(found, key=lambda record: record[1]) if found else None
+
     def truncate_metrics(self, last_step: int) -> None:
         """Keep the rows up to `last_step`: those after a checkpoint describe training that a
         restart is about to redo."""

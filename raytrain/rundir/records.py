@@ -116,6 +116,13 @@ class Event(_Record):
         return self.extra.get("step")
 
     @property
+    def last_recorded(self) -> tuple[int, float] | None:
+        """An attempt's event: (step, time) of the last training recorded before it (a metrics or
+        live row), from which the steps redone and the time to recover are counted."""
+        step, at = self.extra.get("last_step"), self.extra.get("last_step_time")
+        return (step, at) if isinstance(step, int) and isinstance(at, (int, float)) else None
+
+    @property
     def recovers_a_failure(self) -> bool:
         """A restart from a checkpoint, or training on with fewer workers (a resize, or a
         per-step quorum that lost a replica)."""
@@ -162,14 +169,47 @@ class Summary(_Record):
     """Invocations that trained the run (the first, then every --resume); `wall_time_s` is their sum."""
     best_checkpoint: str | None = None
     model_path: str | None = None
+    goodput: dict[str, Any] | None = None
+    """The run's goodput and where the rest of its wall time went (`Goodput`'s keys), across resumes."""
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         values = super().to_json()
-        if values["error"] is None:
-            values.pop("error")
+        for key in ("error", "goodput"):
+            if values[key] is None:
+                values.pop(key)
         return values
+
+
+@dataclass
+class Goodput(_Record):
+    """summary.json's `goodput` (raytrain.rules.accounting): seconds of the run's wall time, summed
+    over its invocations, by where they went."""
+
+    goodput: float | None
+    """Time on the steps that were kept over the wall time (0 to 1)."""
+    wall_s: float = 0.0
+    kept_steps_s: float = 0.0
+    """The steps of the final position at the steady step time."""
+    step_s: float = 0.0
+    """The steady step time the kept steps are counted at."""
+    start_s: float = 0.0
+    """From each invocation's start to its first steps."""
+    checkpoint_stall_s: float = 0.0
+    """The loop's wait at the saves the position kept."""
+    recovery_s: float = 0.0
+    """From the last record before each failure (or resize) to training again, less the steps redone."""
+    redone_s: float = 0.0
+    """Steps trained again after a failure (those since the checkpoint restored; one under per-step)."""
+    validation_s: float | None = None
+    """Validation passes (None: not recorded by this run; then part of other_s)."""
+    other_s: float = 0.0
+    """The rest: warm-up steps beyond the steady step time, epoch ends, the final save."""
+    failures: int = 0
+    """Interruptions accounted: restarts, resizes and quorums that lost a replica."""
+    checkpoints: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -218,6 +258,7 @@ __all__ = [
     "SUMMARY",
     "StoredRun",
     "Event",
+    "Goodput",
     "Kind",
     "MetricsRow",
     "Progress",

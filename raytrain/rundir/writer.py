@@ -98,6 +98,11 @@ class RunWriter:
         # Rows written after the checkpoint we resume from describe training that is
         # about to be redone: drop them so the curve continues from the checkpoint.
         self.flush()
+        last = self.rundir.last_record()
+        if last is not None:
+            # where training was last seen before this attempt: the steps redone and the time to
+            # recover are counted from it (raytrain.rules.accounting), once the rows are dropped
+            announcement.extra.update(last_step=last[0], last_step_time=last[1])
         self.rundir.truncate_metrics(checkpoint_step)
         self._append(EVENTS, announcement.to_json())
         self.last_row_step = checkpoint_step

@@ -144,7 +144,14 @@ def trial_results(rows: Sequence[dict[str, Any]], run_dir: Path, options: TuneOp
         "global_batch_size": final.get("global_batch_size"),
         "epochs_to_target": hit["epoch"] if hit else None,
         "time_to_target_s": round(hit["time_s"] - start, 2) if hit and start and is_number(hit.get("time_s")) else None,
+        "goodput": _goodput(run_dir),
     }
+
+
+def _goodput(run_dir: Path) -> float | None:
+    """The trial's goodput (summary.json; raytrain.rules.accounting), when it wrote one."""
+    summary = RunDir(run_dir).summary()
+    return (summary.goodput or {}).get("goodput") if summary is not None else None
 
 
 def _training_start(run_dir: Path) -> float | None:

@@ -1,0 +1,210 @@
+"""`raytrain plan`: goodput and the best checkpoint interval per fault-tolerance mode, on paper,
+for worker counts beyond this machine (`raytrain.rules.goodput`; docs/fault-tolerance.md).
+
+Runs nothing. The inputs come from the options, and where a run directory is given (`--run`),
+from what that run measured (its steady step time, its stall per save and, if it saw failures,
+its recovery per failure); an option given explicitly wins over both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from raytrain.errors import ConfigError
+from raytrain.observe.render import figure, text_table
+from raytrain.rules import goodput
+from raytrain.rules.accounting import measured_costs
+from raytrain.rules.goodput import HOUR_S, MODES, Prediction, Scenario
+
+MAX_WORKERS = 16_384
+DEFAULT_WORKERS = "8,64,512,2048,8192,16384"
+
+
+@dataclass(kw_only=True)
+class PlanOptions:
+    """What `raytrain plan` predicts from."""
+
+    workers: str = DEFAULT_WORKERS
+    """Worker counts (GPUs) to predict for, comma-separated, each 1 to 16,384."""
+    gpus_per_node: int = 8
+    """Workers (GPUs) per node: a node is what fails."""
+    mtbf_hours: float = float(goodput.DEFAULT_NODE_MTBF_H)
+    """Mean time between failures of one node, in hours (default: Llama 3's, 419 unexpected interruptions in 54
+    days on 2,048 nodes of 8 GPUs)."""
+    step_time_s: float | None = None
+    """Seconds per optimizer step (default: the run's, with --run; else 1)."""
+    checkpoint_stall_s: float | None = None
+    """Seconds the loop waits at a save (default: the run's mean, with --run; else 1)."""
+    checkpoint_gb: float = 0.0
+    """Checkpoint size in GB: written in the background after the stall, at --storage-gbps; a failure before it is
+    durable rolls back one save further."""
+    storage_gbps: float = 1.0
+    """GB/s a checkpoint is written to storage at."""
+    recovery_restart_s: float | None = None
+    """restart: seconds from a failure to every worker training again (default: the run's, with --run under
+    restart and a failure; else 37, measured here)."""
+    recovery_per_step_s: float | None = None
+    """per-step: the survivors' wait at a failure (default: the run's, with --run under per-step and a failure;
+    else 1, measured here)."""
+    recovery_groups_s: float = 1.0
+    """per-step with replica groups: the survivors' wait at a failure."""
+    replace_s: float = 8.0
+    """Per-step modes: seconds from a failure to its replacement training (measured here: 8)."""
+    replica_group_size: int = 8
+    """per-step with replica groups: workers per group."""
+    run: str | None = None
+    """A run directory whose measured step time, stall per save and recovery replace the defaults."""
+    plot: str = "goodput.png"
+    """Where to draw goodput against the worker count (PNG)."""
+
+
+def worker_counts(text: str) -> list[int]:
+    """`8,64,512` -> [8, 64, 512]; ConfigError naming --workers otherwise."""
+    try:
+        counts = sorted({int(part) for part in str(text).split(",") if part.strip()})
+    except ValueError:
+        counts = []
+    if not counts or not all(1 <= n <= MAX_WORKERS for n in counts):
+        raise ConfigError(
+            [
+                (
+                    "workers",
+                    f"got {text!r}; give worker counts from 1 to {MAX_WORKERS:,}, comma-separated, e.g. 8,512,16384",
+                )
+            ]
+        )
+    return counts
+
+
+def inputs(opts: PlanOptions) -> tuple[dict[str, float], str]:
+    """The costs the plan uses (step_s, stall_s, recovery per mode) and where they came from."""
+    measured: dict[str, float] = {}
+    mode = "restart"
+    if opts.run:
+        measured, mode = _measured(opts.run)
+    recovery = dict(goodput.RECOVERY_S)
+    if "recovery_s" in measured:
+        recovery["restart" if mode == "restart" else "per-step"] = measured["recovery_s"]
+    given = {
+        "step_s": opts.step_time_s if opts.step_time_s is not None else measured.get("step_s", 1.0),
+        "stall_s": opts.checkpoint_stall_s if opts.checkpoint_stall_s is not None else measured.get("stall_s", 1.0),
+        "restart": opts.recovery_restart_s if opts.recovery_restart_s is not None else recovery["restart"],
+        "per-step": opts.recovery_per_step_s if opts.recovery_per_step_s is not None else recovery["per-step"],
+        "per-step-groups": opts.recovery_groups_s,
+    }
+    source = f"measured in {opts.run}: {', '.join(sorted(measured)) or 'nothing usable'}" if opts.run else "given"
+    return given, source
+
+
+def _measured(run: str) -> tuple[dict[str, float], str]:
+    from raytrain.rundir import RunDir
+
+    files = RunDir(run)
+    summary = files.summary() if files.exists() else None
+    if summary is None:
+        raise ConfigError([("run", f"no summary.json in {run}; give the directory of a finished raytrain train run")])
+    mode = str((files.config() or {}).get("fault_tolerance") or "restart")
+    return measured_costs(summary.goodput, summary.get("checkpoint_wait_s")), mode
+
+
+def scenarios(opts: PlanOptions) -> list[Scenario]:
+    """One scenario per worker count, checked (ConfigError naming each option)."""
+    costs, _ = inputs(opts)
+    built = [
+        Scenario(
+            workers=n,
+            gpus_per_node=opts.gpus_per_node,
+            node_mtbf_s=opts.mtbf_hours * HOUR_S,
+            step_s=costs["step_s"],
+            stall_s=costs["stall_s"],
+            write_s=opts.checkpoint_gb / opts.storage_gbps if opts.storage_gbps > 0 else 0.0,
+            recovery_s={mode: costs[mode] for mode in MODES},
+            replace_s=opts.replace_s,
+            group_size=opts.replica_group_size,
+        )
+        for n in worker_counts(opts.workers)
+    ]
+    # the MTBF as the user gave it, in hours (the scenario holds seconds)
+    problems = [(OPTION_OF.get(name, name), why) for name, why in built[0].check() if name != "node_mtbf_s"]
+    if not 0 < opts.mtbf_hours < float("inf"):
+        problems.append(("mtbf_hours", f"got {opts.mtbf_hours}; must be a positive number of hours per node"))
+    if not opts.storage_gbps > 0:
+        problems.append(("storage_gbps", f"got {opts.storage_gbps}; must be a positive number of GB/s"))
+    if opts.checkpoint_gb < 0:
+        problems.append(("checkpoint_gb", f"got {opts.checkpoint_gb}; must be 0 or more"))
+    if problems:
+        raise ConfigError(sorted(set(problems)))
+    return built
+
+
+# The planner's options by the scenario input they set.
+OPTION_OF = {
+    "node_mtbf_s": "mtbf_hours",
+    "step_s": "step_time_s",
+    "stall_s": "checkpoint_stall_s",
+    "write_s": "checkpoint_gb",
+    "group_size": "replica_group_size",
+    "recovery_s.restart": "recovery_restart_s",
+    "recovery_s.per-step": "recovery_per_step_s",
+    "recovery_s.per-step-groups": "recovery_groups_s",
+}
+
+
+def run_plan(opts: PlanOptions, echo: Callable[[str], None] = print) -> list[Prediction]:
+    """Tabulate each mode's best interval and goodput per worker count; draw goodput against
+    the worker count into `opts.plot`."""
+    built = scenarios(opts)
+    costs, source = inputs(opts)
+    predictions = [goodput.best(s, mode) for s in built for mode in MODES]
+    echo(
+        f"Goodput on paper ({source}): a step {costs['step_s']:.3g} s, a save stalls {costs['stall_s']:.3g} s"
+        f" and is durable {built[0].write_s:.3g} s later; recovery: restart {costs['restart']:.3g} s, per-step "
+        f"{costs['per-step']:.3g} s, per-step-groups {costs['per-step-groups']:.3g} s (+ the lost node's share of a "
+        f"{opts.replace_s:.3g} s replacement); node MTBF {opts.mtbf_hours:,.0f} h, {opts.gpus_per_node} GPUs a node."
+    )
+    header = ["workers", "nodes", "failures/day", "mode", "interval", "goodput", "stalls", "recovery", "redone"]
+    rows = [
+        [
+            p.workers,
+            -(-p.workers // opts.gpus_per_node),
+            f"{p.failures_per_day:.2f}",
+            p.mode,
+            f"{p.interval_steps:,} steps ({_duration(p.interval_steps * costs['step_s'])})",
+            f"{p.goodput:.1%}",
+            f"{p.stalls:.1%}",
+            f"{p.recovery:.1%}",
+            f"{p.redone:.1%}",
+        ]
+        for p in predictions
+    ]
+    echo("\n".join(text_table(header, rows, left=(3, 4))))
+    path = draw(predictions, Path(opts.plot))
+    echo(f"Goodput against worker count: {path}")
+    return predictions
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def draw(predictions: list[Prediction], path: Path) -> Path:
+    """Goodput against the worker count, a line per mode (log scale of workers)."""
+    fig = figure(7.5, 3.6, layout="constrained")
+    axes = fig.add_subplot()
+    for mode in MODES:
+        points = sorted((p.workers, p.goodput) for p in predictions if p.mode == mode)
+        axes.plot([x for x, _ in points], [100 * y for _, y in points], "o-", label=f"{mode} (best interval)")
+    axes.set_xscale("log", base=2)
+    counts = sorted({p.workers for p in predictions})
+    axes.set_xticks(counts, labels=[f"{n:,}" for n in counts])
+    axes.minorticks_off()
+    axes.set(title="Expected goodput at the best checkpoint interval", xlabel="workers (GPUs)", ylabel="goodput %")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path

@@ -1,0 +1,177 @@
+"""A run's goodput, accounted from its records: the time spent on the steps that were kept, over
+the wall time, and where the rest went (summary.json's `goodput`, report.md's table).
+
+- kept steps: the steps of the position (the work a checkpoint kept) at the steady step time
+  (progress.json's steady time over steady steps);
+- checkpoint stalls: the loop's wait at the saves the position kept (`checkpoint_wait_s`);
+- start: from an invocation's start to its first attempt's event (Ray, the data, the model, the
+  restore), then to its first steps: the time the first logged window took beyond its steps;
+- recovery and steps redone, per failure (every attempt after the first, and under per-step every
+  quorum that lost a replica): the steps between the checkpoint restored and the last one recorded
+  before it are redone; the rest of the gap from that last record to the attempt's event, and
+  the first window after it beyond its steps, is recovery. (A quorum's loss redoes one step.)
+- validation: when the position records it (`validation_s`); otherwise it is part of `other`;
+- other: what is left (warm-up steps beyond the steady step time, epoch ends, the final save).
+
+Counted across resumes: the position's figures are the run's; start, recovery and steps redone
+add to those of the earlier invocations' summary. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from raytrain.rundir.records import Event, Goodput, Kind, MetricsRow, Progress
+
+ATTEMPTS = (Kind.PLAN, Kind.RESTORE, Kind.RESIZE)
+
+
+@dataclass(frozen=True)
+class _Mark:
+    time: float
+    step: int
+
+
+def account(
+    *,
+    wall_s: float,
+    started: float,
+    events: Sequence[Event],
+    rows: Sequence[MetricsRow],
+    progress: Progress | None,
+    earlier: dict[str, Any] | None = None,
+) -> Goodput | None:
+    """The run's goodput after this invocation (started at `started`, a time.time(); `events`
+    and `rows` its own), given the earlier invocations' (`earlier`: their summary's goodput).
+    None without a steady step time to count the kept steps at."""
+    steady_time_s = progress.get("steady_time_s") if progress is not None else None
+    if progress is None or not progress.steady_steps or not steady_time_s:
+        return None
+    step_s = steady_time_s / progress.steady_steps
+    marks = sorted(
+        [_Mark(row.time_s, row.step) for row in rows if row.time_s and row.time_s >= started]
+        + [_Mark(e.time, e.step) for e in events if e.step is not None and e.kind not in ATTEMPTS]
+        + [_Mark(e.time, _attempt_step(e)) for e in events if e.kind in ATTEMPTS],
+        key=lambda mark: mark.time,
+    )
+    start = recovery = redone = 0.0
+    failures = 0
+    first = True
+    for event in events:
+        if event.time < started:
+            continue
+        if event.kind in ATTEMPTS and first:
+            first = False
+            start = max(0.0, event.time - started) + _after(event, marks, step_s)
+        elif event.kind in ATTEMPTS or (event.kind == Kind.QUORUM and event.recovers_a_failure):
+            failures += 1
+            back = _before(event, marks, started)
+            at = _attempt_step(event)
+            gap = max(0.0, event.time - back.time - max(0, at - back.step) * step_s)
+            if event.kind == Kind.QUORUM:  # the survivors go on: one step taken again
+                redone += step_s
+                recovery += max(0.0, gap - step_s)
+            else:
+                redone += max(0, back.step - at) * step_s
+                recovery += gap + _after(event, marks, step_s)
+    earlier = earlier or {}
+    kept = progress.step * step_s
+    stalls = float(progress.get("checkpoint_wait_s") or 0.0)
+    validation = progress.get("validation_s")
+    start += earlier.get("start_s") or 0.0
+    recovery += earlier.get("recovery_s") or 0.0
+    redone += earlier.get("redone_s") or 0.0
+    failures += earlier.get("failures") or 0
+    other = wall_s - kept - stalls - start - recovery - redone - (validation or 0.0)
+    return Goodput(
+        goodput=round(kept / wall_s, 4) if wall_s > 0 else None,
+        wall_s=round(wall_s, 3),
+        kept_steps_s=round(kept, 3),
+        step_s=round(step_s, 6),
+        start_s=round(start, 3),
+        checkpoint_stall_s=round(stalls, 3),
+        recovery_s=round(recovery, 3),
+        redone_s=round(redone, 3),
+        validation_s=None if validation is None else round(float(validation), 3),
+        other_s=round(max(0.0, other), 3),
+        failures=failures,
+        checkpoints=int(progress.get("checkpoints") or 0),
+    )
+
+
+def _attempt_step(event: Event) -> int:
+    """The step an attempt starts from (a fresh start without a checkpoint: 0)."""
+    return int(event.step or 0)
+
+
+def _before(event: Event, marks: Sequence[_Mark], started: float) -> _Mark:
+    """The last record before `event`: when training was last known to be going on (the rows a
+    restart drops are gone from metrics.jsonl; its event names the last of them)."""
+    earlier = [mark for mark in marks if mark.time < event.time]
+    found = earlier[-1] if earlier else _Mark(started, _attempt_step(event))
+    said = event.last_recorded
+    if said is not None and found.time < said[1] < event.time:
+        return _Mark(said[1], said[0])
+    return found
+
+
+def _after(event: Event, marks: Sequence[_Mark], step_s: float) -> float:
+    """The first logged window after an attempt's event beyond the steps it took: the attempt
+    starting (processes, the restore, the first steps' compile and warm-up)."""
+    at = _attempt_step(event)
+    later = next((mark for mark in marks if mark.time > event.time and mark.step > at), None)
+    if later is None:
+        return 0.0
+    return max(0.0, later.time - event.time - (later.step - at) * step_s)
+
+
+def shares(goodput: Goodput) -> list[tuple[str, float | None, float | None]]:
+    """(what, seconds, share of the wall time) for report.md, in order; None: not recorded."""
+    wall = goodput.wall_s or 0.0
+    parts = [
+        ("steps kept", goodput.kept_steps_s),
+        ("start", goodput.start_s),
+        ("checkpoint stalls", goodput.checkpoint_stall_s),
+        ("recovery", goodput.recovery_s),
+        ("steps redone", goodput.redone_s),
+        ("validation", goodput.validation_s),
+        ("other", goodput.other_s),
+    ]
+    return [(name, seconds, seconds / wall if seconds is not None and wall > 0 else None) for name, seconds in parts]
+
+
+def measured_costs(goodput: dict[str, Any] | None, checkpoint_wait_s: float | None) -> dict[str, float]:
+    """What a run measured for `raytrain plan`: the step time, the stall per save, the recovery
+    per failure (only those it has)."""
+    found: dict[str, float] = {}
+    goodput = goodput or {}
+    if goodput.get("step_s"):
+        found["step_s"] = float(goodput["step_s"])
+    if checkpoint_wait_s is not None:
+        found["stall_s"] = float(checkpoint_wait_s)
+    if goodput.get("failures"):
+        found["recovery_s"] = float(goodput.get("recovery_s") or 0.0) / goodput["failures"]
+    return found
+
+
+def markdown(goodput: Goodput) -> list[str]:
+    """report.md's Goodput section: the figure, then a table of where the wall time went."""
+    from raytrain.observe.render import markdown_table
+
+    head = (
+        f"**{goodput.goodput:.1%}** of the wall time went to steps that were kept "
+        f"({goodput.kept_steps_s:,.1f} s of {goodput.wall_s:,.1f} s: the final position's steps at the steady "
+        f"{goodput.step_s * 1e3:,.1f} ms a step; {goodput.failures} failure(s) or resize(s), "
+        f"{goodput.checkpoints} checkpoint(s) kept)."
+        if goodput.goodput is not None
+        else "No wall time to account."
+    )
+    rows = [
+        (name, "not recorded" if seconds is None else f"{seconds:,.1f}", "" if share is None else f"{share:.1%}")
+        for name, seconds, share in shares(goodput)
+    ]
+    lines = ["## Goodput", "", head, "", *markdown_table(["where", "seconds", "share of wall time"], rows), ""]
+    if goodput.validation_s is None:
+        lines += ["Validation passes are not timed by this run: their time is part of *other*.", ""]
+    return lines

@@ -1,0 +1,241 @@
+"""Goodput: the share of wall time spent on training steps that were kept, and the checkpoint
+interval that makes it largest.
+
+The model (docs/fault-tolerance.md, *Goodput*): failures arrive as a Poisson process (each node
+fails independently, exponential times between failures, mean `node_mtbf_s`), so the job's
+mean time between failures is the node's over the node count. Training runs in segments: an
+interval of steps (`interval_s` of compute), then a save that stalls the loop `stall_s`. Under
+`restart` a failure anywhere (a step, a save, a recovery) loses the work since the last save
+that was durable, and every worker starts again after `recovery_s`. Under the per-step modes a
+failed node's replicas are replaced while the others go on: the survivors wait, retake the one
+step in flight, and train one node short while the replacement starts; only the loss of the
+node holding the driver and the lighthouse (one node's rate) restarts the job from the last save.
+
+`restart_goodput` is Daly's exact expression for that process (Daly 2006, "A higher order
+estimate of the optimum checkpoint interval for restart dumps", FGCS 22); `daly_interval_s` his
+higher-order optimum and `young_interval_s` Young's first-order one (Young 1974, CACM 17(9)).
+Pure: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+HOUR_S = 3600.0
+MODES = ("restart", "per-step", "per-step-groups")
+"""The fault-tolerance modes the planner compares: --fault-tolerance restart, per-step (a
+replica group per worker) and per-step with replica groups (--replica-group-size K)."""
+
+# The per-node MTBF that large runs see. Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models",
+# section 3.3.4): 419 unexpected interruptions in 54 days of pre-training on 16,384 H100 GPUs, i.e.
+# 2,048 nodes of 8: 54 × 24 × 2048 / 419 ≈ 6,335 node-hours between interruptions.
+LLAMA3_NODE_MTBF_H = 54 * 24 * 2048 / 419
+DEFAULT_NODE_MTBF_H = round(LLAMA3_NODE_MTBF_H)
+
+
+class GoodputError(ValueError):
+    """Inputs the model cannot use (a negative time, no workers): the caller names the option."""
+
+
+def job_mtbf_s(node_mtbf_s: float, nodes: int) -> float:
+    """The mean time between failures of a job on `nodes` nodes failing independently."""
+    if nodes < 1 or not node_mtbf_s > 0:
+        raise GoodputError(f"need nodes >= 1 and a positive MTBF, got {nodes} nodes and {node_mtbf_s} s")
+    return node_mtbf_s / nodes
+
+
+def young_interval_s(stall_s: float, mtbf_s: float) -> float:
+    """Young's interval: compute between saves √(2·C·M)."""
+    return math.sqrt(2.0 * stall_s * mtbf_s)
+
+
+def daly_interval_s(stall_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order optimum of the compute between saves: √(2CM)·(1 + ⅓√(C/2M) + ⅑·C/2M) − C
+    while C < 2M; M beyond (a save costlier than the failures it guards against)."""
+    if stall_s <= 0:
+        return 0.0
+    if stall_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    ratio = stall_s / (2.0 * mtbf_s)
+    young = math.sqrt(2.0 * stall_s * mtbf_s)
+    return young * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - stall_s
+
+
+def restart_goodput(interval_s: float, stall_s: float, mtbf_s: float, recovery_s: float) -> float:
+    """Kept compute over wall time when each failure rolls back to the last save: a segment of
+    `interval_s` compute then `stall_s` saving completes, on average, after
+    M·e^(R/M)·(e^((τ+C)/M) − 1) of wall time (Daly's model: failures may strike during a save or
+    a recovery too)."""
+    if interval_s <= 0:
+        return 0.0
+    if math.isinf(mtbf_s):
+        return interval_s / (interval_s + stall_s)
+    wall = mtbf_s * math.exp(recovery_s / mtbf_s) * math.expm1((interval_s + stall_s) / mtbf_s)
+    return interval_s / wall
+
+
+def expected_lost_s(segment_s: float, mtbf_s: float) -> float:
+    """The work a failure throws away on average when it strikes a segment of `segment_s`
+    (interval and save): M − L/(e^(L/M) − 1), about half the segment while it is short of M."""
+    if segment_s <= 0:
+        return 0.0
+    x = segment_s / mtbf_s
+    if x < 1e-6:
+        return segment_s / 2.0
+    return mtbf_s - segment_s / math.expm1(x)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A job on paper: its size, how often its nodes fail and what a step, a save and a
+    recovery cost (seconds)."""
+
+    workers: int
+    gpus_per_node: int = 8
+    node_mtbf_s: float = DEFAULT_NODE_MTBF_H * HOUR_S
+    step_s: float = 1.0
+    stall_s: float = 1.0
+    """The loop's wait at a save (async: the copy to host memory)."""
+    write_s: float = 0.0
+    """From a save's stall to its files being durable (an async save's background write): a
+    failure in that time rolls back one save further."""
+    recovery_s: dict[str, float] = field(default_factory=lambda: dict(RECOVERY_S))
+    """Per mode: restart, from a failure to every worker training again from the last save;
+    per-step, the survivors' wait before they step again (per-step-groups likewise)."""
+    replace_s: float = 8.0
+    """Per-step modes: from a failure to its replacement training (the group one node short meanwhile)."""
+    group_size: int = 8
+    """per-step-groups: the workers of one replica group (a lost node takes out the groups it holds)."""
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.workers // self.gpus_per_node)
+
+    def check(self) -> list[tuple[str, str]]:
+        """(input, why) for every value the model cannot use."""
+        found = []
+        if self.workers < 1:
+            found.append(("workers", f"got {self.workers}; need at least 1 worker"))
+        if self.gpus_per_node < 1:
+            found.append(("gpus_per_node", f"got {self.gpus_per_node}; need at least 1"))
+        if self.group_size < 1:
+            found.append(("group_size", f"got {self.group_size}; need at least 1"))
+        for name in ("node_mtbf_s", "step_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                found.append((name, f"got {getattr(self, name)}; must be a positive number"))
+        for name in ("stall_s", "write_s", "replace_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                found.append((name, f"got {getattr(self, name)}; must be 0 or more"))
+        for mode, seconds in self.recovery_s.items():
+            if not 0 <= seconds < math.inf:
+                found.append((f"recovery_s.{mode}", f"got {seconds}; must be 0 or more"))
+        return found
+
+
+# Measured on this project's CPU runs (docs/fault-tolerance.md, *What it costs*; issue figures):
+# a restart about 37 s from a failure to the first step again; a per-step survivor about 1 s.
+RECOVERY_S = {"restart": 37.0, "per-step": 1.0, "per-step-groups": 1.0}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One mode's expected goodput at one interval, and where the rest of the wall time goes
+    (shares of wall time, summing to 1 with `goodput`)."""
+
+    mode: str
+    workers: int
+    interval_steps: int
+    goodput: float
+    stalls: float
+    recovery: float
+    redone: float
+    failures_per_day: float
+
+
+def _rates(s: Scenario, mode: str) -> tuple[float, float]:
+    """(failures per second that restart the job, failures per second the survivors ride out)."""
+    per_node = 1.0 / s.node_mtbf_s
+    if mode == "restart" or s.nodes == 1:
+        return s.nodes * per_node, 0.0
+    return per_node, (s.nodes - 1) * per_node  # the head node's loss restarts; the others' are replaced
+
+
+def _ride_out_cost(s: Scenario, mode: str) -> tuple[float, float]:
+    """(recovery, redone) seconds of job time one failure ridden out costs: the survivors' wait,
+    the share of the job the lost node held times its replacement's start, the step retaken."""
+    held = max(s.gpus_per_node, s.group_size if mode == "per-step-groups" else 1)
+    share = min(1.0, held / s.workers)
+    return s.recovery_s.get(mode, 0.0) + share * s.replace_s, s.step_s
+
+
+def restart_mtbf_s(s: Scenario, mode: str) -> float:
+    """The mean time between failures that send the job back to its last save."""
+    return 1.0 / _rates(s, mode)[0]
+
+
+def predict(s: Scenario, mode: str, interval_steps: int) -> Prediction:
+    """`mode`'s expected goodput with a save every `interval_steps` steps."""
+    restart_rate, ride_rate = _rates(s, mode)
+    recover_s, redo_s = _ride_out_cost(s, mode)
+    ridden = min(1.0, ride_rate * (recover_s + redo_s))  # wall share spent riding out failures
+    mtbf = 1.0 / restart_rate
+    # A failure while a save is written rolls back one save further: in Daly's expression, as
+    # `write_s` more of recovery (first order: the work lost grows by write_s on average).
+    recovery = s.recovery_s.get("restart", 0.0) + s.write_s
+    tau = interval_steps * s.step_s
+    kept = restart_goodput(tau, s.stall_s, mtbf, recovery) * (1.0 - ridden)
+    segment_wall = tau / kept if kept > 0 else math.inf  # wall time per kept segment
+    restarts = segment_wall * restart_rate
+    rides = segment_wall * ride_rate
+    stalls = s.stall_s / segment_wall
+    recovery_share = (restarts * s.recovery_s.get("restart", 0.0) + rides * recover_s) / segment_wall
+    redone = max(0.0, 1.0 - kept - stalls - recovery_share)
+    return Prediction(
+        mode=mode,
+        workers=s.workers,
+        interval_steps=interval_steps,
+        goodput=kept,
+        stalls=stalls,
+        recovery=recovery_share,
+        redone=redone,
+        failures_per_day=(restart_rate + ride_rate) * 86400.0,
+    )
+
+
+def best_interval_steps(s: Scenario, mode: str, min_steps: int = 1, max_steps: int | None = None) -> int:
+    """Daly's interval for the failures that roll `mode` back, in whole steps within the bounds."""
+    seconds = daly_interval_s(s.stall_s, restart_mtbf_s(s, mode))
+    return bound_steps(seconds / s.step_s, min_steps, max_steps)
+
+
+def bound_steps(steps: float, min_steps: int, max_steps: int | None) -> int:
+    steps = max(min_steps, round(steps)) if math.isfinite(steps) else (max_steps or min_steps)
+    return min(steps, max_steps) if max_steps is not None else steps
+
+
+def best(s: Scenario, mode: str) -> Prediction:
+    """`mode`'s prediction at its best interval."""
+    return predict(s, mode, best_interval_steps(s, mode))
+
+
+__all__ = [
+    "DEFAULT_NODE_MTBF_H",
+    "HOUR_S",
+    "LLAMA3_NODE_MTBF_H",
+    "MODES",
+    "RECOVERY_S",
+    "GoodputError",
+    "Prediction",
+    "Scenario",
+    "best",
+    "best_interval_steps",
+    "bound_steps",
+    "daly_interval_s",
+    "expected_lost_s",
+    "job_mtbf_s",
+    "predict",
+    "restart_goodput",
+    "restart_mtbf_s",
+    "young_interval_s",
+]

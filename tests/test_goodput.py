@@ -1,0 +1,143 @@
+"""The goodput model of `raytrain.rules.goodput`: Young's and Daly's intervals, the expected goodput
+per fault-tolerance mode and where the rest of the wall time goes (pure: no Ray, no torch)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from raytrain.rules import goodput
+from raytrain.rules.goodput import HOUR_S, Scenario
+
+
+def test_llama3_default_mtbf():
+    # 419 unexpected interruptions in 54 days on 2,048 nodes of 8 GPUs.
+    assert goodput.LLAMA3_NODE_MTBF_H == pytest.approx(6334.6, abs=0.1)
+    assert goodput.DEFAULT_NODE_MTBF_H == 6335
+    # The job's MTBF at that size: about 3.1 hours, as the report says ("about one every 3 hours").
+    assert goodput.job_mtbf_s(6335 * HOUR_S, 2048) / HOUR_S == pytest.approx(3.09, abs=0.01)
+
+
+def test_job_mtbf_refuses_nonsense():
+    with pytest.raises(goodput.GoodputError, match="nodes >= 1"):
+        goodput.job_mtbf_s(1000.0, 0)
+    with pytest.raises(goodput.GoodputError, match="positive MTBF"):
+        goodput.job_mtbf_s(0.0, 4)
+
+
+def test_young_interval():
+    assert goodput.young_interval_s(10.0, 3600.0) == pytest.approx(math.sqrt(2 * 10 * 3600))
+    assert goodput.young_interval_s(0.0, 3600.0) == 0.0
+
+
+def test_daly_refines_young_and_saturates():
+    stall, mtbf = 60.0, 3600.0
+    young = goodput.young_interval_s(stall, mtbf)
+    ratio = stall / (2 * mtbf)
+    assert goodput.daly_interval_s(stall, mtbf) == pytest.approx(young * (1 + math.sqrt(ratio) / 3 + ratio / 9) - stall)
+    # A cheap save: Daly ≈ Young (the correction is second order).
+    assert goodput.daly_interval_s(0.01, 1e6) == pytest.approx(goodput.young_interval_s(0.01, 1e6), rel=1e-3)
+    # A save costlier than twice the MTBF: the interval is the MTBF.
+    assert goodput.daly_interval_s(100.0, 40.0) == 40.0
+    assert goodput.daly_interval_s(0.0, 40.0) == 0.0
+
+
+def test_daly_interval_maximizes_the_exact_goodput():
+    for stall, mtbf, recovery in ((5.0, 3600.0, 30.0), (60.0, 5400.0, 600.0), (300.0, 2000.0, 60.0)):
+        best = goodput.daly_interval_s(stall, mtbf)
+        top = goodput.restart_goodput(best, stall, mtbf, recovery)
+        grid = [best * f for f in (0.5, 0.7, 0.85, 1.2, 1.5, 2.0)]
+        assert all(goodput.restart_goodput(t, stall, mtbf, recovery) < top for t in grid)
+        # ... and within a hair of the numerical optimum
+        numeric = max(goodput.restart_goodput(best * k / 100, stall, mtbf, recovery) for k in range(20, 300))
+        assert top == pytest.approx(numeric, abs=2e-3)
+
+
+def test_restart_goodput_limits():
+    # No failures: only the stalls cost.
+    assert goodput.restart_goodput(90.0, 10.0, math.inf, 30.0) == pytest.approx(0.9)
+    assert goodput.restart_goodput(90.0, 10.0, 1e12, 30.0) == pytest.approx(0.9, abs=1e-6)
+    assert goodput.restart_goodput(0.0, 10.0, 3600.0, 30.0) == 0.0
+    # First order: τ/(τ + C) · (1 − (R + (τ + C)/2)/M).
+    tau, c, m, r = 600.0, 6.0, 36000.0, 60.0
+    first_order = tau / (tau + c) * (1 - (r + (tau + c) / 2) / m)
+    assert goodput.restart_goodput(tau, c, m, r) == pytest.approx(first_order, abs=2e-4)
+    # Costlier recovery, lower goodput.
+    assert goodput.restart_goodput(tau, c, m, 600.0) < goodput.restart_goodput(tau, c, m, r)
+
+
+def test_work_lost_is_about_half_the_segment():
+    assert goodput.expected_lost_s(100.0, 1e7) == pytest.approx(50.0, rel=1e-4)
+    assert goodput.expected_lost_s(1e-9, 10.0) == pytest.approx(5e-10)
+    assert goodput.expected_lost_s(0.0, 10.0) == 0.0
+    # A long segment: failures come early in it, less than half is lost.
+    assert goodput.expected_lost_s(3600.0, 3600.0) < 1800.0
+
+
+def test_nodes_from_workers():
+    assert Scenario(workers=8).nodes == 1
+    assert Scenario(workers=9).nodes == 2
+    assert Scenario(workers=16_384).nodes == 2048
+    assert Scenario(workers=4, gpus_per_node=1).nodes == 4
+
+
+def scenario(**changes) -> Scenario:
+    values = dict(workers=1024, node_mtbf_s=500 * HOUR_S, step_s=2.0, stall_s=20.0, replace_s=60.0)
+    return Scenario(**{**values, **changes})
+
+
+def test_prediction_shares_add_up():
+    for mode in goodput.MODES:
+        p = goodput.best(scenario(write_s=30.0), mode)
+        assert p.goodput + p.stalls + p.recovery + p.redone == pytest.approx(1.0)
+        assert min(p.goodput, p.stalls, p.recovery, p.redone) >= 0
+        assert p.failures_per_day == pytest.approx(128 * 24 / 500)
+
+
+def test_restart_interval_follows_the_job_mtbf_per_step_the_head_nodes():
+    s = scenario()
+    restart = goodput.best_interval_steps(s, "restart")
+    per_step = goodput.best_interval_steps(s, "per-step")
+    assert restart == round(goodput.daly_interval_s(20.0, 500 * HOUR_S / 128) / 2.0)
+    # Under per-step only the head node's loss rolls back: its interval is the one-node interval.
+    assert per_step == round(goodput.daly_interval_s(20.0, 500 * HOUR_S) / 2.0)
+    assert per_step > 10 * restart
+
+
+def test_per_step_beats_restart_at_scale_and_not_by_much_on_one_node():
+    big = scenario(workers=16_384)
+    assert goodput.best(big, "per-step").goodput > goodput.best(big, "restart").goodput + 0.01
+    one = scenario(workers=8)
+    # On one node every failure is the head node's: both modes restart.
+    assert goodput.best(one, "per-step").goodput == pytest.approx(goodput.best(one, "restart").goodput)
+
+
+def test_goodput_falls_with_the_worker_count():
+    values = [goodput.best(scenario(workers=n), "restart").goodput for n in (8, 64, 512, 4096, 16_384)]
+    assert values == sorted(values, reverse=True)
+    assert values[0] > 0.99 and values[-1] < values[0] - 0.02
+
+
+def test_replica_groups_lose_a_larger_share_per_failure():
+    s = scenario(group_size=64)
+    assert goodput.best(s, "per-step-groups").recovery > goodput.best(s, "per-step").recovery
+
+
+def test_async_write_lag_costs_work():
+    assert goodput.best(scenario(write_s=120.0), "restart").goodput < goodput.best(scenario(), "restart").goodput
+
+
+def test_interval_bounds():
+    s = scenario()
+    assert goodput.best_interval_steps(s, "restart", min_steps=10_000) == 10_000
+    assert goodput.best_interval_steps(s, "restart", max_steps=5) == 5
+    assert goodput.bound_steps(0.2, 1, None) == 1
+    assert goodput.bound_steps(math.inf, 3, 40) == 40
+
+
+def test_scenario_checks_name_each_input():
+    bad = Scenario(workers=0, step_s=0.0, stall_s=-1.0, recovery_s={"restart": -5.0}, gpus_per_node=0)
+    names = [name for name, _ in bad.check()]
+    assert names == ["workers", "gpus_per_node", "step_s", "stall_s", "recovery_s.restart"]
+    assert scenario().check() == []

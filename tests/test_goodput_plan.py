@@ -1,0 +1,109 @@
+"""`raytrain plan`: each mode's best interval and goodput per worker count, from options or a run's
+measured figures, drawn against the worker count; bad input exits 2 naming the option (pure)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import yaml
+from test_cli import RAYTRAIN, assert_usage_error, cli, needs_script
+
+from raytrain.bench.plan import PlanOptions, inputs, run_plan, worker_counts
+from raytrain.errors import ConfigError
+from raytrain.rules import goodput
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_worker_counts():
+    assert worker_counts("16384,8, 512") == [8, 512, 16384]
+    for bad in ("", "8,x", "0", "16385", "8,-1"):
+        with pytest.raises(ConfigError, match="workers: got .*; give worker counts from 1 to 16,384"):
+            worker_counts(bad)
+
+
+def test_plan_prints_every_mode_per_worker_count_and_draws_it(tmp_path):
+    lines = []
+    opts = PlanOptions(workers="8,16384", step_time_s=2.0, checkpoint_stall_s=20.0, plot=str(tmp_path / "g.png"))
+    predictions = run_plan(opts, echo=lines.append)
+    assert [(p.workers, p.mode) for p in predictions] == [(n, m) for n in (8, 16384) for m in goodput.MODES]
+    text = "\n".join(lines)
+    assert "a step 2 s, a save stalls 20 s" in text and "node MTBF 6,335 h" in text
+    big_restart = predictions[3]
+    assert big_restart.interval_steps == goodput.best_interval_steps(
+        goodput.Scenario(workers=16384, step_s=2.0, stall_s=20.0), "restart"
+    )
+    assert f"{big_restart.interval_steps:,} steps" in text and f"{big_restart.goodput:.1%}" in text
+    # at 16,384 workers per-step keeps more than restart; on one node they are the same
+    assert predictions[4].goodput > big_restart.goodput
+    assert predictions[0].goodput == pytest.approx(predictions[1].goodput)
+    assert (tmp_path / "g.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def write_run(path, *, mode="restart", failures=2):
+    path.mkdir()
+    goodput_record = {"goodput": 0.8, "step_s": 0.25, "recovery_s": 40.0, "failures": failures}
+    summary = {"status": "finished", "goodput": goodput_record, "checkpoint_wait_s": 0.7}
+    (path / "summary.json").write_text(json.dumps(summary))
+    (path / "config.yaml").write_text(yaml.safe_dump({"fault_tolerance": mode, "pipeline": "digits"}))
+    return path
+
+
+def test_a_runs_measured_figures_replace_the_defaults(tmp_path):
+    run = write_run(tmp_path / "run")
+    costs, source = inputs(PlanOptions(run=str(run)))
+    assert (costs["step_s"], costs["stall_s"], costs["restart"]) == (0.25, 0.7, 20.0)
+    assert costs["per-step"] == goodput.RECOVERY_S["per-step"]
+    assert source == f"measured in {run}: recovery_s, stall_s, step_s"
+    # an option given wins over the run
+    costs, _ = inputs(PlanOptions(run=str(run), step_time_s=3.0, recovery_restart_s=90.0))
+    assert (costs["step_s"], costs["restart"]) == (3.0, 90.0)
+    # a per-step run's recovery is per-step's
+    costs, _ = inputs(PlanOptions(run=str(write_run(tmp_path / "ft", mode="per-step"))))
+    assert costs["per-step"] == 20.0 and costs["restart"] == goodput.RECOVERY_S["restart"]
+
+
+def test_a_run_without_failures_keeps_the_default_recovery(tmp_path):
+    costs, _ = inputs(PlanOptions(run=str(write_run(tmp_path / "run", failures=0))))
+    assert costs["restart"] == goodput.RECOVERY_S["restart"]
+
+
+def test_cli_plan(capsys, tmp_path):
+    code, out, err = cli(capsys, "plan", "--workers", "8,64", "--plot", str(tmp_path / "p.png"))
+    assert code == 0, err
+    assert "per-step-groups" in out and (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workers", "99999"], "--workers: got '99999'; give worker counts from 1 to 16,384"),
+        (["--step-time-s", "0"], "--step-time-s: got 0.0; must be a positive number"),
+        (["--checkpoint-stall-s", "-1"], "--checkpoint-stall-s: got -1.0; must be 0 or more"),
+        (["--mtbf-hours", "0"], "--mtbf-hours: got 0.0; must be a positive number"),
+        (["--recovery-restart-s", "-5"], "--recovery-restart-s: got -5.0; must be 0 or more"),
+        (["--replica-group-size", "0"], "--replica-group-size: got 0; need at least 1"),
+        (["--storage-gbps", "0"], "--storage-gbps: got 0.0; must be a positive number of GB/s"),
+        (["--run", "/nonexistent/run"], "--run: no summary.json in /nonexistent/run"),
+    ],
+)
+def test_cli_plan_bad_input_names_the_option(capsys, tmp_path, argv, message):
+    code, out, err = cli(capsys, "plan", *argv, "--plot", str(tmp_path / "p.png"))
+    assert_usage_error(code, out, err, message, lines=None)
+    assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.slow
+@needs_script
+def test_the_installed_script_plans_and_refuses_bad_input(tmp_path):
+    ok = subprocess.run(
+        [str(RAYTRAIN), "plan", "--workers", "8,16384"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "16384   2048" in ok.stdout and (tmp_path / "goodput.png").read_bytes()[:8] == PNG_SIGNATURE
+    bad = subprocess.run(
+        [str(RAYTRAIN), "plan", "--mtbf-hours", "-3"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert_usage_error(bad.returncode, bad.stdout, bad.stderr, "--mtbf-hours: got -3.0; must be a positive number")

@@ -1,0 +1,47 @@
+"""Goodput accounted on a real run: a worker crash and a restart from the checkpoint show in
+summary.json's `goodput` as a failure, steps redone and recovery, the parts adding up to the wall
+time (Ray, 2 CPU workers, a tiny model)."""
+
+from __future__ import annotations
+
+import pytest
+from rt_test_pipelines import RecordingPipeline
+
+import raytrain
+
+pytestmark = pytest.mark.ray
+
+
+def test_a_crash_shows_as_recovery_and_steps_redone(ray_session, tmp_path):
+    out = tmp_path / "records"
+    out.mkdir()
+    # 0.05 s a step; rank 0 dies after step 11, the last checkpoint is step 8: steps 9 to 11 are redone
+    pipeline = RecordingPipeline(str(out), num_rows=400, crash_at_step=11, step_sleep_s=0.05)
+    cfg = raytrain.TrainConfig(
+        workers=2,
+        epochs=1,
+        batch_size_per_worker=8,
+        max_failures=1,
+        checkpoint_every_steps=4,
+        checkpoint_async=False,
+        log_every_steps=1,
+        storage=str(tmp_path),
+        name="crash",
+    )
+    result = raytrain.fit(pipeline, cfg)
+    summary = result.summary
+    g = summary["goodput"]
+    print(g)
+    assert summary["status"] == "finished" and g["failures"] == 1
+    assert 0.05 <= g["step_s"] < 0.5
+    assert g["kept_steps_s"] == pytest.approx(summary["steps"] * g["step_s"], rel=1e-3)
+    assert g["redone_s"] == pytest.approx(3 * g["step_s"], rel=0.05)
+    assert g["recovery_s"] > 1.0  # a restart of the worker group takes seconds
+    assert g["start_s"] > 1.0
+    assert g["checkpoint_stall_s"] > 0
+    parts = ("kept_steps_s", "start_s", "checkpoint_stall_s", "recovery_s", "redone_s", "other_s")
+    assert sum(g[key] for key in parts) == pytest.approx(g["wall_s"], abs=0.01)
+    assert g["other_s"] < 0.5 * g["wall_s"]
+    assert g["goodput"] == pytest.approx(g["kept_steps_s"] / summary["wall_time_s"], abs=1e-3)
+    report = (tmp_path / "crash" / "report.md").read_text()
+    assert "## Goodput" in report
