@@ -409,7 +409,7 @@ def test_the_reference_check_tells_a_dangling_name_from_a_real_one():
         ("loop._restore_rank_rng", False): "_restore_rank_rng is not defined in raytrain.worker.loop",
         ("resume.resumed_values", False): "resumed_values is not defined in raytrain.rules.resume",
         ("costmodel.DEVICE_PEAK_TFLOPS", False): "DEVICE_PEAK_TFLOPS is not defined in raytrain.rules.costmodel",
-        ("plan.epoch_order", False): "no module plan; epoch_order is in raytrain.rules.steps",
+        ("shuffle.epoch_order", False): "no module shuffle; epoch_order is in raytrain.rules.steps",
         ("Store.no_such_method", False): "no_such_method is not a member of raytrain.rundir.storage.Store",
     }
     assert {key: resolve(*key) for key in dangling} == dangling

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from raytrain.errors import UserError
+from raytrain.observe.goodput import markdown as goodput_markdown
 from raytrain.observe.render import figure, markdown_table
 from raytrain.rules import flops
-from raytrain.rules.accounting import markdown as goodput_markdown
 from raytrain.rundir import EPOCH_LOSS, PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Store, Summary
 from raytrain.rundir.records import Goodput
 from raytrain.text import is_number, plural

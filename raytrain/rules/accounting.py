@@ -153,25 +153,3 @@ def measured_costs(goodput: dict[str, Any] | None, checkpoint_wait_s: float | No
     if goodput.get("failures"):
         found["recovery_s"] = float(goodput.get("recovery_s") or 0.0) / goodput["failures"]
     return found
-
-
-def markdown(goodput: Goodput) -> list[str]:
-    """report.md's Goodput section: the figure, then a table of where the wall time went."""
-    from raytrain.observe.render import markdown_table
-
-    head = (
-        f"**{goodput.goodput:.1%}** of the wall time went to steps that were kept "
-        f"({goodput.kept_steps_s:,.1f} s of {goodput.wall_s:,.1f} s: the final position's steps at the steady "
-        f"{goodput.step_s * 1e3:,.1f} ms a step; {goodput.failures} failure(s) or resize(s), "
-        f"{goodput.checkpoints} checkpoint(s) kept)."
-        if goodput.goodput is not None
-        else "No wall time to account."
-    )
-    rows = [
-        (name, "not recorded" if seconds is None else f"{seconds:,.1f}", "" if share is None else f"{share:.1%}")
-        for name, seconds, share in shares(goodput)
-    ]
-    lines = ["## Goodput", "", head, "", *markdown_table(["where", "seconds", "share of wall time"], rows), ""]
-    if goodput.validation_s is None:
-        lines += ["Validation passes are not timed by this run: their time is part of *other*.", ""]
-    return lines
