@@ -71,8 +71,7 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
 
 
 def clear_record(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
+    path.unlink(missing_ok=True)
 
 
 def ray_version() -> str:
@@ -84,16 +83,15 @@ def ray_version() -> str:
 def _create_time(pid: int) -> float | None:
     import psutil
 
-    try:
+    with contextlib.suppress(psutil.Error, ValueError):
         return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-        return None
+    return None
 
 
 def _process_uid(pid: int) -> int | None:
     import psutil
 
-    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+    with contextlib.suppress(psutil.Error, ValueError):
         return psutil.Process(pid).uids().real
     return None
 
@@ -104,21 +102,11 @@ def _same_process(pid: int | None, created: float | None) -> bool:
     return now is not None and created is not None and abs(now - created) < 1.0
 
 
-def gcs_answers(address: str, timeout_s: float = 3.0) -> bool:
-    from raytrain.driver.session import speaks_grpc
-
-    host, _, port = address.rpartition(":")
-    try:
-        connection = socket.create_connection((host, int(port)), timeout=timeout_s)
-    except (OSError, ValueError):
-        return False
-    with connection:
-        return speaks_grpc(connection, timeout_s)
-
-
 def head_alive(record: dict[str, Any]) -> bool:
     """Its raylet is the process recorded and its GCS answers."""
     raylet = record.get("pids", {}).get("raylet")
+    from raytrain.driver.session import gcs_answers
+
     return _same_process(raylet, record.get("created", {}).get("raylet")) and gcs_answers(record["address"])
 
 
@@ -242,6 +230,9 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
     }
     env.setdefault("RAY_worker_niceness", EMBEDDED_WORKER_NICENESS)
     env.pop("RAY_ADDRESS", None)
+    env["RAY_AUTH_MODE"] = auth_mode = os.environ.get("RAY_AUTH_MODE") or "token"
+    if auth_mode == "token":
+        ensure_token(env)
     log_path = path.with_suffix(".log")
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     command = [
@@ -299,6 +290,17 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
     return record
 
 
+def ensure_token(env: dict[str, str]) -> None:
+    """Token auth on, always: `ray start` turns it on by itself only when a token already exists.
+    Without one (in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), Ray's own
+    `ray get-auth-token --generate` writes one, as the embedded Ray's first `ray.init` would."""
+    path = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+    if env.get("RAY_AUTH_TOKEN") or path.exists():
+        return
+    ray = str(Path(sys.executable).parent / "ray")
+    subprocess.run([ray, "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60, check=True)
+
+
 def _wait_ready(process: subprocess.Popen, log_path: Path, started: float) -> None:
     while time.time() - started < READY_TIMEOUT_S:
         text = log_path.read_text(errors="replace")
@@ -311,8 +313,7 @@ def _wait_ready(process: subprocess.Popen, log_path: Path, started: float) -> No
 
 
 def _tail(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return " | ".join(lines[-3:])[-400:] or "no output"
+    return " | ".join([line.strip() for line in text.splitlines() if line.strip()][-3:])[-400:] or "no output"
 
 
 def _describe_started(pid: int, temp_dir: str, gcs: int, dashboard: int, num_cpus: int, log: Path) -> dict[str, Any]:
@@ -341,7 +342,7 @@ def _describe_started(pid: int, temp_dir: str, gcs: int, dashboard: int, num_cpu
         "created": {name: _create_time(value) for name, value in pids.items()},
         "session_dir": str(session.resolve()) if session.exists() else None,
         "log": str(log),
-        # `ray start` turns token auth on unless told otherwise; a joining driver must follow.
+        # A joining driver must send the token (or not) as the head expects.
         "auth_mode": os.environ.get("RAY_AUTH_MODE") or "token",
         "auth_token_path": os.environ.get("RAY_AUTH_TOKEN_PATH"),
     }
