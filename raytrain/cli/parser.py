@@ -295,7 +295,7 @@ def add_head_parsers(commands) -> None:
         "up",
         help="start a local Ray head that later runs join (faster start); prints how to use it",
         description="Start a loopback-dashboard local Ray head with raytrain's settings (`ray start --head`, its own "
-        "temp dir and ports, no /metrics exporters) and record it in ~/.raytrain/head.json (RAYTRAIN_HEAD_FILE). "
+        "temp dir and ports, metrics collection off) and record it in ~/.raytrain/head.json (RAYTRAIN_HEAD_FILE). "
         "While it runs, train, check, tune, bench and doctor without --address join it. `raytrain down` stops it.",
     )
     up.add_argument(

@@ -1,7 +1,7 @@
 """`raytrain up` / `raytrain down`: a local Ray head that later runs join, and its record.
 
 - `start_head`: `ray start --head --block` in a process group of its own, with the embedded
-  Ray's settings (`raytrain.driver.session`: dashboard on 127.0.0.1, no /metrics exporters, the
+  Ray's settings (`raytrain.driver.session`: dashboard on 127.0.0.1, metrics collection off, the
   workers' niceness and environment), its own temp dir and free ports (other Rays on the host
   are never touched); recorded in `head_file()` (~/.raytrain/head.json, or RAYTRAIN_HEAD_FILE):
   its process ids, address, Ray and Python versions, user, session directory.
@@ -250,7 +250,7 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
         f"--num-cpus={num_cpus}",
         f"--resources={json.dumps({TRIAL_DRIVER_RESOURCE: EMBEDDED_TRIAL_DRIVER_SLOTS})}",
         "--disable-usage-stats",
-        # As the embedded Ray: the Prometheus /metrics exporters would answer anyone.
+        # As the embedded Ray: no metrics agent exporting /metrics to anyone (docs/cluster.md lists what stays).
         f"--system-config={json.dumps({'enable_metrics_collection': False})}",
     ]
     started = time.time()
