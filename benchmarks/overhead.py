@@ -314,7 +314,8 @@ def report(rounds: list[dict]) -> str:
         f"{k} " + "/".join(f"{r['throughput'][k]['raytrain'] / r['throughput'][k]['template']:.2f}" for r in rounds)
         for k in (MODELS if rounds[0]["throughput"] else ())
     )
-    lines.append(f"\nRatios by round: {each}.")
+    if each:
+        lines.append(f"\nRatios by round: {each}.")
     for kind in ("raytrain", "raytrain-head", "bare"):
         timelines = [r["start"][f"{kind}-phases"]["timeline"] for r in rounds if f"{kind}-phases" in r["start"]]
         if timelines:
