@@ -13,12 +13,16 @@ Start (each contender a fresh process; the clock runs from just before it starts
   noting when rank 0 starts its first training step) against the template
   (`torchrun --nproc_per_node 2 -m raytrain.baselines.classic_ddp`) on the same rows and
   config: time to the first step and to the process's exit;
+- the same `raytrain train`, joining a head started once by `raytrain up` before the rounds
+  (`raytrain-head`; stopped by `raytrain down` after them; `--head-env KEY=VALUE` starts that
+  head with extra environment, e.g. RAY_num_prestart_python_workers=2, read by its raylet). The
+  other contenders run while that head idles beside them;
 - the floor: `benchmarks/startup_phases.py`'s bare TorchTrainer (ray.init + an almost empty
   train function: prepare_model and one step), and raytrain's start phase by phase.
 
 Rounds alternate the order; every figure is the median over rounds. Usage:
 
-    python benchmarks/overhead.py --rounds 2 [--json out.json]
+    python benchmarks/overhead.py --rounds 2 [--skip throughput,phases,head] [--head-env K=V] [--json out.json]
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ import raytrain  # noqa: E402
 from pipelines.digits import DigitsPipeline  # noqa: E402
 
 TARGETS = {"mlp": 0.97, "cnn": 1.0, "first_step_s": 10.0, "end_to_end_s": 12.0}
+# With `raytrain up` running: end to end against the template, and the first step (issue 32).
+HEAD_TARGETS = {"end_to_end_ratio": 2.0, "first_step_s": 6.0}
 
 
 def _table(columns: dict[str, np.ndarray]):
@@ -188,10 +194,22 @@ def throughput_round(index: int, plans: dict, out: Path, raytrain_first: bool) -
 # -- start: raytrain train vs the template, the bare floor, raytrain's phases ----------------------
 
 
-def start_raytrain(out: Path, storage: str) -> dict[str, float]:
+def start_raytrain(out: Path, storage: str, head_file: Path) -> dict[str, float]:
+    """`raytrain train`; it joins the head recorded in `head_file` if there is one (`raytrain up`)."""
     command = [str(Path(sys.executable).with_name("raytrain")), "train", "benchmarks.overhead:MarkedDigits"]
     command += ["--workers", "2", "--epochs", "1", "--storage", storage]
-    return timed_process(command, out / "mark-raytrain")
+    return timed_process(command, out / "mark-raytrain", env={"RAYTRAIN_HEAD_FILE": str(head_file)})
+
+
+def head_command(verb: str, head_file: Path, extra_env: dict[str, str] | None = None) -> None:
+    """`raytrain up` / `raytrain down` with the benchmark's own record."""
+    env = {**os.environ, **(extra_env or {}), "RAYTRAIN_HEAD_FILE": str(head_file)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    command = [str(Path(sys.executable).with_name("raytrain")), verb]
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    echo(f"raytrain {verb}: {(done.stdout + done.stderr).strip().splitlines()[:1]}")
+    if done.returncode != 0:
+        raise RuntimeError(f"raytrain {verb} failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
 
 
 def start_template(out: Path) -> dict[str, float]:
@@ -215,9 +233,12 @@ def start_template(out: Path) -> dict[str, float]:
     return timed_process(command, out / "mark-template", threads=1)
 
 
-def timed_process(command: list[str], mark: Path, threads: int | None = None) -> dict[str, float]:
+def timed_process(
+    command: list[str], mark: Path, threads: int | None = None, env: dict[str, str] | None = None
+) -> dict[str, float]:
     mark.unlink(missing_ok=True)
-    env = {**os.environ, MARK_ENV: str(mark), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]])}
+    pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, **(env or {}), MARK_ENV: str(mark), "PYTHONPATH": pythonpath}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)  # as Ray gives its 1-CPU workers
     started = time.time()
@@ -228,12 +249,12 @@ def timed_process(command: list[str], mark: Path, threads: int | None = None) ->
     return {"first_step_s": float(mark.read_text()) - started, "end_to_end_s": ended - started}
 
 
-def start_phased(kind: str, storage: str) -> dict:
-    """startup_phases' contender `kind` (raytrain or bare): its timeline and its end."""
+def start_phased(kind: str, storage: str, head_file: Path | None = None) -> dict:
+    """startup_phases' contender `kind` (raytrain, raytrain-head or bare): its timeline and its end."""
     from benchmarks import startup_phases
 
     started = time.time()
-    timeline = startup_phases.measure(kind, 2, storage)
+    timeline = startup_phases.measure(kind, 2, storage, str(head_file) if head_file else None)
     return {"timeline": timeline, "first_step_s": timeline[-1][2], "end_to_end_s": time.time() - started}
 
 
@@ -268,6 +289,23 @@ def report(rounds: list[dict]) -> str:
             f"| {label} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f}× | ≤ {target:g} | "
             f"{'yes' if ours <= target else 'no'} |"
         )
+    if all("raytrain-head" in r["start"] and "template" in r["start"] for r in rounds):
+        first = median([r["start"]["raytrain-head"]["first_step_s"] for r in rounds])
+        end = median([r["start"]["raytrain-head"]["end_to_end_s"] for r in rounds])
+        theirs = median([r["start"]["template"]["end_to_end_s"] for r in rounds])
+        ratio = median(
+            [r["start"]["raytrain-head"]["end_to_end_s"] / r["start"]["template"]["end_to_end_s"] for r in rounds]
+        )
+        target = HEAD_TARGETS["end_to_end_ratio"]
+        lines.append(
+            f"| train digits joining `raytrain up`, end to end, s | {theirs:.1f} | {end:.1f} | {ratio:.2f}× | "
+            f"≤ {target:g}× | {'yes' if ratio <= target else 'no'} |"
+        )
+        target = HEAD_TARGETS["first_step_s"]
+        lines.append(
+            f"| train digits joining `raytrain up`, first step, s | | {first:.1f} | | ≤ {target:g} | "
+            f"{'yes' if first <= target else 'no'} |"
+        )
     if all("bare" in r["start"] for r in rounds):
         first = median([r["start"]["bare"]["first_step_s"] for r in rounds])
         end = median([r["start"]["bare"]["end_to_end_s"] for r in rounds])
@@ -276,8 +314,9 @@ def report(rounds: list[dict]) -> str:
         f"{k} " + "/".join(f"{r['throughput'][k]['raytrain'] / r['throughput'][k]['template']:.2f}" for r in rounds)
         for k in (MODELS if rounds[0]["throughput"] else ())
     )
-    lines.append(f"\nRatios by round: {each}.")
-    for kind in ("raytrain", "bare"):
+    if each:
+        lines.append(f"\nRatios by round: {each}.")
+    for kind in ("raytrain", "raytrain-head", "bare"):
         timelines = [r["start"][f"{kind}-phases"]["timeline"] for r in rounds if f"{kind}-phases" in r["start"]]
         if timelines:
             from benchmarks.startup_phases import phase_table
@@ -292,7 +331,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=150, help="steady steps per throughput run (default 150)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: throughput, start, phases")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated parts to leave out: throughput, start, phases, head"
+    )
+    parser.add_argument(
+        "--head-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment of the `raytrain up` head (repeatable), e.g. RAY_num_prestart_python_workers=2",
+    )
     parser.add_argument("--json", help="write every round's figures here")
     args = parser.parse_args()
     skip = {part for part in args.skip.split(",") if part}
@@ -305,6 +353,21 @@ def main() -> None:
 
         with ray_session(TrainConfig(workers=2)):  # the datasets are Ray Datasets: read on raytrain's own Ray
             plans = {kind: plan(kind, out, args.steps) for kind in MODELS}
+    no_head, head_file = out / "no-head.json", out / "head.json"  # the first is never written
+    with_head = "start" not in skip and "head" not in skip
+    if with_head:
+        head_command("up", head_file, dict(item.split("=", 1) for item in args.head_env))
+    try:
+        rounds = run_rounds(args, skip, plans, out, storage, no_head, head_file if with_head else None)
+    finally:
+        if with_head:
+            head_command("down", head_file)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "rounds": rounds}, indent=2))
+    print(report(rounds))
+
+
+def run_rounds(args, skip: set[str], plans: dict, out: Path, storage: str, no_head: Path, head: Path | None) -> list:
     rounds = []
     for index in range(1, args.rounds + 1):
         first = index % 2 == 1
@@ -312,10 +375,17 @@ def main() -> None:
         if plans:
             figures["throughput"] = throughput_round(index, plans, out, raytrain_first=first)
         if "start" not in skip:
-            parts = [("raytrain", lambda: start_raytrain(out, storage)), ("template", lambda: start_template(out))]
+            parts = [
+                ("raytrain", lambda: start_raytrain(out, storage, no_head)),
+                ("template", lambda: start_template(out)),
+            ]
+            if head is not None:
+                parts += [("raytrain-head", lambda: start_raytrain(out, storage, head))]
             if "phases" not in skip:
                 parts += [("bare", lambda: start_phased("bare", storage))]
                 parts += [("raytrain-phases", lambda: start_phased("raytrain", storage))]
+                if head is not None:
+                    parts += [("raytrain-head-phases", lambda: start_phased("raytrain-head", storage, head))]
             for name, measure in parts if first else parts[::-1]:
                 try:
                     figures["start"][name] = measure()
@@ -328,9 +398,7 @@ def main() -> None:
                 figures["start"]["bare-phases"] = figures["start"]["bare"]
         rounds.append(figures)
         echo(f"round {index} done (load {os.getloadavg()[0]:.1f})")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "rounds": rounds}, indent=2))
-    print(report(rounds))
+    return rounds
 
 
 if __name__ == "__main__":

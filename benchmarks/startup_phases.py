@@ -9,6 +9,9 @@ forward pass. Contenders:
   (the CLI's `main`, called after noting the interpreter's start and the CLI's import);
 - raytrain-nice15: the same with RAY_worker_niceness=15, Ray's default worker niceness, which
   raytrain's embedded Ray no longer uses;
+- raytrain-head: the same joining the head `raytrain up` recorded in --head-file (started
+  before, stopped after, by the caller: benchmarks/overhead.py does); the other contenders
+  never join one;
 - bare, bare+data: `benchmarks/startup.py`'s floor (ray.init + TorchTrainer + prepare_model
   + one step, with and without reading the dataset once per worker).
 
@@ -35,7 +38,7 @@ from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES_ENV = "RAYTRAIN_PHASES_FILE"
-CONTENDERS = ("raytrain", "raytrain-nice15", "bare", "bare+data")
+CONTENDERS = ("raytrain", "raytrain-nice15", "raytrain-head", "bare", "bare+data")
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -161,14 +164,18 @@ def child_bare(workers: int, with_data: bool) -> None:
 # -- the parent ---------------------------------------------------------------------------------
 
 
-def measure(kind: str, workers: int, storage: str) -> list[tuple[str, str, float]]:
+def measure(kind: str, workers: int, storage: str, head_file: str | None = None) -> list[tuple[str, str, float]]:
     """(process, label, seconds since the start) for the driver and rank 0, in time order."""
     phases = Path(tempfile.mkstemp(prefix=f"phases-{kind}-")[1])
     env = {
         **os.environ,
         PHASES_ENV: str(phases),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        # Only raytrain-head joins a `raytrain up` head; the others read a record that is never there.
+        "RAYTRAIN_HEAD_FILE": head_file if kind == "raytrain-head" else str(phases) + ".no-head.json",
     }
+    if kind == "raytrain-head" and not head_file:
+        raise ValueError("raytrain-head needs --head-file (a record `raytrain up` wrote)")
     env.pop("RAY_worker_niceness", None)  # Ray's default (15) for the bare floor; raytrain sets its own
     if kind == "raytrain-nice15":
         env["RAY_worker_niceness"] = "15"
@@ -238,6 +245,7 @@ def main() -> None:
         "--contenders", default=",".join(CONTENDERS), help=f"comma-separated, from {', '.join(CONTENDERS)}"
     )
     parser.add_argument("--json", help="write the timelines and tables here")
+    parser.add_argument("--head-file", help="the record of a running `raytrain up` head (for raytrain-head)")
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     parser.add_argument("--child-bare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--with-data", action="store_true", help=argparse.SUPPRESS)
@@ -255,7 +263,7 @@ def main() -> None:
     runs: dict[str, list] = {kind: [] for kind in kinds}
     for index in range(args.rounds):
         for kind in kinds if index % 2 == 0 else kinds[::-1]:
-            run = measure(kind, args.workers, storage)
+            run = measure(kind, args.workers, storage, args.head_file)
             runs[kind].append(run)
             print(
                 f"round {index + 1}: {kind:9s} first step after {run[-1][2]:.1f} s (load {os.getloadavg()[0]:.1f})",

@@ -51,6 +51,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_recorded_head(tmp_path_factory):
+    """The suite's runs never join a head someone started with `raytrain up` on this machine:
+    they read the head record from an empty place (tests/test_head*.py point it elsewhere)."""
+    os.environ["RAYTRAIN_HEAD_FILE"] = str(tmp_path_factory.mktemp("no-head") / "head.json")
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the whole session: 4 logical CPUs, isolated from any other Ray on the host."""

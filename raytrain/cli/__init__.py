@@ -1,4 +1,4 @@
-"""`raytrain` command line: train, tune, bench, check, report, export, data, doctor.
+"""`raytrain` command line: train, tune, bench, check, report, export, data, doctor, up, down.
 
 - `parser`: every command's flags, built from the typed options (`raytrain.fields`);
 - `options`: the layers of a run's options (the pipeline's defaults, a --config file, the

@@ -28,7 +28,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         values = merge_layers(load_pipeline(spec).default_config, file_values, flags)
     cfg = TrainConfig.from_dict(values)
     check_pipeline_args(load_pipeline(spec), cfg)
-    result = fit(spec, cfg, echo=lambda line: print(line, flush=True), progress=True)
+    with joined_head(cfg.address):
+        result = fit(spec, cfg, echo=lambda line: print(line, flush=True), progress=True)
     # The run's files through the storage as given (its credentials, if the URI holds them).
     print_summary(result, RunDir(Store.of(cfg.storage) / Store.of(result.run_dir).name))
     return 0
@@ -84,7 +85,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     pipe = load_pipeline(spec)
     cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, file_values, fixed))
     check_pipeline_args(pipe, cfg)
-    result = tune(spec, cfg, space, sweep, echo=lambda line: print(line, flush=True))
+    with joined_head(cfg.address):
+        result = tune(spec, cfg, space, sweep, echo=lambda line: print(line, flush=True))
     return 0 if result.best is not None else EXIT_FAILED
 
 
@@ -110,7 +112,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     args.spell = None  # bench names every option as a flag
     values = merge_layers(load_pipeline(spec).default_config, file_values, flags)
     bench_config(values, opts, workers=max(opts.workers), epochs=1, storage=opts.storage, name="check")  # validated
-    run_bench(spec, values, opts, echo=lambda line: print(line, flush=True))
+    with joined_head(values.get("address")):
+        run_bench(spec, values, opts, echo=lambda line: print(line, flush=True))
     return 0
 
 
@@ -126,7 +129,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     pipe = load_pipeline(spec)
     cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, file_values, flags))
     check_pipeline_args(pipe, cfg)
-    verdict = run_check(spec, cfg, opts, echo=lambda line: print(line, flush=True))
+    with joined_head(cfg.address):
+        verdict = run_check(spec, cfg, opts, echo=lambda line: print(line, flush=True))
     return verdict.exit_status
 
 
@@ -162,7 +166,35 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     if args.storage is not None and not args.storage.strip():  # as `train` says it, not the default checked instead
         raise ConfigError([("storage", "is empty; give a directory, e.g. --storage ~/raytrain_results")])
-    return run_doctor(address=args.address, storage=args.storage, echo=print)
+    with joined_head(args.address):
+        return run_doctor(address=args.address, storage=args.storage, echo=print)
+
+
+# -- raytrain up / down, and the commands that join the head they manage ---------------------
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from raytrain.driver.head import start_head
+
+    if args.num_cpus is not None and args.num_cpus < 1:
+        raise ConfigError([("num_cpus", f"got {args.num_cpus}; give at least 1")])
+    start_head(args.num_cpus, echo=lambda line: print(line, flush=True))
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from raytrain.driver.head import stop_head
+
+    return stop_head(echo=lambda line: print(line, flush=True))
+
+
+def joined_head(address: str | None):
+    """Without --address (or RAY_ADDRESS), the command joins the head `raytrain up` started,
+    saying so in its first line; the head's death during it fails it with that cause
+    (`raytrain.driver.head.joined_head`)."""
+    from raytrain.driver.head import joined_head as joined
+
+    return joined(address, echo=lambda line: print(line, flush=True))
 
 
 # -- raytrain plan -----------------------------------------------------------------------------

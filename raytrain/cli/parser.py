@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(commands)
     add_check_parser(commands)
     add_plan_parser(commands)
+    add_head_parsers(commands)
     return parser
 
 
@@ -306,3 +307,29 @@ def add_plan_parser(commands) -> None:
     )
     add_flags(plan, PlanOptions)
     plan.set_defaults(handler=handlers.cmd_plan)
+
+
+def add_head_parsers(commands) -> None:
+    """`raytrain up` / `raytrain down`: a local Ray head that later runs join."""
+    up = commands.add_parser(
+        "up",
+        help="start a local Ray head that later runs join (faster start); prints how to use it",
+        description="Start a loopback-dashboard local Ray head with raytrain's settings (`ray start --head`, its own "
+        "temp dir and ports, metrics collection off) and record it in ~/.raytrain/head.json (RAYTRAIN_HEAD_FILE). "
+        "While it runs, train, check, tune, bench and doctor without --address join it. `raytrain down` stops it.",
+    )
+    up.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the head's logical CPUs (default: 2 per core + 2, what the largest embedded run gets)",
+    )
+    up.set_defaults(handler=handlers.cmd_up)
+    down = commands.add_parser(
+        "down",
+        help="stop the local Ray head `raytrain up` started (only it: never `ray stop`)",
+        description="Stop the head recorded by `raytrain up`, by its recorded process group and processes, and "
+        "clear the record.",
+    )
+    down.set_defaults(handler=handlers.cmd_down)

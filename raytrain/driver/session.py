@@ -162,6 +162,17 @@ def address_problem(address: str) -> str | None:
     return None
 
 
+def gcs_answers(address: str, timeout_s: float = 3.0) -> bool:
+    """Whether a GCS (a gRPC server) answers at HOST:PORT `address`."""
+    host, _, port = address.rpartition(":")
+    try:
+        connection = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except (OSError, ValueError):
+        return False
+    with connection:
+        return speaks_grpc(connection, timeout_s)
+
+
 def speaks_grpc(connection: socket.socket, timeout_s: float = 5.0) -> bool:
     """Whether the server on `connection` answers an HTTP/2 client preface with a SETTINGS
     frame, as a gRPC server such as Ray's GCS does; other servers answer otherwise or not at

@@ -1,0 +1,90 @@
+"""Whether a run joins the local Ray head `raytrain up` recorded, clears its record, or refuses.
+
+A command without --address (and without RAY_ADDRESS) reads the record (`raytrain.driver.head`)
+and asks `head_verdict`:
+
+- another user's head (by the record, or by the uid of its processes) is never joined:
+  refused (exit 2), whatever its state — its processes are not ours to judge or stop;
+- a head that is gone (its GCS does not answer, or its raylet is not the process recorded) is
+  stale: the record is cleared, the run says so and starts its own embedded Ray;
+- a head of another Ray version or another Python (major.minor) cannot take this driver (Ray
+  refuses mixed versions): refused (exit 2) with the fix, `raytrain down` then `raytrain up`;
+- otherwise the run joins it, and its first line says so.
+
+Refusing rather than falling back to an embedded Ray keeps the choice visible: a user who ran
+`raytrain up` expects runs to use that head; a silent fallback would pay the full start again
+and hide why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+JOIN, STALE, REFUSE = "join", "stale", "refuse"
+
+# The record's fields a verdict and the commands need; a record without them is not ours.
+RECORD_FIELDS = ("address", "pid", "ray_version", "python_version", "uid", "user", "marker", "temp_dir")
+
+
+@dataclass(frozen=True)
+class HeadVerdict:
+    kind: Literal["join", "stale", "refuse"]
+    reason: str  # one sentence: why (for stale and refuse), or what is joined
+
+
+def record_problem(record: Any) -> str | None:
+    """Why `record` (the parsed file) is not a head record; None when it is one."""
+    if not isinstance(record, dict):
+        return "it is not a JSON object"
+    missing = [name for name in RECORD_FIELDS if name not in record]
+    return f"it lacks {', '.join(missing)}" if missing else None
+
+
+def same_python(a: str, b: str) -> bool:
+    """Ray needs the same Python major.minor on the driver and the cluster."""
+    return a.split(".")[:2] == b.split(".")[:2]
+
+
+def head_verdict(
+    record: dict[str, Any],
+    *,
+    alive: bool,
+    uid: int,
+    process_uid: int | None,
+    ray_version: str,
+    python_version: str,
+    where: str,
+) -> HeadVerdict:
+    """The verdict on `record` for this process (`uid`, `ray_version`, `python_version`).
+
+    `alive`: the head's GCS answers at the recorded address and its recorded raylet runs.
+    `process_uid`: the uid of the head's leading process, None when it is gone. `where`: the
+    record's path, for the messages."""
+    owner = process_uid if process_uid is not None else record["uid"]
+    if record["uid"] != uid or owner != uid:
+        return HeadVerdict(
+            REFUSE,
+            f"the local Ray head recorded in {where} belongs to user {record['user']!r} (uid {owner}), not to you "
+            f"(uid {uid}); raytrain joins only a head of your own: give --address {record['address']} to join it "
+            f"on purpose, or point RAYTRAIN_HEAD_FILE at a record of your own (`raytrain up` writes one)",
+        )
+    if not alive:
+        return HeadVerdict(
+            STALE,
+            f"the local Ray head recorded in {where} (pid {record['pid']}, {record['address']}) is gone; "
+            "record cleared, this run starts its own Ray",
+        )
+    if record["ray_version"] != ray_version or not same_python(record["python_version"], python_version):
+        return HeadVerdict(
+            REFUSE,
+            f"the local Ray head at {record['address']} runs Ray {record['ray_version']} on Python "
+            f"{record['python_version']}, this raytrain has Ray {ray_version} on Python {python_version}, and Ray "
+            "cannot join across versions; restart it from this environment with `raytrain down && raytrain up` "
+            "(or give --address to use another Ray)",
+        )
+    return HeadVerdict(
+        JOIN,
+        f"raytrain: joining the local Ray head at {record['address']} (started by `raytrain up`, pid "
+        f"{record['pid']}, Ray {record['ray_version']}); `raytrain down` stops it",
+    )

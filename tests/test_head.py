@@ -1,0 +1,194 @@
+"""The record of `raytrain up`'s head and what a command does with it: join a live one of the
+same user and versions, clear a stale one, refuse another user's or another version's."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from raytrain.cli import main
+from raytrain.driver import head
+from raytrain.errors import UsageError
+from raytrain.rules.head import JOIN, REFUSE, STALE, head_verdict, record_problem, same_python
+
+RAY = head.ray_version()
+PY = platform.python_version()
+
+
+def record(**changes):
+    base = {
+        "address": "10.0.0.5:6379",
+        "pid": 4242,
+        "ray_version": RAY,
+        "python_version": PY,
+        "uid": os.getuid(),
+        "user": "me",
+        "marker": "m",
+        "temp_dir": "/tmp/rthead-x",
+    }
+    return {**base, **changes}
+
+
+def judge(rec, alive=True, process_uid=None, uid=None):
+    return head_verdict(
+        rec,
+        alive=alive,
+        uid=os.getuid() if uid is None else uid,
+        process_uid=process_uid,
+        ray_version=RAY,
+        python_version=PY,
+        where="~/.raytrain/head.json",
+    )
+
+
+def test_a_live_head_of_the_same_user_and_versions_is_joined_and_the_line_says_so():
+    verdict = judge(record())
+    assert verdict.kind == JOIN
+    assert verdict.reason.startswith("raytrain: joining the local Ray head at 10.0.0.5:6379")
+    assert "raytrain down" in verdict.reason
+
+
+def test_a_gone_head_is_stale():
+    verdict = judge(record(), alive=False)
+    assert verdict.kind == STALE
+    assert "is gone" in verdict.reason and "record cleared" in verdict.reason
+
+
+def test_another_users_head_is_refused_by_its_record_or_by_its_processes_even_when_gone():
+    for verdict in (
+        judge(record(uid=os.getuid() + 1, user="alice")),
+        judge(record(), process_uid=os.getuid() + 1),
+        judge(record(uid=os.getuid() + 1, user="alice"), alive=False),
+    ):
+        assert verdict.kind == REFUSE
+        assert "not to you" in verdict.reason and "--address 10.0.0.5:6379" in verdict.reason
+
+
+def test_another_ray_or_python_version_is_refused_with_the_fix_but_a_python_patch_release_is_not():
+    for rec in (record(ray_version="2.59.0"), record(python_version="3.10.12")):
+        verdict = judge(rec)
+        assert verdict.kind == REFUSE
+        assert "raytrain down && raytrain up" in verdict.reason
+    major, minor, _ = PY.split(".")
+    assert judge(record(python_version=f"{major}.{minor}.999")).kind == JOIN
+    assert same_python("3.11.7", "3.11.2") and not same_python("3.11.7", "3.12.7")
+
+
+def test_a_file_that_is_not_a_record_is_named_with_the_fix(tmp_path):
+    assert record_problem(record()) is None
+    assert record_problem([1]) == "it is not a JSON object"
+    assert record_problem({"address": "x"}).startswith("it lacks pid, ray_version")
+    path = tmp_path / "head.json"
+    assert head.read_record(path) is None
+    path.write_text("{not json")
+    with pytest.raises(UsageError, match="remove it, then `raytrain up`"):
+        head.read_record(path)
+    path.write_text('{"address": "x"}')
+    with pytest.raises(UsageError, match="is not a raytrain head record"):
+        head.read_record(path)
+
+
+def test_the_record_is_private_to_its_user(tmp_path):
+    path = tmp_path / "dir" / "head.json"
+    head.write_record(path, record())
+    assert head.read_record(path) == record()
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+
+
+class FakeGcs:
+    """A loopback server that answers an HTTP/2 preface with a SETTINGS frame, as a GCS does."""
+
+    def __init__(self):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            with connection:
+                connection.recv(64)
+                connection.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+
+    def close(self):
+        self.server.close()
+
+
+@pytest.fixture
+def recorded(tmp_path, monkeypatch):
+    """A record in tmp_path (RAYTRAIN_HEAD_FILE) of a 'head' whose GCS answers and whose raylet
+    and leader are this process; RAY_ADDRESS unset."""
+    path = tmp_path / "head.json"
+    monkeypatch.setenv(head.HEAD_FILE_ENV, str(path))
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE"):  # unset, and unset again after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    gcs = FakeGcs()
+    me = head._create_time(os.getpid())
+    rec = record(
+        address=gcs.address,
+        pid=os.getpid(),
+        pids={"raylet": os.getpid()},
+        created={"pid": me, "raylet": me},
+        temp_dir=str(tmp_path / "rthead"),
+        auth_mode="token",
+    )
+    head.write_record(path, rec)
+    yield path, rec
+    gcs.close()
+
+
+def test_a_live_head_is_joined_through_ray_address_and_a_given_address_wins(recorded):
+    path, rec = recorded
+    lines = []
+    assert head.join_recorded_head("10.0.0.9:6379", lines.append) is None and not lines
+    assert head.join_recorded_head(None, lines.append) == rec
+    assert lines == [
+        f"raytrain: joining the local Ray head at {rec['address']} "
+        f"(started by `raytrain up`, pid {os.getpid()}, Ray {RAY}); `raytrain down` stops it"
+    ]
+    assert os.environ["RAY_ADDRESS"] == rec["address"] and os.environ["RAY_AUTH_MODE"] == "token"
+
+
+def test_a_stale_record_is_cleared_and_said(recorded, tmp_path):
+    path, rec = recorded
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    head.write_record(path, {**rec, "address": "127.0.0.1:1", "pid": dead, "pids": {"raylet": dead}})
+    lines = []
+    assert head.join_recorded_head(None, lines.append) is None
+    assert not path.exists()
+    assert len(lines) == 1 and "is gone; record cleared, this run starts its own Ray" in lines[0]
+    assert "RAY_ADDRESS" not in os.environ
+
+
+@pytest.mark.parametrize(
+    "changes, words", [({"ray_version": "2.59.0"}, "Ray 2.59.0"), ({"uid": os.getuid() + 1}, "not to you")]
+)
+def test_train_refuses_a_head_of_another_version_or_user_with_exit_2_before_anything_starts(
+    recorded, tmp_path, capsys, changes, words
+):
+    path, rec = recorded
+    head.write_record(path, {**rec, **changes})
+    status = main(["train", "digits", "--workers", "1", "--storage", str(tmp_path / "runs")])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raytrain train: ") and words in err
+    assert path.exists() and not (tmp_path / "runs").exists()
+    assert "RAY_ADDRESS" not in os.environ
+
+
+def test_down_without_a_record_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(head.HEAD_FILE_ENV, str(tmp_path / "head.json"))
+    assert main(["down"]) == 0
+    assert "no local Ray head is recorded" in capsys.readouterr().out
