@@ -202,7 +202,7 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
     said and kept. Raises UsageError for a record that must not be replaced, RunFailed when
     the head does not start."""
     from raytrain.driver.session import EMBEDDED_WORKER_NICENESS, WORKER_ENV
-    from raytrain.tune.resources import EMBEDDED_TRIAL_DRIVER_SLOTS, TRIAL_DRIVER_RESOURCE
+    from raytrain.rules.head import EMBEDDED_TRIAL_DRIVER_SLOTS, TRIAL_DRIVER_RESOURCE
 
     path = head_file()
     record = read_record(path)

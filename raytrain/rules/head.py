@@ -21,6 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+# What a local Ray offers Tune's trial drivers, embedded or started by `raytrain up`: units of
+# `trial_driver`, far more than trials can run at once (the limit is max_concurrent_trials,
+# sized from CPUs/GPUs).
+TRIAL_DRIVER_RESOURCE = "trial_driver"
+EMBEDDED_TRIAL_DRIVER_SLOTS = 1000
+
 JOIN, STALE, REFUSE = "join", "stale", "refuse"
 
 # The record's fields a verdict and the commands need; a record without them is not ours.

@@ -29,12 +29,11 @@ from typing import Any, Callable
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
 from raytrain.pipeline import Pipeline, load_pipeline
+from raytrain.rules.head import EMBEDDED_TRIAL_DRIVER_SLOTS, TRIAL_DRIVER_RESOURCE
 from raytrain.rundir.storage import Store
 from raytrain.text import is_number, sci
 from raytrain.tune.options import SearchSpace, TuneOptions
 from raytrain.tune.resources import (
-    EMBEDDED_TRIAL_DRIVER_SLOTS,
-    TRIAL_DRIVER_RESOURCE,
     embedded_cpus,
     max_concurrent_trials,
     trial_cpus,

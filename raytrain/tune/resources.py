@@ -8,11 +8,8 @@ import math
 from typing import Sequence
 
 from raytrain.errors import ConfigError
+from raytrain.rules.head import TRIAL_DRIVER_RESOURCE
 
-TRIAL_DRIVER_RESOURCE = "trial_driver"
-# Units of `trial_driver` an embedded Ray offers: far more than trials can run at once
-# (the limit is max_concurrent_trials, sized from CPUs/GPUs).
-EMBEDDED_TRIAL_DRIVER_SLOTS = 1000
 # Trial drivers on a cluster without `trial_driver` reserve this much memory instead:
 # Tune needs every trial to reserve something, and a CPU would starve the workers.
 FALLBACK_DRIVER_MEMORY = 256 * 2**20
