@@ -75,3 +75,10 @@ def test_both_flags_exit_2_naming_the_fix(capsys, tmp_path):
 def test_flag_choices(capsys, tmp_path):
     code, out, err = cli(capsys, "train", "digits", "--checkpoint-every", "often", "--storage", str(tmp_path))
     assert code == 2 and "auto" in err, err
+
+
+def test_auto_with_per_step_replicas_is_refused_naming_the_fix():
+    with pytest.raises(
+        ConfigError, match="checkpoint_every: got auto with --fault-tolerance per-step.*--checkpoint-every-steps N"
+    ):
+        TrainConfig(checkpoint_every="auto", fault_tolerance="per-step")

@@ -135,6 +135,13 @@ def _check_auto_interval(c: Any) -> Iterable[tuple[str, str]]:
             f"got auto together with --checkpoint-every-steps {c.checkpoint_every_steps}; give one: "
             "--checkpoint-every auto chooses the interval from the measured costs, --checkpoint-every-steps N fixes it",
         )
+    if c.checkpoint_every == "auto" and c.fault_tolerance == "per-step":
+        # Per-step replicas share no collective outside a step to agree on auto's measured figures.
+        yield (
+            "checkpoint_every",
+            "got auto with --fault-tolerance per-step, which does not take it yet; give --checkpoint-every-steps N "
+            "(raytrain plan --run RUN_DIR suggests N from a run's measured costs), or --fault-tolerance restart",
+        )
     if not 0 < c.mtbf_hours < math.inf:
         yield "mtbf_hours", f"got {c.mtbf_hours}; must be a positive number of hours per node, e.g. --mtbf-hours 6335"
     yield from _positive_int("checkpoint_min_steps", c.checkpoint_min_steps, 10)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from typing import Any, Sequence
+from uuid import uuid4
 
 from raytrain.config import TrainConfig
 from raytrain.data.sources import Source
@@ -84,7 +85,7 @@ def build_torch_trainer(
         torch_config = TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s))
     return FailFastTrainer(
         summarize_on_raise(train_loop_per_worker),
-        train_loop_config={PAYLOAD: WorkerPayload(cfg, pipe, Store.of(run_dir), sources)},
+        train_loop_config={PAYLOAD: WorkerPayload(cfg, pipe, Store.of(run_dir), sources, invocation=uuid4().hex)},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources, **elastic),
         torch_config=torch_config,
         # No `datasets=`: Ray's equal split drops tail rows and keeps no position. The

@@ -2,7 +2,12 @@
 staged, published and pruned, and where an attempt continues from.
 
 - When (`due`, and the loop's epoch ends, the step budget's last step and a stop request,
-  which always save): every --checkpoint-every-steps steps.
+  which always save): every --checkpoint-every-steps steps, or, with --checkpoint-every auto,
+  every `raytrain.rules.interval.AutoInterval` steps: Daly's interval from the loop's measured
+  stall per save, the step time and the failure rate (the prior --mtbf-hours, updated by the
+  failures this run recovers from), re-derived after every save and every failure and said
+  when it changes. Every rank holds rank 0's figures (gathered at each save), so that every
+  rank checkpoints at the same steps.
 - What: the training state (`raytrain.worker.state.TrainingState`: model, optimizer, scaler,
   RNG, position) and the rules the run had at that step (`contents`).
 - How and where, for both fault-tolerance modes: every writing rank writes its part into a
@@ -22,9 +27,11 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
+from raytrain.rules.interval import AutoInterval, IntervalChange
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.files import storage_errors
 from raytrain.rundir.publish import Publish
+from raytrain.rundir.records import Kind
 from raytrain.rundir.storage import Store
 from raytrain.worker.saving import Save
 
@@ -42,31 +49,72 @@ PUBLISH_WAIT_S = 60.0
 class Checkpointer:
     """A worker's checkpoints (see the module's docstring)."""
 
-    def __init__(self, cfg: "TrainConfig", runtime: "Runtime", store: Store, *, via_ray: bool) -> None:
+    def __init__(
+        self, cfg: "TrainConfig", runtime: "Runtime", store: Store, *, via_ray: bool, invocation: str = ""
+    ) -> None:
         self.every, self.keep, self.asynchronous = (
             cfg.checkpoint_every_steps,
             cfg.num_checkpoints_to_keep,
             cfg.checkpoint_async,
         )
+        self.cfg, self.invocation = cfg, invocation  # invocation: this driver's run of the job
+        self.auto: AutoInterval | None = None  # --checkpoint-every auto, once restored
+        self.saved_step, self.tick = 0, None  # the last checkpoint's step; when the last step ended
+        self.say = None  # rank 0's event line (the run files, once restored)
         self.runtime, self.store = runtime, Store.of(store)
         self.via_ray = via_ray  # Ray Train registers and prunes (a restarting group); else the writer does
         self._save: Save | None = None  # this rank's checkpoint being written
         self._publish: Publish | None = None  # ... and being published
 
     def due(self, step: int, last: bool) -> bool:
-        """Whether the step at `step` is checkpointed for the cadence (--checkpoint-every-steps);
-        the last step of an epoch or of the budget is checkpointed by the loop anyway."""
+        """Whether the step at `step` is checkpointed for the cadence (--checkpoint-every-steps, or
+        auto's interval); the last step of an epoch or of the budget is checkpointed by the loop anyway."""
+        if self.auto is not None:
+            now = time.perf_counter()
+            if self.tick is not None:  # the time since the last step ended: this step's (auto's step time)
+                self.auto.on_steps(1, now - self.tick)
+            self.tick = now
+            return self.auto.due(step - self.saved_step) and not last
         return bool(self.every) and step % self.every == 0 and not last
 
     def restore(self, runner: "StepRunner", files: "RunWriter") -> dict[str, Any] | None:
         """Continue from the furthest checkpoint of the run that loads on every rank; its train
         state (None: a fresh start)."""
-        return runner.restore(ckpt.resume_choice(self.store, also=self.runtime.latest_checkpoint()), files)
+        saved = runner.restore(ckpt.resume_choice(self.store, also=self.runtime.latest_checkpoint()), files)
+        if self.cfg.checkpoint_every == "auto":
+            self.say = lambda change: files.event(Kind.NOTE, change.line, interval_steps=change.after)
+            self.auto_restored(saved)
+        return saved
 
-    @staticmethod
-    def contents(runner: "StepRunner", position: "Position") -> dict[str, Any]:
+    def auto_restored(self, saved: dict[str, Any] | None) -> None:
+        """auto's interval as the checkpoint left it; an attempt of this same invocation that
+        continues from it follows a failure (or a shrink), which the failure rate counts."""
+        kept = (saved or {}).get("auto_interval") or {}
+        cfg, sizes = self.cfg, ((saved or {}).get("position") or {}).get("world_sizes") or []
+        self.auto = AutoInterval.from_state(
+            kept.get("interval"),
+            mtbf_hours=cfg.mtbf_hours,
+            nodes=self.runtime.nodes,
+            min_steps=cfg.checkpoint_min_steps,
+            max_steps=cfg.checkpoint_max_steps,
+            per_step=cfg.fault_tolerance == "per-step",
+        )
+        self.saved_step = int(((saved or {}).get("position") or {}).get("step", 0))
+        grew = bool(sizes) and self.runtime.world_size > sizes[-1]
+        if saved is None:
+            self.tell(IntervalChange(0, self.auto.held, "start", self.auto.describe()))
+        elif kept.get("invocation") == self.invocation and self.invocation and not grew:
+            self.tell(self.auto.on_failure())
+
+    def tell(self, change: IntervalChange | None) -> None:
+        if change is not None and self.say is not None:
+            self.say(change)
+
+    def contents(self, runner: "StepRunner", position: "Position") -> dict[str, Any]:
         """The rules the run had at `position`, beside its training state."""
+        auto = {"auto_interval": {"invocation": self.invocation, "interval": self.auto.state()}} if self.auto else {}
         return {
+            **auto,
             "scheduler": {
                 "samples_seen": position.samples_seen,
                 "peak_lr": runner.peak_lr,
@@ -113,8 +161,23 @@ class Checkpointer:
                 runtime.report(metrics, asynchronous=self.asynchronous)
         if not self.asynchronous:
             self.finish()
-        runner.telemetry.checkpoint_wait_s += time.perf_counter() - started
+        stall_s = time.perf_counter() - started
+        runner.telemetry.checkpoint_wait_s += stall_s
         runner.telemetry.checkpoints += 1
+        if self.auto is not None:
+            self.after_save(position.step, stall_s)
+
+    def after_save(self, step: int, stall_s: float) -> None:
+        """auto's interval re-derived from rank 0's stall and step time, which every rank then
+        holds (one small gather per save): the ranks' own timings differ, their checkpoints must not."""
+        change = self.auto.on_save(stall_s) if self.runtime.is_rank0 else None
+        state = self.runtime.all_gather_object(self.auto.state() if self.runtime.is_rank0 else None)[0]
+        self.auto = AutoInterval.from_state(
+            state, mtbf_hours=self.auto.mtbf_hours, nodes=self.auto.nodes, min_steps=self.auto.min_steps,
+            max_steps=self.auto.max_steps, per_step=self.auto.per_step,
+        )  # fmt: skip
+        self.saved_step, self.tick = step, time.perf_counter()
+        self.tell(change)
 
     def prune(self) -> None:
         """The oldest checkpoints beyond --num-checkpoints-to-keep go (Ray Train's are Ray's to prune)."""

@@ -53,6 +53,7 @@ class WorkerPayload:
     pipeline: Pipeline
     run_dir: Store  # a local directory or an object store's prefix
     sources: dict[str, Source]  # "train", optional "val"
+    invocation: str = ""  # this run of the driver: an attempt that restores its own checkpoint follows a failure
 
 
 PAYLOAD = "raytrain"
@@ -67,7 +68,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     runtime = ReplicaRuntime(cfg.collective_timeout_s, run_dir) if per_step else Runtime()
     files = RunWriter(run_dir, enabled=runtime.is_rank0)
     heartbeat = Heartbeat(run_dir.local_dir / HEARTBEATS, runtime.world_rank, enabled=runtime.world_size > 1)
-    checkpointer = Checkpointer(cfg, runtime, run_dir, via_ray=not per_step)
+    checkpointer = Checkpointer(cfg, runtime, run_dir, via_ray=not per_step, invocation=payload.invocation)
     if not per_step:  # a replacement replica must not clear what the live quorum is writing
         files.clear_staging()
     try:

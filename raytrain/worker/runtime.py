@@ -44,6 +44,8 @@ class Runtime:
         self.world_rank = context.get_world_rank()
         self.world_size = context.get_world_size()
         self.local_rank = context.get_local_rank()
+        # The nodes the job spans (failures come per node: --checkpoint-every auto's rate).
+        self.nodes = max(1, -(-self.world_size // max(1, context.get_local_world_size())))
         self.distributed = dist.is_available() and dist.is_initialized()
         self.device = ray.train.torch.get_device() if self.distributed else _local_device()
         self.backend = dist.get_backend() if self.distributed else "none (local mode)"
@@ -65,7 +67,7 @@ class Runtime:
         """This worker by itself, on the same device: rank 0 of 1, no collectives, no DDP
         (`raytrain check` takes its 1-worker reference steps so, on rank 0)."""
         runtime = copy.copy(self)
-        runtime.world_rank, runtime.world_size, runtime.local_rank = 0, 1, 0
+        runtime.world_rank, runtime.world_size, runtime.local_rank, runtime.nodes = 0, 1, 0, 1
         runtime.distributed, runtime.backend = False, "none (one worker by itself)"
         return runtime
 
