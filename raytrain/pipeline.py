@@ -23,6 +23,8 @@ BUILTIN_PIPELINES = {
     "digits": "pipelines.digits:DigitsPipeline",
     "parquet": "pipelines.parquet:ParquetPipeline",
     "charlm": "pipelines.charlm:CharLMPipeline",
+    "hf-causal-lm": "pipelines.hf:HFCausalLMPipeline",
+    "hf-classification": "pipelines.hf:HFClassificationPipeline",
 }
 
 

@@ -32,9 +32,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_norm_and_bia
     ]
 
 
-def build_default_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """--optimizer adamw | sgd | lamb over `param_groups`, at --lr (raytrain sets the rate per step)."""
-    groups = param_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
+def build_default_optimizer(
+    model: torch.nn.Module, cfg: TrainConfig, groups: list[dict[str, Any]] | None = None
+) -> torch.optim.Optimizer:
+    """--optimizer adamw | sgd | lamb over `groups` (default: `param_groups`), at --lr (raytrain
+    sets the rate per step)."""
+    if groups is None:
+        groups = param_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
     if cfg.optimizer == "lamb":
