@@ -79,6 +79,7 @@ def test_a_classifier_trains_on_a_saved_dataset_and_build_datasets_may_return_a_
     lines = stdlib_text(40_000)[:600]
     rows = {"text": lines, "label": [int(line.lstrip().startswith(("def ", "class "))) for line in lines]}
     datasets.Dataset.from_dict(rows).save_to_disk(str(hf_dir / "saved"))
+    datasets.Dataset.from_dict({k: v[:100] for k, v in rows.items()}).to_parquet(str(hf_dir / "val.parquet"))
     cfg = raytrain.TrainConfig(
         workers=2,
         max_steps=4,
@@ -88,12 +89,13 @@ def test_a_classifier_trains_on_a_saved_dataset_and_build_datasets_may_return_a_
             "model": str(hf_dir / "bert"),
             "tokenizer": str(hf_dir / "tokenizer"),
             "train": str(hf_dir / "saved"),
+            "val": str(hf_dir / "val.parquet"),
             "block_size": 24,
         },
     )
     result = raytrain.fit("hf-classification", cfg)
     assert (result.summary["status"], result.summary["steps"]) == ("finished", 4)
-    assert "accuracy" in read_jsonl(tmp_path / "cls" / "metrics.jsonl")[-1]
+    assert 0 <= read_jsonl(tmp_path / "cls" / "metrics.jsonl")[-1]["val_accuracy"] <= 1
 
     class FromDatasets(raytrain.Pipeline):
         def build_datasets(self, cfg):
