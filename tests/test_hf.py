@@ -133,3 +133,41 @@ def test_build_datasets_may_return_datasets_a_dataset_dict_or_a_split_each_but_n
     assert "'train'" in check(datasets.DatasetDict(validation=split), None)
     streamed = split.to_iterable_dataset()
     assert "streaming datasets.IterableDataset" in check({"train": streamed}, None)
+
+
+def run_of(directory, pipeline: str, pipeline_args: dict, weights: dict):
+    """A run directory as a finished run leaves it, for export: config.yaml and model.pt."""
+    import torch
+    import yaml
+
+    directory.mkdir()
+    (directory / "config.yaml").write_text(yaml.safe_dump({"pipeline": pipeline, "pipeline_args": pipeline_args}))
+    torch.save(weights, directory / "model.pt")
+    return directory
+
+
+def test_export_format_hf_writes_a_directory_from_pretrained_loads_without_missing_keys(hf_dir, tmp_path, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipelines.hf.common import load_model
+    from raytrain.cli import main
+
+    trained = load_model("AutoModelForCausalLM", str(hf_dir / "gpt2-config")).state_dict()  # other weights
+    args = {"model": str(hf_dir / "gpt2"), "tokenizer": str(hf_dir / "tokenizer"), "train": str(hf_dir / "train.txt")}
+    run = run_of(tmp_path / "run", "hf-causal-lm", args, {f"module.{k}": v for k, v in trained.items()})
+    assert main(["export", str(run), "--format", "hf", "-o", str(tmp_path / "out")]) == 0
+    assert "GPT2LMHeadModel" in capsys.readouterr().out
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())  # the run's, not the directory's
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")("x = 1")["input_ids"]
+
+
+def test_export_format_hf_of_a_model_that_is_not_a_pretrained_model_is_exit_2(tmp_path, capsys):
+    from pipelines.digits.model import DigitsCNN
+    from raytrain.cli import main
+
+    run = run_of(tmp_path / "run", "digits", {}, DigitsCNN().state_dict())
+    assert main(["export", str(run), "--format", "hf", "-o", str(tmp_path / "out")]) == 2
+    assert "not a transformers PreTrainedModel; export it as a state_dict" in capsys.readouterr().err
