@@ -154,16 +154,23 @@ def _datasets(value: Any, before: Any) -> str | None:
     import ray.data
     import torch.utils.data
 
+    from raytrain.data import hf
+
+    value = hf.splits_of(value)  # a DatasetDict: its train and validation splits
     if not isinstance(value, dict) or "train" not in value:
         got = f"a dict with keys {sorted(map(str, value))}" if isinstance(value, dict) else f"a {type(value).__name__}"
         return f"must return a dict with a 'train' dataset (and optionally 'val'); it returned {got}"
     from raytrain.sampled import Sampled
 
     for name, dataset in value.items():
-        if not isinstance(dataset, (ray.data.Dataset, torch.utils.data.Dataset, Sampled)):
+        if hf.problem(name, dataset):
+            return hf.problem(name, dataset)
+        if not isinstance(dataset, (ray.data.Dataset, torch.utils.data.Dataset, Sampled)) and not hf.is_hf_dataset(
+            dataset
+        ):
             return (
-                f"returned dataset {name!r} as a {type(dataset).__name__}, not a ray.data.Dataset, a torch Dataset "
-                "or a raytrain.Sampled"
+                f"returned dataset {name!r} as a {type(dataset).__name__}, not a ray.data.Dataset, a torch Dataset, "
+                "a datasets.Dataset or a raytrain.Sampled"
             )
     return None
 

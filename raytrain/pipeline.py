@@ -23,6 +23,8 @@ BUILTIN_PIPELINES = {
     "digits": "pipelines.digits:DigitsPipeline",
     "parquet": "pipelines.parquet:ParquetPipeline",
     "charlm": "pipelines.charlm:CharLMPipeline",
+    "hf-causal-lm": "pipelines.hf:HFCausalLMPipeline",
+    "hf-classification": "pipelines.hf:HFClassificationPipeline",
 }
 
 
@@ -109,11 +111,15 @@ def default_blocks(model: "torch.nn.Module") -> list["torch.nn.Module"]:
     return found
 
 
-def default_optimizer(model: "torch.nn.Module", cfg: "TrainConfig") -> "torch.optim.Optimizer":
-    """--optimizer adamw | sgd | lamb over `param_groups`, at --lr (raytrain sets the rate per step)."""
+def default_optimizer(
+    model: "torch.nn.Module", cfg: "TrainConfig", groups: list[dict[str, Any]] | None = None
+) -> "torch.optim.Optimizer":
+    """--optimizer adamw | sgd | lamb over `groups` (default: `param_groups`), at --lr (raytrain
+    sets the rate per step)."""
     import torch
 
-    groups = param_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
+    if groups is None:
+        groups = param_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
     if cfg.optimizer == "lamb":

@@ -241,8 +241,8 @@ def test_no_pipeline(train):
     [
         (
             "nosuch",
-            "pipeline: unknown name 'nosuch'; use a built-in one (digits, parquet, charlm) or point at your own as "
-            "module:attr",
+            "pipeline: unknown name 'nosuch'; use a built-in one (digits, parquet, charlm, hf-causal-lm, "
+            "hf-classification) or point at your own as module:attr",
         ),
         ("digit", "pipeline: unknown name 'digit'"),
         ("no_such_module_xyz:Pipe", "pipeline 'no_such_module_xyz:Pipe': cannot find module 'no_such_module_xyz'"),

@@ -27,7 +27,7 @@ def test_the_sgd_recipe_port_trains_with_its_schedule_and_augmentation(ray_sessi
     result = raytrain.fit(pipeline, cfg)
     assert result.summary["status"] == "finished" and result.summary["samples_seen"] == 3 * 1438
     events = [e["message"] for e in raytrain.rundir.read_jsonl(tmp_path / "sgd" / "events.jsonl")]
-    assert "warmup 1 epoch from 1.0e-2; step ×0.1 at epochs 2; sgd" in events[0]
+    assert "warmup 1 epoch from 1.0e-2, to step 12 of 36; step ×0.1 at epochs 2; sgd" in events[0]
     rows = [r for r in raytrain.rundir.read_jsonl(tmp_path / "sgd" / "metrics.jsonl") if r.get("epoch_end")]
     assert rows[-1]["lr"] == pytest.approx(0.01) and rows[-1]["val_accuracy"] > 0.5
 
@@ -59,8 +59,8 @@ def test_the_nanogpt_style_port_trains_in_steps_on_sampled_windows(ray_session, 
     assert (result.summary["status"], result.summary["steps"], result.summary["samples_seen"]) == ("finished", 12, 192)
     events = [e["message"] for e in raytrain.rundir.read_jsonl(tmp_path / "nano" / "events.jsonl")]
     assert (
-        "warmup 4 steps from 0.0e0; the pipeline's lr_factor; the pipeline's build_optimizer (AdamW, 2 groups)"
-        in (events[0])
+        "warmup 4 steps from 0.0e0, to step 4 of 12; the pipeline's lr_factor; the pipeline's build_optimizer "
+        "(AdamW, 2 groups)" in (events[0])
     )
     rows = raytrain.rundir.read_jsonl(tmp_path / "nano" / "metrics.jsonl")
     assert [row["step"] for row in rows if "val_loss" in row] == [5, 10, 12]

@@ -118,6 +118,33 @@ def test_the_schedule_reaches_its_end_at_the_last_step_of_max_steps():
     assert schedule.lr(samples_after_steps(10, 100, 16)) == 0.0 and schedule.lr(samples_after_steps(9, 100, 16)) > 0
 
 
+def test_a_warmup_in_epochs_longer_than_max_steps_is_counted_as_a_tenth_of_the_run_in_steps():
+    # 2,944 rows at a global batch of 32: 92 steps an epoch; the default warmup (1 epoch) would
+    # outlast --max-steps 20 and the rate would never reach its peak
+    cfg = TrainConfig(batch_size_per_worker=16, reference_batch_size=16, workers=2, max_steps=20)
+    schedule = run_schedule(cfg, batch_plan_for(cfg, 2), 2944)
+    assert schedule.warmup_samples == 2 * 32
+    assert schedule.lr(samples_after_steps(2, 2944, 32)) == pytest.approx(schedule.peak_lr)
+    assert schedule.lr(samples_after_steps(20, 2944, 32)) == pytest.approx(0.0)  # and the decay ends with the run
+    assert schedule.warmup_words == (
+        "warmup 2 steps",
+        "to step 2 of 20 (a tenth of the run: 1 epoch is 92 steps, not shorter than the run)",
+    )
+
+
+def test_a_warmup_that_ends_inside_the_run_is_kept_and_the_words_say_where_it_ends():
+    longer = TrainConfig(batch_size_per_worker=16, reference_batch_size=16, workers=2, max_steps=300)
+    assert run_schedule(longer, batch_plan_for(longer, 2), 2944).warmup_samples == 2944
+    assert run_schedule(longer, batch_plan_for(longer, 2), 2944).warmup_words[1] == "to step 92 of 300"
+    epochs = TrainConfig(batch_size_per_worker=16, reference_batch_size=16, workers=2, epochs=4, warmup_epochs=0.5)
+    assert run_schedule(epochs, batch_plan_for(epochs, 2), 2944).warmup_words == (
+        "warmup 0.5 epochs",
+        "to step 46 of 368",
+    )
+    tiny = TrainConfig(batch_size_per_worker=16, reference_batch_size=16, workers=2, max_steps=5)
+    assert run_schedule(tiny, batch_plan_for(tiny, 2), 2944).warmup_samples == 0  # a tenth of 5 steps: none
+
+
 # -- evaluation every N steps --------------------------------------------------------------------
 
 
@@ -247,8 +274,8 @@ def test_the_plan_line_says_the_hooks_and_the_budget():
     plan = batch_plan_for(cfg, 2)
     line = describe_plan(cfg, StepsPipeline("."), plan, run_schedule(cfg, plan, 100), "gloo", "AdamW, 2 groups")
     assert line.endswith(
-        "warmup 20 steps; the pipeline's lr_factor; the pipeline's build_optimizer (AdamW, 2 groups); gloo; "
-        "300 steps or 4 epochs, whichever comes first"
+        "warmup 20 steps, to step 20 of 28; the pipeline's lr_factor; the pipeline's build_optimizer "
+        "(AdamW, 2 groups); gloo; 300 steps or 4 epochs, whichever comes first"
     )
 
 

@@ -73,8 +73,9 @@ def test_digits_two_workers_trains_and_leaves_run_files(ray_session, tmp_path):
     events = read_jsonl(run_dir / "events.jsonl")
     assert events[0]["message"].startswith(
         "global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, reference "
-        "batch 32); warmup 1 epoch; cosine; adamw; gloo"
+        "batch 32); warmup 1 epoch, to step "
     )
+    assert "; cosine; adamw; gloo" in events[0]["message"]
 
     # The run name is taken now: reusing it without --resume is an error, not a silent resume.
     with pytest.raises(ConfigError, match="already exists.*--resume"):

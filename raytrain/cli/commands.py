@@ -137,7 +137,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from raytrain.rundir.export import export_weights
 
-    export_weights(args.source, args.output, args.pipeline)
+    export_weights(args.source, args.output, args.pipeline, fmt=args.format)
     return 0
 
 

@@ -48,7 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR|CKPT",
         help="a run directory, a checkpoint directory or a .pt file (a path or a URI: s3://..., gs://...)",
     )
-    export.add_argument("-o", "--output", required=True, metavar="F.pt", help="where to write the state_dict")
+    export.add_argument("-o", "--output", required=True, metavar="F.pt|DIR", help="where to write the state_dict")
+    export.add_argument(
+        "--format",
+        choices=("torch", "hf"),
+        default="torch",
+        help="torch: a plain state_dict (default); hf: a Hugging Face save_pretrained directory (config, safetensors, "
+        "the run's tokenizer), for a pipeline whose model is a transformers PreTrainedModel",
+    )
     export.add_argument(
         "--pipeline",
         metavar="PIPELINE",

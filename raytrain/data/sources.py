@@ -71,14 +71,20 @@ Source = Union[MemorySource, StreamSource, SampledSource]
 
 
 def build_datasets(pipe: "Pipeline", cfg: "TrainConfig") -> dict[str, Any]:
-    """The pipeline's datasets as Ray Datasets (map-style torch Datasets are converted)."""
+    """The pipeline's datasets as Ray Datasets (map-style torch Datasets and Hugging Face
+    `datasets`, a Dataset per split or a DatasetDict, are converted)."""
     import ray.data
 
+    from raytrain.data import hf
     from raytrain.data.torch_dataset import from_torch_dataset
 
-    datasets = hooks.call(pipe, "build_datasets", cfg)
+    datasets = hf.splits_of(hooks.call(pipe, "build_datasets", cfg))
     return {
-        name: ds if isinstance(ds, (ray.data.Dataset, Sampled)) else from_torch_dataset(ds, name)
+        name: ds
+        if isinstance(ds, (ray.data.Dataset, Sampled))
+        else hf.to_ray(ds)
+        if hf.is_hf_dataset(ds)
+        else from_torch_dataset(ds, name)
         for name, ds in datasets.items()
     }
 

@@ -75,16 +75,17 @@ def describe_plan(
     model: str = "",
 ) -> str:
     """`global 64 = 2 workers × 32 per worker × 1 accumulation step; lr 2.0e-3 = 1.0e-3 × 2 (linear rule, ...);
-    warmup 1 epoch; cosine; adamw; gloo; 4 epochs`. `optimizer_detail`: what the pipeline's build_optimizer built;
-    `model`: how the strategy holds the model, when there is more to say than DDP's default."""
+    warmup 1 epoch, to step 16 of 64; cosine; adamw; gloo; 4 epochs`. `optimizer_detail`: what the pipeline's
+    build_optimizer built; `model`: how the strategy holds the model, when there is more to say than DDP's default."""
     factor = schedule.peak_lr / cfg.lr
     rule = {"linear": "linear rule", "sqrt": "square-root rule", "none": "no scaling"}[cfg.lr_scaling]
-    if cfg.warmup_steps is not None:
-        warmup = f"warmup {cfg.warmup_steps:,} step{'s' if cfg.warmup_steps != 1 else ''}"
-    else:
-        warmup = f"warmup {cfg.warmup_epochs:g} epoch{'s' if cfg.warmup_epochs != 1 else ''}"
-    if (cfg.warmup_epochs or cfg.warmup_steps) and cfg.warmup_start_factor is not None:
+    warmup, where = schedule.warmup_words
+    if not warmup:  # a schedule built by hand, not by run_schedule
+        warmup = f"warmup {schedule.warmup_samples:,} samples" if schedule.warmup_samples else "no warmup"
+    if schedule.warmup_samples and cfg.warmup_start_factor is not None:
         warmup += f" from {sci(schedule.warmup_start_lr)}"
+    if where:
+        warmup += f" {where}" if where.startswith("(") else f", {where}"
     schedule_text = resume.hook_text("lr_factor") if overrides(pipeline, "lr_factor") else cfg.schedule
     if cfg.schedule == "step" and schedule_text == "step":
         schedule_text += f" ×{cfg.lr_gamma:g} at epochs {', '.join(f'{m:g}' for m in cfg.lr_milestones or [])}"

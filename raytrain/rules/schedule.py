@@ -7,17 +7,20 @@ moves the schedule. Pure: nothing here touches Ray or torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from raytrain.rules.batch import BatchPlan, lr_scale
-from raytrain.rules.budget import Budget, planned_global_batch, samples_after_steps
+from raytrain.rules.budget import Budget, planned_global_batch, samples_after_steps, steps_per_epoch
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
 
 ONECYCLE_FINAL_FACTOR = 1e-4  # one-cycle ends at this fraction of the peak rate
 ONECYCLE_DEFAULT_RISE = 0.3  # without a warmup, one-cycle rises over this share of the run
+# A warmup in epochs that --max-steps cuts short becomes this share of the run's steps (HF's
+# `warmup_ratio` 0.1 in its examples), so that the rate reaches its peak and then decays.
+SHORT_RUN_WARMUP_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class LRSchedule:
     total_samples: int
     milestones_samples: tuple[int, ...] = ()
     gamma: float = 0.1
+    warmup_words: tuple[str, str] = field(default=("", ""), compare=False)
+    """The plan line's words for the warmup (`Warmup.length`, `Warmup.where`)."""
 
     def lr(self, samples_seen: int, factor=None) -> float:
         warmup = self.warmup_samples
@@ -84,6 +89,52 @@ def lr_at(
     return LRSchedule(schedule, peak_lr, base_lr, warmup_samples, total_samples).lr(samples_seen)
 
 
+@dataclass(frozen=True)
+class Warmup:
+    """The run's warmup in samples, and the plan line's words for it: `length` (`warmup 1 epoch`)
+    and `where` (where it ends in the run)."""
+
+    samples: int
+    length: str
+    where: str = ""
+
+
+def run_warmup(cfg: "TrainConfig", num_train_rows: int) -> Warmup:
+    """The warmup of a run of `num_train_rows` training rows, counted at the planned global batch.
+
+    --warmup-steps is taken as given (longer than --max-steps is refused by the config). A warmup
+    in epochs (the default is 1) that would not end before --max-steps does is counted in steps
+    instead: a tenth of the run's steps (none under 10), so that a short run still reaches its
+    peak rate and decays; the words say so. Either way they say where warmup ends."""
+    planned = planned_global_batch(cfg)
+    budget = Budget.of(cfg)
+    run_steps = budget.total_steps(num_train_rows, planned)
+    if cfg.warmup_steps is not None:
+        samples = samples_after_steps(cfg.warmup_steps, num_train_rows, planned)
+        length = f"{cfg.warmup_steps:,} step{'s' if cfg.warmup_steps != 1 else ''}"
+    else:
+        samples = round(cfg.warmup_epochs * num_train_rows)
+        length = f"{cfg.warmup_epochs:g} epoch{'s' if cfg.warmup_epochs != 1 else ''}"
+        if cfg.max_steps is not None and samples > 0 and samples >= budget.samples(num_train_rows, planned):
+            steps = int(run_steps * SHORT_RUN_WARMUP_SHARE)
+            why = f"{length} is {steps_to_samples(samples, num_train_rows, planned):,} steps, not shorter than the run"
+            if not steps:
+                return Warmup(0, "no warmup", f"({why}, and a tenth of its {run_steps} steps is none)")
+            samples = samples_after_steps(steps, num_train_rows, planned)
+            where = f"to step {steps:,} of {run_steps:,} (a tenth of the run: {why})"
+            return Warmup(samples, f"warmup {steps:,} step{'s' if steps != 1 else ''}", where)
+    if samples <= 0:
+        return Warmup(0, "no warmup")
+    ends = steps_to_samples(samples, num_train_rows, planned)
+    return Warmup(samples, f"warmup {length}", f"to step {ends:,} of {run_steps:,}")
+
+
+def steps_to_samples(samples: int, epoch_rows: int, global_batch_size: int) -> int:
+    """The first step count whose samples (`samples_after_steps`) reach `samples`."""
+    epochs, rest = divmod(samples, epoch_rows)
+    return epochs * steps_per_epoch(epoch_rows, global_batch_size) + -(-rest // global_batch_size)
+
+
 def run_schedule(cfg: "TrainConfig", batch_plan: BatchPlan, num_train_rows: int) -> LRSchedule:
     """The run's schedule for `batch_plan`: the scaling rule's peak, warmup and the schedule,
     with epochs and steps (warmup, milestones, the run's length: `raytrain.rules.budget`) turned
@@ -93,16 +144,14 @@ def run_schedule(cfg: "TrainConfig", batch_plan: BatchPlan, num_train_rows: int)
     start = cfg.lr if cfg.warmup_start_factor is None else peak * cfg.warmup_start_factor
     milestones = tuple(round(m * num_train_rows) for m in (cfg.lr_milestones or ()))
     planned = planned_global_batch(cfg)
-    if cfg.warmup_steps is not None:
-        warmup = samples_after_steps(cfg.warmup_steps, num_train_rows, planned)
-    else:
-        warmup = round(cfg.warmup_epochs * num_train_rows)
+    warmup = run_warmup(cfg, num_train_rows)
     return LRSchedule(
         cfg.schedule,
         peak,
         start,
-        warmup,
+        warmup.samples,
         Budget.of(cfg).samples(num_train_rows, planned),
         milestones,
         cfg.lr_gamma,
+        (warmup.length, warmup.where),
     )

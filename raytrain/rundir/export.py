@@ -26,11 +26,16 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def export_weights(
-    source: str, output: str, pipeline: str | None = None, echo: Callable[[str], None] = print
+    source: str, output: str, pipeline: str | None = None, echo: Callable[[str], None] = print, fmt: str = "torch"
 ) -> "Path | Store":
     """Write the model of `source` (a run directory, a checkpoint directory or a .pt file; a
-    path or a URI) to `output` (a path or a URI) as a plain state_dict; returns where."""
+    path or a URI) to `output` (a path or a URI) as a plain state_dict, or with `fmt` "hf" as a
+    Hugging Face save_pretrained directory (`raytrain.rundir.export_hf`); returns where."""
     weights = {strip_wrappers(key): value for key, value in load_model_weights(source).items()}
+    if fmt == "hf":
+        from raytrain.rundir.export_hf import export_pretrained
+
+        return export_pretrained(source, output, pipeline, weights, echo)
     checked = check_against_pipeline(pipeline, Store.of(source), weights) if pipeline else ""
     if is_uri(output):  # straight to an object store
         target = Store.of(output)
@@ -61,17 +66,29 @@ def strip_wrappers(key: str) -> str:
 def check_against_pipeline(spec: str, source: Store, weights: dict) -> str:
     """Load the weights into the pipeline's model with strict=True (the run's own options, from
     its config.yaml when the source is a run or one of its checkpoints, build the model)."""
+    pipe, _, _ = loaded_model(spec, source, weights)
+    return f"; checked: loads into {pipe.name}'s model with strict=True"
+
+
+def run_config(source: Store) -> dict[str, Any]:
+    """The values of the run's config.yaml (the source is a run or one of its checkpoints), or {}."""
     import yaml
 
-    from raytrain.config import TrainConfig, merge_layers
-    from raytrain.pipeline import load_pipeline
-
-    pipe = load_pipeline(spec)
-    values: dict[str, Any] = {}
     for candidate in (source, source.parent, source.parent.parent):
         if candidate.is_file(CONFIG):
-            values = yaml.safe_load(candidate.read_text(CONFIG)) or {}
-            break
+            return yaml.safe_load(candidate.read_text(CONFIG)) or {}
+    return {}
+
+
+def loaded_model(spec: str, source: Store, weights: dict) -> tuple[Any, Any, "torch.nn.Module"]:
+    """(pipeline, config, model): the pipeline's model built with the run's own options, the
+    weights loaded into it with strict=True."""
+    from raytrain.config import TrainConfig, merge_layers
+    from raytrain.pipeline import load_pipeline
+    from raytrain.rules.resume import resolvable
+
+    pipe = load_pipeline(spec)
+    values = resolvable(run_config(source))  # what a hook replaced (the optimizer it built) is not an option
     values.pop("pipeline", None)
     values.pop("gpu", None)
     cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, values, {"resume": False}))
@@ -83,4 +100,4 @@ def check_against_pipeline(spec: str, source: Store, weights: dict) -> str:
             f"{source}: weights do not match {pipe.name}'s model ({weights_mismatch(exc)}); give the pipeline the run "
             "trained (and its --pipeline-arg options, read from the run's config.yaml)"
         ) from None
-    return f"; checked: loads into {pipe.name}'s model with strict=True"
+    return pipe, cfg, model

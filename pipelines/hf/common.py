@@ -1,0 +1,169 @@
+"""What the Hugging Face pipelines share: the optional packages, local directories only, the
+input files as a Ray Dataset, the tokenizer on Ray Data's workers, the model from a local
+directory, and weight decay off for biases and norms."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from raytrain.errors import DataError, PipelineError
+
+INSTALL = "pip install 'raytrain[hf]'"
+# What `save_pretrained` writes as weights (one file, or an index of shards).
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# What a tokenizer directory (`tokenizer.save_pretrained`) holds: one of these.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
+# Rows one Ray Data task tokenizes (and, for a causal LM, packs) at once: HF's `map` default.
+TOKENIZE_BATCH_ROWS = 1000
+
+
+def require_hf(pipeline: str) -> None:
+    """PipelineError (exit 2) naming the install command when an HF package is missing."""
+    missing = []
+    for package in ("transformers", "tokenizers", "datasets", "safetensors"):
+        try:
+            __import__(package)
+        except ImportError:
+            missing.append(package)
+    if missing:
+        raise PipelineError(
+            f"pipeline {pipeline} needs {', '.join(missing)}, not installed here: {INSTALL} (on a cluster, on every "
+            "node or in the job's runtime environment)"
+        )
+
+
+def local_directory(option: str, value: str, wanted: tuple[str, ...]) -> str:
+    """`value` as an absolute local directory holding one of `wanted`; else a ValueError (the
+    pipeline's options refuse it before Ray starts) saying that nothing is downloaded."""
+    path = Path(value).expanduser()
+    if path.is_dir() and any((path / name).is_file() for name in wanted):
+        return str(path.absolute())
+    found = "is a directory without" if path.is_dir() else "is not a local directory holding"
+    raise ValueError(
+        f"--pipeline-arg {option}={value} {found} {' or '.join(wanted)}; raytrain never downloads a model or "
+        "tokenizer (a cluster may have no network): save it with save_pretrained(DIR) where there is one and "
+        f"point at that directory, --pipeline-arg {option}=DIR"
+    )
+
+
+def local_input(option: str, value: str) -> str:
+    """An input path (file or directory) that exists, as an absolute path; else a ValueError."""
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"--pipeline-arg {option}={value} does not exist; give a text, JSON lines or Parquet file or directory, "
+            "or a directory written by datasets' save_to_disk"
+        )
+    return str(path.absolute())
+
+
+def has_weights(directory: str) -> bool:
+    return any((Path(directory) / name).is_file() for name in WEIGHT_FILES)
+
+
+def is_saved_dataset(path: str) -> bool:
+    """A directory written by `datasets.Dataset.save_to_disk` (or a DatasetDict's)."""
+    root = Path(path)
+    return root.is_dir() and ((root / "state.json").is_file() or (root / "dataset_dict.json").is_file())
+
+
+def read_input(path: str, option: str):
+    """The rows at `path` as a Ray Dataset: Parquet (read by row groups, so each worker reads its
+    own), JSON lines, text (one row per line, column `text`), or a `save_to_disk` directory
+    (through Ray Data's `from_huggingface`)."""
+    import ray.data
+
+    if is_saved_dataset(path):
+        import datasets
+
+        loaded = datasets.load_from_disk(path)
+        if isinstance(loaded, datasets.DatasetDict):
+            raise DataError(
+                f"--pipeline-arg {option}={path} holds a DatasetDict ({', '.join(loaded)}); point at one split's "
+                f"directory, e.g. {path}/{next(iter(loaded))}"
+            )
+        return ray.data.from_huggingface(loaded)
+    files = sorted(p for p in Path(path).rglob("*") if p.is_file()) if os.path.isdir(path) else [Path(path)]
+    suffixes = {p.suffix for p in files if not p.name.startswith((".", "_"))}
+    if suffixes <= {".parquet"} and suffixes:
+        return ray.data.read_parquet(path)
+    if suffixes <= {".jsonl", ".json"} and suffixes:
+        return ray.data.read_json(path, lines=True)
+    if suffixes <= {".txt", ".text", ""} and suffixes:
+        return ray.data.read_text(path)
+    raise DataError(
+        f"--pipeline-arg {option}={path}: files of kinds {', '.join(sorted(suffixes)) or 'none'}; give .parquet, "
+        ".jsonl or .txt files (one kind) or a save_to_disk directory"
+    )
+
+
+def check_column(ds, column: str, option: str, path: str) -> None:
+    """DataError naming the columns there are, before any row is tokenized."""
+    names = ds.schema().names
+    if column not in names:
+        raise DataError(
+            f"--pipeline-arg {option}={column}: {path} has no column {column!r} (it has {', '.join(names)}); "
+            f"name one of them, --pipeline-arg {option}=COLUMN"
+        )
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_at(directory: str):
+    """The tokenizer saved in `directory`, loaded once per process (a Ray Data worker keeps it
+    across the batches it tokenizes); never from the network."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # Ray Data runs many tasks already
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # GPT-2's tokenizers have none; HF's examples pad with EOS
+    return tokenizer
+
+
+def load_model(auto_class: str, directory: str, **config_changes: Any):
+    """The model in `directory`: its weights when it has them, else built from its config.json
+    (fresh weights). `config_changes`: fields set on the config first (e.g. num_labels)."""
+    import transformers
+
+    auto = getattr(transformers, auto_class)
+    config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    for name, value in config_changes.items():
+        if value is not None:
+            setattr(config, name, value)
+    if has_weights(directory):
+        return auto.from_pretrained(directory, config=config, local_files_only=True)
+    return auto.from_config(config)
+
+
+def no_decay(name: str, parameter: Any, norm_parameters: set[int]) -> bool:
+    """HF's examples' rule: no weight decay on biases and on normalization layers' weights."""
+    return name.endswith("bias") or id(parameter) in norm_parameters
+
+
+def decay_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters as two groups: with `weight_decay`, and without it (biases and the
+    parameters of every normalization layer: LayerNorm, RMSNorm, whatever the family names it)."""
+    norms = {
+        id(p) for module in model.modules() if "norm" in type(module).__name__.lower() for p in module.parameters()
+    }
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if not no_decay(n, p, norms)], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if no_decay(n, p, norms)], "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+def build_decay_optimizer(model: Any, cfg: Any):
+    """--optimizer (adamw, sgd, lamb) over `decay_groups`, at --lr (raytrain sets the rate)."""
+    from raytrain.pipeline import default_optimizer
+
+    return default_optimizer(model, cfg, groups=decay_groups(model, cfg.weight_decay))

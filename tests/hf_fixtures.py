@@ -1,0 +1,90 @@
+"""Tiny Hugging Face models and a tokenizer made on this machine (no download): a byte-level
+BPE trained on the standard library's sources, GPT-2, Llama and BERT configs saved with
+save_pretrained."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+
+def stdlib_text(limit_bytes: int = 200_000) -> list[str]:
+    """Lines of the standard library's .py sources (every Python has them)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    lines, size = [], 0
+    for path in sorted(root.glob("*.py")):
+        for line in path.read_text(errors="replace").splitlines():
+            if line.strip():
+                lines.append(line)
+                size += len(line)
+        if size >= limit_bytes:
+            break
+    return lines
+
+
+def make_tokenizer(directory: Path, vocab_size: int = 300) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(stdlib_text(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.save_pretrained(directory)
+    return directory
+
+
+def make_model(directory: Path, family: str = "gpt2", *, weights: bool = True, vocab_size: int = 300) -> Path:
+    """A tiny model of `family` (gpt2, llama, bert) in `directory`: its config.json and, with
+    `weights`, a model.safetensors; a copy of the tokenizer beside it."""
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        LlamaConfig,
+    )
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = GPT2Config(
+            vocab_size=vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+        )
+        model = AutoModelForCausalLM.from_config(config)
+    elif family == "llama":
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        config = BertConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            num_labels=2,
+            pad_token_id=0,
+        )
+        model = BertForSequenceClassification(config)
+    if weights:
+        model.save_pretrained(directory)
+    else:
+        config.save_pretrained(directory)
+    return directory

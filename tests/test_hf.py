@@ -1,0 +1,173 @@
+"""Pure tier: the Hugging Face pipelines' rules — local directories only (nothing downloaded),
+the install command when the packages are missing, packing into blocks, encoding rows, weight
+decay off for biases and norms, the blocks --strategy fsdp shards, `datasets` values accepted
+from build_datasets."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from raytrain.errors import PipelineError
+from raytrain.pipeline import default_blocks, load_pipeline, parse_pipeline_args
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+from hf_fixtures import make_model, make_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    make_tokenizer(root / "tokenizer")
+    for family in ("gpt2", "llama", "bert"):
+        make_model(root / family, family)
+    make_model(root / "gpt2-config", "gpt2", weights=False)
+    (root / "train.txt").write_text("def f(x):\n    return x\n")
+    return root
+
+
+def test_a_model_name_that_would_need_a_download_is_refused_naming_a_local_directory(hf_dir):
+    pipe = load_pipeline("hf-causal-lm")
+    with pytest.raises(PipelineError, match="model=gpt2 is not a local directory.*never downloads.*model=DIR"):
+        parse_pipeline_args(pipe, {"model": "gpt2", "train": str(hf_dir / "train.txt")})
+    with pytest.raises(PipelineError, match="tokenizer=.*gpt2-config is a directory without tokenizer.json"):
+        parse_pipeline_args(pipe, {"model": str(hf_dir / "gpt2-config"), "train": str(hf_dir / "train.txt")})
+    spec = parse_pipeline_args(
+        pipe, {"model": hf_dir / "gpt2", "tokenizer": hf_dir / "tokenizer", "train": hf_dir / "train.txt"}
+    )
+    assert spec.model == str(hf_dir / "gpt2") and spec.block_size == 128
+
+
+def test_without_the_hf_packages_an_hf_pipeline_is_exit_2_naming_the_install_command(monkeypatch, capsys):
+    from raytrain.cli import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    status = main(["train", "hf-classification", "--pipeline-arg", "model=m", "--pipeline-arg", "train=t"])
+    assert status == 2
+    assert "needs transformers, not installed here: pip install 'raytrain[hf]'" in capsys.readouterr().err
+
+
+def test_text_is_packed_into_blocks_of_block_size_as_group_texts_does(hf_dir):
+    from pipelines.hf.causal_lm import pack_blocks
+    from pipelines.hf.common import tokenizer_at
+
+    texts = np.array(["import os", "def main(argv):", "    return 0", "x = [i for i in range(10)]"], dtype=object)
+    out = pack_blocks({"text": texts}, tokenizer=str(hf_dir / "tokenizer"), column="text", block_size=4)
+    ids = [i for text in texts for i in tokenizer_at(str(hf_dir / "tokenizer"))(text)["input_ids"]]
+    assert out["input_ids"].shape == (len(ids) // 4, 4) and out["input_ids"].dtype == np.int64
+    assert out["input_ids"].reshape(-1).tolist() == ids[: len(ids) // 4 * 4]  # the remainder is dropped
+
+
+def test_classification_rows_are_truncated_or_padded_to_block_size_one_row_out_per_row_in(hf_dir):
+    from pipelines.hf.classification import encode_rows
+
+    batch = {"text": np.array(["a", "def f(x): return x * 2 + 1  # long enough to be cut"]), "y": np.array([1, 0])}
+    out = encode_rows(batch, tokenizer=str(hf_dir / "tokenizer"), column="text", label="y", block_size=6)
+    assert out["input_ids"].shape == out["attention_mask"].shape == (2, 6)
+    assert out["attention_mask"][0].tolist() == [1, 0, 0, 0, 0, 0] and out["attention_mask"][1].all()
+    assert out["label"].tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_weight_decay_is_off_for_biases_and_norms_only(hf_dir, family):
+    from pipelines.hf.common import decay_groups, load_model
+
+    auto = "AutoModelForSequenceClassification" if family == "bert" else "AutoModelForCausalLM"
+    model = load_model(auto, str(hf_dir / family))
+    decayed, plain = decay_groups(model, 0.1)
+    assert (decayed["weight_decay"], plain["weight_decay"]) == (0.1, 0.0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    # the norms as each family names them: GPT-2's ln_1/ln_2/ln_f, Llama's *_layernorm and norm, BERT's LayerNorm
+    exempt = re.compile(r"bias$|(^|\.)ln_|layernorm|\.norm\.", re.IGNORECASE)
+    assert all(exempt.search(names[id(p)]) for p in plain["params"])
+    assert not any(exempt.search(names[id(p)]) for p in decayed["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+    assert any("embed" in names[id(p)] or "wte" in names[id(p)] for p in decayed["params"])  # as HF's examples
+
+
+def test_a_model_directory_without_weights_is_built_from_its_config(hf_dir):
+    import torch
+
+    from pipelines.hf.common import has_weights, load_model
+
+    assert not has_weights(str(hf_dir / "gpt2-config")) and has_weights(str(hf_dir / "gpt2"))
+    saved, fresh = (
+        load_model("AutoModelForCausalLM", str(hf_dir / "gpt2")),
+        load_model("AutoModelForCausalLM", str(hf_dir / "gpt2-config")),
+    )
+    again = load_model("AutoModelForCausalLM", str(hf_dir / "gpt2"))
+    assert saved.state_dict().keys() == fresh.state_dict().keys()
+    assert torch.equal(saved.transformer.h[0].attn.c_attn.weight, again.transformer.h[0].attn.c_attn.weight)
+
+
+@pytest.mark.parametrize(
+    "family, auto, blocks",
+    [
+        ("gpt2", "AutoModelForCausalLM", ["transformer.h.0", "transformer.h.1"]),
+        ("llama", "AutoModelForCausalLM", ["model.layers.0", "model.layers.1"]),
+        ("bert", "AutoModelForSequenceClassification", ["bert.encoder.layer.0", "bert.encoder.layer.1"]),
+    ],
+)
+def test_fsdp_shards_each_decoder_or_encoder_layer_of_the_common_families_by_default(hf_dir, family, auto, blocks):
+    from pipelines.hf.common import load_model
+
+    model = load_model(auto, str(hf_dir / family))
+    names = {id(m): n for n, m in model.named_modules()}
+    assert [names[id(block)] for block in default_blocks(model)] == blocks
+
+
+def test_build_datasets_may_return_datasets_a_dataset_dict_or_a_split_each_but_not_a_stream():
+    import datasets
+
+    from raytrain.hooks import HOOKS
+
+    check = HOOKS["build_datasets"].check
+    split = datasets.Dataset.from_dict({"x": [1.0, 2.0]})
+    assert check(datasets.DatasetDict(train=split, validation=split, test=split), None) is None
+    assert check({"train": split}, None) is None
+    assert "'train'" in check(datasets.DatasetDict(validation=split), None)
+    streamed = split.to_iterable_dataset()
+    assert "streaming datasets.IterableDataset" in check({"train": streamed}, None)
+
+
+def run_of(directory, pipeline: str, pipeline_args: dict, weights: dict):
+    """A run directory as a finished run leaves it, for export: config.yaml and model.pt."""
+    import torch
+    import yaml
+
+    directory.mkdir()
+    (directory / "config.yaml").write_text(yaml.safe_dump({"pipeline": pipeline, "pipeline_args": pipeline_args}))
+    torch.save(weights, directory / "model.pt")
+    return directory
+
+
+def test_export_format_hf_writes_a_directory_from_pretrained_loads_without_missing_keys(hf_dir, tmp_path, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipelines.hf.common import load_model
+    from raytrain.cli import main
+
+    trained = load_model("AutoModelForCausalLM", str(hf_dir / "gpt2-config")).state_dict()  # other weights
+    args = {"model": str(hf_dir / "gpt2"), "tokenizer": str(hf_dir / "tokenizer"), "train": str(hf_dir / "train.txt")}
+    run = run_of(tmp_path / "run", "hf-causal-lm", args, {f"module.{k}": v for k, v in trained.items()})
+    assert main(["export", str(run), "--format", "hf", "-o", str(tmp_path / "out")]) == 0
+    assert "GPT2LMHeadModel" in capsys.readouterr().out
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())  # the run's, not the directory's
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")("x = 1")["input_ids"]
+
+
+def test_export_format_hf_of_a_model_that_is_not_a_pretrained_model_is_exit_2(tmp_path, capsys):
+    from pipelines.digits.model import DigitsCNN
+    from raytrain.cli import main
+
+    run = run_of(tmp_path / "run", "digits", {}, DigitsCNN().state_dict())
+    assert main(["export", str(run), "--format", "hf", "-o", str(tmp_path / "out")]) == 2
+    assert "not a transformers PreTrainedModel; export it as a state_dict" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""CPU Ray tier: the Hugging Face pipelines end to end on tiny models made in the test (no
+download), `raytrain export --format hf` loaded back with from_pretrained, and `datasets`
+values returned by build_datasets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from rt_test_pipelines import read_jsonl
+
+import raytrain
+
+pytestmark = pytest.mark.ray
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+from hf_fixtures import make_model, make_tokenizer, stdlib_text  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    make_tokenizer(root / "tokenizer")
+    make_model(root / "gpt2-config", "gpt2", weights=False)
+    make_model(root / "bert", "bert")
+    lines = stdlib_text(40_000)
+    (root / "train.txt").write_text("\n".join(lines[:800]))
+    (root / "val.jsonl").write_text(
+        "".join(json.dumps({"text": line, "n": i}) + "\n" for i, line in enumerate(lines[800:1000]))
+    )
+    return root
+
+
+def test_a_causal_lm_from_a_config_trains_under_fsdp_and_exports_a_pretrained_directory(ray_session, hf_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raytrain.cli import main
+
+    cfg = raytrain.TrainConfig(
+        workers=2,
+        max_steps=4,
+        strategy="fsdp",
+        storage=str(tmp_path),
+        name="clm",
+        pipeline_args={
+            "model": str(hf_dir / "gpt2-config"),
+            "tokenizer": str(hf_dir / "tokenizer"),
+            "train": str(hf_dir / "train.txt"),
+            "val": str(hf_dir / "val.jsonl"),
+            "block_size": 32,
+        },
+    )
+    result = raytrain.fit("hf-causal-lm", cfg)
+    assert (result.summary["status"], result.summary["steps"]) == ("finished", 4)
+    plan = read_jsonl(tmp_path / "clm" / "events.jsonl")[0]["message"]
+    assert "the pipeline's build_optimizer (AdamW, 2 groups)" in plan and "fsdp" in plan
+    rows = read_jsonl(tmp_path / "clm" / "metrics.jsonl")
+    assert rows[-1]["val_loss"] < 6.0  # below the uniform guess over the 300 tokens, ln 300 = 5.70 + a margin
+
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "clm"), "--format", "hf", "-o", str(out)]) == 0
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    trained = torch.load(tmp_path / "clm" / "model.pt", weights_only=True)
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in trained.items())
+    assert AutoTokenizer.from_pretrained(out)("def f")["input_ids"]  # the run's tokenizer, beside the model
+
+
+def test_a_classifier_trains_on_a_saved_dataset_and_build_datasets_may_return_a_dataset_dict(
+    ray_session, hf_dir, tmp_path
+):
+    import datasets
+
+    from raytrain.data.sources import build_datasets
+
+    lines = stdlib_text(40_000)[:600]
+    rows = {"text": lines, "label": [int(line.lstrip().startswith(("def ", "class "))) for line in lines]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(hf_dir / "saved"))
+    datasets.Dataset.from_dict({k: v[:100] for k, v in rows.items()}).to_parquet(str(hf_dir / "val.parquet"))
+    cfg = raytrain.TrainConfig(
+        workers=2,
+        max_steps=4,
+        storage=str(tmp_path),
+        name="cls",
+        pipeline_args={
+            "model": str(hf_dir / "bert"),
+            "tokenizer": str(hf_dir / "tokenizer"),
+            "train": str(hf_dir / "saved"),
+            "val": str(hf_dir / "val.parquet"),
+            "block_size": 24,
+        },
+    )
+    result = raytrain.fit("hf-classification", cfg)
+    assert (result.summary["status"], result.summary["steps"]) == ("finished", 4)
+    assert 0 <= read_jsonl(tmp_path / "cls" / "metrics.jsonl")[-1]["val_accuracy"] <= 1
+
+    class FromDatasets(raytrain.Pipeline):
+        def build_datasets(self, cfg):
+            whole = datasets.Dataset.from_dict({"x": [[float(i)] for i in range(10)], "y": list(range(10))})
+            split = whole.train_test_split(test_size=0.3, shuffle=False)
+            return datasets.DatasetDict(train=split["train"], validation=split["test"], test=split["test"])
+
+    DatasetDict = datasets.DatasetDict
+    assert isinstance(FromDatasets().build_datasets(None), DatasetDict)
+    converted = build_datasets(FromDatasets(), raytrain.TrainConfig())
+    assert sorted(converted) == ["train", "val"]
+    assert [converted["train"].count(), converted["val"].count()] == [7, 3]
+    assert converted["val"].take_batch(3, batch_format="numpy")["y"].tolist() == [7, 8, 9]
