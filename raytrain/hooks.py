@@ -154,7 +154,7 @@ def _datasets(value: Any, before: Any) -> str | None:
     import ray.data
     import torch.utils.data
 
-    from raytrain.data import hf
+    from raytrain import hf_datasets as hf
 
     value = hf.splits_of(value)  # a DatasetDict: its train and validation splits
     if not isinstance(value, dict) or "train" not in value:

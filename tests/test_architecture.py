@@ -317,12 +317,19 @@ def resolve(reference: str, full: bool) -> str | None:
     # `plan.epoch_order`, where no module is `plan` but a raytrain function is `epoch_order`: a
     # module renamed under the text (a variable's attribute, `cfg.lr`, names no such function)
     homes = [m.name for m in known.values() if isinstance(m.defined.get(parts[-1]), DEFINITIONS)]
-    if len(parts) == 2 and parts[0].islower() and homes:
+    if len(parts) == 2 and parts[0].islower() and homes and not _installed(parts[0]):
         return f"no module {parts[0]}; {parts[1]} is in {' and '.join(homes)}"
     return None
 
 
 DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _installed(name: str) -> bool:
+    """Whether `name` is a package of its own (`torch.save` is torch's, not a renamed module of raytrain)."""
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 @cache

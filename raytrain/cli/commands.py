@@ -135,9 +135,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from raytrain.rundir.export import export_weights
+    if args.format == "hf":
+        from raytrain.rundir.export_hf import export_pretrained
 
-    export_weights(args.source, args.output, args.pipeline, fmt=args.format)
+        export_pretrained(args.source, args.output, args.pipeline)
+    else:
+        from raytrain.rundir.export import export_weights
+
+        export_weights(args.source, args.output, args.pipeline)
     return 0
 
 

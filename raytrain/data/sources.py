@@ -75,7 +75,7 @@ def build_datasets(pipe: "Pipeline", cfg: "TrainConfig") -> dict[str, Any]:
     `datasets`, a Dataset per split or a DatasetDict, are converted)."""
     import ray.data
 
-    from raytrain.data import hf
+    from raytrain import hf_datasets as hf
     from raytrain.data.torch_dataset import from_torch_dataset
 
     datasets = hf.splits_of(hooks.call(pipe, "build_datasets", cfg))

@@ -26,16 +26,12 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def export_weights(
-    source: str, output: str, pipeline: str | None = None, echo: Callable[[str], None] = print, fmt: str = "torch"
+    source: str, output: str, pipeline: str | None = None, echo: Callable[[str], None] = print
 ) -> "Path | Store":
     """Write the model of `source` (a run directory, a checkpoint directory or a .pt file; a
-    path or a URI) to `output` (a path or a URI) as a plain state_dict, or with `fmt` "hf" as a
-    Hugging Face save_pretrained directory (`raytrain.rundir.export_hf`); returns where."""
-    weights = {strip_wrappers(key): value for key, value in load_model_weights(source).items()}
-    if fmt == "hf":
-        from raytrain.rundir.export_hf import export_pretrained
-
-        return export_pretrained(source, output, pipeline, weights, echo)
+    path or a URI) to `output` (a path or a URI) as a plain state_dict; returns where (a Hugging
+    Face save_pretrained directory: `raytrain.rundir.export_hf`)."""
+    weights = plain_weights(source)
     checked = check_against_pipeline(pipeline, Store.of(source), weights) if pipeline else ""
     if is_uri(output):  # straight to an object store
         target = Store.of(output)
@@ -54,6 +50,11 @@ def export_weights(
     echo(f"Wrote {path}: {len(weights)} tensors, {size_mb:.2f} MiB{checked}")
     echo(f"Load with: model.load_state_dict(torch.load({str(path)!r}, weights_only=True), strict=True)")
     return path
+
+
+def plain_weights(source: str) -> dict:
+    """The model of `source` as a state_dict without the wrappers' prefixes."""
+    return {strip_wrappers(key): value for key, value in load_model_weights(source).items()}
 
 
 def strip_wrappers(key: str) -> str:

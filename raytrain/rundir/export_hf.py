@@ -22,16 +22,18 @@ INSTALL = "pip install 'raytrain[hf]'"
 
 
 def export_pretrained(
-    source: str, output: str, pipeline: str | None, weights: dict, echo: Callable[[str], None]
+    source: str, output: str, pipeline: str | None = None, echo: Callable[[str], None] = print
 ) -> "Path | Store":
-    """Write `weights` (the run's state_dict) as a save_pretrained directory at `output`."""
-    from raytrain.rundir.export import loaded_model, run_config
+    """Write the model of `source` (`raytrain.rundir.export.export_weights` takes the same) as a
+    save_pretrained directory at `output`."""
+    from raytrain.rundir.export import loaded_model, plain_weights, run_config
 
     try:
         import safetensors  # noqa: F401
         import transformers
     except ImportError:
         raise UsageError(f"--format hf needs transformers and safetensors, not installed here: {INSTALL}") from None
+    weights = plain_weights(source)
     store = Store.of(source)
     spec = pipeline or run_config(store).get("pipeline")
     if not spec:
