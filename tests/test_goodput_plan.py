@@ -10,7 +10,7 @@ import pytest
 import yaml
 from test_cli import RAYTRAIN, assert_usage_error, cli, needs_script
 
-from raytrain.bench.plan import PlanOptions, inputs, run_plan, worker_counts
+from raytrain.bench.plan import PlanOptions, inputs, planned_counts, run_plan
 from raytrain.errors import ConfigError
 from raytrain.rules import goodput
 
@@ -18,10 +18,10 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def test_worker_counts():
-    assert worker_counts("16384,8, 512") == [8, 512, 16384]
+    assert planned_counts("16384,8, 512") == [8, 512, 16384]
     for bad in ("", "8,x", "0", "16385", "8,-1"):
         with pytest.raises(ConfigError, match="workers: got .*; give worker counts from 1 to 16,384"):
-            worker_counts(bad)
+            planned_counts(bad)
 
 
 def test_plan_prints_every_mode_per_worker_count_and_draws_it(tmp_path):

@@ -43,7 +43,7 @@ def test_formula_matches_the_simulation(name):
     scenario, mode = CASES[name]
     best = goodput.best_interval_steps(scenario, mode)
     for steps in (best // 2, best, 2 * best):
-        predicted = goodput.predict(scenario, mode, steps)
+        predicted = goodput.predict_mode(scenario, mode, steps)
         simulated = simulate(scenario, mode, steps, HOURS, seed=7)
         assert simulated.restarts + simulated.ridden > 100, "too few failures to compare"
         assert predicted.goodput == pytest.approx(simulated.goodput, abs=TOLERANCE), (steps, predicted, simulated)

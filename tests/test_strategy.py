@@ -129,10 +129,10 @@ def test_tied_parameters_split_over_fsdp_units_are_found_before_sharding(case):
     picked = strategy.blocks_of(Blocks(lambda m: [modules[name] for name in chosen]), model)
     assert strategy.split_parameters(model, picked) == ([split] if split else [])
     if split is None:
-        strategy.check_units(Blocks(), model, picked)
+        strategy.check_shard_units(Blocks(), model, picked)
         return
     with pytest.raises(PipelineCodeError) as failure:
-        strategy.check_units(Blocks(), model, picked)
+        strategy.check_shard_units(Blocks(), model, picked)
     message = str(failure.value)
     assert message.startswith("pipeline Blocks: shard_modules puts one parameter in two FSDP units")
     assert " and ".join(f"{name} ({unit})" for unit, name in split) in message

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from raytrain.bench.options import worker_counts
 from raytrain.errors import ConfigError
 from raytrain.observe.render import figure, text_table
 from raytrain.rules import goodput
 from raytrain.rules.accounting import measured_costs
-from raytrain.rules.goodput import HOUR_S, MODES, Prediction, Scenario
+from raytrain.rules.goodput import HOUR_S, MODES, ModeGoodput, Scenario
 
 MAX_WORKERS = 16_384
 DEFAULT_WORKERS = "8,64,512,2048,8192,16384"
@@ -60,11 +61,11 @@ class PlanOptions:
     """Where to draw goodput against the worker count (PNG)."""
 
 
-def worker_counts(text: str) -> list[int]:
+def planned_counts(text: str) -> list[int]:
     """`8,64,512` -> [8, 64, 512]; ConfigError naming --workers otherwise."""
     try:
-        counts = sorted({int(part) for part in str(text).split(",") if part.strip()})
-    except ValueError:
+        counts = sorted(set(worker_counts(text)))
+    except ConfigError:
         counts = []
     if not counts or not all(1 <= n <= MAX_WORKERS for n in counts):
         raise ConfigError(
@@ -124,7 +125,7 @@ def scenarios(opts: PlanOptions) -> list[Scenario]:
             replace_s=opts.replace_s,
             group_size=opts.replica_group_size,
         )
-        for n in worker_counts(opts.workers)
+        for n in planned_counts(opts.workers)
     ]
     # the MTBF as the user gave it, in hours (the scenario holds seconds)
     problems = [(OPTION_OF.get(name, name), why) for name, why in built[0].check() if name != "node_mtbf_s"]
@@ -152,7 +153,7 @@ OPTION_OF = {
 }
 
 
-def run_plan(opts: PlanOptions, echo: Callable[[str], None] = print) -> list[Prediction]:
+def run_plan(opts: PlanOptions, echo: Callable[[str], None] = print) -> list[ModeGoodput]:
     """Tabulate each mode's best interval and goodput per worker count; draw goodput against
     the worker count into `opts.plot`."""
     built = scenarios(opts)
@@ -191,7 +192,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
-def draw(predictions: list[Prediction], path: Path) -> Path:
+def draw(predictions: list[ModeGoodput], path: Path) -> Path:
     """Goodput against the worker count, a line per mode (log scale of workers)."""
     fig = figure(7.5, 3.6, layout="constrained")
     axes = fig.add_subplot()

@@ -28,7 +28,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         values = merge_layers(load_pipeline(spec).default_config, file_values, flags)
     cfg = TrainConfig.from_dict(values)
     check_pipeline_args(load_pipeline(spec), cfg)
-    with joined_head(cfg.address):
+    with on_local_head(cfg.address):
         result = fit(spec, cfg, echo=lambda line: print(line, flush=True), progress=True)
     # The run's files through the storage as given (its credentials, if the URI holds them).
     print_summary(result, RunDir(Store.of(cfg.storage) / Store.of(result.run_dir).name))
@@ -85,7 +85,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     pipe = load_pipeline(spec)
     cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, file_values, fixed))
     check_pipeline_args(pipe, cfg)
-    with joined_head(cfg.address):
+    with on_local_head(cfg.address):
         result = tune(spec, cfg, space, sweep, echo=lambda line: print(line, flush=True))
     return 0 if result.best is not None else EXIT_FAILED
 
@@ -112,7 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     args.spell = None  # bench names every option as a flag
     values = merge_layers(load_pipeline(spec).default_config, file_values, flags)
     bench_config(values, opts, workers=max(opts.workers), epochs=1, storage=opts.storage, name="check")  # validated
-    with joined_head(values.get("address")):
+    with on_local_head(values.get("address")):
         run_bench(spec, values, opts, echo=lambda line: print(line, flush=True))
     return 0
 
@@ -129,7 +129,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     pipe = load_pipeline(spec)
     cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, file_values, flags))
     check_pipeline_args(pipe, cfg)
-    with joined_head(cfg.address):
+    with on_local_head(cfg.address):
         verdict = run_check(spec, cfg, opts, echo=lambda line: print(line, flush=True))
     return verdict.exit_status
 
@@ -171,7 +171,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     if args.storage is not None and not args.storage.strip():  # as `train` says it, not the default checked instead
         raise ConfigError([("storage", "is empty; give a directory, e.g. --storage ~/raytrain_results")])
-    with joined_head(args.address):
+    with on_local_head(args.address):
         return run_doctor(address=args.address, storage=args.storage, echo=print)
 
 
@@ -193,7 +193,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     return stop_head(echo=lambda line: print(line, flush=True))
 
 
-def joined_head(address: str | None):
+def on_local_head(address: str | None):
     """Without --address (or RAY_ADDRESS), the command joins the head `raytrain up` started,
     saying so in its first line; the head's death during it fails it with that cause
     (`raytrain.driver.head.joined_head`)."""

@@ -7,7 +7,7 @@ from raytrain.rules.accounting import shares
 from raytrain.rundir.records import Goodput
 
 
-def markdown(goodput: Goodput) -> list[str]:
+def goodput_section(goodput: Goodput) -> list[str]:
     """report.md's Goodput section: the figure, then a table of where the wall time went."""
     head = (
         f"**{goodput.goodput:.1%}** of the wall time went to steps that were kept "

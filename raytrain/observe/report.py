@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain.errors import UserError
-from raytrain.observe.goodput import markdown as goodput_markdown
+from raytrain.observe.goodput import goodput_section
 from raytrain.observe.render import figure, markdown_table
 from raytrain.rules import flops
 from raytrain.rundir import EPOCH_LOSS, PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Store, Summary
@@ -285,7 +285,7 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
     if s and s.get("cost"):
         lines += [f"Cost: {flops.describe_cost(s.get('cost'))}.", ""]
     if s and s.goodput:
-        lines += goodput_markdown(Goodput.from_json(s.goodput))
+        lines += goodput_section(Goodput.from_json(s.goodput))
     if s and s.final_metrics:
         labelled = [(final_label(key, s), _fmt(value)) for key, value in s.final_metrics.items()]
         lines += [*markdown_table(["final metric", "value"], labelled), ""]

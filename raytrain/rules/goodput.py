@@ -139,7 +139,7 @@ RECOVERY_S = {"restart": 37.0, "per-step": 1.0, "per-step-groups": 1.0}
 
 
 @dataclass(frozen=True)
-class Prediction:
+class ModeGoodput:
     """One mode's expected goodput at one interval, and where the rest of the wall time goes
     (shares of wall time, summing to 1 with `goodput`)."""
 
@@ -174,7 +174,7 @@ def restart_mtbf_s(s: Scenario, mode: str) -> float:
     return 1.0 / _rates(s, mode)[0]
 
 
-def predict(s: Scenario, mode: str, interval_steps: int) -> Prediction:
+def predict_mode(s: Scenario, mode: str, interval_steps: int) -> ModeGoodput:
     """`mode`'s expected goodput with a save every `interval_steps` steps."""
     restart_rate, ride_rate = _rates(s, mode)
     recover_s, redo_s = _ride_out_cost(s, mode)
@@ -191,7 +191,7 @@ def predict(s: Scenario, mode: str, interval_steps: int) -> Prediction:
     stalls = s.stall_s / segment_wall
     recovery_share = (restarts * s.recovery_s.get("restart", 0.0) + rides * recover_s) / segment_wall
     redone = max(0.0, 1.0 - kept - stalls - recovery_share)
-    return Prediction(
+    return ModeGoodput(
         mode=mode,
         workers=s.workers,
         interval_steps=interval_steps,
@@ -214,9 +214,9 @@ def bound_steps(steps: float, min_steps: int, max_steps: int | None) -> int:
     return min(steps, max_steps) if max_steps is not None else steps
 
 
-def best(s: Scenario, mode: str) -> Prediction:
+def best(s: Scenario, mode: str) -> ModeGoodput:
     """`mode`'s prediction at its best interval."""
-    return predict(s, mode, best_interval_steps(s, mode))
+    return predict_mode(s, mode, best_interval_steps(s, mode))
 
 
 __all__ = [
@@ -226,7 +226,7 @@ __all__ = [
     "MODES",
     "RECOVERY_S",
     "GoodputError",
-    "Prediction",
+    "ModeGoodput",
     "Scenario",
     "best",
     "best_interval_steps",
@@ -234,7 +234,7 @@ __all__ = [
     "daly_interval_s",
     "expected_lost_s",
     "job_mtbf_s",
-    "predict",
+    "predict_mode",
     "restart_goodput",
     "restart_mtbf_s",
     "young_interval_s",

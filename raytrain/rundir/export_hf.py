@@ -54,14 +54,14 @@ def export_pretrained(
             target = Store.of(output)
             for name in names:
                 target.write_bytes(name, (Path(staging) / name).read_bytes())
-        echo(f"Wrote {target}: {describe(model, tokenizer, names)}")
+        echo(f"Wrote {target}: {describe_export(model, tokenizer, names)}")
         return target
     path = Path(output).expanduser()
     if path.is_file() or (path.is_dir() and any(path.iterdir())):
         raise UsageError(f"-o {path}: exists and is not an empty directory; give a new directory for --format hf")
     with storage_errors(path, "write"):
         names = save(model, tokenizer, path)
-    echo(f"Wrote {path}: {describe(model, tokenizer, names)}")
+    echo(f"Wrote {path}: {describe_export(model, tokenizer, names)}")
     echo(f"Load with: AutoModel….from_pretrained({str(path)!r}) (e.g. AutoModelForCausalLM)")
     return path
 
@@ -75,7 +75,7 @@ def save(model: Any, tokenizer: Any, directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 
-def describe(model: Any, tokenizer: Any, names: list[str]) -> str:
+def describe_export(model: Any, tokenizer: Any, names: list[str]) -> str:
     params = sum(p.numel() for p in model.parameters())
     with_tokenizer = f", and its tokenizer ({type(tokenizer).__name__})" if tokenizer is not None else ""
     return f"{type(model).__name__}, {params:,} parameters, as {', '.join(names)}{with_tokenizer}"

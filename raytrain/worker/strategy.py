@@ -142,7 +142,7 @@ def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime:
         for block in blocks or [model]:  # without blocks, the model is one
             checkpoint_activations(block)
     if cfg.strategy == "fsdp" and runtime.distributed:
-        check_units(pipeline, model, picked)
+        check_shard_units(pipeline, model, picked)
         if cfg.compile:
             for block in blocks:
                 block.compile()
@@ -176,7 +176,7 @@ def shard(model: nn.Module, blocks: list[nn.Module], cfg: "TrainConfig") -> nn.M
     return model
 
 
-def check_units(pipeline: "Pipeline", model: nn.Module, picked: list[tuple[str, nn.Module]]) -> None:
+def check_shard_units(pipeline: "Pipeline", model: nn.Module, picked: list[tuple[str, nn.Module]]) -> None:
     """FSDP2 holds a parameter in one unit only, and says so at the first forward, inside
     compute_loss: tied parameters (an embedding's weight that is also the output layer's) that
     shard_modules split over two units are the hook's error, named here before anything is
