@@ -7,7 +7,6 @@ from itertools import chain
 
 import numpy as np
 
-import raytrain
 from pipelines.hf import common
 from raytrain.errors import DataError
 
@@ -66,35 +65,21 @@ def tokenized(path: str, option: str, spec: CausalLMArgs):
     return packed
 
 
-class HFCausalLMPipeline(raytrain.Pipeline):
+class HFCausalLMPipeline(common.HFPipeline):
     """A Hugging Face `AutoModelForCausalLM` from a local directory, trained on packed text."""
 
     default_config = {"epochs": 3, "batch_size_per_worker": 8, "lr": 5e-4, "warmup_epochs": 0.1, "weight_decay": 0.01}
     Args = CausalLMArgs
 
-    def __init__(self):
-        common.require_hf(self.name)
-
-    def build_datasets(self, cfg):
-        spec = self.args(cfg)
-        datasets = {"train": tokenized(spec.train, "train", spec)}
-        if spec.val:
-            datasets["val"] = tokenized(spec.val, "val", spec)
-        return datasets
+    def prepare(self, path, split, spec):
+        return tokenized(path, split, spec)
 
     def build_model(self, cfg):
         return common.load_model("AutoModelForCausalLM", self.args(cfg).model)
 
-    def build_optimizer(self, model, cfg):
-        return common.build_decay_optimizer(model, cfg)
-
     def compute_loss(self, model, batch):
         ids = batch["input_ids"]
         return model(input_ids=ids, labels=ids).loss  # the model shifts the labels by one itself
-
-    def tokenizer(self, cfg):
-        """The run's tokenizer (`raytrain export --format hf` saves it beside the model)."""
-        return common.tokenizer_at(self.args(cfg).tokenizer)
 
     @property
     def name(self) -> str:

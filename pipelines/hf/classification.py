@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import raytrain
 from pipelines.hf import common
 from raytrain.errors import DataError
 
@@ -85,21 +84,14 @@ def encoded(path: str, option: str, spec: ClassificationArgs):
     )
 
 
-class HFClassificationPipeline(raytrain.Pipeline):
+class HFClassificationPipeline(common.HFPipeline):
     """A Hugging Face `AutoModelForSequenceClassification` from a local directory."""
 
     default_config = {"epochs": 3, "batch_size_per_worker": 16, "lr": 5e-5, "warmup_epochs": 0.1, "weight_decay": 0.01}
     Args = ClassificationArgs
 
-    def __init__(self):
-        common.require_hf(self.name)
-
-    def build_datasets(self, cfg):
-        spec = self.args(cfg)
-        datasets = {"train": encoded(spec.train, "train", spec)}
-        if spec.val:
-            datasets["val"] = encoded(spec.val, "val", spec)
-        return datasets
+    def prepare(self, path, split, spec):
+        return encoded(path, split, spec)
 
     def build_model(self, cfg):
         spec = self.args(cfg)
@@ -109,17 +101,10 @@ class HFClassificationPipeline(raytrain.Pipeline):
             "AutoModelForSequenceClassification", spec.model, num_labels=spec.num_labels, pad_token_id=pad
         )
 
-    def build_optimizer(self, model, cfg):
-        return common.build_decay_optimizer(model, cfg)
-
     def compute_loss(self, model, batch):
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["label"])
         accuracy = (out.logits.argmax(dim=-1) == batch["label"]).float().mean()
         return out.loss, {"accuracy": accuracy.detach()}
-
-    def tokenizer(self, cfg):
-        """The run's tokenizer (`raytrain export --format hf` saves it beside the model)."""
-        return common.tokenizer_at(self.args(cfg).tokenizer)
 
     @property
     def name(self) -> str:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import raytrain
 from raytrain.errors import DataError, PipelineError
 
 INSTALL = "pip install 'raytrain[hf]'"
@@ -167,3 +168,28 @@ def build_decay_optimizer(model: Any, cfg: Any):
     from raytrain.pipeline import default_optimizer
 
     return default_optimizer(model, cfg, groups=decay_groups(model, cfg.weight_decay))
+
+
+class HFPipeline(raytrain.Pipeline):
+    """What the HF pipelines share: the extra checked when built, the train and val sets each
+    prepared by `prepare(path, split, args)`, no weight decay on biases and norms, the tokenizer."""
+
+    def __init__(self):
+        require_hf(self.name)
+
+    def prepare(self, path: str, split: str, spec: Any):
+        raise NotImplementedError
+
+    def build_datasets(self, cfg):
+        spec = self.args(cfg)
+        datasets = {"train": self.prepare(spec.train, "train", spec)}
+        if spec.val:
+            datasets["val"] = self.prepare(spec.val, "val", spec)
+        return datasets
+
+    def build_optimizer(self, model, cfg):
+        return build_decay_optimizer(model, cfg)
+
+    def tokenizer(self, cfg):
+        """The run's tokenizer (`raytrain export --format hf` saves it beside the model)."""
+        return tokenizer_at(self.args(cfg).tokenizer)
