@@ -146,9 +146,9 @@ class AutoInterval:
         )
         return (
             f"Checkpoint interval {moved} steps{bound} (Daly: a save stalls {self.stall_s:.2f} s, a step takes "
-            f"{self.step_s:.3f} s, MTBF {self.rollback_mtbf_s / HOUR_S:,.1f} h between rollbacks: "
+            f"{self.step_s:.3f} s, MTBF {_hours(self.rollback_mtbf_s / HOUR_S)} between rollbacks: "
             f"{self.nodes} node{'s' if self.nodes != 1 else ''}{', per-step' if self.per_step else ''}, "
-            f"{failures} in {self.node_hours:,.1f} node-hours trained, prior {self.mtbf_hours:,.0f} h per node)"
+            f"{failures} in {self.node_hours:,.3g} node-hours trained, prior {_hours(self.mtbf_hours)} per node)"
         )
 
     # -- across restarts -----------------------------------------------------------------------
@@ -171,3 +171,12 @@ class AutoInterval:
         return cls(
             mtbf_hours=mtbf_hours, nodes=nodes, min_steps=min_steps, max_steps=max_steps, per_step=per_step, **kept
         )
+
+
+def _hours(hours: float) -> str:
+    """A duration in the unit that shows it: `6,335 h`, `2.5 h`, `12 min`, `30 s`."""
+    if hours >= 10:
+        return f"{hours:,.0f} h"
+    if hours >= 1:
+        return f"{hours:.1f} h"
+    return f"{hours * 60:.0f} min" if hours * 60 >= 1 else f"{hours * HOUR_S:.0f} s"
