@@ -272,6 +272,7 @@ def test_finishing_writes_the_model_the_progress_and_the_last_event(tmp_path):
         "phase_time_s",
         "checkpoint_wait_s",
         "checkpoints",
+        "validation_s",
         "data",
         "epoch_loss",
         "flops_per_sample",

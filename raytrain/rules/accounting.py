@@ -10,7 +10,8 @@ the wall time, and where the rest went (summary.json's `goodput`, report.md's ta
   quorum that lost a replica): the steps between the checkpoint restored and the last one recorded
   before it are redone; the rest of the gap from that last record to the attempt's event, and
   the first window after it beyond its steps, is recovery. (A quorum's loss redoes one step.)
-- validation: when the position records it (`validation_s`); otherwise it is part of `other`;
+- validation: the loop's time in validation passes (`validation_s`, in the telemetry); a run
+  whose checkpoints predate it has none, and that time is part of `other`;
 - other: what is left (warm-up steps beyond the steady step time, epoch ends, the final save).
 
 Counted across resumes: the position's figures are the run's; start, recovery and steps redone

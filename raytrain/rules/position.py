@@ -77,6 +77,7 @@ class Telemetry:
     phase_time_s: dict[str, float] = field(default_factory=dict)  # steady steps only, this rank
     checkpoint_wait_s: float = 0.0  # the loop's time in checkpoint reports (its files are written meanwhile)
     checkpoints: int = 0
+    validation_s: float = 0.0  # the loop's time in validation passes (goodput's account of it)
     # the cost view (raytrain.rules.flops): FLOPs of one training sample, forward and backward, as
     # rank 0 counted them on its first micro-batch of the attempt, and the device they ran on
     flops_per_sample: float = 0.0

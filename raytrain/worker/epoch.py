@@ -213,9 +213,14 @@ class Epochs:
         )
 
     def validate(self) -> dict[str, float]:
-        """A validation pass (none without a validation set)."""
+        """A validation pass (none without a validation set); its time is counted."""
+        if self.val_data is None:
+            return {}
         self.runner.heartbeat.mark(self.position.step, "eval")
-        return evaluate(self.runner, self.val_data) if self.val_data is not None else {}
+        tick = time.perf_counter()
+        metrics = evaluate(self.runner, self.val_data)
+        self.runner.telemetry.validation_s += time.perf_counter() - tick
+        return metrics
 
     def evaluate_during(self) -> dict[str, float]:
         """A validation pass between two steps; its time is left out of the training throughput."""
