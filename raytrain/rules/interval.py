@@ -26,7 +26,7 @@ from raytrain.rules.goodput import HOUR_S
 
 HYSTERESIS = 0.1  # the derived interval replaces the held one when they differ by this share or more
 STALLS_KEPT = 5  # the stall estimate is the median of this many last saves
-STEP_SMOOTHING = 0.3  # the step time is an exponential average over `on_steps` calls, this weight on the newest
+STEPS_KEPT = 50  # the step time is the median of this many last `on_steps` calls: one slow step does not move it
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class AutoInterval:
     node_hours: float = 0.0
     """Node-hours trained (time trained × nodes)."""
     step_s: float | None = None
+    recent_step_s: list[float] = field(default_factory=list)
     stalls: list[float] = field(default_factory=list)
     held: int = 0
 
@@ -75,7 +76,8 @@ class AutoInterval:
         if steps <= 0 or seconds <= 0:
             return
         now = seconds / steps
-        self.step_s = now if self.step_s is None else (1 - STEP_SMOOTHING) * self.step_s + STEP_SMOOTHING * now
+        self.recent_step_s = [*self.recent_step_s, now][-STEPS_KEPT:]
+        self.step_s = statistics.median(self.recent_step_s)
         self.node_hours += seconds * self.nodes / HOUR_S
 
     def on_save(self, stall_s: float) -> IntervalChange | None:
@@ -92,7 +94,7 @@ class AutoInterval:
     def resized(self, nodes: int) -> IntervalChange | None:
         """The job now spans `nodes` nodes (an elastic resize): more nodes, more failures."""
         self.nodes = max(1, nodes)
-        self.step_s = None  # another worker count, another step time
+        self.step_s, self.recent_step_s = None, []  # another worker count, another step time
         return self._rederive("resize")
 
     # -- what it says --------------------------------------------------------------------------
@@ -158,6 +160,7 @@ class AutoInterval:
             "failures": self.failures,
             "node_hours": self.node_hours,
             "step_s": self.step_s,
+            "recent_step_s": list(self.recent_step_s),
             "stalls": list(self.stalls),
             "held": self.held,
         }
