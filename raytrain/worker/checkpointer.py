@@ -90,21 +90,26 @@ class Checkpointer:
         """auto's interval as the checkpoint left it; an attempt of this same invocation that
         continues from it follows a failure (or a shrink), which the failure rate counts."""
         kept = (saved or {}).get("auto_interval") or {}
-        cfg, sizes = self.cfg, ((saved or {}).get("position") or {}).get("world_sizes") or []
-        self.auto = AutoInterval.from_state(
-            kept.get("interval"),
-            mtbf_hours=cfg.mtbf_hours,
-            nodes=self.runtime.nodes,
-            min_steps=cfg.checkpoint_min_steps,
-            max_steps=cfg.checkpoint_max_steps,
-            per_step=cfg.fault_tolerance == "per-step",
-        )
+        sizes = ((saved or {}).get("position") or {}).get("world_sizes") or []
+        self.auto = self.auto_from(kept.get("interval"))
         self.saved_step = int(((saved or {}).get("position") or {}).get("step", 0))
         grew = bool(sizes) and self.runtime.world_size > sizes[-1]
         if saved is None:
             self.tell(IntervalChange(0, self.auto.held, "start", self.auto.describe()))
         elif kept.get("invocation") == self.invocation and self.invocation and not grew:
             self.tell(self.auto.on_failure())
+
+    def auto_from(self, state: dict[str, Any] | None) -> AutoInterval:
+        """auto's interval from `state` (a checkpoint's, or rank 0's), with this run's options."""
+        cfg = self.cfg
+        return AutoInterval.from_state(
+            state,
+            mtbf_hours=cfg.mtbf_hours,
+            nodes=self.runtime.nodes,
+            min_steps=cfg.checkpoint_min_steps,
+            max_steps=cfg.checkpoint_max_steps,
+            per_step=cfg.fault_tolerance == "per-step",
+        )
 
     def tell(self, change: IntervalChange | None) -> None:
         if change is not None and self.say is not None:
@@ -172,10 +177,8 @@ class Checkpointer:
         holds (one small gather per save): the ranks' own timings differ, their checkpoints must not."""
         change = self.auto.on_save(stall_s) if self.runtime.is_rank0 else None
         state = self.runtime.all_gather_object(self.auto.state() if self.runtime.is_rank0 else None)[0]
-        self.auto = AutoInterval.from_state(
-            state, mtbf_hours=self.auto.mtbf_hours, nodes=self.auto.nodes, min_steps=self.auto.min_steps,
-            max_steps=self.auto.max_steps, per_step=self.auto.per_step,
-        )  # fmt: skip
+        if not self.runtime.is_rank0:
+            self.auto = self.auto_from(state)
         self.saved_step, self.tick = step, time.perf_counter()
         self.tell(change)
 
