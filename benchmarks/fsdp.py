@@ -165,8 +165,8 @@ def _save_times(rank: int, world: int, port: int, strategy: str, width: int, lay
 
     from pipelines.charlm.model import CharGPT
     from raytrain.config import TrainConfig
+    from raytrain.parallel import strategy as strategies
     from raytrain.rules.position import Position
-    from raytrain.worker import strategy as strategies
     from raytrain.worker.state import TrainingState
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

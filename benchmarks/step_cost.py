@@ -33,8 +33,8 @@ from raytrain.rules import steps  # noqa: E402
 from raytrain.rules.batch import resolve_batch_plan  # noqa: E402
 from raytrain.rules.position import Position  # noqa: E402
 from raytrain.rules.schedule import run_schedule  # noqa: E402
+from raytrain.rundir.heartbeats import Heartbeat  # noqa: E402
 from raytrain.worker.epoch import take_step  # noqa: E402
-from raytrain.worker.heartbeat import Heartbeat  # noqa: E402
 from raytrain.worker.step import StepRunner  # noqa: E402
 from raytrain.worker.window import LossWindow  # noqa: E402
 

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from raytrain.worker.strategy import is_collective_failure
+from raytrain.parallel.strategy import is_collective_failure
 
 if __name__ == "__main__":
     how, out = sys.argv[1], sys.argv[2]

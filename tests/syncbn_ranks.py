@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from raytrain.worker.runtime import sync_batchnorm_layers
+from raytrain.parallel.batchnorm import sync_batchnorm_layers
 
 
 def model() -> torch.nn.Module:

@@ -412,7 +412,7 @@ def test_every_reference_in_the_docs_exists():
 
 def test_the_reference_check_tells_a_dangling_name_from_a_real_one():
     dangling = {  # each once named in a docstring, a --help or a comment of raytrain
-        ("raytrain.rules.stall.stall_after_s", True): "stall.stall_after_s is not defined in raytrain.rules",
+        ("raytrain.rules.stall.stall_after_s", True): "stall_after_s is not defined in raytrain.rules.stall",
         ("loop._restore_rank_rng", False): "_restore_rank_rng is not defined in raytrain.worker.loop",
         ("resume.resumed_values", False): "resumed_values is not defined in raytrain.rules.resume",
         ("costmodel.DEVICE_PEAK_TFLOPS", False): "DEVICE_PEAK_TFLOPS is not defined in raytrain.rules.costmodel",

@@ -215,7 +215,7 @@ def test_dropout_layers_are_put_in_evaluation_mode_and_counted():
 
 
 def test_sync_batchnorm_on_cpu_keeps_the_weights_names_so_exports_load_into_the_plain_model():
-    from raytrain.worker.runtime import GlobalBatchNorm, sync_batchnorm_layers
+    from raytrain.parallel.batchnorm import GlobalBatchNorm, sync_batchnorm_layers
 
     plain = WithBatchNorm().build_model(None)
     converted = sync_batchnorm_layers(WithBatchNorm().build_model(None), torch.device("cpu"))

@@ -37,10 +37,10 @@ from raytrain.errors import (
     UserError,
 )
 from raytrain.observe.report import ReportError
+from raytrain.parallel.strategy import is_collective_failure
 from raytrain.rundir import Store
 from raytrain.rundir.faults import StorageUnavailable
 from raytrain.rundir.files import RunLocked
-from raytrain.worker.strategy import is_collective_failure
 from raytrain.worker.window import TrainingDiverged
 
 STATUSES = {  # every error type a command ends with -> its exit status (DESIGN: Exit status)

@@ -20,9 +20,9 @@ from raytrain.pipeline import Pipeline
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
+from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.worker import prefetch
 from raytrain.worker.checkpointer import Checkpointer
-from raytrain.worker.heartbeat import Heartbeat
 from raytrain.worker.loop import Training
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.step import StepRunner

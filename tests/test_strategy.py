@@ -15,11 +15,11 @@ from pipelines.charlm.model import CharGPT
 from raytrain import fields
 from raytrain.config import TrainConfig
 from raytrain.errors import CheckpointError, ConfigError, PipelineCodeError
+from raytrain.parallel import strategy
 from raytrain.pipeline import default_blocks
 from raytrain.rules import resume
 from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints
-from raytrain.worker import strategy
 from raytrain.worker.state import TrainingState
 
 # -- the blocks ---------------------------------------------------------------------------------

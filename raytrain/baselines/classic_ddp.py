@@ -33,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from raytrain.config import TrainConfig
+from raytrain.parallel.strategy import compute_dtype
 from raytrain.pipeline import load_pipeline
-from raytrain.worker.strategy import compute_dtype
 
 
 def parse_args() -> argparse.Namespace:

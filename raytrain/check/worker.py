@@ -37,8 +37,8 @@ from raytrain.pipeline import Pipeline, overrides
 from raytrain.rules import steps
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.position import Position
+from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.worker.epoch import advance
-from raytrain.worker.heartbeat import Heartbeat
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import unwrap
 from raytrain.worker.step import Batch, StepRunner, update_context

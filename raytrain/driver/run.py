@@ -23,11 +23,11 @@ from raytrain.driver.session import check_embedded_capacity, ray_logs_dir, ray_s
 from raytrain.driver.summary import explain_failure, write_summary
 from raytrain.errors import ConfigError, RunFailed, find_user_error
 from raytrain.observe.tracking import RunTracker
+from raytrain.parallel.strategy import check_compiler
 from raytrain.pipeline import Pipeline, load_pipeline, overrides, set_plan
 from raytrain.rules import batch, resume
 from raytrain.rundir import RunDir, Store, StoredRun, claimed, strict
 from raytrain.rundir.checkpoints import forget_missing, model_shapes
-from raytrain.worker.strategy import check_compiler
 
 
 @dataclass

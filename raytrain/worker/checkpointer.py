@@ -33,13 +33,13 @@ from raytrain.rundir.files import storage_errors
 from raytrain.rundir.publish import Publish
 from raytrain.rundir.records import Kind
 from raytrain.rundir.storage import Store
-from raytrain.worker.saving import Save
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
     from raytrain.rules.position import Position
     from raytrain.rundir.writer import RunWriter
     from raytrain.worker.runtime import Runtime
+    from raytrain.worker.state import Save
     from raytrain.worker.step import StepRunner
 
 # How long rank 0 waits at the end of a run for Ray's upload step to publish its last checkpoint.

@@ -32,12 +32,13 @@ from raytrain.rules.attempt import Attempt
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.budget import Budget
 from raytrain.rules.position import Position, progress
+from raytrain.rules.stall import diagnose
+from raytrain.rundir.heartbeats import Heartbeat, read_heartbeats
 from raytrain.rundir.records import HEARTBEATS, Kind
 from raytrain.rundir.storage import Store
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker.checkpointer import Checkpointer
 from raytrain.worker.epoch import Data, Epochs, append_if_new
-from raytrain.worker.heartbeat import Heartbeat, diagnose, looks_like_timeout, read_heartbeats
 from raytrain.worker.optim import describe_optimizer
 from raytrain.worker.replicas import JOIN_TIMEOUT_S, ReplicaRuntime
 from raytrain.worker.runtime import Runtime
@@ -251,3 +252,10 @@ def explain_stall(cfg: TrainConfig, runtime: Runtime, heartbeat: Heartbeat, run_
         f"{cfg.collective_timeout_s:g}; "
         f"{diagnose(records, runtime.world_size, time.time())}\n  cause: {type(exc).__name__}: {cause}"
     )
+
+
+def looks_like_timeout(exc: BaseException) -> bool:
+    """A collective that gave up waiting (gloo's and NCCL's say so in words only: torch 2.13
+    has no timeout type)."""
+    text = f"{type(exc).__name__} {exc}".lower()
+    return "timeout" in text or "timed out" in text

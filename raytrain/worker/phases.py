@@ -1,7 +1,7 @@
 """A step's instrumentation: where each rank is (the heartbeat) and where its time goes (the
 phase timer), told by one mechanism so that the step reads as the step.
 
-Heartbeat phases (raytrain.worker.heartbeat.PHASE_ORDER): data, forward, backward, optimizer — and,
+Heartbeat phases (raytrain.rules.stall.PHASE_ORDER): data, forward, backward, optimizer — and,
 outside the step, all_reduce, eval, report. Timer phases (progress.json's `phase_time_s`,
 split by raytrain bench): data_wait, forward_backward, optimizer.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from raytrain.worker.heartbeat import Heartbeat
+from raytrain.rundir.heartbeats import Heartbeat
 
 
 class PhaseTimer:

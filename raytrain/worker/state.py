@@ -35,7 +35,6 @@ from raytrain.errors import CheckpointError
 from raytrain.rules.position import Position, Telemetry
 from raytrain.rundir import checkpoints, formats
 from raytrain.rundir.formats import single_process
-from raytrain.worker.saving import Save
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.worker.runtime import Runtime
@@ -222,6 +221,47 @@ class TrainingState:
         for part, restored in ((self.position, Position.restored(live)), (self.telemetry, Telemetry.restored(live))):
             for name in (f.name for f in dataclasses.fields(part)):
                 setattr(part, name, getattr(restored, name))
+
+
+@dataclass
+class Save:
+    """A checkpoint being written: DCP's future (distributed saves) or a writer thread, and
+    what failed. `wait` returns once every file of this rank is written, or raises."""
+
+    directory: Path
+    future: Any = None
+    thread: threading.Thread | None = None
+    errors: list[BaseException] = field(default_factory=list)
+
+    def done(self) -> bool:
+        if self.future is not None and not self.future.done():
+            return False
+        return self.thread is None or not self.thread.is_alive()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Every file of this rank written; a write that failed raises its own error (an
+        OSError with its errno for the file system's), not DCP's wrapper around every rank's.
+        With `timeout_s`, TimeoutError past it."""
+        try:
+            if self.future is not None:
+                self.future.result(timeout=timeout_s)
+            if self.thread is not None:
+                self.thread.join(timeout_s)
+                if self.thread.is_alive():
+                    raise TimeoutError(f"checkpoint {self.directory.name} still being written after {timeout_s} s")
+            if self.errors:
+                raise self.errors[0]
+        except formats.dcp_errors() as exc:
+            inner = _inner(exc)
+            if isinstance(inner, Exception):
+                raise inner from None
+            raise RuntimeError(formats.dcp_failure(exc)) from None
+
+
+def _inner(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's CheckpointException (else `exc`)."""
+    failures = getattr(exc, "failures", None)
+    return failures[min(failures)][0] if failures else exc
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -22,6 +22,8 @@ from raytrain.config import TrainConfig
 from raytrain.data.stream import StreamEpoch
 from raytrain.data.table import TableEpoch
 from raytrain.errors import CheckpointError, pipeline_code
+from raytrain.parallel import strategy
+from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import _CONTEXT, Pipeline, overrides, set_plan
 from raytrain.rules import resume, steps
 from raytrain.rules.attempt import describe_plan
@@ -30,14 +32,13 @@ from raytrain.rules.budget import Budget
 from raytrain.rules.position import Position, Telemetry
 from raytrain.rules.schedule import LRSchedule, run_schedule
 from raytrain.rundir.checkpoints import ResumeChoice
+from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.rundir.records import Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
-from raytrain.worker import optim, strategy
-from raytrain.worker.heartbeat import Heartbeat
+from raytrain.worker import optim
 from raytrain.worker.phases import PhaseTimer, StepPhases
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import TrainingState, restore_rank_rng, seed_everything, unwrap
-from raytrain.worker.strategy import Prepared
 from raytrain.worker.window import LossWindow, Throughput
 
 
@@ -278,7 +279,7 @@ class StepRunner:
         return self.sync_device if self.cfg.time_phases and self.runtime.device.type == "cuda" else _nothing
 
     def autocast(self):
-        # Under fsdp, bf16 and fp16 are FSDP2's mixed-precision policy (raytrain.worker.strategy).
+        # Under fsdp, bf16 and fp16 are FSDP2's mixed-precision policy (raytrain.parallel.strategy).
         if self.cfg.precision == "fp32" or (self.prepared is not None and self.prepared.sharded):
             return contextlib.nullcontext()
         dtype = strategy.compute_dtype(self.cfg.precision)

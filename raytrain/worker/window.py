@@ -20,7 +20,7 @@ from raytrain.errors import EXIT_FAILED, UserError
 from raytrain.text import sci
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raytrain.worker.heartbeat import Heartbeat
+    from raytrain.rundir.heartbeats import Heartbeat
     from raytrain.worker.runtime import Runtime
 
 

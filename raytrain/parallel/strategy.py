@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -33,7 +33,17 @@ from raytrain.errors import ConfigError, PipelineCodeError
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
     from raytrain.pipeline import Pipeline
-    from raytrain.worker.runtime import Runtime
+
+
+class Placement(Protocol):
+    """Where the model goes (the worker's runtime, `raytrain.worker.runtime.Runtime`): its device,
+    whether a process group exists and of how many, and DDP's wrapping."""
+
+    device: torch.device
+    distributed: bool
+    world_size: int
+
+    def prepare_model(self, model: nn.Module, ddp_kwargs: dict[str, Any]) -> nn.Module: ...
 
 
 @dataclass(frozen=True)
@@ -125,12 +135,12 @@ def check_compiler(device_type: str) -> None:
         )
 
 
-def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime: "Runtime") -> Prepared:
+def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime: Placement) -> Prepared:
     """The model as `cfg` asks: BatchNorm over the global batch (--sync-batchnorm), blocks
     checkpointed and compiled, then sharded (fsdp) or wrapped (ddp), on the worker's device."""
     check_model(pipeline, model)
     if cfg.sync_batchnorm:  # before the blocks are picked and DDP or FSDP sees the modules
-        from raytrain.worker.runtime import sync_batchnorm_layers
+        from raytrain.parallel.batchnorm import sync_batchnorm_layers
 
         model = sync_batchnorm_layers(model, runtime.device)
     picked = blocks_of(pipeline, model)
