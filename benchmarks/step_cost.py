@@ -1,12 +1,12 @@
 """The trainer's own CPU cost per step, without Ray: raytrain's step path against a bare loop.
 
 One process, one thread, no Ray and no process group: `benchmarks.overhead:TinyMLP` (a step of
-well under a millisecond) trained through raytrain's `take_step` (the context, the heartbeat
-marks, the phase timer, the loss window, the pipeline's hooks under their rule, the batch
-plan's weight, the rate set every step) and through the bare loop a user writes (slice,
-forward, backward, AdamW). Timed in CPU time of the thread (`time.thread_time`), so other
-work on a busy machine does not land in the figure; min and median over rounds, after 50
-warm-up steps each. Usage:
+well under a millisecond) trained through the loop's own step, `Training.take_step` (the
+context, the heartbeat marks, the phase timer, the loss window and its snapshot, the commit,
+the pipeline's hooks under their rule, the batch plan's weight, the rate set every step) and
+through the bare loop a user writes (slice, forward, backward, AdamW). Timed in CPU time of the
+thread (`time.thread_time`), so other work on a busy machine does not land in the figure; min
+and median over rounds, after 50 warm-up steps each. Usage:
 
     python benchmarks/step_cost.py [--rounds 7] [--steps 400]
 """
@@ -34,18 +34,20 @@ from raytrain.rules.batch import resolve_batch_plan  # noqa: E402
 from raytrain.rules.position import Position  # noqa: E402
 from raytrain.rules.schedule import run_schedule  # noqa: E402
 from raytrain.rundir.heartbeats import Heartbeat  # noqa: E402
-from raytrain.worker.epoch import take_step  # noqa: E402
+from raytrain.worker.loop import Training  # noqa: E402
+from raytrain.worker.runtime import Runtime  # noqa: E402
 from raytrain.worker.step import StepRunner  # noqa: E402
 from raytrain.worker.window import LossWindow  # noqa: E402
 
 BATCH, WARMUP = 64, 50
 
 
-class OneProcess:
-    """The runtime of a single process on the CPU (what local mode's runtime says)."""
+class OneProcess(Runtime):
+    """The runtime of a single process on the CPU (what local mode's runtime says), without Ray."""
 
-    world_rank, world_size, is_rank0, backend = 0, 1, True, "none"
-    device = torch.device("cpu")
+    def __init__(self) -> None:
+        self.world_rank, self.world_size, self.local_rank, self.nodes = 0, 1, 0, 1
+        self.distributed, self.backend, self.device = False, "none", torch.device("cpu")
 
 
 def setup(steps_per_round: int):
@@ -69,7 +71,6 @@ def raytrain_step_s(pipe, cfg, table: Table, n: int) -> float:
         cfg=cfg,
         runtime=OneProcess(),
         heartbeat=Heartbeat(Path("."), 0, enabled=False),
-        run_dir="",
         batch_plan=plan,
         model=model,
         optimizer=optimizer,
@@ -78,13 +79,14 @@ def raytrain_step_s(pipe, cfg, table: Table, n: int) -> float:
         rate_multipliers=[1.0] * len(optimizer.param_groups),
         window=LossWindow.on(torch.device("cpu")),
     )
-    position, data = Position(), table.epoch(0, 0, 0, 0, 1)
+    training = Training(cfg, runner.runtime, None, runner, None, table, None, Position())
+    data = table.epoch(0, 0, 0, 0, 1)
     planned = steps.epoch_steps(len(table), BATCH)[: n + WARMUP]
     for step in planned[:WARMUP]:
-        take_step(runner, data, step, position)
+        training.take_step(data, step, last=False)
     started = time.thread_time()
     for step in planned[WARMUP:]:
-        take_step(runner, data, step, position)
+        training.take_step(data, step, last=False)
     return (time.thread_time() - started) / n
 
 

@@ -6,6 +6,8 @@ runtime stands in for Ray and torch.distributed."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from raytrain.config import TrainConfig
@@ -73,7 +75,8 @@ def test_the_interval_state_travels_in_the_checkpoint_and_a_restart_counts_a_fai
         def lr_at(self, samples_seen):
             return 0.1
 
-    saved = {**owner.contents(Runner(), Position(step=6)), "position": {"step": 6, "world_sizes": [1]}}
+    attempt = SimpleNamespace(runner=Runner(), position=Position(step=6), files=None)
+    saved = {**owner.contents(attempt), "position": {"step": 6, "world_sizes": [1]}}
     assert saved["auto_interval"] == {"invocation": "run-1", "interval": owner.auto.state()}
     restarted = checkpointer(FakeRuntime(0, world_size=1))
     restarted.auto_restored(saved)

@@ -143,7 +143,6 @@ def runner_for(pipeline: Pipeline, rows: int = 8) -> tuple[StepRunner, Table]:
         cfg=cfg,
         runtime=FakeRuntime(),
         heartbeat=Quiet(),
-        run_dir="",
         batch_plan=plan,
         model=model,
         optimizer=optimizer,
@@ -158,7 +157,9 @@ def runner_for(pipeline: Pipeline, rows: int = 8) -> tuple[StepRunner, Table]:
 
 def take_a_step(runner: StepRunner, table: Table) -> None:
     step = steps.epoch_steps(len(table), len(table))[0]
-    runner.optimizer_step(table.epoch(0, 0, 0, 0, 1), step, Position(), timed=False)
+    phase = runner.phases(Position(), timed=False)
+    runner.gradients(table.epoch(0, 0, 0, 0, 1), step, phase)
+    runner.apply_gradients(Position(), phase)
 
 
 def test_a_negative_lr_factor_stops_the_step_instead_of_climbing_the_loss():

@@ -118,7 +118,6 @@ def train(
         cfg=cfg,
         runtime=OneProcess(device),
         heartbeat=Heartbeat(Path("."), 0, enabled=False),
-        run_dir="",
         batch_plan=plan,
         model=model,
         optimizer=optimizer,

@@ -165,7 +165,6 @@ def one_step(precision: str, clip: float | None) -> float:
         cfg=cfg,
         runtime=FakeRuntime(),
         heartbeat=Quiet(),
-        run_dir="",
         batch_plan=resolve_batch_plan(1, batch_size_per_worker=8),
         model=model,
         optimizer=pipeline.build_optimizer(model, cfg),
@@ -176,7 +175,9 @@ def one_step(precision: str, clip: float | None) -> float:
     )
     table = Table({"x": np.ones((8, 4), dtype=np.float32)})
     step = steps.epoch_steps(8, 8)[0]
-    runner.optimizer_step(table.epoch(0, 0, 0, 0, 1), step, Position(), timed=False)
+    phase = runner.phases(Position(), timed=False)
+    runner.gradients(table.epoch(0, 0, 0, 0, 1), step, phase)
+    runner.apply_gradients(Position(), phase)
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     return float((after - before).norm())
 

@@ -153,7 +153,9 @@ def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tm
     from raytrain.worker.epoch import Epochs
 
     def attempt(files, position, runner):
-        return SimpleNamespace(files=files, position=position, runner=runner, train_data=range(1000))
+        training = SimpleNamespace(files=files, position=position, runner=runner, train_data=range(1000))
+        training.quorum_line = lambda previous: Epochs.quorum_line(training, previous)
+        return training
 
     files, position, runner = RunWriter(tmp_path, enabled=True), Position(), FakeRunner(3)
     training = attempt(files, position, runner)

@@ -41,7 +41,7 @@ from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.worker.epoch import advance
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import unwrap
-from raytrain.worker.step import Batch, StepRunner, update_context
+from raytrain.worker.step import Batch, StepRunner
 
 PAYLOAD = "raytrain_check"
 # Steps of the rerun that sees whether --sync-batchnorm closes a BatchNorm gap.
@@ -126,12 +126,12 @@ def record_steps(
     position, records = Position(), []
     count = payload.steps if count is None else count
     while len(records) < count:
-        data = epoch_data(runner, train, position)
+        data = runner.epoch_data(train, position)
         data = Rotated(data) if reorder else data
         for step in steps.epoch_steps(len(train), runner.batch_plan.global_batch_size, position.epoch_offset):
-            update_context(runner, position)
+            runner.update_context(position)
             phase = runner.phases(position, timed=False)
-            runner.gradients(data, step, position, phase)
+            runner.gradients(data, step, phase)
             records.append(StepRecord(global_loss(runner), grad_norm(runner)))
             runner.apply_gradients(position, phase)
             advance(position, step)
@@ -150,7 +150,7 @@ def build_runner(
     train = open_source("train", payload.sources["train"], runtime.get_object, cfg.skip_nan_rows)
     heartbeat = Heartbeat(Path("."), runtime.world_rank, enabled=False)  # no run directory: nothing to write
     plan = batch_plan_for(cfg, runtime.world_size)
-    runner = CheckRunner.build(pipeline, cfg, runtime, heartbeat, "", plan, len(train))
+    runner = CheckRunner.build(pipeline, cfg, runtime, heartbeat, plan, len(train))
     runner.model.train()
     probes.dropout_to_eval(runner.model)
     return runner, train
@@ -193,9 +193,9 @@ def probe(pipeline: Pipeline, payload: CheckPayload, alone: Runtime) -> list[Cau
     """The in-process probes on rank 0, on the rows of the first step at the initial weights."""
     cfg = dataclasses.replace(payload.reference, precision="fp32")
     runner, train = build_runner(cfg, copy.deepcopy(pipeline), alone, payload)
-    data = epoch_data(runner, train, Position())
+    data = runner.epoch_data(train, Position())
     first = steps.next_step(len(train), cfg.global_batch_size, 0)
-    update_context(runner, Position())
+    runner.update_context(Position())
     batch, _ = data.batch(data.rows(first), alone.device)
     subject = probes.Subject(pipeline, runner.model, batch, wrap=Batch)
     return probes.find_causes(subject, payload.config.max_workers, batchnorm_synced=payload.config.sync_batchnorm)
@@ -208,12 +208,11 @@ class CheckRunner(StepRunner):
     def augment(self, batch: dict[str, torch.Tensor], micro_index: int, step_index: int) -> dict[str, torch.Tensor]:
         return batch
 
-
-def epoch_data(runner: StepRunner, train: Table | Stream, position: Position) -> "TableEpoch | StreamEpoch | RowByRow":
-    """This rank's rows of the epoch at `position`; augmented row by row when the pipeline augments."""
-    rank, world = runner.runtime.world_rank, runner.runtime.world_size
-    data = train.epoch(runner.cfg.seed, position.epoch, position.epoch_offset, rank, world)
-    return RowByRow(data, runner, position.epoch) if overrides(runner.pipeline, "transform_batch") else data
+    def epoch_data(self, train: Table | Stream, position: Position) -> "TableEpoch | StreamEpoch | RowByRow":
+        """This rank's rows of the epoch at `position`; augmented row by row when the pipeline augments."""
+        rank, world = self.runtime.world_rank, self.runtime.world_size
+        data = train.epoch(self.cfg.seed, position.epoch, position.epoch_offset, rank, world)
+        return RowByRow(data, self, position.epoch) if overrides(self.pipeline, "transform_batch") else data
 
 
 @dataclass

@@ -18,21 +18,26 @@ staged, published and pruned, and where an attempt continues from.
   Per-step, the quorum's rank 0 writes all of it and publishes and prunes it by itself: Ray's
   report is a barrier over every worker, which a lost replica would hold up.
 - Restore: `raytrain.rundir.checkpoints.resume_choice` says which; the furthest that loads on
-  every rank is loaded (`raytrain.worker.step.StepRunner.restore`).
+  every rank is loaded (`Checkpointer.restore`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from raytrain.errors import CheckpointError, pipeline_code
+from raytrain.rules import resume
 from raytrain.rules.interval import AutoInterval, IntervalChange
+from raytrain.rules.position import Position, Telemetry
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.files import storage_errors
 from raytrain.rundir.publish import Publish
 from raytrain.rundir.records import Kind
 from raytrain.rundir.storage import Store
+from raytrain.worker.window import Throughput
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
@@ -44,6 +49,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # How long rank 0 waits at the end of a run for Ray's upload step to publish its last checkpoint.
 PUBLISH_WAIT_S = 60.0
+
+
+class Checkpointed(Protocol):
+    """What a checkpoint is taken of and restored into: one attempt's (`raytrain.worker.loop.Training`)."""
+
+    runner: "StepRunner"  # model, optimizer, scaler and the rules of the attempt
+    position: Position
+    files: "RunWriter"
 
 
 class Checkpointer:
@@ -77,10 +90,39 @@ class Checkpointer:
             return self.auto.due(step - self.saved_step) and not last
         return bool(self.every) and step % self.every == 0 and not last
 
-    def restore(self, runner: "StepRunner", files: "RunWriter") -> dict[str, Any] | None:
-        """Continue from the furthest checkpoint of the run that loads on every rank; its train
-        state (None: a fresh start)."""
-        saved = runner.restore(ckpt.resume_choice(self.store, also=self.runtime.latest_checkpoint()), files)
+    def restore(self, training: Checkpointed) -> dict[str, Any] | None:
+        """Continue from the furthest checkpoint of the run (`raytrain.rundir.checkpoints.resume_choice`)
+        that loads on every rank; returns its train state (None: a fresh start). One a rank
+        cannot load is passed over on every rank, and said once."""
+        runner, files, runtime = training.runner, training.files, self.runtime
+        choice, saved = ckpt.resume_choice(self.store, also=runtime.latest_checkpoint()), None
+        for directory, train_state in choice.usable:
+            state = runner.training_state(Position.restored(train_state))
+            try:
+                state.load(
+                    directory,
+                    runtime,
+                    self.cfg.seed,
+                    distributed=runtime.distributed_checkpoints,
+                    load_optimizer=functools.partial(_in_build_optimizer, runner.pipeline),
+                )
+                failed = 0.0
+            except CheckpointError as error:
+                choice.pass_over(directory, str(error))
+                failed = 1.0
+            if runtime.distributed_checkpoints:  # every rank continues from the same one
+                failed = runtime.all_reduce_sum([failed])[0]
+            if not failed:
+                saved = train_state
+                runner.telemetry = Telemetry.restored(train_state)
+                runner.throughput = Throughput(time.perf_counter(), state.position.samples_seen)
+                break
+            if not choice.names or choice.names[-1] != directory.name:  # failed on another rank
+                choice.pass_over(directory, f"checkpoint {directory.name} failed to load on another rank")
+        if choice.skipped_line():
+            files.event(Kind.SKIPPED, choice.skipped_line(), checkpoints=choice.names)
+        if saved is None and choice.passed_over:
+            raise resume.unusable(files.store, choice.passed_over)
         if self.cfg.checkpoint_every == "auto":
             self.say = lambda change: files.event(Kind.NOTE, change.line, interval_steps=change.after)
             self.auto_restored(saved)
@@ -115,8 +157,9 @@ class Checkpointer:
         if change is not None and self.say is not None:
             self.say(change)
 
-    def contents(self, runner: "StepRunner", position: "Position") -> dict[str, Any]:
-        """The rules the run had at `position`, beside its training state."""
+    def contents(self, training: Checkpointed) -> dict[str, Any]:
+        """The rules the run had at the attempt's position, beside its training state."""
+        runner, position = training.runner, training.position
         auto = {"auto_interval": {"invocation": self.invocation, "interval": self.auto.state()}} if self.auto else {}
         return {
             **auto,
@@ -130,10 +173,11 @@ class Checkpointer:
             "lr": runner.lr_at(position.samples_seen),
         }
 
-    def save(self, runner: "StepRunner", position: "Position", metrics: dict[str, Any]) -> None:
-        """Report `metrics` with a checkpoint of the step at `position` (with a restarting
-        group, a barrier on every rank); the files are written while training goes on, and
-        the time the loop waited is counted."""
+    def save(self, training: Checkpointed, metrics: dict[str, Any]) -> None:
+        """Report `metrics` with a checkpoint of the attempt's step (with a restarting group, a
+        barrier on every rank); the files are written while training goes on, and the time the
+        loop waited is counted."""
+        runner, position = training.runner, training.position
         runner.heartbeat.mark(position.step, "report")
         started, runtime = time.perf_counter(), self.runtime
         self.finish()  # one in flight at a time: bounded host memory and local disk
@@ -142,9 +186,7 @@ class Checkpointer:
             distributed, staging = runtime.distributed_checkpoints, ckpt.staging_dir(self.store) / name
             with storage_errors(staging, "write the checkpoint"):
                 state = runner.training_state(position)
-                save = self._save = state.save(
-                    staging, runtime, self.contents(runner, position), distributed=distributed
-                )
+                save = self._save = state.save(staging, runtime, self.contents(training), distributed=distributed)
                 if not self.asynchronous:
                     save.wait()
 
@@ -199,3 +241,10 @@ class Checkpointer:
             # Ray's upload step renames rank 0's: wait for that, briefly, so the run's end sees it
             ray_runs_it = self.via_ray and publish.coordinator and self.runtime.distributed and self.store.renames
             publish.wait(min(PUBLISH_WAIT_S, timeout_s or PUBLISH_WAIT_S) if ray_runs_it else timeout_s)
+
+
+def _in_build_optimizer(pipeline: Any, load: Any) -> None:
+    """The optimizer's state loaded as the pipeline's build_optimizer's: a state its optimizer
+    refuses is the pipeline's error (exit 2, not retried)."""
+    with pipeline_code(pipeline, "build_optimizer"):
+        load()

@@ -15,20 +15,16 @@ import math
 import time
 from typing import Any, NamedTuple
 
-import torch
-
 from raytrain.data.draws import Draws
 from raytrain.data.stream import Stream, StreamEpoch
 from raytrain.data.table import Table
 from raytrain.rules import steps
-from raytrain.rules.budget import Budget, evaluation_due, evaluation_rows
+from raytrain.rules.budget import Budget, evaluation_due
 from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints
 from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
-from raytrain.rundir.writer import RunWriter
 from raytrain.text import sci
 from raytrain.worker import prefetch
-from raytrain.worker.step import StepRunner, update_context
 from raytrain.worker.window import TrainingDiverged, divergence_message, sync
 
 Data = Table | Stream | Draws  # a dataset on a worker
@@ -83,26 +79,11 @@ class Epochs:
                 data = plain = source.epoch(cfg.seed, position.epoch, position.epoch_offset, quorum.rank, quorum.size)
                 if prefetch.wanted(cfg.prefetch, runtime.device):
                     data = prefetch.Prefetched(plain, runtime.device)
-            runner, plan = self.runner, self.runner.batch_plan
-            step = steps.next_step(len(source), plan.global_batch_size, position.epoch_offset, index=taken)
-            update_context(runner, position)
-            tick, steady = time.perf_counter(), step.index >= cfg.timing_warmup_steps
-            phase, window = runner.phases(position, timed=steady), runner.window.snapshot()
-            runner.gradients(data, step, position, phase)
-            if not runtime.commit():  # a member failed inside the step: nothing of it is applied
-                runner.optimizer.zero_grad(set_to_none=True)
-                runner.window.restore(window)
+            step = steps.next_step(len(source), self.runner.batch_plan.global_batch_size, position.epoch_offset, taken)
+            last = step.end >= len(source) or budget.steps_done(position.step + 1)
+            if not self.take_step(data, step, last):  # a member failed inside the step: nothing of it is applied
                 data = None
                 continue
-            runner.apply_gradients(position, phase)
-            last = step.end >= len(source) or budget.steps_done(position.step + 1)
-            if not last and isinstance(data, prefetch.Prefetched):  # the next step's batch, inside this step's time
-                data.stage(
-                    steps.next_step(len(source), plan.global_batch_size, step.end, taken + 1), plan.accumulation_steps
-                )
-            advance(position, step)
-            if steady:
-                runner.telemetry.add_steady(step.size, time.perf_counter() - tick)
             taken += 1
             stop = self.after_step(last)
             if stop and not last:
@@ -111,6 +92,29 @@ class Epochs:
             self.note_skipped_rows(plain)
         samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
         return EpochResult(position.epoch_loss_so_far().mean(), samples_per_s, stop)
+
+    def take_step(self, data: Any, step: steps.Step, last: bool) -> bool:
+        """One optimizer step over this rank's rows of `step`, applied only if every member of the
+        quorum commits it (`Runtime.commit`); returns whether it was. Then the position after it
+        and, with prefetching data and unless `last`, the next step's batch staged inside this
+        step's time. Steps past --timing-warmup-steps are timed."""
+        runner, position = self.runner, self.position
+        runner.update_context(position)
+        tick, steady = time.perf_counter(), step.index >= self.cfg.timing_warmup_steps
+        phase, window = runner.phases(position, timed=steady), runner.window.snapshot()
+        runner.gradients(data, step, phase)
+        if not self.runtime.commit():
+            runner.optimizer.zero_grad(set_to_none=True)
+            runner.window.restore(window)
+            return False
+        runner.apply_gradients(position, phase)
+        if not last and isinstance(data, prefetch.Prefetched):
+            plan, rows = runner.batch_plan, len(self.train_data)
+            data.stage(steps.next_step(rows, plan.global_batch_size, step.end, step.index + 1), plan.accumulation_steps)
+        advance(position, step)
+        if steady:
+            runner.telemetry.add_steady(step.size, time.perf_counter() - tick)
+        return True
 
     def follow_quorum(self, size: int) -> None:
         """The runner for a quorum of `size` (its batch plan and rate), and one event line when the
@@ -121,9 +125,24 @@ class Epochs:
             self.runner = self.runner.for_quorum(size, len(self.train_data))
         previous = position.world_sizes[-1] if position.world_sizes else size
         if size != previous:
-            line = quorum_line(self.runner, position, previous)
+            line = self.quorum_line(previous)
             self.files.event(Kind.QUORUM, line, world_size=size, previous_world_size=previous, step=position.step)
         position.world_sizes = append_if_new(position.world_sizes, size)
+
+    def quorum_line(self, previous: int) -> str:
+        """`Quorum 3 → 2 replicas at step 40 (epoch 1, 1,280 samples into it): <plan>; lr now …`."""
+        runner, position = self.runner, self.position
+        now = runner.runtime.world_size
+        why = (
+            "a replica was lost; the survivors go on"
+            if now < previous
+            else "a replica rejoined, healed from a live peer"
+        )
+        return (
+            f"Quorum {previous} → {now} replicas at step {position.step} (epoch {position.epoch + 1}, "
+            f"{position.epoch_offset:,} samples into it; {why}): {runner.describe_plan()}; "
+            f"lr now {sci(runner.lr_at(position.samples_seen))}"
+        )
 
     def after_step(self, last: bool) -> bool:
         """After a step: rank 0's live row; at the logging cadence the sync (loss, stop request)
@@ -134,7 +153,7 @@ class Epochs:
         itself rather than trusting the sync to carry it."""
         cfg, runner, position, files, stop = self.cfg, self.runner, self.position, self.files, False
         if runner.memory is not None and not runner.memory_said:
-            say_memory(runner, files)
+            self.say_memory()
         self.report_live()
         checkpoint_now = self.checkpointer.due(position.step, last)
         evaluate_now = self.val_data is not None and evaluation_due(position.step, cfg.eval_every_steps, last)
@@ -157,8 +176,31 @@ class Epochs:
             checkpoint_now = checkpoint_now or (stop and not last)
         if checkpoint_now:
             row = runner.metrics_row(position, loss=float("nan"), samples_per_s=0.0)
-            self.checkpointer.save(runner, position, row.to_json())
+            self.checkpointer.save(self, row.to_json())
         return stop
+
+    def say_memory(self) -> None:
+        """Once per attempt, after its first step (a collective): the bytes each worker holds of the
+        parameters, their gradients and the optimizer's state, and each process's peak RSS."""
+        import psutil
+
+        runner, files = self.runner, self.files
+
+        runner.memory_said = True
+        mine = {**(runner.memory or {}), "peak_rss": _peak_rss_bytes(psutil.Process())}
+        every = runner.runtime.all_gather_object(mine)
+        sharded = runner.prepared is not None and runner.prepared.sharded
+        held = ", ".join(
+            f"{_mib(mine[k])} {label}"
+            for k, label in (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"))
+        )
+        rss = ", ".join(_mib(rank["peak_rss"]) for rank in every)
+        files.event(
+            Kind.MEMORY,
+            f"memory per worker after the first step: {held}{' (its shards)' if sharded else ''}; "
+            f"peak RSS by rank: {rss}",
+            **{key: [rank.get(key, 0) for rank in every] for key in mine},
+        )
 
     def sync_ranks(self, stop_requested: bool = False) -> tuple[float, int, bool]:
         """The sync (`raytrain.worker.window.sync`): the mean loss since the last one, the samples
@@ -193,7 +235,7 @@ class Epochs:
         position.epoch, position.epoch_offset = position.epoch + 1, 0
         row = self.closing_row(epoch, val_metrics)
         self.files.epoch_end(row, self.cfg.epochs)
-        self.checkpointer.save(self.runner, position, row.to_json())
+        self.checkpointer.save(self, row.to_json())
 
     def end_at_step_budget(self, epoch: EpochResult) -> None:
         """The step budget (--max-steps) ran out inside an epoch: validate, write the run's last row
@@ -201,7 +243,7 @@ class Epochs:
         row = self.closing_row(epoch, self.validate())
         self.files.metrics(row)
         self.files.evaluation(row, final=True)
-        self.checkpointer.save(self.runner, self.position, row.to_json())
+        self.checkpointer.save(self, row.to_json())
 
     def closing_row(self, epoch: EpochResult, val_metrics: dict) -> MetricsRow:
         """The row that closes an epoch (or the run, inside one): its `loss` is the last window's, as
@@ -218,7 +260,7 @@ class Epochs:
             return {}
         self.runner.heartbeat.mark(self.position.step, "eval")
         tick = time.perf_counter()
-        metrics = evaluate(self.runner, self.val_data)
+        metrics = self.runner.evaluate(self.val_data)
         self.runner.telemetry.validation_s += time.perf_counter() - tick
         return metrics
 
@@ -254,17 +296,6 @@ class Epochs:
                 )
 
 
-def quorum_line(runner: StepRunner, position: Position, previous: int) -> str:
-    """`Quorum 3 → 2 replicas at step 40 (epoch 1, 1,280 samples into it): <plan>; lr now …`."""
-    now = runner.runtime.world_size
-    why = "a replica was lost; the survivors go on" if now < previous else "a replica rejoined, healed from a live peer"
-    return (
-        f"Quorum {previous} → {now} replicas at step {position.step} (epoch {position.epoch + 1}, "
-        f"{position.epoch_offset:,} samples into it; {why}): {runner.describe_plan()}; "
-        f"lr now {sci(runner.lr_at(position.samples_seen))}"
-    )
-
-
 def append_if_new(sizes: list[int], size: int) -> list[int]:
     return sizes if sizes and sizes[-1] == size else [*sizes, size]
 
@@ -276,27 +307,6 @@ def advance(position: Position, step: steps.Step) -> None:
     position.epoch_offset = step.end
 
 
-def say_memory(runner: StepRunner, files: RunWriter) -> None:
-    """Once per attempt, after its first step (a collective): the bytes each worker holds of the
-    parameters, their gradients and the optimizer's state, and each process's peak RSS."""
-    import psutil
-
-    runner.memory_said = True
-    mine = {**(runner.memory or {}), "peak_rss": _peak_rss_bytes(psutil.Process())}
-    every = runner.runtime.all_gather_object(mine)
-    sharded = runner.prepared is not None and runner.prepared.sharded
-    held = ", ".join(
-        f"{_mib(mine[k])} {label}"
-        for k, label in (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"))
-    )
-    rss = ", ".join(_mib(rank["peak_rss"]) for rank in every)
-    files.event(
-        Kind.MEMORY,
-        f"memory per worker after the first step: {held}{' (its shards)' if sharded else ''}; peak RSS by rank: {rss}",
-        **{key: [rank.get(key, 0) for rank in every] for key in mine},
-    )
-
-
 def _peak_rss_bytes(process) -> int:
     import resource
 
@@ -305,50 +315,3 @@ def _peak_rss_bytes(process) -> int:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
-
-
-@torch.no_grad()
-def evaluate(runner: StepRunner, source: Data) -> dict[str, float]:
-    """Validation loss and metrics, averaged over all validation samples of all ranks (over the
-    same --eval-batches global batches every pass, when given)."""
-    runtime = runner.runtime
-    runner.model.eval()
-    batch_size = max(
-        1, runner.batch_plan.per_worker_max if not runner.cfg.micro_batch_size else runner.cfg.micro_batch_size
-    )
-    sums: dict[str, float] = {}
-    count = 0
-    # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
-    # rank learns the metric names and joins the reduction below.
-    rank, world = runtime.evaluation_share()
-    limit = evaluation_rows(runner.cfg)
-    batches = source.eval_batches(rank, world, batch_size, runtime.device, limit=limit, seed=runner.cfg.seed)
-    if runner.prepared is not None and runner.prepared.sharded and world > 1:
-        batches = _in_step(batches, runtime)
-    for n, batch in batches:
-        loss, metrics = runner.compute_loss(batch)
-        for name, value in {"loss": loss, **metrics}.items():
-            sums[name] = sums.get(name, 0.0) + float(value) * n
-        count += n
-    names = sorted(sums)
-    values = [sums[name] for name in names] + [float(count)]
-    totals = runtime.all_reduce_sum(values) if world > 1 else values
-    runner.model.train()
-    return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}
-
-
-def _in_step(batches, runtime):
-    """The batches of a rank, and weight-0 repeats of its last one until every rank is done:
-    under fsdp a forward pass is a collective (each block's parameters are gathered from all
-    ranks), so every rank runs as many as the rank with the most validation rows."""
-    last = None
-    iterator = iter(batches)
-    while True:
-        item = next(iterator, None)
-        if runtime.all_reduce_sum([0.0 if item is None else 1.0])[0] == 0:
-            return
-        if item is not None:
-            last = item
-            yield item
-        else:
-            yield 0, last[1]

@@ -124,22 +124,20 @@ class Training(Epochs):
     ) -> "Training":
         """Build for this attempt's workers (per-step: replicas), then restore: the furthest
         checkpoint that loads. A replica joins its quorum once restored."""
-        workers = runtime.replica_count if isinstance(runtime, ReplicaRuntime) else runtime.world_size
+        workers = runtime.replica_count
         if isinstance(runtime, ReplicaRuntime) and runtime.starts_with_group:
             runtime.start_manager()  # heartbeating while it restores: the first quorum waits for it
         heartbeat.mark(0, "data")
         train_data = open_source("train", sources["train"], runtime.get_object, cfg.skip_nan_rows)
         val = sources.get("val")
         val_data = open_source("val", val, runtime.get_object, cfg.skip_nan_rows) if val is not None else None
-        runner = StepRunner.build(
-            pipeline, cfg, runtime, heartbeat, files.store, batch_plan_for(cfg, workers), len(train_data)
-        )
-        saved = checkpointer.restore(runner, files)
-        position = Position.restored(saved)
+        runner = StepRunner.build(pipeline, cfg, runtime, heartbeat, batch_plan_for(cfg, workers), len(train_data))
+        training = cls(cfg, runtime, files, runner, checkpointer, train_data, val_data, Position())
+        training.saved = saved = checkpointer.restore(training)
+        training.position = position = Position.restored(saved)
         now = data_digest(train_data)
         resume.check_same_data(position.data, now, position.step, mid_epoch=bool(position.epoch_offset))
         position.data = now
-        training = cls(cfg, runtime, files, runner, checkpointer, train_data, val_data, position, saved)
         training.attempt = Attempt.of(saved is not None, position.world_sizes, workers)
         if isinstance(runtime, ReplicaRuntime):
             state = runner.training_state(position)

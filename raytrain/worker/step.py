@@ -21,20 +21,17 @@ from raytrain import hooks
 from raytrain.config import TrainConfig
 from raytrain.data.stream import StreamEpoch
 from raytrain.data.table import TableEpoch
-from raytrain.errors import CheckpointError, pipeline_code
 from raytrain.parallel import strategy
 from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import _CONTEXT, Pipeline, overrides, set_plan
-from raytrain.rules import resume, steps
+from raytrain.rules import steps
 from raytrain.rules.attempt import describe_plan
 from raytrain.rules.batch import BatchPlan, batch_plan_for
-from raytrain.rules.budget import Budget
+from raytrain.rules.budget import Budget, evaluation_rows
 from raytrain.rules.position import Position, Telemetry
 from raytrain.rules.schedule import LRSchedule, run_schedule
-from raytrain.rundir.checkpoints import ResumeChoice
 from raytrain.rundir.heartbeats import Heartbeat
-from raytrain.rundir.records import Kind, MetricsRow
-from raytrain.rundir.writer import RunWriter
+from raytrain.rundir.records import MetricsRow
 from raytrain.worker import optim
 from raytrain.worker.phases import PhaseTimer, StepPhases
 from raytrain.worker.runtime import Runtime
@@ -50,7 +47,6 @@ class StepRunner:
     cfg: TrainConfig
     runtime: Runtime
     heartbeat: Heartbeat
-    run_dir: Any  # the run's Store (or path); "" in unit tests: no checkpoint to name
     batch_plan: BatchPlan
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -74,7 +70,6 @@ class StepRunner:
         cfg: TrainConfig,
         runtime: Runtime,
         heartbeat: Heartbeat,
-        run_dir: Any,
         batch_plan: BatchPlan,
         num_train_rows: int,
     ) -> "StepRunner":
@@ -96,7 +91,6 @@ class StepRunner:
             cfg=cfg,
             runtime=runtime,
             heartbeat=heartbeat,
-            run_dir=run_dir,
             batch_plan=batch_plan,
             model=model,
             optimizer=optimizer,
@@ -108,40 +102,6 @@ class StepRunner:
             count_flops=runtime.is_rank0 and cfg.fault_tolerance == "restart",
             total_steps=total_steps,
         )
-
-    def restore(self, choice: ResumeChoice, files: RunWriter) -> dict[str, Any] | None:
-        """Continue from the furthest checkpoint of `choice` (`rundir.checkpoints.resume_choice`)
-        that loads on every rank; returns its train state (None: a fresh start). One a rank
-        cannot load is passed over on every rank, and said once."""
-        saved = None
-        for directory, train_state in choice.usable:
-            state = self.training_state(Position.restored(train_state))
-            try:
-                state.load(
-                    directory,
-                    self.runtime,
-                    self.cfg.seed,
-                    distributed=self.runtime.distributed_checkpoints,
-                    load_optimizer=lambda load: _as_pipeline_code(self.pipeline, "build_optimizer", load),
-                )
-                failed = 0.0
-            except CheckpointError as error:
-                choice.pass_over(directory, str(error))
-                failed = 1.0
-            if self.runtime.distributed_checkpoints:  # every rank continues from the same one
-                failed = self.runtime.all_reduce_sum([failed])[0]
-            if not failed:
-                saved = train_state
-                self.telemetry = Telemetry.restored(train_state)
-                self.throughput = Throughput(time.perf_counter(), state.position.samples_seen)
-                break
-            if not choice.names or choice.names[-1] != directory.name:  # failed on another rank
-                choice.pass_over(directory, f"checkpoint {directory.name} failed to load on another rank")
-        if choice.skipped_line():
-            files.event(Kind.SKIPPED, choice.skipped_line(), checkpoints=choice.names)
-        if saved is None and choice.passed_over:
-            raise resume.unusable(files.store, choice.passed_over)
-        return saved
 
     # -- the rules of this attempt ----------------------------------------------------------
 
@@ -190,6 +150,14 @@ class StepRunner:
 
     # -- a step ------------------------------------------------------------------------------
 
+    def update_context(self, position: Position) -> None:
+        """What `raytrain.context()` tells the pipeline's hooks during the step at `position`."""
+        show_plan(self.cfg, self.runtime, self.batch_plan, self.total_steps)
+        _CONTEXT.epoch = position.epoch
+        _CONTEXT.step = position.step
+        _CONTEXT.samples_seen = position.samples_seen
+        _CONTEXT.lr = self.lr_at(position.samples_seen)
+
     def phases(self, position: Position, timed: bool) -> StepPhases:
         """The instrumentation of the step at `position`; `timed`: a steady step, whose phase
         times add to the position's."""
@@ -197,19 +165,9 @@ class StepRunner:
             self.heartbeat, position.step, PhaseTimer(self.telemetry.phase_time_s if timed else None, self.phase_sync())
         )
 
-    def optimizer_step(
-        self, data: TableEpoch | StreamEpoch, step: steps.Step, position: Position, timed: bool
-    ) -> float:
-        """One optimizer step over this rank's rows of `step`, from `position`; returns the lr used."""
-        phase = self.phases(position, timed)
-        self.gradients(data, step, position, phase)
-        return self.apply_gradients(position, phase)
-
-    def gradients(
-        self, data: TableEpoch | StreamEpoch, step: steps.Step, position: Position, phase: StepPhases
-    ) -> None:
+    def gradients(self, data: TableEpoch | StreamEpoch, step: steps.Step, phase: StepPhases) -> None:
         """Forward and backward over this rank's rows of `step` (gradients averaged over ranks)."""
-        step_index = position.step
+        step_index = phase.step_index
         for index, piece in enumerate(steps.micro_batches(data.rows(step), self.batch_plan.accumulation_steps)):
             # A rank with no rows in a (micro-)step still runs forward and backward (the data
             # gives one row for an empty piece; weight 0 below) so that it joins the
@@ -222,7 +180,7 @@ class StepRunner:
                 # over the samples actually present in the step (tail steps are smaller).
                 weight = steps.gradient_weight(count, self.runtime.world_size, step.size)
                 with self.accumulating(last=index == self.batch_plan.accumulation_steps - 1):
-                    with self.counting_flops(position, count):
+                    with self.counting_flops(count):
                         with phase("forward"):
                             loss, _ = self.compute_loss(batch)
                         with phase("backward"):
@@ -244,7 +202,7 @@ class StepRunner:
         return lr
 
     @contextlib.contextmanager
-    def counting_flops(self, position: Position, rows: int):
+    def counting_flops(self, rows: int):
         """The FLOPs of this micro-batch's forward and backward, per row, into the position
         (`raytrain.rules.flops`): rank 0, the first micro-batch with rows of an attempt."""
         if not self.count_flops or rows == 0:
@@ -289,6 +247,35 @@ class StepRunner:
         """The gradient reduction over ranks skipped on all micro-batches of a step but the last."""
         return contextlib.nullcontext() if last else strategy.no_gradient_sync(self.model)
 
+    @torch.no_grad()
+    def evaluate(self, source: Any) -> dict[str, float]:
+        """Validation loss and metrics, averaged over all validation samples of all ranks (over the
+        same --eval-batches global batches every pass, when given)."""
+        runtime = self.runtime
+        self.model.eval()
+        batch_size = max(
+            1, self.batch_plan.per_worker_max if not self.cfg.micro_batch_size else self.cfg.micro_batch_size
+        )
+        sums: dict[str, float] = {}
+        count = 0
+        # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
+        # rank learns the metric names and joins the reduction below.
+        rank, world = runtime.evaluation_share()
+        limit = evaluation_rows(self.cfg)
+        batches = source.eval_batches(rank, world, batch_size, runtime.device, limit=limit, seed=self.cfg.seed)
+        if self.prepared is not None and self.prepared.sharded and world > 1:
+            batches = _in_step(batches, runtime)
+        for n, batch in batches:
+            loss, metrics = self.compute_loss(batch)
+            for name, value in {"loss": loss, **metrics}.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * n
+            count += n
+        names = sorted(sums)
+        values = [sums[name] for name in names] + [float(count)]
+        totals = runtime.all_reduce_sum(values) if world > 1 else values
+        self.model.train()
+        return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}
+
     # -- the pipeline's hooks ------------------------------------------------------------------
 
     def augment(self, batch: dict[str, torch.Tensor], micro_index: int, step_index: int) -> dict[str, torch.Tensor]:
@@ -322,15 +309,6 @@ class StepRunner:
         return split_loss(output)
 
 
-def update_context(runner: StepRunner, position: Position) -> None:
-    """What `raytrain.context()` tells the pipeline's hooks during the step at `position`."""
-    show_plan(runner.cfg, runner.runtime, runner.batch_plan, runner.total_steps)
-    _CONTEXT.epoch = position.epoch
-    _CONTEXT.step = position.step
-    _CONTEXT.samples_seen = position.samples_seen
-    _CONTEXT.lr = runner.lr_at(position.samples_seen)
-
-
 def show_plan(cfg: TrainConfig, runtime: Runtime, plan: BatchPlan, total_steps: int) -> None:
     """The plan of this attempt (or quorum) in `raytrain.context()`."""
     _CONTEXT.world_rank = runtime.world_rank
@@ -354,10 +332,22 @@ def split_loss(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     return output, {}
 
 
+def _in_step(batches, runtime):
+    """The batches of a rank, and weight-0 repeats of its last one until every rank is done:
+    under fsdp a forward pass is a collective (each block's parameters are gathered from all
+    ranks), so every rank runs as many as the rank with the most validation rows."""
+    last = None
+    iterator = iter(batches)
+    while True:
+        item = next(iterator, None)
+        if runtime.all_reduce_sum([0.0 if item is None else 1.0])[0] == 0:
+            return
+        if item is not None:
+            last = item
+            yield item
+        else:
+            yield 0, last[1]
+
+
 def _nothing() -> None:
     pass
-
-
-def _as_pipeline_code(pipeline: Pipeline, method: str, fn: Callable[[], None]) -> None:
-    with pipeline_code(pipeline, method):
-        fn()
