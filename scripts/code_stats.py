@@ -10,7 +10,9 @@ deferred into a function is still two modules that cannot be understood one with
 The worker core's figures (issue 34's targets): the lines of `raytrain/worker/`; every `.local`
 (a branch on the local vs object-store kind of a `Store`) outside `rundir/storage.py`, by module;
 and every function that takes two or more of the bundle's parts as separate parameters: `runner`,
-`position`, `files`, and the data (`data`, `train_data`, `val_data` or `source`).
+`position`, `files`, and the data (`data`, `train_data`, `val_data` or `source`); and, for two
+options (`checkpoint_every_steps`, `precision`), every function that reads the field: the code
+that acts on the option, one call from the config.
 
 Exit status 1 when there is an import cycle.
 """
@@ -176,8 +178,32 @@ def bundle_functions(trees: dict[str, ast.Module]) -> list[tuple[str, list[str]]
     return found
 
 
+# Options followed from the config field to the code that acts on it (issue 34).
+TRACED_OPTIONS = ("checkpoint_every_steps", "precision")
+
+
+def option_readers(trees: dict[str, ast.Module], option: str) -> list[str]:
+    """module.function of every function that reads the attribute `option` itself (not in a
+    function nested in it), outside the config package that defines and checks it."""
+    found = []
+    for m, t in sorted(trees.items()):
+        if m.startswith("config"):
+            continue
+        for name, node in function_nodes(t):
+            nested = {
+                id(n)
+                for c in ast.walk(node)
+                if c is not node and isinstance(c, ast.FunctionDef | ast.AsyncFunctionDef)
+                for n in ast.walk(c)
+            }
+            if any(isinstance(n, ast.Attribute) and n.attr == option and id(n) not in nested for n in ast.walk(node)):
+                found.append(f"{m}.{name}")
+    return found
+
+
 def worker_core(texts: dict[str, str], trees: dict[str, ast.Module]) -> list[str]:
     local, bundle = local_branches(trees), bundle_functions(trees)
+    readers = {option: option_readers(trees, option) for option in TRACED_OPTIONS}
     return [
         "",
         f"Lines of raytrain/worker/: {worker_lines(texts):,}",
@@ -185,6 +211,10 @@ def worker_core(texts: dict[str, str], trees: dict[str, ast.Module]) -> list[str
         + "".join(f"\n- {m}: {n}" for m, n in local.items()),
         "Functions taking two or more of the runner/position/files/data bundle: "
         f"{len(bundle)}" + "".join(f"\n- {f}({', '.join(p)})" for f, p in bundle),
+        *(
+            f"Functions reading `{option}`: {len(found)}" + "".join(f"\n- {f}" for f in found)
+            for option, found in readers.items()
+        ),
     ]
 
 
@@ -223,6 +253,7 @@ LAYERS = {
     "foundation": ("__init__", "config", "fields", "errors", "pipeline", "hooks", "sampled", "text"),
     "rules": ("rules", "plan", "order", "attempt", "position", "resume", "costmodel"),
     "data": ("data", "shards"),
+    "parallel": ("parallel",),
     "worker": ("worker", "loop", "runtime", "replicas", "heartbeat", "phases", "optim"),
     "driver": ("driver", "trainer", "failfast", "interrupts"),
     "rundir": ("rundir", "checkpoint"),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from raytrain.data.sources import cost_notes
 from raytrain.data.table import Table
 from raytrain.rules.attempt import Attempt
 from raytrain.rules.position import Position, Telemetry
@@ -19,7 +20,6 @@ from raytrain.rules.position import progress as progress_of
 from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
-from raytrain.worker.loop import data_notes
 from raytrain.worker.phases import PhaseTimer, StepPhases
 from raytrain.worker.window import FOLD_EVERY, LossWindow
 
@@ -178,10 +178,10 @@ def test_the_loss_window_folds_many_steps_and_a_snapshot_undoes_an_uncommitted_o
 # -- what the data costs -----------------------------------------------------------------
 
 
-def test_data_notes_say_the_rows_skipped_in_memory():
+def test_cost_notes_say_the_rows_skipped_in_memory():
     table = Table({"x": np.zeros((10, 2))}, dropped_rows=3)
-    assert data_notes(table, 2) == ["dataset 'train': skipped 3 row(s) holding NaN or inf (--skip-nan-rows); 10 left"]
-    assert data_notes(Table({"x": np.zeros((10, 2))}), 2) == []
+    assert cost_notes(table, 2) == ["dataset 'train': skipped 3 row(s) holding NaN or inf (--skip-nan-rows); 10 left"]
+    assert cost_notes(Table({"x": np.zeros((10, 2))}), 2) == []
 
 
 # -- rank 0's writer ---------------------------------------------------------------------

@@ -188,3 +188,29 @@ def data_digest(data: Table | Stream | Draws) -> dict[str, Any]:
     if isinstance(data, Draws):
         return {"sampled_items": data.spec.num_items, "rows": len(data)}
     return data.layout.digest() if isinstance(data, Stream) else {"rows": len(data)}
+
+
+def cost_notes(data: Table | Stream | Draws, world_size: int) -> list[str]:
+    """What the data costs the run: rows skipped in memory, and stream partitions that cannot
+    keep every worker equally busy."""
+    notes = []
+    if isinstance(data, Table) and data.dropped_rows:
+        notes.append(
+            f"dataset 'train': skipped {data.dropped_rows:,} row(s) holding NaN or inf (--skip-nan-rows); "
+            f"{len(data):,} left"
+        )
+    if not isinstance(data, Stream) or world_size == 1:
+        return notes
+    lanes = data.layout.lanes
+    if lanes < world_size:
+        notes.append(
+            f"dataset 'train' has {lanes} partition(s) for {world_size} workers: {world_size - lanes} worker(s) get "
+            "no rows and wait for the others; give it more files or row groups (raytrain data), or raise "
+            "--data-partitions"
+        )
+    elif lanes % world_size:
+        notes.append(
+            f"dataset 'train': {lanes} partitions over {world_size} workers leave some with one partition more, "
+            "and the busiest sets the pace; a worker count that divides --data-partitions keeps them even"
+        )
+    return notes

@@ -77,3 +77,18 @@ __all__ = [
     "stall_after_s",
     "starts_with_group",
 ]
+
+
+def partial_start_line(size: int, replicas: int, not_waited: str | None, join_timeout_s: float) -> str:
+    """Why replicas that started together do not all take the first step: `size` of `replicas`
+    met; `not_waited`: why the others could not wait for them (None: they were not ready within
+    the lighthouse's join wait)."""
+    why = (
+        f"the others could not wait for them ({not_waited})"
+        if not_waited
+        else f"they were not ready within the lighthouse's {join_timeout_s:g} s join wait"
+    )
+    return (
+        f"Training starts with {size} of {replicas} replicas: {why}; "
+        "the others join when ready, healed from a live peer"
+    )

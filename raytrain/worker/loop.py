@@ -22,9 +22,7 @@ from typing import Any
 
 from raytrain import hooks
 from raytrain.config import TrainConfig
-from raytrain.data.sources import Source, data_digest, open_source
-from raytrain.data.stream import Stream
-from raytrain.data.table import Table
+from raytrain.data.sources import Source, cost_notes, data_digest, open_source
 from raytrain.errors import find_user_error
 from raytrain.pipeline import Pipeline, overrides
 from raytrain.rules import resume
@@ -32,6 +30,7 @@ from raytrain.rules.attempt import Attempt
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.budget import Budget
 from raytrain.rules.position import Position, progress
+from raytrain.rules.replicas import partial_start_line
 from raytrain.rules.stall import diagnose
 from raytrain.rundir.heartbeats import Heartbeat, read_heartbeats
 from raytrain.rundir.records import HEARTBEATS, Kind
@@ -176,7 +175,8 @@ class Training(Epochs):
         runtime = self.runtime
         self.announce()
         if isinstance(runtime, ReplicaRuntime) and runtime.starts_with_group and size < runtime.replica_count:
-            self.files.event(Kind.QUORUM, partial_start_line(runtime, self.not_waited), world_size=size)
+            line = partial_start_line(runtime.quorum.size, runtime.replica_count, self.not_waited, JOIN_TIMEOUT_S)
+            self.files.event(Kind.QUORUM, line, world_size=size)
 
     def announce(self) -> None:
         """Rank 0 says what this attempt is (with the plan and rate it trains with, against the
@@ -188,7 +188,7 @@ class Training(Epochs):
         lr_now = runner.lr_at(position.samples_seen)
         event = self.attempt.event(position, world_size, runner.describe_plan(), lr_now, lr_before)
         files.start_attempt(event, position.step)
-        for note in data_notes(self.train_data, world_size):
+        for note in cost_notes(self.train_data, world_size):
             files.event(Kind.DATA, note)
         note = hooks.optimizer_note(unwrap(runner.model), runner.optimizer)
         if note:
@@ -196,45 +196,6 @@ class Training(Epochs):
         if overrides(runner.pipeline, "build_optimizer"):  # config.yaml says what the pipeline's optimizer is
             details = {"build_optimizer": describe_optimizer(runner.optimizer)}
             files.update_config(resume.recorded_config(files.rundir.config(), ["build_optimizer"], details))
-
-
-def partial_start_line(runtime: ReplicaRuntime, not_waited: str | None) -> str:
-    """Why replicas that started together do not all take the first step."""
-    why = (
-        f"the others could not wait for them ({not_waited})"
-        if not_waited
-        else f"they were not ready within the lighthouse's {JOIN_TIMEOUT_S:g} s join wait"
-    )
-    return (
-        f"Training starts with {runtime.quorum.size} of {runtime.replica_count} replicas: {why}; "
-        "the others join when ready, healed from a live peer"
-    )
-
-
-def data_notes(data: Data, world_size: int) -> list[str]:
-    """What the data costs the run: rows skipped in memory, and stream partitions that cannot
-    keep every worker equally busy."""
-    notes = []
-    if isinstance(data, Table) and data.dropped_rows:
-        notes.append(
-            f"dataset 'train': skipped {data.dropped_rows:,} row(s) holding NaN or inf (--skip-nan-rows); "
-            f"{len(data):,} left"
-        )
-    if not isinstance(data, Stream) or world_size == 1:
-        return notes
-    lanes = data.layout.lanes
-    if lanes < world_size:
-        notes.append(
-            f"dataset 'train' has {lanes} partition(s) for {world_size} workers: {world_size - lanes} worker(s) get "
-            "no rows and wait for the others; give it more files or row groups (raytrain data), or raise "
-            "--data-partitions"
-        )
-    elif lanes % world_size:
-        notes.append(
-            f"dataset 'train': {lanes} partitions over {world_size} workers leave some with one partition more, "
-            "and the busiest sets the pace; a worker count that divides --data-partitions keeps them even"
-        )
-    return notes
 
 
 class StallError(RuntimeError):
