@@ -235,11 +235,7 @@ class ReplicaRuntime(Runtime):
         if self.manager is not None:
             self.manager.shutdown(wait=False)
 
-    # -- what the loop sees -------------------------------------------------------------
-
-    def prepare_model(self, model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
-        """On the device; torchft's DDP wraps it when the replica joins (`join`)."""
-        return model.to(self.device)
+    # -- what the loop sees (per_step: no collective outside a step, `Runtime`) ----------------
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum over the participants of the last step (a failed reduction counts this replica only)."""
@@ -252,22 +248,6 @@ class ReplicaRuntime(Runtime):
         if self.manager.errored() is not None:  # a member was lost after the commit: this replica's own figures
             return list(values)
         return [float(v) for v in tensor.tolist()]
-
-    def evaluation_share(self) -> tuple[int, int]:
-        """Every replica validates on all of the (small) validation set by itself: no
-        collective outside a step, where no quorum would guard it against a lost peer."""
-        return 0, 1
-
-    def all_gather_object(self, value: Any) -> list[Any]:
-        """This replica's only (no collective outside a step): a checkpoint keeps one RNG state,
-        and replicas restored from it reseed by their rank (`state.restore_rank_rng`)."""
-        return [value]
-
-    @property
-    def distributed_checkpoints(self) -> bool:
-        """No collective outside a step: the quorum's rank 0 writes a whole checkpoint by itself,
-        and every replica reads all of one."""
-        return False
 
 
 __all__ = [

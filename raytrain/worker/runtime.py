@@ -36,7 +36,13 @@ class Runtime:
     policy of the step: a worker group that restarts on a failure takes every step with every
     rank, and commits every one (`raytrain.worker.replicas.ReplicaRuntime`: the quorum's)."""
 
-    per_step = False  # per-step fault tolerance: no collective outside a step
+    # Per-step fault tolerance (`ReplicaRuntime`): no collective outside a step, where no quorum
+    # would guard it against a lost peer. So each replica validates on all of the (small)
+    # validation set by itself, gathers only its own value (a checkpoint keeps one RNG state,
+    # and replicas restored from it reseed by their rank), and the quorum's rank 0 writes a
+    # whole checkpoint by itself, which every replica reads all of; the model is wrapped by
+    # torchft's DDP when the replica joins (`ReplicaRuntime.join`), not by Ray's.
+    per_step = False
     healed = False  # the last quorum loaded the live state from a peer
 
     def __init__(self) -> None:
@@ -86,11 +92,11 @@ class Runtime:
 
     def evaluation_share(self) -> tuple[int, int]:
         """(rank, world size) over which validation is split and reduced."""
-        return self.world_rank, self.world_size
+        return (0, 1) if self.per_step else (self.world_rank, self.world_size)
 
     def all_gather_object(self, value: Any) -> list[Any]:
-        """Every rank's `value`, in rank order (a collective)."""
-        if not self.distributed or self.world_size == 1:
+        """Every rank's `value`, in rank order (a collective; per-step, this replica's only)."""
+        if not self.distributed or self.world_size == 1 or self.per_step:
             return [value]
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, value)
@@ -102,16 +108,13 @@ class Runtime:
 
     # -- model --------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
-        """Move to the device; wrap in DDP when there is more than one worker."""
-        if not self.distributed:
+        """Move to the device; wrap in DDP when there is more than one worker (per-step: torchft's,
+        when the replica joins)."""
+        if not self.distributed or self.per_step:
             return model.to(self.device)
         return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=_ddp_kwargs(ddp_kwargs))
 
     # -- data ---------------------------------------------------------------------------
-    def dataset(self, name: str):
-        """The named dataset's iterator (unsplit: every rank sees all rows and takes its own)."""
-        return ray.train.get_dataset_shard(name)
-
     def get_object(self, ref: Any) -> Any:
         """An object the driver put in Ray's object store, or a task's result (numpy arrays
         come back zero-copy). A task that failed on bad input raises that error itself."""
@@ -127,8 +130,8 @@ class Runtime:
     @property
     def distributed_checkpoints(self) -> bool:
         """Whether every rank writes and reads its part of a checkpoint together (DCP over the
-        process group), rather than one process writing and reading all of it."""
-        return self.distributed
+        process group), rather than one process writing and reading all of it (per-step)."""
+        return self.distributed and not self.per_step
 
     def dcp_options(self, load: bool = False) -> dict[str, Any]:
         """DCP's process group: a gloo group of its own for saves, whose collectives run in a
