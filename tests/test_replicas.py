@@ -175,3 +175,25 @@ def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tm
         and position.world_sizes == [3, 2, 3]
     )
     assert [e.message.split(":")[0] for e in RunDir(other).events()] == [events[1].message.split(":")[0]]
+
+
+def test_a_replica_holds_no_collective_outside_a_step_and_a_group_member_does():
+    """Per-step, no collective outside a step (no quorum guards it there): validation over all
+    of the set by itself, its own value gathered, a whole checkpoint written by one process,
+    the model left to torchft's DDP. A restarting group's worker does each with every rank."""
+    import torch
+
+    from raytrain.worker.runtime import Runtime
+
+    def runtime(per_step: bool) -> Runtime:
+        worker = Runtime.__new__(Runtime)  # no Ray Train context: the policy only
+        worker.world_rank, worker.world_size, worker.distributed = 1, 2, True
+        worker.device, worker.per_step = torch.device("cpu"), per_step
+        return worker
+
+    replica, member = runtime(per_step=True), runtime(per_step=False)
+    assert replica.evaluation_share() == (0, 1) and member.evaluation_share() == (1, 2)
+    assert replica.all_gather_object("mine") == ["mine"]
+    assert not replica.distributed_checkpoints and member.distributed_checkpoints
+    model = torch.nn.Linear(2, 2)
+    assert replica.prepare_model(model, {}) is model  # torchft's DDP wraps it when the replica joins
