@@ -101,7 +101,9 @@ class Epochs:
         runner, position = self.runner, self.position
         runner.update_context(position)
         tick, steady = time.perf_counter(), step.index >= self.cfg.timing_warmup_steps
-        phase, window = runner.phases(position, timed=steady), runner.window.snapshot()
+        phase = runner.phases(position, timed=steady)
+        # Only a per-step quorum can refuse a step; restart mode's commit is always yes.
+        window = runner.window.snapshot() if self.runtime.per_step else None
         runner.gradients(data, step, phase)
         if not self.runtime.commit():
             runner.optimizer.zero_grad(set_to_none=True)
