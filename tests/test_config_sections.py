@@ -237,6 +237,7 @@ def test_a_section_names_only_its_own_fields(section):
     own = set(names(section))
     assert problems, f"{section.__name__} found nothing wrong with every number at -5"
     assert {name.split(".")[0] for name, _ in problems} <= own
+    assert set(problems) <= set(_all_wrong().own_problems())  # the whole config's: every section's
 
 
 def test_rules_across_sections_read_two_sections():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from raytrain import fields
 from raytrain.config.checks import did_you_mean, problems_of
@@ -78,6 +78,12 @@ class TrainConfig(
         if problems:
             raise ConfigError(problems)
         self.settle_storage()
+
+    def own_problems(self) -> Iterable[tuple[str, str]]:
+        """Every section's own problems, section by section (each section's `own_problems` would
+        otherwise be the first base's alone); those across sections: `checks.across_sections`."""
+        for section in SECTIONS:
+            yield from section.own_problems(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
