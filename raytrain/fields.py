@@ -18,6 +18,12 @@ in the field's metadata:
   string are values, never "no value" (`--name none` names the run "none").
 - `default_text`: how --help shows the default, when the value alone would not say it (a
   default that depends on other options, a None that means "decided at run time").
+- `instead_of`: the other field of a pair of which a layer of options that names one replaces
+  the other from the layers below (`--max-steps` instead of a pipeline's `epochs`;
+  `raytrain.config.tree.merge_layers`),
+- `on_resume`: what `--resume` makes of a change to the field (`raytrain.rules.resume`):
+  `order` (it reorders an epoch), `state` (the checkpoint's optimizer state cannot follow it)
+  or `invocation` (it is about this invocation, not the run).
 """
 
 from __future__ import annotations
@@ -197,6 +203,11 @@ def option(cls: type, name: str) -> Option:
     return next(o for o in options(cls) if o.name == name)
 
 
+def marked(cls: type, key: str, value: Any) -> tuple[str, ...]:
+    """The names of the fields of `cls` whose metadata sets `key` to `value`, in field order."""
+    return tuple(o.name for o in options(cls) if o.metadata.get(key) == value)
+
+
 def _analyse(hint: Any) -> tuple[tuple[type, ...], bool, tuple[Any, ...] | None]:
     """(kinds, optional, choices) of a resolved type hint."""
     if isinstance(hint, str) or hint is Any:  # unresolved: take anything
@@ -245,4 +256,4 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-__all__ = ["Option", "field_docs", "flag_name", "option", "options"]
+__all__ = ["Option", "field_docs", "flag_name", "marked", "option", "options"]

@@ -353,7 +353,8 @@ def test_several_value_problems_in_one_error():
     with pytest.raises(ConfigError) as info:
         TrainConfig(epochs=0, lr=0.0, precision="fp8", workers="3:2", resume=True, storage="s3://")
     names = [name for name, _ in info.value.problems]
-    assert names == ["epochs", "workers", "lr", "precision", "storage", "resume"]
+    # in the order --help lists them: by section (optimization, strategy, storage, cluster)
+    assert names == ["epochs", "lr", "precision", "storage", "resume", "workers"]
     text = str(info.value)
     assert text.startswith("Invalid configuration (6 problems):\n")
     for name in names:
@@ -394,7 +395,10 @@ def test_render_spells_options_the_users_way():
 def test_from_dict_unknown_key_with_suggestion():
     with pytest.raises(
         ConfigError,
-        match=re.escape("lr_scale: unknown option (did you mean 'lr_scaling'?); known: epochs, max_steps, workers"),
+        match=re.escape(
+            "lr_scale: unknown option (did you mean 'lr_scaling'?); known: skip_nan_rows, shuffle_window_rows, "
+            "data_partitions"
+        ),
     ):
         TrainConfig.from_dict({"lr_scale": "sqrt"})
 

@@ -5,11 +5,13 @@ the user typed overrides the layers below (`raytrain.cli.options`)."""
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any, Callable, Iterable
 
 import raytrain.cli.commands as handlers
 from raytrain import fields
 from raytrain.config import TrainConfig
+from raytrain.config.tree import SECTIONS
 from raytrain.data.write import DATA_GROUP_ROWS, DATA_UNITS
 from raytrain.errors import EXIT_USAGE
 from raytrain.fields import flag_name
@@ -151,8 +153,15 @@ def add_pipeline_options(parser, spec: str) -> None:
 
 def add_run_flags(parser, skip: Iterable[str] = ()) -> None:
     """A flag for every TrainConfig field but `skip` (DDPConfig's as `--ddp-<field>`), all
-    defaulting to 'not given' so that only what the user typed overrides the layers below."""
-    add_flags(parser, TrainConfig, skip=skip)
+    defaulting to 'not given' so that only what the user typed overrides the layers below.
+    On a command's own parser, --help lists them under a heading per section of TrainConfig
+    (`data options`, `fault tolerance options`, ...); within a group already, in one list."""
+    if not isinstance(parser, argparse.ArgumentParser):
+        add_flags(parser, TrainConfig, skip=skip)
+        return
+    for section in SECTIONS:
+        title = re.sub(r"(?<!^)(?=[A-Z])", " ", section.__name__.removesuffix("Section")).lower()
+        add_flags(parser.add_argument_group(f"{title} options"), section, skip=skip)
 
 
 def add_flags(

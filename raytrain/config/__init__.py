@@ -1,6 +1,8 @@
-"""The one typed configuration tree of a run (`tree`: `TrainConfig`, `DDPConfig`, how YAML,
-flags and a pipeline's defaults layer) and its checks (`checks`). Nothing here imports Ray."""
+"""The one typed configuration tree of a run (`tree`: `TrainConfig`, how YAML, flags and a
+pipeline's defaults layer), its sections (`sections`, `optimization`: the fields, one dataclass
+per concern, `DDPConfig` among them) and its checks (`checks`). Nothing here imports Ray."""
 
+from raytrain.config.checks import parse_workers
 from raytrain.config.tree import (
     DEFAULT_STORAGE,
     LR_RULES,
@@ -9,7 +11,6 @@ from raytrain.config.tree import (
     comma_numbers,
     key_value,
     merge_layers,
-    parse_workers,
 )
 
 __all__ = [

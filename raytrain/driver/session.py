@@ -17,6 +17,7 @@ import socket
 from typing import Callable, Iterator
 
 from raytrain.config import TrainConfig
+from raytrain.config.sections import ClusterSection
 from raytrain.errors import ConfigError, RunFailed
 
 # Without this every print in the train function shows twice (RAY_NOTES).
@@ -199,14 +200,14 @@ MAX_WORKERS_PER_CPU = 2
 WORKER_BASE_MEMORY_BYTES = 600 << 20
 
 
-def will_embed_ray(cfg: TrainConfig) -> bool:
+def will_embed_ray(cfg: ClusterSection) -> bool:
     """Whether ray_session would start an embedded Ray (no address, none running)."""
     import ray
 
     return not (ray.is_initialized() or cfg.address or os.environ.get("RAY_ADDRESS"))
 
 
-def note_cluster_capacity(cfg: TrainConfig, echo: Callable[[str], None] = print) -> None:
+def note_cluster_capacity(cfg: ClusterSection, echo: Callable[[str], None] = print) -> None:
     """On a cluster that cannot hold MIN workers now, say that the run waits for nodes (an
     autoscaler may add them; nothing can be started until then)."""
     import ray
@@ -221,7 +222,7 @@ def note_cluster_capacity(cfg: TrainConfig, echo: Callable[[str], None] = print)
         )
 
 
-def check_embedded_capacity(cfg: TrainConfig, echo: Callable[[str], None] = print) -> None:
+def check_embedded_capacity(cfg: ClusterSection, echo: Callable[[str], None] = print) -> None:
     """Refuse a worker count this machine can never hold; warn about a small oversubscription."""
     import psutil
 
@@ -280,7 +281,7 @@ def driver_pythonpath() -> str:
     return os.pathsep.join(import_path())
 
 
-def resolve_gpu(cfg: TrainConfig) -> bool:
+def resolve_gpu(cfg: ClusterSection) -> bool:
     import ray
 
     gpus = ray.cluster_resources().get("GPU", 0)

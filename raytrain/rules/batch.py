@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from raytrain.rules.steps import split_range
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raytrain.config import TrainConfig
+    from raytrain.config.optimization import OptimizationSection
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,9 @@ def lr_scale(rule: str, global_batch_size: int, reference_batch_size: int) -> fl
     raise ValueError(f"unknown lr scaling rule {rule!r}")
 
 
-def batch_plan_for(cfg: "TrainConfig", workers: int) -> BatchPlan:
-    """The batch plan of a step taken by `workers` workers (or per-step replicas) under `cfg`."""
+def batch_plan_for(cfg: "OptimizationSection", workers: int) -> BatchPlan:
+    """The batch plan of a step taken by `workers` workers (or per-step replicas) under `cfg`
+    (a `TrainConfig`, or its optimization section alone)."""
     return resolve_batch_plan(
         workers,
         global_batch_size=cfg.global_batch_size,

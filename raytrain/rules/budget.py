@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
+    from raytrain.config.optimization import OptimizationSection
 
 
 def planned_global_batch(cfg: "TrainConfig") -> int:
@@ -50,7 +51,7 @@ class Budget:
     max_steps: int | None
 
     @classmethod
-    def of(cls, cfg: "TrainConfig") -> "Budget":
+    def of(cls, cfg: "OptimizationSection") -> "Budget":
         return cls(cfg.epochs, cfg.max_steps)
 
     def steps_done(self, step: int) -> bool:

@@ -33,16 +33,19 @@ import dataclasses
 import json
 from typing import Any, Iterable
 
+from raytrain import fields
+from raytrain.config.tree import TrainConfig
 from raytrain.errors import CheckpointError, ConfigError, DataError, UsageError
 from raytrain.fields import flag_name
 from raytrain.rundir.records import StoredRun
 
-# Fields that change the order of an epoch: refused on a resume in the middle of one.
-ORDER_FIELDS = ("seed", "shuffle_window_rows", "data_partitions")
-# Fields whose change the checkpoint's optimizer state cannot follow.
-STATE_FIELDS = ("optimizer", "decay_norm_and_bias")
-# Fields that are about this invocation, not the run: never reported as changes.
-INVOCATION_FIELDS = ("resume", "address", "verbose", "progress", "progress_interval_s", "name", "storage")
+# What a resume makes of a changed field, from the field's `on_resume` mark (raytrain.config.sections):
+# `order` changes the order of an epoch (refused in the middle of one), `state` is what the
+# checkpoint's optimizer state cannot follow (refused), `invocation` is about this invocation,
+# not the run (never reported as a change).
+ORDER_FIELDS = fields.marked(TrainConfig, "on_resume", "order")
+STATE_FIELDS = fields.marked(TrainConfig, "on_resume", "state")
+INVOCATION_FIELDS = fields.marked(TrainConfig, "on_resume", "invocation")
 # A pipeline hook that replaces options: (the option config.yaml records it under, the options only it used).
 HOOK_FIELDS = {
     "build_optimizer": ("optimizer", ("momentum", "nesterov", "weight_decay", "decay_norm_and_bias")),
