@@ -129,11 +129,12 @@ class RecordingCausalLM(HFCausalLMPipeline):
         ctx = raytrain.context()
         if model.training:
             out = Path(self.out_dir)
-            attempt = "second" if (out / "killed").exists() else "first"
-            if ctx.step == self.crash_at_step and ctx.world_rank == 0 and attempt == "first":
+            if not hasattr(self, "attempt"):  # a fresh copy of the pipeline in every worker process
+                self.attempt = "second" if (out / "killed").exists() else "first"
+            if ctx.step == self.crash_at_step and ctx.world_rank == 0 and self.attempt == "first":
                 (out / "killed").write_text(str(ctx.step))
                 os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost node would
-            row = {"attempt": attempt, "epoch": ctx.epoch, "step": ctx.step}
+            row = {"attempt": self.attempt, "epoch": ctx.epoch, "step": ctx.step}
             row["blocks"] = [block_key(ids) for ids in batch["input_ids"].cpu().numpy()]
             with open(out / f"blocks-rank{ctx.world_rank}.jsonl", "a") as handle:
                 handle.write(json.dumps(row) + "\n")

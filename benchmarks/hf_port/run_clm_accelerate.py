@@ -1,5 +1,5 @@
 """The original side of docs/porting.md's worked example 5: Hugging Face's
-`examples/pytorch/language-modeling/run_clm_no_trainer.py` (Accelerate), in its shape and with
+`transformers/examples/pytorch/language-modeling/run_clm_no_trainer.py` (Accelerate), in its shape and with
 its argument names, stripped to local files: text files in, a model built from a local config
 (or loaded from a local directory), a local tokenizer, no Hub, no tracking, no checkpointing.
 
@@ -8,7 +8,7 @@ What it keeps, as the original does it: `load_dataset("text", ...)`, tokenizing 
 drop the remainder), a shuffled `DataLoader` of `per_device_train_batch_size` per process,
 AdamW over two groups (`no_decay = ["bias", "layer_norm.weight"]`), `get_scheduler` with
 `num_warmup_steps` (both counts × the process count: Accelerate's prepared scheduler steps once
-per process), `accelerator.prepare`, `accelerator.accumulate`, and the perplexity pass over the
+per process), Accelerate's `prepare` and `accumulate`, and the perplexity pass over the
 validation set at the end of each epoch. It writes `all_results.json` (perplexity, eval_loss,
 completed steps) in `--output_dir`, as the original writes its perplexity there.
 
