@@ -1,10 +1,13 @@
 """CPU Ray tier: the Hugging Face pipelines end to end on tiny models made in the test (no
-download), `raytrain export --format hf` loaded back with from_pretrained, and `datasets`
-values returned by build_datasets."""
+download), `raytrain export --format hf` loaded back with from_pretrained (from a run directory
+and from an object store's URI), packed blocks each trained once with a rank killed, and
+`datasets` values returned by build_datasets."""
 
 from __future__ import annotations
 
+import io
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ pytestmark = pytest.mark.ray
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-from hf_fixtures import make_model, make_tokenizer, stdlib_text  # noqa: E402
+from hf_fixtures import RecordingCausalLM, make_model, make_tokenizer, stdlib_text  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +112,61 @@ def test_a_classifier_trains_on_a_saved_dataset_and_build_datasets_may_return_a_
     assert sorted(converted) == ["train", "val"]
     assert [converted["train"].count(), converted["val"].count()] == [7, 3]
     assert converted["val"].take_batch(3, batch_format="numpy")["y"].tolist() == [7, 8, 9]
+
+
+def test_packed_blocks_each_trained_once_with_a_rank_killed_then_exported_from_the_bucket(
+    ray_session, hf_dir, s3, bucket, tmp_path
+):
+    """Rank 0's process SIGKILLed mid-epoch: the run resumes from the last checkpoint in the
+    bucket and every packed block of the epoch is trained exactly once; `export --format hf`
+    from the run's URI then loads with from_pretrained, no key missing or unexpected."""
+    from transformers import AutoModelForCausalLM
+
+    from raytrain.cli import main
+
+    records = tmp_path / "records"
+    records.mkdir()
+    lines = stdlib_text(40_000)[:200]
+    # A line number in front of every line makes every 32-token block distinct, so that a block's
+    # key names one block.
+    (tmp_path / "numbered.txt").write_text("\n".join(f"{i} {line}" for i, line in enumerate(lines)))
+    cfg = raytrain.TrainConfig(
+        workers=2,
+        epochs=1,
+        batch_size_per_worker=8,
+        max_failures=1,
+        checkpoint_every_steps=3,
+        log_every_steps=3,
+        storage=s3.uri(bucket, "runs"),
+        name="killed",
+        pipeline_args={
+            "model": str(hf_dir / "gpt2-config"),
+            "tokenizer": str(hf_dir / "tokenizer"),
+            "train": str(tmp_path / "numbered.txt"),
+            "block_size": 32,
+        },
+    )
+    # The pace lets rank 0's buffered log lines (the plan among them) reach the bucket before the
+    # kill, and the step-6 checkpoint's upload usually finish.
+    pipeline = RecordingCausalLM(str(records), crash_at_step=8, step_sleep_s=0.4)
+    summary = raytrain.fit(pipeline, cfg).summary
+    assert summary["status"] == "finished" and summary["failures_recovered"] == 1
+    builds = [json.loads(line) for line in (records / "blocks.jsonl").read_text().splitlines()]
+    assert all(build == builds[0] for build in builds)  # a rebuilt training set packs the same blocks
+    blocks = builds[0]
+    assert len(set(blocks)) == len(blocks) and summary["steps"] == -(-len(blocks) // 16) > 8
+    rows = [row for r in range(2) for row in read_jsonl(records / f"blocks-rank{r}.jsonl")]
+    second = [row for row in rows if row["attempt"] == "second"]
+    resumed_at = min(row["step"] for row in second)
+    assert resumed_at in (3, 6)  # the last checkpoint complete in the bucket before the kill at step 8
+    trained = [key for row in rows if row["attempt"] == "first" and row["step"] < resumed_at for key in row["blocks"]]
+    trained += [key for row in second for key in row["blocks"]]
+    assert Counter(trained) == Counter(blocks)
+
+    out = tmp_path / "exported"
+    run_uri = s3.uri(bucket, "runs/killed")
+    assert main(["export", run_uri, "--format", "hf", "-o", str(out), "--pipeline", "hf-causal-lm"]) == 0
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    trained_weights = torch.load(io.BytesIO(s3.read(bucket, "runs/killed/model.pt")), weights_only=True)
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in trained_weights.items())
