@@ -161,7 +161,9 @@ def main() -> None:
         for workers in args.workers.split(",")
     ]
     judge(rows)
-    (args.out / f"hf_memory-{'-'.join(models)}.json").write_text(json.dumps(rows, indent=2))
+    (args.out / f"hf_memory-{'-'.join(models)}-{args.paths.replace(',', '-')}.json").write_text(
+        json.dumps(rows, indent=2)
+    )
     header = ["model", "path", "workers", "peak RSS by rank (MiB)", "base (MiB)", "bound (MiB)", "target"]
     table = [
         [
