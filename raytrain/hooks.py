@@ -357,6 +357,13 @@ def _shard_modules(value: Any, before: Any) -> str | None:
     return None
 
 
+def _filled(value: Any, before: Any) -> str | None:
+    """Nothing: materialize fills the model in place."""
+    if value is None:
+        return None
+    return f"returned a {type(value).__name__}; it must fill the model it was given in place and return None"
+
+
 def _args_class(value: Any, before: Any) -> str | None:
     if value is None or (isinstance(value, type) and is_dataclass(value)):
         return None
@@ -385,6 +392,7 @@ HOOKS: dict[str, Hook] = {
     "transform_batch": Hook(_transformed, inputs=lambda batch, ctx: _batch_shape(batch)),
     "lr_factor": Hook(_lr_factor, convert=_as_number),
     "shard_modules": Hook(_shard_modules, convert=list),
+    "materialize": Hook(_filled),
     "Args": Hook(_args_class),
     "default_config": Hook(_defaults),
 }

@@ -87,6 +87,15 @@ class Pipeline:
         convention: `model.layers`, `model.blocks`), else none (the root alone)."""
         return default_blocks(model)
 
+    def materialize(self, model: "torch.nn.Module", cfg: "TrainConfig") -> None:
+        """Fill the model's weights in place, each rank only its shards. Defined, it makes
+        `--strategy fsdp` build the model on the meta device (build_model runs under
+        `torch.device("meta")`: shapes only, no weights read), shard it, give each rank storage
+        for its own shards, then call this to fill them (`raytrain.meta`: `fill` from
+        `WeightFiles` or `UnitInit`), so no worker ever holds the whole model. Not defined (the
+        default): the model is built whole on every rank, then sharded."""
+        raise NotImplementedError
+
     @property
     def name(self) -> str:
         return type(self).__name__

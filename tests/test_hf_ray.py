@@ -28,6 +28,7 @@ def hf_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     make_tokenizer(root / "tokenizer")
     make_model(root / "gpt2-config", "gpt2", weights=False)
+    make_model(root / "gpt2-config-weights", "gpt2")
     make_model(root / "bert", "bert")
     lines = stdlib_text(40_000)
     (root / "train.txt").write_text("\n".join(lines[:800]))
@@ -170,3 +171,53 @@ def test_packed_blocks_each_trained_once_with_a_rank_killed_then_exported_from_t
     assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
     trained_weights = torch.load(io.BytesIO(s3.read(bucket, "runs/killed/model.pt")), weights_only=True)
     assert all(torch.equal(model.state_dict()[key], value) for key, value in trained_weights.items())
+
+
+def test_fsdp_fills_each_ranks_shards_from_the_weights_resumes_at_one_worker_and_exports(ray_session, hf_dir, tmp_path):
+    """Built on the meta device, each of 2 ranks reads its rows of the saved weights (marked
+    with values no fresh init gives), resumed at 1 worker, exported and loaded strict."""
+    from transformers import AutoModelForCausalLM
+
+    from raytrain.cli import main
+
+    marked = AutoModelForCausalLM.from_pretrained(hf_dir / "gpt2-config-weights")
+    with torch.no_grad():
+        marked.transformer.ln_f.bias.fill_(3.0)  # in the root's unit
+        marked.transformer.h[1].ln_2.weight.fill_(2.0)  # in a block's
+    marked.save_pretrained(tmp_path / "weights")
+    base = {
+        "max_steps": 2,
+        "strategy": "fsdp",
+        "lr": 1e-4,
+        "storage": str(tmp_path),
+        "name": "meta",
+        "pipeline_args": {
+            "model": str(tmp_path / "weights"),
+            "tokenizer": str(hf_dir / "tokenizer"),
+            "train": str(hf_dir / "train.txt"),
+            "block_size": 32,
+        },
+    }
+    first = raytrain.fit("hf-causal-lm", raytrain.TrainConfig(workers=2, **base))
+    assert (first.summary["status"], first.summary["steps"]) == ("finished", 2)
+    plan = read_jsonl(tmp_path / "meta" / "events.jsonl")[0]["message"]
+    assert "built on the meta device" in plan
+    trained = torch.load(tmp_path / "meta" / "model.pt", weights_only=True)
+    # two AdamW steps at 1e-4 move a weight by about 2e-4: these are the file's values, not fresh ones
+    assert torch.allclose(trained["transformer.ln_f.bias"], torch.full((32,), 3.0), atol=0.01)
+    assert torch.allclose(trained["transformer.h.1.ln_2.weight"], torch.full((32,), 2.0), atol=0.01)
+    assert torch.equal(trained["lm_head.weight"], trained["transformer.wte.weight"])  # still tied
+
+    resumed = raytrain.fit("hf-causal-lm", raytrain.TrainConfig(workers=1, resume=True, **{**base, "max_steps": 4}))
+    assert (resumed.summary["status"], resumed.summary["steps"], resumed.summary["world_sizes"]) == (
+        "finished",
+        4,
+        [2, 1],
+    )
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "meta"), "--format", "hf", "-o", str(out)]) == 0
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    final = torch.load(tmp_path / "meta" / "model.pt", weights_only=True)
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in final.items())
+    assert model.lm_head.weight is model.transformer.wte.weight

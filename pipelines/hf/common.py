@@ -11,6 +11,7 @@ from typing import Any
 
 import raytrain
 from raytrain.errors import DataError, PipelineError
+from raytrain.meta import UnitInit, WeightFiles, build_on_meta, fill, on_meta
 
 INSTALL = "pip install 'raytrain[hf]'"
 # What `save_pretrained` writes as weights (one file, or an index of shards).
@@ -139,9 +140,19 @@ def load_model(auto_class: str, directory: str, **config_changes: Any):
     for name, value in config_changes.items():
         if value is not None:
             setattr(config, name, value)
-    if has_weights(directory):
+    if has_weights(directory) and not on_meta():  # on meta: the architecture only, `materialize` reads the weights
         return auto.from_pretrained(directory, config=config, local_files_only=True)
     return auto.from_config(config)
+
+
+def materialize(model: Any, template: Any, directory: str, blocks: list[str], seed: int) -> None:
+    """Fill a sharded model (storage allocated, values not) with this rank's rows: read from the
+    weights in `directory`, the rest (no weights there, a head they lack, a non-persistent
+    buffer) freshly initialized unit by unit by the model's own `_init_weights`
+    (`raytrain.meta.UnitInit`, from the meta `template`)."""
+    weights = WeightFiles(directory)
+    fresh = UnitInit(template, blocks, getattr(template, "_init_weights", None), seed)
+    fill(model, weights if weights else fresh, fallback=fresh)
 
 
 def no_decay(name: str, parameter: Any, norm_parameters: set[int]) -> bool:
@@ -189,6 +200,14 @@ class HFPipeline(raytrain.Pipeline):
 
     def build_optimizer(self, model, cfg):
         return build_decay_optimizer(model, cfg)
+
+    def materialize(self, model, cfg):
+        """Under fsdp: each rank reads only its shards' rows of the weights (or initializes only
+        its rows, unit by unit, when the directory has none)."""
+        template = build_on_meta(lambda: self.build_model(cfg))
+        blocks = {id(m): name for name, m in template.named_modules()}
+        units = [blocks[id(m)] for m in self.shard_modules(template)]
+        materialize(model, template, self.args(cfg).model, units, cfg.seed)
 
     def tokenizer(self, cfg):
         """The run's tokenizer (`raytrain export --format hf` saves it beside the model)."""

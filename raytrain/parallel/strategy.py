@@ -29,6 +29,8 @@ from torch import nn
 
 from raytrain import hooks
 from raytrain.errors import ConfigError, PipelineCodeError
+from raytrain.meta import build_on_meta, is_meta
+from raytrain.pipeline import overrides
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
@@ -57,6 +59,7 @@ class Prepared:
     total_parameters: int
     checkpointed: bool = False  # --activation-checkpointing on the blocks
     compiled: bool = False  # --compile
+    materialized: bool = False  # built on the meta device, each rank filled only its shards
 
     def describe(self) -> str:
         """What the plan line says of the model, when there is more to say than DDP's default:
@@ -68,6 +71,8 @@ class Prepared:
             parts.append(
                 f"fsdp over {self._blocks()} and the root, {held}" if self.blocks else f"fsdp over the root, {held}"
             )
+        if self.materialized:
+            parts.append("built on the meta device, each rank reading only its shards")
         if self.checkpointed:
             where = self._blocks() if self.blocks else "the whole model (no blocks)"
             parts.append(f"activation checkpointing on {where}")
@@ -135,9 +140,26 @@ def check_compiler(device_type: str) -> None:
         )
 
 
+def build_and_prepare(pipeline: "Pipeline", cfg: "TrainConfig", runtime: Placement) -> Prepared:
+    """The pipeline's model, held as `cfg` asks. Under fsdp, a pipeline that defines
+    `materialize` has its model built on the meta device (no storage), sharded, given storage
+    for this rank's shards only, and filled by `materialize` (`raytrain.meta`): no rank ever
+    holds the whole model. Every other pipeline and strategy: built whole, then `prepare`."""
+    if cfg.strategy == "fsdp" and runtime.distributed and overrides(pipeline, "materialize"):
+        model = build_on_meta(lambda: hooks.call(pipeline, "build_model", cfg))
+        prepared = prepare(pipeline, model, cfg, runtime)
+        if is_meta(prepared.model):
+            prepared.model.to_empty(device=runtime.device)
+            hooks.call(pipeline, "materialize", prepared.model, cfg)
+            return dataclasses.replace(prepared, materialized=True)
+        return prepared
+    return prepare(pipeline, hooks.call(pipeline, "build_model", cfg), cfg, runtime)
+
+
 def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime: Placement) -> Prepared:
     """The model as `cfg` asks: BatchNorm over the global batch (--sync-batchnorm), blocks
-    checkpointed and compiled, then sharded (fsdp) or wrapped (ddp), on the worker's device."""
+    checkpointed and compiled, then sharded (fsdp) or wrapped (ddp), on the worker's device (a
+    model on the meta device is sharded there: `build_and_prepare` gives it storage)."""
     check_model(pipeline, model)
     if cfg.sync_batchnorm:  # before the blocks are picked and DDP or FSDP sees the modules
         from raytrain.parallel.batchnorm import sync_batchnorm_layers
@@ -156,7 +178,7 @@ def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime:
         if cfg.compile:
             for block in blocks:
                 block.compile()
-        model = shard(model.to(runtime.device), blocks, cfg)
+        model = shard(model if is_meta(model) else model.to(runtime.device), blocks, cfg)
         strategy = "fsdp"
     else:
         if cfg.compile:

@@ -80,8 +80,7 @@ class StepRunner:
         # One seed for model init on every rank: identical replicas (and identical shards'
         # sources under fsdp) before DDP's broadcast.
         seed_everything(cfg.seed)
-        model = hooks.call(pipeline, "build_model", cfg)
-        prepared = strategy.prepare(pipeline, model, cfg, runtime)
+        prepared = strategy.build_and_prepare(pipeline, cfg, runtime)
         model = prepared.model
         optimizer = hooks.call(pipeline, "build_optimizer", unwrap(model), cfg)
         multipliers = optim.rate_multipliers(optimizer, cfg.lr)  # before a checkpoint's state overwrites the rates
