@@ -411,6 +411,7 @@ def run_rounds(args, skip: set[str], plans: dict, out: Path, storage: str, no_he
         figures: dict = {"throughput": {}, "start": {}}
         if plans:
             figures["throughput"] = throughput_round(index, plans, out, raytrain_first=first, ray_nice=args.ray_nice)
+            echo(f"round {index}: throughput {json.dumps(figures['throughput'])}")
         if "start" not in skip:
             parts = [
                 ("raytrain", lambda: start_raytrain(out, storage, no_head)),
