@@ -300,6 +300,11 @@ def ensure_token(env: dict[str, str]) -> None:
     path = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
     if env.get("RAY_AUTH_TOKEN") or path.exists():
         return
+    if env.get("RAY_AUTH_TOKEN_PATH"):  # Ray's --generate refuses a named file that is not there
+        raise UsageError(
+            f"RAY_AUTH_TOKEN_PATH names {path}, which does not exist; write the cluster's token there "
+            "(e.g. a copy of ~/.ray/auth_token) or unset RAY_AUTH_TOKEN_PATH, then `raytrain up` again"
+        )
     ray = str(Path(sys.executable).parent / "ray")
     subprocess.run([ray, "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60, check=True)
 
