@@ -58,8 +58,45 @@ class TimedDigits(DigitsPipeline):
         return "digits"
 
 
-def bare(workers: int, with_data: bool) -> None:
-    """The floor: ray.init + TorchTrainer + prepare_model + one step (optionally reading the dataset first)."""
+def digits_epoch(config: dict) -> None:
+    """One epoch of `digits` as a plain Ray Train function (the torchrun template's loop: the
+    same training rows, a DistributedSampler, batch 32 per worker, AdamW 1e-3), rank 0 noting
+    its phases in `config["phases_file"]` when there is one."""
+    import ray.train
+    import torch
+    import torch.nn.functional as F
+    from ray.train.torch import prepare_model
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from benchmarks.startup_phases import note
+    from pipelines.digits.model import DigitsCNN
+    from pipelines.digits.pipeline import load_arrays, split
+
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    phases = config.get("phases_file") if rank == 0 else None
+    note("train function started (process group formed)", path=phases)
+    images, labels = load_arrays()
+    rows, _ = split(len(labels))
+    dataset = TensorDataset(torch.from_numpy(images[rows]), torch.from_numpy(labels[rows]))
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    torch.manual_seed(0)
+    model = prepare_model(DigitsCNN())
+    note("model prepared (DDP)", path=phases)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step, (batch, target) in enumerate(DataLoader(dataset, batch_size=32, sampler=sampler)):
+        if step == 0 and rank == 0:
+            note("first batch", path=phases)
+            Path(config["mark_file"]).write_text(repr(time.time()))
+        optimizer.zero_grad()
+        F.cross_entropy(model(batch), target).backward()
+        optimizer.step()
+    note("epoch done", path=phases)
+
+
+def bare(workers: int, with_data: bool, address: str = "local", epoch: bool = False) -> None:
+    """The floor: ray.init + TorchTrainer + prepare_model + one step (optionally reading the
+    dataset first); with `epoch`, `digits_epoch` instead; `address`: a running Ray to join."""
     import ray
     import ray.train
     import torch
@@ -85,15 +122,13 @@ def bare(workers: int, with_data: bool) -> None:
         optimizer.step()
 
     os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-    ray.init(
-        address="local",
-        num_cpus=max(os.cpu_count() or 1, workers + 2),
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        logging_level="ERROR",
-        log_to_driver=False,
-        runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "PYTHONPATH": str(REPO)}},
-    )
+    runtime_env = {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "PYTHONPATH": str(REPO)}}
+    quiet = {"logging_level": "ERROR", "log_to_driver": False, "runtime_env": runtime_env}
+    if address == "local":
+        cpus = max(os.cpu_count() or 1, workers + 2)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1", **quiet)
+    else:
+        ray.init(address=address, **quiet)
     datasets = {}
     if with_data:
         from pipelines.digits.pipeline import load_arrays, to_dataset
@@ -101,9 +136,10 @@ def bare(workers: int, with_data: bool) -> None:
         images, labels = load_arrays()
         datasets = {"train": to_dataset(images, labels)}
     storage = tempfile.mkdtemp(prefix="raytrain-startup-")
+    config = {"with_data": with_data, "mark_file": mark_file, "phases_file": os.environ.get("RAYTRAIN_PHASES_FILE")}
     TorchTrainer(
-        train_func,
-        train_loop_config={"with_data": with_data, "mark_file": mark_file},
+        digits_epoch if epoch else train_func,
+        train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers),
         datasets=datasets,
         run_config=RunConfig(storage_path=storage),

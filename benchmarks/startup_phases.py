@@ -13,11 +13,23 @@ forward pass. Contenders:
   before, stopped after, by the caller: benchmarks/overhead.py does); the other contenders
   never join one;
 - bare, bare+data: `benchmarks/startup.py`'s floor (ray.init + TorchTrainer + prepare_model
-  + one step, with and without reading the dataset once per worker).
+  + one step, with and without reading the dataset once per worker);
+- bare-epoch, bare-epoch-head: the floor for the same work, a plain TorchTrainer running one
+  epoch of `digits` as the template does (`startup.digits_epoch`: no raytrain), on its own
+  embedded Ray or joining the --head-file head;
+- template: benchmarks/overhead.py's torchrun template (`start_template`), first step and exit.
+
+Ray Train's own phases (controller started, worker group starting, worker actors up, process
+group formed, train function launched) are noted by `PhaseNotes`, a Ray Train callback that
+RAY_TRAIN_CALLBACKS puts in every contender's controller. Every timeline ends with the
+process's exit. With --head-file and no head recorded there, `raytrain up` starts one before the
+rounds and `raytrain down` stops it after.
 
 Rounds alternate the order; each phase's figure is the median over rounds. Usage:
 
     python benchmarks/startup_phases.py --workers 2 --rounds 3 [--contenders raytrain,bare] [--json out.json]
+    python benchmarks/startup_phases.py --rounds 3 --head-file /tmp/h.json \
+        --contenders template,bare-epoch-head,raytrain-head,bare-epoch,raytrain
 """
 
 from __future__ import annotations
@@ -38,7 +50,16 @@ from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES_ENV = "RAYTRAIN_PHASES_FILE"
-CONTENDERS = ("raytrain", "raytrain-nice15", "raytrain-head", "bare", "bare+data")
+CONTENDERS = (
+    "raytrain",
+    "raytrain-nice15",
+    "raytrain-head",
+    "bare",
+    "bare+data",
+    "bare-epoch",
+    "bare-epoch-head",
+    "template",
+)
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -86,6 +107,47 @@ def wrap_driver() -> None:
     timed(tracking, "RunTracker", "run tracker")
     for name in ("resolve_gpu", "build_datasets", "prepare_datasets", "build_torch_trainer"):
         timed(trainer, name, name)
+
+
+@functools.lru_cache(maxsize=None)
+def phase_notes_class():
+    """`PhaseNotes`, built on first use: importing Ray Train's callbacks costs the parent nothing."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+    class Notes(ControllerCallback, WorkerGroupCallback):
+        """Notes Ray Train's phases from its controller. Made by Ray in the driver (no
+        arguments: RAY_TRAIN_CALLBACKS), where the phases file is read, and run in the
+        controller. The order in Ray 2.60 (worker_group.WorkerGroup._start_impl): actors
+        created, train context set, then the `after_worker_group_start` callbacks, this one
+        first and Ray's backend callback (which forms the process group) after it."""
+
+        def __init__(self) -> None:
+            self.path = os.environ.get(PHASES_ENV)
+
+        def after_controller_start(self, train_run_context) -> None:
+            note("controller started", path=self.path)
+
+        def before_worker_group_start(self, worker_group_context) -> None:
+            note("worker group starting (placement group, actors)", path=self.path)
+
+        def before_init_train_context(self, workers):
+            note("worker actors up", path=self.path)
+            return {}
+
+        def after_execution_group_start(self, execution_group) -> None:
+            note("train context set; process group next", path=self.path)
+
+        def after_worker_group_training_start(self, worker_group) -> None:
+            note("process group formed; train function launched", path=self.path)
+
+    Notes.__qualname__ = Notes.__name__ = "PhaseNotes"
+    return Notes
+
+
+def __getattr__(name: str):
+    if name == "PhaseNotes":  # what RAY_TRAIN_CALLBACKS names
+        return phase_notes_class()
+    raise AttributeError(name)
 
 
 _WRAPPED: list[bool] = []  # non-empty once this process's worker wrappers are in place
@@ -148,7 +210,7 @@ def child_raytrain(argv: list[str]) -> int:
     return main(argv)
 
 
-def child_bare(workers: int, with_data: bool) -> None:
+def child_bare(workers: int, with_data: bool, epoch: bool) -> None:
     from benchmarks import startup
 
     note("python started", at=STARTED)
@@ -156,8 +218,9 @@ def child_bare(workers: int, with_data: bool) -> None:
     note("phase wrappers installed (imports ray.train.torch)")
     mark = Path(tempfile.mkstemp(prefix="startup-phases-")[1])
     os.environ[startup.MARK_ENV] = str(mark)
-    startup.bare(workers, with_data)
-    note("first step", at=float(mark.read_text()))
+    startup.bare(workers, with_data, address=os.environ.get("RAY_ADDRESS") or "local", epoch=epoch)
+    if not epoch:  # the epoch's rank 0 notes its own phases
+        note("first step", at=float(mark.read_text()))
     mark.unlink()
 
 
@@ -166,6 +229,11 @@ def child_bare(workers: int, with_data: bool) -> None:
 
 def measure(kind: str, workers: int, storage: str, head_file: str | None = None) -> list[tuple[str, str, float]]:
     """(process, label, seconds since the start) for the driver and rank 0, in time order."""
+    if kind == "template":
+        from benchmarks.overhead import start_template
+
+        figures = start_template(Path(storage))
+        return [("driver", "first step", figures["first_step_s"]), ("driver", "exit", figures["end_to_end_s"])]
     phases = Path(tempfile.mkstemp(prefix=f"phases-{kind}-")[1])
     env = {
         **os.environ,
@@ -173,9 +241,13 @@ def measure(kind: str, workers: int, storage: str, head_file: str | None = None)
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         # Only raytrain-head joins a `raytrain up` head; the others read a record that is never there.
         "RAYTRAIN_HEAD_FILE": head_file if kind == "raytrain-head" else str(phases) + ".no-head.json",
+        "RAY_TRAIN_CALLBACKS": "benchmarks.startup_phases.PhaseNotes",
     }
-    if kind == "raytrain-head" and not head_file:
-        raise ValueError("raytrain-head needs --head-file (a record `raytrain up` wrote)")
+    if kind.endswith("-head") and not head_file:
+        raise ValueError(f"{kind} needs --head-file (a record `raytrain up` wrote)")
+    if kind == "bare-epoch-head":  # joins as any Ray program would: the address and auth `raytrain up` printed
+        record = json.loads(Path(head_file).read_text())
+        env.update(RAY_ADDRESS=record["address"], RAY_AUTH_MODE=record["auth_mode"])
     env.pop("RAY_worker_niceness", None)  # Ray's default (15) for the bare floor; raytrain sets its own
     if kind == "raytrain-nice15":
         env["RAY_worker_niceness"] = "15"
@@ -195,25 +267,32 @@ def measure(kind: str, workers: int, storage: str, head_file: str | None = None)
             storage,
         ]
     else:
-        command = [sys.executable, __file__, "--child-bare", "--workers", str(workers)] + (
-            ["--with-data"] if kind == "bare+data" else []
-        )
+        command = [sys.executable, __file__, "--child-bare", "--workers", str(workers)]
+        command += ["--with-data"] if kind == "bare+data" else []
+        command += ["--epoch"] if kind.startswith("bare-epoch") else []
     started = time.time()
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    ended = time.time()
     if done.returncode != 0:
         raise RuntimeError(f"{kind} failed ({done.returncode}): {done.stderr[-2000:]}")
     records = [json.loads(line) for line in phases.read_text().splitlines() if line.strip()]
     phases.unlink()
-    return timeline(records, started)
+    return timeline(records, started) + [("driver", "exit", ended - started)]
+
+
+CONTROLLER_LABELS = ("controller", "worker group", "worker actors", "train context", "process group formed")
 
 
 def timeline(records: list[dict], started: float) -> list[tuple[str, str, float]]:
-    """The driver's records and rank 0's (the worker that noted the first step), up to that step."""
+    """The driver's, the controller's and rank 0's records (rank 0: the worker that noted the
+    first step or first batch), up to that step."""
     driver = records[0]["pid"]
-    first = next(r for r in records if r["label"] == "first step")
-    kept = [r for r in records if r["pid"] in (driver, first["pid"]) and r["time"] <= first["time"]]
+    first = next(r for r in records if r["label"] in ("first step", "first batch"))
+    controller = {r["pid"] for r in records if r["label"].startswith(CONTROLLER_LABELS)}
+    kept = [r for r in records if r["pid"] in {driver, first["pid"]} | controller and r["time"] <= first["time"]]
     kept.sort(key=lambda r: r["time"])
-    return [("driver" if r["pid"] == driver else "rank 0", r["label"], r["time"] - started) for r in kept]
+    names = {driver: "driver", first["pid"]: "rank 0"}
+    return [(names.get(r["pid"], "ctrl"), r["label"], r["time"] - started) for r in kept]
 
 
 def phase_table(runs: list[list[tuple[str, str, float]]]) -> list[dict]:
@@ -249,26 +328,63 @@ def main() -> None:
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     parser.add_argument("--child-bare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--with-data", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--epoch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         sys.exit(child_raytrain(args.child))
     if args.child_bare:
-        child_bare(args.workers, args.with_data)
+        child_bare(args.workers, args.with_data, args.epoch)
         return
     kinds = [k for k in args.contenders.split(",") if k]
     unknown = [k for k in kinds if k not in CONTENDERS]
     if unknown:
         parser.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
     storage = tempfile.mkdtemp(prefix="raytrain-startup-phases-")
+    own_head = bool(args.head_file) and not Path(args.head_file).exists()
+    if own_head:
+        from benchmarks.overhead import head_command
+
+        head_command("up", Path(args.head_file))
+    try:
+        runs = run_rounds(args, kinds, storage)
+    finally:
+        if own_head:
+            head_command("down", Path(args.head_file))
+    report(args, runs)
+
+
+def run_rounds(args, kinds: list[str], storage: str) -> dict[str, list]:
     runs: dict[str, list] = {kind: [] for kind in kinds}
     for index in range(args.rounds):
         for kind in kinds if index % 2 == 0 else kinds[::-1]:
-            run = measure(kind, args.workers, storage, args.head_file)
+            try:
+                run = measure(kind, args.workers, storage, args.head_file)
+            except Exception as exc:  # one contender failing leaves the others' figures
+                print(f"round {index + 1}: {kind} failed: {str(exc)[-1500:]}", flush=True)
+                continue
             runs[kind].append(run)
+            first, end = first_step_s(run), run[-1][2]
             print(
-                f"round {index + 1}: {kind:9s} first step after {run[-1][2]:.1f} s (load {os.getloadavg()[0]:.1f})",
+                f"round {index + 1}: {kind:15s} first step after {first:.1f} s, exit after {end:.1f} s "
+                f"(load {os.getloadavg()[0]:.1f})",
                 flush=True,
             )
+    return runs
+
+
+def first_step_s(run: list[tuple[str, str, float]]) -> float:
+    return next(at for _, label, at in run if label in ("first step", "first batch"))
+
+
+def report(args, runs: dict[str, list]) -> None:
+    print(f"\nstart -> first step, -> exit: median of {args.rounds} round(s), s (ratio: exit to the template's)")
+    template = [run[-1][2] for run in runs.get("template", [])]
+    runs = {kind: kind_runs for kind, kind_runs in runs.items() if kind_runs}
+    for kind, kind_runs in runs.items():
+        first = statistics.median(first_step_s(run) for run in kind_runs)
+        end = statistics.median(run[-1][2] for run in kind_runs)
+        ratio = f"{statistics.median(run[-1][2] / t for run, t in zip(kind_runs, template)):.2f}x" if template else "-"
+        print(f"  {kind:15s} first step {first:6.1f}  exit {end:6.1f}  {ratio}")
     tables = {kind: phase_table(kind_runs) for kind, kind_runs in runs.items()}
     for kind, rows in tables.items():
         print(f"\n{kind}: median over {args.rounds} round(s), seconds")

@@ -192,3 +192,11 @@ def test_down_without_a_record_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(head.HEAD_FILE_ENV, str(tmp_path / "head.json"))
     assert main(["down"]) == 0
     assert "no local Ray head is recorded" in capsys.readouterr().out
+
+
+def test_a_named_token_file_that_is_missing_is_the_users_to_fix_not_a_traceback(tmp_path):
+    missing = tmp_path / "token"
+    with pytest.raises(UsageError, match=f"RAY_AUTH_TOKEN_PATH names {missing}, which does not exist"):
+        head.ensure_token({"RAY_AUTH_TOKEN_PATH": str(missing)})
+    missing.write_text("0" * 64)
+    head.ensure_token({"RAY_AUTH_TOKEN_PATH": str(missing)})  # there: nothing to do, nothing run

@@ -201,7 +201,7 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
     """Start and record a head (see the module's docstring); an already running one of ours is
     said and kept. Raises UsageError for a record that must not be replaced, RunFailed when
     the head does not start."""
-    from raytrain.driver.session import EMBEDDED_WORKER_NICENESS, WORKER_ENV
+    from raytrain.driver.session import EMBEDDED_WORKER_NICENESS, WORKER_ENV, metrics_port_env
     from raytrain.rules.head import EMBEDDED_TRIAL_DRIVER_SLOTS, TRIAL_DRIVER_RESOURCE
 
     path = head_file()
@@ -227,6 +227,9 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
         "RAY_USAGE_STATS_ENABLED": "0",
         # Train's placement-group cleaner asks this dashboard (as an embedded Ray's runs do).
         "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}",
+        # The GCS listens on its port before the dashboard and monitor start: their /metrics
+        # servers cannot bind it, so none listens on 0.0.0.0 (docs/cluster.md).
+        **metrics_port_env(gcs),
     }
     env.setdefault("RAY_worker_niceness", EMBEDDED_WORKER_NICENESS)
     env.pop("RAY_ADDRESS", None)
@@ -297,6 +300,11 @@ def ensure_token(env: dict[str, str]) -> None:
     path = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
     if env.get("RAY_AUTH_TOKEN") or path.exists():
         return
+    if env.get("RAY_AUTH_TOKEN_PATH"):  # Ray's --generate refuses a named file that is not there
+        raise UsageError(
+            f"RAY_AUTH_TOKEN_PATH names {path}, which does not exist; write the cluster's token there "
+            "(e.g. a copy of ~/.ray/auth_token) or unset RAY_AUTH_TOKEN_PATH, then `raytrain up` again"
+        )
     ray = str(Path(sys.executable).parent / "ray")
     subprocess.run([ray, "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60, check=True)
 

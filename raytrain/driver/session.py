@@ -28,6 +28,25 @@ WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 # all-reduce; an embedded Ray starts its workers at this niceness instead (RAY_worker_niceness,
 # if exported, wins). benchmarks/RESULTS.md, section 1.
 EMBEDDED_WORKER_NICENESS = "0"
+# The head's dashboard and autoscaler monitor each serve Prometheus /metrics on every interface
+# (0.0.0.0) unless the node's address is loopback, which Ray never makes it (README
+# "Exposure"); their ports are read from these variables, and no setting moves the address.
+METRICS_PORT_VARIABLES = ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")
+
+
+def metrics_port_env(port: int) -> dict[str, str]:
+    """The variables that send both /metrics servers to `port`, a port already taken on this
+    machine: their bind fails (logged by Ray as "An exception occurred while starting the
+    metrics server"), so nothing listens on 0.0.0.0 for them."""
+    return {name: str(port) for name in METRICS_PORT_VARIABLES}
+
+
+def hold_port() -> socket.socket:
+    """A socket bound to a free loopback port and not listening: no one can connect to it, and a
+    later bind of 0.0.0.0 on that port fails while it is open."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 @contextlib.contextmanager
@@ -56,16 +75,18 @@ def ray_session(
     # events.jsonl and a failure is explained from the exception (rank + traceback),
     # so quiet mode hides no error; full logs stay under the Ray session directory.
     quiet = {"logging_level": logging.INFO if cfg.verbose else logging.ERROR, "log_to_driver": cfg.verbose}
-    if address:
-        _join_cluster(address, runtime_env, quiet)
-    else:
-        cpus = num_cpus or max(os.cpu_count() or 1, int(cfg.max_workers * cfg.cpus_per_worker) + 2)
-        _start_embedded(cpus, resources, runtime_env, quiet)
-    note_cluster_capacity(cfg)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    # Held while an embedded Ray lives: its /metrics servers start after ray.init returns.
+    with contextlib.closing(hold_port()) as metrics_port:
+        if address:
+            _join_cluster(address, runtime_env, quiet)
+        else:
+            cpus = num_cpus or max(os.cpu_count() or 1, int(cfg.max_workers * cfg.cpus_per_worker) + 2)
+            _start_embedded(cpus, resources, runtime_env, quiet, metrics_port.getsockname()[1])
+        note_cluster_capacity(cfg)
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
 def quiet_ray_data_console() -> None:
@@ -101,8 +122,12 @@ def _join_cluster(address: str, runtime_env: dict, quiet: dict) -> None:
         raise ConfigError([("address", f"cannot reach a Ray cluster at {address!r} ({cause}); {fix}")]) from None
 
 
-def _start_embedded(cpus: int, resources: dict[str, float] | None, runtime_env: dict, quiet: dict) -> None:
-    """A local Ray on this machine: its dashboard on loopback, no open metrics exporters."""
+def _start_embedded(
+    cpus: int, resources: dict[str, float] | None, runtime_env: dict, quiet: dict, metrics_port: int
+) -> None:
+    """A local Ray on this machine: its dashboard on loopback, no open metrics exporters (the
+    per-node agent's is off by system config; the dashboard's and monitor's are sent to
+    `metrics_port`, held by this process: `metrics_port_env`)."""
     import ray
 
     dashboard_port = free_port()
@@ -110,6 +135,7 @@ def _start_embedded(cpus: int, resources: dict[str, float] | None, runtime_env: 
     # several Rays on one host it cannot tell which one to ask.
     runtime_env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
     os.environ.setdefault("RAY_worker_niceness", EMBEDDED_WORKER_NICENESS)  # read by the raylet it starts
+    os.environ.update(metrics_port_env(metrics_port))  # read by the dashboard and monitor it starts
     try:
         ray.init(
             address="local",
@@ -121,7 +147,7 @@ def _start_embedded(cpus: int, resources: dict[str, float] | None, runtime_env: 
             runtime_env=runtime_env,
             # Ray binds its servers to the node's address even when asked for 127.0.0.1
             # (services.resolve_ip_for_localhost); its gRPC ports need the session token,
-            # but the Prometheus /metrics exporters answer anyone: not started here.
+            # but the Prometheus /metrics exporters answer anyone: the agent's is not started.
             _system_config={"enable_metrics_collection": False},
             **quiet,
         )
