@@ -38,10 +38,23 @@ def hf_dir(tmp_path_factory):
     return root
 
 
-def test_a_causal_lm_from_a_config_trains_under_fsdp_and_exports_a_pretrained_directory(ray_session, hf_dir, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def exported_strict(export_args: list[str], trained: dict):
+    """`raytrain export … --format hf` exits 0 and `from_pretrained` loads the directory with no
+    key missing or unexpected and the weights of the run's `model.pt`; returns that model."""
+    from transformers import AutoModelForCausalLM
 
     from raytrain.cli import main
+
+    assert main(export_args) == 0
+    out = export_args[export_args.index("-o") + 1]
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in trained.items())
+    return model
+
+
+def test_a_causal_lm_from_a_config_trains_under_fsdp_and_exports_a_pretrained_directory(ray_session, hf_dir, tmp_path):
+    from transformers import AutoTokenizer
 
     cfg = raytrain.TrainConfig(
         workers=2,
@@ -65,11 +78,8 @@ def test_a_causal_lm_from_a_config_trains_under_fsdp_and_exports_a_pretrained_di
     assert rows[-1]["val_loss"] < 6.0  # below the uniform guess over the 300 tokens, ln 300 = 5.70 + a margin
 
     out = tmp_path / "exported"
-    assert main(["export", str(tmp_path / "clm"), "--format", "hf", "-o", str(out)]) == 0
-    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
     trained = torch.load(tmp_path / "clm" / "model.pt", weights_only=True)
-    assert all(torch.equal(model.state_dict()[key], value) for key, value in trained.items())
+    exported_strict(["export", str(tmp_path / "clm"), "--format", "hf", "-o", str(out)], trained)
     assert AutoTokenizer.from_pretrained(out)("def f")["input_ids"]  # the run's tokenizer, beside the model
 
 
@@ -121,9 +131,6 @@ def test_packed_blocks_each_trained_once_with_a_rank_killed_then_exported_from_t
     """Rank 0's process SIGKILLed mid-epoch: the run resumes from the last checkpoint in the
     bucket and every packed block of the epoch is trained exactly once; `export --format hf`
     from the run's URI then loads with from_pretrained, no key missing or unexpected."""
-    from transformers import AutoModelForCausalLM
-
-    from raytrain.cli import main
 
     records = tmp_path / "records"
     records.mkdir()
@@ -166,19 +173,16 @@ def test_packed_blocks_each_trained_once_with_a_rank_killed_then_exported_from_t
 
     out = tmp_path / "exported"
     run_uri = s3.uri(bucket, "runs/killed")
-    assert main(["export", run_uri, "--format", "hf", "-o", str(out), "--pipeline", "hf-causal-lm"]) == 0
-    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
     trained_weights = torch.load(io.BytesIO(s3.read(bucket, "runs/killed/model.pt")), weights_only=True)
-    assert all(torch.equal(model.state_dict()[key], value) for key, value in trained_weights.items())
+    exported_strict(
+        ["export", run_uri, "--format", "hf", "-o", str(out), "--pipeline", "hf-causal-lm"], trained_weights
+    )
 
 
 def test_fsdp_fills_each_ranks_shards_from_the_weights_resumes_at_one_worker_and_exports(ray_session, hf_dir, tmp_path):
     """Built on the meta device, each of 2 ranks reads its rows of the saved weights (marked
     with values no fresh init gives), resumed at 1 worker, exported and loaded strict."""
     from transformers import AutoModelForCausalLM
-
-    from raytrain.cli import main
 
     marked = AutoModelForCausalLM.from_pretrained(hf_dir / "gpt2-config-weights")
     with torch.no_grad():
@@ -215,9 +219,6 @@ def test_fsdp_fills_each_ranks_shards_from_the_weights_resumes_at_one_worker_and
         [2, 1],
     )
     out = tmp_path / "exported"
-    assert main(["export", str(tmp_path / "meta"), "--format", "hf", "-o", str(out)]) == 0
-    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
     final = torch.load(tmp_path / "meta" / "model.pt", weights_only=True)
-    assert all(torch.equal(model.state_dict()[key], value) for key, value in final.items())
+    model = exported_strict(["export", str(tmp_path / "meta"), "--format", "hf", "-o", str(out)], final)
     assert model.lm_head.weight is model.transformer.wte.weight
