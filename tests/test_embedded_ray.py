@@ -44,12 +44,14 @@ def test_the_readmes_own_pipeline_example_runs_as_written(tmp_path):
 
 
 PROBE = textwrap.dedent("""
-    import json, socket, urllib.request
+    import json, os, socket, urllib.request
     import psutil
     from raytrain.config import TrainConfig
-    from raytrain.driver.session import ray_session
+    from raytrain.driver.session import METRICS_PORT_VARIABLES, ray_session
     import ray
 
+    started_only = [*METRICS_PORT_VARIABLES, "RAY_worker_niceness"]
+    before = {name: os.environ.get(name) for name in started_only}
     with ray_session(TrainConfig(workers=1)):
         ip = ray.util.get_node_ip_address()
         mine = {p.pid for p in psutil.Process().children(recursive=True)} | {psutil.Process().pid}
@@ -61,7 +63,8 @@ PROBE = textwrap.dedent("""
                 answered[port] = urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=3).status
             except Exception as exc:
                 answered[port] = type(exc).__name__
-        print(json.dumps({"ip": ip, "answered": answered}))
+    after = {name: os.environ.get(name) for name in started_only}
+    print(json.dumps({"ip": ip, "answered": answered, "env_kept": before == after}))
 """)
 
 
@@ -71,3 +74,6 @@ def test_the_embedded_ray_serves_no_metrics_to_the_network(tmp_path):
     found = json.loads(done.stdout.strip().splitlines()[-1])
     open_ports = [port for port, status in found["answered"].items() if status == 200]
     assert found["answered"] and not open_ports, found  # Ray's own /metrics exporters are off
+    # What only the started Ray's processes read leaves the driver as it was: a process the
+    # driver starts later (a cluster of its own, a job) does not inherit a stale port.
+    assert found["env_kept"], found

@@ -4,6 +4,9 @@ one process (pure tier): the blocks, their checks, and what a checkpoint holds a
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -184,6 +187,36 @@ def test_fsdp_computes_in_the_precisions_dtype(one_rank_group, precision, dtype)
     cfg = TrainConfig(strategy="fsdp", workers=2, precision=precision)
     model = strategy.shard(Tower(), [], cfg)
     assert model(torch.ones(2, 4)).dtype == dtype
+
+
+FREED_BLOCKS = """
+import json, sys
+import psutil, torch
+from raytrain.parallel.strategy import fix_mmap_threshold
+
+applied = fix_mmap_threshold()
+rss_mib = lambda: psutil.Process().memory_info().rss / 2**20
+first = torch.empty(8 * 2**20, dtype=torch.uint8).fill_(1)  # a gathered block, freed: glibc adapts
+del first
+before = rss_mib()
+blocks, small = [], []
+for _ in range(64):  # 64 MiB of 1 MiB blocks, small live tensors between them (fragmentation)
+    blocks.append(torch.empty(2**20, dtype=torch.uint8).fill_(1))
+    small.append(torch.ones(64))
+del blocks
+print(json.dumps({"applied": applied, "kept_mib": rss_mib() - before}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_a_cpu_fsdp_worker_gives_freed_blocks_back_to_the_os_unless_the_user_set_the_threshold():
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    done = subprocess.run([sys.executable, "-c", FREED_BLOCKS], env=env, capture_output=True, text=True, timeout=120)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["applied"] and found["kept_mib"] < 16, found  # without it: all 64 MiB stay
+    users = {**env, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    done = subprocess.run([sys.executable, "-c", FREED_BLOCKS], env=users, capture_output=True, text=True, timeout=120)
+    assert not json.loads(done.stdout.strip().splitlines()[-1])["applied"]
 
 
 def test_an_exception_in_shard_modules_names_the_hook():

@@ -41,6 +41,21 @@ def metrics_port_env(port: int) -> dict[str, str]:
     return {name: str(port) for name in METRICS_PORT_VARIABLES}
 
 
+@contextlib.contextmanager
+def scoped_env(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ inside the block, and each variable as it was after it."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def hold_port() -> socket.socket:
     """A socket bound to a free loopback port and not listening: no one can connect to it, and a
     later bind of 0.0.0.0 on that port fails while it is open."""
@@ -75,11 +90,12 @@ def ray_session(
     # events.jsonl and a failure is explained from the exception (rank + traceback),
     # so quiet mode hides no error; full logs stay under the Ray session directory.
     quiet = {"logging_level": logging.INFO if cfg.verbose else logging.ERROR, "log_to_driver": cfg.verbose}
-    # Held while an embedded Ray lives: its /metrics servers start after ray.init returns.
-    with contextlib.closing(hold_port()) as metrics_port:
+    with contextlib.ExitStack() as held:
         if address:
             _join_cluster(address, runtime_env, quiet)
         else:
+            # Held while the embedded Ray lives: its /metrics servers start after ray.init returns.
+            metrics_port = held.enter_context(contextlib.closing(hold_port()))
             cpus = num_cpus or max(os.cpu_count() or 1, int(cfg.max_workers * cfg.cpus_per_worker) + 2)
             _start_embedded(cpus, resources, runtime_env, quiet, metrics_port.getsockname()[1])
         note_cluster_capacity(cfg)
@@ -134,23 +150,28 @@ def _start_embedded(
     # Train's placement-group cleaner polls the dashboard (RAY_NOTES); name ours, or with
     # several Rays on one host it cannot tell which one to ask.
     runtime_env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
-    os.environ.setdefault("RAY_worker_niceness", EMBEDDED_WORKER_NICENESS)  # read by the raylet it starts
-    os.environ.update(metrics_port_env(metrics_port))  # read by the dashboard and monitor it starts
+    # Read by the processes ray.init starts (the raylet; the dashboard and monitor), not by
+    # this driver: set for the start only, so that nothing started later inherits them.
+    for_start = {
+        "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", EMBEDDED_WORKER_NICENESS),
+        **metrics_port_env(metrics_port),
+    }
     try:
-        ray.init(
-            address="local",
-            num_cpus=cpus,
-            resources=resources,
-            include_dashboard=True,
-            dashboard_host="127.0.0.1",
-            dashboard_port=dashboard_port,
-            runtime_env=runtime_env,
-            # Ray binds its servers to the node's address even when asked for 127.0.0.1
-            # (services.resolve_ip_for_localhost); its gRPC ports need the session token,
-            # but the Prometheus /metrics exporters answer anyone: the agent's is not started.
-            _system_config={"enable_metrics_collection": False},
-            **quiet,
-        )
+        with scoped_env(for_start):
+            ray.init(
+                address="local",
+                num_cpus=cpus,
+                resources=resources,
+                include_dashboard=True,
+                dashboard_host="127.0.0.1",
+                dashboard_port=dashboard_port,
+                runtime_env=runtime_env,
+                # Ray binds its servers to the node's address even when asked for 127.0.0.1
+                # (services.resolve_ip_for_localhost); its gRPC ports need the session token,
+                # but the Prometheus /metrics exporters answer anyone: the agent's is not started.
+                _system_config={"enable_metrics_collection": False},
+                **quiet,
+            )
     except Exception as exc:
         raise RunFailed(
             f"could not start the embedded Ray ({str(exc).splitlines()[0][:300]}); "

@@ -145,6 +145,8 @@ def build_and_prepare(pipeline: "Pipeline", cfg: "TrainConfig", runtime: Placeme
     `materialize` has its model built on the meta device (no storage), sharded, given storage
     for this rank's shards only, and filled by `materialize` (`raytrain.meta`): no rank ever
     holds the whole model. Every other pipeline and strategy: built whole, then `prepare`."""
+    if cfg.strategy == "fsdp" and runtime.device.type == "cpu":
+        fix_mmap_threshold()
     if cfg.strategy == "fsdp" and runtime.distributed and overrides(pipeline, "materialize"):
         model = build_on_meta(lambda: hooks.call(pipeline, "build_model", cfg))
         prepared = prepare(pipeline, model, cfg, runtime)
@@ -154,6 +156,29 @@ def build_and_prepare(pipeline: "Pipeline", cfg: "TrainConfig", runtime: Placeme
             return dataclasses.replace(prepared, materialized=True)
         return prepared
     return prepare(pipeline, hooks.call(pipeline, "build_model", cfg), cfg, runtime)
+
+
+# glibc's mallopt parameter, and the threshold a CPU fsdp worker fixes it at (64 KiB).
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 64 * 1024
+
+
+def fix_mmap_threshold() -> bool:
+    """Have glibc map every allocation of 64 KiB or more on its own and give it back when freed.
+
+    FSDP gathers a block's parameters for its forward and backward and frees them, step after
+    step. glibc raises its mmap threshold after the first such free (up to 32 MiB), so later
+    blocks come from its heap arenas, which fragment and keep what they took: a CPU worker's
+    peak RSS then stays near the 1-worker figure at any worker count. With the threshold fixed
+    it falls with N (benchmarks/RESULTS.md §19). A MALLOC_MMAP_THRESHOLD_ in the environment
+    is the user's own choice, already applied by glibc, and is kept. False where it is kept or
+    there is no glibc."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    import ctypes
+
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # glibc only (not macOS, not musl's)
+    return bool(mallopt and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1)
 
 
 def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime: Placement) -> Prepared:

@@ -332,20 +332,17 @@ def _quiet_tune(verbose: bool):
     directory; the traceback stays in tune/<trial>/error.txt). -v keeps Tune's logs."""
     import logging
 
-    before = os.environ.get("RAY_AIR_NEW_OUTPUT")
-    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    from raytrain.driver.session import scoped_env
+
     tune_logger = logging.getLogger("ray.tune")
     level = tune_logger.level
     if not verbose:
         tune_logger.setLevel(logging.CRITICAL)
     try:
-        yield
+        with scoped_env({"RAY_AIR_NEW_OUTPUT": "0"}):
+            yield
     finally:
         tune_logger.setLevel(level)
-        if before is None:
-            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
-        else:
-            os.environ["RAY_AIR_NEW_OUTPUT"] = before
 
 
 def _placement_groups() -> dict[str, str]:
