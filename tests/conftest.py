@@ -12,6 +12,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
+# Ray Train's preemption watcher is an actor of every run (a process's start, polling for node
+# drains); no test drains a node, so the suite's Rays (the shared one, and those the raytrain
+# processes it starts begin) run without it.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+
 
 # Where a run could land outside pytest's tmp_path: the temp directory (raytrain's own
 # names) and the default storage. The suite must leave nothing new there.
@@ -64,7 +69,7 @@ def ray_session():
     import ray
 
     os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-    from raytrain.driver.session import free_port
+    from raytrain.driver.session import EMBEDDED_SYSTEM_CONFIG, free_port
 
     pythonpath = os.pathsep.join([str(REPO), str(TESTS), *[p for p in sys.path if p]])
     dashboard_port = free_port()
@@ -87,6 +92,7 @@ def ray_session():
         dashboard_port=dashboard_port,
         logging_level="ERROR",
         runtime_env={"env_vars": env_vars},
+        _system_config=EMBEDDED_SYSTEM_CONFIG,  # as an embedded Ray of raytrain's
     )
     yield ray
     ray.shutdown()

@@ -79,6 +79,8 @@ def main(out: Path) -> None:
     run_dir = out / "elastic"
     # Steps are paced until the driver has seen both resizes; then the rest of the run goes
     # at full speed (the pauses only make room for the resizes, nothing after them needs one).
+    # The pace bounds how long the resizes may take: 240 steps of at least 1 s, room for both
+    # on a loaded machine, where each restarts a worker group.
     unpaced = out / "unpaced"
     observed: dict = {}
     result_box: dict = {}
@@ -86,9 +88,9 @@ def main(out: Path) -> None:
     def train() -> None:
         try:
             pipeline = (
-                SlowDigitsPipeline(step_sleep_s=0.25, pace_until=str(unpaced))
+                SlowDigitsPipeline(step_sleep_s=1.0, pace_until=str(unpaced))
                 if os.environ.get("ELASTIC_PIPELINE") == "digits"
-                else RecordingPipeline(str(records), num_rows=960, step_sleep_s=0.25, pace_until=str(unpaced))
+                else RecordingPipeline(str(records), num_rows=960, step_sleep_s=1.0, pace_until=str(unpaced))
             )
             result_box["summary"] = raytrain.fit(pipeline, cfg).summary
         except Exception as exc:  # reported in result.json
@@ -101,7 +103,8 @@ def main(out: Path) -> None:
             lambda: any(e["kind"] == "plan" for e in events(run_dir)), 240, "the first plan"
         )
         observed["first_world_size"] = next(e["world_size"] for e in events(run_dir) if e["kind"] == "plan")
-        time.sleep(5)
+        # The node goes once there is a checkpoint to resize from (a loss before it is a restart).
+        wait_for(lambda: any(run_dir.glob("checkpoint_*")), 240, "the first checkpoint")
         removed_at = time.time()
         cluster.remove_node(nodes[-1])
         observed["shrink_s"] = wait_for(

@@ -201,7 +201,7 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
     """Start and record a head (see the module's docstring); an already running one of ours is
     said and kept. Raises UsageError for a record that must not be replaced, RunFailed when
     the head does not start."""
-    from raytrain.driver.session import EMBEDDED_WORKER_NICENESS, WORKER_ENV, metrics_port_env
+    from raytrain.driver.session import EMBEDDED_SYSTEM_CONFIG, EMBEDDED_WORKER_NICENESS, WORKER_ENV, metrics_port_env
     from raytrain.rules.head import EMBEDDED_TRIAL_DRIVER_SLOTS, TRIAL_DRIVER_RESOURCE
 
     path = head_file()
@@ -254,7 +254,7 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
         f"--resources={json.dumps({TRIAL_DRIVER_RESOURCE: EMBEDDED_TRIAL_DRIVER_SLOTS})}",
         "--disable-usage-stats",
         # As the embedded Ray: no metrics agent exporting /metrics to anyone (docs/cluster.md lists what stays).
-        f"--system-config={json.dumps({'enable_metrics_collection': False})}",
+        f"--system-config={json.dumps(EMBEDDED_SYSTEM_CONFIG)}",
     ]
     started = time.time()
     with open(log_path, "w") as log:

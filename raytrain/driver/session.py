@@ -32,6 +32,16 @@ EMBEDDED_WORKER_NICENESS = "0"
 # (0.0.0.0) unless the node's address is loopback, which Ray never makes it (README
 # "Exposure"); their ports are read from these variables, and no setting moves the address.
 METRICS_PORT_VARIABLES = ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")
+EMBEDDED_SYSTEM_CONFIG = {
+    # Ray binds its servers to the node's address even when asked for 127.0.0.1
+    # (services.resolve_ip_for_localhost); its gRPC ports need the session token, but the
+    # Prometheus /metrics exporters answer anyone: the per-node agent's is not started.
+    "enable_metrics_collection": False,
+    # The raylet would start one idle Python worker per CPU for the first driver; a run's
+    # actors (Train's controller and workers, Ray Data's) start workers of their own, so on
+    # a small machine those only take CPU from the start (RESULTS.md §21).
+    "prestart_worker_first_driver": False,
+}
 
 
 def metrics_port_env(port: int) -> dict[str, str]:
@@ -166,10 +176,7 @@ def _start_embedded(
                 dashboard_host="127.0.0.1",
                 dashboard_port=dashboard_port,
                 runtime_env=runtime_env,
-                # Ray binds its servers to the node's address even when asked for 127.0.0.1
-                # (services.resolve_ip_for_localhost); its gRPC ports need the session token,
-                # but the Prometheus /metrics exporters answer anyone: the agent's is not started.
-                _system_config={"enable_metrics_collection": False},
+                _system_config=EMBEDDED_SYSTEM_CONFIG,
                 **quiet,
             )
     except Exception as exc:
