@@ -39,7 +39,7 @@ EMBEDDED_SYSTEM_CONFIG = {
     "enable_metrics_collection": False,
     # The raylet would start one idle Python worker per CPU for the first driver; a run's
     # actors (Train's controller and workers, Ray Data's) start workers of their own, so on
-    # a small machine those only take CPU from the start (RESULTS.md §21).
+    # a small machine those only take CPU from the start (RESULTS.md §22).
     "prestart_worker_first_driver": False,
 }
 

@@ -163,7 +163,7 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 64 * 1024
 
 
-def fix_mmap_threshold() -> bool:
+def fix_mmap_threshold(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Have glibc map every allocation of 64 KiB or more on its own and give it back when freed.
 
     FSDP gathers a block's parameters for its forward and backward and frees them, step after
@@ -178,7 +178,7 @@ def fix_mmap_threshold() -> bool:
     import ctypes
 
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # glibc only (not macOS, not musl's)
-    return bool(mallopt and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1)
+    return bool(mallopt and mallopt(M_MMAP_THRESHOLD, threshold_bytes) == 1)
 
 
 def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime: Placement) -> Prepared:
