@@ -1,6 +1,7 @@
 """The CPU time every process on the machine spent while a command ran, summed by process name.
 
-    python benchmarks/process_cpu.py -- python -m pytest -q tests/test_train_ray.py::test_digits_two_workers_trains_and_leaves_run_files
+    python benchmarks/process_cpu.py [--after-s 10] -- COMMAND...
+    python benchmarks/process_cpu.py -- python -m pytest -q tests/test_train_ray.py -k local_mode
 
 Polls every process each 0.25 s while COMMAND runs (and `--after-s` seconds more, for what a
 run leaves to finish); a process that existed before counts from its first sight, a new one
