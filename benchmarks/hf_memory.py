@@ -2,7 +2,7 @@
 shard by shard (meta) against built whole on every worker, then sharded (plain).
 
     python benchmarks/hf_memory.py OUT_DIR --models charlm|gpt2-100m[,...] [--workers 1,2,4]
-        [--paths meta,plain] [--steps 2]   (--steps 12: a steady samples/s, steps 3 on)
+        [--paths meta,plain] [--steps 2]
 
 Models (Hugging Face GPT-2 configs, `raytrain train hf-causal-lm`, made on this machine; no
 download):
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -109,7 +108,6 @@ def measure(out: Path, model: str, path: str, workers: int, steps: int) -> dict:
         lr=1e-4,
         warmup_epochs=0,
         checkpoint_every_steps=10_000,
-        log_every_steps=1,
         pipeline_args={"model": str(inputs / "model"), "train": str(inputs / "train.txt"), "block_size": 32},
     )
     raytrain.fit(pipeline, cfg)
@@ -117,8 +115,6 @@ def measure(out: Path, model: str, path: str, workers: int, steps: int) -> dict:
     event = next(e for e in run.events() if e.kind == Kind.MEMORY)
     plan = next(e for e in run.events()).message
     bases = [json.loads(p.read_text())["rss"] for p in sorted(base_dir.glob("base-*.json"))]
-    # Steady speed: the steps after the first two (the first carries the build and AdamW's state).
-    speeds = [r.samples_per_s for r in run.metrics() if r.step > 2 and not r.epoch_end and r.samples_per_s]
     row = {
         "model": model,
         "path": path,
@@ -128,8 +124,6 @@ def measure(out: Path, model: str, path: str, workers: int, steps: int) -> dict:
         "peak_rss_by_rank_mib": [round(v / MIB) for v in event.extra["peak_rss"]],
         "base_mib": round(max(bases) / MIB),
         "parameters_mib": round(max(event.extra["parameters"]) / MIB, 1),
-        "samples_per_s": round(statistics.median(speeds), 2) if speeds else None,
-        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "default"),
     }
     print(json.dumps(row), flush=True)
     return row
@@ -170,7 +164,7 @@ def main() -> None:
     (args.out / f"hf_memory-{'-'.join(models)}-{args.paths.replace(',', '-')}.json").write_text(
         json.dumps(rows, indent=2)
     )
-    header = ["model", "path", "workers", "peak RSS by rank (MiB)", "base (MiB)", "bound (MiB)", "target", "samples/s"]
+    header = ["model", "path", "workers", "peak RSS by rank (MiB)", "base (MiB)", "bound (MiB)", "target"]
     table = [
         [
             r["model"],
@@ -180,7 +174,6 @@ def main() -> None:
             f"{r['base_mib']:,}",
             f"{r.get('bound_mib', 0):,}",
             "met" if r.get("met") else "not met",
-            "–" if r["samples_per_s"] is None else f"{r['samples_per_s']:.2f}",
         ]
         for r in rows
     ]

@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 from raytrain.config import TrainConfig
 from raytrain.config.sections import ClusterSection
+from raytrain.environ import scoped_env
 from raytrain.errors import ConfigError, RunFailed
 
 # Without this every print in the train function shows twice (RAY_NOTES).
@@ -49,21 +50,6 @@ def metrics_port_env(port: int) -> dict[str, str]:
     machine: their bind fails (logged by Ray as "An exception occurred while starting the
     metrics server"), so nothing listens on 0.0.0.0 for them."""
     return {name: str(port) for name in METRICS_PORT_VARIABLES}
-
-
-@contextlib.contextmanager
-def scoped_env(values: dict[str, str]) -> Iterator[None]:
-    """`values` in os.environ inside the block, and each variable as it was after it."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def hold_port() -> socket.socket:

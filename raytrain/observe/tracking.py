@@ -16,11 +16,11 @@ Tracking never fails a run: a sink that raises is dropped with one warning.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from raytrain.environ import scoped_env
 from raytrain.errors import ConfigError
 from raytrain.observe.sinks import Dispatcher, Sink, follow
 from raytrain.observe.trackers import MLflowSink, TensorBoardSink, WandbSink, mlflow_store_uri
@@ -196,10 +196,9 @@ def check_mlflow_uri(uri: str) -> None:
     from mlflow.tracking import MlflowClient
 
     quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}  # not minutes of retries
-    saved = {key: os.environ.get(key) for key in quick}
-    os.environ.update(quick)
     try:
-        MlflowClient(tracking_uri=mlflow_store_uri(uri)).search_experiments(max_results=1)
+        with scoped_env(quick):
+            MlflowClient(tracking_uri=mlflow_store_uri(uri)).search_experiments(max_results=1)
     except Exception as exc:
         raise ConfigError(
             [
@@ -210,9 +209,6 @@ def check_mlflow_uri(uri: str) -> None:
                 )
             ]
         ) from None
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
 
 
 def _importable(module: str) -> bool:

@@ -164,7 +164,8 @@ MMAP_THRESHOLD_BYTES = 64 * 1024
 
 
 def fix_mmap_threshold(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Have glibc map every allocation of 64 KiB or more on its own and give it back when freed.
+    """Have glibc map every allocation of `threshold_bytes` (64 KiB) or more on its own and give
+    it back when freed.
 
     FSDP gathers a block's parameters for its forward and backward and frees them, step after
     step. glibc raises its mmap threshold after the first such free (up to 32 MiB), so later

@@ -332,7 +332,7 @@ def _quiet_tune(verbose: bool):
     directory; the traceback stays in tune/<trial>/error.txt). -v keeps Tune's logs."""
     import logging
 
-    from raytrain.driver.session import scoped_env
+    from raytrain.environ import scoped_env
 
     tune_logger = logging.getLogger("ray.tune")
     level = tune_logger.level
