@@ -98,6 +98,16 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank in this process: FSDP2's own checks, no ports."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
     """One moto S3 server for the session (tests/s3_server.py), stopped by its pid at the end.

@@ -22,6 +22,25 @@ def split(step: steps.Step, size: int) -> list[tuple[int, int]]:
     return [steps.rank_rows(step, rank, size) for rank in range(size)]
 
 
+@pytest.mark.parametrize("groups, group_size", [(1, 2), (2, 2), (3, 2), (2, 4), (3, 1)])
+def test_groups_in_a_quorum_split_a_steps_rows_by_group_then_by_rank_exactly(groups, group_size):
+    step = steps.Step(index=3, start=100, end=133)
+    shares = {(g, r): rules.step_share(g, groups, r, group_size) for g in range(groups) for r in range(group_size)}
+    assert sorted(shares.values()) == [(i, groups * group_size) for i in range(groups * group_size)]
+    rows = [row for g, r in sorted(shares) for row in range(*steps.rank_rows(step, *shares[(g, r)]))]
+    assert rows == list(range(100, 133))  # every row once, a group's rows together
+    # A group's place is the step's quorum's, not the world's: a group left alone takes the
+    # whole batch, split over its own ranks.
+    assert [rules.step_share(0, 1, r, group_size) for r in range(group_size)] == [
+        (r, group_size) for r in range(group_size)
+    ]
+
+
+def test_a_group_is_consecutive_world_ranks():
+    assert [rules.group_of(rank, 2) for rank in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [rules.group_of(rank, 1) for rank in range(3)] == [(0, 0), (1, 0), (2, 0)]
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 7])
 def test_a_quorum_splits_a_steps_rows_among_its_members_exactly(size):
     step = steps.Step(index=0, start=40, end=71)

@@ -143,16 +143,6 @@ def test_tied_parameters_split_over_fsdp_units_are_found_before_sharding(case):
     assert "test_strategy.py" in message and "in shard_modules" in message  # where the user's hook is
 
 
-@pytest.fixture
-def one_rank_group():
-    """A gloo process group of one rank in this process: FSDP2's own checks, no ports."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
 @pytest.mark.parametrize("case", UNITS)
 def test_the_tied_parameters_found_are_the_ones_fsdp_refuses(one_rank_group, case):

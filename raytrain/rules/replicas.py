@@ -41,6 +41,20 @@ FIRST_STEP_GRACE_S = 60.0
 STEPS_REMEMBERED = 50
 
 
+def group_of(world_rank: int, group_size: int) -> tuple[int, int]:
+    """(group, rank within it) of a worker when replicas are groups of `group_size` workers
+    that shard one model (HSDP): consecutive world ranks, which Ray Train gives a node's
+    workers, so that a group spans as few nodes as it can."""
+    return divmod(world_rank, group_size)
+
+
+def step_share(group_in_quorum: int, groups: int, group_rank: int, group_size: int) -> tuple[int, int]:
+    """(rank, size) of a worker's share of a step's rows: the step's quorum of `groups` groups
+    splits the global batch by group, and each group by rank, so the shares of every
+    participant are disjoint and together the whole batch."""
+    return group_in_quorum * group_size + group_rank, groups * group_size
+
+
 def starts_with_group(environ: Mapping[str, str]) -> bool:
     """Whether this worker starts with its group (and waits for it). Unsaid, it is taken for a
     replacement: one that waits for no one can never hold a live quorum up."""
@@ -73,9 +87,11 @@ __all__ = [
     "START_ENV",
     "STARTS_WITH_GROUP",
     "STEPS_OF_GRACE",
+    "group_of",
     "quorum_wait_s",
     "stall_after_s",
     "starts_with_group",
+    "step_share",
 ]
 
 

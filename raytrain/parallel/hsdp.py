@@ -1,0 +1,86 @@
+"""Replica groups of K workers (HSDP): FSDP2 shards the model within a group, and torchft's
+`Manager` averages the sharded gradients across groups, fault-tolerantly.
+
+Within a group the K workers hold one copy of the model between them, FSDP2 over the group's
+own process group (its default group: `raytrain.parallel.strategy.shard`). Rank r of every
+group holds the same shard, so the groups average their gradients shard by shard: FSDP2's
+reduce-scatter averages within the group, then an all-reduce hook averages each rank's shard
+over the same rank of every group in the step's quorum (`average_across_groups`). A group that
+joins heals from a live group the same way, rank r from rank r (`local_state`,
+`load_local_state`): the shards travel as plain tensors, and are copied into this rank's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def average_across_groups(model: nn.Module, manager: Any) -> int:
+    """Average each FSDP unit's reduce-scattered gradient shard over the step's groups through
+    `manager` (torchft's: a group lost inside the step fails the reduction, and the step is
+    not committed). Returns how many units it hooked."""
+    from torch.distributed import ReduceOp
+    from torch.distributed.fsdp import FSDPModule
+
+    def hook(shard: torch.Tensor) -> None:
+        manager.allreduce(shard, reduce_op=ReduceOp.AVG).wait()
+
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for unit in units:
+        unit.set_all_reduce_hook(hook)
+    return len(units)
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shards of the model and of the optimizer's state, as plain tensors (a peer
+    group's rank of the same index loads them: `load_local_state`)."""
+    optim = optimizer.state_dict()
+    return {
+        "model": {name: _local(value) for name, value in model.state_dict().items()},
+        "optim": {
+            "state": {
+                index: {key: _local(value) for key, value in entry.items()} for index, entry in optim["state"].items()
+            },
+            "param_groups": optim["param_groups"],
+        },
+    }
+
+
+def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Copy a peer's shards (`local_state`) into this rank's: the parameters in place, the
+    optimizer's state as tensors of this rank's layout (a fresh optimizer has none yet)."""
+    with torch.no_grad():
+        for name, value in model.state_dict().items():
+            _local(value).copy_(state["model"][name])
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    entries = {}
+    for index, entry in state["optim"]["state"].items():
+        param = params[int(index)]
+        entries[index] = {key: _like(param, value) for key, value in entry.items()}
+    optimizer.load_state_dict({"state": entries, "param_groups": state["optim"]["param_groups"]})
+
+
+def _local(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _like(param: torch.Tensor, value: Any) -> Any:
+    """A copy of `value` (a plain tensor) in `param`'s layout: a shard of a sharded parameter
+    becomes a DTensor on its mesh; a step count or a scalar stays plain. A copy: what a
+    transport hands over may still be the sender's own storage."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach().clone()
+    if isinstance(param, DTensor) and value.shape == param.to_local().shape:
+        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False)
+    return value
+
+
+__all__ = ["average_across_groups", "load_local_state", "local_state"]

@@ -1,0 +1,127 @@
+"""Replica groups that shard one model (HSDP, `raytrain.parallel.hsdp`): a group heals from a
+peer group's shards, and averages its gradient shards across groups through torchft's Manager;
+then the whole mechanism across processes, a group lost and replaced while the other trains
+on (benchmarks/hsdp_probe.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raytrain.parallel.hsdp import average_across_groups, load_local_state, local_state
+
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+
+
+def sharded(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    fully_shard(model[0])
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(5, 6, generator=generator), torch.randn(5, 3, generator=generator)
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.full_tensor().clone() for name, value in model.state_dict().items()}
+
+
+def test_a_fresh_group_loaded_with_a_peers_shards_steps_as_the_peer_does(one_rank_group):
+    peer, peer_optimizer = sharded(seed=0)
+    train(peer, peer_optimizer, range(3))
+    state = local_state(peer, peer_optimizer)
+    # What travels is plain tensors: a transport sends them as they are.
+    tensors = [*state["model"].values(), *(v for entry in state["optim"]["state"].values() for v in entry.values())]
+    assert all(type(t) is torch.Tensor for t in tensors)
+
+    joiner, joiner_optimizer = sharded(seed=1)  # other weights, and an optimizer that never stepped
+    assert not joiner_optimizer.state
+    load_local_state(joiner, joiner_optimizer, state)
+    assert all(torch.equal(a, b) for a, b in zip(weights(joiner).values(), weights(peer).values()))
+
+    train(peer, peer_optimizer, range(3, 5))
+    train(joiner, joiner_optimizer, range(3, 5))  # the moments and step counts came along
+    for name, value in weights(peer).items():
+        assert torch.equal(weights(joiner)[name], value), name
+
+
+class HalvingManager:
+    """Stands for torchft's Manager over two groups whose peer's gradient is zero."""
+
+    def __init__(self) -> None:
+        self.reduced: list[torch.Size] = []
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op=None):
+        from torch.distributed import ReduceOp
+
+        assert reduce_op == ReduceOp.AVG
+        self.reduced.append(tensor.shape)
+        tensor.mul_(0.5)
+        return self
+
+    def wait(self) -> None:
+        return None
+
+
+def test_each_units_gradient_shard_is_averaged_across_groups_in_place(one_rank_group):
+    model, _ = sharded(seed=0)
+    reference, _ = sharded(seed=0)
+    manager = HalvingManager()
+    assert average_across_groups(model, manager) == 2  # the block and the root
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    F.mse_loss(model(x), y).backward()
+    F.mse_loss(reference(x), y).backward()
+    assert len(manager.reduced) == 2
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad.to_local(), 0.5 * q.grad.to_local()), name
+
+
+@pytest.mark.slow
+def test_a_lost_group_is_replaced_healed_from_the_live_one_while_it_trains_on(tmp_path):
+    probe = Path(__file__).resolve().parents[1] / "benchmarks" / "hsdp_probe.py"
+    figures = tmp_path / "figures.json"
+    argv = [
+        "--steps",
+        "30",
+        "--kill-at",
+        "6",
+        "--pace-s",
+        "0.3",
+        "--out",
+        str(tmp_path / "run"),
+        "--json",
+        str(figures),
+    ]
+    done = subprocess.run([sys.executable, str(probe), *argv], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    report = json.loads(figures.read_text())
+    assert report["exit_codes"] == {"0": [0, 0], "1": [0, 0]}
+    assert report["group0_pids_unchanged"]  # the survivors were never restarted
+    assert report["group1_healed"] == [True, True]  # rank from rank
+    steps = report["group0_steps"]
+    assert [s for s, _, committed in steps if committed] == list(range(report["steps_trained"]))  # each once
+    groups = [g for _, g, _ in steps]
+    first_pair, alone = groups.index(2), groups.index(1, groups.index(2))
+    rejoined = groups.index(2, alone)
+    assert set(groups[first_pair:alone]) == {2} and set(groups[alone:rejoined]) == {1} and set(groups[rejoined:]) == {2}
+    if report["lost_inside_a_step"]:  # that step is not applied; the survivors take it again alone
+        assert steps[alone - 1][2] is False and steps[alone][0] == steps[alone - 1][0]
+    assert report["groups_max_rel_diff"] == 0.0
+    assert report["vs_one_process_max_rel_diff"] <= 1e-5  # fp32: the steps of one process on all rows
