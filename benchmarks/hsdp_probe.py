@@ -2,7 +2,8 @@
 replaced while the other trains on: the mechanism of per-step recovery for sharded models
 (`raytrain.parallel.hsdp`) on CPU and gloo, without Ray.
 
-    python benchmarks/hsdp_probe.py [--steps 40] [--kill-at 8] [--pace-s 0.4] [--out DIR] [--json FILE]
+    python benchmarks/hsdp_probe.py [--steps 40] [--kill-at 8] [--pace-s 0.4] [--lose one|both]
+        [--out DIR] [--json FILE]
 
 Four processes form 2 groups of 2 (K=2). Within a group FSDP2 shards a 3-block MLP over the
 group's own gloo process group; torchft's Manager (one per rank, the group's rank 0 speaking to
@@ -10,13 +11,18 @@ a lighthouse) averages each rank's gradient shard over the same rank of the othe
 step trains on the same 32 rows, split over the step's participants: so whatever the groups
 present, each committed step is the step of one process on all 32 rows.
 
-At step --kill-at, group 1's rank 1 is SIGKILLed; half a second later its rank 0 is killed too
-(a group's other members are taken out once one is lost: their shards alone are no model), and
-group 1 starts again as new processes: they heal from group 0, rank from rank, and join at a
-step boundary (each step lasts at least --pace-s, so that the run is still going when the new
-processes have started). Group 0's processes run throughout. Printed: the steps group 0 took
-(step/groups/committed), the survivors' extra wait for the failure (the step the group was
-lost in, which is not applied, plus its retake, less one usual step), and the largest relative
+At step --kill-at, group 1's rank 1 is SIGKILLed; half a second later its rank 0 is killed
+too (a group's other members are taken out once one is lost: their shards alone are no model;
+--lose both kills both at once), and group 1 starts again as new processes: they heal from
+group 0, rank from rank, and join at a step boundary (each step lasts at least --pace-s, and
+the groups train past --steps until the new group has trained 5 steps with the other, so that
+the run is still going when the new processes have started). Group 0's processes run
+throughout.
+
+Printed: the steps group 0 took (step/groups/committed); the survivors' extra wait for the
+failure (their first step alone, plus the step the group was lost in when it was lost inside
+one, which is not applied, less one usual step); the model state a rank holds (parameters,
+gradients, AdamW's moments) against a DDP worker's over K; and the largest relative
 difference of the final weights between the groups and against one process trained on all
 rows (fp32).
 """
@@ -53,19 +59,24 @@ def rows(step: int):
     return torch.randn(ROWS, WIDTH, generator=generator), torch.randn(ROWS, WIDTH, generator=generator)
 
 
-def reference(steps: int) -> dict:
-    """One process on all rows, every step."""
+def reference(steps: int) -> tuple[dict, int]:
+    """One process on all rows, every step: its final weights, and the bytes of model state it
+    holds (parameters, gradients, optimizer state), as a DDP worker holds them."""
     import torch
     import torch.nn.functional as F
 
+    from raytrain.parallel.strategy import state_bytes
+
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    held = 0
     for step in range(steps):
         x, y = rows(step)
         F.mse_loss(model(x), y).backward()
         optimizer.step()
+        held = held or sum(state_bytes(model, optimizer).values())
         optimizer.zero_grad(set_to_none=True)
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}, held
 
 
 def last_step(out: Path, steps: int) -> int:
@@ -89,6 +100,7 @@ def member(group: int, rank: int, store_port: int, lighthouse: str, steps: int, 
     from torchft.checkpointing.pg_transport import PGTransport
 
     from raytrain.parallel.hsdp import average_across_groups, load_local_state, local_state
+    from raytrain.parallel.strategy import state_bytes
     from raytrain.rules.replicas import step_share
 
     torch.set_num_threads(1)
@@ -119,7 +131,7 @@ def member(group: int, rank: int, store_port: int, lighthouse: str, steps: int, 
         checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
     )
     average_across_groups(model, manager)
-    log = []
+    log, held = [], 0
     progress = Path(out) / f"progress_{group}_{rank}"
     while manager.current_step() < last_step(Path(out), steps):
         started = time.perf_counter()
@@ -133,6 +145,7 @@ def member(group: int, rank: int, store_port: int, lighthouse: str, steps: int, 
         committed = manager.should_commit()
         if committed:
             optimizer.step()
+            held = held or sum(state_bytes(model, optimizer).values())
         optimizer.zero_grad(set_to_none=True)
         log.append(
             {
@@ -149,7 +162,9 @@ def member(group: int, rank: int, store_port: int, lighthouse: str, steps: int, 
     weights = {name: value.full_tensor() for name, value in model.state_dict().items()}
     if rank == 0:
         torch.save(weights, Path(out) / f"weights_{group}.pt")
-    (Path(out) / f"log_{group}_{rank}_{os.getpid()}.json").write_text(json.dumps({"log": log, "healed": bool(healed)}))
+    (Path(out) / f"log_{group}_{rank}_{os.getpid()}.json").write_text(
+        json.dumps({"log": log, "healed": bool(healed), "held_bytes": held})
+    )
     manager.shutdown(wait=False)
     dist.destroy_process_group()
 
@@ -175,7 +190,7 @@ def step_of(out: Path, group: int) -> int:
         return 0
 
 
-def run(steps: int, kill_at: int, pace_s: float, out: Path) -> dict:
+def run(steps: int, kill_at: int, pace_s: float, out: Path, lose: str = "one") -> dict:
     """The scenario of the module's docstring; its figures."""
     import torch
     from torchft.coordination import LighthouseServer
@@ -194,7 +209,8 @@ def run(steps: int, kill_at: int, pace_s: float, out: Path) -> dict:
     (out / "killed").write_text("")
     os.kill(lost[1].pid, signal.SIGKILL)
     killed_at = time.perf_counter()
-    time.sleep(0.5)
+    if lose == "one":  # the other member is taken out once the loss is seen
+        time.sleep(0.5)
     os.kill(lost[0].pid, signal.SIGKILL)
     for proc in lost:
         proc.join()
@@ -209,8 +225,9 @@ def run(steps: int, kill_at: int, pace_s: float, out: Path) -> dict:
     times = [entry["s"] for entry in survivor]
     usual = statistics.median(times)
     final = {g: torch.load(out / f"weights_{g}.pt") for g in range(GROUPS) if (out / f"weights_{g}.pt").exists()}
-    trained = sum(entry["committed"] for entry in survivor)
-    ref = reference(trained)
+    trained = 1 + max(entry["step"] for entry in survivor if entry["committed"])  # steps the run trained
+    ref, one_process_bytes = reference(trained)
+    held = max(v["held_bytes"] for v in logs.values())
 
     def max_diff(a: dict, b: dict) -> float:
         return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-12)) for n in b)
@@ -230,6 +247,10 @@ def run(steps: int, kill_at: int, pace_s: float, out: Path) -> dict:
         "lost_inside_a_step": lost_inside,
         "survivor_extra_wait_s": round(waited - usual, 3),
         "group1_restarted_after_s": round(replaced_in, 2),
+        # Model state a rank holds against a DDP worker's (the whole model's) over K.
+        "held_bytes_per_rank": held,
+        "ddp_held_bytes": one_process_bytes,
+        "held_vs_ddp_over_k": round(held / (one_process_bytes / K), 3),
         "groups_max_rel_diff": max_diff(final[0], final[1]) if len(final) == 2 else None,
         "vs_one_process_max_rel_diff": max_diff(final[0], ref) if 0 in final else None,
         "wall_s": round(time.perf_counter() - started, 1),
@@ -242,11 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-at", type=int, default=8)
     parser.add_argument("--pace-s", type=float, default=0.4)
+    parser.add_argument(
+        "--lose", choices=("one", "both"), default="one", help="one member of group 1 (then the other), or both at once"
+    )
     parser.add_argument("--out", default=None, help="the processes' files (default: a new temporary directory)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="hsdp-probe-"))
-    report = run(args.steps, args.kill_at, args.pace_s, out)
+    report = run(args.steps, args.kill_at, args.pace_s, out, args.lose)
     if args.json:
         Path(args.json).write_text(json.dumps(report))
     steps = report.pop("group0_steps")

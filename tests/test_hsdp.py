@@ -116,12 +116,15 @@ def test_a_lost_group_is_replaced_healed_from_the_live_one_while_it_trains_on(tm
     assert report["group0_pids_unchanged"]  # the survivors were never restarted
     assert report["group1_healed"] == [True, True]  # rank from rank
     steps = report["group0_steps"]
-    assert [s for s, _, committed in steps if committed] == list(range(report["steps_trained"]))  # each once
+    committed = [s for s, _, c in steps if c]
+    # Each step once (group 0 may have joined at step 1, healed from group 1 at the start).
+    assert committed[0] <= 1 and committed == list(range(committed[0], report["steps_trained"]))
     groups = [g for _, g, _ in steps]
     first_pair, alone = groups.index(2), groups.index(1, groups.index(2))
     rejoined = groups.index(2, alone)
     assert set(groups[first_pair:alone]) == {2} and set(groups[alone:rejoined]) == {1} and set(groups[rejoined:]) == {2}
     if report["lost_inside_a_step"]:  # that step is not applied; the survivors take it again alone
         assert steps[alone - 1][2] is False and steps[alone][0] == steps[alone - 1][0]
+    assert report["held_vs_ddp_over_k"] <= 1.15  # a rank holds its share of the model state
     assert report["groups_max_rel_diff"] == 0.0
     assert report["vs_one_process_max_rel_diff"] <= 1e-5  # fp32: the steps of one process on all rows
