@@ -90,8 +90,10 @@ def last_step(out: Path, steps: int) -> int:
     return max(steps, rejoined + 5)
 
 
-def member(group: int, rank: int, store_port: int, lighthouse: str, steps: int, pace_s: float, out: str) -> None:
-    """One rank of one replica group, to `steps` committed steps."""
+def member(
+    group: int, rank: int, store_port: int, lighthouse: str, steps: int, pace_s: float, out: str, replacement: bool
+) -> None:
+    """One rank of one replica group, to `steps` committed steps (`last_step`)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -157,7 +159,7 @@ def member(group: int, rank: int, store_port: int, lighthouse: str, steps: int, 
             }
         )
         progress.write_text(str(manager.current_step()))
-        if healed and committed and not (Path(out) / "rejoined").exists():
+        if replacement and healed and committed and not (Path(out) / "rejoined").exists():
             (Path(out) / "rejoined").write_text(str(manager.current_step()))
     weights = {name: value.full_tensor() for name, value in model.state_dict().items()}
     if rank == 0:
@@ -169,13 +171,15 @@ def member(group: int, rank: int, store_port: int, lighthouse: str, steps: int, 
     dist.destroy_process_group()
 
 
-def start_group(group: int, lighthouse: str, steps: int, pace_s: float, out: str):
+def start_group(group: int, lighthouse: str, steps: int, pace_s: float, out: str, replacement: bool = False):
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     context = mp.get_context("spawn")
     procs = [
-        context.Process(target=member, args=(group, rank, store.port, lighthouse, steps, pace_s, out), daemon=True)
+        context.Process(
+            target=member, args=(group, rank, store.port, lighthouse, steps, pace_s, out, replacement), daemon=True
+        )
         for rank in range(K)
     ]
     for proc in procs:
@@ -214,7 +218,7 @@ def run(steps: int, kill_at: int, pace_s: float, out: Path, lose: str = "one") -
     os.kill(lost[0].pid, signal.SIGKILL)
     for proc in lost:
         proc.join()
-    groups[1] = start_group(1, lighthouse.address(), steps, pace_s, str(out))
+    groups[1] = start_group(1, lighthouse.address(), steps, pace_s, str(out), replacement=True)
     replaced_in = time.perf_counter() - killed_at
     for _, procs in groups.values():
         for proc in procs:
