@@ -11,9 +11,9 @@ a lighthouse) averages each rank's gradient shard over the same rank of the othe
 step trains on the same 32 rows, split over the step's participants: so whatever the groups
 present, each committed step is the step of one process on all 32 rows.
 
-At step --kill-at, group 1's rank 1 is SIGKILLed; half a second later its rank 0 is killed
-too (a group's other members are taken out once one is lost: their shards alone are no model;
---lose both kills both at once), and group 1 starts again as new processes: they heal from
+At step --kill-at, group 1's rank 1 is SIGKILLed. Its rank 0 sees its peer gone and leaves by
+itself (`GroupWatch`: a group's shards are one model only together); --lose both kills both
+at once. Then group 1 starts again as new processes: they heal from
 group 0, rank from rank, and join at a step boundary (each step lasts at least --pace-s, and
 the groups train past --steps until the new group has trained 5 steps with the other, so that
 the run is still going when the new processes have started). Group 0's processes run
@@ -42,6 +42,7 @@ from datetime import timedelta
 from pathlib import Path
 
 ROWS, WIDTH, K, GROUPS, LR, SEED = 32, 16, 2, 2, 1e-2, 0
+LOST_AFTER_S = 0.5  # a member whose peer has not beaten for this long leaves (raytrain.parallel.hsdp.GroupWatch)
 
 
 def build_model():
@@ -101,13 +102,19 @@ def member(
     from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing.pg_transport import PGTransport
 
-    from raytrain.parallel.hsdp import average_across_groups, load_local_state, local_state
+    from raytrain.parallel.hsdp import GroupWatch, average_across_groups, load_local_state, local_state
     from raytrain.parallel.strategy import state_bytes
     from raytrain.rules.replicas import step_share
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=K)
+
+    def leave(why: str) -> None:  # the group is replaced whole: its other members go too
+        (Path(out) / f"left_{group}_{rank}_{os.getpid()}").write_text(why)
+        os._exit(1)
+
+    GroupWatch(store, rank, K, leave, lost_after_s=LOST_AFTER_S).run_in_background()
     model = build_model()
     for block in (model[0], model[2], model[4]):
         fully_shard(block)
@@ -213,11 +220,11 @@ def run(steps: int, kill_at: int, pace_s: float, out: Path, lose: str = "one") -
     (out / "killed").write_text("")
     os.kill(lost[1].pid, signal.SIGKILL)
     killed_at = time.perf_counter()
-    if lose == "one":  # the other member is taken out once the loss is seen
-        time.sleep(0.5)
-    os.kill(lost[0].pid, signal.SIGKILL)
-    for proc in lost:
+    if lose == "both":
+        os.kill(lost[0].pid, signal.SIGKILL)
+    for proc in lost:  # --lose one: rank 0 leaves by itself once it sees its peer gone
         proc.join()
+    left_after = time.perf_counter() - killed_at
     groups[1] = start_group(1, lighthouse.address(), steps, pace_s, str(out), replacement=True)
     replaced_in = time.perf_counter() - killed_at
     for _, procs in groups.values():
@@ -250,6 +257,10 @@ def run(steps: int, kill_at: int, pace_s: float, out: Path, lose: str = "one") -
         "survivor_step_median_s": round(usual, 4),
         "lost_inside_a_step": lost_inside,
         "survivor_extra_wait_s": round(waited - usual, 3),
+        "group1_left_after_s": round(left_after, 2),
+        # --lose one: rank 0 left by itself, through GroupWatch (its reason) or a failed collective.
+        "group1_rank0_exitcode": lost[0].exitcode,
+        "group1_left_why": [path.read_text() for path in sorted(out.glob("left_1_*"))],
         "group1_restarted_after_s": round(replaced_in, 2),
         # Model state a rank holds against a DDP worker's (the whole model's) over K.
         "held_bytes_per_rank": held,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raytrain.parallel.hsdp import average_across_groups, load_local_state, local_state
+from raytrain.parallel.hsdp import GroupWatch, average_across_groups, load_local_state, local_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
 
@@ -93,6 +93,36 @@ def test_each_units_gradient_shard_is_averaged_across_groups_in_place(one_rank_g
         assert torch.allclose(p.grad.to_local(), 0.5 * q.grad.to_local()), name
 
 
+class Store:
+    """Stands for the group's TCPStore: counters by key; `gone` makes it stop answering."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.gone = False
+
+    def add(self, key: str, amount: int) -> int:
+        if self.gone:
+            raise RuntimeError("Connection reset by peer")
+        self.counts[key] = self.counts.get(key, 0) + amount
+        return self.counts[key]
+
+
+def test_a_member_is_told_once_a_peer_of_its_group_stops_beating_or_the_store_is_gone():
+    now = [0.0]
+    store = Store()
+    watches = [GroupWatch(store, rank, 3, print, lost_after_s=1.0, clock=lambda: now[0]) for rank in range(3)]
+    for _ in range(20):  # all three beating: nobody is lost
+        now[0] += 0.1
+        assert [watch.beat() for watch in watches] == [None, None, None]
+    for _ in range(10):  # member 2 stops; within its second the others still wait for it
+        now[0] += 0.1
+        assert [watch.beat() for watch in watches[:2]] == [None, None]
+    now[0] += 0.2
+    assert watches[0].beat().startswith("member 2 of the group stopped for 1.")
+    store.gone = True  # the store's host is gone: every member learns it at its next beat
+    assert watches[1].beat() == "the group's store no longer answers (RuntimeError)"
+
+
 @pytest.mark.slow
 def test_a_lost_group_is_replaced_healed_from_the_live_one_while_it_trains_on(tmp_path):
     probe = Path(__file__).resolve().parents[1] / "benchmarks" / "hsdp_probe.py"
@@ -115,6 +145,10 @@ def test_a_lost_group_is_replaced_healed_from_the_live_one_while_it_trains_on(tm
     assert report["exit_codes"] == {"0": [0, 0], "1": [0, 0]}
     assert report["group0_pids_unchanged"]  # the survivors were never restarted
     assert report["group1_healed"] == [True, True]  # rank from rank
+    # Only rank 1 was killed: rank 0 left by itself (it saw its peer gone, or a collective with it
+    # failed first), so the group was replaced whole.
+    assert report["group1_rank0_exitcode"] == 1
+    assert all(why.startswith("member 1 of the group stopped") for why in report["group1_left_why"])
     steps = report["group0_steps"]
     committed = [s for s, _, c in steps if c]
     # Each step once (group 0 may have joined at step 1, healed from group 1 at the start).
