@@ -145,10 +145,8 @@ def test_a_lost_group_is_replaced_healed_from_the_live_one_while_it_trains_on(tm
     assert report["exit_codes"] == {"0": [0, 0], "1": [0, 0]}
     assert report["group0_pids_unchanged"]  # the survivors were never restarted
     assert report["group1_healed"] == [True, True]  # rank from rank
-    # Only rank 1 was killed: rank 0 left by itself (it saw its peer gone, or a collective with it
-    # failed first), so the group was replaced whole.
-    assert report["group1_rank0_exitcode"] == 1
-    assert all(why.startswith("member 1 of the group stopped") for why in report["group1_left_why"])
+    # Rank 1 was killed; rank 0 was taken out a poll later, or left first (a collective failed).
+    assert report["group1_rank0_exitcode"] in (-9, 1)
     steps = report["group0_steps"]
     committed = [s for s, _, c in steps if c]
     # Each step once (group 0 may have joined at step 1, healed from group 1 at the start).

@@ -36,6 +36,20 @@ def test_groups_in_a_quorum_split_a_steps_rows_by_group_then_by_rank_exactly(gro
     ]
 
 
+def test_a_replaced_worker_starts_its_groups_next_generation_which_its_groups_others_join():
+    generations = rules.GroupGenerations(group_size=2)
+    assert generations.start_all(6) == {0: 0, 1: 0, 2: 0}
+    # Worker 3 (group 1) is lost: its replacement starts generation 1; worker 2 leaves once it
+    # sees the loss, and its replacement joins generation 1.
+    assert generations.start_one(3) == (1, 1, True)
+    assert generations.start_one(2) == (1, 1, False)
+    # Lost again later: a worker that is a member of the current generation starts the next.
+    assert generations.start_one(2) == (1, 2, True)
+    assert generations.start_one(3) == (1, 2, False)
+    assert generations.start_one(0) == (0, 1, True)  # the other groups are their own
+    assert generations.start_all(6) == {0: 2, 1: 3, 2: 1}  # a restart of every worker: all anew
+
+
 def test_a_group_is_consecutive_world_ranks():
     assert [rules.group_of(rank, 2) for rank in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
     assert [rules.group_of(rank, 1) for rank in range(3)] == [(0, 0), (1, 0), (2, 0)]
@@ -153,7 +167,7 @@ class FakeRunner:
 
     def __init__(self, size: int):
         self.batch_plan = type("Plan", (), {"world_size": size})()
-        self.runtime = type("Runtime", (), {"world_size": size})()
+        self.runtime = type("Runtime", (), {"world_size": size, "group_size": 1})()
 
     def for_quorum(self, size: int, num_train_rows: int) -> "FakeRunner":
         return FakeRunner(size)

@@ -22,14 +22,22 @@ pytestmark = pytest.mark.ray
 
 def committed_ids(out: Path) -> dict[int, list[int]]:
     """The ids each epoch trained on in committed steps: per process and step the last record
-    (a step that was not committed is taken again by the same process, with the same step)."""
+    (a step that was not committed is taken again by the same process, with the same step), of
+    the quorum that took the step last (a process taken out inside a step it never committed,
+    with its group, left a record of that step's earlier quorum)."""
     last: dict[tuple[int, int], dict] = {}
     for path in sorted(out.glob("ids-replica*.jsonl")):
         for row in read_jsonl(path):
             last[(row["pid"], row["step"])] = row
+    final: dict[tuple[int, int], dict] = {}  # (epoch, step): its latest record
+    for row in last.values():
+        key = (row["epoch"], row["step"])
+        if key not in final or row["time"] > final[key]["time"]:
+            final[key] = row
     per_epoch: dict[int, list[int]] = defaultdict(list)
     for row in last.values():
-        per_epoch[row["epoch"]].extend(row["ids"])
+        if row["world_size"] == final[(row["epoch"], row["step"])]["world_size"]:
+            per_epoch[row["epoch"]].extend(row["ids"])
     return per_epoch
 
 

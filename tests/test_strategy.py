@@ -234,7 +234,22 @@ def test_compile_without_a_compiler_is_a_configuration_error(monkeypatch):
     "values, message",
     [
         ({"strategy": "fsdp", "workers": 0}, "got fsdp with --workers 0: local mode runs the loop in this process"),
-        ({"strategy": "fsdp", "workers": 2, "fault_tolerance": "per-step"}, "nothing to shard inside a group"),
+        (
+            {"strategy": "fsdp", "workers": 2, "fault_tolerance": "per-step"},
+            "replica groups of one worker, which have nothing to shard within; give --replica-group-size K",
+        ),
+        (
+            {"strategy": "fsdp", "workers": 6, "fault_tolerance": "per-step", "replica_group_size": 4},
+            "got 4 with --workers 6, which is not a whole number of groups; give --workers 4 or 8",
+        ),
+        (
+            {"strategy": "ddp", "workers": 4, "fault_tolerance": "per-step", "replica_group_size": 2},
+            "a replica group of several workers shards one copy of the model; add --strategy fsdp",
+        ),
+        (
+            {"strategy": "fsdp", "workers": 4, "replica_group_size": 2},
+            "replica groups are per-step fault tolerance's; add --fault-tolerance per-step",
+        ),
         ({"strategy": "zero3"}, "strategy: got 'zero3'; choose one of ddp, fsdp"),
     ],
 )

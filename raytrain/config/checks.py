@@ -126,13 +126,7 @@ def across_sections(c: Any) -> Iterable[tuple[str, str]]:
             "got fsdp with --workers 0: local mode runs the loop in this process without a process group, so there "
             "is nothing to shard the model over; give --workers N (N >= 1), or use --strategy ddp in local mode",
         )
-    if c.strategy == "fsdp" and c.fault_tolerance == "per-step":
-        yield (
-            "strategy",
-            "got fsdp with --fault-tolerance per-step: per-step replica groups hold one worker each, so there is "
-            "nothing to shard inside a group (a sharded replica group, HSDP, is not supported); use --strategy fsdp "
-            "with --fault-tolerance restart, or --strategy ddp with per-step",
-        )
+    yield from _replica_group_problems(c, max_workers)
     if (
         c.global_batch_size is not None
         and c.batch_size_per_worker is None
@@ -142,6 +136,35 @@ def across_sections(c: Any) -> Iterable[tuple[str, str]]:
             "global_batch_size",
             f"got {c.global_batch_size}, fewer samples per step than the {max_workers} workers asked for; "
             f"raise it to at least {max_workers} or use fewer --workers",
+        )
+
+
+def _replica_group_problems(c: Any, max_workers: int) -> Iterable[tuple[str, str]]:
+    """--replica-group-size K against the strategy and the worker count (per-step's own checks
+    are the fault-tolerance section's)."""
+    k = c.replica_group_size
+    if c.fault_tolerance != "per-step" or k < 1:
+        return
+    if c.strategy == "fsdp" and k == 1:
+        yield (
+            "strategy",
+            "got fsdp with --fault-tolerance per-step and replica groups of one worker, which have nothing to shard "
+            "within; give --replica-group-size K (workers per group, at least 2, dividing --workers) to shard the "
+            "model within each group (HSDP), or use --strategy ddp with per-step, or --fault-tolerance restart",
+        )
+    if k > 1 and c.strategy != "fsdp":
+        yield (
+            "replica_group_size",
+            f"got {k} with --strategy {c.strategy}: a replica group of several workers shards one copy of the model; "
+            "add --strategy fsdp, or drop --replica-group-size to replicate the model on every worker",
+        )
+    if k > 1 and max_workers and max_workers % k:
+        lower, upper = max_workers // k * k, -(-max_workers // k) * k
+        workers = f"--workers {lower} or {upper}" if lower else f"--workers {upper}"
+        yield (
+            "replica_group_size",
+            f"got {k} with --workers {max_workers}, which is not a whole number of groups; give {workers}, or a "
+            f"--replica-group-size that divides {max_workers}",
         )
 
 

@@ -129,6 +129,11 @@ class FaultToleranceSection:
     """What a failed worker costs: restart (every worker restarts from the last checkpoint) or per-step (torchft: each
     worker is a replica group, the survivors keep stepping, the replacement heals from a live peer; needs pip
     install 'raytrain[ft]')."""
+    replica_group_size: int = 1
+    """With --fault-tolerance per-step and --strategy fsdp: workers per replica group (HSDP). Each group of K shards
+    one copy of the model; the groups average their gradients through torchft, a lost worker takes its group out
+    while the other groups keep stepping, and the group's replacement heals from a live group's shards. K must
+    divide --workers (docs/fault-tolerance.md)."""
     checkpoint_every_steps: int = 0
     """Also checkpoint every this many optimizer steps (0: at the end of each epoch only)."""
     checkpoint_every: Literal["auto"] | None = field(default=None, metadata={"instead_of": "checkpoint_every_steps"})
@@ -161,6 +166,13 @@ class FaultToleranceSection:
         yield from self._auto_interval_problems()
         if self.max_failures < -1:
             yield "max_failures", f"got {self.max_failures}; must be 0 or more (-1 retries forever)"
+        yield from positive_int("replica_group_size", self.replica_group_size, 2)
+        if self.replica_group_size > 1 and self.fault_tolerance != "per-step":
+            yield (
+                "replica_group_size",
+                f"got {self.replica_group_size} with --fault-tolerance {self.fault_tolerance}: replica groups are "
+                "per-step fault tolerance's; add --fault-tolerance per-step, or drop --replica-group-size",
+            )
         if self.fault_tolerance == "per-step" and self.max_failures == 0:
             yield (
                 "max_failures",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
-from raytrain.driver import interrupts
+from raytrain.driver import interrupts, replacement
 from raytrain.driver.replacement import ReplicaGroups, lost_while_replacing
 from raytrain.errors import find_user_error
 
@@ -31,6 +31,10 @@ class FailFastPolicy(FailurePolicy):
     def make_decision(self, training_failed_error) -> FailureDecision:
         if find_user_error(training_failed_error) is not None:
             return FailureDecision.RAISE
+        groups = replacement.running() if self.replica_groups else None  # the callback taking groups out
+        failed = set(getattr(training_failed_error, "worker_failures", None) or {})
+        if groups is not None and groups.counted_already(failed):
+            return FailureDecision.RETRY  # taken out with its group's loss, which counted once
         if self.replica_groups and lost_while_replacing(training_failed_error):
             self.replacements_retried += 1
             limit = self.failure_config.max_failures
@@ -44,11 +48,15 @@ class FailFastTrainer(TorchTrainer):
     replica groups, `ReplicaGroups`), and whose signals raytrain handles
     (`raytrain.driver.interrupts`) instead of Ray's SIGINT handler."""
 
+    def __init__(self, *args, replica_group_size: int = 1, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.replica_group_size = replica_group_size  # workers per replica group (per-step)
+
     def _initialize_and_run_controller(self, **kwargs):
         replica_groups = bool(getattr(self.backend_config.backend_cls, "has_replica_groups", False))
         kwargs["failure_policy"] = FailFastPolicy(kwargs["failure_policy"], replica_groups=replica_groups)
         if replica_groups:
-            kwargs["callbacks"] = [*kwargs["callbacks"], ReplicaGroups()]
+            kwargs["callbacks"] = [*kwargs["callbacks"], ReplicaGroups(self.replica_group_size)]
         return super()._initialize_and_run_controller(**kwargs)
 
     def _register_sigint_handler(self, controller) -> None:

@@ -105,4 +105,5 @@ def build_torch_trainer(
             worker_runtime_env={"env_vars": {**WORKER_ENV, **_passed_on(RETRY_ENV)}},
             callbacks=list(callbacks),
         ),
+        replica_group_size=cfg.replica_group_size,
     )

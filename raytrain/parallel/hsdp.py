@@ -144,7 +144,16 @@ def _like(param: torch.Tensor, value: Any) -> Any:
         return value
     value = value.detach().clone()
     if isinstance(param, DTensor) and value.shape == param.to_local().shape:
-        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False)
+        # The parameter's global shape and stride: FSDP2 shards unevenly (the last ranks may
+        # hold fewer rows), which a shape inferred from this rank's rows would get wrong.
+        return DTensor.from_local(
+            value.to(param.device),
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.size(),
+            stride=param.stride(),
+        )
     return value
 
 

@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 
 # Set on every per-step worker before its training function runs (raytrain.driver.replacement).
 START_ENV = "RAYTRAIN_REPLICA_START"
+# With replica groups of several workers: "HOST:PORT:GENERATION" of the worker's group's store.
+GROUP_STORE_ENV = "RAYTRAIN_GROUP_STORE"
 STARTS_WITH_GROUP = "group"
 REPLACES_ONE = "replacement"
 
@@ -55,6 +57,50 @@ def step_share(group_in_quorum: int, groups: int, group_rank: int, group_size: i
     return group_in_quorum * group_size + group_rank, groups * group_size
 
 
+class GroupGenerations:
+    """Which incarnation of its replica group a starting worker joins. A group of several
+    workers is one model only together: when one of its workers is replaced, the group starts
+    again as a new generation (a new rendezvous), which its other workers join as they are
+    replaced in turn (they leave once they see the loss). A worker that starts while it is
+    still a member of its group's current generation is the first of a new one."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self.generation: dict[int, int] = {}
+        self.members: dict[int, set[int]] = {}
+
+    def start_all(self, world_size: int) -> dict[int, int]:
+        """Every worker starts (a fresh start, a restart of the whole group): each group's next
+        generation, by group."""
+        for group in range(world_size // self.group_size):
+            self.generation[group] = self.generation.get(group, -1) + 1
+            self.members[group] = set(range(group * self.group_size, (group + 1) * self.group_size))
+        return dict(self.generation)
+
+    def start_one(self, world_rank: int) -> tuple[int, int, bool]:
+        """A replacement starts: (its group, the generation it joins, whether that generation
+        is new)."""
+        group = world_rank // self.group_size
+        members = self.members.setdefault(group, set())
+        new = world_rank in members or group not in self.generation
+        if new:
+            self.generation[group] = self.generation.get(group, -1) + 1
+            members.clear()
+        members.add(world_rank)
+        return group, self.generation[group], new
+
+    def taken_out(self, failing: "set[int] | list[int]") -> set[int]:
+        """The workers to take out for `failing` ones: a failing member of its group's current
+        generation takes every member of that generation out with it (their shards alone are
+        no model); a failing worker of an earlier generation (one taken out already, or left),
+        only itself: its group's new generation is forming without it."""
+        out: set[int] = set()
+        for rank in failing:
+            members = self.members.get(rank // self.group_size, set())
+            out |= members if rank in members else {rank}
+        return out
+
+
 def starts_with_group(environ: Mapping[str, str]) -> bool:
     """Whether this worker starts with its group (and waits for it). Unsaid, it is taken for a
     replacement: one that waits for no one can never hold a live quorum up."""
@@ -82,6 +128,8 @@ def quorum_wait_s(collective_timeout_s: float, join_timeout_s: float, heartbeat_
 
 __all__ = [
     "FIRST_STEP_GRACE_S",
+    "GROUP_STORE_ENV",
+    "GroupGenerations",
     "REPLACES_ONE",
     "STALL_GRACE_MIN_S",
     "START_ENV",

@@ -128,10 +128,13 @@ def changes(
             )
         )
     changed = []
+    # A field the run's config.yaml does not name came after the run was written: the run ran
+    # as its default says.
+    defaults = {option.name: option.default for option in fields.options(TrainConfig)}
     for name in sorted(set(stored.config) | set(new_config)):
         if name in INVOCATION_FIELDS:
             continue
-        before, now = stored.config.get(name), new_config.get(name)
+        before, now = stored.config.get(name, defaults.get(name)), new_config.get(name)
         if before == now:
             continue
         if name in STATE_FIELDS and stored.checkpoint is not None:

@@ -111,7 +111,7 @@ class Checkpointer:
                 choice.pass_over(directory, str(error))
                 failed = 1.0
             if runtime.distributed_checkpoints:  # every rank continues from the same one
-                failed = runtime.all_reduce_sum([failed])[0]
+                failed = runtime.group_sum([failed])[0]
             if not failed:
                 saved = train_state
                 runner.telemetry = Telemetry.restored(train_state)
@@ -182,7 +182,7 @@ class Checkpointer:
         started, runtime = time.perf_counter(), self.runtime
         self.finish()  # one in flight at a time: bounded host memory and local disk
         name = runtime.all_gather_object(ckpt.checkpoint_name(position.step) if runtime.is_rank0 else None)[0]
-        if runtime.is_rank0 or self.via_ray:  # per-step: the quorum's rank 0 writes all of it
+        if runtime.writes_checkpoints or self.via_ray:  # per-step: the quorum's first group (or rank 0) writes
             distributed, staging = runtime.distributed_checkpoints, ckpt.staging_dir(self.store) / name
             with storage_errors(staging, "write the checkpoint"):
                 state = runner.training_state(position)

@@ -66,7 +66,7 @@ class Epochs:
                 start, samples_before = time.perf_counter(), position.samples_seen
             if not self.announced:
                 # Alone in its first quorum after the others wrote the end: a replacement too late to join.
-                if quorum.size == 1 < runtime.replica_count and self.files.rundir.finished(budget):
+                if quorum.size == runtime.group_size < runtime.replica_count and self.files.rundir.finished(budget):
                     return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True)
                 if runtime.healed:  # a replacement says nothing of its own: the quorum's line does
                     self.announced = True
@@ -134,14 +134,15 @@ class Epochs:
     def quorum_line(self, previous: int) -> str:
         """`Quorum 3 → 2 replicas at step 40 (epoch 1, 1,280 samples into it): <plan>; lr now …`."""
         runner, position = self.runner, self.position
-        now = runner.runtime.world_size
-        why = (
-            "a replica was lost; the survivors go on"
-            if now < previous
-            else "a replica rejoined, healed from a live peer"
-        )
+        now, k = runner.runtime.world_size, runner.runtime.group_size
+        if k > 1:  # replica groups of several workers: counted in workers, and in groups
+            what = f"workers ({previous // k} → {now // k} replica groups of {k})"
+            lost, back = "a worker was lost, and its group with it; the other groups go on", "a group rejoined"
+        else:
+            what, lost, back = "replicas", "a replica was lost; the survivors go on", "a replica rejoined"
+        why = lost if now < previous else f"{back}, healed from a live peer"
         return (
-            f"Quorum {previous} → {now} replicas at step {position.step} (epoch {position.epoch + 1}, "
+            f"Quorum {previous} → {now} {what} at step {position.step} (epoch {position.epoch + 1}, "
             f"{position.epoch_offset:,} samples into it; {why}): {runner.describe_plan()}; "
             f"lr now {sci(runner.lr_at(position.samples_seen))}"
         )

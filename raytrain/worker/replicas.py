@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from raytrain.parallel.hsdp import GroupWatch
 from raytrain.rules import replicas as rules
 from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind
@@ -48,6 +49,12 @@ from raytrain.worker.runtime import Quorum, Runtime, group_barrier
 # (measured here: about 1 s lost per failure at 1000 ms).
 JOIN_TIMEOUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 1.0
+# A worker of a replica group of several leaves once a member of its group has not beaten for
+# this long (`raytrain.parallel.hsdp.GroupWatch`). The controller takes a lost worker's group
+# out first, within its poll (`raytrain.driver.replacement`); the watch is for a loss the
+# controller does not see. Long enough that a loaded machine, where a process can go a few
+# seconds unscheduled, is not taken for a loss (2.5 s seen with 4 workers on 2 cores).
+GROUP_LOST_AFTER_S = 15.0
 LIGHTHOUSE_KWARGS = {
     "min_replicas": 1,
     "join_timeout_ms": int(JOIN_TIMEOUT_S * 1000),
@@ -109,13 +116,17 @@ class ReplicaRuntime(Runtime):
 
     per_step = True
 
-    def __init__(self, timeout_s: float, run_dir: "str | os.PathLike | Store") -> None:
+    def __init__(self, timeout_s: float, run_dir: "str | os.PathLike | Store", group_size: int = 1) -> None:
         super().__init__()
 
         self.replica_rank, self._replicas = self.world_rank, self.world_size  # Ray Train's rank and size
+        self.timeout_s = timeout_s
+        self.group_size = group_size
+        self.group, self.group_rank = rules.group_of(self.replica_rank, group_size)
+        self.group_store: tuple[str, int] | None = None  # a group of several workers: where it meets
+        self.group_watch: GroupWatch | None = None
         self.quorum = Quorum(self.replica_count, self.replica_rank)  # until the first step's quorum
         self.healed = False
-        self.timeout_s = timeout_s
         self.starts_with_group = rules.starts_with_group(os.environ)
         self.manager = None
         self._state: Callable[[], dict[str, Any]] | None = None
@@ -124,9 +135,38 @@ class ReplicaRuntime(Runtime):
         self.watch = StallWatch(self._leave_stalled)
         self.work_s: deque[float] = deque(maxlen=rules.STEPS_REMEMBERED)  # committed steps' work
         self.distributed = True
-        self.backend = (
-            f"torchft ({'nccl' if self.device.type == 'cuda' else 'gloo'}) over {self.replica_count} replicas"
+        collectives = "nccl" if self.device.type == "cuda" else "gloo"
+        self.backend = f"torchft ({collectives}) over {self.replica_count} replicas"
+        if group_size > 1:
+            self._form_group(collectives)
+            groups = self.replica_count // group_size
+            self.backend = f"torchft ({collectives}) over {groups} replica groups of {group_size} (fsdp within each)"
+
+    def _form_group(self, backend: str) -> None:
+        """This worker's replica group of several: the process group its model is sharded over
+        (its default group, in place of Ray Train's group of one), met on the group's store
+        (`raytrain.driver.replacement`), and the watch that ends this worker once a member of
+        its group is gone (the group is replaced whole)."""
+        import torch.distributed as dist
+
+        host, port, generation = os.environ[rules.GROUP_STORE_ENV].rsplit(":", 2)
+        self.group_store = (host, int(port))
+        timeout = timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"raytrain/group/{generation}", store),
+            rank=self.group_rank,
+            world_size=self.group_size,
+            timeout=timeout,
         )
+        watched = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
+        self.group_watch = GroupWatch(
+            watched, self.group_rank, self.group_size, self._leave_group, lost_after_s=GROUP_LOST_AFTER_S
+        )
+        self.group_watch.run_in_background()
 
     @property
     def replica_count(self) -> int:
@@ -145,16 +185,20 @@ class ReplicaRuntime(Runtime):
 
         timeout = timedelta(seconds=self.timeout_s)
         pg = ProcessGroupNCCL(timeout=timeout) if self.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        if self.group_store is not None:  # rank r of every group averages with rank r of the others
+            host, port = self.group_store
+            group = {"rank": self.group_rank, "world_size": self.group_size, "store_addr": host, "store_port": port}
+            replica_id = f"raytrain_group_{self.group}"
+        else:  # a replica group of one worker: rank 0 of 1 inside it (RANK/WORLD_SIZE hold Ray Train's)
+            group, replica_id = {"rank": 0, "world_size": 1}, f"raytrain_{self.replica_rank}"
         self.manager = Manager(
             pg=pg,
             load_state_dict=self._load_live_state,
             state_dict=self._live_state,
             min_replica_size=1,
             use_async_quorum=False,  # heal before the step's rows are chosen
-            # A replica group of one worker: rank 0 of 1 inside it (RANK/WORLD_SIZE hold Ray Train's).
-            rank=0,
-            world_size=1,
-            replica_id=f"raytrain_{self.replica_rank}",
+            replica_id=replica_id,
+            **group,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=rules.quorum_wait_s(self.timeout_s, JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S)),
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device),
@@ -164,14 +208,21 @@ class ReplicaRuntime(Runtime):
         self, model: torch.nn.Module, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
     ) -> torch.nn.Module:
         """Ready to step: returns `model` in torchft's DDP (gradients averaged over each step's
-        participants). `state`/`load`: what a joining replica copies from a live one (model,
-        optimizer, scaler, position). Starts the Manager if it has not started yet."""
+        participants), or, sharded within a group of several workers, with its gradient shards
+        averaged across the step's groups (`raytrain.parallel.hsdp`). `state`/`load`: what a
+        joining replica copies from a live one (model, optimizer, scaler, position). Starts the
+        Manager if it has not started yet."""
         from torchft import DistributedDataParallel
+
+        from raytrain.parallel.hsdp import average_across_groups
 
         self._state, self._load = state, load
         if self.manager is None:
             self.start_manager()
         self.watch.run_in_background()
+        if self.group_store is not None:
+            average_across_groups(model, self.manager)
+            return model
         return DistributedDataParallel(self.manager, model)
 
     def _live_state(self) -> dict[str, Any]:
@@ -181,6 +232,16 @@ class ReplicaRuntime(Runtime):
         if state and self._load is not None:
             self._load(state)
             self.healed = True
+
+    def _leave_group(self, why: str) -> None:
+        """A member of this worker's group is gone, and its shards with it: say so, then exit,
+        so that the whole group is replaced while the other groups go on."""
+        message = f"Replica group {self.group} lost a worker ({why}): its worker {self.group_rank} leaves too"
+        with contextlib.suppress(Exception):
+            RunDir(self.run_dir).append_event(
+                Event(Kind.QUORUM, message, extra={"group": self.group, "replica": self.replica_rank})
+            )
+        os._exit(1)
 
     def _leave_stalled(self, step: int, seconds: float) -> None:
         """Say which replica stalled, then exit: Ray Train replaces it, the others go on."""
@@ -201,8 +262,9 @@ class ReplicaRuntime(Runtime):
         commit the stall watch runs: the wait for the quorum is not this replica's work."""
         self.healed = False
         self.manager.start_quorum()
-        rank = self.manager.participating_rank()
-        self.quorum = Quorum(self.manager.num_participants(), rank if rank is not None else 0)
+        place = self.manager.participating_rank()  # this group's among the step's groups
+        rank, size = rules.step_share(place or 0, self.manager.num_participants(), self.group_rank, self.group_size)
+        self.quorum = Quorum(size, rank)
         # The loop splits rows, weights gradients and writes files by its place in the quorum.
         self.world_size, self.world_rank = self.quorum.size, self.quorum.rank
         self.watch.enter(step, rules.stall_after_s(self.timeout_s, list(self.work_s)))
@@ -232,15 +294,51 @@ class ReplicaRuntime(Runtime):
         return None
 
     def shutdown(self) -> None:
+        if self.group_watch is not None:
+            self.group_watch.stop()
         if self.manager is not None:
             self.manager.shutdown(wait=False)
 
     # -- what the loop sees (per_step: no collective outside a step, `Runtime`) ----------------
 
+    @property
+    def distributed_checkpoints(self) -> bool:
+        """A group of several workers writes and reads its checkpoints together (DCP over the
+        group); a replica of one writes and reads all of one by itself."""
+        return self.group_store is not None
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """The quorum's first group writes them (a group of one: the quorum's rank 0)."""
+        return self.quorum.rank < self.group_size
+
+    def group_sum(self, values: list[float]) -> list[float]:
+        """Sum over this worker's group (a collective within it; a group of one: these values)."""
+        if self.group_store is None:
+            return list(values)
+        import torch.distributed as dist
+
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")  # NCCL reduces on the GPU
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return [float(v) for v in tensor.tolist()]
+
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Every worker of this group's `value`, by rank in the group (a group of one: this one's)."""
+        if self.group_store is None:
+            return [value]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.group_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
     def all_reduce_sum(self, values: list[float]) -> list[float]:
-        """Sum over the participants of the last step (a failed reduction counts this replica only)."""
+        """Sum over the participants of the last step: within the group, then across the
+        groups (a failed reduction across groups counts this group only)."""
         from torch.distributed import ReduceOp
 
+        values = self.group_sum(values)
         tensor = torch.tensor(
             values, dtype=torch.float64 if self.device.type == "cpu" else torch.float32, device=self.device
         )

@@ -44,6 +44,7 @@ class Runtime:
     # torchft's DDP when the replica joins (`ReplicaRuntime.join`), not by Ray's.
     per_step = False
     healed = False  # the last quorum loaded the live state from a peer
+    group_size = 1  # workers that hold one copy of the model between them (per-step's replica groups)
 
     def __init__(self) -> None:
         context = ray.train.get_context()
@@ -90,6 +91,10 @@ class Runtime:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor.tolist()
 
+    def group_sum(self, values: list[float]) -> list[float]:
+        """Sum over the workers that continue from one checkpoint together: all of them."""
+        return self.all_reduce_sum(values)
+
     def evaluation_share(self) -> tuple[int, int]:
         """(rank, world size) over which validation is split and reduced."""
         return (0, 1) if self.per_step else (self.world_rank, self.world_size)
@@ -127,6 +132,12 @@ class Runtime:
             raise
 
     # -- checkpoints and reports --------------------------------------------------------
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this worker writes the run's checkpoints without Ray Train (per-step's quorum
+        writes its own): rank 0."""
+        return self.is_rank0
+
     @property
     def distributed_checkpoints(self) -> bool:
         """Whether every rank writes and reads its part of a checkpoint together (DCP over the

@@ -204,10 +204,18 @@ class TrainingState:
     # -- a live peer (per-step) ---------------------------------------------------------------
 
     def live(self) -> dict[str, Any]:
-        """What a joining replica copies from this one (per-step mode)."""
+        """What a joining replica copies from this one (per-step mode; sharded within a replica
+        group, this rank's shards, as plain tensors: `raytrain.parallel.hsdp.local_state`)."""
+        if self.sharded:
+            from raytrain.parallel.hsdp import local_state
+
+            held = local_state(self.model, self.optimizer)
+            model, optimizer = held["model"], held["optim"]
+        else:
+            model, optimizer = unwrap(self.model).state_dict(), self.optimizer.state_dict()
         return {
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scaler": self.scaler.state_dict(),
             "position": dataclasses.asdict(self.position),
             "telemetry": dataclasses.asdict(self.telemetry),
@@ -215,8 +223,13 @@ class TrainingState:
 
     def load_live(self, live: dict[str, Any]) -> None:
         """Take a live peer's state (per-step mode), the position included."""
-        unwrap(self.model).load_state_dict(live["model"])
-        self.optimizer.load_state_dict(live["optimizer"])
+        if self.sharded:
+            from raytrain.parallel.hsdp import load_local_state
+
+            load_local_state(self.model, self.optimizer, {"model": live["model"], "optim": live["optimizer"]})
+        else:
+            unwrap(self.model).load_state_dict(live["model"])
+            self.optimizer.load_state_dict(live["optimizer"])
         self.scaler.load_state_dict(live["scaler"])
         for part, restored in ((self.position, Position.restored(live)), (self.telemetry, Telemetry.restored(live))):
             for name in (f.name for f in dataclasses.fields(part)):

@@ -1,0 +1,75 @@
+"""Per-step fault tolerance for a sharded model on CPU (`--fault-tolerance per-step --strategy
+fsdp --replica-group-size 2`, torchft on gloo): 4 workers as 2 groups of 2, each group holding
+one copy of the model sharded over its 2 workers. A worker of one group is SIGKILLed mid-epoch:
+its group's other worker is taken out too, the other group never restarts and trains on alone,
+the group's replacement heals from the live group's shards, every id is trained once per
+epoch, and the run's model exports strict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from rt_test_pipelines import ReplicaRecordingPipeline, read_jsonl  # noqa: E402
+from test_replicas_ray import committed_ids, processes  # noqa: E402
+
+from raytrain import TrainConfig, fit  # noqa: E402
+from raytrain.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+def test_a_worker_lost_takes_its_group_out_and_the_other_group_trains_on_then_the_group_heals_back(
+    ray_session, tmp_path
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = 900
+    cfg = TrainConfig(
+        workers="4",
+        epochs=3,
+        batch_size_per_worker=10,
+        lr=0.05,
+        warmup_epochs=0,
+        fault_tolerance="per-step",
+        strategy="fsdp",
+        replica_group_size=2,
+        storage=str(tmp_path),
+        name="hsdp",
+        log_every_steps=4,
+        progress="off",
+    )
+    # Steps paced at 1 s until the killed worker's replacement trains: its group's two workers
+    # are replaced one after the other (~10–30 s each here), then heal and rejoin.
+    pipeline = ReplicaRecordingPipeline(str(out), num_rows=rows, crash_at_step=5, step_sleep_s=1.0, kill_replica=3)
+    result = fit(pipeline, cfg)
+
+    pids = processes(out)
+    killed = json.loads((out / "killed-replica3").read_text())
+    assert len(pids[0]) == 1 and len(pids[1]) == 1, pids  # group 0 never restarted
+    assert pids[3] - {killed["pid"]}, "the killed worker was replaced"
+    assert len(pids[2]) == 2, pids  # its group's other worker left too, and was replaced
+    for epoch, ids in committed_ids(out).items():
+        assert sorted(ids) == list(range(rows)), f"epoch {epoch}: not every id exactly once"
+    assert sorted(committed_ids(out)) == [0, 1, 2]
+
+    run_dir = Path(result.run_dir)
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert "over 2 replica groups of 2 (fsdp within each)" in events[0]["message"]
+    quorum = [e for e in events if e["kind"] == "quorum" and "world_size" in e]
+    assert [(e["previous_world_size"], e["world_size"]) for e in quorum][:2] == [(4, 2), (2, 4)], quorum
+    assert quorum[0]["message"].startswith("Quorum 4 → 2 workers (2 → 1 replica groups of 2) at step 5")
+    assert "a worker was lost, and its group with it; the other groups go on" in quorum[0]["message"]
+    assert "a group rejoined, healed from a live peer" in quorum[1]["message"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["failures_recovered"] >= 1 and 2 in summary["world_sizes"]
+
+    exported = tmp_path / "exported.pt"
+    assert main(["export", str(run_dir), "-o", str(exported)]) == 0
+    model = pipeline.build_model(cfg)
+    model.load_state_dict(torch.load(exported, weights_only=True), strict=True)
