@@ -16,6 +16,13 @@ replicas lost in the same step, rank 0 lost, one replica hung with 3 and with 2 
 when the lost replicas are back, the run's world sizes and failures.
 
     python benchmarks/fault_tolerance.py OUT_DIR --patterns [--analyze]
+
+The same failure for a sharded model: fsdp on 4 workers, restart against per-step with 2
+replica groups of 2 (`--replica-group-size 2`), worker 1 killed (its group is taken out, the
+other trains on), each beside its run without a failure; and the model state a worker holds
+against a DDP worker's over the group size.
+
+    python benchmarks/fault_tolerance.py OUT_DIR --sharded [--analyze]
 """
 
 from __future__ import annotations
@@ -38,12 +45,16 @@ from raytrain.observe.render import markdown_table  # noqa: E402
 from raytrain.rundir import Kind, RunDir  # noqa: E402
 
 
-def run(out: Path, mode: str, seed: int, kill_step: int | None, args) -> dict:
-    name = f"{mode}-s{seed}" + ("-kill" if kill_step is not None else "")
+def run(out: Path, mode: str, seed: int, kill_step: int | None, args, sharded: bool = False) -> dict:
+    """One run of `mode`; `sharded`: fsdp on 4 workers, per-step as 2 replica groups of 2."""
+    name = ("sharded-" if sharded else "") + f"{mode}-s{seed}" + ("-kill" if kill_step is not None else "")
     records = out / name / "records"
     records.mkdir(parents=True, exist_ok=True)
+    layout = {"workers": "4", "strategy": "fsdp"} if sharded else {"workers": "3"}
+    if sharded and mode == "per-step":
+        layout["replica_group_size"] = 2
     cfg = TrainConfig(
-        workers="3",
+        **layout,
         epochs=args.epochs,
         global_batch_size=96,
         lr=2e-3,
@@ -90,10 +101,11 @@ def stall_s(rows: list[dict], at: float) -> float:
     return max(after, default=0.0) - statistics.median(gaps)
 
 
-def measure(killed: dict, clean: dict) -> dict:
+def measure(killed: dict, clean: dict, watched: int = 0, survivor_replicas: tuple[int, ...] = (0, 2)) -> dict:
+    """The failure's cost to replica `watched` (a survivor), against the run without it."""
     records, run_dir = Path(killed["records"]), RunDir(killed["run_dir"])
     kill = json.loads((records / "killed-replica1").read_text())
-    replica0 = rows_of(records / "steps-replica0.jsonl")
+    replica0 = rows_of(records / f"steps-replica{watched}.jsonl")
     replica1 = [r for r in rows_of(records / "steps-replica1.jsonl") if r["pid"] != kill["pid"]]
     back = min((r["time"] for r in replica1), default=float("nan"))
     if killed["mode"] == "per-step":  # back in the quorum: the line saying it grew
@@ -103,18 +115,80 @@ def measure(killed: dict, clean: dict) -> dict:
             if e.kind == Kind.QUORUM and e.extra.get("world_size", 0) > e.extra.get("previous_world_size", 0)
         ]
         back = min(rejoined, default=back)
-    survivors = [r for i in (0, 2) for r in rows_of(records / f"steps-replica{i}.jsonl")]
+    survivors = [r for i in survivor_replicas for r in rows_of(records / f"steps-replica{i}.jsonl")]
     counts = Counter(r["step"] for r in replica0)
     return {
         "mode": killed["mode"],
         "lost_s": lost_s(replica0),
-        "clean_lost_s": lost_s(rows_of(Path(clean["records"]) / "steps-replica0.jsonl")),
+        "clean_lost_s": lost_s(rows_of(Path(clean["records"]) / f"steps-replica{watched}.jsonl")),
         "stall_s": stall_s(replica0, kill["time"]),
         "back_s": back - kill["time"],
-        "redone": sum(1 for n in counts.values() if n > 1),  # steps replica 0 trained more than once
-        "survivors_restarted": len({r["pid"] for r in survivors}) > 2,
+        "redone": sum(1 for n in counts.values() if n > 1),  # steps the watched replica trained more than once
+        "survivors_restarted": len({r["pid"] for r in survivors}) > len(survivor_replicas),
         "val_loss": killed["val_loss"],
+        "memory": next((e.extra for e in run_dir.events() if e.kind == Kind.MEMORY), {}),
     }
+
+
+def ddp_state_bytes() -> int:
+    """The model state a DDP worker of digits holds (parameters, gradients, AdamW's moments),
+    after one step in this process: the reference for a sharded worker's."""
+    import torch
+    import torch.nn.functional as F
+
+    from raytrain.parallel.strategy import state_bytes
+
+    model = KilledDigits("").build_model(None)
+    optimizer = torch.optim.AdamW(model.parameters())
+    F.cross_entropy(model(torch.zeros(2, 1, 8, 8)), torch.zeros(2, dtype=torch.long)).backward()
+    optimizer.step()
+    return sum(state_bytes(model, optimizer).values())
+
+
+def sharded(args) -> int:
+    """fsdp on 4 workers: restart against per-step with 2 replica groups of 2 (worker 1, of
+    group 0, killed; group 1 survives: replica 2 watched), each beside its run without a
+    failure; and the model state a worker holds against a DDP worker's over the group size."""
+    path = args.out / "sharded.json"
+    if args.analyze:
+        runs = json.loads(path.read_text())
+    else:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
+        try:
+            runs = {
+                f"{mode}{suffix}": run(args.out, mode, 0, step, args, sharded=True)
+                for mode in ("restart", "per-step")
+                for suffix, step in (("", None), ("-kill", args.kill_step))
+            }
+        finally:
+            ray.shutdown()
+        path.write_text(json.dumps(runs, indent=2) + "\n")
+    table = [measure(runs[f"{m}-kill"], runs[m], watched=2, survivor_replicas=(2, 3)) for m in ("restart", "per-step")]
+    header = ["fsdp, 4 workers", "replica 2 beyond its steady pace (s): with the failure / without"]
+    header += ["its longest wait (s)", "lost worker back after (s)", "steps trained twice", "survivors restarted"]
+    header += ["final val_loss"]
+    rows = [
+        [
+            "restart" if t["mode"] == "restart" else "per-step, 2 groups of 2",
+            f"{t['lost_s']:.1f} / {t['clean_lost_s']:.1f}",
+            f"{t['stall_s']:.1f}",
+            f"{t['back_s']:.1f}",
+            t["redone"],
+            "yes" if t["survivors_restarted"] else "no",
+            f"{t['val_loss']:.4f}",
+        ]
+        for t in table
+    ]
+    print("\n".join(markdown_table(header, rows, align="right")))
+    ddp = ddp_state_bytes()
+    for t in table:
+        held = max(sum(t["memory"].get(k, [0])[i] for k in ("parameters", "gradients", "optimizer")) for i in (0, 1))
+        share = 2 if t["mode"] == "per-step" else 4
+        print(
+            f"{t['mode']}: a worker holds {held:,} B of model state; a DDP worker {ddp:,} B; "
+            f"held / (DDP / {share}) = {held / (ddp / share):.3f}"
+        )
+    return 0
 
 
 # name: (workers, replicas killed at the fault step, replica hung at it)
@@ -233,9 +307,12 @@ def main() -> int:
     parser.add_argument("--step-sleep-s", type=float, default=0.2)
     parser.add_argument("--analyze", action="store_true", help="no runs: the table from OUT_DIR/fault_tolerance.json")
     parser.add_argument("--patterns", action="store_true", help="per-step only: the failure patterns (PATTERNS)")
+    parser.add_argument("--sharded", action="store_true", help="fsdp: restart against per-step replica groups")
     args = parser.parse_args()
     if args.patterns:
         return patterns(args)
+    if args.sharded:
+        return sharded(args)
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.analyze:
         saved = json.loads((args.out / "fault_tolerance.json").read_text())
