@@ -130,6 +130,19 @@ def measure(killed: dict, clean: dict, watched: int = 0, survivor_replicas: tupl
     }
 
 
+def cost_row(label: str, t: dict) -> list:
+    """One row of the cost table from `measure`'s figures."""
+    return [
+        label,
+        f"{t['lost_s']:.1f} / {t['clean_lost_s']:.1f}",
+        f"{t['stall_s']:.1f}",
+        f"{t['back_s']:.1f}",
+        t["redone"],
+        "yes" if t["survivors_restarted"] else "no",
+        f"{t['val_loss']:.4f}",
+    ]
+
+
 def ddp_state_bytes() -> int:
     """The model state a DDP worker of digits holds (parameters, gradients, AdamW's moments),
     after one step in this process: the reference for a sharded worker's."""
@@ -167,18 +180,7 @@ def sharded(args) -> int:
     header = ["fsdp, 4 workers", "replica 2 beyond its steady pace (s): with the failure / without"]
     header += ["its longest wait (s)", "lost worker back after (s)", "steps trained twice", "survivors restarted"]
     header += ["final val_loss"]
-    rows = [
-        [
-            "restart" if t["mode"] == "restart" else "per-step, 2 groups of 2",
-            f"{t['lost_s']:.1f} / {t['clean_lost_s']:.1f}",
-            f"{t['stall_s']:.1f}",
-            f"{t['back_s']:.1f}",
-            t["redone"],
-            "yes" if t["survivors_restarted"] else "no",
-            f"{t['val_loss']:.4f}",
-        ]
-        for t in table
-    ]
+    rows = [cost_row("restart" if t["mode"] == "restart" else "per-step, 2 groups of 2", t) for t in table]
     print("\n".join(markdown_table(header, rows, align="right")))
     ddp = ddp_state_bytes()
     for t in table:
@@ -340,18 +342,7 @@ def main() -> int:
                     "survivors restarted",
                     "final val_loss",
                 ],
-                [
-                    [
-                        t["mode"],
-                        f"{t['lost_s']:.1f} / {t['clean_lost_s']:.1f}",
-                        f"{t['stall_s']:.1f}",
-                        f"{t['back_s']:.1f}",
-                        t["redone"],
-                        "yes" if t["survivors_restarted"] else "no",
-                        f"{t['val_loss']:.4f}",
-                    ]
-                    for t in table
-                ],
+                [cost_row(t["mode"], t) for t in table],
                 align="right",
             )
         )

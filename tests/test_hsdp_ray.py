@@ -77,3 +77,44 @@ def test_a_worker_lost_takes_its_group_out_and_the_other_group_trains_on_then_th
     assert main(["export", str(run_dir), "-o", str(exported)]) == 0
     model = pipeline.build_model(cfg)
     model.load_state_dict(torch.load(exported, weights_only=True), strict=True)
+
+
+def test_groups_train_as_a_restarting_fsdp_run_and_their_checkpoint_resumes_under_ddp_at_another_count(
+    ray_session, tmp_path
+):
+    """Without a failure, 2 groups of 2 take the steps 4 fsdp workers take (fp32); the groups'
+    checkpoint (DCP shards of the writing group) resumes at 2 workers under ddp and restart."""
+    out = tmp_path / "out"
+    out.mkdir()
+    common = dict(
+        workers="4",
+        batch_size_per_worker=10,
+        lr=0.05,
+        warmup_epochs=0,
+        strategy="fsdp",
+        storage=str(tmp_path),
+        log_every_steps=1,
+        progress="off",
+        max_steps=12,
+    )
+    pipeline = ReplicaRecordingPipeline(str(out), num_rows=600)
+    restart = fit(pipeline, TrainConfig(**common, name="restart"))
+    groups = fit(pipeline, TrainConfig(**common, name="groups", fault_tolerance="per-step", replica_group_size=2))
+
+    def losses(run_dir: str) -> dict[int, float]:
+        rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
+        return {row["step"]: row["loss"] for row in rows if "loss" in row and not row.get("epoch_end")}
+
+    a, b = losses(restart.run_dir), losses(groups.run_dir)
+    assert sorted(a) == sorted(b) and len(a) >= 10
+    assert max(abs(a[s] - b[s]) / abs(a[s]) for s in a) <= 1e-4, (a, b)
+
+    more = {**common, "workers": "2", "strategy": "ddp", "max_steps": 16}
+    resumed = fit(pipeline, TrainConfig(**more, name="groups", resume=True))
+    summary = json.loads((Path(resumed.run_dir) / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 16 and summary["world_sizes"][-1] == 2
+    events = read_jsonl(Path(resumed.run_dir) / "events.jsonl")
+    assert any(e["kind"] == "resize" and "step 12" in e["message"] for e in events), events
+    exported = tmp_path / "exported.pt"
+    assert main(["export", resumed.run_dir, "-o", str(exported)]) == 0
+    pipeline.build_model(None).load_state_dict(torch.load(exported, weights_only=True), strict=True)
