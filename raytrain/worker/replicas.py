@@ -18,6 +18,15 @@ Replicas that start together (a fresh start, a resume, a restart of every replic
 Managers before they restore and meet at a barrier once restored, so the first quorum holds
 all of them; a replacement starts its Manager once it is built, so its restore holds up no
 live quorum (`raytrain.driver.replacement` tells each worker which it is).
+
+With `--replica-group-size K` (and `--strategy fsdp`) a replica is a group of K workers that
+shard one copy of the model (`raytrain.parallel.hsdp`): the group's K workers form their own
+process group on the store the controller hosts for them, rank r of each group steps with
+rank r of the others through the Manager, a worker's share of a step's rows is its group's
+share split by rank (`raytrain.rules.replicas.step_share`), and the quorum's first group
+writes checkpoints together (DCP over the group). A group loses all its workers or none: the
+controller takes a lost worker's group out, and a worker that sees a member of its group gone
+leaves (`GroupWatch`).
 """
 
 from __future__ import annotations
