@@ -127,3 +127,91 @@ def s3(tmp_path_factory):
 def bucket(s3):
     """A new, empty bucket on the session's S3 server."""
     return s3.new_bucket()
+
+
+@pytest.fixture(scope="session")
+def digits_two_worker_run(ray_session, tmp_path_factory):
+    """One `raytrain train digits --workers 2 --epochs 4 --log-every-steps 5` through the command
+    line (with --mlflow-uri where MLflow is installed), shared because a Ray Train run's start
+    costs more than its training: read by test_train_ray.py (the run files, the export, the
+    name taken) and test_tracking.py (TensorBoard, MLflow, plots, the report). Gives the run
+    directory, the exit status, stdout and the MLflow flags passed."""
+    import contextlib
+    import dataclasses
+    import importlib.util
+    import io
+    from types import SimpleNamespace
+
+    import raytrain
+    from raytrain.cli import main
+
+    storage = tmp_path_factory.mktemp("digits-two-workers")
+    mlflow_flags = []  # --mlflow-uri once TrainConfig has the field and MLflow is installed
+    has_field = "mlflow_uri" in {f.name for f in dataclasses.fields(raytrain.TrainConfig)}
+    if has_field and importlib.util.find_spec("mlflow"):
+        mlflow_flags = ["--mlflow-uri", f"file:{storage / 'mlruns'}"]
+    argv = ["train", "digits", "--workers", "2", "--epochs", "4", "--log-every-steps", "5"]
+    stdout = io.StringIO()  # not a terminal, as capsys's is not
+    with contextlib.redirect_stdout(stdout):
+        code = main([*argv, "--storage", str(storage), "--name", "digits2", *mlflow_flags])
+    return SimpleNamespace(
+        run_dir=storage / "digits2", storage=storage, code=code, out=stdout.getvalue(), mlflow_flags=mlflow_flags
+    )
+
+
+@pytest.fixture(scope="session")
+def crash_recovered_run(ray_session, tmp_path_factory):
+    """One 2-worker RecordingPipeline run (203 rows, 2 epochs of 13 steps, 0.05 s a step,
+    checkpoints every 4 steps, lr 1e-2 with 1 warm-up epoch, log every step) whose rank 0 dies
+    at step 11 of its first attempt and which --max-failures 1 restarts from the step-8
+    checkpoint. Read by test_train_ray.py (the restart's step, rates and ids) and
+    test_goodput_ray.py (the goodput accounting of the failure). Gives the run's result, its
+    records directory and the run directory."""
+    from types import SimpleNamespace
+
+    from rt_test_pipelines import RecordingPipeline
+
+    import raytrain
+
+    storage = tmp_path_factory.mktemp("crash-recovered")
+    out = storage / "records"
+    out.mkdir()
+    pipeline = RecordingPipeline(str(out), num_rows=203, crash_at_step=11, step_sleep_s=0.05)
+    cfg = raytrain.TrainConfig(
+        workers=2,
+        epochs=2,
+        batch_size_per_worker=8,
+        lr=1e-2,
+        warmup_epochs=1,
+        max_failures=1,
+        checkpoint_every_steps=4,
+        checkpoint_async=False,  # the step-8 checkpoint is whole before step 9 begins
+        log_every_steps=1,
+        storage=str(storage),
+        name="crash",
+    )
+    result = raytrain.fit(pipeline, cfg)
+    return SimpleNamespace(result=result, out=out, run_dir=storage / "crash")
+
+
+@pytest.fixture(scope="session")
+def one_epoch_recording_run(ray_session, tmp_path_factory):
+    """One finished 2-worker, 1-epoch RecordingPipeline run (64 rows, 8 a worker: 4 steps,
+    constant schedule, log every step) named "good". test_hardening_ray.py's refused resumes
+    leave it byte-identical (asserted there); test_train_ray.py's resume then continues it to a
+    second epoch, the only change any test makes to it. Gives the storage, the records
+    directory and the options the run was started with."""
+    from types import SimpleNamespace
+
+    from rt_test_pipelines import RecordingPipeline
+
+    import raytrain
+
+    storage = tmp_path_factory.mktemp("one-epoch")
+    out = storage / "records"
+    out.mkdir()
+    base = dict(
+        workers=2, batch_size_per_worker=8, storage=str(storage), name="good", log_every_steps=1, schedule="constant"
+    )
+    raytrain.fit(RecordingPipeline(str(out), num_rows=64), raytrain.TrainConfig(epochs=1, **base))
+    return SimpleNamespace(storage=storage, out=out, base=base, run_dir=storage / "good")

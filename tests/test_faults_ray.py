@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -34,37 +35,53 @@ def test_stalled_rank_fails_the_attempt_naming_it_within_the_timeout(ray_session
     assert stalled_for_s < timeout_s + 30, stalled_for_s
 
 
-@pytest.mark.parametrize("corrupt", [("train_state.pt",), ("train_state.pt", "model.pt")])
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(ray_session, tmp_path, corrupt):
+CORRUPT_BASE = dict(workers=2, batch_size_per_worker=8, name="corrupt", num_checkpoints_to_keep=3, schedule="constant")
+
+
+@pytest.fixture(scope="module")
+def two_epoch_run(ray_session, tmp_path_factory):
+    """One 2-worker, 2-epoch RecordingPipeline run (64 rows: a checkpoint at steps 4 and 8) and
+    an untouched copy of its directory, for each case of
+    test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one to corrupt and resume
+    in place: the cases differ only after this run."""
     from raytrain.rundir.checkpoints import checkpoint_dirs
 
-    base = dict(
-        workers=2,
-        batch_size_per_worker=8,
-        storage=str(tmp_path),
-        name="corrupt",
-        num_checkpoints_to_keep=3,
-        schedule="constant",
-    )
-    first, second = tmp_path / "first", tmp_path / "second"
+    storage = tmp_path_factory.mktemp("corrupt")
+    first = storage / "first"
     first.mkdir()
-    second.mkdir()
-    result = raytrain.fit(RecordingPipeline(str(first), num_rows=64), raytrain.TrainConfig(epochs=2, **base))
+    config = raytrain.TrainConfig(epochs=2, storage=str(storage), **CORRUPT_BASE)
+    result = raytrain.fit(RecordingPipeline(str(first), num_rows=64), config)
     checkpoints = checkpoint_dirs(result.run_dir)
-    assert len(checkpoints) == 2
+    pristine = storage / "pristine"
+    shutil.copytree(result.run_dir, pristine, symlinks=True)
+    return Path(result.run_dir), pristine, [c.name for c in checkpoints]
+
+
+@pytest.mark.parametrize("corrupt", [("train_state.pt",), ("train_state.pt", "model.pt")])
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(two_epoch_run, tmp_path, corrupt):
+    from raytrain.rundir.checkpoints import checkpoint_dirs
+
+    run_dir, pristine, checkpoint_names = two_epoch_run
+    assert len(checkpoint_names) == 2
+    # The run as it ended, back at its own path (Ray Train's records name absolute paths).
+    shutil.rmtree(run_dir)
+    shutil.copytree(pristine, run_dir, symlinks=True)
+    checkpoints = checkpoint_dirs(run_dir)
+    assert [c.name for c in checkpoints] == checkpoint_names
     for name in corrupt:  # a crash mid-write, or a bad disk
         (checkpoints[-1] / name).write_bytes(b"truncated")
 
+    second = tmp_path / "second"
+    second.mkdir()
     resumed = raytrain.fit(
-        RecordingPipeline(str(second), num_rows=64), raytrain.TrainConfig(epochs=3, resume=True, **base)
+        RecordingPipeline(str(second), num_rows=64),
+        raytrain.TrainConfig(epochs=3, resume=True, storage=str(run_dir.parent), **CORRUPT_BASE),
     )
     assert resumed.summary["status"] == "finished" and resumed.summary["epochs"] == 3
     steps = sorted({row["step"] for row in read_jsonl(second / "ids-rank0.jsonl")})
     assert steps == list(range(4, 12))  # from the epoch-1 checkpoint (step 4), not the corrupt epoch-2 one
     # ...and it says so, at the default verbosity (an event line, echoed by the driver).
-    skipped = [
-        e for e in read_jsonl(Path(result.run_dir) / "events.jsonl") if "skipped unusable checkpoint" in e["message"]
-    ]
+    skipped = [e for e in read_jsonl(run_dir / "events.jsonl") if "skipped unusable checkpoint" in e["message"]]
     assert skipped and checkpoints[-1].name in skipped[0]["message"]
     # A resume that passed over a bad checkpoint recovered no failure; each is counted for what it is.
     counts = {k: resumed.summary[k] for k in ("failures_recovered", "resumes", "interruptions", "checkpoints_skipped")}

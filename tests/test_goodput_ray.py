@@ -12,23 +12,10 @@ import raytrain
 pytestmark = pytest.mark.ray
 
 
-def test_a_crash_shows_as_recovery_and_steps_redone(ray_session, tmp_path):
-    out = tmp_path / "records"
-    out.mkdir()
-    # 0.05 s a step; rank 0 dies after step 11, the last checkpoint is step 8: steps 9 to 11 are redone
-    pipeline = RecordingPipeline(str(out), num_rows=400, crash_at_step=11, step_sleep_s=0.05)
-    cfg = raytrain.TrainConfig(
-        workers=2,
-        epochs=1,
-        batch_size_per_worker=8,
-        max_failures=1,
-        checkpoint_every_steps=4,
-        checkpoint_async=False,
-        log_every_steps=1,
-        storage=str(tmp_path),
-        name="crash",
-    )
-    result = raytrain.fit(pipeline, cfg)
+def test_a_crash_shows_as_recovery_and_steps_redone(crash_recovered_run):
+    # 0.05 s a step; rank 0 dies after step 11, the last checkpoint is step 8: steps 9 to 11 are
+    # redone (the 2-worker, 2-epoch run of tests/conftest.py, shared with test_train_ray.py)
+    result = crash_recovered_run.result
     summary = result.summary
     g = summary["goodput"]
     print(g)
@@ -44,7 +31,7 @@ def test_a_crash_shows_as_recovery_and_steps_redone(ray_session, tmp_path):
     assert sum(g[key] for key in parts) == pytest.approx(g["wall_s"], abs=0.01)
     assert g["other_s"] < 0.5 * g["wall_s"]
     assert g["goodput"] == pytest.approx(g["kept_steps_s"] / summary["wall_time_s"], abs=1e-3)
-    report = (tmp_path / "crash" / "report.md").read_text()
+    report = (crash_recovered_run.run_dir / "report.md").read_text()
     assert "## Goodput" in report
 
 
@@ -53,8 +40,6 @@ def test_checkpoint_every_auto_measures_saves_and_counts_the_failure(ray_session
     once the first save is measured, the run recovers from its checkpoint and trains every row
     exactly once, and summary.json counts the failure."""
     import json
-
-    from rt_test_pipelines import RecordingPipeline
 
     out = tmp_path / "records"
     out.mkdir()

@@ -160,12 +160,11 @@ def test_resume_as_documented_continues_the_runs_own_settings(ray_session, tmp_p
     )
 
 
-def test_a_resume_that_cannot_work_is_refused_before_any_run_file_changes(ray_session, tmp_path, capsys):
-    out = tmp_path / "records"
+def test_a_resume_that_cannot_work_is_refused_before_any_run_file_changes(one_epoch_recording_run, tmp_path, capsys):
+    # A finished 2-worker RecordingPipeline run, shared with test_train_ray.py (tests/conftest.py).
+    base, storage, run = one_epoch_recording_run.base, one_epoch_recording_run.storage, one_epoch_recording_run.run_dir
+    out = tmp_path / "records"  # not the run's own records: nothing here may add to them
     out.mkdir()
-    base = dict(workers=2, epochs=1, batch_size_per_worker=8, storage=str(tmp_path), name="good")
-    raytrain.fit(RecordingPipeline(str(out), num_rows=64), raytrain.TrainConfig(**base))
-    run = tmp_path / "good"
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     # Another model shape: refused on the driver, before Ray Train starts.
     with pytest.raises(raytrain.rundir.checkpoints.CheckpointError, match="does not load the run's checkpoint"):
@@ -173,7 +172,7 @@ def test_a_resume_that_cannot_work_is_refused_before_any_run_file_changes(ray_se
             OtherShapePipeline(str(out), num_rows=64), raytrain.TrainConfig(**{**base, "epochs": 2, "resume": True})
         )
     # Another pipeline: refused with exit 2, naming both.
-    code = main(["train", "digits", "--name", "good", "--resume", "--storage", str(tmp_path)])
+    code = main(["train", "digits", "--name", "good", "--resume", "--storage", str(storage)])
     err = capsys.readouterr().err
     assert code == 2 and "trains 'RecordingPipeline', not 'digits'" in err
     after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}

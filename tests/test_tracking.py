@@ -1,8 +1,9 @@
 """Driver-side tracking: tailing the run files, TensorBoard, MLflow, W&B.
 
 Pure tests feed crafted metrics.jsonl / events.jsonl rows to the tailer and the sinks and
-read the results back with the trackers' own readers; one CPU Ray test trains digits
-through the command line and checks the TensorBoard files and the report.
+read the results back with the trackers' own readers; one CPU Ray test checks the TensorBoard
+files and the report of the digits run it shares with test_train_ray.py (trained through the
+command line: tests/conftest.py::digits_two_worker_run).
 """
 
 from __future__ import annotations
@@ -426,53 +427,21 @@ def test_run_tracker_feeds_tensorboard_mlflow_and_writes_the_report(tmp_path):
 # -- CPU Ray: digits end to end through the command line -------------------------------------
 
 
-def _mlflow_flags(tmp_path: Path) -> list[str]:
-    """--mlflow-uri once TrainConfig has the field and MLflow is installed."""
-    import dataclasses
-    import importlib.util
-
-    if "mlflow_uri" not in {f.name for f in dataclasses.fields(raytrain.TrainConfig)} or not importlib.util.find_spec(
-        "mlflow"
-    ):
-        return []
-    return ["--mlflow-uri", f"file:{tmp_path / 'mlruns'}"]
-
-
 @pytest.mark.ray
-def test_digits_run_leaves_tensorboard_files_and_a_report(ray_session, tmp_path, capsys):
-    from raytrain.cli import main
-
-    mlflow_flags = _mlflow_flags(tmp_path)
-    code = main(
-        [
-            "train",
-            "digits",
-            "--workers",
-            "2",
-            "--epochs",
-            "2",
-            "--log-every-steps",
-            "5",
-            "--storage",
-            str(tmp_path),
-            "--name",
-            "tracked",
-            *mlflow_flags,
-        ]
-    )
-    out = capsys.readouterr().out
-    assert code == 0, out
-    run_dir = tmp_path / "tracked"
+def test_digits_run_leaves_tensorboard_files_and_a_report(digits_two_worker_run):
+    run = digits_two_worker_run  # 4 epochs of 23 steps, --log-every-steps 5 (tests/conftest.py)
+    out, run_dir, mlflow_flags = run.out, run.run_dir, run.mlflow_flags
+    assert run.code == 0, out
     assert "\r" not in out  # stdout is not a terminal here: plain lines, no bar
     assert f"Report: {run_dir / 'report.md'}" in out
     if mlflow_flags:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=mlflow_flags[1])
-        (run,) = client.search_runs([client.get_experiment_by_name("raytrain").experiment_id])
-        assert run.info.status == "FINISHED" and run.data.params["workers"] == "2"
-        assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.pt"]
-        assert len(client.get_metric_history(run.info.run_id, "loss")) > 3
+        (mlflow_run,) = client.search_runs([client.get_experiment_by_name("raytrain").experiment_id])
+        assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.params["workers"] == "2"
+        assert [a.path for a in client.list_artifacts(mlflow_run.info.run_id, "model")] == ["model/model.pt"]
+        assert len(client.get_metric_history(mlflow_run.info.run_id, "loss")) > 3
 
     tb = load_tensorboard(run_dir)
     assert {

@@ -19,11 +19,10 @@ from raytrain.rules import schedule
 pytestmark = pytest.mark.ray
 
 
-def test_digits_two_workers_trains_and_leaves_run_files(ray_session, tmp_path):
-    cfg = raytrain.TrainConfig(workers=2, epochs=4, storage=str(tmp_path), name="digits2")
-    result = raytrain.fit("digits", cfg)
-
-    run_dir = Path(result.run_dir)
+def test_digits_two_workers_trains_and_leaves_run_files(digits_two_worker_run, tmp_path):
+    # `raytrain train digits --workers 2 --epochs 4 --log-every-steps 5` (tests/conftest.py)
+    assert digits_two_worker_run.code == 0, digits_two_worker_run.out
+    run_dir = digits_two_worker_run.run_dir
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished"
     assert summary["epochs"] == 4 and summary["world_sizes"] == [2] and summary["failures_recovered"] == 0
@@ -78,8 +77,9 @@ def test_digits_two_workers_trains_and_leaves_run_files(ray_session, tmp_path):
     assert "; cosine; adamw; gloo" in events[0]["message"]
 
     # The run name is taken now: reusing it without --resume is an error, not a silent resume.
+    storage = str(digits_two_worker_run.storage)
     with pytest.raises(ConfigError, match="already exists.*--resume"):
-        raytrain.fit("digits", raytrain.TrainConfig(workers=2, epochs=4, storage=str(tmp_path), name="digits2"))
+        raytrain.fit("digits", raytrain.TrainConfig(workers=2, epochs=4, storage=storage, name="digits2"))
 
 
 def test_all_ranks_hold_identical_weights_after_first_step(ray_session, tmp_path):
@@ -89,24 +89,9 @@ def test_all_ranks_hold_identical_weights_after_first_step(ray_session, tmp_path
     assert ranks[0] == ranks[1]
 
 
-def test_worker_failure_resumes_at_checkpoint_step_with_same_lr_and_exactly_once(ray_session, tmp_path):
-    out = tmp_path / "records"
-    out.mkdir()
-    pipeline = RecordingPipeline(str(out), num_rows=203, crash_at_step=9)
-    cfg = raytrain.TrainConfig(
-        workers=2,
-        epochs=2,
-        batch_size_per_worker=8,
-        lr=1e-2,
-        warmup_epochs=1,
-        max_failures=1,
-        checkpoint_every_steps=4,
-        checkpoint_async=False,  # the step-8 checkpoint is whole before step 9 begins
-        log_every_steps=1,
-        storage=str(tmp_path),
-        name="crash",
-    )
-    result = raytrain.fit(pipeline, cfg)
+def test_worker_failure_resumes_at_checkpoint_step_with_same_lr_and_exactly_once(crash_recovered_run):
+    # Rank 0 dies at step 11; checkpoints every 4 steps; 203 rows, 2 epochs (tests/conftest.py).
+    result, out = crash_recovered_run.result, crash_recovered_run.out
     summary = result.summary
     assert summary["status"] == "finished" and summary["failures_recovered"] == 1
 
@@ -114,7 +99,7 @@ def test_worker_failure_resumes_at_checkpoint_step_with_same_lr_and_exactly_once
     first = [row for row in records if row["attempt"] == "first"]
     second = [row for row in records if row["attempt"] == "second"]
     resumed_at = min(row["step"] for row in second)
-    assert resumed_at == 8  # the last checkpoint before the crash at step 9
+    assert resumed_at == 8  # the last checkpoint before the crash at step 11
 
     # The LR at each step is the same in both attempts (derived from samples seen).
     lr_first = {row["step"]: row["lr"] for row in first}
@@ -137,7 +122,7 @@ def test_worker_failure_resumes_at_checkpoint_step_with_same_lr_and_exactly_once
     assert any(e["kind"] == "restore" and "step 8" in e["message"] for e in events)
     crashed_at = float((out / "crashed").read_text())
     recovery_s = min(row["time"] for row in second) - crashed_at
-    lost_steps = 9 - resumed_at
+    lost_steps = 11 - resumed_at
     print(f"recovery: {recovery_s:.1f} s from the failure to the first step after restart; {lost_steps} step(s) redone")
 
 
@@ -166,14 +151,10 @@ def test_local_mode_runs_the_loop_in_process(ray_session, tmp_path):
     assert rows[0]["lr"] == pytest.approx(expected_lr)
 
 
-def test_resume_after_the_driver_stopped_continues_from_the_last_checkpoint(ray_session, tmp_path):
-    out = tmp_path / "records"
-    out.mkdir()
+def test_resume_after_the_driver_stopped_continues_from_the_last_checkpoint(one_epoch_recording_run):
+    # A finished 1-epoch, 2-worker run of 4 steps (tests/conftest.py), resumed for a second epoch.
+    out, base = one_epoch_recording_run.out, one_epoch_recording_run.base
     pipeline = RecordingPipeline(str(out), num_rows=64)
-    base = dict(
-        workers=2, batch_size_per_worker=8, storage=str(tmp_path), name="again", log_every_steps=1, schedule="constant"
-    )
-    raytrain.fit(pipeline, raytrain.TrainConfig(epochs=1, **base))
     result = raytrain.fit(pipeline, raytrain.TrainConfig(epochs=2, resume=True, **base))
     assert result.summary["epochs"] == 2
     rows = [row for r in range(2) for row in read_jsonl(out / f"ids-rank{r}.jsonl")]
