@@ -162,20 +162,15 @@ def sharded(args) -> int:
     """fsdp on 4 workers: restart against per-step with 2 replica groups of 2 (worker 1, of
     group 0, killed; group 1 survives: replica 2 watched), each beside its run without a
     failure; and the model state a worker holds against a DDP worker's over the group size."""
-    path = args.out / "sharded.json"
-    if args.analyze:
-        runs = json.loads(path.read_text())
-    else:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
-        try:
-            runs = {
-                f"{mode}{suffix}": run(args.out, mode, 0, step, args, sharded=True)
-                for mode in ("restart", "per-step")
-                for suffix, step in (("", None), ("-kill", args.kill_step))
-            }
-        finally:
-            ray.shutdown()
-        path.write_text(json.dumps(runs, indent=2) + "\n")
+    runs = saved_or_run(
+        args.out / "sharded.json",
+        args.analyze,
+        lambda: {
+            f"{mode}{suffix}": run(args.out, mode, 0, step, args, sharded=True)
+            for mode in ("restart", "per-step")
+            for suffix, step in (("", None), ("-kill", args.kill_step))
+        },
+    )
     table = [measure(runs[f"{m}-kill"], runs[m], watched=2, survivor_replicas=(2, 3)) for m in ("restart", "per-step")]
     header = ["fsdp, 4 workers", "replica 2 beyond its steady pace (s): with the failure / without"]
     header += ["its longest wait (s)", "lost worker back after (s)", "steps trained twice", "survivors restarted"]
@@ -265,17 +260,23 @@ def measure_pattern(run: dict) -> dict:
     }
 
 
+def saved_or_run(path: Path, analyze: bool, make):
+    """The runs saved at `path` (--analyze), else `make()`'s on a local Ray, saved there."""
+    if analyze:
+        return json.loads(path.read_text())
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    try:
+        runs = make()
+    finally:
+        ray.shutdown()
+    path.write_text(json.dumps(runs, indent=2) + "\n")
+    return runs
+
+
 def patterns(args) -> int:
-    path = args.out / "patterns.json"
-    if args.analyze:
-        runs = json.loads(path.read_text())
-    else:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
-        try:
-            runs = [run_pattern(args.out, name, args) for name in PATTERNS]
-        finally:
-            ray.shutdown()
-        path.write_text(json.dumps(runs, indent=2) + "\n")
+    runs = saved_or_run(
+        args.out / "patterns.json", args.analyze, lambda: [run_pattern(args.out, name, args) for name in PATTERNS]
+    )
     table = [measure_pattern(run) for run in runs]
     header = ["pattern", "a survivor's longest wait (s)", "survivors restarted", "all back after (s)"]
     header += ["world sizes", "failures recovered", "status"]
