@@ -101,6 +101,12 @@ class Store:
         self.counts[key] = self.counts.get(key, 0) + amount
         return self.counts[key]
 
+    def set(self, key: str, value: str) -> None:
+        self.counts[key] = 1
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.counts for key in keys)
+
 
 def test_a_member_is_told_once_a_peer_of_its_group_stops_beating_or_the_store_is_gone():
     now = [0.0]
@@ -114,5 +120,11 @@ def test_a_member_is_told_once_a_peer_of_its_group_stops_beating_or_the_store_is
         assert [watch.beat() for watch in watches[:2]] == [None, None]
     now[0] += 0.2
     assert watches[0].beat().startswith("member 2 of the group stopped for 1.")
+    # A member whose run ended says so: the others stop counting its beats (one still writing
+    # the last checkpoint is not taken for lost).
+    watches[2].stop()
+    for _ in range(30):
+        now[0] += 0.1
+        assert [watch.beat() for watch in watches[:2]] == [None, None]
     store.gone = True  # the store's host is gone: every member learns it at its next beat
     assert watches[1].beat() == "the group's store no longer answers (RuntimeError)"

@@ -230,3 +230,16 @@ def test_a_replica_holds_no_collective_outside_a_step_and_a_group_member_does():
     assert not replica.distributed_checkpoints and member.distributed_checkpoints
     model = torch.nn.Linear(2, 2)
     assert replica.prepare_model(model, {}) is model  # torchft's DDP wraps it when the replica joins
+
+
+def test_workers_taken_out_with_their_group_count_once_and_a_later_failure_of_theirs_counts():
+    from raytrain.driver.replacement import ReplicaGroups
+
+    groups = ReplicaGroups(group_size=2)
+    groups.generations.start_all(4)
+    assert groups.generations.taken_out({1}) == {0, 1}  # worker 1 lost: its group goes with it
+    groups.taken = {0}  # shut down with it (`before_controller_execute_resize_decision`)
+    assert groups.counted_already({0})  # found failed later: part of the loss already counted
+    assert not groups.counted_already({0})  # once only: its next failure is its own
+    groups.taken = {0}
+    assert not groups.counted_already({0, 3}) and groups.taken == set()  # with a failure of another: counted

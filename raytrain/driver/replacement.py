@@ -83,6 +83,7 @@ class ReplicaGroups(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallbac
         global _RUNNING
         _RUNNING = self  # the failure policy's (`counted_already`), in this same controller process
         self.worker_group = worker_group
+        self.taken = set()  # every worker starts anew
         worker_group.execute(mark_start, STARTS_WITH_GROUP)
         if self.generations is None:
             return
@@ -139,10 +140,8 @@ class ReplicaGroups(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallbac
     def counted_already(self, failed_ranks: "set[int]") -> bool:
         """Whether these failed workers were taken out with their group's loss, which counted
         as one failure (each is forgotten once asked about)."""
-        if not failed_ranks or not failed_ranks <= self.taken:
-            return False
-        self.taken -= failed_ranks
-        return True
+        known, self.taken = failed_ranks & self.taken, self.taken - failed_ranks
+        return bool(failed_ranks) and known == failed_ranks
 
 
 def running() -> "ReplicaGroups | None":

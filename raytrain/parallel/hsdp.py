@@ -17,6 +17,7 @@ the other groups wait.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Callable
@@ -96,7 +97,8 @@ class GroupWatch:
         """Count up this member's key and read the peers'. Returns why a peer is lost, or None."""
         try:
             self.store.add(_key(self.rank), 1)
-            counts = {peer: self.store.add(_key(peer), 0) for peer in range(self.size) if peer != self.rank}
+            peers = [peer for peer in range(self.size) if peer != self.rank and not self.store.check([_done(peer)])]
+            counts = {peer: self.store.add(_key(peer), 0) for peer in peers}
         except Exception as exc:  # the store's host is gone, or unreachable
             return f"the group's store no longer answers ({type(exc).__name__})"
         now = self.clock()
@@ -121,11 +123,19 @@ class GroupWatch:
         return thread
 
     def stop(self) -> None:
+        """This member is done (its run ended): its peers stop counting its beats. One still
+        finishing (writing the last checkpoint's final files) must not take it for lost."""
         self.stopped.set()
+        with contextlib.suppress(Exception):
+            self.store.set(_done(self.rank), "1")
 
 
 def _key(rank: int) -> str:
     return f"raytrain/group-watch/{rank}"
+
+
+def _done(rank: int) -> str:
+    return f"raytrain/group-watch/done/{rank}"
 
 
 def _local(value: Any) -> Any:

@@ -66,7 +66,8 @@ class Epochs:
                 start, samples_before = time.perf_counter(), position.samples_seen
             if not self.announced:
                 # Alone in its first quorum after the others wrote the end: a replacement too late to join.
-                if quorum.size == runtime.group_size < runtime.replica_count and self.files.rundir.finished(budget):
+                alone = quorum.size == runtime.group_size < runtime.replica_count  # the same on a group's workers
+                if alone and runtime.all_gather_object(self.files.rundir.finished(budget))[0]:
                     return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True)
                 if runtime.healed:  # a replacement says nothing of its own: the quorum's line does
                     self.announced = True

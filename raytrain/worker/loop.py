@@ -72,8 +72,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if not per_step:  # a replacement replica must not clear what the live quorum is writing
         files.clear_staging()
     try:
-        if per_step and files.rundir.finished(Budget.of(cfg)):
-            return  # a replacement that came up after the others finished the run: nothing to join
+        # A replacement that came up after the others finished the run: nothing to join (a
+        # group's workers go by its rank 0's reading, so that they all go or all stay).
+        if per_step and runtime.all_gather_object(files.rundir.finished(Budget.of(cfg)))[0]:
+            return
         Training.begin(cfg, payload.pipeline, runtime, files, heartbeat, payload.sources, checkpointer).run()
     except Exception as exc:
         if runtime.world_size > 1 and looks_like_timeout(exc):

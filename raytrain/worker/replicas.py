@@ -322,7 +322,8 @@ class ReplicaRuntime(Runtime):
         return self.quorum.rank < self.group_size
 
     def group_sum(self, values: list[float]) -> list[float]:
-        """Sum over this worker's group (a collective within it; a group of one: these values)."""
+        """Sum over this worker's group (a collective within it; a group of one: these values).
+        What a group's workers decide from it, they decide alike."""
         if self.group_store is None:
             return list(values)
         import torch.distributed as dist
@@ -352,8 +353,9 @@ class ReplicaRuntime(Runtime):
             values, dtype=torch.float64 if self.device.type == "cpu" else torch.float32, device=self.device
         )
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
-        if self.manager.errored() is not None:  # a member was lost after the commit: this replica's own figures
-            return list(values)
+        errored = float(self.manager.errored() is not None)  # a member lost after the commit
+        if self.group_sum([errored])[0] if self.group_store is not None else errored:
+            return list(values)  # this group's own figures, the same on each of its workers
         return [float(v) for v in tensor.tolist()]
 
 
