@@ -105,7 +105,7 @@ def measure(killed: dict, clean: dict, watched: int = 0, survivor_replicas: tupl
     """The failure's cost to replica `watched` (a survivor), against the run without it."""
     records, run_dir = Path(killed["records"]), RunDir(killed["run_dir"])
     kill = json.loads((records / "killed-replica1").read_text())
-    replica0 = rows_of(records / f"steps-replica{watched}.jsonl")
+    watched_rows = rows_of(records / f"steps-replica{watched}.jsonl")
     replica1 = [r for r in rows_of(records / "steps-replica1.jsonl") if r["pid"] != kill["pid"]]
     back = min((r["time"] for r in replica1), default=float("nan"))
     if killed["mode"] == "per-step":  # back in the quorum: the line saying it grew
@@ -116,12 +116,12 @@ def measure(killed: dict, clean: dict, watched: int = 0, survivor_replicas: tupl
         ]
         back = min(rejoined, default=back)
     survivors = [r for i in survivor_replicas for r in rows_of(records / f"steps-replica{i}.jsonl")]
-    counts = Counter(r["step"] for r in replica0)
+    counts = Counter(r["step"] for r in watched_rows)
     return {
         "mode": killed["mode"],
-        "lost_s": lost_s(replica0),
+        "lost_s": lost_s(watched_rows),
         "clean_lost_s": lost_s(rows_of(Path(clean["records"]) / f"steps-replica{watched}.jsonl")),
-        "stall_s": stall_s(replica0, kill["time"]),
+        "stall_s": stall_s(watched_rows, kill["time"]),
         "back_s": back - kill["time"],
         "redone": sum(1 for n in counts.values() if n > 1),  # steps the watched replica trained more than once
         "survivors_restarted": len({r["pid"] for r in survivors}) > len(survivor_replicas),

@@ -25,6 +25,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from raytrain.parallel.strategy import local_part
+
 
 def average_across_groups(model: nn.Module, manager: Any) -> int:
     """Average each FSDP unit's reduce-scattered gradient shard over the step's groups through
@@ -47,10 +49,11 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     group's rank of the same index loads them: `load_local_state`)."""
     optim = optimizer.state_dict()
     return {
-        "model": {name: _local(value) for name, value in model.state_dict().items()},
+        "model": {name: local_part(value) for name, value in model.state_dict().items()},
         "optim": {
             "state": {
-                index: {key: _local(value) for key, value in entry.items()} for index, entry in optim["state"].items()
+                index: {key: local_part(value) for key, value in entry.items()}
+                for index, entry in optim["state"].items()
             },
             "param_groups": optim["param_groups"],
         },
@@ -62,7 +65,7 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
     optimizer's state as tensors of this rank's layout (a fresh optimizer has none yet)."""
     with torch.no_grad():
         for name, value in model.state_dict().items():
-            _local(value).copy_(state["model"][name])
+            local_part(value).copy_(state["model"][name])
     params = [p for group in optimizer.param_groups for p in group["params"]]
     entries = {}
     for index, entry in state["optim"]["state"].items():
@@ -136,12 +139,6 @@ def _key(rank: int) -> str:
 
 def _done(rank: int) -> str:
     return f"raytrain/group-watch/done/{rank}"
-
-
-def _local(value: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _like(param: torch.Tensor, value: Any) -> Any:

@@ -211,7 +211,7 @@ def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime:
             model.compile()
         model = runtime.prepare_model(model, dataclasses.asdict(cfg.ddp))
         strategy = "ddp" if runtime.distributed and runtime.world_size > 1 else "local"
-    local = sum(_local(p).numel() for p in model.parameters())
+    local = sum(local_part(p).numel() for p in model.parameters())
     names = tuple(name for name, _ in picked)
     return Prepared(
         model, strategy, names, local, total, checkpointed=cfg.activation_checkpointing, compiled=cfg.compile
@@ -366,12 +366,12 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    local = _local(tensor)
+    local = local_part(tensor)
     return local.numel() * local.element_size()
 
 

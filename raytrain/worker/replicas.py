@@ -326,12 +326,7 @@ class ReplicaRuntime(Runtime):
         What a group's workers decide from it, they decide alike."""
         if self.group_store is None:
             return list(values)
-        import torch.distributed as dist
-
-        device = self.device if self.device.type == "cuda" else torch.device("cpu")  # NCCL reduces on the GPU
-        tensor = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return [float(v) for v in tensor.tolist()]
+        return self._sum_in_process_group(values)  # the group's own process group is the default one
 
     def all_gather_object(self, value: Any) -> list[Any]:
         """Every worker of this group's `value`, by rank in the group (a group of one: this one's)."""

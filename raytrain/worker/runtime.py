@@ -87,6 +87,10 @@ class Runtime:
         """Sum a few floats over all ranks (one collective); identity in local mode."""
         if not self.distributed or self.world_size == 1:
             return list(values)
+        return self._sum_in_process_group(values)
+
+    def _sum_in_process_group(self, values: list[float]) -> list[float]:
+        """Sum a few floats over this process's default group (one collective)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self._collective_device())
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor.tolist()
@@ -108,8 +112,8 @@ class Runtime:
         return gathered
 
     def _collective_device(self) -> torch.device:
-        # gloo reduces CPU tensors; NCCL needs them on the GPU.
-        return self.device if self.backend == "nccl" else torch.device("cpu")
+        # gloo reduces CPU tensors; NCCL (a worker's on a GPU) needs them on the GPU.
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     # -- model --------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
