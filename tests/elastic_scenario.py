@@ -1,7 +1,9 @@
-"""An elastic run on a simulated 3-node cluster: lose a node, then get one back.
+"""An elastic run on a simulated cluster: lose a node, then get one back.
 
 Run as a script (its own Ray cluster, so not inside the shared test Ray):
     python tests/elastic_scenario.py OUT_DIR
+By default 3 nodes of 1 CPU, --workers 2:3, restarting; ELASTIC_GROUPS=1: 2 nodes of 2 CPUs,
+--workers 2:4, per-step recovery in replica groups of 2 (one group per node).
 Writes OUT_DIR/result.json with the run's summary and what the driver observed.
 """
 
@@ -36,7 +38,7 @@ def main(out: Path) -> None:
 
     import ray
     from ray.cluster_utils import Cluster
-    from rt_test_pipelines import RecordingPipeline, SlowDigitsPipeline
+    from rt_test_pipelines import RecordingPipeline, ReplicaRecordingPipeline, SlowDigitsPipeline
 
     import raytrain
     from raytrain.driver.session import free_port
@@ -52,7 +54,11 @@ def main(out: Path) -> None:
             "dashboard_port": dashboard_port,
         },
     )
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
+    # ELASTIC_GROUPS=1: per-step recovery in replica groups of 2 (fsdp within each), one group
+    # per node of 2 CPUs, --workers 2:4; otherwise one worker per node, --workers 2:3.
+    groups = os.environ.get("ELASTIC_GROUPS") == "1"
+    node_cpus = 2 if groups else 1
+    nodes = [cluster.add_node(num_cpus=node_cpus) for _ in range(2 if groups else 3)]
     pythonpath = os.pathsep.join(sys.path)
     ray.init(
         address=cluster.address,
@@ -63,8 +69,9 @@ def main(out: Path) -> None:
     )
     records = out / "records"
     records.mkdir(parents=True, exist_ok=True)
+    per_step = dict(fault_tolerance="per-step", replica_group_size=2) if groups else {}
     cfg = raytrain.TrainConfig(
-        workers="2:3",
+        workers="2:4" if groups else "2:3",
         epochs=int(os.environ.get("ELASTIC_EPOCHS", "12")),
         global_batch_size=48,
         lr=float(os.environ.get("ELASTIC_LR", "1e-2")),
@@ -72,10 +79,14 @@ def main(out: Path) -> None:
         checkpoint_every_steps=4,
         log_every_steps=1,
         max_failures=5,
-        strategy=os.environ.get("ELASTIC_STRATEGY", "ddp"),
+        strategy="fsdp" if groups else os.environ.get("ELASTIC_STRATEGY", "ddp"),
         storage=str(out),
         name="elastic",
+        **per_step,
     )
+    small, full = (2, 4) if groups else (2, 3)
+    # A restarting run resizes from a checkpoint; under per-step the survivors' quorum changes.
+    resized = "quorum" if groups else "resize"
     run_dir = out / "elastic"
     # Steps are paced until the driver has seen both resizes; then the rest of the run goes
     # at full speed (the pauses only make room for the resizes, nothing after them needs one).
@@ -87,11 +98,13 @@ def main(out: Path) -> None:
 
     def train() -> None:
         try:
-            pipeline = (
-                SlowDigitsPipeline(step_sleep_s=1.0, pace_until=str(unpaced))
-                if os.environ.get("ELASTIC_PIPELINE") == "digits"
-                else RecordingPipeline(str(records), num_rows=960, step_sleep_s=1.0, pace_until=str(unpaced))
-            )
+            if os.environ.get("ELASTIC_PIPELINE") == "digits":
+                pipeline = SlowDigitsPipeline(step_sleep_s=1.0, pace_until=str(unpaced))
+            elif groups:  # its records name each worker's process
+                pipeline = ReplicaRecordingPipeline(str(records), num_rows=960, step_sleep_s=1.0)
+                pipeline.pace_until = str(unpaced)
+            else:
+                pipeline = RecordingPipeline(str(records), num_rows=960, step_sleep_s=1.0, pace_until=str(unpaced))
             result_box["summary"] = raytrain.fit(pipeline, cfg).summary
         except Exception as exc:  # reported in result.json
             result_box["error"] = repr(exc)
@@ -108,15 +121,17 @@ def main(out: Path) -> None:
         removed_at = time.time()
         cluster.remove_node(nodes[-1])
         observed["shrink_s"] = wait_for(
-            lambda: any(e["kind"] == "resize" and e["world_size"] == 2 for e in events(run_dir)), 240, "the resize to 2"
+            lambda: any(e["kind"] == resized and e["world_size"] == small for e in events(run_dir)),
+            240,
+            f"the resize to {small}",
         )
         time.sleep(5)
         added_at = time.time()
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=node_cpus)
         observed["grow_s"] = wait_for(
-            lambda: any(e["kind"] == "resize" and e["world_size"] == 3 for e in events(run_dir)[1:]),
+            lambda: any(e["kind"] == resized and e["world_size"] == full for e in events(run_dir)[1:]),
             240,
-            "the resize back to 3",
+            f"the resize back to {full}",
         )
     except TimeoutError as exc:
         observed["timeout"] = str(exc)
@@ -124,9 +139,9 @@ def main(out: Path) -> None:
         unpaced.touch()
     thread.join(timeout=600)
     if "shrink_s" in observed:
-        observed["recovery_s"] = _first_row_after(run_dir, removed_at, world_size=2)
+        observed["recovery_s"] = _first_row_after(run_dir, removed_at, world_size=small)
     if "grow_s" in observed:
-        observed["regrow_first_step_s"] = _first_row_after(run_dir, added_at, world_size=3)
+        observed["regrow_first_step_s"] = _first_row_after(run_dir, added_at, world_size=full)
     result = {"observed": observed, **result_box, "events": [e["message"] for e in events(run_dir)]}
     (out / "result.json").write_text(json.dumps(result, indent=2))
     ray.shutdown()

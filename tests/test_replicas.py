@@ -145,8 +145,6 @@ def test_replicas_start_with_their_group_only_when_the_controller_says_so():
 
 
 def test_per_step_configuration_is_checked_before_anything_starts():
-    with pytest.raises(ConfigError, match="keeps the count fixed; give --workers 3"):
-        TrainConfig(workers="1:3", fault_tolerance="per-step")
     with pytest.raises(ConfigError, match="needs Ray workers"):
         TrainConfig(workers="0", fault_tolerance="per-step")
     with pytest.raises(ConfigError, match="max-failures"):
@@ -154,6 +152,14 @@ def test_per_step_configuration_is_checked_before_anything_starts():
     with pytest.raises(ConfigError, match="did you mean 'per-step'"):
         TrainConfig(workers="2", fault_tolerance="perstep")
     assert TrainConfig(workers="3", fault_tolerance="per-step").fault_tolerance == "per-step"
+    # Elastic, in whole replica groups: MIN and MAX are whole groups.
+    elastic = TrainConfig(workers="2:4", fault_tolerance="per-step", strategy="fsdp", replica_group_size=2)
+    assert (elastic.min_workers, elastic.max_workers) == (2, 4)
+
+
+def test_an_elastic_per_step_run_counts_workers_in_whole_groups():
+    assert [rules.whole_groups(n, 2) for n in range(6)] == [0, 0, 2, 2, 4, 4]
+    assert rules.whole_groups(7, 1) == 7  # replicas of one worker: any count
 
 
 def test_a_quorum_that_lost_a_replica_counts_as_a_recovered_failure():
@@ -243,3 +249,14 @@ def test_workers_taken_out_with_their_group_count_once_and_a_later_failure_of_th
     assert not groups.counted_already({0})  # once only: its next failure is its own
     groups.taken = {0}
     assert not groups.counted_already({0, 3}) and groups.taken == set()  # with a failure of another: counted
+
+
+def test_ray_is_asked_for_whole_groups_only():
+    from ray.train import ScalingConfig
+
+    from raytrain.driver.replacement import group_scaling_policy
+
+    policy = group_scaling_policy(ScalingConfig(num_workers=(2, 6), resources_per_worker={"CPU": 1}), 2)
+    assert policy._count_possible_workers({"node-a": {"CPU": 3.0}}) == 2  # 3 workers fit: 1 group
+    assert policy._count_possible_workers({"node-a": {"CPU": 2.0}, "node-b": {"CPU": 3.0}}) == 4
+    assert policy._count_possible_workers({"node-a": {"CPU": 16.0}}) == 6  # never past MAX

@@ -243,6 +243,11 @@ def test_compile_without_a_compiler_is_a_configuration_error(monkeypatch):
             "got 4 with --workers 6, which is not a whole number of groups; give --workers 4 or 8",
         ),
         (
+            {"strategy": "fsdp", "workers": "3:4", "fault_tolerance": "per-step", "replica_group_size": 2},
+            "got 2 with --workers 3:4, which is not a whole number of groups; give --workers 2:4, or a "
+            "--replica-group-size that divides both 3 and 4",
+        ),
+        (
             {"strategy": "ddp", "workers": 4, "fault_tolerance": "per-step", "replica_group_size": 2},
             "a replica group of several workers shards one copy of the model; add --strategy fsdp",
         ),

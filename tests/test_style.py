@@ -38,15 +38,28 @@ PRIVATE_RAY_NAMES = {
         "ray.data._internal.logical.operators.one_to_one_operator.Limit",
         "ray.data._internal.stats.DatasetStats",
     },
+    # The failure policy; a per-step run's controller started as Ray starts its own; Ray's
+    # datasets callback without its dataset manager.
     "raytrain.driver.failfast": {
+        "ray._common.constants.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR",
+        "ray._raylet.RAY_NODE_ID_KEY",
+        "ray.train.v2._internal.callbacks.DatasetsCallback",
+        "ray.train.v2._internal.constants.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE",
+        "ray.train.v2._internal.constants.get_env_vars_to_propagate",
         "ray.train.v2._internal.execution.failure_handling.FailureDecision",
         "ray.train.v2._internal.execution.failure_handling.FailurePolicy",
     },
-    # Ray Train's controller hooks: per-step replicas replaced several at once (its docstring).
+    # Ray Train's controller hooks: per-step replicas replaced several at once; its controller,
+    # where a group without room waits; its elastic policy in whole groups (the docstrings).
     "raytrain.driver.replacement": {
         "ray.train.v2._internal.execution.callback.ControllerCallback",
         "ray.train.v2._internal.execution.callback.ReplicaGroupCallback",
         "ray.train.v2._internal.execution.callback.WorkerGroupCallback",
+        "ray.train.v2._internal.execution.controller.TrainController",
+        "ray.train.v2._internal.execution.scaling_policy.ElasticScalingPolicy",
+        "ray.train.v2._internal.execution.scaling_policy.ResizeDecision",
+        "ray.train.v2._internal.execution.worker_group.poll.WorkerGroupPollStatus",
+        "ray.train.v2._internal.execution.worker_group.poll.WorkerStatus",
     },
     "raytrain.driver.session": {
         "ray._private.worker._global_node",

@@ -90,8 +90,8 @@ def _check_choices(cfg: Any) -> Iterable[tuple[str, str]]:
 
 def across_sections(c: Any) -> Iterable[tuple[str, str]]:
     """The rules that read more than one section: what per-step fault tolerance needs (Ray
-    workers in a fixed count, torchft installed, no BatchNorm sync, no sharding), fsdp's
-    workers, and the global batch against the worker count."""
+    workers, torchft installed, no BatchNorm sync, replica groups that fit the worker count),
+    fsdp's workers, and the global batch against the worker count."""
     try:
         min_workers, max_workers = parse_workers(c.workers)
     except ValueError:  # said by the cluster section's own checks
@@ -101,12 +101,6 @@ def across_sections(c: Any) -> Iterable[tuple[str, str]]:
             yield (
                 "fault_tolerance",
                 "got per-step with --workers 0 (the loop in this process): it needs Ray workers; give --workers N",
-            )
-        elif min_workers != max_workers:
-            yield (
-                "fault_tolerance",
-                f"got per-step with --workers {c.workers}: per-step replaces a failed worker in place and keeps the "
-                f"count fixed; give --workers {max_workers}, or keep --fault-tolerance restart for an elastic run",
             )
     if c.fault_tolerance == "per-step" and importlib.util.find_spec("torchft") is None:
         yield (
@@ -126,7 +120,7 @@ def across_sections(c: Any) -> Iterable[tuple[str, str]]:
             "got fsdp with --workers 0: local mode runs the loop in this process without a process group, so there "
             "is nothing to shard the model over; give --workers N (N >= 1), or use --strategy ddp in local mode",
         )
-    yield from _replica_group_problems(c, max_workers)
+    yield from _replica_group_problems(c, min_workers, max_workers)
     if (
         c.global_batch_size is not None
         and c.batch_size_per_worker is None
@@ -139,7 +133,7 @@ def across_sections(c: Any) -> Iterable[tuple[str, str]]:
         )
 
 
-def _replica_group_problems(c: Any, max_workers: int) -> Iterable[tuple[str, str]]:
+def _replica_group_problems(c: Any, min_workers: int, max_workers: int) -> Iterable[tuple[str, str]]:
     """--replica-group-size K against the strategy and the worker count (per-step's own checks
     are the fault-tolerance section's)."""
     k = c.replica_group_size
@@ -158,13 +152,22 @@ def _replica_group_problems(c: Any, max_workers: int) -> Iterable[tuple[str, str
             f"got {k} with --strategy {c.strategy}: a replica group of several workers shards one copy of the model; "
             "add --strategy fsdp, or drop --replica-group-size to replicate the model on every worker",
         )
-    if k > 1 and max_workers and max_workers % k:
-        lower, upper = max_workers // k * k, -(-max_workers // k) * k
-        workers = f"--workers {lower} or {upper}" if lower else f"--workers {upper}"
+    if k > 1 and max_workers and (max_workers % k or min_workers % k):
+        # An elastic run's MIN and MAX count in groups too: it grows and shrinks by whole groups.
+        def whole(n: int) -> str:
+            lower, upper = n // k * k, -(-n // k) * k
+            return f"{lower} or {upper}" if lower else str(upper)
+
+        if min_workers == max_workers:
+            got, give, divides = f"--workers {max_workers}", f"--workers {whole(max_workers)}", str(max_workers)
+        else:
+            low = min_workers if min_workers % k == 0 else max(k, min_workers // k * k)
+            got, give = f"--workers {min_workers}:{max_workers}", f"--workers {low}:{max_workers // k * k or k}"
+            divides = f"both {min_workers} and {max_workers}"
         yield (
             "replica_group_size",
-            f"got {k} with --workers {max_workers}, which is not a whole number of groups; give {workers}, or a "
-            f"--replica-group-size that divides {max_workers}",
+            f"got {k} with {got}, which is not a whole number of groups; give {give}, or a "
+            f"--replica-group-size that divides {divides}",
         )
 
 

@@ -13,11 +13,14 @@ the controller callback that makes the retry succeed (`raytrain.driver.replaceme
 
 from __future__ import annotations
 
+import threading
+
 from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
 from raytrain.driver import interrupts, replacement
-from raytrain.driver.replacement import ReplicaGroups, lost_while_replacing
+from raytrain.driver.replacement import GroupController, ReplicaGroups, group_scaling_policy, lost_while_replacing
 from raytrain.errors import find_user_error
 
 
@@ -43,6 +46,11 @@ class FailFastPolicy(FailurePolicy):
         return self.inner.make_decision(training_failed_error)
 
 
+class _WithoutDatasetManager(DatasetsCallback):
+    def before_init_train_context(self, workers) -> dict:
+        return {}  # no dataset shard provider: no DatasetManager actor
+
+
 class FailFastTrainer(TorchTrainer):
     """A TorchTrainer whose controller uses FailFastPolicy around Ray's own policy (and, with
     replica groups, `ReplicaGroups`), and whose signals raytrain handles
@@ -52,12 +60,51 @@ class FailFastTrainer(TorchTrainer):
         super().__init__(*args, **kwargs)
         self.replica_group_size = replica_group_size  # workers per replica group (per-step)
 
+    def _create_default_callbacks(self):
+        """Ray's, but with no dataset manager when the trainer has no datasets (raytrain's
+        workers read their own shards: `raytrain.data.sources`): Ray Train starts one more actor
+        process per run for it, about 4 CPU seconds of imports for nothing. What else the
+        callback does, handing the driver's Ray Data context to the workers, it still does."""
+        callbacks = super()._create_default_callbacks()
+        if self.datasets:
+            return callbacks
+        return [
+            _WithoutDatasetManager(self.train_run_context, {}) if type(callback) is DatasetsCallback else callback
+            for callback in callbacks
+        ]
+
     def _initialize_and_run_controller(self, **kwargs):
         replica_groups = bool(getattr(self.backend_config.backend_cls, "has_replica_groups", False))
         kwargs["failure_policy"] = FailFastPolicy(kwargs["failure_policy"], replica_groups=replica_groups)
-        if replica_groups:
-            kwargs["callbacks"] = [*kwargs["callbacks"], ReplicaGroups(self.replica_group_size)]
-        return super()._initialize_and_run_controller(**kwargs)
+        if not replica_groups:
+            return super()._initialize_and_run_controller(**kwargs)
+        kwargs["callbacks"] = [*kwargs["callbacks"], ReplicaGroups(self.replica_group_size)]
+        if self.scaling_config.elasticity_enabled:  # an elastic run starts with whole groups
+            kwargs["scaling_policy"] = group_scaling_policy(self.scaling_config, self.replica_group_size)
+        return self._run_controller(GroupController, kwargs)
+
+    def _run_controller(self, controller_cls, kwargs):
+        """`DataParallelTrainer._initialize_and_run_controller` of Ray 2.60, with raytrain's
+        controller class (Ray's takes none)."""
+        import ray
+        from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+        from ray.train.v2._internal.constants import (
+            DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+            get_env_vars_to_propagate,
+        )
+
+        env_vars = get_env_vars_to_propagate()
+        env_vars.setdefault(
+            RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE
+        )
+        here = ray.get_runtime_context().get_node_id()  # the controller runs beside the driver
+        controller = ray.remote(
+            num_cpus=0, label_selector={ray._raylet.RAY_NODE_ID_KEY: here}, runtime_env={"env_vars": env_vars}
+        )(controller_cls).remote(**kwargs)
+        if threading.current_thread() is threading.main_thread():
+            self._register_sigint_handler(controller)
+        ray.get(controller.run.remote())
+        return ray.get(controller.get_result.remote())
 
     def _register_sigint_handler(self, controller) -> None:
         interrupts.set_controller(controller)

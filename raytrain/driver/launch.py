@@ -80,7 +80,8 @@ def build_torch_trainer(
     apply_train_timers(cfg)
     elastic = {"elastic_resize_monitor_interval_s": ELASTIC_MONITOR_INTERVAL_S} if cfg.elastic else {}
     if cfg.fault_tolerance == "per-step":
-        torch_config = torchft_config(use_gpu, cfg.collective_timeout_s)
+        min_groups = cfg.min_workers // cfg.replica_group_size if cfg.elastic else 1
+        torch_config = torchft_config(use_gpu, cfg.collective_timeout_s, min_groups)
     else:
         torch_config = TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s))
     return FailFastTrainer(

@@ -30,18 +30,37 @@ address every worker of the group is given before its training function runs
 starts a new generation on a new store; the group's other workers see the loss and leave
 (`raytrain.parallel.hsdp.GroupWatch`: the old store closing tells them too), and their
 replacements join the new generation.
+
+A replacement that cannot be placed (its node gone for good, no room elsewhere) would stop
+Ray's controller in a wait without a limit; `GroupController`, the controller of every
+per-step run, leaves such a group waiting while the others train, and starts it again when
+there is room. An elastic per-step run (`--workers MIN:MAX`) starts with whole groups
+(`group_scaling_policy`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from ray.exceptions import RayActorError
 from ray.train import ControllerError
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.controller import TrainController
+from ray.train.v2._internal.execution.scaling_policy import ResizeDecision
+from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 
-from raytrain.rules.replicas import GROUP_STORE_ENV, REPLACES_ONE, START_ENV, STARTS_WITH_GROUP, GroupGenerations
+from raytrain.rules.replicas import (
+    GROUP_STORE_ENV,
+    REPLACES_ONE,
+    START_ENV,
+    STARTS_WITH_GROUP,
+    GroupGenerations,
+    whole_groups,
+)
+
+logger = logging.getLogger(__name__)
 
 # The controller's callback, for its failure policy: Ray hands the controller each of them as
 # its own copy, so the policy finds the callback here (one controller per process).
@@ -144,9 +163,119 @@ class ReplicaGroups(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallbac
         return bool(failed_ranks) and known == failed_ranks
 
 
+class GroupController(TrainController):
+    """Ray Train's controller for a per-step run, where a lost replica group waits for room.
+
+    Ray 2.60 replaces a failing replica group at once, in its placement group's slots
+    (`WorkerGroup.replace_replica_group`), and waits without a limit for the new workers to
+    start (`ray.get` of their metadata in `WorkerGroup._create_workers`). When the group's
+    node is gone for good and no other node has room, its slots cannot be placed: the
+    controller stops in that wait. The survivors keep training without it (their quorum
+    does not need the controller), but nothing polls them any more, so a run they finish never
+    ends. And a replacement of another group, or the end of the run, is never seen.
+
+    Here a failing group whose slots have no node (`placement_group_table`: a bundle of the
+    lost node has none until the placement group is rescheduled on another) is shut down
+    and left waiting: the controller goes on polling the others, leaves the waiting group out
+    of what it reads (its workers count as finished, without an error: the loss was counted
+    when it happened), and starts the group again as soon as its slots are placed again (a
+    node came back, or the autoscaler added one). A failure never shrinks the worker group:
+    its size is the most workers the run started with, and the quorum holds those that are
+    alive (`--workers MIN:MAX` sets how many it starts with)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.waiting: set[int] = set()  # replica groups (Ray's: one per worker) without room
+
+    def _start_worker_group(self, num_workers: int, resources_per_worker: dict) -> None:
+        self.waiting = set()  # a new worker group: every group starts
+        super()._start_worker_group(num_workers, resources_per_worker)
+
+    def _execute_resize_decision(self, decision: ResizeDecision):
+        worker_group = self._worker_group
+        status = worker_group.get_latest_poll_status() if worker_group is not None else None
+        if self._manages_replica_groups and status is not None:
+            failing = status.failing_replica_group_indices
+            if failing and failing != status.all_replica_group_indices:  # replace in place, never shrink
+                decision = ResizeDecision(len(worker_group.get_workers()), decision.resources_per_worker)
+        return super()._execute_resize_decision(decision)
+
+    def _replace_bad_workers(self, poll_status: WorkerGroupPollStatus) -> None:
+        for index in sorted(poll_status.failing_replica_group_indices):
+            if index in self.waiting or not self._has_room(index):
+                group = self._worker_group.get_replica_groups()[index]
+                if group.is_active():
+                    group.shutdown()
+                if index not in self.waiting:
+                    logger.warning(
+                        "raytrain: replica group %d cannot be placed (its node is gone and no other has room); "
+                        "the others train on, and it starts again when there is room",
+                        index,
+                    )
+                self.waiting.add(index)
+            else:
+                self._worker_group.replace_replica_group(index)
+
+    async def _poll_workers(self) -> WorkerGroupPollStatus:
+        for index in sorted(self.waiting):
+            if self._has_room(index):
+                self.waiting.discard(index)
+                try:
+                    self._worker_group.replace_replica_group(index)
+                except Exception as error:  # its node went again while it started: it waits again
+                    logger.warning("raytrain: replica group %d failed to start again (%s); it waits", index, error)
+                    self.waiting.add(index)
+        status = await super()._poll_workers()
+        if not self.waiting:
+            return status
+        waiting_ranks = {
+            rank for rank, group in (status.worker_rank_to_replica_group_rank or {}).items() if group in self.waiting
+        }
+        statuses = {
+            rank: WorkerStatus(running=False) if rank in waiting_ranks else worker
+            for rank, worker in status.worker_statuses.items()
+        }
+        return WorkerGroupPollStatus(statuses, status.worker_rank_to_replica_group_rank)
+
+    def _has_room(self, index: int) -> bool:
+        """Whether every slot of replica group `index` is placed on a node."""
+        from ray.util.placement_group import placement_group_table
+
+        worker_group = self._worker_group
+        placement_group = worker_group._worker_group_state.placement_group_handle.placement_group
+        nodes = placement_group_table(placement_group).get("bundles_to_node_id") or {}
+        slots = [
+            worker.placement_group_bundle_index for worker in worker_group.get_replica_groups()[index].get_workers()
+        ]
+        return all(nodes.get(slot) for slot in slots)
+
+
+def group_scaling_policy(scaling_config, group_size: int):
+    """Ray Train's elastic scaling policy for a per-step run of replica groups of `group_size`
+    workers: it counts the workers the cluster can hold in whole groups (at least MIN, which is
+    itself whole groups). Ray 2.60 replaces a failing replica group in place only at an
+    unchanged worker count; a resize, down or up, restarts every group from the last
+    checkpoint (`TrainController._execute_resize_decision`)."""
+    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+
+    class GroupScalingPolicy(ElasticScalingPolicy):
+        def _count_possible_workers(self, reserved_resources) -> int:
+            return whole_groups(super()._count_possible_workers(reserved_resources), group_size)
+
+    return GroupScalingPolicy(scaling_config=scaling_config)
+
+
 def running() -> "ReplicaGroups | None":
     """The callback of the controller running in this process (None before its group starts)."""
     return _RUNNING
 
 
-__all__ = ["ReplicaGroups", "lost_while_replacing", "mark_group", "mark_start", "running"]
+__all__ = [
+    "GroupController",
+    "ReplicaGroups",
+    "group_scaling_policy",
+    "lost_while_replacing",
+    "mark_group",
+    "mark_start",
+    "running",
+]

@@ -57,6 +57,12 @@ def step_share(group_in_quorum: int, groups: int, group_rank: int, group_size: i
     return group_in_quorum * group_size + group_rank, groups * group_size
 
 
+def whole_groups(workers: int, group_size: int) -> int:
+    """The most workers of `workers` that make whole replica groups: an elastic per-step run
+    starts, shrinks and grows by whole groups (a part of a group holds no model)."""
+    return workers // group_size * group_size
+
+
 class GroupGenerations:
     """Which incarnation of its replica group a starting worker joins. A group of several
     workers is one model only together: when one of its workers is replaced, the group starts
@@ -140,6 +146,7 @@ __all__ = [
     "stall_after_s",
     "starts_with_group",
     "step_share",
+    "whole_groups",
 ]
 
 

@@ -42,6 +42,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+from ray.train.v2.torch import torchft_config as ray_torchft
 
 from raytrain.parallel.hsdp import GroupWatch
 from raytrain.rules import replicas as rules
@@ -71,12 +72,39 @@ LIGHTHOUSE_KWARGS = {
 }
 
 
-def torchft_config(use_gpu: bool, timeout_s: float):
-    """The TorchTrainer's torch_config in per-step mode."""
-    from ray.train.v2.torch.torchft_config import TorchftConfig
+class _Backend(ray_torchft._TorchftBackend):
+    """Ray Train's torchft backend, with a lighthouse that asks for no CPU. Ray 2.60 pins the
+    lighthouse to the controller's node as an actor with the default request of 1 CPU for
+    scheduling: on a cluster whose head has none (`ray start --head --num-cpus=0`, where the
+    driver and the controller run), it can never be placed and the run never starts. It
+    answers a few small requests per step: it needs no CPU of its own."""
 
-    return TorchftConfig(
-        lighthouse_kwargs=dict(LIGHTHOUSE_KWARGS), backend="nccl" if use_gpu else "gloo", timeout_s=int(timeout_s)
+    def _maybe_create_lighthouse_actor(self, backend_config) -> str:
+        if self.lighthouse_actor is None:
+            import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+            self.lighthouse_actor = ray_torchft.LighthouseServerActor.options(
+                num_cpus=0, scheduling_strategy=here
+            ).remote(lighthouse_kwargs={"bind": "[::]:0", **backend_config.lighthouse_kwargs})
+        return super()._maybe_create_lighthouse_actor(backend_config)  # its address, from the actor
+
+
+class _TorchftConfig(ray_torchft.TorchftConfig):
+    @property
+    def backend_cls(self):
+        return _Backend
+
+
+def torchft_config(use_gpu: bool, timeout_s: float, min_groups: int = 1):
+    """The TorchTrainer's torch_config in per-step mode. `min_groups`: the fewest replica
+    groups a quorum takes a step with (an elastic run's MIN, in groups; a fixed run's
+    survivors go on whatever is lost)."""
+    return _TorchftConfig(
+        lighthouse_kwargs={**LIGHTHOUSE_KWARGS, "min_replicas": min_groups},
+        backend="nccl" if use_gpu else "gloo",
+        timeout_s=int(timeout_s),
     )
 
 
