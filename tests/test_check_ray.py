@@ -1,4 +1,4 @@
-"""`raytrain check` on 2 CPU workers (gloo): the built-in pipelines pass at fp32 (charlm also
+"""`raytrain check` on 2 CPU workers (gloo): the built-in pipelines pass at fp32 (charlm
 sharded: fsdp at 2 workers against ddp at 1); one pipeline per named cause fails with that
 cause in its message; --sync-batchnorm makes the BatchNorm case pass (its 2-worker losses agree
 with 1 worker's within the tolerance)."""
@@ -25,14 +25,15 @@ def table(out: str) -> list[list[str]]:
     return [line.split()[:7] for line in out.splitlines() if re.match(r"^\s+\d+\s+\d", line)]
 
 
+# charlm at 2 workers is checked sharded, against its 1 ddp worker: its model at 2 workers and
+# fsdp's at once (under ddp at 2 it was a case of its own, as digits is).
 @pytest.mark.parametrize(
     "argv",
     [
         ["digits"],
-        ["charlm", "--steps", "8", "--pipeline-arg", "corpus_mb=0.2"],
         ["charlm", "--steps", "8", "--pipeline-arg", "corpus_mb=0.2", "--strategy", "fsdp"],
     ],
-    ids=["digits", "charlm", "charlm-fsdp"],
+    ids=["digits", "charlm-fsdp"],
 )
 def test_the_built_in_pipelines_train_at_2_workers_as_at_1(ray_session, capsys, argv):
     code, out = check(capsys, *argv)

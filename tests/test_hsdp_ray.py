@@ -1,9 +1,10 @@
 """Per-step fault tolerance for a sharded model on CPU (`--fault-tolerance per-step --strategy
 fsdp --replica-group-size 2`, torchft on gloo): 4 workers as 2 groups of 2, each group holding
 one copy of the model sharded over its 2 workers. A worker of one group is SIGKILLed
-mid-epoch, or both at once: the group goes whole (a lone worker is taken out), the other
-group never restarts and trains on alone, the group's replacement heals from the live group's
-shards, every id is trained once per epoch, and the run's model exports strict."""
+mid-epoch: the group goes whole (its other worker is taken out), the other group never
+restarts and trains on alone, the group's replacement heals from the live group's shards,
+every id is trained once per epoch, and the run's model exports strict. Both workers of a
+group lost at once (their node removed) is tests/test_elastic_ray.py's per-step case."""
 
 from __future__ import annotations
 
@@ -24,9 +25,8 @@ from raytrain.cli import main  # noqa: E402
 pytestmark = pytest.mark.ray
 
 
-@pytest.mark.parametrize("killed", [(3,), (2, 3)], ids=["one-worker", "both-workers-at-once"])
 def test_a_worker_lost_takes_its_group_out_and_the_other_group_trains_on_then_the_group_heals_back(
-    ray_session, tmp_path, killed
+    ray_session, tmp_path
 ):
     out = tmp_path / "out"
     out.mkdir()
@@ -47,14 +47,13 @@ def test_a_worker_lost_takes_its_group_out_and_the_other_group_trains_on_then_th
     )
     # Steps paced at 1 s until the killed worker's replacement trains: its group's two workers
     # are replaced one after the other (~10–30 s each here), then heal and rejoin.
-    pipeline = ReplicaRecordingPipeline(str(out), num_rows=rows, crash_at_step=5, step_sleep_s=1.0, kill_replica=killed)
+    pipeline = ReplicaRecordingPipeline(str(out), num_rows=rows, crash_at_step=5, step_sleep_s=1.0, kill_replica=3)
     result = fit(pipeline, cfg)
 
     pids = processes(out)
     assert len(pids[0]) == 1 and len(pids[1]) == 1, pids  # group 0 never restarted
-    for replica in killed:
-        dead = json.loads((out / f"killed-replica{replica}").read_text())["pid"]
-        assert pids[replica] - {dead}, f"worker {replica} was replaced"
+    dead = json.loads((out / "killed-replica3").read_text())["pid"]
+    assert pids[3] - {dead}, "worker 3 was replaced"
     assert len(pids[2]) == 2 and len(pids[3]) == 2, pids  # group 1 replaced whole, once
     for epoch, ids in committed_ids(out).items():
         assert sorted(ids) == list(range(rows)), f"epoch {epoch}: not every id exactly once"
@@ -70,8 +69,8 @@ def test_a_worker_lost_takes_its_group_out_and_the_other_group_trains_on_then_th
     assert "a group rejoined, healed from a live peer" in quorum[1]["message"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and 2 in summary["world_sizes"]
-    # The group's loss counts once however many of its workers went (the others were taken out).
-    assert 1 <= summary["failures_recovered"] <= len(killed), summary
+    # The group's loss counts once: its other worker, taken out with it, is not counted.
+    assert summary["failures_recovered"] == 1, summary
 
     exported = tmp_path / "exported.pt"
     assert main(["export", str(run_dir), "-o", str(exported)]) == 0

@@ -14,7 +14,10 @@ from raytrain.rundir.checkpoints import checkpoint_dirs, load_state
 pytestmark = pytest.mark.ray
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lamb"])
+# AdamW, the default, crosses a kill and a resume at another count in most Ray tests (exact
+# resumes in tests/test_train_ray.py, test_fsdp_ray.py, test_steps_ray.py); here the others:
+# SGD's momentum buffers (made at the first step) and a third-party optimizer's state.
+@pytest.mark.parametrize("optimizer", ["sgd", "lamb"])
 def test_optimizer_state_round_trips_a_kill_and_a_resume_at_another_worker_count(ray_session, tmp_path, optimizer):
     out = tmp_path / "records"
     out.mkdir()
