@@ -260,3 +260,20 @@ def test_ray_is_asked_for_whole_groups_only():
     assert policy._count_possible_workers({"node-a": {"CPU": 3.0}}) == 2  # 3 workers fit: 1 group
     assert policy._count_possible_workers({"node-a": {"CPU": 2.0}, "node-b": {"CPU": 3.0}}) == 4
     assert policy._count_possible_workers({"node-a": {"CPU": 16.0}}) == 6  # never past MAX
+
+
+def test_a_running_per_step_group_is_never_shrunk_by_rays_resource_count():
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
+
+    from raytrain.driver.replacement import group_scaling_policy
+
+    policy = group_scaling_policy(ScalingConfig(num_workers=(2, 6), resources_per_worker={"CPU": 1}), 2)
+    state = SimpleNamespace(num_workers=4, start_time=0.0)
+    policy._maybe_send_resource_request = lambda: None  # no autoscaler here
+    policy._get_reserved_resources = lambda: {"node-a": {"CPU": 2.0}}  # a node's room not counted (yet)
+    assert isinstance(policy.make_decision_for_running_worker_group(state, None), NoopDecision)
+    policy._latest_monitor_time = 0.0
+    policy._get_reserved_resources = lambda: {"node-a": {"CPU": 6.0}}  # room for more: a growth
+    grown = policy.make_decision_for_running_worker_group(state, None)
+    assert isinstance(grown, ResizeDecision) and grown.num_workers == 6

@@ -57,6 +57,7 @@ PRIVATE_RAY_NAMES = {
         "ray.train.v2._internal.execution.callback.WorkerGroupCallback",
         "ray.train.v2._internal.execution.controller.TrainController",
         "ray.train.v2._internal.execution.scaling_policy.ElasticScalingPolicy",
+        "ray.train.v2._internal.execution.scaling_policy.NoopDecision",
         "ray.train.v2._internal.execution.scaling_policy.ResizeDecision",
         "ray.train.v2._internal.execution.worker_group.poll.WorkerGroupPollStatus",
         "ray.train.v2._internal.execution.worker_group.poll.WorkerStatus",

@@ -133,7 +133,7 @@ class FaultToleranceSection:
     """With --fault-tolerance per-step and --strategy fsdp: workers per replica group (HSDP). Each group of K shards
     one copy of the model; the groups average their gradients through torchft, a lost worker takes its group out
     while the other groups keep stepping, and the group's replacement heals from a live group's shards. K must
-    divide --workers (docs/fault-tolerance.md)."""
+    divide --workers (an elastic run's MIN and MAX alike: it counts in whole groups; docs/fault-tolerance.md)."""
     checkpoint_every_steps: int = 0
     """Also checkpoint every this many optimizer steps (0: at the end of each epoch only)."""
     checkpoint_every: Literal["auto"] | None = field(default=None, metadata={"instead_of": "checkpoint_every_steps"})

@@ -48,7 +48,7 @@ from ray.exceptions import RayActorError
 from ray.train import ControllerError
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.controller import TrainController
-from ray.train.v2._internal.execution.scaling_policy import ResizeDecision
+from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 
 from raytrain.rules.replicas import (
@@ -253,14 +253,24 @@ class GroupController(TrainController):
 def group_scaling_policy(scaling_config, group_size: int):
     """Ray Train's elastic scaling policy for a per-step run of replica groups of `group_size`
     workers: it counts the workers the cluster can hold in whole groups (at least MIN, which is
-    itself whole groups). Ray 2.60 replaces a failing replica group in place only at an
-    unchanged worker count; a resize, down or up, restarts every group from the last
-    checkpoint (`TrainController._execute_resize_decision`)."""
+    itself whole groups), and never shrinks a running group. Ray 2.60 replaces a failing
+    replica group in place only at an unchanged worker count; a resize restarts every group
+    from the last checkpoint (`TrainController._execute_resize_decision`): here only a growth
+    past the size the run started with."""
     from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 
     class GroupScalingPolicy(ElasticScalingPolicy):
         def _count_possible_workers(self, reserved_resources) -> int:
             return whole_groups(super()._count_possible_workers(reserved_resources), group_size)
+
+        def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
+            decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
+            if isinstance(decision, ResizeDecision) and decision.num_workers < worker_group_state.num_workers:
+                # Never shrink a running group: a lost group waits for room (`GroupController`),
+                # and the resources Ray counts lag behind a node that came back (seen: a
+                # shrink to 2 decided just after the lost group had started again).
+                return NoopDecision()
+            return decision
 
     return GroupScalingPolicy(scaling_config=scaling_config)
 
