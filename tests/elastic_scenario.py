@@ -100,11 +100,9 @@ def main(out: Path) -> None:
         try:
             if os.environ.get("ELASTIC_PIPELINE") == "digits":
                 pipeline = SlowDigitsPipeline(step_sleep_s=1.0, pace_until=str(unpaced))
-            elif groups:  # its records name each worker's process
-                pipeline = ReplicaRecordingPipeline(str(records), num_rows=960, step_sleep_s=1.0)
-                pipeline.pace_until = str(unpaced)
-            else:
-                pipeline = RecordingPipeline(str(records), num_rows=960, step_sleep_s=1.0, pace_until=str(unpaced))
+            else:  # under per-step, records that name each worker's process
+                recording = ReplicaRecordingPipeline if groups else RecordingPipeline
+                pipeline = recording(str(records), num_rows=960, step_sleep_s=1.0, pace_until=str(unpaced))
             result_box["summary"] = raytrain.fit(pipeline, cfg).summary
         except Exception as exc:  # reported in result.json
             result_box["error"] = repr(exc)

@@ -461,8 +461,9 @@ class ReplicaRecordingPipeline(RecordingPipeline):
         hang_replica: int = 1,
         build_sleep_s: float = 0.0,
         slow_replica: int = 1,
+        pace_until: str | None = None,
     ):
-        super().__init__(out_dir, num_rows, None, step_sleep_s)
+        super().__init__(out_dir, num_rows, None, step_sleep_s, pace_until=pace_until)
         self.kill_at_step, self.num_blocks = crash_at_step, num_blocks
         self.kill_replicas = (kill_replica,) if isinstance(kill_replica, int) else tuple(kill_replica)
         self.hang_at_step, self.hang_replica = hang_at_step, hang_replica

@@ -194,7 +194,7 @@ class GroupController(TrainController):
     def _execute_resize_decision(self, decision: ResizeDecision):
         worker_group = self._worker_group
         status = worker_group.get_latest_poll_status() if worker_group is not None else None
-        if self._manages_replica_groups and status is not None:
+        if status is not None:  # this controller runs replica groups only
             failing = status.failing_replica_group_indices
             if failing and failing != status.all_replica_group_indices:  # replace in place, never shrink
                 decision = ResizeDecision(len(worker_group.get_workers()), decision.resources_per_worker)
