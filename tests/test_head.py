@@ -15,9 +15,19 @@ import pytest
 from raytrain.cli import main
 from raytrain.driver import head
 from raytrain.errors import UsageError
-from raytrain.rules.head import JOIN, REFUSE, STALE, head_verdict, record_problem, same_python
+from raytrain.rules.head import (
+    JOIN,
+    REFUSE,
+    STALE,
+    TEMP_DIR_PROOF,
+    head_verdict,
+    record_file_problem,
+    record_problem,
+    same_python,
+)
 
 RAY = head.ray_version()
+MARKER = "0123456789abcdef0123456789abcdef"
 PY = platform.python_version()
 
 
@@ -29,7 +39,7 @@ def record(**changes):
         "python_version": PY,
         "uid": os.getuid(),
         "user": "me",
-        "marker": "m",
+        "marker": MARKER,
         "temp_dir": "/tmp/rthead-x",
     }
     return {**base, **changes}
@@ -135,12 +145,15 @@ def recorded(tmp_path, monkeypatch):
         monkeypatch.delenv(name)
     gcs = FakeGcs()
     me = head._create_time(os.getpid())
+    temp_dir = tmp_path / "rthead-x"
+    temp_dir.mkdir()
+    (temp_dir / TEMP_DIR_PROOF).write_text(MARKER + "\n")
     rec = record(
         address=gcs.address,
         pid=os.getpid(),
         pids={"raylet": os.getpid()},
         created={"pid": me, "raylet": me},
-        temp_dir=str(tmp_path / "rthead"),
+        temp_dir=str(temp_dir),
         auth_mode="token",
     )
     head.write_record(path, rec)
@@ -167,7 +180,7 @@ def test_a_stale_record_is_cleared_and_said(recorded, tmp_path):
     head.write_record(path, {**rec, "address": "127.0.0.1:1", "pid": dead, "pids": {"raylet": dead}})
     lines = []
     assert head.join_recorded_head(None, lines.append) is None
-    assert not path.exists()
+    assert not path.exists() and not os.path.exists(rec["temp_dir"])  # the proven temp dir goes with it
     assert len(lines) == 1 and "is gone; record cleared, this run starts its own Ray" in lines[0]
     assert "RAY_ADDRESS" not in os.environ
 
@@ -200,3 +213,119 @@ def test_a_named_token_file_that_is_missing_is_the_users_to_fix_not_a_traceback(
         head.ensure_token({"RAY_AUTH_TOKEN_PATH": str(missing)})
     missing.write_text("0" * 64)
     head.ensure_token({"RAY_AUTH_TOKEN_PATH": str(missing)})  # there: nothing to do, nothing run
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"temp_dir": ""}, "its temp_dir '' is not one `raytrain up` makes"),
+        ({"temp_dir": "/home/me/data"}, "named rthead-*"),
+        ({"temp_dir": "relative/rthead-x"}, "an absolute path"),
+        ({"temp_dir": "/tmp/rthead-x/../data"}, "an absolute path"),
+        ({"temp_dir": "/tmp/rthead-"}, "named rthead-*"),
+        ({"marker": ""}, "its marker '' is not one"),
+        ({"marker": "m"}, "32 hex digits"),
+        ({"pid": 1}, "its pid 1 is not a process"),
+        ({"pid": "4242"}, "its pid '4242'"),
+        ({"uid": None}, "its uid None"),
+    ],
+)
+def test_a_record_naming_what_up_never_writes_is_not_a_record(tmp_path, changes, words):
+    """What `down` would end and delete must be shaped as `up` makes it: an empty temp_dir would
+    match every process's command line, a user's directory would be deleted."""
+    assert words in record_problem(record(**changes))
+    path = tmp_path / "head.json"
+    head.write_record(path, record(**changes))
+    with pytest.raises(UsageError, match="is not a raytrain head record .*remove it, then `raytrain up`"):
+        head.read_record(path)
+
+
+def test_a_record_another_user_wrote_or_could_replace_is_not_acted_on(tmp_path):
+    me = os.getuid()
+    assert record_file_problem(file_uid=me, file_mode=0o100600, dir_mode=0o40700, uid=me) is None
+    assert record_file_problem(file_uid=me, file_mode=0o100644, dir_mode=0o41777, uid=me) is None  # /tmp: sticky
+    assert "owned by uid 7" in record_file_problem(file_uid=7, file_mode=0o100600, dir_mode=0o40700, uid=me)
+    assert "mode 0666" in record_file_problem(file_uid=me, file_mode=0o100666, dir_mode=0o40700, uid=me)
+    assert "folder has mode 0777" in record_file_problem(file_uid=me, file_mode=0o100600, dir_mode=0o40777, uid=me)
+    folder = tmp_path / "open"
+    path = folder / "head.json"
+    head.write_record(path, record())
+    path.chmod(0o666)
+    with pytest.raises(UsageError, match=r"is not acted on: others can write it \(mode 0666\).*chmod 600"):
+        head.read_record(path)
+    path.chmod(0o600)
+    folder.chmod(0o777)
+    with pytest.raises(UsageError, match="anyone can replace it"):
+        head.read_record(path)
+
+
+def test_a_record_under_a_file_names_the_variable_not_a_file_to_remove(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "plain"
+    blocker.write_text("x")
+    monkeypatch.setenv(head.HEAD_FILE_ENV, str(blocker / "head.json"))
+    assert main(["down"]) == 2
+    err = capsys.readouterr().err
+    assert f"{blocker} is a file, not a folder: point RAYTRAIN_HEAD_FILE at a path in a folder" in err
+    assert "remove it" not in err and blocker.read_text() == "x"
+
+
+@pytest.fixture
+def bystander():
+    """An unrelated process that leads a session of its own, as a reused pid would."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    yield process
+    process.kill()
+    process.wait()
+
+
+@pytest.mark.parametrize("command", ["down", "train"])
+def test_a_record_whose_pid_and_temp_dir_are_not_the_heads_ends_nothing_and_deletes_nothing(
+    recorded, tmp_path, bystander, monkeypatch, capsys, command
+):
+    """A stale record whose pid now names an unrelated process (a reused pid) and whose temp dir
+    is a user's directory shaped like one `up` makes but without the head's proof file: `down`
+    and a `train` that clears the record end no process and delete no file."""
+    path, rec = recorded
+    users = tmp_path / "rthead-mine"
+    users.mkdir()
+    (users / "precious.txt").write_text("keep me")
+    stale = {
+        **rec,
+        "address": "127.0.0.1:1",  # nothing answers: a gone head
+        "pid": bystander.pid,
+        "pids": {"raylet": bystander.pid},
+        "created": {"pid": head._create_time(bystander.pid) - 100.0, "raylet": 0.0},  # not that process
+        "started_at": 0.0,
+        "temp_dir": str(users),
+    }
+    head.write_record(path, stale)
+    assert head.head_processes(stale) == []
+    if command == "down":
+        assert main(["down"]) == 0
+        said = capsys.readouterr().out
+        assert "was already gone; record cleared" in said
+    else:
+        lines = []
+        assert head.join_recorded_head(None, lines.append) is None
+        said = lines[0]
+        assert "is gone; record cleared, this run starts its own Ray" in said
+    assert f"({users} left in place: it is not provably the head's temp dir)" in said
+    assert bystander.poll() is None, "an unrelated process was ended"
+    assert (users / "precious.txt").read_text() == "keep me"
+    assert not path.exists()
+
+
+def test_up_refused_before_the_start_leaves_no_temp_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(head.HEAD_FILE_ENV, str(tmp_path / "head.json"))
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing-token"))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    before = set(os.listdir("/tmp"))
+    with pytest.raises(UsageError, match="RAY_AUTH_TOKEN_PATH names"):
+        head.start_head(2, lambda line: None)
+    assert not [name for name in set(os.listdir("/tmp")) - before if name.startswith("rthead-")]
+
+
+def test_a_start_that_timed_out_says_load_is_the_likely_cause_and_a_retry_helps():
+    assert "run `raytrain up` again" in head._load_hint("... node timed out during startup ...")
+    assert head._load_hint("some other failure") == ""

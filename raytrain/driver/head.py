@@ -31,7 +31,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from raytrain.errors import RunFailed, UsageError
-from raytrain.rules.head import JOIN, REFUSE, STALE, head_verdict, record_problem
+from raytrain.rules.head import (
+    JOIN,
+    REFUSE,
+    STALE,
+    TEMP_DIR_PREFIX,
+    TEMP_DIR_PROOF,
+    head_verdict,
+    record_file_problem,
+    record_problem,
+)
 
 HEAD_FILE_ENV = "RAYTRAIN_HEAD_FILE"
 # Every process of a head carries this variable (inherited from `ray start`): how `down` finds
@@ -47,19 +56,43 @@ def head_file() -> Path:
 
 
 def read_record(path: Path) -> dict[str, Any] | None:
-    """The record at `path`; None when there is none. A file that is not one is the user's to remove."""
+    """The record at `path`; None when there is none. A file that is not one, or that another
+    user wrote or could have replaced, is the user's to check and remove: nothing is acted on."""
     try:
-        record = json.loads(path.read_text())
+        text = path.read_text()
+        info, folder = path.stat(), path.parent.stat()
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise UsageError(f"cannot read the local Ray head record {path} ({exc}){_fix_for(path)}") from None
+    untrusted = record_file_problem(
+        file_uid=info.st_uid, file_mode=info.st_mode, dir_mode=folder.st_mode, uid=os.getuid()
+    )
+    if untrusted:
         raise UsageError(
-            f"cannot read the local Ray head record {path} ({exc}); remove it, then `raytrain up`"
-        ) from None
+            f"the local Ray head record {path} is not acted on: {untrusted}; if you wrote it with `raytrain up`, "
+            f"`chmod 600 {path}` (and `chmod go-w {path.parent}`), otherwise remove it, then `raytrain up`"
+        )
+    try:
+        record = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"cannot read the local Ray head record {path} ({exc}){_fix_for(path)}") from None
     problem = record_problem(record)
     if problem:
-        raise UsageError(f"{path} is not a raytrain head record ({problem}); remove it, then `raytrain up`")
+        raise UsageError(f"{path} is not a raytrain head record ({problem}){_fix_for(path)}")
     return record
+
+
+def _fix_for(path: Path) -> str:
+    """The fix for a record that cannot be used: remove the file, or, when a part of its path
+    is a regular file (RAYTRAIN_HEAD_FILE under a file), point the variable elsewhere."""
+    for parent in path.parents:
+        if parent.is_file():
+            return (
+                f"; {parent} is a file, not a folder: point {HEAD_FILE_ENV} at a path in a folder "
+                f"(or unset it for ~/.raytrain/head.json)"
+            )
+    return "; remove it, then `raytrain up`"
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
@@ -163,10 +196,10 @@ def join_recorded_head(address: str | None, echo: Callable[[str], None]) -> dict
     if found.kind == REFUSE:
         raise UsageError(found.reason)
     if found.kind == STALE:
-        stop_processes(record)  # what is left of it, if anything: marked as that head's
-        shutil.rmtree(record["temp_dir"], ignore_errors=True)
+        stop_processes(record)  # what is left of it, if anything: provably that head's
+        left = remove_temp_dir(record)
         clear_record(path)
-        echo(f"raytrain: {found.reason}")
+        echo(f"raytrain: {found.reason}{left}")
         return None
     os.environ["RAY_ADDRESS"] = record["address"]
     # `ray start` turned token auth on; the driver must send the token (RAY_NOTES).
@@ -214,11 +247,11 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
         if found.kind == REFUSE:
             raise UsageError(found.reason)
         stop_processes(record)
+        left = remove_temp_dir(record)
         clear_record(path)
-        echo(f"raytrain: {found.reason}")
+        echo(f"raytrain: {found.reason}{left}")
     num_cpus = num_cpus or default_num_cpus()
     gcs, dashboard, agent, client = _free_ports(4)
-    temp_dir = tempfile.mkdtemp(prefix="rthead-", dir="/tmp")  # short: Unix socket paths ≤ 107 bytes
     marker = uuid.uuid4().hex
     env = {
         **os.environ,
@@ -238,6 +271,10 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
         ensure_token(env)
     log_path = path.with_suffix(".log")
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Made only once nothing can refuse the start (a refused `up` leaves no directory behind);
+    # short: Unix socket paths ≤ 107 bytes. The proof file is what lets `down` delete it.
+    temp_dir = tempfile.mkdtemp(prefix=TEMP_DIR_PREFIX, dir="/tmp")
+    (Path(temp_dir) / TEMP_DIR_PROOF).write_text(marker + "\n")
     command = [
         str(Path(sys.executable).parent / "ray"),
         "start",
@@ -271,6 +308,7 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
         "ray_version": ray_version(),
         "python_version": platform.python_version(),
         "address": "",
+        "created": {"pid": _create_time(process.pid)},  # so that a failed start ends exactly its own group
     }
     try:
         _wait_ready(process, log_path, started)
@@ -315,9 +353,27 @@ def _wait_ready(process: subprocess.Popen, log_path: Path, started: float) -> No
         if READY_LINE in text:
             return
         if process.poll() is not None:
-            raise RunFailed(f"`ray start` exited with status {process.returncode}: {_tail(text)} (log: {log_path})")
+            raise RunFailed(
+                f"`ray start` exited with status {process.returncode}: {_tail(text)} (log: {log_path})"
+                f"{_load_hint(text)}"
+            )
         time.sleep(0.2)
-    raise RunFailed(f"the Ray head did not start within {READY_TIMEOUT_S:.0f} s (log: {log_path})")
+    raise RunFailed(
+        f"the Ray head did not start within {READY_TIMEOUT_S:.0f} s (log: {log_path}){_load_hint('timed out')}"
+    )
+
+
+def _load_hint(log_text: str) -> str:
+    """Ray's own start-up timeouts ("node timed out during startup") come from a machine too
+    busy to start its processes in time, not from a wrong setting: say so, and that a retry helps."""
+    if "timed out" not in log_text.lower():
+        return ""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    busy = f" (load average {load:.1f} on {os.cpu_count()} CPUs)" if load is not None else ""
+    return (
+        f"; Ray's processes did not start in time, which a busy machine causes{busy}: "
+        "run `raytrain up` again, ideally when the machine is less loaded"
+    )
 
 
 def _tail(text: str) -> str:
@@ -365,26 +421,62 @@ def _node_ip(log_text: str) -> str | None:
     return found.group(1) if found else None
 
 
+def temp_dir_is_heads(record: dict[str, Any]) -> bool:
+    """Whether the record's temp dir is provably the one `up` made for this head: a real
+    directory (not a link) of this user, shaped rthead-*, holding the proof file with the
+    record's marker. Nothing else is ever deleted or used to match processes."""
+    import stat
+
+    temp_dir = Path(record["temp_dir"])
+    try:
+        info = temp_dir.lstat()
+        proof = (temp_dir / TEMP_DIR_PROOF).read_text().strip()
+    except OSError:
+        return False
+    return (
+        stat.S_ISDIR(info.st_mode)
+        and info.st_uid == os.getuid()
+        and temp_dir.name.startswith(TEMP_DIR_PREFIX)
+        and proof == record["marker"]
+    )
+
+
+def remove_temp_dir(record: dict[str, Any]) -> str:
+    """Delete the head's temp dir when it is provably the head's; what was done, for the user."""
+    if temp_dir_is_heads(record):
+        shutil.rmtree(record["temp_dir"], ignore_errors=True)
+        return ""
+    if not os.path.lexists(record["temp_dir"]):
+        return ""
+    return f" ({record['temp_dir']} left in place: it is not provably the head's temp dir)"
+
+
 def head_processes(record: dict[str, Any]) -> list[int]:
-    """Live processes of the recorded head: in the session its `ray start` leads (created since
-    then), or carrying its marker in the environment, or naming its temp dir on the command
-    line, and their descendants."""
+    """Live processes that are provably the recorded head's, and their descendants:
+    - carrying its marker in the environment (every process of a head inherits it from `ray start`);
+    - in the session its `ray start` leads, when that leader is still the process recorded
+      (same pid and start time: a reused pid leads someone else's session);
+    - naming its temp dir on the command line, when that dir is provably the head's.
+    Never this process, its ancestors or pid 1."""
     import psutil
 
     leader, marker, temp_dir = record["pid"], record["marker"], record["temp_dir"]
+    leader_is_heads = _same_process(leader, record.get("created", {}).get("pid"))
+    temp_dir_heads = temp_dir_is_heads(record)
     since = record.get("started_at", 0) - 1
+    spared = {1, os.getpid(), *(parent.pid for parent in psutil.Process().parents())}
     table: dict[int, int] = {}
     ours: set[int] = set()
     for process in psutil.process_iter(["pid", "ppid", "cmdline", "create_time", "status"]):
         info = process.info
-        if info["pid"] == os.getpid() or info["status"] == psutil.STATUS_ZOMBIE:
+        if info["pid"] in spared or info["status"] == psutil.STATUS_ZOMBIE:
             continue
         table[info["pid"]] = info["ppid"]
         with contextlib.suppress(OSError, psutil.Error):
-            if os.getsid(info["pid"]) == leader and (info["create_time"] or 0) >= since:
+            if leader_is_heads and os.getsid(info["pid"]) == leader and (info["create_time"] or 0) >= since:
                 ours.add(info["pid"])
                 continue
-        if temp_dir in " ".join(info["cmdline"] or ()):
+        if temp_dir_heads and temp_dir in " ".join(info["cmdline"] or ()):
             ours.add(info["pid"])
             continue
         with contextlib.suppress(psutil.Error, OSError):
@@ -392,7 +484,7 @@ def head_processes(record: dict[str, Any]) -> list[int]:
                 ours.add(info["pid"])
     grown = True
     while grown:
-        more = {pid for pid, parent in table.items() if parent in ours} - ours
+        more = {pid for pid, parent in table.items() if parent in ours} - ours - spared
         ours |= more
         grown = bool(more)
     return sorted(ours)
@@ -406,7 +498,7 @@ def stop_processes(record: dict[str, Any]) -> list[int]:
         if not left:
             break
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            if record["pid"] in left:
+            if record["pid"] in left and _same_process(record["pid"], record.get("created", {}).get("pid")):
                 os.killpg(record["pid"], sig)
         for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -438,10 +530,13 @@ def stop_head(echo: Callable[[str], None]) -> int:
             f"{len(left)} process(es) of the local Ray head could not be ended: {', '.join(map(str, left))}; "
             f"the record {path} is kept so that `raytrain down` can try again"
         )
-    shutil.rmtree(record["temp_dir"], ignore_errors=True)
+    left_dir = remove_temp_dir(record)
     clear_record(path)
     if not found:
-        echo(f"raytrain: the local Ray head recorded in {path} ({record['address']}) was already gone; record cleared")
+        echo(
+            f"raytrain: the local Ray head recorded in {path} ({record['address']}) was already gone; "
+            f"record cleared{left_dir}"
+        )
         return 0
     echo(
         f"raytrain: stopped the local Ray head at {record['address']} (pid {record['pid']}, {len(found)} processes) "

@@ -18,6 +18,8 @@ and hide why.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,12 +41,45 @@ class HeadVerdict:
     reason: str  # one sentence: why (for stale and refuse), or what is joined
 
 
+# `up` makes the head's temp dir as /tmp/rthead-XXXXXXXX and writes this file in it, holding the
+# record's marker: the proof, read before anything is deleted, that the directory is the head's.
+TEMP_DIR_PREFIX = "rthead-"
+TEMP_DIR_PROOF = ".raytrain-head"
+
+
 def record_problem(record: Any) -> str | None:
-    """Why `record` (the parsed file) is not a head record; None when it is one."""
+    """Why `record` (the parsed file) is not a head record; None when it is one.
+
+    Beyond the fields, what `down` and a stale record's clearing act on must be what `up`
+    writes: a pid above 1, a marker of 32 hex digits (a uuid: an empty one would match every
+    process), a temp dir that is an absolute path named rthead-* (never '' or a user's
+    directory)."""
     if not isinstance(record, dict):
         return "it is not a JSON object"
     missing = [name for name in RECORD_FIELDS if name not in record]
-    return f"it lacks {', '.join(missing)}" if missing else None
+    if missing:
+        return f"it lacks {', '.join(missing)}"
+    pid, marker, temp_dir = record["pid"], record["marker"], record["temp_dir"]
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        return f"its pid {pid!r} is not a process `raytrain up` started"
+    if not isinstance(record["uid"], int) or isinstance(record["uid"], bool):
+        return f"its uid {record['uid']!r} is not a user id"
+    if not isinstance(marker, str) or not re.fullmatch(r"[0-9a-f]{32}", marker):
+        return f"its marker {marker!r} is not one `raytrain up` writes (32 hex digits)"
+    if not temp_dir_shape_ok(temp_dir):
+        return f"its temp_dir {temp_dir!r} is not one `raytrain up` makes (an absolute path named {TEMP_DIR_PREFIX}*)"
+    return None
+
+
+def temp_dir_shape_ok(temp_dir: Any) -> bool:
+    """`temp_dir` is shaped as `up` makes it: absolute, normalized, its last part rthead-*."""
+    return (
+        isinstance(temp_dir, str)
+        and os.path.isabs(temp_dir)
+        and os.path.normpath(temp_dir) == temp_dir
+        and os.path.basename(temp_dir).startswith(TEMP_DIR_PREFIX)
+        and len(os.path.basename(temp_dir)) > len(TEMP_DIR_PREFIX)
+    )
 
 
 def same_python(a: str, b: str) -> bool:
@@ -94,3 +129,16 @@ def head_verdict(
         f"raytrain: joining the local Ray head at {record['address']} (started by `raytrain up`, pid "
         f"{record['pid']}, Ray {record['ray_version']}); `raytrain down` stops it",
     )
+
+
+def record_file_problem(*, file_uid: int, file_mode: int, dir_mode: int, uid: int) -> str | None:
+    """Why a record file with this owner and mode (and its folder's mode) cannot be trusted by
+    user `uid`; None when it can. A record names processes to end and a directory to delete:
+    one that another user wrote, or could have replaced, is not acted on."""
+    if file_uid != uid:
+        return f"it is owned by uid {file_uid}, not by you (uid {uid})"
+    if file_mode & 0o022:
+        return f"others can write it (mode {file_mode & 0o777:04o})"
+    if dir_mode & 0o002 and not dir_mode & 0o1000:  # world-writable without the sticky bit: replaceable
+        return f"anyone can replace it: its folder has mode {dir_mode & 0o7777:04o}"
+    return None
