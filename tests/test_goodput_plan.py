@@ -10,7 +10,7 @@ import pytest
 import yaml
 from test_cli import RAYTRAIN, assert_usage_error, cli, needs_script
 
-from raytrain.bench.plan import PlanOptions, inputs, planned_counts, run_plan
+from raytrain.bench.plan import PlanOptions, inputs, planned_counts, run_plan, scenarios
 from raytrain.errors import ConfigError
 from raytrain.rules import goodput
 
@@ -87,6 +87,10 @@ def test_cli_plan(capsys, tmp_path):
         (["--replica-group-size", "0"], "--replica-group-size: got 0; need at least 1"),
         (["--storage-gbps", "0"], "--storage-gbps: got 0.0; must be a positive number of GB/s"),
         (["--run", "/nonexistent/run"], "--run: no summary.json in /nonexistent/run"),
+        (
+            ["--replica-group-size", "3", "--workers", "8,10"],
+            "--replica-group-size: got 3 with --workers 8,10: 8, 10 are not a whole number of groups of 3",
+        ),
     ],
 )
 def test_cli_plan_bad_input_names_the_option(capsys, tmp_path, argv, message):
@@ -107,3 +111,33 @@ def test_the_installed_script_plans_and_refuses_bad_input(tmp_path):
         [str(RAYTRAIN), "plan", "--mtbf-hours", "-3"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert_usage_error(bad.returncode, bad.stdout, bad.stderr, "--mtbf-hours: got -3.0; must be a positive number")
+
+
+@pytest.mark.parametrize(
+    "argv", [["--mtbf-hours", "1e-9"], ["--step-time-s", "1e12", "--mtbf-hours", "1"], ["--mtbf-hours", "1e-300"]]
+)
+def test_plan_answers_when_failures_outrun_every_step(capsys, tmp_path, argv):
+    """e^x past a float's range is a goodput of 0, said with what to check, not an OverflowError."""
+    code, out, err = cli(capsys, "plan", "--workers", "8,64", *argv, "--plot", str(tmp_path / "p.png"))
+    assert code == 0, err
+    assert "0.0%" in out and "nothing is kept at any interval; check --mtbf-hours and --step-time-s" in out
+
+
+def test_goodput_is_zero_not_an_error_far_past_the_float_range():
+    assert goodput.restart_goodput(1.0, 1.0, 3.6e-6, 37.0) == 0.0
+    assert goodput.restart_goodput(1e12, 1.0, 3600.0, 37.0) == 0.0
+    exact = 100.0 / (1e4 * (2.718281828459045 ** (37.0 / 1e4)) * goodput.math.expm1(101.0 / 1e4))
+    assert goodput.restart_goodput(100.0, 1.0, 1e4, 37.0) == pytest.approx(exact, rel=1e-12)
+
+
+def test_plan_names_a_corrupt_summary_as_such_not_as_missing(capsys, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text("{truncated")
+    code, out, err = cli(capsys, "plan", "--run", str(run), "--plot", str(tmp_path / "p.png"))
+    assert_usage_error(code, out, err, f"--run: {run}/summary.json is not a raytrain summary", lines=None)
+
+
+def test_the_default_group_size_fits_a_count_below_it():
+    (four,) = scenarios(PlanOptions(workers="4"))
+    assert four.group_size == 4

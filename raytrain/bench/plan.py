@@ -21,6 +21,7 @@ from raytrain.rules.goodput import HOUR_S, MODES, ModeGoodput, Scenario
 
 MAX_WORKERS = 16_384
 DEFAULT_WORKERS = "8,64,512,2048,8192,16384"
+DEFAULT_GROUP_SIZE = 8  # a node of 8 GPUs: HSDP's usual group
 
 
 @dataclass(kw_only=True)
@@ -53,8 +54,9 @@ class PlanOptions:
     """per-step with replica groups: the survivors' wait at a failure."""
     replace_s: float = 8.0
     """Per-step modes: seconds from a failure to its replacement training (measured here: 8)."""
-    replica_group_size: int = 8
-    """per-step with replica groups: workers per group."""
+    replica_group_size: int | None = None
+    """per-step with replica groups: workers per group (default 8, or all the workers when fewer; a given size
+    must divide each worker count, as train requires)."""
     run: str | None = None
     """A run directory whose measured step time, stall per save and recovery replace the defaults."""
     plot: str = "goodput.png"
@@ -105,7 +107,21 @@ def _measured(run: str) -> tuple[dict[str, float], str]:
     files = RunDir(run)
     summary = files.summary() if files.exists() else None
     if summary is None:
-        raise ConfigError([("run", f"no summary.json in {run}; give the directory of a finished raytrain train run")])
+        try:
+            files.store.read_text("summary.json")
+        except (FileNotFoundError, NotADirectoryError):
+            raise ConfigError(
+                [("run", f"no summary.json in {run}; give the directory of a finished raytrain train run")]
+            ) from None
+        raise ConfigError(
+            [
+                (
+                    "run",
+                    f"{run}/summary.json is not a raytrain summary (not JSON, or no status in it); `raytrain report "
+                    f"{run}` shows the run, or give the directory of another finished run",
+                )
+            ]
+        )
     mode = str((files.config() or {}).get("fault_tolerance") or "restart")
     return measured_costs(summary.goodput, summary.get("checkpoint_wait_s")), mode
 
@@ -123,7 +139,7 @@ def scenarios(opts: PlanOptions) -> list[Scenario]:
             write_s=opts.checkpoint_gb / opts.storage_gbps if opts.storage_gbps > 0 else 0.0,
             recovery_s={mode: costs[mode] for mode in MODES},
             replace_s=opts.replace_s,
-            group_size=opts.replica_group_size,
+            group_size=min(DEFAULT_GROUP_SIZE, n) if opts.replica_group_size is None else opts.replica_group_size,
         )
         for n in planned_counts(opts.workers)
     ]
@@ -135,6 +151,18 @@ def scenarios(opts: PlanOptions) -> list[Scenario]:
         problems.append(("storage_gbps", f"got {opts.storage_gbps}; must be a positive number of GB/s"))
     if opts.checkpoint_gb < 0:
         problems.append(("checkpoint_gb", f"got {opts.checkpoint_gb}; must be 0 or more"))
+    k = opts.replica_group_size
+    uneven = [n for n in planned_counts(opts.workers) if n % k] if k is not None and k >= 1 else []
+    if uneven:
+        # as `train` refuses them: a replica group is whole or holds no model
+        problems.append(
+            (
+                "replica_group_size",
+                f"got {k} with --workers {opts.workers}: {', '.join(map(str, uneven))} "
+                f"{'is' if len(uneven) == 1 else 'are'} not a whole number of groups of {k} (train refuses that "
+                "count); give worker counts that are multiples of it, or a --replica-group-size that divides each",
+            )
+        )
     if problems:
         raise ConfigError(sorted(set(problems)))
     return built
@@ -163,7 +191,7 @@ def run_plan(opts: PlanOptions, echo: Callable[[str], None] = print) -> list[Mod
         f"Goodput on paper ({source}): a step {costs['step_s']:.3g} s, a save stalls {costs['stall_s']:.3g} s"
         f" and is durable {built[0].write_s:.3g} s later; recovery: restart {costs['restart']:.3g} s, per-step "
         f"{costs['per-step']:.3g} s, per-step-groups {costs['per-step-groups']:.3g} s (+ the lost node's share of a "
-        f"{opts.replace_s:.3g} s replacement); node MTBF {opts.mtbf_hours:,.0f} h, {opts.gpus_per_node} GPUs a node."
+        f"{opts.replace_s:.3g} s replacement); node MTBF {_hours(opts.mtbf_hours)} h, {opts.gpus_per_node} GPUs a node."
     )
     header = ["workers", "nodes", "failures/day", "mode", "interval", "goodput", "stalls", "recovery", "redone"]
     rows = [
@@ -181,9 +209,22 @@ def run_plan(opts: PlanOptions, echo: Callable[[str], None] = print) -> list[Mod
         for p in predictions
     ]
     echo("\n".join(text_table(header, rows, left=(3, 4))))
+    starved = sorted({p.workers for p in predictions if p.goodput < 0.0005})
+    if starved:
+        fewest = next(s for s in built if s.workers == starved[0])
+        echo(
+            f"At {', '.join(map(str, starved))} workers a failure comes before a step and a save complete (at "
+            f"{starved[0]} workers one every {goodput.restart_mtbf_s(fewest, 'restart'):.3g} s, a step "
+            f"{costs['step_s']:.3g} s and a save {costs['stall_s']:.3g} s): nothing is kept at any interval; check "
+            "--mtbf-hours and --step-time-s"
+        )
     path = draw(predictions, Path(opts.plot))
     echo(f"Goodput against worker count: {path}")
     return predictions
+
+
+def _hours(hours: float) -> str:
+    return f"{hours:,.0f}" if hours >= 10 else f"{hours:.3g}"
 
 
 def _duration(seconds: float) -> str:

@@ -71,8 +71,12 @@ def restart_goodput(interval_s: float, stall_s: float, mtbf_s: float, recovery_s
         return 0.0
     if math.isinf(mtbf_s):
         return interval_s / (interval_s + stall_s)
-    wall = mtbf_s * math.exp(recovery_s / mtbf_s) * math.expm1((interval_s + stall_s) / mtbf_s)
-    return interval_s / wall
+    # In logs: a failure rate far above the segment's (an MTBF of microseconds, a step of years)
+    # overflows e^x, and its goodput is 0 to every digit shown, not an error.
+    x = (interval_s + stall_s) / mtbf_s
+    log_expm1 = x if x > 30.0 else math.log(math.expm1(x))
+    log_wall = math.log(mtbf_s) + recovery_s / mtbf_s + log_expm1
+    return math.exp(min(0.0, math.log(interval_s) - log_wall))
 
 
 def expected_lost_s(segment_s: float, mtbf_s: float) -> float:
@@ -185,7 +189,18 @@ def predict_mode(s: Scenario, mode: str, interval_steps: int) -> ModeGoodput:
     recovery = s.recovery_s.get("restart", 0.0) + s.write_s
     tau = interval_steps * s.step_s
     kept = restart_goodput(tau, s.stall_s, mtbf, recovery) * (1.0 - ridden)
-    segment_wall = tau / kept if kept > 0 else math.inf  # wall time per kept segment
+    if kept <= 0.0:  # no segment ever completes: the wall time goes to recovering and redoing
+        return ModeGoodput(
+            mode=mode,
+            workers=s.workers,
+            interval_steps=interval_steps,
+            goodput=0.0,
+            stalls=0.0,
+            recovery=1.0,
+            redone=0.0,
+            failures_per_day=(restart_rate + ride_rate) * 86400.0,
+        )
+    segment_wall = tau / kept  # wall time per kept segment
     restarts = segment_wall * restart_rate
     rides = segment_wall * ride_rate
     stalls = s.stall_s / segment_wall
