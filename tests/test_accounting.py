@@ -116,3 +116,16 @@ def test_the_rows_a_restart_dropped_are_named_by_its_event():
     g = account(wall_s=50.0, started=STARTED, events=events, rows=rows, progress=progress())
     assert g.redone_s == pytest.approx(1.0)
     assert g.recovery_s == pytest.approx(26.5)
+
+
+def test_the_last_line_names_what_took_a_short_runs_wall_time():
+    from raytrain.rules.accounting import goodput_phrase
+
+    short = {"goodput": 0.07, "wall_s": 29.2, "start_s": 24.1, "other_s": 2.0, "recovery_s": 0.0}
+    assert goodput_phrase(short, 92) == ", goodput 7%: the start took 24 s of 29 s"
+    long = {"goodput": 0.91, "wall_s": 3600.0, "start_s": 25.0}
+    assert goodput_phrase(long, 9000) == ", goodput 91%"
+    failing = {"goodput": 0.3, "wall_s": 100.0, "start_s": 10.0, "recovery_s": 55.0}
+    assert goodput_phrase(failing, 50) == ", goodput 30%: recovery took 55 s of 100 s"
+    assert goodput_phrase(None, 3) == ", goodput not measured (3 steps: too few for a steady step time)"
+    assert goodput_phrase({"goodput": None}, 1) == ", goodput not measured (1 step: too few for a steady step time)"

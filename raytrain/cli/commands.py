@@ -12,6 +12,7 @@ from raytrain import fields
 from raytrain.cli.options import check_pipeline_args, read_run_options, resumed_options
 from raytrain.config import TrainConfig, merge_layers
 from raytrain.errors import ConfigError
+from raytrain.rules.accounting import goodput_phrase
 from raytrain.rundir import RunDir, Store
 from raytrain.rundir.records import PLOTS, REPORT
 from raytrain.text import plural
@@ -44,8 +45,7 @@ def print_summary(result, files: "RunDir | None" = None) -> None:
         if isinstance(v, (int, float))
     )
     steady = f", {s['steady_samples_per_s']:,.0f} samples/s steady" if s.get("steady_samples_per_s") else ""
-    if isinstance((s.get("goodput") or {}).get("goodput"), (int, float)):
-        steady += f", goodput {s['goodput']['goodput']:.0%}"  # kept step time over wall time
+    steady += goodput_phrase(s.get("goodput"), s["steps"])  # kept step time over wall time, and what dominates
     print(f"Done in {s['wall_time_s']:.1f} s: {s['epochs']} epochs, {s['steps']} steps{steady}; {metrics}")
     print(f"Run directory: {result.run_dir}")
     if result.model_path:

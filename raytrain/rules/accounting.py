@@ -154,3 +154,27 @@ def measured_costs(goodput: dict[str, Any] | None, checkpoint_wait_s: float | No
     if goodput.get("failures"):
         found["recovery_s"] = float(goodput.get("recovery_s") or 0.0) / goodput["failures"]
     return found
+
+
+def goodput_phrase(goodput: dict[str, Any] | None, steps: int) -> str:
+    """The goodput as the run's last line gives it: the figure, and when less than half of the
+    wall time went to kept steps, what took the most ("goodput 7%: the start took 24 s of 29 s"),
+    so that a short run's figure reads as Ray's start, not as a bad run. Without a figure (too
+    few steps for a steady step time), why."""
+    value = (goodput or {}).get("goodput")
+    if not isinstance(value, (int, float)):
+        return f", goodput not measured ({steps:,} step{'s' if steps != 1 else ''}: too few for a steady step time)"
+    phrase = f", goodput {value:.0%}"
+    wall = float(goodput.get("wall_s") or 0.0)
+    if value >= 0.5 or wall <= 0:
+        return phrase
+    verbs = {
+        "start_s": "the start took",
+        "checkpoint_stall_s": "checkpoint stalls took",
+        "recovery_s": "recovery took",
+        "redone_s": "steps redone took",
+        "validation_s": "validation took",
+        "other_s": "epoch ends, warm-up and the final save took",
+    }
+    name, seconds = max(((name, float(goodput.get(name) or 0.0)) for name in verbs), key=lambda item: item[1])
+    return f"{phrase}: {verbs[name]} {seconds:,.0f} s of {wall:,.0f} s" if seconds > 0 else phrase
