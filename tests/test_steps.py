@@ -390,3 +390,18 @@ def test_the_nanogpt_style_original_runs_alone_and_saves_a_model_its_port_builds
     port = NanoGPTStyle()
     model = port.build_model(TrainConfig(**port.default_config))
     model.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True), strict=True)
+
+
+def test_a_warmup_in_epochs_over_half_of_a_step_based_run_is_said_with_the_fix():
+    """hf-causal-lm's default 0.1 epoch under --max-steps 40 was 39 of the 40 steps, unsaid."""
+    from raytrain.rules.schedule import run_warmup
+
+    cfg = TrainConfig(global_batch_size=16, reference_batch_size=16, max_steps=40, warmup_epochs=0.1, epochs=3)
+    warm = run_warmup(cfg, 6240)  # 390 steps an epoch: 0.1 epoch is 39 steps
+    assert warm.where == (
+        "to step 39 of 40 — more than half of the run warms up; for less, give --warmup-steps (e.g. 4, a tenth) "
+        "or a shorter --warmup-epochs"
+    )
+    assert run_warmup(TrainConfig(global_batch_size=16, max_steps=400, warmup_epochs=0.1), 6240).where == (
+        "to step 39 of 400"
+    )

@@ -126,7 +126,16 @@ def run_warmup(cfg: "TrainConfig", num_train_rows: int) -> Warmup:
     if samples <= 0:
         return Warmup(0, "no warmup")
     ends = steps_to_samples(samples, num_train_rows, planned)
-    return Warmup(samples, f"warmup {length}", f"to step {ends:,} of {run_steps:,}")
+    where = f"to step {ends:,} of {run_steps:,}"
+    if cfg.warmup_steps is None and 2 * ends > run_steps:
+        # Legal, and sometimes meant; but most of such a run trains below its peak rate, which a
+        # step-based run (--max-steps with an epoch-counted default warmup) gets without asking.
+        # A warmup given in steps is what the user counted: said as given.
+        where += (
+            f" — more than half of the run warms up; for less, give --warmup-steps (e.g. {max(1, run_steps // 10):,}, "
+            "a tenth) or a shorter --warmup-epochs"
+        )
+    return Warmup(samples, f"warmup {length}", where)
 
 
 def steps_to_samples(samples: int, epoch_rows: int, global_batch_size: int) -> int:
