@@ -144,7 +144,7 @@ def recorded(tmp_path, monkeypatch):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     gcs = FakeGcs()
-    me = head._create_time(os.getpid())
+    me = head.create_time(os.getpid())
     temp_dir = tmp_path / "rthead-x"
     temp_dir.mkdir()
     (temp_dir / TEMP_DIR_PROOF).write_text(MARKER + "\n")
@@ -294,7 +294,7 @@ def test_a_record_whose_pid_and_temp_dir_are_not_the_heads_ends_nothing_and_dele
         "address": "127.0.0.1:1",  # nothing answers: a gone head
         "pid": bystander.pid,
         "pids": {"raylet": bystander.pid},
-        "created": {"pid": head._create_time(bystander.pid) - 100.0, "raylet": 0.0},  # not that process
+        "created": {"pid": head.create_time(bystander.pid) - 100.0, "raylet": 0.0},  # not that process
         "started_at": 0.0,
         "temp_dir": str(users),
     }

@@ -20,7 +20,6 @@ import os
 import platform
 import pwd
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,15 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from raytrain.driver.head_owned import (
+    MARKER_ENV,
+    create_time,
+    head_processes,
+    process_uid,
+    remove_temp_dir,
+    same_process,
+    stop_processes,
+)
 from raytrain.errors import RunFailed, UsageError
 from raytrain.rules.head import (
     JOIN,
@@ -43,11 +51,7 @@ from raytrain.rules.head import (
 )
 
 HEAD_FILE_ENV = "RAYTRAIN_HEAD_FILE"
-# Every process of a head carries this variable (inherited from `ray start`): how `down` finds
-# the ones that left its process group, with the record's own value.
-MARKER_ENV = "RAYTRAIN_HEAD_MARKER"
 READY_TIMEOUT_S = 120.0
-STOP_GRACE_S = 5.0  # after SIGTERM; an idle head has nothing to drain, so then SIGKILL
 READY_LINE = "Ray runtime started."  # what `ray start` prints once the node is up
 
 
@@ -113,39 +117,17 @@ def ray_version() -> str:
     return version("ray")  # without importing Ray: a command refused here pays nothing for it
 
 
-def _create_time(pid: int) -> float | None:
-    import psutil
-
-    with contextlib.suppress(psutil.Error, ValueError):
-        return psutil.Process(pid).create_time()
-    return None
-
-
-def _process_uid(pid: int) -> int | None:
-    import psutil
-
-    with contextlib.suppress(psutil.Error, ValueError):
-        return psutil.Process(pid).uids().real
-    return None
-
-
-def _same_process(pid: int | None, created: float | None) -> bool:
-    """Whether `pid` still is the process recorded (not a new one that reuses the number)."""
-    now = _create_time(pid) if pid else None
-    return now is not None and created is not None and abs(now - created) < 1.0
-
-
 def head_alive(record: dict[str, Any]) -> bool:
     """Its raylet is the process recorded and its GCS answers."""
     raylet = record.get("pids", {}).get("raylet")
     from raytrain.driver.session import gcs_answers
 
-    return _same_process(raylet, record.get("created", {}).get("raylet")) and gcs_answers(record["address"])
+    return same_process(raylet, record.get("created", {}).get("raylet")) and gcs_answers(record["address"])
 
 
 def verdict(record: dict[str, Any], path: Path):
     leader_uid = (
-        _process_uid(record["pid"]) if _same_process(record["pid"], record.get("created", {}).get("pid")) else None
+        process_uid(record["pid"]) if same_process(record["pid"], record.get("created", {}).get("pid")) else None
     )
     return head_verdict(
         record,
@@ -308,7 +290,7 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
         "ray_version": ray_version(),
         "python_version": platform.python_version(),
         "address": "",
-        "created": {"pid": _create_time(process.pid)},  # so that a failed start ends exactly its own group
+        "created": {"pid": create_time(process.pid)},  # so that a failed start ends exactly its own group
     }
     try:
         _wait_ready(process, log_path, started)
@@ -403,7 +385,7 @@ def _describe_started(pid: int, temp_dir: str, gcs: int, dashboard: int, num_cpu
         "dashboard_url": f"http://127.0.0.1:{dashboard}",
         "num_cpus": num_cpus,
         "pids": {name: value for name, value in pids.items() if name != "pid"},
-        "created": {name: _create_time(value) for name, value in pids.items()},
+        "created": {name: create_time(value) for name, value in pids.items()},
         "session_dir": str(session.resolve()) if session.exists() else None,
         "log": str(log),
         # A joining driver must send the token (or not) as the head expects.
@@ -419,95 +401,6 @@ def _node_ip(log_text: str) -> str | None:
 
     found = re.search(r"ray start --address='([^':]+):\d+'", re.sub(r"\x1b\[[0-9;]*m", "", log_text))
     return found.group(1) if found else None
-
-
-def temp_dir_is_heads(record: dict[str, Any]) -> bool:
-    """Whether the record's temp dir is provably the one `up` made for this head: a real
-    directory (not a link) of this user, shaped rthead-*, holding the proof file with the
-    record's marker. Nothing else is ever deleted or used to match processes."""
-    import stat
-
-    temp_dir = Path(record["temp_dir"])
-    try:
-        info = temp_dir.lstat()
-        proof = (temp_dir / TEMP_DIR_PROOF).read_text().strip()
-    except OSError:
-        return False
-    return (
-        stat.S_ISDIR(info.st_mode)
-        and info.st_uid == os.getuid()
-        and temp_dir.name.startswith(TEMP_DIR_PREFIX)
-        and proof == record["marker"]
-    )
-
-
-def remove_temp_dir(record: dict[str, Any]) -> str:
-    """Delete the head's temp dir when it is provably the head's; what was done, for the user."""
-    if temp_dir_is_heads(record):
-        shutil.rmtree(record["temp_dir"], ignore_errors=True)
-        return ""
-    if not os.path.lexists(record["temp_dir"]):
-        return ""
-    return f" ({record['temp_dir']} left in place: it is not provably the head's temp dir)"
-
-
-def head_processes(record: dict[str, Any]) -> list[int]:
-    """Live processes that are provably the recorded head's, and their descendants:
-    - carrying its marker in the environment (every process of a head inherits it from `ray start`);
-    - in the session its `ray start` leads, when that leader is still the process recorded
-      (same pid and start time: a reused pid leads someone else's session);
-    - naming its temp dir on the command line, when that dir is provably the head's.
-    Never this process, its ancestors or pid 1."""
-    import psutil
-
-    leader, marker, temp_dir = record["pid"], record["marker"], record["temp_dir"]
-    leader_is_heads = _same_process(leader, record.get("created", {}).get("pid"))
-    temp_dir_heads = temp_dir_is_heads(record)
-    since = record.get("started_at", 0) - 1
-    spared = {1, os.getpid(), *(parent.pid for parent in psutil.Process().parents())}
-    table: dict[int, int] = {}
-    ours: set[int] = set()
-    for process in psutil.process_iter(["pid", "ppid", "cmdline", "create_time", "status"]):
-        info = process.info
-        if info["pid"] in spared or info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        table[info["pid"]] = info["ppid"]
-        with contextlib.suppress(OSError, psutil.Error):
-            if leader_is_heads and os.getsid(info["pid"]) == leader and (info["create_time"] or 0) >= since:
-                ours.add(info["pid"])
-                continue
-        if temp_dir_heads and temp_dir in " ".join(info["cmdline"] or ()):
-            ours.add(info["pid"])
-            continue
-        with contextlib.suppress(psutil.Error, OSError):
-            if process.environ().get(MARKER_ENV) == marker:
-                ours.add(info["pid"])
-    grown = True
-    while grown:
-        more = {pid for pid, parent in table.items() if parent in ours} - ours - spared
-        ours |= more
-        grown = bool(more)
-    return sorted(ours)
-
-
-def stop_processes(record: dict[str, Any]) -> list[int]:
-    """SIGTERM the head's process group and every process of it, then SIGKILL what is left
-    after a short grace. Returns the pids that could not be ended."""
-    left = head_processes(record)
-    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10.0)):
-        if not left:
-            break
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if record["pid"] in left and _same_process(record["pid"], record.get("created", {}).get("pid")):
-                os.killpg(record["pid"], sig)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace
-        while left and time.monotonic() < deadline:
-            time.sleep(0.2)
-            left = head_processes(record)
-    return left
 
 
 def stop_head(echo: Callable[[str], None]) -> int:
