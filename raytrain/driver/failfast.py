@@ -13,7 +13,10 @@ the controller callback that makes the retry succeed (`raytrain.driver.replaceme
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+from typing import Any, Callable
 
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks import DatasetsCallback
@@ -25,15 +28,25 @@ from raytrain.errors import find_user_error
 
 
 class FailFastPolicy(FailurePolicy):
-    def __init__(self, inner: FailurePolicy, replica_groups: bool = False):
+    def __init__(
+        self,
+        inner: FailurePolicy,
+        replica_groups: bool = False,
+        on_worker_failure: Callable[[BaseException], None] | None = None,
+    ):
         super().__init__(inner.failure_config)
         self.inner = inner
         self.replica_groups = replica_groups
         self.replacements_retried = 0
+        # Told of every failure that is not the user's (a worker died, a node was lost): where
+        # raytrain says what the dead worker could not (`stall_reporter`).
+        self.on_worker_failure = on_worker_failure
 
     def make_decision(self, training_failed_error) -> FailureDecision:
         if find_user_error(training_failed_error) is not None:
             return FailureDecision.RAISE
+        if self.on_worker_failure is not None:
+            self.on_worker_failure(training_failed_error)
         groups = replacement.running() if self.replica_groups else None  # the callback taking groups out
         failed = set(getattr(training_failed_error, "worker_failures", None) or {})
         if groups is not None and groups.counted_already(failed):
@@ -56,9 +69,16 @@ class FailFastTrainer(TorchTrainer):
     replica groups, `ReplicaGroups`), and whose signals raytrain handles
     (`raytrain.driver.interrupts`) instead of Ray's SIGINT handler."""
 
-    def __init__(self, *args, replica_group_size: int = 1, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        replica_group_size: int = 1,
+        on_worker_failure: Callable[[BaseException], None] | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.replica_group_size = replica_group_size  # workers per replica group (per-step)
+        self.on_worker_failure = on_worker_failure
 
     def _create_default_callbacks(self):
         """Ray's, but with no dataset manager when the trainer has no datasets (raytrain's
@@ -75,7 +95,9 @@ class FailFastTrainer(TorchTrainer):
 
     def _initialize_and_run_controller(self, **kwargs):
         replica_groups = bool(getattr(self.backend_config.backend_cls, "has_replica_groups", False))
-        kwargs["failure_policy"] = FailFastPolicy(kwargs["failure_policy"], replica_groups=replica_groups)
+        kwargs["failure_policy"] = FailFastPolicy(
+            kwargs["failure_policy"], replica_groups=replica_groups, on_worker_failure=self.on_worker_failure
+        )
         if not replica_groups:
             return super()._initialize_and_run_controller(**kwargs)
         kwargs["callbacks"] = [*kwargs["callbacks"], ReplicaGroups(self.replica_group_size)]
@@ -108,3 +130,26 @@ class FailFastTrainer(TorchTrainer):
 
     def _register_sigint_handler(self, controller) -> None:
         interrupts.set_controller(controller)
+
+
+def stall_reporter(run_dir: Any, collective_timeout_s: float) -> Callable[[BaseException], None]:
+    """What the controller runs when a worker failed: if the heartbeats show a collective waited
+    out its timeout, an event naming the stalled rank(s) (printed on the console like every
+    event). On NCCL the watchdog ends a timed-out worker before it can say so itself."""
+    from raytrain.rules.stall import stall_seen_by_heartbeats
+    from raytrain.rundir import RunDir
+    from raytrain.rundir.heartbeats import read_last_attempt
+    from raytrain.rundir.records import HEARTBEATS, Event, Kind
+    from raytrain.rundir.storage import Store
+
+    def report(error: BaseException) -> None:
+        if "stalled rank" in str(error):  # the worker said it itself (gloo raises in the worker)
+            return
+        store = Store.of(run_dir)
+        with contextlib.suppress(OSError, ValueError):  # a diagnosis must never fail the policy
+            records = read_last_attempt(store.local_dir / HEARTBEATS)
+            message = stall_seen_by_heartbeats(records, time.time(), collective_timeout_s)
+            if message:
+                RunDir(store).append_event(Event(Kind.STALL, message))
+
+    return report

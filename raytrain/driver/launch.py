@@ -52,6 +52,14 @@ def apply_train_timers(cfg: TrainConfig) -> None:
             _TIMERS_SET_HERE.add(key)
 
 
+def nccl_env(fault_tolerance: str) -> dict[str, str]:
+    """NCCL's error handling for the mode (`raytrain.rules.stall.nccl_error_handling`); a value
+    the user exported wins."""
+    from raytrain.rules.stall import NCCL_ERROR_HANDLING_ENV, nccl_error_handling
+
+    return {NCCL_ERROR_HANDLING_ENV: os.environ.get(NCCL_ERROR_HANDLING_ENV) or nccl_error_handling(fault_tolerance)}
+
+
 def _passed_on(*names: str) -> dict[str, str]:
     return {name: os.environ[name] for name in names if name in os.environ}
 
@@ -69,7 +77,7 @@ def build_torch_trainer(
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
-    from raytrain.driver.failfast import FailFastTrainer
+    from raytrain.driver.failfast import FailFastTrainer, stall_reporter
     from raytrain.errors import summarize_on_raise
     from raytrain.rundir.storage import RETRY_ENV, Store
     from raytrain.worker.loop import PAYLOAD, WorkerPayload, train_loop_per_worker
@@ -103,8 +111,9 @@ def build_torch_trainer(
             failure_config=FailureConfig(max_failures=cfg.max_failures, max_preemption_failures=-1),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
             logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "ERROR"),
-            worker_runtime_env={"env_vars": {**WORKER_ENV, **_passed_on(RETRY_ENV)}},
+            worker_runtime_env={"env_vars": {**WORKER_ENV, **nccl_env(cfg.fault_tolerance), **_passed_on(RETRY_ENV)}},
             callbacks=list(callbacks),
         ),
         replica_group_size=cfg.replica_group_size,
+        on_worker_failure=stall_reporter(run_dir, cfg.collective_timeout_s),
     )

@@ -37,3 +37,41 @@ def diagnose(records: dict[int, dict], world_size: int, now: float) -> str:
         )
     head = f"stalled rank(s): {', '.join(map(str, stalled))}" if stalled else "no rank could be singled out"
     return head + "\n  " + "\n  ".join(lines)
+
+
+# A rank whose phase has not moved for this share of --collective-timeout-s was waiting out the
+# timeout: what a worker killed by NCCL's watchdog leaves in the heartbeats (a kill by hand or a
+# lost node leaves the others waiting seconds, not the timeout).
+TIMED_OUT_SHARE = 0.9
+
+
+def stall_seen_by_heartbeats(records: dict[int, dict], now: float, collective_timeout_s: float) -> str | None:
+    """When a worker died and the ranks' heartbeats show a collective waited out its timeout, the
+    message that names the stalled rank(s) (`diagnose`), for the driver to say in the worker's
+    place: on NCCL the watchdog ends the process before the worker can (TORCH_NCCL_ASYNC_ERROR_HANDLING).
+    None when no rank waited that long. A heartbeat's phase is where the rank's CPU was: on a GPU it
+    runs ahead of the kernels, so a waiting rank can show the phase after the collective it waits in."""
+    if not records:
+        return None
+    waited = max(now - rec["phase_since"] for rec in records.values())
+    if waited < TIMED_OUT_SHARE * collective_timeout_s:
+        return None
+    world_size = max(records) + 1
+    return (
+        f"A collective waited out --collective-timeout-s {collective_timeout_s:g} and a worker was ended (on NCCL, "
+        f"by its watchdog); from the heartbeats: {diagnose(records, world_size, now)}"
+    )
+
+
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def nccl_error_handling(fault_tolerance: str) -> str:
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING for a run's workers (Ray Train sets 1 when unset).
+    - restart: 3 (SkipCleanUp), as torchtitan sets it: on a timeout the watchdog ends the process
+      without ncclCommAbort, which can itself hang; Ray Train then restarts the group, and the
+      driver names the stalled rank from the heartbeats (`stall_seen_by_heartbeats`).
+    - per-step: 2 (CleanUpOnly): the watchdog aborts the communicator but leaves the process
+      alive, so a survivor whose peer died is not ended with it; torchft's Manager sees the
+      error and the survivors form their next quorum."""
+    return "2" if fault_tolerance == "per-step" else "3"

@@ -77,3 +77,20 @@ def read_heartbeats(directory: Path, world_size: int, since: float) -> dict[int,
         if record.get("attempt_start", 0) >= since - 60:
             found[rank] = record
     return found
+
+
+def read_last_attempt(directory: Path) -> dict[int, dict]:
+    """Every rank's heartbeat of the latest attempt, for a reader that does not know the world
+    size (the driver, after a worker died): the ranks whose attempt started within a minute of
+    the newest one."""
+    found = {}
+    for path in directory.glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+            found[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if not found:
+        return {}
+    newest = max(record.get("attempt_start", 0) for record in found.values())
+    return {rank: record for rank, record in found.items() if record.get("attempt_start", 0) >= newest - 60}
