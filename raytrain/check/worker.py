@@ -33,6 +33,7 @@ from raytrain.config import TrainConfig
 from raytrain.data.sources import Source, open_source
 from raytrain.data.stream import Stream, StreamEpoch
 from raytrain.data.table import Table, TableEpoch
+from raytrain.parallel.strategy import local_part
 from raytrain.pipeline import Pipeline, overrides
 from raytrain.rules import steps
 from raytrain.rules.batch import batch_plan_for
@@ -175,11 +176,6 @@ def grad_norm(runner: StepRunner) -> float:
         squares = runner.runtime.all_reduce_sum([squares])[0]
     scale = runner.scaler.get_scale() if runner.scaler.is_enabled() else 1.0
     return math.sqrt(squares) / scale
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a sharded tensor (a DTensor's local shard), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def exact_fp32(device: torch.device, precision: str) -> None:

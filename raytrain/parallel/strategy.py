@@ -367,6 +367,7 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (a DTensor's local shard), or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
