@@ -305,6 +305,20 @@ def is_collective_failure(exc: BaseException) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def eager(model: nn.Module):
+    """`model` and its submodules called without their `nn.Module.compile` (which keeps the
+    compiled call beside the module's own), given back after."""
+    compiled = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, "_compiled_call_impl", None)]
+    for module, _ in compiled:
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, call in compiled:
+            module._compiled_call_impl = call
+
+
 def checkpoint_activations(block: nn.Module) -> None:
     """Recompute `block`'s activations in the backward pass: its forward runs under
     torch.utils.checkpoint (non-reentrant), keeping only its inputs. The module and its

@@ -203,14 +203,17 @@ class StepRunner:
     @contextlib.contextmanager
     def counting_flops(self, rows: int):
         """The FLOPs of this micro-batch's forward and backward, per row, into the position
-        (`raytrain.rules.flops`): rank 0, the first micro-batch with rows of an attempt."""
+        (`raytrain.rules.flops`): rank 0, the first micro-batch with rows of an attempt, run
+        eagerly (a compiled model compiles at its next call)."""
         if not self.count_flops or rows == 0:
             yield
             return
         from torch.utils.flop_counter import FlopCounterMode
 
         counter = FlopCounterMode(display=False)
-        with counter:
+        # Eager, under --compile too: Dynamo skips a frame first seen under a dispatch mode
+        # and never compiles its code afterwards.
+        with strategy.eager(self.model), counter:
             yield
         self.count_flops = False
         self.telemetry.flops_per_sample = counter.get_total_flops() / rows
