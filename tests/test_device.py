@@ -1,0 +1,140 @@
+"""Pure tier: the device path, shown on CPU — rank 0's FLOP count leaves --compile compiling,
+a checkpoint resumes across the precisions (the gradient scaler's state or none), and a
+device's failures (out of memory, a device-side assert) are the user's, wherever in the step
+they happen."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from raytrain import hooks
+from raytrain.config import TrainConfig
+from raytrain.data.table import Table
+from raytrain.pipeline import Pipeline
+from raytrain.rules import steps
+from raytrain.rules.batch import resolve_batch_plan
+from raytrain.rules.position import Position
+from raytrain.rules.schedule import run_schedule
+from raytrain.worker.state import TrainingState
+from raytrain.worker.step import StepRunner
+from raytrain.worker.window import LossWindow
+
+
+class OneRank:
+    """What a StepRunner and a TrainingState ask of a runtime: rank 0 of 1, on the CPU."""
+
+    world_rank, world_size, is_rank0, backend = 0, 1, True, "none"
+    device = torch.device("cpu")
+
+    def all_gather_object(self, value):
+        return [value]
+
+
+class Quiet:
+    def mark(self, *args):
+        pass
+
+
+class TwoLayers(nn.Module):
+    # The user's own module: Dynamo does not trace torch's (an nn.Sequential's frame is
+    # skipped as torch's own file).
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(x)))
+
+
+class Regression(Pipeline):
+    def build_model(self, cfg):
+        return TwoLayers()
+
+    def compute_loss(self, model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def runner_for(
+    pipeline: Pipeline, model: nn.Module | None = None, rows: int = 8, **options
+) -> tuple[StepRunner, Table]:
+    torch.manual_seed(0)
+    cfg = TrainConfig(warmup_epochs=0, batch_size_per_worker=rows, reference_batch_size=rows, epochs=1, **options)
+    plan = resolve_batch_plan(1, batch_size_per_worker=rows)
+    model = model if model is not None else pipeline.build_model(cfg)
+    optimizer = hooks.call(pipeline, "build_optimizer", model, cfg)
+    runner = StepRunner(
+        pipeline=pipeline,
+        cfg=cfg,
+        runtime=OneRank(),
+        heartbeat=Quiet(),
+        batch_plan=plan,
+        model=model,
+        optimizer=optimizer,
+        scaler=torch.amp.GradScaler("cpu", enabled=cfg.precision == "fp16"),
+        schedule=run_schedule(cfg, plan, rows),
+        rate_multipliers=[1.0] * len(optimizer.param_groups),
+        window=LossWindow.on(torch.device("cpu")),
+        count_flops=True,  # rank 0 of a restart-mode attempt
+    )
+    x = np.random.default_rng(0).normal(size=(rows, 4)).astype(np.float32)
+    table = Table({"x": x, "y": x.sum(axis=1, keepdims=True)})
+    return runner, table
+
+
+def take_a_step(runner: StepRunner, table: Table) -> None:
+    step = steps.epoch_steps(len(table), len(table))[0]
+    phase = runner.phases(Position(), timed=False)
+    runner.gradients(table.epoch(0, 0, 0, 0, 1), step, phase)
+    runner.apply_gradients(Position(), phase)
+
+
+# -- F1: the FLOP count and --compile ---------------------------------------------------------
+
+
+def test_rank_0_counts_its_flops_and_still_compiles_the_model():
+    """The counted micro-batch is the compiled model's first call: run under FlopCounterMode,
+    Dynamo would skip the frame and never compile it."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    pipeline = Regression()
+    model = pipeline.build_model(TrainConfig())
+    model.compile(backend="eager")  # Dynamo's graphs, without a C++ compiler
+    runner, table = runner_for(pipeline, model)
+    for _ in range(3):
+        take_a_step(runner, table)
+    # 2 per multiply-add forward, 4 backward but for the first layer's input (no gradient): 2
+    assert runner.telemetry.flops_per_sample == pytest.approx(2 * 40 + 4 * 8 + 2 * 32)
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert model._compiled_call_impl is not None  # given back after the counted micro-batch
+    torch._dynamo.reset()
+
+
+# -- F7: the gradient scaler across precisions ------------------------------------------------
+
+
+def state_of(precision: str, seed: int = 0, scale: float | None = None) -> TrainingState:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    if scale is not None:  # a scale of its own, as after overflows
+        scaler.scale(torch.ones(()))
+        scaler.update(new_scale=scale)
+    return TrainingState(model, optimizer, scaler, Position(epoch=0, step=3))
+
+
+@pytest.mark.parametrize("before, after", [("bf16", "fp16"), ("fp32", "fp16"), ("fp16", "bf16"), ("fp16", "fp16")])
+def test_a_checkpoint_resumes_under_another_precision(tmp_path, before, after):
+    saved = state_of(before, scale=1024.0 if before == "fp16" else None)
+    saved.save(tmp_path / "ckpt", OneRank(), {}, distributed=False).wait()
+    resumed = state_of(after, seed=1)
+    resumed.load(tmp_path / "ckpt", OneRank(), seed=0, distributed=False, load_optimizer=lambda load: load())
+    assert torch.equal(resumed.model.weight, saved.model.weight)
+    if after == "fp16":  # the saved scale when there is one, else a fresh scaler's
+        assert resumed.scaler.get_scale() == (1024.0 if before == "fp16" else 65536.0)
