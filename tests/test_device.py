@@ -5,14 +5,20 @@ they happen."""
 
 from __future__ import annotations
 
+import socket
+from argparse import Namespace
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from raytrain import hooks
+from raytrain.cli import run_command
 from raytrain.config import TrainConfig
 from raytrain.data.table import Table
+from raytrain.errors import find_user_error
+from raytrain.parallel.device import DeviceFailure
 from raytrain.pipeline import Pipeline
 from raytrain.rules import steps
 from raytrain.rules.batch import resolve_batch_plan
@@ -31,6 +37,9 @@ class OneRank:
 
     def all_gather_object(self, value):
         return [value]
+
+    def evaluation_share(self):
+        return 0, 1
 
 
 class Quiet:
@@ -138,3 +147,99 @@ def test_a_checkpoint_resumes_under_another_precision(tmp_path, before, after):
     assert torch.equal(resumed.model.weight, saved.model.weight)
     if after == "fp16":  # the saved scale when there is one, else a fresh scaler's
         assert resumed.scaler.get_scale() == (1024.0 if before == "fp16" else 65536.0)
+
+
+# -- F6: the device's failures -------------------------------------------------------------------
+
+OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB"
+ASSERT = "CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously reported"
+
+
+class RaiseInBackward(torch.autograd.Function):
+    error: Exception | None = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RaiseInBackward.error
+
+
+class FailsIn(Regression):
+    """Raises `error` from its model's forward or backward, its optimizer's step, or its
+    evaluation (a forward under no_grad)."""
+
+    def __init__(self, where: str, error: Exception):
+        self.where, self.error = where, error
+
+    def compute_loss(self, model, batch):
+        if self.where == "forward" or (self.where == "evaluation" and not torch.is_grad_enabled()):
+            raise self.error
+        prediction = model(batch["x"])
+        if self.where == "backward" and torch.is_grad_enabled():
+            RaiseInBackward.error = self.error
+            prediction = RaiseInBackward.apply(prediction)
+        return ((prediction - batch["y"]) ** 2).mean()
+
+    def build_optimizer(self, model, cfg):
+        error = self.error if self.where == "the optimizer step" else None
+
+        class Failing(torch.optim.SGD):
+            def step(self, closure=None):
+                if error is not None:
+                    raise error
+                return super().step(closure)
+
+        return Failing(model.parameters(), lr=cfg.lr)
+
+
+PLACES = ["forward", "backward", "the optimizer step", "evaluation"]
+
+
+def fail_in(where: str, error: Exception) -> DeviceFailure:
+    runner, table = runner_for(FailsIn(where, error))
+    with pytest.raises(DeviceFailure) as failure:
+        take_a_step(runner, table)
+        runner.evaluate(table)
+    return failure.value
+
+
+@pytest.mark.parametrize("where", PLACES)
+def test_out_of_memory_anywhere_in_a_step_is_the_users_with_the_ways_out(where, capsys):
+    failure = fail_in(where, torch.OutOfMemoryError(OOM))
+    message = str(failure)
+    assert message.startswith(f"out of memory on rank 0 ({socket.gethostname()}) in {where}: {OOM}")
+    for way_out in ("--batch-size-per-worker", "--strategy fsdp", "--activation-checkpointing"):
+        assert way_out in message
+    assert "GiB allocated" not in message  # no GPU figures on a CPU
+    assert find_user_error(wrapped(failure)) is failure  # never retried (raytrain.driver.failfast)
+    assert run_command(Namespace(command="train", handler=lambda args: raise_(failure))) == 2
+    err = capsys.readouterr().err
+    assert err.count("raytrain train: ") == 1 and "Traceback" not in err  # one message
+
+
+@pytest.mark.parametrize("where", PLACES)
+def test_a_device_side_assert_is_not_retried_and_says_how_to_find_the_kernel(where):
+    failure = fail_in(where, torch.AcceleratorError(ASSERT))
+    assert f"a device-side assert fired on rank 0 ({socket.gethostname()}), seen in {where}" in str(failure)
+    assert "CUDA_LAUNCH_BLOCKING=1" in str(failure)
+
+
+def test_other_errors_of_the_step_stay_what_they_were():
+    runner, table = runner_for(FailsIn("forward", RuntimeError("shape mismatch")))
+    with pytest.raises(Exception) as error:
+        take_a_step(runner, table)
+    assert not isinstance(error.value, DeviceFailure) and "shape mismatch" in str(error.value)
+
+
+def raise_(error: Exception):
+    raise error
+
+
+def wrapped(error: Exception) -> Exception:
+    """`error` as Ray Train hands it to the failure policy: a worker group's error naming it."""
+    outer = RuntimeError("Training failed")
+    outer.worker_failures = {0: error}
+    return outer

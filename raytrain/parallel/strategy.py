@@ -286,16 +286,17 @@ def is_collective_failure(exc: BaseException) -> bool:
     """A failure of the collectives (a peer that died or stalled: a worker fault, retried), not
     of the user's code: torch's DistError and its subclasses, Ray's for a lost actor, worker or
     node, or gloo's RuntimeError; in `exc` or the exceptions it was raised from."""
-    import ray.exceptions
+    lost: tuple[type[BaseException], ...] = (torch.distributed.DistError,)
+    with contextlib.suppress(ImportError):  # a step taken without Ray installed has no Ray errors
+        import ray.exceptions
 
-    lost = (
-        torch.distributed.DistError,
-        ray.exceptions.RayActorError,
-        ray.exceptions.WorkerCrashedError,
-        ray.exceptions.NodeDiedError,
-        ray.exceptions.LocalRayletDiedError,
-        ray.exceptions.OwnerDiedError,
-    )
+        lost += (
+            ray.exceptions.RayActorError,
+            ray.exceptions.WorkerCrashedError,
+            ray.exceptions.NodeDiedError,
+            ray.exceptions.LocalRayletDiedError,
+            ray.exceptions.OwnerDiedError,
+        )
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

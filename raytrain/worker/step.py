@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from raytrain import hooks
 from raytrain.config import TrainConfig
 from raytrain.data.stream import StreamEpoch
 from raytrain.data.table import TableEpoch
-from raytrain.parallel import strategy
+from raytrain.parallel import device, strategy
 from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import _CONTEXT, Pipeline, overrides, set_plan
 from raytrain.rules import steps
@@ -34,9 +34,15 @@ from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.rundir.records import MetricsRow
 from raytrain.worker import optim
 from raytrain.worker.phases import PhaseTimer, StepPhases
-from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import TrainingState, restore_rank_rng, seed_everything, unwrap
 from raytrain.worker.window import LossWindow, Throughput
+
+if TYPE_CHECKING:  # pragma: no cover  (Ray's module: a step builds and runs without Ray)
+    from raytrain.worker.runtime import Runtime
+
+
+# A heartbeat phase as a device failure's message says where it happened.
+PHASE_WORDS = {"data": "the batch's copy to the device", "optimizer": "the optimizer step"}
 
 
 @dataclass
@@ -166,6 +172,10 @@ class StepRunner:
 
     def gradients(self, data: TableEpoch | StreamEpoch, step: steps.Step, phase: StepPhases) -> None:
         """Forward and backward over this rank's rows of `step` (gradients averaged over ranks)."""
+        with self.device_failures(phase):
+            self._gradients(data, step, phase)
+
+    def _gradients(self, data: TableEpoch | StreamEpoch, step: steps.Step, phase: StepPhases) -> None:
         step_index = phase.step_index
         for index, piece in enumerate(steps.micro_batches(data.rows(step), self.batch_plan.accumulation_steps)):
             # A rank with no rows in a (micro-)step still runs forward and backward (the data
@@ -191,7 +201,7 @@ class StepRunner:
         """The optimizer's step at the rate of `position`; returns that rate."""
         lr = self.lr_at(position.samples_seen)
         optim.set_rates(self.optimizer, lr, self.rate_multipliers)
-        with phase("optimizer", timed="optimizer"):
+        with self.device_failures(phase), phase("optimizer", timed="optimizer"):
             self.clip_gradients(position.step)
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -199,6 +209,19 @@ class StepRunner:
                 self.memory = strategy.state_bytes(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         return lr
+
+    @contextlib.contextmanager
+    def device_failures(self, phase: StepPhases | str):
+        """The device's out-of-memory and device-side assert errors in this block as the user's
+        (`raytrain.parallel.device`: never retried), named with this rank and the phase."""
+        try:
+            yield
+        except Exception as exc:
+            where = phase if isinstance(phase, str) else PHASE_WORDS.get(phase.current, phase.current)
+            failure = device.device_failure(exc, self.runtime.world_rank, where, self.runtime.device)
+            if failure is None:
+                raise
+            raise failure from exc
 
     @contextlib.contextmanager
     def counting_flops(self, rows: int):
@@ -249,10 +272,14 @@ class StepRunner:
         """The gradient reduction over ranks skipped on all micro-batches of a step but the last."""
         return contextlib.nullcontext() if last else strategy.no_gradient_sync(self.model)
 
-    @torch.no_grad()
     def evaluate(self, source: Any) -> dict[str, float]:
         """Validation loss and metrics, averaged over all validation samples of all ranks (over the
         same --eval-batches global batches every pass, when given)."""
+        with self.device_failures("evaluation"):
+            return self._evaluate(source)
+
+    @torch.no_grad()
+    def _evaluate(self, source: Any) -> dict[str, float]:
         runtime = self.runtime
         self.model.eval()
         batch_size = max(
