@@ -5,8 +5,13 @@ they happen."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 from argparse import Namespace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -243,3 +248,35 @@ def wrapped(error: Exception) -> Exception:
     outer = RuntimeError("Training failed")
     outer.worker_failures = {0: error}
     return outer
+
+
+# -- benchmarks/gpu_check.py, rehearsed on CPU ------------------------------------------------------
+
+GPU_CHECK = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+
+def gpu_check(out: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(GPU_CHECK.parents[1])}
+    return subprocess.run(
+        [sys.executable, str(GPU_CHECK), str(out), *args], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="says what it does without a GPU")
+def test_the_gpu_check_stops_at_once_without_a_cuda_device(tmp_path):
+    done = gpu_check(tmp_path)
+    assert done.returncode == 2
+    assert f"gpu_check: no CUDA device (torch {torch.__version__}, cuda available False); stopping" in done.stdout
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["stopped"] == "no CUDA device"
+
+
+@pytest.mark.slow
+def test_every_part_of_the_gpu_check_runs_on_cpu_without_ray(tmp_path):
+    done = gpu_check(tmp_path, "--device", "cpu", "--tiny")
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert set(results["parts"]) == {"sync", "compile", "resume", "oom", "speed"}
+    assert all(part["ok"] for part in results["parts"].values())
+    assert results["parts"]["compile"]["graphs"] > 0
+    assert results["ray_imported"] is False
+    assert "all parts passed" in (tmp_path / "gpu_check.log").read_text()

@@ -57,14 +57,16 @@ def device_failure(exc: BaseException, rank: int, where: str, device: torch.devi
 
 
 def _device_error(exc: BaseException | None) -> BaseException | None:
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, torch.OutOfMemoryError) or (
-            isinstance(exc, RuntimeError) and (DEVICE_ASSERT in str(exc) or CPU_OUT_OF_MEMORY in str(exc))
-        ):
-            return exc
+    """The innermost device error in `exc`'s chain (a wrapper's message quotes the same words)."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    for error in reversed(chain):
+        if isinstance(error, torch.OutOfMemoryError) or (
+            isinstance(error, RuntimeError) and (DEVICE_ASSERT in str(error) or CPU_OUT_OF_MEMORY in str(error))
+        ):
+            return error
     return None
 
 

@@ -21,6 +21,7 @@ import importlib.util
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -287,15 +288,14 @@ def is_collective_failure(exc: BaseException) -> bool:
     of the user's code: torch's DistError and its subclasses, Ray's for a lost actor, worker or
     node, or gloo's RuntimeError; in `exc` or the exceptions it was raised from."""
     lost: tuple[type[BaseException], ...] = (torch.distributed.DistError,)
-    with contextlib.suppress(ImportError):  # a step taken without Ray installed has no Ray errors
-        import ray.exceptions
-
+    ray_errors = sys.modules.get("ray.exceptions")  # not imported: no Ray error can be in the chain
+    if ray_errors is not None:
         lost += (
-            ray.exceptions.RayActorError,
-            ray.exceptions.WorkerCrashedError,
-            ray.exceptions.NodeDiedError,
-            ray.exceptions.LocalRayletDiedError,
-            ray.exceptions.OwnerDiedError,
+            ray_errors.RayActorError,
+            ray_errors.WorkerCrashedError,
+            ray_errors.NodeDiedError,
+            ray_errors.LocalRayletDiedError,
+            ray_errors.OwnerDiedError,
         )
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
