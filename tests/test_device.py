@@ -280,3 +280,26 @@ def test_every_part_of_the_gpu_check_runs_on_cpu_without_ray(tmp_path):
     assert results["parts"]["compile"]["graphs"] > 0
     assert results["ray_imported"] is False
     assert "all parts passed" in (tmp_path / "gpu_check.log").read_text()
+
+
+# -- the smaller findings ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "gpu, visible, expected",
+    [(None, True, "cuda:0"), (True, True, "cuda:0"), (False, True, "cpu"), (None, False, "cpu")],
+)
+def test_local_mode_runs_where_gpu_says(gpu, visible, expected):
+    from raytrain.worker.runtime import local_device
+
+    assert str(local_device(gpu, cuda_visible=visible)) == expected
+
+
+def test_a_collective_timeout_under_a_second_is_kept_as_given():
+    from raytrain.worker.replicas import torchft_config
+
+    assert torchft_config(False, 0.5).timeout_s == 0.5
+    from raytrain.driver.launch import build_torch_trainer
+
+    cfg = TrainConfig(collective_timeout_s=0.5, workers="1")
+    assert build_torch_trainer(Regression(), cfg, "/unused", {}, use_gpu=False).backend_config.timeout_s == 0.5

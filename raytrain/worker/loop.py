@@ -66,7 +66,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     payload: WorkerPayload = loop_config[PAYLOAD]
     cfg, run_dir = payload.config, Store.of(payload.run_dir)
     per_step = cfg.fault_tolerance == "per-step"
-    runtime = ReplicaRuntime(cfg.collective_timeout_s, run_dir, cfg.replica_group_size) if per_step else Runtime()
+    runtime = (
+        ReplicaRuntime(cfg.collective_timeout_s, run_dir, cfg.replica_group_size) if per_step else Runtime(cfg.gpu)
+    )
     files = RunWriter(run_dir, enabled=runtime.is_rank0)
     heartbeat = Heartbeat(run_dir.local_dir / HEARTBEATS, runtime.world_rank, enabled=runtime.world_size > 1)
     checkpointer = Checkpointer(cfg, runtime, run_dir, via_ray=not per_step, invocation=payload.invocation)
