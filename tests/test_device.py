@@ -303,3 +303,40 @@ def test_a_collective_timeout_under_a_second_is_kept_as_given():
 
     cfg = TrainConfig(collective_timeout_s=0.5, workers="1")
     assert build_torch_trainer(Regression(), cfg, "/unused", {}, use_gpu=False).backend_config.timeout_s == 0.5
+
+
+@pytest.mark.parametrize(
+    "device_type, tf32, exact, expected",
+    [
+        ("cuda", True, False, True),
+        ("cuda", False, False, False),
+        ("cuda", True, True, False),
+        ("cpu", True, False, False),
+    ],
+)
+def test_tf32_is_on_for_a_gpu_unless_no_tf32_or_raytrain_check(device_type, tf32, exact, expected):
+    from raytrain.parallel.device import use_tf32
+
+    assert use_tf32(device_type, tf32, exact=exact) is expected
+
+
+def test_no_tf32_is_a_flag_and_raytrain_checks_runner_is_exact():
+    from raytrain.check.worker import CheckRunner
+    from raytrain.cli.parser import build_parser
+
+    assert TrainConfig().tf32 is True
+    args = build_parser().parse_args(["train", "digits", "--no-tf32"])
+    assert args.tf32 is False
+    assert CheckRunner.exact and not StepRunner.exact
+
+
+def test_bf16_on_a_gpu_without_it_is_a_configuration_error_naming_the_ways_out():
+    from raytrain.errors import ConfigError
+    from raytrain.parallel.device import bf16_unsupported, check_bf16
+
+    check_bf16("bf16", torch.device("cpu"))  # a CPU computes bf16
+    message = str(ConfigError([("precision", bf16_unsupported("Tesla V100-SXM2-16GB"))]))
+    assert message == (
+        "Invalid configuration: precision: bf16 is not supported on Tesla V100-SXM2-16GB: use --precision fp16 "
+        "(autocast with a gradient scaler) or fp32"
+    )

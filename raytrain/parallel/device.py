@@ -93,11 +93,11 @@ def peak_memory_bytes(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
-def use_tf32(precision: str, device_type: str, tf32: bool, *, exact: bool = False) -> bool:
-    """Whether fp32 matmuls and convolutions run on TF32 tensor cores: for fp32 on a GPU, unless
-    --no-tf32 or a check that compares runs exactly (`raytrain check`). Under bf16 and fp16
-    autocast the matmuls are not fp32 anyway."""
-    return precision == "fp32" and device_type == "cuda" and tf32 and not exact
+def use_tf32(device_type: str, tf32: bool, *, exact: bool = False) -> bool:
+    """Whether fp32 matmuls and convolutions run on TF32 tensor cores: on a GPU, unless --no-tf32
+    or a check that compares runs exactly (`raytrain check`). It matters at --precision fp32 (under
+    bf16 and fp16 autocast the matmuls are not fp32 anyway); a CPU has no TF32."""
+    return device_type == "cuda" and tf32 and not exact
 
 
 def apply_tf32(on: bool) -> None:
@@ -110,12 +110,8 @@ def check_bf16(precision: str, device: torch.device) -> None:
     """--precision bf16 on a GPU without bf16 (before Ampere) fails at its first step, the same at
     every retry: a ConfigError naming the ways out, before anything is built."""
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        name = torch.cuda.get_device_name(device)
-        raise ConfigError(
-            [
-                (
-                    "precision",
-                    f"bf16 is not supported on {name}: use --precision fp16 (autocast with a gradient scaler) or fp32",
-                )
-            ]
-        )
+        raise ConfigError([("precision", bf16_unsupported(torch.cuda.get_device_name(device)))])
+
+
+def bf16_unsupported(device_name: str) -> str:
+    return f"bf16 is not supported on {device_name}: use --precision fp16 (autocast with a gradient scaler) or fp32"

@@ -6,8 +6,8 @@ first micro-batch (forward and backward; the optimizer's few FLOPs per parameter
 out, as MFU usually leaves them out) and divided by its rows. Achieved FLOP/s per worker =
 FLOPs per sample × the run's steady samples/s ÷ the workers. MFU = that ÷ the device's
 peak at the run's precision: dense tensor-core peaks for bf16/fp16, the plain fp32 peak
-for fp32 (PyTorch's convolutions use TF32 by default on Ampere and later, so an fp32 MFU can
-read high). `--peak-tflops` replaces the table, e.g. for a device it does not know.
+for fp32 (a run computes fp32 on TF32 tensor cores unless --no-tf32, so an fp32 MFU can read
+high). `--peak-tflops` replaces the table, e.g. for a device it does not know.
 """
 
 from __future__ import annotations

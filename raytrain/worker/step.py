@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
 import torch
@@ -68,6 +68,7 @@ class StepRunner:
     memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
     memory_said: bool = False
     telemetry: Telemetry = field(default_factory=Telemetry)  # what the attempt measures (restored with it)
+    exact: ClassVar[bool] = False  # full fp32 whatever --tf32 says (raytrain check compares runs exactly)
 
     @classmethod
     def build(
@@ -86,6 +87,9 @@ class StepRunner:
         # One seed for model init on every rank: identical replicas (and identical shards'
         # sources under fsdp) before DDP's broadcast.
         seed_everything(cfg.seed)
+        device.check_bf16(cfg.precision, runtime.device)
+        if runtime.device.type == "cuda":  # torch's own flags, left as they are on a CPU
+            device.apply_tf32(device.use_tf32(runtime.device.type, cfg.tf32, exact=cls.exact))
         prepared = strategy.build_and_prepare(pipeline, cfg, runtime)
         model = prepared.model
         optimizer = hooks.call(pipeline, "build_optimizer", unwrap(model), cfg)
