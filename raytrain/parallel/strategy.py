@@ -126,6 +126,16 @@ def check_compiler(device_type: str) -> None:
             raise ConfigError(
                 [("compile", "needs Triton on a GPU (pip install triton), which is not installed; drop --compile")]
             )
+        if not any(shutil.which(cc) for cc in (os.environ.get("CC") or "cc", "gcc", "clang")):
+            raise ConfigError(
+                [
+                    (
+                        "compile",
+                        "needs a C compiler on GPU workers (Triton builds its launcher with one; none of cc, gcc, "
+                        "clang is on PATH): install one (apt-get install gcc), set CC, or drop --compile",
+                    )
+                ]
+            )
         return
     compiler = os.environ.get("CXX") or "g++"
     if shutil.which(compiler) is None and shutil.which("c++") is None:
@@ -231,7 +241,9 @@ def shard(model: nn.Module, blocks: list[nn.Module], cfg: "TrainConfig") -> nn.M
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for block in blocks:
         fully_shard(block, **options)
-    fully_shard(model, **options)
+    # The root without reshard_after_forward: FSDP2's default keeps its parameters for the
+    # backward, which starts with them at once.
+    fully_shard(model, **{k: v for k, v in options.items() if k != "reshard_after_forward"})
     return model
 
 
