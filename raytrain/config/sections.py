@@ -110,7 +110,7 @@ class StrategySection:
     pipeline's shard_modules): less memory for about one more forward of compute."""
     compile: bool = False
     """torch.compile the model: each block under --strategy fsdp, the whole model under ddp, before it is
-    sharded or wrapped (needs a C++ compiler on CPU, Triton on GPU)."""
+    sharded or wrapped (needs a C++ compiler on CPU, Triton and a C compiler on GPU)."""
     sync_batchnorm: bool = False
     """Normalize BatchNorm layers with the statistics of the whole global batch across workers, as one worker would
     (torch's SyncBatchNorm on GPUs; raytrain's own all-reduced BatchNorm over gloo on CPUs), instead of each worker's
