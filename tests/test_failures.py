@@ -37,6 +37,7 @@ from raytrain.errors import (
     UserError,
 )
 from raytrain.observe.report import ReportError
+from raytrain.parallel.device import DeviceFailure
 from raytrain.parallel.strategy import is_collective_failure
 from raytrain.rundir import Store
 from raytrain.rundir.faults import StorageUnavailable
@@ -54,6 +55,7 @@ STATUSES = {  # every error type a command ends with -> its exit status (DESIGN:
     PipelineError: 2,
     PipelineCodeError: 2,
     ReportError: 2,
+    DeviceFailure: 2,  # out of memory, a device-side assert: the same at every retry
     PredictError: 2,
     RunFailed: 1,
     BenchError: 1,

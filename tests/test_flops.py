@@ -18,6 +18,23 @@ def test_peaks_come_from_the_device_name_and_the_precision():
     assert device_peak_tflops("cpu", "fp32") is None
 
 
+@pytest.mark.parametrize(
+    "device, bf16",
+    [
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H200 NVL", 835.0),  # not the SXM part's peak: the name of most words wins
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA L40", 181.0),  # "L4" is a word of its own, not a prefix
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA A10", 125.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA A10G", None),  # not in the table: no guess from a prefix
+    ],
+)
+def test_a_device_is_matched_by_whole_words_the_most_specific_name_first(device, bf16):
+    assert device_peak_tflops(device, "bf16") == bf16
+
+
 def test_achieved_flops_per_worker_and_mfu():
     # 6 GFLOP per sample at 1,000 samples/s over 4 workers: 1.5 TFLOP/s each, of an A100's 312 at bf16.
     cost = cost_view(6e9, 1000.0, 4, "NVIDIA A100-SXM4-80GB", "bf16")

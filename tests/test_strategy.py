@@ -3,6 +3,7 @@ one process (pure tier): the blocks, their checks, and what a checkpoint holds a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -230,6 +231,18 @@ def test_compile_without_a_compiler_is_a_configuration_error(monkeypatch):
         strategy.check_compiler("cpu")
 
 
+def test_compile_on_a_gpu_without_a_c_compiler_for_triton_is_a_configuration_error(monkeypatch):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        strategy.importlib.util, "find_spec", lambda name: object() if name == "triton" else found(name)
+    )
+    monkeypatch.setattr(strategy.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="compile: needs a C compiler on GPU workers .* set CC, or drop --compile"):
+        strategy.check_compiler("cuda")
+    monkeypatch.setattr(strategy.shutil, "which", lambda name: "/usr/bin/gcc" if name == "gcc" else None)
+    strategy.check_compiler("cuda")  # gcc will do
+
+
 @pytest.mark.parametrize(
     "values, message",
     [
@@ -406,3 +419,19 @@ def test_unsharded_ranks_each_write_a_balanced_part_that_together_is_the_whole()
     assert sizes[-1] <= 1.5 * sizes[0]  # balanced by bytes
     keys = [set(part["optim"]["state"]) for part in parts]
     assert [set(p["optim"]["state"]) for p in (state._dcp_part(r, 3) for r in range(3))] == keys  # the same every time
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_reshards_the_blocks_as_asked_and_leaves_the_root_to_its_default(one_rank_group, reshard):
+    from torch.distributed.fsdp import fully_shard
+
+    tower = Tower()
+    cfg = TrainConfig(strategy="fsdp", workers=2, fsdp_reshard_after_forward=reshard)
+    model = strategy.shard(tower, list(tower.layers), cfg)
+    model(torch.ones(2, 4)).sum().backward()  # the root is found, and set, at the first forward
+
+    def resharded(module) -> bool:
+        return fully_shard.state(module)._fsdp_param_group.post_forward_mesh_info is not None
+
+    assert [resharded(block) for block in tower.layers] == [reshard] * len(tower.layers)
+    assert not resharded(model)  # its backward starts at once: FSDP2 keeps the root's parameters

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from raytrain.config import TrainConfig
+from raytrain.parallel.device import apply_tf32
 from raytrain.parallel.strategy import compute_dtype
 from raytrain.pipeline import load_pipeline
 
@@ -65,6 +66,7 @@ def train_classic() -> None:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+        apply_tf32(cfg.tf32)  # the same fp32 matmuls as raytrain's run (--tf32, default on)
 
     torch.manual_seed(cfg.seed)
     model = pipeline.build_model(cfg).to(device)

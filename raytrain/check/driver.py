@@ -125,7 +125,7 @@ def fit_check(
             summarize_on_raise(check_loop_per_worker),
             train_loop_config={PAYLOAD: payload},
             scaling_config=ScalingConfig(num_workers=run.max_workers, use_gpu=use_gpu, resources_per_worker=resources),
-            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(run.collective_timeout_s)),
+            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=run.collective_timeout_s),
             run_config=RunConfig(
                 name="check",
                 storage_path=storage,

@@ -78,7 +78,6 @@ def check_loop_per_worker(loop_config: dict[str, Any]) -> Outcome | None:
     payload: CheckPayload = loop_config[PAYLOAD]
     runtime = Runtime()
     pristine = copy.deepcopy(payload.pipeline)  # before any call: what a fresh worker holds
-    exact_fp32(runtime.device, payload.config.precision)
     reference = reordered = None
     if runtime.is_rank0:
         alone = runtime.alone()
@@ -178,13 +177,6 @@ def grad_norm(runner: StepRunner) -> float:
     return math.sqrt(squares) / scale
 
 
-def exact_fp32(device: torch.device, precision: str) -> None:
-    """At fp32, no TF32 on the GPU: its 10-bit mantissa would swamp reduction-order differences."""
-    if device.type == "cuda" and precision == "fp32":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-
-
 def probe(pipeline: Pipeline, payload: CheckPayload, alone: Runtime) -> list[Cause]:
     """The in-process probes on rank 0, on the rows of the first step at the initial weights."""
     cfg = dataclasses.replace(payload.reference, precision="fp32")
@@ -200,6 +192,8 @@ def probe(pipeline: Pipeline, payload: CheckPayload, alone: Runtime) -> list[Cau
 class CheckRunner(StepRunner):
     """The trainer's step runner, but transform_batch is applied by the data, row by row
     (`RowByRow`), not to each rank's share as a whole."""
+
+    exact = True  # no TF32: its 10-bit mantissa would swamp reduction-order differences
 
     def augment(self, batch: dict[str, torch.Tensor], micro_index: int, step_index: int) -> dict[str, torch.Tensor]:
         return batch

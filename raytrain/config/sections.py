@@ -101,12 +101,16 @@ class StrategySection:
     fsdp_reshard_after_forward: bool = True
     """With --strategy fsdp: free each block's gathered parameters after its forward (ZeRO-3, least memory);
     --no-fsdp-reshard-after-forward keeps them for the backward (ZeRO-2, one all-gather fewer per block)."""
+    tf32: bool = True
+    """At fp32 on a GPU, matmuls and convolutions on TF32 tensor cores (torch's "high" float32 precision: a 10-bit
+    mantissa, several times faster on Ampere and later); --no-tf32 keeps full fp32. raytrain check always runs
+    without."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass instead of keeping them (the blocks of the
     pipeline's shard_modules): less memory for about one more forward of compute."""
     compile: bool = False
     """torch.compile the model: each block under --strategy fsdp, the whole model under ddp, before it is
-    sharded or wrapped (needs a C++ compiler on CPU, Triton on GPU)."""
+    sharded or wrapped (needs a C++ compiler on CPU, Triton and a C compiler on GPU)."""
     sync_batchnorm: bool = False
     """Normalize BatchNorm layers with the statistics of the whole global batch across workers, as one worker would
     (torch's SyncBatchNorm on GPUs; raytrain's own all-reduced BatchNorm over gloo on CPUs), instead of each worker's

@@ -91,7 +91,7 @@ def build_torch_trainer(
         min_groups = cfg.min_workers // cfg.replica_group_size if cfg.elastic else 1
         torch_config = torchft_config(use_gpu, cfg.collective_timeout_s, min_groups)
     else:
-        torch_config = TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s))
+        torch_config = TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=cfg.collective_timeout_s)
     return FailFastTrainer(
         summarize_on_raise(train_loop_per_worker),
         train_loop_config={PAYLOAD: WorkerPayload(cfg, pipe, Store.of(run_dir), sources, invocation=uuid4().hex)},

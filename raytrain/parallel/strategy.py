@@ -21,6 +21,7 @@ import importlib.util
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -124,6 +125,16 @@ def check_compiler(device_type: str) -> None:
         if importlib.util.find_spec("triton") is None:
             raise ConfigError(
                 [("compile", "needs Triton on a GPU (pip install triton), which is not installed; drop --compile")]
+            )
+        if not any(shutil.which(cc) for cc in (os.environ.get("CC") or "cc", "gcc", "clang")):
+            raise ConfigError(
+                [
+                    (
+                        "compile",
+                        "needs a C compiler on GPU workers (Triton builds its launcher with one; none of cc, gcc, "
+                        "clang is on PATH): install one (apt-get install gcc), set CC, or drop --compile",
+                    )
+                ]
             )
         return
     compiler = os.environ.get("CXX") or "g++"
@@ -230,7 +241,9 @@ def shard(model: nn.Module, blocks: list[nn.Module], cfg: "TrainConfig") -> nn.M
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for block in blocks:
         fully_shard(block, **options)
-    fully_shard(model, **options)
+    # The root without reshard_after_forward: FSDP2's default keeps its parameters for the
+    # backward, which starts with them at once.
+    fully_shard(model, **{k: v for k, v in options.items() if k != "reshard_after_forward"})
     return model
 
 
@@ -286,16 +299,16 @@ def is_collective_failure(exc: BaseException) -> bool:
     """A failure of the collectives (a peer that died or stalled: a worker fault, retried), not
     of the user's code: torch's DistError and its subclasses, Ray's for a lost actor, worker or
     node, or gloo's RuntimeError; in `exc` or the exceptions it was raised from."""
-    import ray.exceptions
-
-    lost = (
-        torch.distributed.DistError,
-        ray.exceptions.RayActorError,
-        ray.exceptions.WorkerCrashedError,
-        ray.exceptions.NodeDiedError,
-        ray.exceptions.LocalRayletDiedError,
-        ray.exceptions.OwnerDiedError,
-    )
+    lost: tuple[type[BaseException], ...] = (torch.distributed.DistError,)
+    ray_errors = sys.modules.get("ray.exceptions")  # not imported: no Ray error can be in the chain
+    if ray_errors is not None:
+        lost += (
+            ray_errors.RayActorError,
+            ray_errors.WorkerCrashedError,
+            ray_errors.NodeDiedError,
+            ray_errors.LocalRayletDiedError,
+            ray_errors.OwnerDiedError,
+        )
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -303,6 +316,20 @@ def is_collective_failure(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__
     return False
+
+
+@contextlib.contextmanager
+def eager(model: nn.Module):
+    """`model` and its submodules called without their `nn.Module.compile` (which keeps the
+    compiled call beside the module's own), given back after."""
+    compiled = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, "_compiled_call_impl", None)]
+    for module, _ in compiled:
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, call in compiled:
+            module._compiled_call_impl = call
 
 
 def checkpoint_activations(block: nn.Module) -> None:

@@ -6,8 +6,8 @@ first micro-batch (forward and backward; the optimizer's few FLOPs per parameter
 out, as MFU usually leaves them out) and divided by its rows. Achieved FLOP/s per worker =
 FLOPs per sample × the run's steady samples/s ÷ the workers. MFU = that ÷ the device's
 peak at the run's precision: dense tensor-core peaks for bf16/fp16, the plain fp32 peak
-for fp32 (PyTorch's convolutions use TF32 by default on Ampere and later, so an fp32 MFU can
-read high). `--peak-tflops` replaces the table, e.g. for a device it does not know.
+for fp32 (a run computes fp32 on TF32 tensor cores unless --no-tf32, so an fp32 MFU can read
+high). `--peak-tflops` replaces the table, e.g. for a device it does not know.
 """
 
 from __future__ import annotations
@@ -15,16 +15,18 @@ from __future__ import annotations
 from typing import Any
 
 # Dense peak TFLOP/s per device (no sparsity): (bf16/fp16 tensor cores, fp32 without TF32),
-# from the vendors' data sheets. Matched against torch.cuda.get_device_name(), the first
-# name that appears in it wins (so the more specific names come first).
+# from the vendors' data sheets. Matched against torch.cuda.get_device_name() word by word
+# (an "L4" is not an "L40"); the name of most words that matches wins ("H200 NVL" over "H200").
 DEVICE_PEAK_TFLOPS: dict[str, tuple[float, float]] = {
     "B200": (2250.0, 75.0),
+    "H200 NVL": (835.0, 60.0),
     "H200": (989.0, 67.0),
     "H100 PCIe": (756.0, 51.0),
     "H100 NVL": (835.0, 60.0),
     "H100": (989.0, 67.0),  # SXM (e.g. "NVIDIA H100 80GB HBM3")
     "A100": (312.0, 19.5),
     "L40S": (362.0, 91.6),
+    "L40": (181.0, 90.5),
     "L4": (121.0, 30.3),
     "A10": (125.0, 31.2),
     "V100": (125.0, 15.7),  # fp16 (no bf16)
@@ -35,10 +37,21 @@ DEVICE_PEAK_TFLOPS: dict[str, tuple[float, float]] = {
 
 def device_peak_tflops(device_name: str, precision: str) -> float | None:
     """The table's peak for `device_name` at `precision` (None: not a device it knows)."""
-    for name, (tensor, fp32) in DEVICE_PEAK_TFLOPS.items():
-        if name in device_name:
-            return fp32 if precision == "fp32" else tensor
-    return None
+    words = _words(device_name)
+    matches = [name for name in DEVICE_PEAK_TFLOPS if _contains(words, _words(name))]
+    if not matches:
+        return None
+    tensor, fp32 = DEVICE_PEAK_TFLOPS[max(matches, key=lambda name: len(_words(name)))]
+    return fp32 if precision == "fp32" else tensor
+
+
+def _words(name: str) -> list[str]:
+    """ "NVIDIA A100-SXM4-80GB" -> ["nvidia", "a100", "sxm4", "80gb"]."""
+    return name.lower().replace("-", " ").replace("_", " ").split()
+
+
+def _contains(words: list[str], part: list[str]) -> bool:
+    return any(words[i : i + len(part)] == part for i in range(len(words) - len(part) + 1))
 
 
 def cost_view(

@@ -24,6 +24,7 @@ from raytrain import hooks
 from raytrain.config import TrainConfig
 from raytrain.data.sources import Source, cost_notes, data_digest, open_source
 from raytrain.errors import find_user_error
+from raytrain.parallel.device import device_failure
 from raytrain.pipeline import Pipeline, overrides
 from raytrain.rules import resume
 from raytrain.rules.attempt import Attempt
@@ -65,7 +66,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     payload: WorkerPayload = loop_config[PAYLOAD]
     cfg, run_dir = payload.config, Store.of(payload.run_dir)
     per_step = cfg.fault_tolerance == "per-step"
-    runtime = ReplicaRuntime(cfg.collective_timeout_s, run_dir, cfg.replica_group_size) if per_step else Runtime()
+    runtime = (
+        ReplicaRuntime(cfg.collective_timeout_s, run_dir, cfg.replica_group_size) if per_step else Runtime(cfg.gpu)
+    )
     files = RunWriter(run_dir, enabled=runtime.is_rank0)
     heartbeat = Heartbeat(run_dir.local_dir / HEARTBEATS, runtime.world_rank, enabled=runtime.world_size > 1)
     checkpointer = Checkpointer(cfg, runtime, run_dir, via_ray=not per_step, invocation=payload.invocation)
@@ -78,6 +81,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             return
         Training.begin(cfg, payload.pipeline, runtime, files, heartbeat, payload.sources, checkpointer).run()
     except Exception as exc:
+        # A device's failure outside a step's phases (an assert shows at the host's next wait on
+        # the GPU: the loss sync, a checkpoint's copy), as the user's too.
+        failure = None if find_user_error(exc) else device_failure(exc, runtime.world_rank, "training", runtime.device)
+        if failure is not None:
+            raise failure from exc
         if runtime.world_size > 1 and looks_like_timeout(exc):
             raise StallError(explain_stall(cfg, runtime, heartbeat, run_dir, exc)) from exc
         if find_user_error(exc) is not None:

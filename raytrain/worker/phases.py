@@ -40,6 +40,7 @@ class StepPhases:
 
     def __init__(self, heartbeat: Heartbeat, step_index: int, timer: PhaseTimer):
         self.heartbeat, self.step_index, self.timer = heartbeat, step_index, timer
+        self.current = "data"  # the last phase marked: where a failure happened
 
     def __call__(self, mark: str | None = None, *, timed: str | None = None) -> "_Block":
         return _Block(self, mark, timed)
@@ -56,6 +57,7 @@ class _Block:
 
     def __enter__(self) -> None:
         if self.mark is not None:
+            self.phases.current = self.mark
             self.phases.heartbeat.mark(self.phases.step_index, self.mark)
 
     def __exit__(self, kind, value, traceback) -> None:

@@ -104,7 +104,7 @@ def torchft_config(use_gpu: bool, timeout_s: float, min_groups: int = 1):
     return _TorchftConfig(
         lighthouse_kwargs={**LIGHTHOUSE_KWARGS, "min_replicas": min_groups},
         backend="nccl" if use_gpu else "gloo",
-        timeout_s=int(timeout_s),
+        timeout_s=timeout_s,  # seconds as given: Ray makes a timedelta of them (0.5 stays 0.5)
     )
 
 

@@ -46,7 +46,9 @@ class Runtime:
     healed = False  # the last quorum loaded the live state from a peer
     group_size = 1  # workers that hold one copy of the model between them (per-step's replica groups)
 
-    def __init__(self) -> None:
+    def __init__(self, gpu: bool | None = None) -> None:
+        """`gpu`: --gpu / --no-gpu (None: auto), which local mode's device follows; a worker
+        group's device is the one Ray Train gave its worker."""
         context = ray.train.get_context()
         self.world_rank = context.get_world_rank()
         self.world_size = context.get_world_size()
@@ -54,7 +56,7 @@ class Runtime:
         # The nodes the job spans (failures come per node: --checkpoint-every auto's rate).
         self.nodes = max(1, -(-self.world_size // max(1, context.get_local_world_size())))
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.device = ray.train.torch.get_device() if self.distributed else _local_device()
+        self.device = ray.train.torch.get_device() if self.distributed else local_device(gpu)
         self.backend = dist.get_backend() if self.distributed else "none (local mode)"
         self._checkpoint_group = None  # DCP's gloo group (dcp_options)
 
@@ -227,7 +229,9 @@ def _ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _local_device() -> torch.device:
-    if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "":
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
+def local_device(gpu: bool | None, cuda_visible: bool | None = None) -> torch.device:
+    """Local mode's device (the loop in this process): the first visible GPU unless --no-gpu, or
+    when there is none, the CPU. `cuda_visible`: whether this process sees a GPU (None: ask torch)."""
+    if cuda_visible is None:
+        cuda_visible = torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "x") != ""
+    return torch.device("cuda", 0) if cuda_visible and gpu is not False else torch.device("cpu")

@@ -163,7 +163,7 @@ class TrainingState:
             target = self.model if self.sharded else unwrap(self.model)
             set_model_state_dict(target, state["model"])
             load_optimizer(lambda: set_optimizer_state_dict(target, self.optimizer, state["optim"]))
-        self.scaler.load_state_dict(train_state["scaler"])
+        load_scaler(self.scaler, train_state["scaler"])
         restore_rank_rng(seed, runtime.world_rank, runtime.world_size, train_state)
 
     def _dcp_state(self) -> dict[str, Any]:
@@ -230,7 +230,7 @@ class TrainingState:
         else:
             unwrap(self.model).load_state_dict(live["model"])
             self.optimizer.load_state_dict(live["optimizer"])
-        self.scaler.load_state_dict(live["scaler"])
+        load_scaler(self.scaler, live["scaler"])
         for part, restored in ((self.position, Position.restored(live)), (self.telemetry, Telemetry.restored(live))):
             for name in (f.name for f in dataclasses.fields(part)):
                 setattr(part, name, getattr(restored, name))
@@ -275,6 +275,14 @@ def _inner(exc: BaseException) -> BaseException:
     """The first rank's own error inside DCP's CheckpointException (else `exc`)."""
     failures = getattr(exc, "failures", None)
     return failures[min(failures)][0] if failures else exc
+
+
+def load_scaler(scaler: torch.amp.GradScaler, saved: dict[str, Any]) -> None:
+    """The saved scale, when there is one: a bf16 or fp32 run's scaler was disabled and saved
+    nothing, so an fp16 resume of it starts from a fresh scale (`rules.resume` allows the
+    switch); a disabled scaler ignores what it is given."""
+    if saved or not scaler.is_enabled():
+        scaler.load_state_dict(saved)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from raytrain import hooks
 from raytrain.config import TrainConfig
 from raytrain.data.stream import StreamEpoch
 from raytrain.data.table import TableEpoch
-from raytrain.parallel import strategy
+from raytrain.parallel import device, strategy
 from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import _CONTEXT, Pipeline, overrides, set_plan
 from raytrain.rules import steps
@@ -34,9 +34,15 @@ from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.rundir.records import MetricsRow
 from raytrain.worker import optim
 from raytrain.worker.phases import PhaseTimer, StepPhases
-from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import TrainingState, restore_rank_rng, seed_everything, unwrap
 from raytrain.worker.window import LossWindow, Throughput
+
+if TYPE_CHECKING:  # pragma: no cover  (Ray's module: a step builds and runs without Ray)
+    from raytrain.worker.runtime import Runtime
+
+
+# A heartbeat phase as a device failure's message says where it happened.
+PHASE_WORDS = {"data": "the batch's copy to the device", "optimizer": "the optimizer step"}
 
 
 @dataclass
@@ -62,6 +68,7 @@ class StepRunner:
     memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
     memory_said: bool = False
     telemetry: Telemetry = field(default_factory=Telemetry)  # what the attempt measures (restored with it)
+    exact: ClassVar[bool] = False  # full fp32 whatever --tf32 says (raytrain check compares runs exactly)
 
     @classmethod
     def build(
@@ -80,6 +87,9 @@ class StepRunner:
         # One seed for model init on every rank: identical replicas (and identical shards'
         # sources under fsdp) before DDP's broadcast.
         seed_everything(cfg.seed)
+        device.check_bf16(cfg.precision, runtime.device)
+        if runtime.device.type == "cuda":  # torch's own flags, left as they are on a CPU
+            device.apply_tf32(device.use_tf32(runtime.device.type, cfg.tf32, exact=cls.exact))
         prepared = strategy.build_and_prepare(pipeline, cfg, runtime)
         model = prepared.model
         optimizer = hooks.call(pipeline, "build_optimizer", unwrap(model), cfg)
@@ -166,6 +176,10 @@ class StepRunner:
 
     def gradients(self, data: TableEpoch | StreamEpoch, step: steps.Step, phase: StepPhases) -> None:
         """Forward and backward over this rank's rows of `step` (gradients averaged over ranks)."""
+        with self.device_failures(phase):
+            self._gradients(data, step, phase)
+
+    def _gradients(self, data: TableEpoch | StreamEpoch, step: steps.Step, phase: StepPhases) -> None:
         step_index = phase.step_index
         for index, piece in enumerate(steps.micro_batches(data.rows(step), self.batch_plan.accumulation_steps)):
             # A rank with no rows in a (micro-)step still runs forward and backward (the data
@@ -191,7 +205,7 @@ class StepRunner:
         """The optimizer's step at the rate of `position`; returns that rate."""
         lr = self.lr_at(position.samples_seen)
         optim.set_rates(self.optimizer, lr, self.rate_multipliers)
-        with phase("optimizer", timed="optimizer"):
+        with self.device_failures(phase), phase("optimizer", timed="optimizer"):
             self.clip_gradients(position.step)
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -201,16 +215,32 @@ class StepRunner:
         return lr
 
     @contextlib.contextmanager
+    def device_failures(self, phase: StepPhases | str):
+        """The device's out-of-memory and device-side assert errors in this block as the user's
+        (`raytrain.parallel.device`: never retried), named with this rank and the phase."""
+        try:
+            yield
+        except Exception as exc:
+            where = phase if isinstance(phase, str) else PHASE_WORDS.get(phase.current, phase.current)
+            failure = device.device_failure(exc, self.runtime.world_rank, where, self.runtime.device)
+            if failure is None:
+                raise
+            raise failure from exc
+
+    @contextlib.contextmanager
     def counting_flops(self, rows: int):
         """The FLOPs of this micro-batch's forward and backward, per row, into the position
-        (`raytrain.rules.flops`): rank 0, the first micro-batch with rows of an attempt."""
+        (`raytrain.rules.flops`): rank 0, the first micro-batch with rows of an attempt, run
+        eagerly (a compiled model compiles at its next call)."""
         if not self.count_flops or rows == 0:
             yield
             return
         from torch.utils.flop_counter import FlopCounterMode
 
         counter = FlopCounterMode(display=False)
-        with counter:
+        # Eager, under --compile too: Dynamo skips a frame first seen under a dispatch mode
+        # and never compiles its code afterwards.
+        with strategy.eager(self.model), counter:
             yield
         self.count_flops = False
         self.telemetry.flops_per_sample = counter.get_total_flops() / rows
@@ -246,10 +276,14 @@ class StepRunner:
         """The gradient reduction over ranks skipped on all micro-batches of a step but the last."""
         return contextlib.nullcontext() if last else strategy.no_gradient_sync(self.model)
 
-    @torch.no_grad()
     def evaluate(self, source: Any) -> dict[str, float]:
         """Validation loss and metrics, averaged over all validation samples of all ranks (over the
         same --eval-batches global batches every pass, when given)."""
+        with self.device_failures("evaluation"):
+            return self._evaluate(source)
+
+    @torch.no_grad()
+    def _evaluate(self, source: Any) -> dict[str, float]:
         runtime = self.runtime
         self.model.eval()
         batch_size = max(
