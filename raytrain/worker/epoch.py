@@ -187,11 +187,15 @@ class Epochs:
         """Once per attempt, after its first step (a collective): the bytes each worker holds of the
         parameters, their gradients and the optimizer's state, and each process's peak RSS."""
         import psutil
+        import torch
 
         runner, files = self.runner, self.files
 
         runner.memory_said = True
         mine = {**(runner.memory or {}), "peak_rss": _peak_rss_bytes(psutil.Process())}
+        device = runner.runtime.device
+        if device.type == "cuda":  # what the GPU's allocator held at most: activations included
+            mine["peak_gpu_allocated"] = torch.cuda.max_memory_allocated(device)
         every = runner.runtime.all_gather_object(mine)
         sharded = runner.prepared is not None and runner.prepared.sharded
         held = ", ".join(
@@ -199,10 +203,11 @@ class Epochs:
             for k, label in (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"))
         )
         rss = ", ".join(_mib(rank["peak_rss"]) for rank in every)
+        gpu = ", ".join(_mib(rank["peak_gpu_allocated"]) for rank in every if "peak_gpu_allocated" in rank)
         files.event(
             Kind.MEMORY,
             f"memory per worker after the first step: {held}{' (its shards)' if sharded else ''}; "
-            f"peak RSS by rank: {rss}",
+            f"peak RSS by rank: {rss}" + (f"; peak GPU memory allocated by rank: {gpu}" if gpu else ""),
             **{key: [rank.get(key, 0) for rank in every] for key in mine},
         )
 
