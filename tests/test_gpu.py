@@ -107,3 +107,27 @@ def test_checkpoints_from_a_gpu_stage_into_pinned_buffers_kept_from_one_save_to_
     assert torch.equal(second["w"], state["w"].cpu())
     assert second["w"].data_ptr() == pointer  # the same pinned buffer: no allocation per save
     stager.close()
+
+
+def test_steady_steps_on_a_gpu_count_the_kernels_time_not_the_hosts_queueing():
+    import time
+
+    import torch
+
+    from raytrain.rules.position import Telemetry
+    from raytrain.worker.phases import SteadyClock
+
+    clock, telemetry = SteadyClock(torch.device("cuda")), Telemetry()
+    a = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    queued = time.perf_counter()
+    started = clock.start()
+    for _ in range(20):
+        a = a @ a / 8192.0
+    clock.stop(started, 64, telemetry)
+    queued = time.perf_counter() - queued  # the host returns long before the kernels are done
+    assert telemetry.steady_steps == 0  # nothing is read until the next sync
+    torch.cuda.synchronize()
+    clock.settle(telemetry)
+    assert telemetry.steady_steps == 1 and telemetry.steady_samples == 64
+    assert telemetry.steady_time_s > queued

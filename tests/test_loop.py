@@ -345,3 +345,16 @@ def test_a_checkpoint_of_the_earlier_position_resumes_its_state_and_keeps_its_fi
     now = {"position": dataclasses.asdict(position), "telemetry": dataclasses.asdict(telemetry)}
     assert Position.restored(now) == position and Telemetry.restored(now) == telemetry
     assert Position(epoch=2, epoch_loss=position.epoch_loss).epoch_loss_so_far().count == 0  # another epoch's
+
+
+def test_steady_steps_on_the_cpu_are_timed_by_the_host_at_once():
+    import torch
+
+    from raytrain.rules.position import Telemetry
+    from raytrain.worker.phases import SteadyClock
+
+    clock, telemetry = SteadyClock(torch.device("cpu")), Telemetry()
+    clock.stop(clock.start(), 32, telemetry)
+    assert telemetry.steady_steps == 1 and telemetry.steady_samples == 32 and telemetry.steady_time_s >= 0
+    clock.settle(telemetry)  # nothing pending on a CPU
+    assert telemetry.steady_steps == 1

@@ -25,6 +25,7 @@ from raytrain.rundir import checkpoints
 from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
 from raytrain.text import sci
 from raytrain.worker import prefetch
+from raytrain.worker.phases import SteadyClock
 from raytrain.worker.window import TrainingDiverged, divergence_message, sync
 
 Data = Table | Stream | Draws  # a dataset on a worker
@@ -44,6 +45,7 @@ class Epochs:
     runner, checkpointer, data, position) and says what its first quorum is (`first_quorum`)."""
 
     announced: bool
+    steady_clock: SteadyClock | None
 
     def train_epoch(self) -> EpochResult:
         """Train the rest of the current epoch: to its end, to the step budget (--max-steps), or to
@@ -91,6 +93,8 @@ class Epochs:
                 return EpochResult(math.nan, math.nan, stopped=True)
         if position.epoch_offset >= len(source) and not runtime.per_step:  # no collective outside a step per-step
             self.note_skipped_rows(plain)
+        if self.steady_clock is not None:  # the epoch's last step ended at a sync (its row)
+            self.steady_clock.settle(self.runner.telemetry)
         samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
         return EpochResult(position.epoch_loss_so_far().mean(), samples_per_s, stop)
 
@@ -101,7 +105,10 @@ class Epochs:
         step's time. Steps past --timing-warmup-steps are timed."""
         runner, position = self.runner, self.position
         runner.update_context(position)
-        tick, steady = time.perf_counter(), step.index >= self.cfg.timing_warmup_steps
+        steady = step.index >= self.cfg.timing_warmup_steps
+        if self.steady_clock is None:
+            self.steady_clock = SteadyClock(self.runtime.device)
+        tick = self.steady_clock.start() if steady else None
         phase = runner.phases(position, timed=steady)
         # Only a per-step quorum can refuse a step; restart mode's commit is always yes.
         window = runner.window.snapshot() if self.runtime.per_step else None
@@ -116,7 +123,7 @@ class Epochs:
             data.stage(steps.next_step(rows, plan.global_batch_size, step.end, step.index + 1), plan.accumulation_steps)
         advance(position, step)
         if steady:
-            runner.telemetry.add_steady(step.size, time.perf_counter() - tick)
+            self.steady_clock.stop(tick, step.size, runner.telemetry)
         return True
 
     def follow_quorum(self, size: int) -> None:
@@ -235,6 +242,8 @@ class Epochs:
                     last_good=str(last_good) if last_good else None,
                 )
             )
+        if self.steady_clock is not None:  # the sync waited for the steps' kernels: their times are in
+            self.steady_clock.settle(runner.telemetry)
         return loss, count, stop
 
     def end_epoch(self, epoch: EpochResult) -> None:

@@ -40,6 +40,7 @@ from raytrain.rundir.writer import RunWriter
 from raytrain.worker.checkpointer import Checkpointer
 from raytrain.worker.epoch import Data, Epochs, append_if_new
 from raytrain.worker.optim import describe_optimizer
+from raytrain.worker.phases import SteadyClock
 from raytrain.worker.replicas import JOIN_TIMEOUT_S, ReplicaRuntime
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import unwrap
@@ -119,6 +120,7 @@ class Training(Epochs):
     attempt: Attempt | None = None
     not_waited: str | None = None  # per-step: why the replicas that started together did not all meet
     announced: bool = False
+    steady_clock: SteadyClock | None = None  # times the steady steps (on a GPU, by CUDA events)
 
     @classmethod
     def begin(

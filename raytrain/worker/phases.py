@@ -9,9 +9,14 @@ split by raytrain bench): data_wait, forward_backward, optimizer.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from raytrain.rundir.heartbeats import Heartbeat
+
+if TYPE_CHECKING:
+    import torch
+
+    from raytrain.rules.position import Telemetry
 
 
 class PhaseTimer:
@@ -63,3 +68,42 @@ class _Block:
     def __exit__(self, kind, value, traceback) -> None:
         if kind is None and self.timed is not None:
             self.phases.timer.lap(self.timed)
+
+
+class SteadyClock:
+    """Times the steady steps (past --timing-warmup-steps) for the run's steady throughput. On a
+    CPU a step is done when the host returns from it. On a GPU the host only queues the step's
+    kernels and catches up at the next host sync (the log sync, a checkpoint), outside every
+    step: a CUDA event recorded at each step's start and end is read once the sync has passed
+    (`settle`), so a step counts what the GPU took, and no step waits for its own kernels."""
+
+    def __init__(self, device: "torch.device"):
+        self.on_gpu = device.type == "cuda"
+        self.pending: list[tuple[object, object, int]] = []
+
+    def start(self) -> object:
+        if not self.on_gpu:
+            return time.perf_counter()
+        import torch
+
+        begun = torch.cuda.Event(enable_timing=True)
+        begun.record()
+        return begun
+
+    def stop(self, started: object, samples: int, telemetry: "Telemetry") -> None:
+        if not self.on_gpu:
+            telemetry.add_steady(samples, time.perf_counter() - started)
+            return
+        import torch
+
+        ended = torch.cuda.Event(enable_timing=True)
+        ended.record()
+        self.pending.append((started, ended, samples))
+
+    def settle(self, telemetry: "Telemetry") -> None:
+        """Add the steps timed on the GPU since the last settle (call it after a host sync: their
+        events are done, and waiting for them costs nothing)."""
+        for started, ended, samples in self.pending:
+            ended.synchronize()
+            telemetry.add_steady(samples, started.elapsed_time(ended) / 1e3)
+        self.pending.clear()
