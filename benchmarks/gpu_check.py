@@ -212,7 +212,12 @@ def check_sync(report: Report, device: torch.device, scale: str) -> None:
                 stepper.step(3)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-        syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+        # torch's notice that the debug mode is a prototype is no sync (seen on torch 2.11 on an H200)
+        syncs = [
+            str(w.message).splitlines()[0]
+            for w in caught
+            if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)
+        ]
         figures.update(syncs_in_3_steps=len(syncs), sync_warnings=syncs[:5])
         if syncs:  # where the first one is: the error mode raises at it, with the Python stack
             torch.cuda.set_sync_debug_mode("error")
