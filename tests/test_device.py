@@ -22,7 +22,7 @@ from raytrain import hooks
 from raytrain.cli import run_command
 from raytrain.config import TrainConfig
 from raytrain.data.table import Table
-from raytrain.errors import find_user_error
+from raytrain.errors import ConfigError, find_user_error
 from raytrain.parallel.device import DeviceFailure
 from raytrain.pipeline import Pipeline
 from raytrain.rules import steps
@@ -331,7 +331,6 @@ def test_no_tf32_is_a_flag_and_raytrain_checks_runner_is_exact():
 
 
 def test_bf16_on_a_gpu_without_it_is_a_configuration_error_naming_the_ways_out():
-    from raytrain.errors import ConfigError
     from raytrain.parallel.device import bf16_unsupported, check_bf16
 
     check_bf16("bf16", torch.device("cpu"))  # a CPU computes bf16
@@ -340,3 +339,23 @@ def test_bf16_on_a_gpu_without_it_is_a_configuration_error_naming_the_ways_out()
         "Invalid configuration: precision: bf16 is not supported on Tesla V100-SXM2-16GB: use --precision fp16 "
         "(autocast with a gradient scaler) or fp32"
     )
+
+
+def test_more_workers_than_gpus_is_refused_on_one_machine_and_said_on_a_cluster(monkeypatch):
+    """Ray counts GPUs like CPUs: 8 workers on a 1-GPU machine would wait forever, in silence."""
+    import ray
+
+    from raytrain.config import TrainConfig
+    from raytrain.driver.session import note_gpu_capacity
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True}])
+    with pytest.raises(ConfigError, match="got 8 with GPUs, one GPU each, but this machine has 1; use --workers 1"):
+        note_gpu_capacity(TrainConfig(workers=8), 1.0)
+    with pytest.raises(ConfigError, match="use --workers 2:8, --no-gpu"):
+        note_gpu_capacity(TrainConfig(workers="4:8"), 2.0)
+    note_gpu_capacity(TrainConfig(workers=1), 1.0)  # fits: nothing said
+    said = []
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True}, {"Alive": True}])
+    note_gpu_capacity(TrainConfig(workers=8), 4.0, echo=said.append)
+    assert said and "the cluster has 4 GPUs and 8 workers need one each: training starts when nodes" in said[0]

@@ -335,4 +335,33 @@ def resolve_gpu(cfg: ClusterSection) -> bool:
                 )
             ]
         )
-    return bool(gpus) if cfg.gpu is None else cfg.gpu
+    use_gpu = bool(gpus) if cfg.gpu is None else cfg.gpu
+    if use_gpu:
+        note_gpu_capacity(cfg, gpus)
+    return use_gpu
+
+
+def note_gpu_capacity(cfg: ClusterSection, gpus: float, echo: Callable[[str], None] = print) -> None:
+    """Each worker takes one GPU, and Ray counts them like CPUs: more workers than the cluster's
+    GPUs wait for GPUs that never come, in silence. On this machine alone (the cluster has one
+    node) that is refused; on a cluster of several, said, as nodes may still join."""
+    import ray
+
+    if cfg.min_workers <= gpus:
+        return
+    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    if nodes <= 1 and not cfg.address and not os.environ.get("RAY_ADDRESS"):
+        raise ConfigError(
+            [
+                (
+                    "workers",
+                    f"got {cfg.workers} with GPUs, one GPU each, but this machine has {gpus:g}; use --workers "
+                    f"{int(gpus)}{':' + str(cfg.max_workers) if cfg.elastic and cfg.max_workers > gpus else ''}, "
+                    "--no-gpu to train on CPUs, or join a cluster with more GPUs (--address)",
+                )
+            ]
+        )
+    echo(
+        f"raytrain: note: the cluster has {gpus:g} GPUs and {cfg.min_workers} workers need one each: training "
+        "starts when nodes with GPUs join (an autoscaler); without one, stop it with Ctrl-C and use fewer --workers"
+    )
