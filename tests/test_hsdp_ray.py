@@ -104,6 +104,8 @@ def test_groups_train_as_a_restarting_fsdp_run_and_their_checkpoint_resumes_unde
         rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
         return {row["step"]: row["loss"] for row in rows if "loss" in row and not row.get("epoch_end")}
 
+    healthy = json.loads((Path(groups.run_dir) / "summary.json").read_text())
+    assert healthy["checkpoints_skipped"] == 0 and healthy["failures_recovered"] == 0, healthy
     a, b = losses(restart.run_dir), losses(groups.run_dir)
     assert sorted(a) == sorted(b) and len(a) >= 18
     assert max(abs(a[s] - b[s]) / abs(a[s]) for s in a) <= 1e-4, (a, b)

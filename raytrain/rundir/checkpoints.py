@@ -241,16 +241,33 @@ def resume_choice(run_dir: Where, also: Where | None = None, first_only: bool = 
     found = checkpoint_dirs(run_dir)
     if also is not None and Path(also) not in found and is_complete(also):
         found.append(Path(also))
+    return choose(found, first_only)
+
+
+def choose(found: list, first_only: bool = False) -> ResumeChoice:
+    """`resume_choice` over the checkpoints `found` complete by a listing. One gone since the
+    listing was pruned by a live writer (a per-step run's quorum saves and prunes while a
+    replacement restores): a newer one exists, so it is left out, not passed over as unusable."""
     choice = ResumeChoice()
     for directory in sorted(found, key=stored_step, reverse=True):
         try:
             choice.usable.append((directory, _openable(directory)))
         except CheckpointError as error:
-            choice.pass_over(directory, str(error))
+            if not gone(directory):
+                choice.pass_over(directory, str(error))
             continue
         if first_only:
             break
     return choice
+
+
+def gone(directory: Where) -> bool:
+    """Whether a checkpoint listed complete has since been removed (pruned): on a file system
+    its directory, on an object store its marker (removed first)."""
+    store = remote(directory)
+    if store is not None:
+        return not store.exists(COMPLETE)
+    return not Path(directory).exists()
 
 
 def _openable(directory: Where) -> dict[str, Any]:

@@ -49,6 +49,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # How long rank 0 waits at the end of a run for Ray's upload step to publish its last checkpoint.
 PUBLISH_WAIT_S = 60.0
+# How many times a restore lists the run again when the checkpoint it was loading was pruned
+# meanwhile (each time a newer one had been published: a writer saves at most every step).
+RELISTS = 5
 
 
 class Checkpointed(Protocol):
@@ -93,32 +96,20 @@ class Checkpointer:
     def restore(self, training: Checkpointed) -> dict[str, Any] | None:
         """Continue from the furthest checkpoint of the run (`raytrain.rundir.checkpoints.resume_choice`)
         that loads on every rank; returns its train state (None: a fresh start). One a rank
-        cannot load is passed over on every rank, and said once."""
+        cannot load is passed over on every rank, and said once. One pruned while it was being
+        loaded (a per-step run's quorum writes on while a replacement restores) is no fault of
+        the checkpoint: the run is listed again, up to RELISTS times."""
         runner, files, runtime = training.runner, training.files, self.runtime
-        choice, saved = ckpt.resume_choice(self.store, also=runtime.latest_checkpoint()), None
-        for directory, train_state in choice.usable:
-            state = runner.training_state(Position.restored(train_state))
-            try:
-                state.load(
-                    directory,
-                    runtime,
-                    self.cfg.seed,
-                    distributed=runtime.distributed_checkpoints,
-                    load_optimizer=functools.partial(_in_build_optimizer, runner.pipeline),
-                )
-                failed = 0.0
-            except CheckpointError as error:
-                choice.pass_over(directory, str(error))
-                failed = 1.0
-            if runtime.distributed_checkpoints:  # every rank continues from the same one
-                failed = runtime.group_sum([failed])[0]
-            if not failed:
-                saved = train_state
-                runner.telemetry = Telemetry.restored(train_state)
-                runner.throughput = Throughput(time.perf_counter(), state.position.samples_seen)
+        for _ in range(RELISTS):
+            choice = ckpt.resume_choice(self.store, also=runtime.latest_checkpoint())
+            saved, pruned = self._load_first(choice, runner)
+            if not pruned:
                 break
-            if not choice.names or choice.names[-1] != directory.name:  # failed on another rank
-                choice.pass_over(directory, f"checkpoint {directory.name} failed to load on another rank")
+        else:
+            raise CheckpointError(
+                f"the checkpoints of {self.store} were pruned faster than this worker could load one "
+                f"({RELISTS} tries): keep more with --num-checkpoints-to-keep, or save less often"
+            )
         if choice.skipped_line():
             files.event(Kind.SKIPPED, choice.skipped_line(), checkpoints=choice.names)
         if saved is None and choice.passed_over:
@@ -127,6 +118,39 @@ class Checkpointer:
             self.say = lambda change: files.event(Kind.NOTE, change.line, interval_steps=change.after)
             self.auto_restored(saved)
         return saved
+
+    def _load_first(self, choice: ckpt.ResumeChoice, runner: "StepRunner") -> tuple[dict[str, Any] | None, bool]:
+        """Load the first of `choice`'s checkpoints that loads on every rank of the group: its train
+        state (None: none did), and whether the group stopped at one pruned since the listing."""
+        runtime = self.runtime
+        for directory, train_state in choice.usable:
+            state = runner.training_state(Position.restored(train_state))
+            unusable = pruned = 0.0
+            try:
+                state.load(
+                    directory,
+                    runtime,
+                    self.cfg.seed,
+                    distributed=runtime.distributed_checkpoints,
+                    load_optimizer=functools.partial(_in_build_optimizer, runner.pipeline),
+                )
+            except CheckpointError as error:
+                if ckpt.gone(directory):
+                    pruned = 1.0
+                else:
+                    choice.pass_over(directory, str(error))
+                    unusable = 1.0
+            if runtime.distributed_checkpoints:  # every rank continues from the same one
+                unusable, pruned = runtime.group_sum([unusable, pruned])
+            if pruned:
+                return None, True
+            if not unusable:
+                runner.telemetry = Telemetry.restored(train_state)
+                runner.throughput = Throughput(time.perf_counter(), state.position.samples_seen)
+                return train_state, False
+            if not choice.names or choice.names[-1] != directory.name:  # failed on another rank
+                choice.pass_over(directory, f"checkpoint {directory.name} failed to load on another rank")
+        return None, False
 
     def auto_restored(self, saved: dict[str, Any] | None) -> None:
         """auto's interval as the checkpoint left it; an attempt of this same invocation that

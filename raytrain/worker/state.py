@@ -75,6 +75,11 @@ class TrainingState:
         import torch.distributed.checkpoint as dcp
 
         rng = runtime.all_gather_object(rng_state())
+        # Whether this rank writes the small files, as of this step: the writer threads below
+        # run on while the loop steps on, and a per-step quorum that changes meanwhile (a group
+        # rejoining ahead of this one) renumbers the ranks. Read there, the coordinator that
+        # publishes the directory would publish it without its train state.
+        rank0 = runtime.is_rank0
         directory.mkdir(parents=True, exist_ok=True)
         train_state = {
             "scaler": self.scaler.state_dict(),
@@ -102,7 +107,7 @@ class TrainingState:
                 if writes is not None:
                     with single_process():
                         dcp.save(writes, checkpoint_id=str(directory), no_dist=True)
-                if runtime.is_rank0:
+                if rank0:
                     if not self.sharded:  # the plain model too, read back from the files just written
                         plain = writes["model"] if writes is not None else checkpoints.read_model(directory)
                         formats.save_torch(plain, directory / checkpoints.MODEL_FILE)
@@ -111,7 +116,7 @@ class TrainingState:
             except BaseException as exc:  # surfaced by Save.wait
                 save.errors.append(exc)
 
-        if distributed and runtime.is_rank0:
+        if distributed and rank0:
             # rank 0's small files wait for the shards, so the directory is whole when listed
             waiter = save.future
 
