@@ -86,6 +86,9 @@ def build_torch_trainer(
     workers: int | tuple[int, int] = cfg.max_workers if not cfg.elastic else (cfg.min_workers, cfg.max_workers)
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
     apply_train_timers(cfg)
+    # A stalled collective on NCCL ends its worker before it can say which rank stalled: the
+    # driver says it from the heartbeats. Per-step, a stuck replica says so itself (its StallWatch).
+    restart = cfg.fault_tolerance == "restart"
     elastic = {"elastic_resize_monitor_interval_s": ELASTIC_MONITOR_INTERVAL_S} if cfg.elastic else {}
     if cfg.fault_tolerance == "per-step":
         min_groups = cfg.min_workers // cfg.replica_group_size if cfg.elastic else 1
@@ -115,5 +118,5 @@ def build_torch_trainer(
             callbacks=list(callbacks),
         ),
         replica_group_size=cfg.replica_group_size,
-        on_worker_failure=stall_reporter(run_dir, cfg.collective_timeout_s),
+        on_worker_failure=stall_reporter(run_dir, cfg.collective_timeout_s) if restart else None,
     )
