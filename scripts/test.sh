@@ -1,28 +1,41 @@
 #!/usr/bin/env bash
-# The whole test suite in three stages, cheapest first, stopping at the first stage that fails:
-#   quick  -m "not ray and not slow"   pure tests (and gpu tests, skipped without a GPU)
-#   slow   -m "slow and not ray"       tests that start processes (torchrun, the CLI, a server)
-#   ray    -m ray                      tests on a CPU Ray instance
-# Together the three select every test once, as `python -m pytest -q` does; a failure in a
-# cheap stage is reported in seconds instead of after the Ray tier. Arguments are passed to
-# every stage (`bash scripts/test.sh -x`, `bash scripts/test.sh tests/test_cli.py`).
+# The test suite in stages, cheapest first, stopping at the first stage that fails:
+#   quick     -m "not ray and not slow and not scenario"   pure tests (and gpu tests, skipped without a GPU)
+#   slow      -m "slow and not ray and not scenario"       tests that start processes (torchrun, the CLI, a server)
+#   ray       -m "ray and not scenario"                    tests on a CPU Ray instance
+#   scenario  -m "scenario"                                long multi-fit fault scenarios on Ray (only with --all)
+# `bash scripts/test.sh` runs quick, slow and ray: what CI runs. `bash scripts/test.sh --all` adds
+# scenario; then every test is selected by exactly one stage, as `python -m pytest -q` selects it
+# once (docs/testing.md says what each scenario test covers beyond the CI stages). Other arguments
+# are passed to every stage (`bash scripts/test.sh -x`, `bash scripts/test.sh tests/test_cli.py`).
 #
-# Each stage is its own pytest session: its --durations table, its check that nothing was left
-# outside tmp_path (tests/conftest.py). A stage that selects no test (pytest's exit status 5)
-# passes. The last line is the sum of the stages' counts, in pytest's words:
+# Each stage is its own pytest session: its time, its 10 slowest tests (--durations=10; an argument
+# given here wins), its check that nothing was left outside tmp_path (tests/conftest.py). A stage
+# that selects no test (pytest's exit status 5) passes. The line before the last compares each CI
+# stage's wall time with its budget on a quiet 2-core machine (it reports, it does not fail):
+#   "test: budget quick 68 s/120 s ok, slow 160 s/480 s ok, ray 1900 s/1500 s OVER"
+# The last line is the sum of the stages' counts, in pytest's words:
 #   "812 passed, 0 failed, 4 skipped in 1450.3s (stages: quick, slow, ray)"
 # Exit status: 0, or the status of the stage that failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-names=(quick slow ray)
-marks=("not ray and not slow" "slow and not ray" "ray")
+names=(quick slow ray scenario)
+marks=("not ray and not slow and not scenario" "slow and not ray and not scenario" "ray and not scenario" "scenario")
+budgets_s=(120 480 1500 "") # CI stages only: scenario has none (CI does not run it)
+
+stages=3
+args=()
+for arg in "$@"; do
+    if [ "$arg" = "--all" ]; then stages=${#names[@]}; else args+=("$arg"); fi
+done
 
 # Each stage's closing pytest line, to sum at the end (not a "raytrain*" name: the suite
 # checks that it leaves none of those in the temp directory).
 summaries=$(mktemp -t rtstages.XXXXXX)
 trap 'rm -f "$summaries"' EXIT
 ran=()
+took_s=()
 
 total_line() {
     # Sum "N word" counts over the stages' lines ("deselected" left out: each stage deselects
@@ -53,20 +66,45 @@ total_line() {
         }' "$summaries"
 }
 
-for i in "${!names[@]}"; do
+budget_line() {
+    # Every CI stage against its budget: "ok", "OVER", or "not run" when an earlier stage failed.
+    local parts=() i
+    for i in 0 1 2; do
+        if [ "$i" -lt "${#took_s[@]}" ]; then
+            local verdict=ok
+            [ "${took_s[$i]}" -gt "${budgets_s[$i]}" ] && verdict=OVER
+            parts+=("${names[$i]} ${took_s[$i]} s/${budgets_s[$i]} s ${verdict}")
+        else
+            parts+=("${names[$i]} not run/${budgets_s[$i]} s")
+        fi
+    done
+    local line
+    line=$(IFS=,; echo "${parts[*]}" | sed 's/,/, /g')
+    if [ "${#took_s[@]}" -gt 3 ]; then
+        line="${line}; scenario ${took_s[3]} s (no budget: not in CI)"
+    fi
+    echo "test: budget ${line}"
+}
+
+for ((i = 0; i < stages; i++)); do
     name=${names[$i]}
-    echo "test: stage $((i + 1))/${#names[@]} ${name} (-m \"${marks[$i]}\")"
+    echo "test: stage $((i + 1))/${stages} ${name} (-m \"${marks[$i]}\")"
     out=$(mktemp -t rtstage.XXXXXX)
-    "$PY" -m pytest -q -m "${marks[$i]}" "$@" 2>&1 | tee "$out"
+    start_s=$(date +%s)
+    "$PY" -m pytest -q -m "${marks[$i]}" --durations=10 "${args[@]}" 2>&1 | tee "$out"
     status=${PIPESTATUS[0]}
+    took_s+=($(($(date +%s) - start_s)))
+    echo "test: stage ${name} took ${took_s[$i]} s"
     # pytest's closing line: "N passed, ... in 12.34s" (or "no tests ran in 0.01s").
     grep -E '^(no tests ran|[0-9]+ [a-z]+.*) in [0-9.]+s' "$out" | tail -n 1 >>"$summaries"
     rm -f "$out"
     ran+=("$name")
     if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then
         echo "test: stage ${name} failed (pytest exit status ${status}); later stages not run"
+        budget_line
         total_line
         exit "$status"
     fi
 done
+budget_line
 total_line

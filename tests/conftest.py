@@ -197,9 +197,10 @@ def crash_recovered_run(ray_session, tmp_path_factory):
 @pytest.fixture(scope="session")
 def one_epoch_recording_run(ray_session, tmp_path_factory):
     """One finished 2-worker, 1-epoch RecordingPipeline run (64 rows, 8 a worker: 4 steps,
-    constant schedule, log every step) named "good". test_hardening_ray.py's refused resumes
-    leave it byte-identical (asserted there); test_train_ray.py's resume then continues it to a
-    second epoch, the only change any test makes to it. Gives the storage, the records
+    constant schedule, log every step, each rank's weights written after the first step) named
+    "good". test_train_ray.py compares the ranks' weights; test_hardening_ray.py's refused
+    resumes leave it byte-identical (asserted there); test_train_ray.py's resume then continues
+    it to a second epoch, the only change any test makes to it. Gives the storage, the records
     directory and the options the run was started with."""
     from types import SimpleNamespace
 
@@ -213,5 +214,5 @@ def one_epoch_recording_run(ray_session, tmp_path_factory):
     base = dict(
         workers=2, batch_size_per_worker=8, storage=str(storage), name="good", log_every_steps=1, schedule="constant"
     )
-    raytrain.fit(RecordingPipeline(str(out), num_rows=64), raytrain.TrainConfig(epochs=1, **base))
+    raytrain.fit(RecordingPipeline(str(out), num_rows=64, probe_weights=True), raytrain.TrainConfig(epochs=1, **base))
     return SimpleNamespace(storage=storage, out=out, base=base, run_dir=storage / "good")

@@ -45,6 +45,8 @@ class RecordingPipeline(raytrain.Pipeline):
     process exits once the run reaches that global step, to exercise failure recovery.
     `step_sleep_s` paces every training step, until the file `pace_until` exists (when given):
     a test keeps the run going while it waits for something, then lets it finish at full speed.
+    `probe_weights`: each rank writes its parameters' checksum at the start of step 1, after the
+    first optimizer step (`weights-rank{r}.json`).
     """
 
     def __init__(
@@ -55,8 +57,10 @@ class RecordingPipeline(raytrain.Pipeline):
         step_sleep_s: float = 0.0,
         fail_at_step: int | None = None,
         pace_until: str | None = None,
+        probe_weights: bool = False,
     ):
         self.out_dir = out_dir
+        self.probe_weights = probe_weights
         self.num_rows = num_rows
         self.crash_at_step = crash_at_step
         self.step_sleep_s = step_sleep_s
@@ -79,6 +83,8 @@ class RecordingPipeline(raytrain.Pipeline):
             if ctx.step == self.fail_at_step:
                 raise ValueError(f"a bug in compute_loss at step {ctx.step}")
             self._record(ctx, batch)
+            if getattr(self, "probe_weights", False) and ctx.step == 1:
+                write_weights_checksum(self.out_dir, model, ctx)
             if self._paced():
                 import time
 
@@ -115,28 +121,16 @@ class RecordingPipeline(raytrain.Pipeline):
             handle.write(json.dumps(row) + "\n")
 
 
-class WeightProbePipeline(DigitsPipeline):
-    """digits, writing each rank's parameter checksum after its first optimizer step."""
-
-    def __init__(self, out_dir: str):
-        self.out_dir = out_dir
-
-    def compute_loss(self, model, batch):
-        ctx = raytrain.context()
-        if model.training and ctx.step == 1:
-            # Called at the start of step 1, i.e. after the first optimizer step.
-            inner = getattr(model, "module", model)
-            flat = torch.cat([p.detach().flatten().double() for p in inner.parameters()])
-            path = Path(self.out_dir) / f"weights-rank{ctx.world_rank}.json"
-            if not path.exists():
-                path.write_text(
-                    json.dumps({"sum": float(flat.sum()), "sq": float((flat**2).sum()), "head": flat[:20].tolist()})
-                )
-        return super().compute_loss(model, batch)
-
-    @property
-    def name(self) -> str:
-        return "weight-probe"
+def write_weights_checksum(out_dir: str, model, ctx) -> None:
+    """This rank's parameters' sum, sum of squares and first 20 values, once per run
+    (`weights-rank{r}.json`): ranks that hold the same weights write the same file."""
+    inner = getattr(model, "module", model)
+    flat = torch.cat([p.detach().flatten().double() for p in inner.parameters()])
+    path = Path(out_dir) / f"weights-rank{ctx.world_rank}.json"
+    if not path.exists():
+        path.write_text(
+            json.dumps({"sum": float(flat.sum()), "sq": float((flat**2).sum()), "head": flat[:20].tolist()})
+        )
 
 
 class StallingPipeline(RecordingPipeline):

@@ -56,6 +56,9 @@ def test_workers_2_to_3_shrinks_on_node_loss_and_grows_back(tmp_path):
     assert any(m.startswith("Resized 2 → 3 workers") and m.endswith("unchanged") for m in messages)
 
 
+# Scenario stage (docs/testing.md): per-step recovery, a group out and healed, and a node lost and
+# taken back stay in CI through tests/test_replicas_ray.py, tests/test_hsdp_ray.py and the test above.
+@pytest.mark.scenario
 def test_per_step_groups_a_group_without_room_waits_while_the_other_trains_then_rejoins(tmp_path):
     env = {**os.environ, "ELASTIC_GROUPS": "1", "ELASTIC_EPOCHS": "8"}
     done = subprocess.run(

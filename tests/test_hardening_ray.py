@@ -251,6 +251,9 @@ def test_a_full_disk_stops_the_run_once_naming_the_path_and_resume_continues_aft
     assert any("Restarted from the checkpoint at step 46" in e["message"] for e in events)
 
 
+# Scenario stage (docs/testing.md): Ray's record naming a deleted checkpoint set aside is
+# tests/test_hardening.py's; resumes on Ray stay in CI through the tests above.
+@pytest.mark.scenario
 def test_resuming_a_run_whose_only_checkpoint_was_deleted_starts_over_and_says_so_every_time(ray_session, tmp_path):
     """--num-checkpoints-to-keep 1, the one checkpoint deleted, then --resume: Ray Train's own
     record still names it (CheckpointManagerInitializationError if it reads that); every time,

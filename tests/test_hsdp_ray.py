@@ -78,6 +78,10 @@ def test_a_worker_lost_takes_its_group_out_and_the_other_group_trains_on_then_th
     model.load_state_dict(torch.load(exported, weights_only=True), strict=True)
 
 
+# Scenario stage (docs/testing.md): groups on Ray stay in CI through the test above; their steps
+# against one group's are tests/test_hsdp.py's, a sharded checkpoint resumed at another count and
+# strategy tests/test_fsdp_ray.py's.
+@pytest.mark.scenario
 def test_groups_train_as_a_restarting_fsdp_run_and_their_checkpoint_resumes_under_ddp_at_another_count(
     ray_session, tmp_path
 ):

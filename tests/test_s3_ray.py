@@ -63,6 +63,9 @@ def test_digits_to_s3_end_to_end_then_export_and_report_from_the_uri(ray_session
     assert "report.md" in _keys(s3, bucket, "runs/d/") and "loss.png" in capsys.readouterr().out
 
 
+# Scenario stage (docs/testing.md): a rank killed and recovered from the bucket, every row once, is
+# also tests/test_hf_ray.py's packed-blocks run in CI.
+@pytest.mark.scenario
 def test_rank_killed_mid_epoch_recovers_from_the_bucket_every_id_once(ray_session, s3, bucket, tmp_path):
     out = tmp_path / "records"
     out.mkdir()
@@ -141,6 +144,9 @@ def _wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.5)
 
 
+# Scenario stage (docs/testing.md): a driver SIGKILLed and resumed is tests/test_faults_ray.py's in CI,
+# an outage ridden out or stopped once tests/test_storage_s3.py's.
+@pytest.mark.scenario
 def test_driver_sigkill_then_store_frozen_mid_run_each_resumed_from_the_uri(s3, bucket, tmp_path):
     """The driver and its Ray die (SIGKILL) after a checkpoint: `--resume` from the URI goes on.
     Then the server freezes for longer than the retries: the run stops once (exit 2, one

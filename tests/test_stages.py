@@ -1,8 +1,10 @@
-"""scripts/test.sh, the staged runner CI calls: every test once, cheapest stage first, stopping
-at the first stage that fails, and a last line that sums the stages."""
+"""scripts/test.sh, the staged runner CI calls: every CI test once, cheapest stage first, stopping
+at the first stage that fails; the scenario stage only with --all; each stage's time and slowest
+tests, a line that compares the CI stages with their budget, and a last line that sums the stages."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +13,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow  # starts pytest three times
+pytestmark = pytest.mark.slow  # starts pytest three or four times
 
 CONFTEST = """
 def pytest_configure(config):
-    for mark in ("ray", "slow", "gpu"):
+    for mark in ("ray", "slow", "gpu", "scenario"):
         config.addinivalue_line("markers", mark)
 """
 
@@ -31,13 +33,14 @@ def suite(root: Path, pure: str = "pass", slow: str = "pass", ray: str = "pass")
         f"@pytest.mark.slow\ndef test_slow():\n    {slow}\n"
         f"@pytest.mark.ray\ndef test_ray():\n    {ray}\n"
         f"@pytest.mark.ray\n@pytest.mark.slow\ndef test_ray_and_slow():\n    {ray}\n"
+        "@pytest.mark.ray\n@pytest.mark.scenario\ndef test_scenario():\n    pass\n"
     )
     return root
 
 
-def run(root: Path) -> tuple[int, list[str]]:
+def run(root: Path, *extra: str) -> tuple[int, list[str]]:
     done = subprocess.run(
-        ["bash", str(REPO / "scripts" / "test.sh"), "-p", "no:cacheprovider", str(root)],
+        ["bash", str(REPO / "scripts" / "test.sh"), *extra, "-p", "no:cacheprovider", str(root)],
         cwd=REPO,
         env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHON": sys.executable},
         capture_output=True,
@@ -47,13 +50,30 @@ def run(root: Path) -> tuple[int, list[str]]:
     return done.returncode, done.stdout.splitlines()
 
 
-def test_every_test_runs_once_in_three_stages_and_the_last_line_sums_them(tmp_path):
+def test_every_ci_test_runs_once_in_three_stages_and_the_last_line_sums_them(tmp_path):
     status, lines = run(suite(tmp_path / "green"))
     assert status == 0, "\n".join(lines[-30:])
-    stages = [line.split()[3] for line in lines if line.startswith("test: stage ")]
-    assert stages == ["quick", "slow", "ray"]
+    stages = [line.split()[3] for line in lines if re.match(r"test: stage \d", line)]
+    assert stages == ["quick", "slow", "ray"]  # the scenario stage only with --all
+    assert not any("test_scenario" in line for line in lines)
     assert lines[-1].startswith("5 passed, 0 failed, 1 skipped in "), lines[-1]
     assert lines[-1].endswith("(stages: quick, slow, ray)")
+    # Each stage says its time and its slowest tests; the line before the last, the budget.
+    assert [line.split()[2] for line in lines if re.match(r"test: stage \w+ took \d+ s$", line)] == stages
+    assert sum("slowest 10 durations" in line for line in lines) == 3
+    assert re.fullmatch(
+        r"test: budget quick \d+ s/120 s (ok|OVER), slow \d+ s/480 s (ok|OVER), ray \d+ s/1500 s (ok|OVER)", lines[-2]
+    ), lines[-2]
+
+
+def test_all_adds_the_scenario_stage_and_every_test_runs_once(tmp_path):
+    status, lines = run(suite(tmp_path / "all"), "--all")
+    assert status == 0, "\n".join(lines[-30:])
+    stages = [line.split()[3] for line in lines if re.match(r"test: stage \d", line)]
+    assert stages == ["quick", "slow", "ray", "scenario"]
+    assert lines[-1].startswith("6 passed, 0 failed, 1 skipped in "), lines[-1]
+    assert lines[-1].endswith("(stages: quick, slow, ray, scenario)")
+    assert re.search(r", ray \d+ s/1500 s (ok|OVER); scenario \d+ s \(no budget: not in CI\)$", lines[-2]), lines[-2]
 
 
 def test_a_failing_stage_stops_the_later_ones_with_its_status(tmp_path):
@@ -61,5 +81,42 @@ def test_a_failing_stage_stops_the_later_ones_with_its_status(tmp_path):
     assert status == 1
     assert not any(line.startswith("test: stage 3/3") for line in lines)
     assert "test: stage slow failed (pytest exit status 1); later stages not run" in lines
+    assert re.fullmatch(r"test: budget quick \d+ s/120 s ok, slow \d+ s/480 s ok, ray not run/1500 s", lines[-2])
     assert lines[-1].startswith("2 passed, 1 failed, 1 skipped in "), lines[-1]
     assert lines[-1].endswith("(stages: quick, slow)")
+
+
+def stage_marks() -> dict[str, str]:
+    """Each stage's marker expression, as scripts/test.sh writes them."""
+    script = (REPO / "scripts" / "test.sh").read_text()
+    names = re.search(r"^names=\((.*)\)$", script, re.M).group(1).split()
+    marks = re.findall(r'"([^"]*)"', re.search(r"^marks=\((.*)\)$", script, re.M).group(1))
+    return dict(zip(names, marks, strict=True))
+
+
+def collected(*args: str) -> set[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode in (0, 5), done.stdout[-3000:] + done.stderr[-3000:]
+    return {line for line in done.stdout.splitlines() if "::" in line}
+
+
+def test_the_suites_own_tests_are_each_in_exactly_one_stage():
+    """On this repository's tests: the stages' selections are disjoint and together the whole
+    suite; the ray stage holds no scenario test; every scenario test is a Ray test."""
+    marks = stage_marks()
+    assert list(marks) == ["quick", "slow", "ray", "scenario"]
+    everything = collected()
+    selected = {name: collected("-m", mark) for name, mark in marks.items()}
+    seen: dict[str, str] = {}
+    for name, tests in selected.items():
+        for test in tests:
+            assert test not in seen, f"{test}: in the {seen[test]} stage and the {name} stage"
+            seen[test] = name
+    assert set(seen) == everything, sorted(everything - set(seen))[:10]
+    assert selected["scenario"] and selected["scenario"] <= collected("-m", "ray")

@@ -88,6 +88,11 @@ def test_max_steps_stops_inside_an_epoch_with_evaluations_every_n_steps_and_reco
     assert (built["global_batch_size"], built["batch_size_per_worker"], built["total_steps"]) == (16, 8, 6)
 
 
+# Scenario stage (docs/testing.md): in CI a kill resumed at another worker count is
+# tests/test_stream_ray.py's, a step budget resumed at another count tests/test_hf_ray.py's, and
+# sampled windows train in tests/test_examples_ray.py; the rows of a resumed, resized run, walked
+# or sampled, and the summary across the resume are tests/test_steps.py's and tests/test_plan.py's.
+@pytest.mark.scenario
 @pytest.mark.parametrize("sampled", [False, True], ids=["walked", "sampled"])
 def test_max_steps_with_a_kill_and_a_resume_at_another_worker_count_is_exact_and_stops_at_n(
     ray_session, tmp_path, sampled
