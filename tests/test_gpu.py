@@ -1,6 +1,6 @@
 """GPU tier (mark `gpu`, skipped without a CUDA GPU): the CLI on one GPU with NCCL, bf16 and fp16
-autocast, a checkpointed resume and an export. `benchmarks/gpu_smoke.sh` adds the throughput
-figures against the plain loop and the torchrun template."""
+autocast, a checkpointed resume and an export. `benchmarks/gpu_check.sh` runs it on the GPU machine
+and adds the throughput figures against the plain loop."""
 
 from __future__ import annotations
 
