@@ -96,7 +96,7 @@ EOF
 # Ray, stripped: unpacked with its files' modes (gcs_server and raylet are executables), packed with xz.
 RAY_WHEEL=$(ls "$CACHE"/ray-"$RAY_VERSION"-"$TAG"-*.whl)
 RAY_TAR="$CACHE/ray-$RAY_VERSION-$TAG.tar.xz"
-if [ ! -s "$RAY_TAR" ] || [ "$RAY_TAR" -ot "$RAY_WHEEL" ] || [ "$RAY_TAR" -ot "$0" ]; then
+if [ ! -s "$RAY_TAR" ] || [ "$RAY_TAR" -ot "$RAY_WHEEL" ]; then  # delete it after changing what is stripped
     echo "gpu-wheels: stripping $(basename "$RAY_WHEEL") (xz takes a minute)"
     tree=$(mktemp -d)
     "$PY" - "$RAY_WHEEL" "$tree" <<'EOF'

@@ -161,7 +161,14 @@ def test_the_tied_parameters_found_are_the_ones_fsdp_refuses(one_rank_group, cas
         refused = False
     except ValueError as exc:
         refused = "is shared with a parameter already managed by another FSDP group" in str(exc)
+    if found and not refused and torch_version() < (2, 13):
+        pytest.skip(f"torch {torch.__version__}'s FSDP2 does not check for shared parameters (raytrain refuses them)")
     assert bool(found) == refused
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def test_every_precision_has_one_compute_dtype():
