@@ -11,7 +11,7 @@
 # first:
 #   a  torch, CUDA, the GPU, bf16, NCCL; no CUDA device: a "no CUDA device" line and exit 3
 #   b  python benchmarks/gpu_check.py $OUT (raytrain's step without Ray), where that file exists
-#   c  import ray and ray.init(), then `raytrain doctor`
+#   c  import ray and ray.init(include_dashboard=True) (as raytrain starts it), then `raytrain doctor`
 #   d  python -m pytest -m gpu tests/test_gpu.py (the CLI on one GPU: bf16/fp16, resume, export)
 #   e  raytrain train charlm: bf16, --strategy fsdp --compile --activation-checkpointing; its
 #      steady samples/s, MFU and the GPU's peak memory (nvidia-smi, sampled)
@@ -182,7 +182,7 @@ stage_c() {
 import time
 t = time.time()
 import ray
-ray.init()
+ray.init(include_dashboard=True)  # as raytrain starts it: the dashboard needs ray[default]'s packages
 res = ray.cluster_resources()
 print(f"gpu-check: c: ray {ray.__version__} from {ray.__file__.rsplit('/', 2)[0]}: init in {time.time() - t:.1f} s; "
       f"{res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs")

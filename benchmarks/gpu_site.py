@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tarfile
 import time
+import zipfile
+from email import message_from_bytes
 from importlib import metadata
 from pathlib import Path
 
@@ -32,7 +34,7 @@ except ImportError:  # pip's own copy
     from pip._vendor.packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
-ROUNDS = 6
+ROUNDS = 20
 
 
 def say(line: str) -> None:
@@ -54,9 +56,22 @@ def installed(name: str) -> metadata.Distribution | None:
         return None
 
 
-def unmet(requirements: list[str]) -> dict[str, tuple[Requirement, str | None]]:
-    """Every requirement reachable from `requirements` that the path does not meet: name -> (the
-    requirement, the version found or None). Torch is the machine's own: not followed."""
+class Picked:
+    """A carried wheel chosen for installing: its version and requirements, from its METADATA."""
+
+    def __init__(self, wheel: Path):
+        self.wheel = wheel
+        with zipfile.ZipFile(wheel) as archive:
+            name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+            meta = message_from_bytes(archive.read(name))
+        self.version = meta["Version"]
+        self.requires = meta.get_all("Requires-Dist") or []
+
+
+def unmet(requirements: list[str], picked: dict[str, Picked]) -> dict[str, tuple[Requirement, str | None]]:
+    """Every requirement reachable from `requirements` that neither the path nor the wheels picked
+    so far meet: name -> (the requirement, the version found or None). Torch is the machine's own:
+    not followed."""
     importlib.invalidate_caches()
     missing: dict[str, tuple[Requirement, str | None]] = {}
     seen: set[tuple[str, frozenset[str]]] = set()
@@ -68,7 +83,7 @@ def unmet(requirements: list[str]) -> dict[str, tuple[Requirement, str | None]]:
         name = canonicalize_name(req.name)
         if name == "torch":
             continue
-        dist = installed(name)
+        dist = picked.get(name) or installed(name)
         version = dist.version if dist is not None else None
         if version is None or not _meets(req, version):
             missing.setdefault(name, (req, version))
@@ -80,6 +95,23 @@ def unmet(requirements: list[str]) -> dict[str, tuple[Requirement, str | None]]:
         extras = frozenset({"", *req.extras})
         queue.extend((Requirement(child), extras) for child in dist.requires or [])
     return missing
+
+
+def install(wheels: list[Path], site: Path) -> None:
+    """pip's --no-deps --target install; without pip, the wheels unzipped (their purelib/platlib
+    files: all that these wheels hold besides metadata)."""
+    try:
+        import pip  # noqa: F401
+    except ImportError:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as archive:
+                archive.extractall(site)
+        return
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+         "--disable-pip-version-check", "--upgrade", "--target", str(site), *map(str, wheels)],
+        check=True,
+    )  # fmt: skip
 
 
 def _meets(req: Requirement, version: str) -> bool:
@@ -116,28 +148,25 @@ def main() -> int:
         name, version, _, _ = parse_wheel_filename(wheel.name)
         carried.setdefault(canonicalize_name(name), []).append((version, wheel))
 
-    done: set[str] = set()
+    # Pick wheels until every requirement is met, following each pick's own requirements (its
+    # METADATA); then install them in one pip call: pip --target replaces a top-level folder as a
+    # whole, so a namespace package split over wheels (opentelemetry) must come in one batch.
+    picked: dict[str, Picked] = {}
     for _ in range(ROUNDS):
-        missing = unmet(roots())
-        picks = {}
-        for name, (req, _) in missing.items():
-            fits = [(v, w) for v, w in carried.get(name, []) if req.specifier.contains(v, prereleases=True)]
-            if fits and name not in done:
-                picks[name] = max(fits)[1]
-        if not picks:
-            break
+        missing = unmet(roots(), picked)
+        new = {}
         for name, (req, have) in sorted(missing.items()):
-            if name in picks:
+            fits = [(v, w) for v, w in carried.get(name, []) if req.specifier.contains(v, prereleases=True)]
+            if fits and name not in picked:
+                new[name] = Picked(max(fits)[1])
                 reason = "missing" if have is None else f"{have} fails {req.specifier}"
-                say(f"{picks[name].name} ({reason})")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-             "--disable-pip-version-check", "--upgrade", "--target", str(site), *map(str, picks.values())],
-            check=True,
-        )  # fmt: skip
-        done |= set(picks)
-
-    missing = unmet(roots())
+                say(f"{new[name].wheel.name} ({reason})")
+        if not new:
+            break
+        picked.update(new)
+    if picked:
+        install([p.wheel for p in picked.values()], site)
+    missing = unmet(roots(), {})
     bad = 0
     for name, (req, have) in sorted(missing.items()):
         found = "missing" if have is None else f"{have} found"
@@ -146,7 +175,7 @@ def main() -> int:
         else:
             bad += 1
             say(f"UNMET: {req} ({found}, and no carried wheel meets it)")
-    say(f"{len(done)} distributions installed into {site} in {time.monotonic() - started:.1f} s; {bad} unmet")
+    say(f"{len(picked)} distributions installed into {site} in {time.monotonic() - started:.1f} s; {bad} unmet")
     return 1 if bad else 0
 
 
