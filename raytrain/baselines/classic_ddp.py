@@ -159,6 +159,9 @@ def train_classic() -> None:
         with open(args.out, "w") as handle:
             json.dump(result, handle, indent=2)
     if ddp:
+        # Together: on torch 2.11, gloo aborted a rank ("terminate called without an active
+        # exception") that tore its group down while rank 0 was still writing the results.
+        dist.barrier()
         dist.destroy_process_group()
 
 
