@@ -4,7 +4,8 @@ for Ray and raytrain: no network, no resolver download. Used by benchmarks/gpu_c
     python benchmarks/gpu_site.py WHEELS_DIR SITE      # SITE comes first on this Python's path
 
 Ray's stripped tree (ray-*.tar.xz) is unpacked into SITE. Then, from the roots
-(`ray[default,train,tune,data]` and raytrain's requirements in pyproject.toml, torch aside), every
+(`ray[default,train,tune,data]` and raytrain's requirements in pyproject.toml, torch aside, and
+each wheel manifest.txt calls needed: one the machine lacks), every
 requirement is followed through the installed distributions' metadata; one that is missing or
 whose version fails its bound is installed from a carried wheel that meets it (`pip install
 --no-index --no-deps --target SITE`), and the walk starts again until nothing changes. What
@@ -128,11 +129,16 @@ def main() -> int:
         sys.path.insert(0, str(site))
     started = time.monotonic()
     manifest = wheels_dir / "manifest.txt"
-    skipped = set()
+    skipped, needed = set(), []
     if manifest.exists():
         for line in manifest.read_text().splitlines():
             if line.startswith("# skipped:"):
                 skipped = {canonicalize_name(name) for name in line.split(":", 1)[1].split()}
+            elif line.startswith("needed "):  # what the machine lacks: a root too, reached or not
+                needed.append(str(parse_wheel_filename(line.split()[-1])[0]))
+    # (opencensus imports googleapis-common-protos' google.rpc, which its metadata reaches only
+    # through google-api-core, left out.)
+    wanted = roots() + needed
 
     for tarball in sorted(wheels_dir.glob("ray-*.tar.xz")):
         if not (site / "ray" / "__init__.py").exists():
@@ -153,7 +159,7 @@ def main() -> int:
     # whole, so a namespace package split over wheels (opentelemetry) must come in one batch.
     picked: dict[str, Picked] = {}
     for _ in range(ROUNDS):
-        missing = unmet(roots(), picked)
+        missing = unmet(wanted, picked)
         new = {}
         for name, (req, have) in sorted(missing.items()):
             fits = [(v, w) for v, w in carried.get(name, []) if req.specifier.contains(v, prereleases=True)]
@@ -166,7 +172,7 @@ def main() -> int:
         picked.update(new)
     if picked:
         install([p.wheel for p in picked.values()], site)
-    missing = unmet(roots(), {})
+    missing = unmet(wanted, {})
     bad = 0
     for name, (req, have) in sorted(missing.items()):
         found = "missing" if have is None else f"{have} found"
