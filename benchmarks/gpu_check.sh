@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: raytrain with Ray on the GPU machine's own Python and torch, installed from the
 # carried .whl/ without a network. Prepare .whl/ here first (bash scripts/gpu_wheels.sh, about
-# 60 MiB with the working tree), then make the device call, exactly:
+# 43 MiB with the working tree), then make the device call, exactly:
 #
 #     {"command": "bash benchmarks/gpu_check.sh", "carry": [".whl"], "timeout_s": 540}
 #
