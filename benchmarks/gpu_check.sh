@@ -23,6 +23,7 @@
 # seconds and figures), gpu_check.json and gpu_check.log (stage b's), train-summary.json (e),
 # bench.json and bench.md (f).
 #
+# A short rerun of some stages: GPU_CHECK_STAGES="d f" (and GPU_CHECK_TESTS, stage d's -k).
 # GPU_CHECK_ON_CPU=1 goes on past stage a without a GPU (--no-gpu, small sizes): a rehearsal of
 # the install and the Ray stages on a CPU machine. GPU_PYTHON names the Python (default python3).
 set -uo pipefail
@@ -193,7 +194,8 @@ EOF
 
 # --- d: the GPU test tier.
 stage_d() {
-    "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -o addopts="-ra --durations=10"
+    "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -o addopts="-ra --durations=10" \
+        ${GPU_CHECK_TESTS:+-k "$GPU_CHECK_TESTS"}
 }
 
 # --- e: one fsdp + compile + activation-checkpointing run under bf16, its throughput and memory.
@@ -293,13 +295,12 @@ run_stage() {
     rm -f "$log"
 }
 # `stage` records into $STAGES from a pipeline's subshell: fine, it appends to a file.
-run_stage b "${GPU_CHECK_B_S:-270}"
-run_stage c 90
-run_stage d 180
-run_stage e 150
-run_stage f 150
-run_stage p 100
-run_stage g 120
+# GPU_CHECK_STAGES picks stages for a short rerun (e.g. "d f"); GPU_CHECK_TESTS, stage d's -k.
+wanted=" ${GPU_CHECK_STAGES:-b c d e f p g} "
+for spec in "b ${GPU_CHECK_B_S:-270}" "c 90" "d 180" "e 150" "f 150" "p 100" "g 120"; do
+    set -- $spec
+    case "$wanted" in *" $1 "*) run_stage "$1" "$2" ;; esac
+done
 write_stages
 say "done in $(elapsed) s: $(cut -f1,2 "$STAGES" | tr '\t' ' ' | paste -sd, | sed 's/,/, /g')"
 n=$(find "$OUT" -type f | wc -l)

@@ -106,7 +106,7 @@ def test_checkpoints_from_a_gpu_stage_into_pinned_buffers_kept_from_one_save_to_
     second = stager.stage(state)
     assert torch.equal(second["w"], state["w"].cpu())
     assert second["w"].data_ptr() == pointer  # the same pinned buffer: no allocation per save
-    stager.close()
+    stager.release()
 
 
 def test_steady_steps_on_a_gpu_count_the_kernels_time_not_the_hosts_queueing():

@@ -247,10 +247,26 @@ def pinned_stager():
     about half the bandwidth and an allocation of the whole state each time), non-blocking and
     synchronized once at the end; staging stays synchronous, so the next step cannot change a
     tensor while it is copied."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.staging import StagingOptions
 
-    return DefaultStager(
-        StagingOptions(
-            use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
-        )
+    options = StagingOptions(
+        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
     )
+    return kept_stager_class()(options)
+
+
+def kept_stager_class():
+    """DCP's DefaultStager, kept for the whole run. torch 2.11's `async_save` closes the stager it
+    is given after each save, which empties its copy table (the next save's state then fails with
+    `KeyError: <class 'type'>`, seen on an H200) and drops the pinned buffers it exists for;
+    torch 2.13 leaves a given stager to its owner. `release` ends it."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    class KeptStager(DefaultStager):
+        def close(self) -> None:  # what async_save calls: kept
+            pass
+
+        def release(self) -> None:
+            super().close()
+
+    return KeptStager
