@@ -359,29 +359,3 @@ def test_more_workers_than_gpus_is_refused_on_one_machine_and_said_on_a_cluster(
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True}, {"Alive": True}])
     note_gpu_capacity(TrainConfig(workers=8), 4.0, echo=said.append)
     assert said and "the cluster has 4 GPUs and 8 workers need one each: training starts when nodes" in said[0]
-
-
-def test_the_checkpoint_stager_outlives_the_close_torch_2_11s_async_save_gives_it_after_each_save():
-    """On an H200 with torch 2.11 the second save failed with `KeyError: <class 'type'>`: its
-    async_save closes the stager it is given, which empties the stager's copy table."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    from raytrain.worker.runtime import kept_stager_class
-
-    options = StagingOptions(
-        use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
-    )
-    state = {"w": torch.ones(3), "optimizer_class": torch.optim.AdamW, "step": 7}
-    plain = DefaultStager(options)
-    plain.stage(state)
-    plain.close()
-    with pytest.raises(KeyError):
-        plain.stage(state)  # the failure the GPU run met
-    kept = kept_stager_class()(options)
-    kept.stage(state)
-    kept.close()  # what async_save calls after a save
-    second = kept.stage(state)
-    assert (
-        second["optimizer_class"] is torch.optim.AdamW and second["step"] == 7 and torch.equal(second["w"], state["w"])
-    )
-    kept.release()

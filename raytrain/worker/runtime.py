@@ -59,7 +59,6 @@ class Runtime:
         self.device = ray.train.torch.get_device() if self.distributed else local_device(gpu)
         self.backend = dist.get_backend() if self.distributed else "none (local mode)"
         self._checkpoint_group = None  # DCP's gloo group (dcp_options)
-        self._stager = None  # DCP's staging into pinned host memory, kept across saves (dcp_options)
 
     @property
     def replica_count(self) -> int:
@@ -159,10 +158,10 @@ class Runtime:
             return {}
         if self._checkpoint_group is None:  # a collective: every rank creates it at its first save
             self._checkpoint_group = dist.new_group(backend="gloo")
-        options: dict[str, Any] = {"process_group": self._checkpoint_group}
-        if self.device.type == "cuda":
-            options["async_stager"] = self._stager = self._stager or pinned_stager()
-        return options
+        # DCP's own staging (a copy into new host memory at each save): a pinned stager kept across
+        # saves failed its second save on torch 2.11 on an H200 (KeyError: <class 'type'> in
+        # StateDictStager; benchmarks/RESULTS.md §28), and torch 2.11 is what GPU machines have.
+        return {"process_group": self._checkpoint_group}
 
     def latest_checkpoint(self) -> Path | None:
         """Ray's latest checkpoint when it is on this file system (on an object store Ray
@@ -239,34 +238,3 @@ def local_device(gpu: bool | None, cuda_visible: bool | None = None) -> torch.de
     if cuda_visible is None:
         cuda_visible = torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "x") != ""
     return torch.device("cuda", 0) if cuda_visible and gpu is not False else torch.device("cpu")
-
-
-def pinned_stager():
-    """DCP's stager for saves from a GPU: the copy to host memory goes into pinned buffers that
-    are kept from one save to the next (without one, each save copies into new pageable memory,
-    about half the bandwidth and an allocation of the whole state each time), non-blocking and
-    synchronized once at the end; staging stays synchronous, so the next step cannot change a
-    tensor while it is copied."""
-    from torch.distributed.checkpoint.staging import StagingOptions
-
-    options = StagingOptions(
-        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
-    )
-    return kept_stager_class()(options)
-
-
-def kept_stager_class():
-    """DCP's DefaultStager, kept for the whole run. torch 2.11's `async_save` closes the stager it
-    is given after each save, which empties its copy table (the next save's state then fails with
-    `KeyError: <class 'type'>`, seen on an H200) and drops the pinned buffers it exists for;
-    torch 2.13 leaves a given stager to its owner. `release` ends it."""
-    from torch.distributed.checkpoint.staging import DefaultStager
-
-    class KeptStager(DefaultStager):
-        def close(self) -> None:  # what async_save calls: kept
-            pass
-
-        def release(self) -> None:
-            super().close()
-
-    return KeptStager
