@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_hooks import take_a_step
 from torch import nn
 
 from raytrain import hooks
@@ -25,7 +26,6 @@ from raytrain.data.table import Table
 from raytrain.errors import ConfigError, find_user_error
 from raytrain.parallel.device import DeviceFailure
 from raytrain.pipeline import Pipeline
-from raytrain.rules import steps
 from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
@@ -96,13 +96,6 @@ def runner_for(
     x = np.random.default_rng(0).normal(size=(rows, 4)).astype(np.float32)
     table = Table({"x": x, "y": x.sum(axis=1, keepdims=True)})
     return runner, table
-
-
-def take_a_step(runner: StepRunner, table: Table) -> None:
-    step = steps.epoch_steps(len(table), len(table))[0]
-    phase = runner.phases(Position(), timed=False)
-    runner.gradients(table.epoch(0, 0, 0, 0, 1), step, phase)
-    runner.apply_gradients(Position(), phase)
 
 
 # -- F1: the FLOP count and --compile ---------------------------------------------------------
