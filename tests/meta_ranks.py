@@ -61,4 +61,8 @@ if __name__ == "__main__":
     result["fresh_other_seed"] = filled(config_dir, seed=1)["full"]
     if dist.get_rank() == 0:
         torch.save(result, out)
+    # Every rank waits for rank 0's file before the group is torn down: gloo aborts a rank
+    # that leaves while its peer is still busy ("terminate called without an active exception",
+    # seen in the slow stage on a loaded machine; the torchrun template's ranks meet likewise).
+    dist.barrier()
     dist.destroy_process_group()

@@ -48,4 +48,8 @@ if __name__ == "__main__":
     if rank == 0:
         grads = {name: p.grad for name, p in plain.named_parameters()}
         torch.save({"out": torch.cat(outs), "grads": grads, "state": plain.state_dict()}, sys.argv[1])
+    # Every rank waits for rank 0's file before the group is torn down: gloo aborts a rank
+    # that leaves while its peer is still busy ("terminate called without an active exception",
+    # seen in the slow stage on a loaded machine; the torchrun template's ranks meet likewise).
+    dist.barrier()
     dist.destroy_process_group()
