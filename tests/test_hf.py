@@ -53,14 +53,52 @@ def test_without_the_hf_packages_an_hf_pipeline_is_exit_2_naming_the_install_com
 
 
 def test_text_is_packed_into_blocks_of_block_size_as_group_texts_does(hf_dir):
-    from pipelines.hf.causal_lm import pack_blocks
+    from pipelines.hf.causal_lm import pack_texts
     from pipelines.hf.common import tokenizer_at
 
-    texts = np.array(["import os", "def main(argv):", "    return 0", "x = [i for i in range(10)]"], dtype=object)
-    out = pack_blocks({"text": texts}, tokenizer=str(hf_dir / "tokenizer"), column="text", block_size=4)
+    texts = ["import os", "def main(argv):", "    return 0", "x = [i for i in range(10)]"]
+    out = pack_texts(texts, tokenizer=str(hf_dir / "tokenizer"), block_size=4)
     ids = [i for text in texts for i in tokenizer_at(str(hf_dir / "tokenizer"))(text)["input_ids"]]
-    assert out["input_ids"].shape == (len(ids) // 4, 4) and out["input_ids"].dtype == np.int64
-    assert out["input_ids"].reshape(-1).tolist() == ids[: len(ids) // 4 * 4]  # the remainder is dropped
+    assert out.shape == (len(ids) // 4, 4) and out.dtype == np.int64
+    assert out.reshape(-1).tolist() == ids[: len(ids) // 4 * 4]  # the remainder is dropped
+
+
+def test_rows_are_grouped_from_the_first_row_wherever_the_blocks_are_cut():
+    from pipelines.hf.causal_lm import row_groups
+
+    assert row_groups([0, 5, 0, 3], 4) == [[(1, 0, 4)], [(1, 4, 5), (3, 0, 3)]]
+    assert row_groups([4, 4], 4) == [[(0, 0, 4)], [(1, 0, 4)]]
+    assert row_groups([2, 1, 1], 4) == [[(0, 0, 2), (1, 0, 1), (2, 0, 1)]]
+    assert row_groups([], 4) == [] and row_groups([0, 0], 4) == []
+
+
+def test_the_packed_blocks_are_the_same_however_the_text_is_cut_into_blocks(hf_dir):
+    """Ray Data cuts a read into blocks by the cluster's CPUs (2 per CPU for one text file): at
+    2 workers and at 3 the same text came in 8 and 10 blocks. The blocks packed from it must not
+    change with that, or a checkpoint could not resume at another worker count."""
+    from hf_fixtures import stdlib_text
+
+    from pipelines.hf.causal_lm import pack_groups, pack_texts, row_groups
+
+    lines = stdlib_text(200_000)[:2_500]
+    tokenizer = str(hf_dir / "tokenizer")
+    # HF's run_clm: every 1,000 rows from the first concatenated and cut on their own
+    expected = np.concatenate(
+        [pack_texts(lines[i : i + 1000], tokenizer=tokenizer, block_size=32) for i in (0, 1000, 2000)]
+    )
+    rng = np.random.default_rng(0)
+    layouts = [
+        [2_500],
+        [313] * 7 + [309],
+        [1, 999, 0, 1, 1499],
+        list(np.diff([0, *sorted(rng.choice(2_499, 40, replace=False) + 1), 2_500])),
+    ]
+    for rows in layouts:
+        bounds = np.cumsum([0, *rows])
+        columns = [lines[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        packed = pack_groups(row_groups(rows, 1000), columns, tokenizer=tokenizer, block_size=32)
+        assert packed.dtype == np.int64 and np.array_equal(packed, expected), rows
+    assert pack_groups([], [], tokenizer=tokenizer, block_size=32).shape == (0, 32)
 
 
 def test_classification_rows_are_truncated_or_padded_to_block_size_one_row_out_per_row_in(hf_dir):

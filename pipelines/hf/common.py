@@ -23,7 +23,8 @@ WEIGHT_FILES = (
 )
 # What a tokenizer directory (`tokenizer.save_pretrained`) holds: one of these.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
-# Rows one Ray Data task tokenizes (and, for a causal LM, packs) at once: HF's `map` default.
+# Rows tokenized at once (a classifier's Ray Data batch; a causal LM's group of rows packed
+# together, pipelines/hf/causal_lm.py): HF's `map` default.
 TOKENIZE_BATCH_ROWS = 1000
 
 

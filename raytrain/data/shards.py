@@ -122,6 +122,15 @@ class _ReadTaskList:
         return False
 
 
+def materialize_in_order(ds):
+    """The dataset computed once (`materialize`) with its blocks in the order of its rows.
+    Without `preserve_order` Ray Data keeps blocks in the order their tasks finish, so the
+    rows at a position (what a data position and a resume count on) would vary from run to
+    run; the blocks' sizes still follow the cluster (Ray Data splits a read by its CPUs)."""
+    ds.context.execution_options.preserve_order = True
+    return ds.materialize()
+
+
 def split(ds) -> Units | str:
     """The dataset's units, or why they cannot be listed from metadata (a sentence)."""
     from ray.data._internal.logical.interfaces import SourceOperator
