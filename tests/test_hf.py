@@ -209,3 +209,99 @@ def test_export_format_hf_of_a_model_that_is_not_a_pretrained_model_is_exit_2(tm
     run = run_of(tmp_path / "run", "digits", {}, DigitsCNN().state_dict())
     assert main(["export", str(run), "--format", "hf", "-o", str(tmp_path / "out")]) == 2
     assert "not a transformers PreTrainedModel; export it as a state_dict" in capsys.readouterr().err
+
+
+def copy_of(directory, to):
+    import shutil
+
+    return shutil.copytree(directory, to)
+
+
+def test_a_damaged_safetensors_file_is_named_before_ray_starts(hf_dir, tmp_path, capsys):
+    from raytrain.cli import main
+
+    pipe = load_pipeline("hf-causal-lm")
+    args = {"tokenizer": str(hf_dir / "tokenizer"), "train": str(hf_dir / "train.txt")}
+    truncated = copy_of(hf_dir / "gpt2", tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(
+        PipelineError, match=r"truncated/model.safetensors is damaged: its tensors end at byte .*\(truncated\)"
+    ):
+        parse_pipeline_args(pipe, {"model": truncated, **args})
+    garbage = copy_of(hf_dir / "gpt2", tmp_path / "garbage")
+    (garbage / "model.safetensors").write_bytes(b"\xff" * 64)  # "header too large" in safetensors' own words
+    status = main(
+        [
+            "train",
+            "hf-causal-lm",
+            "--pipeline-arg",
+            f"model={garbage}",
+            *[f"--pipeline-arg={k}={v}" for k, v in args.items()],
+        ]
+    )
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert re.search(r"garbage/model.safetensors is damaged: its header says [\d,]+ bytes, the file holds 64", err)
+    assert "save the model there again with save_pretrained" in err
+
+
+def test_a_tokenizer_with_more_ids_than_the_models_embedding_is_refused(hf_dir, tmp_path):
+    make_tokenizer(tmp_path / "big", vocab_size=2_000)
+    for name in ("hf-causal-lm", "hf-classification"):
+        model = hf_dir / ("gpt2" if name == "hf-causal-lm" else "bert")
+        with pytest.raises(
+            PipelineError,
+            match=r"tokenizer=.*big has [\d,]+ token ids, but the model at .* has vocab_size 300 .*resize_token_embed",
+        ):
+            parse_pipeline_args(
+                load_pipeline(name), {"model": model, "tokenizer": tmp_path / "big", "train": hf_dir / "train.txt"}
+            )
+
+
+def test_block_size_beyond_the_models_positions_is_refused(hf_dir):
+    for name, model in (("hf-causal-lm", "gpt2"), ("hf-causal-lm", "llama"), ("hf-classification", "bert")):
+        args = {"model": hf_dir / model, "tokenizer": hf_dir / "tokenizer", "train": hf_dir / "train.txt"}
+        with pytest.raises(
+            PipelineError,
+            match="block_size=129: the model at .* has max_position_embeddings 128 .*block_size=128 or less",
+        ):
+            parse_pipeline_args(load_pipeline(name), {**args, "block_size": 129})
+        assert parse_pipeline_args(load_pipeline(name), {**args, "block_size": 128}).block_size == 128
+
+
+def test_a_causal_lm_on_an_encoder_is_refused_unless_its_config_says_is_decoder(hf_dir, tmp_path):
+    import json
+
+    pipe = load_pipeline("hf-causal-lm")
+    args = {"tokenizer": hf_dir / "tokenizer", "train": hf_dir / "train.txt"}
+    with pytest.raises(
+        PipelineError,
+        match=r"is a bert model, an encoder: as a causal LM \(BertLMHeadModel\).*hf-classification.*is_decoder",
+    ):
+        parse_pipeline_args(pipe, {"model": hf_dir / "bert", **args})
+    with pytest.raises(
+        PipelineError, match="an encoder.*; --pipeline-arg block_size=200"
+    ):  # every problem in one message
+        parse_pipeline_args(pipe, {"model": hf_dir / "bert", "block_size": 200, **args})
+    decoder = copy_of(hf_dir / "bert", tmp_path / "bert-decoder")
+    config = json.loads((decoder / "config.json").read_text())
+    (decoder / "config.json").write_text(json.dumps({**config, "is_decoder": True}))
+    assert parse_pipeline_args(pipe, {"model": decoder, **args}).model == str(decoder)
+
+
+def test_an_empty_or_binary_text_file_is_refused_naming_it(hf_dir, tmp_path):
+    pipe = load_pipeline("hf-causal-lm")
+    args = {"model": hf_dir / "gpt2", "tokenizer": hf_dir / "tokenizer"}
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(
+        PipelineError, match=r"train=.*empty.txt is empty \(0 bytes\); give a file or directory with rows"
+    ):
+        parse_pipeline_args(pipe, {**args, "train": tmp_path / "empty.txt"})
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("print(1)\n")
+    (tmp_path / "texts" / "b.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")  # an image named .txt
+    with pytest.raises(PipelineError, match=r"b.txt is not UTF-8 text \(byte 0 is b'\\x89'\).*iconv"):
+        parse_pipeline_args(pipe, {**args, "train": tmp_path / "texts"})
+    (tmp_path / "texts" / "b.txt").write_text("café = 'ünïcode'\n")
+    assert parse_pipeline_args(pipe, {**args, "train": tmp_path / "texts"}).train == str(tmp_path / "texts")

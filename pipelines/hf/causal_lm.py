@@ -43,6 +43,7 @@ class CausalLMArgs:
         self.tokenizer = common.local_directory("tokenizer", self.tokenizer or self.model, common.TOKENIZER_FILES)
         self.train = common.local_input("train", self.train)
         self.val = common.local_input("val", self.val) if self.val else None
+        common.check_model(self.model, self.tokenizer, self.block_size, causal=True)
 
 
 def pack_texts(texts, *, tokenizer: str, block_size: int) -> np.ndarray:

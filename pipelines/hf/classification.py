@@ -40,6 +40,7 @@ class ClassificationArgs:
         self.tokenizer = common.local_directory("tokenizer", self.tokenizer or self.model, common.TOKENIZER_FILES)
         self.train = common.local_input("train", self.train)
         self.val = common.local_input("val", self.val) if self.val else None
+        common.check_model(self.model, self.tokenizer, self.block_size, causal=False)
 
 
 def encode_rows(batch: dict, *, tokenizer: str, column: str, label: str, block_size: int) -> dict:
