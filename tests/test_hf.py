@@ -305,3 +305,43 @@ def test_an_empty_or_binary_text_file_is_refused_naming_it(hf_dir, tmp_path):
         parse_pipeline_args(pipe, {**args, "train": tmp_path / "texts"})
     (tmp_path / "texts" / "b.txt").write_text("café = 'ünïcode'\n")
     assert parse_pipeline_args(pipe, {**args, "train": tmp_path / "texts"}).train == str(tmp_path / "texts")
+
+
+def test_export_format_hf_after_the_model_directory_moved_takes_pipeline_arg(hf_dir, tmp_path, capsys):
+    from pipelines.hf.common import load_model
+    from raytrain.cli import main
+
+    trained = load_model("AutoModelForCausalLM", str(hf_dir / "gpt2")).state_dict()
+    before = copy_of(hf_dir / "gpt2", tmp_path / "before")
+    args = {"model": str(before), "tokenizer": str(hf_dir / "tokenizer"), "train": str(hf_dir / "train.txt")}
+    run = run_of(tmp_path / "run", "hf-causal-lm", args, trained)
+    after = before.rename(tmp_path / "after")
+    assert main(["export", str(run), "--format", "hf", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "before is not a local directory holding config.json" in err and "Traceback" not in err
+    assert "raytrain export takes --pipeline-arg KEY=VALUE too, over the run's own" in err
+    assert not (tmp_path / "out").exists()
+    again = ["export", str(run), "--format", "hf", "-o", str(tmp_path / "out"), "--pipeline-arg", f"model={after}"]
+    assert main(again) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert main(["export", str(run), "-o", str(tmp_path / "m.pt"), "--pipeline", "hf-causal-lm", *again[-2:]]) == 0
+
+
+def test_export_format_hf_refuses_a_prefix_or_a_directory_that_holds_files_alike(hf_dir, tmp_path, s3, bucket, capsys):
+    from pipelines.hf.common import load_model
+    from raytrain.cli import main
+
+    trained = load_model("AutoModelForCausalLM", str(hf_dir / "gpt2")).state_dict()
+    args = {"model": str(hf_dir / "gpt2"), "tokenizer": str(hf_dir / "tokenizer"), "train": str(hf_dir / "train.txt")}
+    run = str(run_of(tmp_path / "run", "hf-causal-lm", args, trained))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "config.json").write_text("{}")
+    s3.client().put_object(Bucket=bucket, Key="exports/taken/config.json", Body=b"{}")
+    for out, kind in ((str(tmp_path / "taken"), "directory"), (s3.uri(bucket, "exports/taken"), "prefix")):
+        assert main(["export", run, "--format", "hf", "-o", out]) == 2
+        assert (
+            f"holds files already (config.json); give a new or empty {kind} for --format hf" in capsys.readouterr().err
+        )
+    assert list(s3.objects(bucket, "exports/taken/")) == ["exports/taken/config.json"]  # nothing written into it
+    assert main(["export", run, "--format", "hf", "-o", s3.uri(bucket, "exports/new")]) == 0
+    assert "exports/new/model.safetensors" in s3.objects(bucket, "exports/new/")

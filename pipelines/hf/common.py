@@ -231,6 +231,18 @@ def is_saved_dataset(path: str) -> bool:
 
 
 def read_input(path: str, option: str):
+    """The rows at `path` (`read_rows`); a DataError when there are none (a text file of empty
+    lines only: Ray Data drops empty lines)."""
+    ds = read_rows(path, option)
+    if ds.schema() is None:
+        raise DataError(
+            f"--pipeline-arg {option}={path} holds no rows (no line of text, no record); give a file or directory "
+            "with rows"
+        )
+    return ds
+
+
+def read_rows(path: str, option: str):
     """The rows at `path` as a Ray Dataset: Parquet (read by row groups, so each worker reads its
     own), JSON lines, text (one row per line, column `text`), or a `save_to_disk` directory
     (through Ray Data's `from_huggingface`)."""
