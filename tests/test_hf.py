@@ -105,7 +105,7 @@ def test_classification_rows_are_truncated_or_padded_to_block_size_one_row_out_p
     from pipelines.hf.classification import encode_rows
 
     batch = {"text": np.array(["a", "def f(x): return x * 2 + 1  # long enough to be cut"]), "y": np.array([1, 0])}
-    out = encode_rows(batch, tokenizer=str(hf_dir / "tokenizer"), column="text", label="y", block_size=6)
+    out = encode_rows(batch, tokenizer=str(hf_dir / "tokenizer"), column="text", label="y", block_size=6, num_labels=2)
     assert out["input_ids"].shape == out["attention_mask"].shape == (2, 6)
     assert out["attention_mask"][0].tolist() == [1, 0, 0, 0, 0, 0] and out["attention_mask"][1].all()
     assert out["label"].tolist() == [1, 0]
@@ -345,3 +345,29 @@ def test_export_format_hf_refuses_a_prefix_or_a_directory_that_holds_files_alike
     assert list(s3.objects(bucket, "exports/taken/")) == ["exports/taken/config.json"]  # nothing written into it
     assert main(["export", run, "--format", "hf", "-o", s3.uri(bucket, "exports/new")]) == 0
     assert "exports/new/model.safetensors" in s3.objects(bucket, "exports/new/")
+
+
+def test_a_label_out_of_range_or_missing_is_named_with_its_row(hf_dir):
+    from pipelines.hf.classification import encode_rows
+    from raytrain.errors import DataError
+
+    def encode(labels):
+        texts = np.array([f"row {i}" for i in range(len(labels))], dtype=object)
+        batch = {"text": texts, "label": labels}
+        return encode_rows(
+            batch, tokenizer=str(hf_dir / "tokenizer"), column="text", label="label", block_size=4, num_labels=2
+        )
+
+    assert encode(np.array([0, 1, 1])).get("label").tolist() == [0, 1, 1]
+    for labels, value in ((np.array([0, 7, 1]), 7), (np.array([0, 1, -1]), -1)):
+        with pytest.raises(
+            DataError,
+            match=rf"label_column=label: a row has label {value} \(text 'row \d'\), "
+            rf"but the model has 2 classes, 0 to 1 \(num_labels\).*num_labels=N",
+        ):
+            encode(labels)
+    for missing in (np.array([1.0, np.nan, 0.0]), np.array([1, None, None], dtype=object)):
+        with pytest.raises(
+            DataError, match=r"label_column=label: \d row\(s\) have no label \(the first: text 'row 1'\)"
+        ):
+            encode(missing)
