@@ -61,7 +61,7 @@ def make_model(directory: Path, family: str = "gpt2", *, weights: bool = True, v
     torch.manual_seed(0)
     if family == "gpt2":
         config = GPT2Config(
-            vocab_size=vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+            vocab_size=vocab_size, n_positions=128, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
         )
         model = AutoModelForCausalLM.from_config(config)
     elif family == "llama":
@@ -72,7 +72,7 @@ def make_model(directory: Path, family: str = "gpt2", *, weights: bool = True, v
             num_hidden_layers=2,
             num_attention_heads=2,
             num_key_value_heads=2,
-            max_position_embeddings=64,
+            max_position_embeddings=128,
             bos_token_id=0,
             eos_token_id=0,
         )
@@ -84,7 +84,7 @@ def make_model(directory: Path, family: str = "gpt2", *, weights: bool = True, v
             intermediate_size=64,
             num_hidden_layers=2,
             num_attention_heads=2,
-            max_position_embeddings=64,
+            max_position_embeddings=128,
             num_labels=2,
             pad_token_id=0,
         )

@@ -1,7 +1,7 @@
 """CPU Ray tier: the Hugging Face pipelines end to end on tiny models made in the test (no
 download), `raytrain export --format hf` loaded back with from_pretrained (from a run directory
-and from an object store's URI), packed blocks each trained once with a rank killed, and
-`datasets` values returned by build_datasets."""
+and from an object store's URI), packed blocks each trained once with a rank killed, the same
+blocks after a resume at 3 workers and at 1, and `datasets` values returned by build_datasets."""
 
 from __future__ import annotations
 
@@ -179,9 +179,13 @@ def test_packed_blocks_each_trained_once_with_a_rank_killed_then_exported_from_t
     )
 
 
-def test_fsdp_fills_each_ranks_shards_from_the_weights_resumes_at_one_worker_and_exports(ray_session, hf_dir, tmp_path):
+def test_fsdp_fills_each_ranks_shards_from_the_weights_resumes_at_three_workers_and_at_one_and_exports(
+    ray_session, hf_dir, tmp_path
+):
     """Built on the meta device, each of 2 ranks reads its rows of the saved weights (marked
-    with values no fresh init gives), resumed at 1 worker, exported and loaded strict."""
+    with values no fresh init gives); resumed at 3 workers, then at 1, on the same packed
+    blocks (3,000 rows of text: 3 groups of rows packed on their own, split by Ray Data into
+    blocks by the cluster's CPUs), no block trained twice; exported and loaded strict."""
     from transformers import AutoModelForCausalLM
 
     marked = AutoModelForCausalLM.from_pretrained(hf_dir / "gpt2-config-weights")
@@ -189,6 +193,12 @@ def test_fsdp_fills_each_ranks_shards_from_the_weights_resumes_at_one_worker_and
         marked.transformer.ln_f.bias.fill_(3.0)  # in the root's unit
         marked.transformer.h[1].ln_2.weight.fill_(2.0)  # in a block's
     marked.save_pretrained(tmp_path / "weights")
+    # A line number in front of every line makes blocks distinct (a long line may still repeat one).
+    lines = stdlib_text(200_000)[:3_000]
+    (tmp_path / "numbered.txt").write_text("\n".join(f"{i} {line}" for i, line in enumerate(lines)))
+    records = tmp_path / "records"
+    records.mkdir()
+    pipeline = RecordingCausalLM(str(records), crash_at_step=-1)
     base = {
         "max_steps": 2,
         "strategy": "fsdp",
@@ -198,11 +208,11 @@ def test_fsdp_fills_each_ranks_shards_from_the_weights_resumes_at_one_worker_and
         "pipeline_args": {
             "model": str(tmp_path / "weights"),
             "tokenizer": str(hf_dir / "tokenizer"),
-            "train": str(hf_dir / "train.txt"),
+            "train": str(tmp_path / "numbered.txt"),
             "block_size": 32,
         },
     }
-    first = raytrain.fit("hf-causal-lm", raytrain.TrainConfig(workers=2, **base))
+    first = raytrain.fit(pipeline, raytrain.TrainConfig(workers=2, **base))
     assert (first.summary["status"], first.summary["steps"]) == ("finished", 2)
     plan = read_jsonl(tmp_path / "meta" / "events.jsonl")[0]["message"]
     assert "built on the meta device" in plan
@@ -212,12 +222,27 @@ def test_fsdp_fills_each_ranks_shards_from_the_weights_resumes_at_one_worker_and
     assert torch.allclose(trained["transformer.h.1.ln_2.weight"], torch.full((32,), 2.0), atol=0.01)
     assert torch.equal(trained["lm_head.weight"], trained["transformer.wte.weight"])  # still tied
 
-    resumed = raytrain.fit("hf-causal-lm", raytrain.TrainConfig(workers=1, resume=True, **{**base, "max_steps": 4}))
-    assert (resumed.summary["status"], resumed.summary["steps"], resumed.summary["world_sizes"]) == (
-        "finished",
-        4,
-        [2, 1],
-    )
+    for workers, steps in ((3, 4), (1, 6)):
+        resumed = raytrain.fit(
+            pipeline, raytrain.TrainConfig(workers=workers, resume=True, **{**base, "max_steps": steps})
+        )
+        assert (resumed.summary["status"], resumed.summary["steps"]) == ("finished", steps)
+    assert resumed.summary["world_sizes"] == [2, 3, 1]
+    builds = [json.loads(line) for line in (records / "blocks.jsonl").read_text().splitlines()]
+    assert len(builds) == 3 and all(build == builds[0] for build in builds)  # the same blocks at 2, 3 and 1
+    blocks = Counter(builds[0])
+    assert len(builds[0]) > 1_000
+    rows = [
+        row
+        for r in range(3)
+        if (records / f"blocks-rank{r}.jsonl").exists()
+        for row in read_jsonl(records / f"blocks-rank{r}.jsonl")
+    ]
+    assert sorted({row["step"] for row in rows}) == [0, 1, 2, 3, 4, 5]
+    trained_keys = [key for row in rows for key in row["blocks"]]
+    assert len(trained_keys) == resumed.summary["samples_seen"] == 2 * 64 + 2 * 96 + 2 * 32  # 32 per worker a step
+    assert not Counter(trained_keys) - blocks  # none trained more often than it is in the epoch
+
     out = tmp_path / "exported"
     final = torch.load(tmp_path / "meta" / "model.pt", weights_only=True)
     model = exported_strict(["export", str(tmp_path / "meta"), "--format", "hf", "-o", str(out)], final)

@@ -6,6 +6,7 @@ another worker count, and a bad row that stops the run once, with exit 2, naming
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,22 @@ def test_units_of_multi_file_parquet_and_multi_block_items(ray_session, parquet_
     import ray.data
 
     assert "random_shuffle" in shards.split(ray.data.range(10).random_shuffle())
+
+
+def slow_first_rows(batch):
+    time.sleep(0.5 if batch["id"][0] < 200 else 0.0)  # the first blocks finish last
+    return batch
+
+
+def test_a_dataset_that_cannot_be_cut_is_materialized_in_the_order_of_its_rows(ray_session):
+    """A position names the same rows in every run only if the blocks keep the rows' order,
+    not the order in which their tasks finished."""
+    import ray.data
+
+    ds = ray.data.range(1_000, override_num_blocks=10).map_batches(slow_first_rows).filter(lambda row: True)
+    units = shards.split(shards.materialize_in_order(ds))
+    ids = [int(i) for b in units.dataset(range(len(units.rows))).iter_batches(batch_format="numpy") for i in b["id"]]
+    assert ids == list(range(1_000))
 
 
 # Local mode (--workers 0: the per-worker loop in this process, no Ray Train workers) is the

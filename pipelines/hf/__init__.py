@@ -8,9 +8,10 @@
         [--pipeline-arg label_column=label --pipeline-arg num_labels=N ...]
 
 `model=DIR` holds a config.json, with weights (loaded) or without (built from the config).
-Inputs are .txt, .jsonl or .parquet files, or a `datasets` save_to_disk directory. Text is
-tokenized in Ray Data (`map_batches`); a causal LM's is concatenated and cut into blocks of
-`block_size` (HF's `group_texts`). Weight decay is off for biases and norms.
+Inputs are .txt, .jsonl or .parquet files, or a `datasets` save_to_disk directory. A
+classifier's text is tokenized in Ray Data (`map_batches`); a causal LM's is read in order and
+every 1,000 rows concatenated and cut into blocks of `block_size` (HF's `group_texts`), the
+same blocks at any worker count. Weight decay is off for biases and norms.
 """
 
 from pipelines.hf.causal_lm import HFCausalLMPipeline

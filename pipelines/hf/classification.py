@@ -40,11 +40,15 @@ class ClassificationArgs:
         self.tokenizer = common.local_directory("tokenizer", self.tokenizer or self.model, common.TOKENIZER_FILES)
         self.train = common.local_input("train", self.train)
         self.val = common.local_input("val", self.val) if self.val else None
+        common.check_model(self.model, self.tokenizer, self.block_size, causal=False)
 
 
-def encode_rows(batch: dict, *, tokenizer: str, column: str, label: str, block_size: int) -> dict:
+def encode_rows(batch: dict, *, tokenizer: str, column: str, label: str, block_size: int, num_labels: int) -> dict:
     """One Ray Data batch as token ids and attention masks of `block_size` (truncated or
-    padded) and integer labels: one row out per row in, so each worker encodes its own rows."""
+    padded) and integer labels: one row out per row in, so each worker encodes its own rows.
+    A row without a label, or with one outside 0…num_labels-1, is a DataError naming it (the
+    loss would fail on the worker with "Target 7 is out of bounds", or an index error)."""
+    labels = class_labels(batch[label], label, num_labels, batch[column])
     encoded = common.tokenizer_at(tokenizer)(
         [str(text) for text in batch[column]],
         padding="max_length",
@@ -55,8 +59,33 @@ def encode_rows(batch: dict, *, tokenizer: str, column: str, label: str, block_s
     return {
         "input_ids": encoded["input_ids"].astype(np.int64),
         "attention_mask": encoded["attention_mask"].astype(np.int64),
-        "label": np.asarray(batch[label]).astype(np.int64),
+        "label": labels,
     }
+
+
+def class_labels(values, option: str, num_labels: int, texts) -> np.ndarray:
+    """`values` as int64 class indices; a DataError for a missing one or one out of range."""
+    values = np.asarray(values)
+    missing = np.array([v is None for v in values]) if values.dtype == object else np.zeros(len(values), bool)
+    if values.dtype.kind == "f":
+        missing |= np.isnan(values)
+    if missing.any():
+        first = int(np.argmax(missing))
+        raise DataError(
+            f"--pipeline-arg label_column={option}: {int(missing.sum())} row(s) have no label (the first: text "
+            f"{str(texts[first])[:60]!r}); give every row an integer class from 0 to {num_labels - 1}, or leave "
+            "unlabelled rows out of the files"
+        )
+    labels = values.astype(np.int64)
+    wrong = (labels < 0) | (labels >= num_labels)
+    if wrong.any():
+        first = int(np.argmax(wrong))
+        raise DataError(
+            f"--pipeline-arg label_column={option}: a row has label {labels[first]} (text {str(texts[first])[:60]!r}), "
+            f"but the model has {num_labels} classes, 0 to {num_labels - 1} (num_labels); map the labels to that "
+            f"range, or give --pipeline-arg num_labels=N for N classes"
+        )
+    return labels
 
 
 def encoded(path: str, option: str, spec: ClassificationArgs):
@@ -66,6 +95,11 @@ def encoded(path: str, option: str, spec: ClassificationArgs):
     common.check_column(ds, spec.text_column, "text_column", path)
     common.check_column(ds, spec.label_column, "label_column", path)
     kind = dict(zip(ds.schema().names, ds.schema().types))[spec.label_column]
+    if isinstance(kind, pa.DataType) and pa.types.is_null(kind):
+        raise DataError(
+            f"--pipeline-arg label_column={spec.label_column}: the rows of {path} read so far have no label there "
+            "(the column is empty); give every row an integer class index from 0"
+        )
     if isinstance(kind, pa.DataType) and not pa.types.is_integer(kind):
         raise DataError(
             f"--pipeline-arg label_column={spec.label_column}: {path} holds {kind} there; a label must be an integer "
@@ -78,6 +112,7 @@ def encoded(path: str, option: str, spec: ClassificationArgs):
             "column": spec.text_column,
             "label": spec.label_column,
             "block_size": spec.block_size,
+            "num_labels": spec.num_labels or common.model_config(spec.model).num_labels,
         },
         batch_size=common.TOKENIZE_BATCH_ROWS,
         batch_format="numpy",

@@ -4,7 +4,9 @@ directory, and weight decay off for biases and norms."""
 
 from __future__ import annotations
 
+import codecs
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,13 @@ WEIGHT_FILES = (
 )
 # What a tokenizer directory (`tokenizer.save_pretrained`) holds: one of these.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
-# Rows one Ray Data task tokenizes (and, for a causal LM, packs) at once: HF's `map` default.
+# Rows tokenized at once (a classifier's Ray Data batch; a causal LM's group of rows packed
+# together, pipelines/hf/causal_lm.py): HF's `map` default.
 TOKENIZE_BATCH_ROWS = 1000
+# What read_text reads (one row per line), as read_input decides.
+TEXT_SUFFIXES = (".txt", ".text", "")
+# Bytes of each text file decoded before Ray starts, to name a binary file as such.
+TEXT_SNIFF_BYTES = 1 << 16
 
 
 def require_hf(pipeline: str) -> None:
@@ -64,11 +71,157 @@ def local_input(option: str, value: str) -> str:
             f"--pipeline-arg {option}={value} does not exist; give a text, JSON lines or Parquet file or directory, "
             "or a directory written by datasets' save_to_disk"
         )
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    files = [p for p in files if not p.name.startswith((".", "_"))]
+    if not any(p.stat().st_size for p in files):
+        raise ValueError(
+            f"--pipeline-arg {option}={value} is empty ({'no file holds a byte' if path.is_dir() else '0 bytes'}); "
+            "give a file or directory with rows"
+        )
+    for file in files:
+        if file.suffix in TEXT_SUFFIXES and (problem := text_problem(file)):
+            raise ValueError(f"--pipeline-arg {option}={value}: {problem}")
     return str(path.absolute())
+
+
+def text_problem(path: Path) -> str | None:
+    """Why the start of a text file is not UTF-8 text (Ray Data's read_text decodes it as such;
+    a binary file would fail deep in a read task), or None."""
+    with open(path, "rb") as handle:
+        head = handle.read(TEXT_SNIFF_BYTES)
+    where = None
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+    except UnicodeDecodeError as exc:
+        where = exc.start
+    if b"\0" in head:
+        where = min(where if where is not None else len(head), head.index(b"\0"))
+    if where is None:
+        return None
+    return (
+        f"{path} is not UTF-8 text (byte {where:,} is {head[where : where + 1]!r}): a .txt file is read as UTF-8 text, "
+        "one row per line; convert it (iconv -f LATIN1 -t UTF-8), or leave binary files out of the input"
+    )
 
 
 def has_weights(directory: str) -> bool:
     return any((Path(directory) / name).is_file() for name in WEIGHT_FILES)
+
+
+def check_model(model: str, tokenizer: str, block_size: int, *, causal: bool) -> None:
+    """ValueError listing what makes the model, the tokenizer and block_size unable to train
+    together (`model_problems`), before Ray starts: each would otherwise fail on the workers,
+    as an index error or a damaged file, or train a causal LM on an encoder."""
+    problems = model_problems(model, tokenizer, block_size, causal)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+@functools.lru_cache(maxsize=8)
+def model_problems(model: str, tokenizer: str, block_size: int, causal: bool) -> tuple[str, ...]:
+    config = model_config(model)
+    problems = []
+    damaged = weights_problem(model)
+    if damaged:
+        problems.append(
+            f"--pipeline-arg model={model}: {damaged}; save the model there again with save_pretrained, or move its "
+            "weight files away to build it fresh from config.json"
+        )
+    if causal:
+        problems += causal_problems(model, config)
+    vocab, ids = getattr(config, "vocab_size", None), len(tokenizer_at(tokenizer))
+    if isinstance(vocab, int) and ids > vocab:
+        problems.append(
+            f"--pipeline-arg tokenizer={tokenizer} has {ids:,} token ids, but the model at {model} has vocab_size "
+            f"{vocab:,} (one embedding row per id): ids from {vocab:,} on have none. Give the model's own tokenizer, "
+            "--pipeline-arg tokenizer=DIR, or grow the model first: model.resize_token_embeddings(len(tokenizer)), "
+            "then save_pretrained"
+        )
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and block_size > positions:
+        problems.append(
+            f"--pipeline-arg block_size={block_size}: the model at {model} has max_position_embeddings {positions} "
+            f"(positions it has embeddings for); give --pipeline-arg block_size={positions} or less"
+        )
+    return tuple(problems)
+
+
+@functools.lru_cache(maxsize=8)
+def model_config(directory: str):
+    """The model's config.json as transformers reads it, once per process."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"--pipeline-arg model={directory}: transformers cannot read its config.json ({reason}); save the model "
+            "with save_pretrained(DIR) and point at DIR"
+        ) from None
+
+
+def causal_problems(model: str, config: Any) -> list[str]:
+    """Why AutoModelForCausalLM would not give a causal LM for `config`: a family without one,
+    or an encoder (BERT, RoBERTa…), whose causal-LM class attends to the following tokens unless
+    the config says `is_decoder: true`, and whose masked-LM weights leave its LM head fresh."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    kind = getattr(config, "model_type", None)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return [
+            f"--pipeline-arg model={model} is a {kind} model, which transformers has no causal LM class for; give a "
+            "decoder (GPT-2, Llama, Qwen…), or train it with hf-classification"
+        ]
+    encoder = kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.is_encoder_decoder
+    if encoder and not config.is_decoder and not getattr(config, "causal", False):
+        return [
+            f"--pipeline-arg model={model} is a {kind} model, an encoder: as a causal LM "
+            f"({MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind]}) each token would attend to the following ones and the LM "
+            "head would start fresh. Give a decoder (GPT-2, Llama, Qwen…), train it with hf-classification, or set "
+            '"is_decoder": true in its config.json to train it as a decoder on purpose'
+        ]
+    return []
+
+
+def weights_problem(directory: str) -> str | None:
+    """What is wrong with the safetensors weights in `directory` (the file, or an index and its
+    shards), from their headers only; None when nothing is or there are none."""
+    root = Path(directory)
+    files = [root / "model.safetensors"] if (root / "model.safetensors").is_file() else []
+    index = root / "model.safetensors.index.json"
+    if not files and index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return f"{index} is not a safetensors index (JSON with a weight_map)"
+        missing = [name for name in shards if not (root / name).is_file()]
+        if missing:
+            return f"{index} names {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}, not in {root}"
+        files = [root / name for name in shards]
+    return next((problem for problem in map(safetensors_problem, files) if problem), None)
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a whole safetensors file (an 8-byte header length, a JSON header, then
+    every tensor's bytes), or None."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little") if size >= 8 else None
+        if length is None or length > size - 8:
+            said = f"its header says {length:,} bytes" if length is not None else "it has no header"
+            return f"{path} is damaged: {said}, the file holds {size:,} (truncated, or not a safetensors file)"
+        try:
+            header = json.loads(handle.read(length))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return f"{path} is damaged: its header is not a safetensors header (not a safetensors file?)"
+    if 8 + length + end > size:
+        return f"{path} is damaged: its tensors end at byte {8 + length + end:,}, the file holds {size:,} (truncated)"
+    return None
 
 
 def is_saved_dataset(path: str) -> bool:
@@ -78,6 +231,18 @@ def is_saved_dataset(path: str) -> bool:
 
 
 def read_input(path: str, option: str):
+    """The rows at `path` (`read_rows`); a DataError when there are none (a text file of empty
+    lines only: Ray Data drops empty lines)."""
+    ds = read_rows(path, option)
+    if ds.schema() is None:
+        raise DataError(
+            f"--pipeline-arg {option}={path} holds no rows (no line of text, no record); give a file or directory "
+            "with rows"
+        )
+    return ds
+
+
+def read_rows(path: str, option: str):
     """The rows at `path` as a Ray Dataset: Parquet (read by row groups, so each worker reads its
     own), JSON lines, text (one row per line, column `text`), or a `save_to_disk` directory
     (through Ray Data's `from_huggingface`)."""

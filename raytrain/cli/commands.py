@@ -135,14 +135,15 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    pipeline_args = getattr(args, "pipeline_args", None)
     if args.format == "hf":
         from raytrain.rundir.export_hf import export_pretrained
 
-        export_pretrained(args.source, args.output, args.pipeline)
+        export_pretrained(args.source, args.output, args.pipeline, pipeline_args=pipeline_args)
     else:
         from raytrain.rundir.export import export_weights
 
-        export_weights(args.source, args.output, args.pipeline)
+        export_weights(args.source, args.output, args.pipeline, pipeline_args=pipeline_args)
     return 0
 
 

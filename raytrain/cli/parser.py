@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         "code; "
         "without it, export reads only the weights)",
     )
+    # Over the run's own (config.yaml): where its model or tokenizer directory is now, when moved.
+    add_flags(export, TrainConfig, only=("pipeline_args",))
     export.set_defaults(handler=handlers.cmd_export)
 
     data = commands.add_parser("data", help="write a pipeline's datasets as Parquet shards")

@@ -198,11 +198,10 @@ def read_error(units, ids: Sequence[int], name: str, exc: BaseException) -> Data
     wrong and the fix (`raytrain.data.files`); else the error Ray Data gave."""
     from raytrain.data.files import explain_read_error
 
-    fault, text = find_user_error(exc), first_error_line(exc)
-    if isinstance(fault, DataError):
+    fault = data_error_in(exc)
+    if fault is not None:
         return fault
-    if text.startswith(_DATA_ERROR):  # only its text came back through Ray's wrappers
-        return DataError(text[len(_DATA_ERROR) :])
+    text = first_error_line(exc)
     return explain_read_error(units, ids, name) or DataError(
         f"dataset {name!r} cannot be read: {text} (while reading {units.labels[ids[0]]} or the units after it); "
         "check those files, or the pipeline's own steps over them (map_batches)"
@@ -210,6 +209,15 @@ def read_error(units, ids: Sequence[int], name: str, exc: BaseException) -> Data
 
 
 _DATA_ERROR = f"{DataError.__module__}.{DataError.__name__}: "
+
+
+def data_error_in(exc: BaseException) -> DataError | None:
+    """The DataError a pipeline's step raised in Ray Data's tasks, inside `exc`: the exception
+    itself, or only its text when Ray's wrappers (UserCodeException) kept no more."""
+    fault, text = find_user_error(exc), first_error_line(exc)
+    if isinstance(fault, DataError):
+        return fault
+    return DataError(text[len(_DATA_ERROR) :]) if text.startswith(_DATA_ERROR) else None
 
 
 def with_file_cause(units, name: str, error: DataError) -> DataError:

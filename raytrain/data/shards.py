@@ -122,6 +122,23 @@ class _ReadTaskList:
         return False
 
 
+def materialize_in_order(ds):
+    """The dataset computed once (`materialize`) with its blocks in the order of its rows.
+    Without `preserve_order` Ray Data keeps blocks in the order their tasks finish, so the
+    rows at a position (what a data position and a resume count on) would vary from run to
+    run; the blocks' sizes still follow the cluster (Ray Data splits a read by its CPUs)."""
+    from raytrain.data.checks import data_error_in
+
+    ds.context.execution_options.preserve_order = True
+    try:
+        return ds.materialize()
+    except Exception as exc:  # a DataError a pipeline's step raised in Ray Data's tasks: its own message
+        fault = data_error_in(exc)
+        if fault is None:
+            raise
+        raise fault from None
+
+
 def split(ds) -> Units | str:
     """The dataset's units, or why they cannot be listed from metadata (a sentence)."""
     from ray.data._internal.logical.interfaces import SourceOperator

@@ -108,7 +108,7 @@ def prepare_datasets(datasets: dict[str, Any], cfg: "TrainConfig", echo: Callabl
                 "its blocks. To read it sharded instead, keep such steps out of build_datasets (e.g. write the data "
                 "with raytrain data)"
             )
-            units = shards.split(ds.materialize())
+            units = shards.split(shards.materialize_in_order(ds))
         if not units.num_rows:
             raise DataError(
                 f"dataset {name!r} is empty: it has no rows; check the pipeline's build_datasets and its input files"

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from raytrain import hooks
-from raytrain.errors import CheckpointError, UsageError, weights_mismatch
+from raytrain.errors import CheckpointError, PipelineError, UsageError, weights_mismatch
 from raytrain.rundir.checkpoints import load_model_weights
 from raytrain.rundir.files import storage_errors
 from raytrain.rundir.formats import save_torch
@@ -26,13 +26,18 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def export_weights(
-    source: str, output: str, pipeline: str | None = None, echo: Callable[[str], None] = print
+    source: str,
+    output: str,
+    pipeline: str | None = None,
+    echo: Callable[[str], None] = print,
+    pipeline_args: Any = None,
 ) -> "Path | Store":
     """Write the model of `source` (a run directory, a checkpoint directory or a .pt file; a
     path or a URI) to `output` (a path or a URI) as a plain state_dict; returns where (a Hugging
-    Face save_pretrained directory: `raytrain.rundir.export_hf`)."""
+    Face save_pretrained directory: `raytrain.rundir.export_hf`). `pipeline_args` (KEY=VALUE
+    pairs or a mapping) replace the run's own pipeline options for the check."""
     weights = plain_weights(source)
-    checked = check_against_pipeline(pipeline, Store.of(source), weights) if pipeline else ""
+    checked = check_against_pipeline(pipeline, Store.of(source), weights, pipeline_args) if pipeline else ""
     if is_uri(output):  # straight to an object store
         target = Store.of(output)
         buffer = io.BytesIO()
@@ -64,10 +69,10 @@ def strip_wrappers(key: str) -> str:
     return key
 
 
-def check_against_pipeline(spec: str, source: Store, weights: dict) -> str:
+def check_against_pipeline(spec: str, source: Store, weights: dict, pipeline_args: Any = None) -> str:
     """Load the weights into the pipeline's model with strict=True (the run's own options, from
     its config.yaml when the source is a run or one of its checkpoints, build the model)."""
-    pipe, _, _ = loaded_model(spec, source, weights)
+    pipe, _, _ = loaded_model(spec, source, weights, pipeline_args)
     return f"; checked: loads into {pipe.name}'s model with strict=True"
 
 
@@ -81,8 +86,11 @@ def run_config(source: Store) -> dict[str, Any]:
     return {}
 
 
-def loaded_model(spec: str, source: Store, weights: dict) -> tuple[Any, Any, "torch.nn.Module"]:
-    """(pipeline, config, model): the pipeline's model built with the run's own options, the
+def loaded_model(
+    spec: str, source: Store, weights: dict, pipeline_args: Any = None
+) -> tuple[Any, Any, "torch.nn.Module"]:
+    """(pipeline, config, model): the pipeline's model built with the run's own options (its
+    pipeline options replaced key by key by `pipeline_args`, export's --pipeline-arg), the
     weights loaded into it with strict=True."""
     from raytrain.config import TrainConfig, merge_layers
     from raytrain.pipeline import load_pipeline
@@ -92,8 +100,16 @@ def loaded_model(spec: str, source: Store, weights: dict) -> tuple[Any, Any, "to
     values = resolvable(run_config(source))  # what a hook replaced (the optimizer it built) is not an option
     values.pop("pipeline", None)
     values.pop("gpu", None)
-    cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, values, {"resume": False}))
-    model = hooks.call(pipe, "build_model", cfg)
+    given = {"pipeline_args": pipeline_args} if pipeline_args else {}
+    cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, values, {"resume": False}, given))
+    try:
+        model = hooks.call(pipe, "build_model", cfg)
+    except PipelineError as error:  # e.g. the model directory the run trained from has moved
+        raise PipelineError(
+            f"{source}: the run's pipeline options (its config.yaml) do not build its model here: {error}. "
+            "raytrain export takes --pipeline-arg KEY=VALUE too, over the run's own (e.g. --pipeline-arg "
+            "model=DIR where the model directory is now)"
+        ) from None
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:

@@ -22,10 +22,14 @@ INSTALL = "pip install 'raytrain[hf]'"
 
 
 def export_pretrained(
-    source: str, output: str, pipeline: str | None = None, echo: Callable[[str], None] = print
+    source: str,
+    output: str,
+    pipeline: str | None = None,
+    echo: Callable[[str], None] = print,
+    pipeline_args: Any = None,
 ) -> "Path | Store":
     """Write the model of `source` (`raytrain.rundir.export.export_weights` takes the same) as a
-    save_pretrained directory at `output`."""
+    save_pretrained directory at `output`, a new or empty directory or object-store prefix."""
     from raytrain.rundir.export import loaded_model, plain_weights, run_config
 
     try:
@@ -33,6 +37,7 @@ def export_pretrained(
         import transformers
     except ImportError:
         raise UsageError(f"--format hf needs transformers and safetensors, not installed here: {INSTALL}") from None
+    check_output(output)
     weights = plain_weights(source)
     store = Store.of(source)
     spec = pipeline or run_config(store).get("pipeline")
@@ -41,7 +46,7 @@ def export_pretrained(
             f"--format hf: {source} has no config.yaml naming its pipeline (a weights file or a lone checkpoint); "
             "name it with --pipeline PIPELINE, or export the run directory"
         )
-    pipe, cfg, model = loaded_model(spec, store, weights)
+    pipe, cfg, model = loaded_model(spec, store, weights, pipeline_args)
     if not isinstance(model, transformers.PreTrainedModel):
         raise UsageError(
             f"--format hf: {pipe.name}'s model is a {type(model).__name__}, not a transformers PreTrainedModel; "
@@ -57,13 +62,29 @@ def export_pretrained(
         echo(f"Wrote {target}: {describe_export(model, tokenizer, names)}")
         return target
     path = Path(output).expanduser()
-    if path.is_file() or (path.is_dir() and any(path.iterdir())):
-        raise UsageError(f"-o {path}: exists and is not an empty directory; give a new directory for --format hf")
     with storage_errors(path, "write"):
         names = save(model, tokenizer, path)
     echo(f"Wrote {path}: {describe_export(model, tokenizer, names)}")
     echo(f"Load with: AutoModel….from_pretrained({str(path)!r}) (e.g. AutoModelForCausalLM)")
     return path
+
+
+def check_output(output: str) -> None:
+    """UsageError when `output` holds files already: a save_pretrained directory mixed with
+    other files (another model's shards, an older config) would not load as this model. The
+    same rule for a local directory and for an object-store prefix."""
+    path = None if is_uri(output) else Path(output).expanduser()
+    if path is not None and path.is_file():
+        raise UsageError(f"-o {path}: is a file; give a new or empty directory for --format hf")
+    with storage_errors(output, "read"):
+        held = Store.of(output).list(recursive=True) if path is None else [p.name for p in path.glob("*")]
+    if held:
+        held = sorted(held)
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise UsageError(
+            f"-o {output}: holds files already ({shown}); give a new or empty "
+            f"{'prefix' if path is None else 'directory'} for --format hf"
+        )
 
 
 def save(model: Any, tokenizer: Any, directory: Path) -> list[str]:
