@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,34 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print(f"\ntests left files outside tmp_path: {', '.join(map(str, left))}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    _unblock_event_writers()
+
+
+def _unblock_event_writers() -> None:
+    """tensorboardX closes every writer left open at the interpreter's exit (atexit), by putting a
+    stop on its queue: a writer whose logging thread died (its directory, a test's tmp_path, gone)
+    has a full queue, and that put blocks forever. The Ray stage hung so once, after its last
+    test had passed. A writer still open here is closed now if its thread lives, else marked
+    closed so that the exit does not wait on it."""
+    import gc
+
+    try:
+        from tensorboardX.event_file_writer import EventFileWriter
+    except ImportError:
+        return
+    with warnings.catch_warnings():  # isinstance on every object touches deprecated module attributes
+        warnings.simplefilter("ignore")
+        writers = [obj for obj in gc.get_objects() if isinstance(obj, EventFileWriter)]
+    for writer in writers:
+        if writer._closed:
+            continue
+        worker = writer._worker
+        if worker is not None and worker.is_alive():
+            writer.close()
+        else:
+            writer._closed = True
+            with contextlib.suppress(Exception):
+                writer._ev_writer.close()
 
 
 _BEFORE = pytest.StashKey[set]()
