@@ -99,7 +99,7 @@ class OneDevice:
     `device`, no process group (`raytrain.worker.runtime.Runtime` without Ray)."""
 
     world_rank, world_size, local_rank, nodes, is_rank0 = 0, 1, 0, 1, True
-    distributed, backend = False, "none (gpu_check)"
+    distributed, backend, counts_flops = False, "none (gpu_check)", True
 
     def __init__(self, device: torch.device):
         self.device = device

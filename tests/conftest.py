@@ -59,7 +59,7 @@ def _unblock_event_writers() -> None:
         return
     with warnings.catch_warnings():  # isinstance on every object touches deprecated module attributes
         warnings.simplefilter("ignore")
-        writers = [obj for obj in gc.get_objects() if isinstance(obj, EventFileWriter)]
+        writers = [obj for obj in gc.get_objects() if _is_instance(obj, EventFileWriter)]
     for writer in writers:
         if writer._closed:
             continue
@@ -70,6 +70,14 @@ def _unblock_event_writers() -> None:
             writer._closed = True
             with contextlib.suppress(Exception):
                 writer._ev_writer.close()
+
+
+def _is_instance(obj: object, kind: type) -> bool:
+    """isinstance, false for a weak proxy whose object is gone (isinstance raises on it)."""
+    try:
+        return isinstance(obj, kind)
+    except ReferenceError:
+        return False
 
 
 _BEFORE = pytest.StashKey[set]()

@@ -14,6 +14,7 @@ from raytrain.config import TrainConfig
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.position import Position
 from raytrain.worker.checkpointer import Checkpointer
+from raytrain.worker.recovery import Recovery
 
 
 class FakeRuntime:
@@ -36,7 +37,8 @@ class FakeRuntime:
 
 def checkpointer(runtime, lines=None, invocation="run-1", **options):
     cfg = TrainConfig(checkpoint_every="auto", checkpoint_min_steps=2, checkpoint_max_steps=40, **options)
-    owner = Checkpointer(cfg, runtime, "/tmp/unused-run-dir", via_ray=True, invocation=invocation)
+    run_dir = "/tmp/unused-run-dir"
+    owner = Checkpointer(cfg, Recovery(cfg, run_dir, runtime), run_dir, invocation=invocation)
     owner.say = (lambda change: lines.append(change.line)) if lines is not None else None
     return owner
 

@@ -24,7 +24,7 @@ from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.worker import prefetch
 from raytrain.worker.checkpointer import Checkpointer
 from raytrain.worker.loop import Training
-from raytrain.worker.runtime import Runtime
+from raytrain.worker.recovery import Recovery
 from raytrain.worker.step import StepRunner
 from raytrain.worker.window import LossWindow
 
@@ -33,9 +33,7 @@ CPU = torch.device("cpu")
 
 
 class OneProcess:
-    world_rank, world_size, is_rank0, backend = 0, 1, True, "none"
-    distributed_checkpoints = per_step = healed = False
-    replica_count, start_step, commit = Runtime.replica_count, Runtime.start_step, Runtime.commit
+    world_rank, world_size, is_rank0, backend, distributed = 0, 1, True, "none", False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -127,8 +125,9 @@ def train(
         window=LossWindow.on(device),
     )
     position, files = Position(), Files()
-    checkpointer = Checkpointer(cfg, runner.runtime, Path("."), via_ray=True)
-    training = Training(cfg, runner.runtime, files, runner, checkpointer, table, None, position, announced=True)
+    recovery = Recovery(cfg, Path("."), runner.runtime)
+    checkpointer = Checkpointer(cfg, recovery, Path("."))
+    training = Training(cfg, recovery, files, runner, checkpointer, table, None, position, announced=True)
     for epoch in range(cfg.epochs):
         position.epoch, position.epoch_offset = epoch, 0
         training.train_epoch()

@@ -192,7 +192,13 @@ def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tm
     from raytrain.worker.epoch import Epochs
 
     def attempt(files, position, runner):
-        training = SimpleNamespace(files=files, position=position, runner=runner, train_data=range(1000))
+        training = SimpleNamespace(
+            files=files,
+            position=position,
+            runner=runner,
+            train_data=range(1000),
+            recovery=SimpleNamespace(group_size=1),
+        )
         training.quorum_line = lambda previous: Epochs.quorum_line(training, previous)
         return training
 
@@ -222,18 +228,24 @@ def test_a_replica_holds_no_collective_outside_a_step_and_a_group_member_does():
     the model left to torchft's DDP. A restarting group's worker does each with every rank."""
     import torch
 
+    from raytrain.config import TrainConfig
+    from raytrain.worker.groups import Solo
+    from raytrain.worker.recovery import Recovery
+    from raytrain.worker.replicas import PerStep, ReplicaRuntime
     from raytrain.worker.runtime import Runtime
 
-    def runtime(per_step: bool) -> Runtime:
-        worker = Runtime.__new__(Runtime)  # no Ray Train context: the policy only
+    def runtime(kind: type[Runtime]) -> Runtime:
+        worker = kind.__new__(kind)  # no Ray Train context: the policy only
         worker.world_rank, worker.world_size, worker.distributed = 1, 2, True
-        worker.device, worker.per_step = torch.device("cpu"), per_step
+        worker.device, worker.replica = torch.device("cpu"), Solo(1)
         return worker
 
-    replica, member = runtime(per_step=True), runtime(per_step=False)
+    replica, member = runtime(ReplicaRuntime), runtime(Runtime)
     assert replica.evaluation_share() == (0, 1) and member.evaluation_share() == (1, 2)
     assert replica.all_gather_object("mine") == ["mine"]
-    assert not replica.distributed_checkpoints and member.distributed_checkpoints
+    per_step = PerStep.__new__(PerStep)
+    per_step.runtime = replica
+    assert not per_step.distributed_checkpoints and Recovery(TrainConfig(), ".", member).distributed_checkpoints
     model = torch.nn.Linear(2, 2)
     assert replica.prepare_model(model, {}) is model  # torchft's DDP wraps it when the replica joins
 

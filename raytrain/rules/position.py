@@ -60,6 +60,12 @@ class Position:
         position.epoch_loss = EpochLoss.of(stored.get("epoch_loss"))
         return position
 
+    def trains_with(self, world_size: int) -> None:
+        """The run trains with `world_size` workers from here: added to `world_sizes` when it
+        differs from the last."""
+        if not self.world_sizes or self.world_sizes[-1] != world_size:
+            self.world_sizes = [*self.world_sizes, world_size]
+
     def epoch_loss_so_far(self) -> EpochLoss:
         """The epoch's synced training loss so far (none when the record is another epoch's)."""
         return self.epoch_loss if self.epoch_loss.epoch == self.epoch else EpochLoss(self.epoch)

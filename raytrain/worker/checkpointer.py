@@ -43,12 +43,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
     from raytrain.rules.position import Position
     from raytrain.rundir.writer import RunWriter
+    from raytrain.worker.recovery import Recovery
     from raytrain.worker.runtime import Runtime
     from raytrain.worker.state import Save
     from raytrain.worker.step import StepRunner
 
-# How long rank 0 waits at the end of a run for Ray's upload step to publish its last checkpoint.
-PUBLISH_WAIT_S = 60.0
 # How many times a restore lists the run again when the checkpoint it was loading was pruned
 # meanwhile (each time a newer one had been published: a writer saves at most every step).
 RELISTS = 5
@@ -65,22 +64,18 @@ class Checkpointed(Protocol):
 class Checkpointer:
     """A worker's checkpoints (see the module's docstring)."""
 
-    def __init__(
-        self, cfg: "TrainConfig", runtime: "Runtime", store: Store, *, via_ray: bool, invocation: str = ""
-    ) -> None:
-        self.every, self.keep, self.asynchronous = (
-            cfg.checkpoint_every_steps,
-            cfg.num_checkpoints_to_keep,
-            cfg.checkpoint_async,
-        )
+    def __init__(self, cfg: "TrainConfig", recovery: "Recovery", store: Store, *, invocation: str = "") -> None:
         self.cfg, self.invocation = cfg, invocation  # invocation: this driver's run of the job
         self.auto: AutoInterval | None = None  # --checkpoint-every auto, once restored
         self.saved_step, self.tick = 0, None  # the last checkpoint's step; when the last step ended
         self.say = None  # rank 0's event line (the run files, once restored)
-        self.runtime, self.store = runtime, Store.of(store)
-        self.via_ray = via_ray  # Ray Train registers and prunes (a restarting group); else the writer does
+        self.recovery, self.store = recovery, Store.of(store)  # the recovery object: who writes, how published
         self._save: Save | None = None  # this rank's checkpoint being written
         self._publish: Publish | None = None  # ... and being published
+
+    @property
+    def runtime(self) -> "Runtime":
+        return self.recovery.runtime
 
     def due(self, step: int, last: bool) -> bool:
         """Whether the step at `step` is checkpointed for the cadence (--checkpoint-every-steps, or
@@ -91,7 +86,8 @@ class Checkpointer:
                 self.auto.on_steps(1, now - self.tick)
             self.tick = now
             return self.auto.due(step - self.saved_step) and not last
-        return bool(self.every) and step % self.every == 0 and not last
+        every = self.cfg.checkpoint_every_steps
+        return bool(every) and step % every == 0 and not last
 
     def restore(self, training: Checkpointed) -> dict[str, Any] | None:
         """Continue from the furthest checkpoint of the run (`raytrain.rundir.checkpoints.resume_choice`)
@@ -99,9 +95,9 @@ class Checkpointer:
         cannot load is passed over on every rank, and said once. One pruned while it was being
         loaded (a per-step run's quorum writes on while a replacement restores) is no fault of
         the checkpoint: the run is listed again, up to RELISTS times."""
-        runner, files, runtime = training.runner, training.files, self.runtime
+        runner, files = training.runner, training.files
         for _ in range(RELISTS):
-            choice = ckpt.resume_choice(self.store, also=runtime.latest_checkpoint())
+            choice = ckpt.resume_choice(self.store, also=self.runtime.latest_checkpoint())
             saved, pruned = self._load_first(choice, runner)
             if not pruned:
                 break
@@ -122,7 +118,7 @@ class Checkpointer:
     def _load_first(self, choice: ckpt.ResumeChoice, runner: "StepRunner") -> tuple[dict[str, Any] | None, bool]:
         """Load the first of `choice`'s checkpoints that loads on every rank of the group: its train
         state (None: none did), and whether the group stopped at one pruned since the listing."""
-        runtime = self.runtime
+        runtime, distributed = self.runtime, self.recovery.distributed_checkpoints
         for directory, train_state in choice.usable:
             state = runner.training_state(Position.restored(train_state))
             unusable = pruned = 0.0
@@ -131,7 +127,7 @@ class Checkpointer:
                     directory,
                     runtime,
                     self.cfg.seed,
-                    distributed=runtime.distributed_checkpoints,
+                    distributed=distributed,
                     load_optimizer=functools.partial(_in_build_optimizer, runner.pipeline),
                 )
             except CheckpointError as error:
@@ -140,7 +136,7 @@ class Checkpointer:
                 else:
                     choice.pass_over(directory, str(error))
                     unusable = 1.0
-            if runtime.distributed_checkpoints:  # every rank continues from the same one
+            if distributed:  # every rank continues from the same one
                 unusable, pruned = runtime.group_sum([unusable, pruned])
             if pruned:
                 return None, True
@@ -174,7 +170,7 @@ class Checkpointer:
             nodes=self.runtime.nodes,
             min_steps=cfg.checkpoint_min_steps,
             max_steps=cfg.checkpoint_max_steps,
-            per_step=cfg.fault_tolerance == "per-step",
+            per_step=not self.recovery.rolls_back_every_node,
         )
 
     def tell(self, change: IntervalChange | None) -> None:
@@ -206,31 +202,25 @@ class Checkpointer:
         started, runtime = time.perf_counter(), self.runtime
         self.finish()  # one in flight at a time: bounded host memory and local disk
         name = runtime.all_gather_object(ckpt.checkpoint_name(position.step) if runtime.is_rank0 else None)[0]
-        if runtime.writes_checkpoints or self.via_ray:  # per-step: the quorum's first group (or rank 0) writes
-            distributed, staging = runtime.distributed_checkpoints, ckpt.staging_dir(self.store) / name
+        recovery = self.recovery
+        if recovery.writes_checkpoints:
+            distributed, staging = recovery.distributed_checkpoints, ckpt.staging_dir(self.store) / name
             with storage_errors(staging, "write the checkpoint"):
                 state = runner.training_state(position)
                 save = self._save = state.save(staging, runtime, self.contents(training), distributed=distributed)
-                if not self.asynchronous:
+                if not self.cfg.checkpoint_async:
                     save.wait()
 
             def wait_written() -> None:
                 with storage_errors(staging, "write the checkpoint"):
                     save.wait()
 
-            coordinator = runtime.is_rank0 or not distributed
             publish = self._publish = Publish(
                 staging, self.store / name, wait_written, rank=runtime.world_rank if distributed else None,
-                coordinator=coordinator, step=position.step,
+                coordinator=runtime.is_rank0 or not distributed, step=position.step,
             )  # fmt: skip
-            if not self.via_ray:
-                publish.start(then=self.prune)
-            elif coordinator:
-                runtime.report(metrics, name, staging, publish, self.asynchronous)
-            else:
-                publish.start()
-                runtime.report(metrics, asynchronous=self.asynchronous)
-        if not self.asynchronous:
+            recovery.publish(publish, metrics, name, staging, self.cfg.checkpoint_async, self.prune)
+        if not self.cfg.checkpoint_async:
             self.finish()
         stall_s = time.perf_counter() - started
         runner.telemetry.checkpoint_wait_s += stall_s
@@ -250,7 +240,7 @@ class Checkpointer:
 
     def prune(self) -> None:
         """The oldest checkpoints beyond --num-checkpoints-to-keep go (Ray Train's are Ray's to prune)."""
-        for old in ckpt.checkpoint_dirs(self.store)[: -self.keep]:
+        for old in ckpt.checkpoint_dirs(self.store)[: -self.cfg.num_checkpoints_to_keep]:
             ckpt.remove(old)
 
     def finish(self, timeout_s: float | None = None) -> None:
@@ -262,9 +252,7 @@ class Checkpointer:
             with storage_errors(save.directory, "write the checkpoint"):
                 save.wait(timeout_s)
         if publish is not None:
-            # Ray's upload step renames rank 0's: wait for that, briefly, so the run's end sees it
-            ray_runs_it = self.via_ray and publish.coordinator and self.runtime.distributed and self.store.renames
-            publish.wait(min(PUBLISH_WAIT_S, timeout_s or PUBLISH_WAIT_S) if ray_runs_it else timeout_s)
+            publish.wait(self.recovery.publish_wait_s(publish, self.store, timeout_s))
 
 
 def _in_build_optimizer(pipeline: Any, load: Any) -> None:

@@ -2,10 +2,10 @@
 step (the sync, the metrics row, the checkpoint), and the epoch's end (validation, its row,
 the reported checkpoint).
 
-One way through an epoch, `train_epoch`, whatever the fault tolerance: the runtime's policy
-of the step (`Runtime.start_step`, `Runtime.commit`) is every rank, always, for a worker
-group that restarts on a failure, and the quorum of live replicas for per-step fault
-tolerance (`raytrain.worker.replicas`).
+One way through an epoch, `train_epoch`, whatever the fault tolerance: the recovery object's
+policy of the step (`Recovery.start_step`, `Recovery.commit`: `raytrain.worker.recovery`) is
+every rank, always, for a worker group that restarts on a failure, and the quorum of live
+replicas for per-step fault tolerance.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from raytrain.data.draws import Draws
 from raytrain.data.stream import Stream, StreamEpoch
@@ -28,6 +28,13 @@ from raytrain.worker import prefetch
 from raytrain.worker.phases import SteadyClock
 from raytrain.worker.window import TrainingDiverged, divergence_message, sync
 
+if TYPE_CHECKING:  # pragma: no cover
+    from raytrain.config import TrainConfig
+    from raytrain.rundir.writer import RunWriter
+    from raytrain.worker.checkpointer import Checkpointer
+    from raytrain.worker.runtime import Runtime
+    from raytrain.worker.step import StepRunner
+
 Data = Table | Stream | Draws  # a dataset on a worker
 DIVERGED_CHECKPOINT_WAIT_S = 60.0  # how long a diverged rank waits for the checkpoint being written
 
@@ -41,9 +48,17 @@ class EpochResult(NamedTuple):
 
 class Epochs:
     """An attempt's epochs: the one loop over an epoch's steps, what follows each step, and the
-    epoch's end. `raytrain.worker.loop.Training` holds what they use (cfg, runtime, files,
-    runner, checkpointer, data, position) and says what its first quorum is (`first_quorum`)."""
+    epoch's end. `raytrain.worker.loop.Training` holds what they use."""
 
+    cfg: "TrainConfig"
+    recovery: Any  # raytrain.worker.recovery.Recovery
+    runtime: "Runtime"
+    files: "RunWriter"
+    runner: "StepRunner"
+    checkpointer: "Checkpointer"
+    train_data: Data
+    val_data: Data | None
+    position: Position
     announced: bool
     steady_clock: SteadyClock | None
 
@@ -56,32 +71,25 @@ class Epochs:
         then the step is applied only if every member commits it. An uncommitted step is taken
         again from the same offset, so a committed step is the only one that counts its rows:
         every row once per epoch."""
-        cfg, runtime, position, source = self.cfg, self.runtime, self.position, self.train_data
+        cfg, recovery, position, source = self.cfg, self.recovery, self.position, self.train_data
         start, samples_before, budget = time.perf_counter(), position.samples_seen, Budget.of(cfg)
         self.runner.model.train()
         data = plain = split = None
         taken, stop = 0, False
         while position.epoch_offset < len(source) and not budget.steps_done(position.step):
-            quorum = runtime.start_step(position.step)
-            self.files.enabled = runtime.is_rank0
-            if runtime.healed:  # the position (and the epoch's loss so far) came from a live peer
+            quorum = recovery.start_step(position.step, self.runner.window)
+            self.files.enabled = recovery.runtime.is_rank0
+            if recovery.healed:  # the position (and the epoch's loss so far) came from a live peer
                 start, samples_before = time.perf_counter(), position.samples_seen
-            if not self.announced:
-                # Alone in its first quorum after the others wrote the end: a replacement too late to join.
-                alone = quorum.size == runtime.group_size < runtime.replica_count  # the same on a group's workers
-                if alone and runtime.all_gather_object(self.files.rundir.finished(budget))[0]:
-                    return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True)
-                if runtime.healed:  # a replacement says nothing of its own: the quorum's line does
-                    self.announced = True
-                else:
-                    self.first_quorum(quorum.size)
+            if not self.announced and recovery.first_quorum(self, quorum):  # a replacement too late to join
+                return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True)
             if quorum != split:
                 self.follow_quorum(quorum.size)
                 split, data = quorum, None
             if data is None:  # a new split, or the rows of an uncommitted step to read again
                 data = plain = source.epoch(cfg.seed, position.epoch, position.epoch_offset, quorum.rank, quorum.size)
-                if prefetch.wanted(cfg.prefetch, runtime.device):
-                    data = prefetch.Prefetched(plain, runtime.device)
+                if prefetch.wanted(cfg.prefetch, recovery.runtime.device):
+                    data = prefetch.Prefetched(plain, recovery.runtime.device)
             step = steps.next_step(len(source), self.runner.batch_plan.global_batch_size, position.epoch_offset, taken)
             last = step.end >= len(source) or budget.steps_done(position.step + 1)
             if not self.take_step(data, step, last):  # a member failed inside the step: nothing of it is applied
@@ -91,7 +99,7 @@ class Epochs:
             stop = self.after_step(last)
             if stop and not last:
                 return EpochResult(math.nan, math.nan, stopped=True)
-        if position.epoch_offset >= len(source) and not runtime.per_step:  # no collective outside a step per-step
+        if position.epoch_offset >= len(source):
             self.note_skipped_rows(plain)
         if self.steady_clock is not None:  # the epoch's last step ended at a sync (its row)
             self.steady_clock.settle(self.runner.telemetry)
@@ -100,7 +108,7 @@ class Epochs:
 
     def take_step(self, data: Any, step: steps.Step, last: bool) -> bool:
         """One optimizer step over this rank's rows of `step`, applied only if every member of the
-        quorum commits it (`Runtime.commit`); returns whether it was. Then the position after it
+        quorum commits it (`Recovery.commit`); returns whether it was. Then the position after it
         and, with prefetching data and unless `last`, the next step's batch staged inside this
         step's time. Steps past --timing-warmup-steps are timed."""
         runner, position = self.runner, self.position
@@ -110,12 +118,8 @@ class Epochs:
             self.steady_clock = SteadyClock(self.runtime.device)
         tick = self.steady_clock.start() if steady else None
         phase = runner.phases(position, timed=steady)
-        # Only a per-step quorum can refuse a step; restart mode's commit is always yes.
-        window = runner.window.snapshot() if self.runtime.per_step else None
         runner.gradients(data, step, phase)
-        if not self.runtime.commit():
-            runner.optimizer.zero_grad(set_to_none=True)
-            runner.window.restore(window)
+        if not self.recovery.commit(runner):
             return False
         runner.apply_gradients(position, phase)
         if not last and isinstance(data, prefetch.Prefetched):
@@ -137,12 +141,12 @@ class Epochs:
         if size != previous:
             line = self.quorum_line(previous)
             self.files.event(Kind.QUORUM, line, world_size=size, previous_world_size=previous, step=position.step)
-        position.world_sizes = append_if_new(position.world_sizes, size)
+        position.trains_with(size)
 
     def quorum_line(self, previous: int) -> str:
         """`Quorum 3 → 2 replicas at step 40 (epoch 1, 1,280 samples into it): <plan>; lr now …`."""
         runner, position = self.runner, self.position
-        now, k = runner.runtime.world_size, runner.runtime.group_size
+        now, k = runner.runtime.world_size, self.recovery.group_size
         if k > 1:  # replica groups of several workers: counted in workers, and in groups
             what = f"workers ({previous // k} → {now // k} replica groups of {k})"
             lost, back = "a worker was lost, and its group with it; the other groups go on", "a group rejoined"
@@ -170,7 +174,7 @@ class Epochs:
         evaluate_now = self.val_data is not None and evaluation_due(position.step, cfg.eval_every_steps, last)
         if position.step % cfg.log_every_steps == 0 or last or checkpoint_now or evaluate_now:
             # Every checkpoint follows a sync: weights are saved only after their loss was seen finite.
-            asked = files.stop_requested(anyone=self.runtime.per_step)
+            asked = files.stop_requested(anyone=self.recovery.each_reads_stop)
             loss, count, stop = self.sync_ranks(stop_requested=asked)
             stop = stop or asked
             if count:
@@ -304,18 +308,16 @@ class Epochs:
             )
 
     def note_skipped_rows(self, data: Any) -> None:
-        """Rows of the stream skipped this epoch for NaN/inf (--skip-nan-rows), over all ranks."""
+        """Rows of the stream skipped this epoch for NaN/inf (--skip-nan-rows), over all ranks
+        (`Recovery.sum_at_epoch_end`: not shared per-step, where no collective runs outside a step)."""
         if self.cfg.skip_nan_rows and isinstance(data, StreamEpoch):  # a collective: every rank, at the epoch's end
-            skipped = int(self.runtime.all_reduce_sum([float(data.skipped_rows)])[0])
+            total = self.recovery.sum_at_epoch_end([float(data.skipped_rows)])
+            skipped = int(total[0]) if total is not None else 0
             if skipped:
                 self.files.event(
                     Kind.DATA,
                     f"epoch {self.position.epoch + 1}: skipped {skipped:,} row(s) holding NaN or inf (--skip-nan-rows)",
                 )
-
-
-def append_if_new(sizes: list[int], size: int) -> list[int]:
-    return sizes if sizes and sizes[-1] == size else [*sizes, size]
 
 
 def advance(position: Position, step: steps.Step) -> None:

@@ -5,16 +5,15 @@ failure and after every resize. Resume is the only way in: a fresh run is "no
 checkpoint". The batch plan and the learning rate are re-derived from the rules
 (`raytrain.rules`) at every attempt, for the world size this attempt has.
 
-`Training` owns one attempt: its runtime, run files, data, position, the step machinery
+`Training` owns one attempt: its recovery object (`raytrain.worker.recovery`: the
+fault-tolerance mode, and the runtime), run files, data, position, the step machinery
 (`raytrain.worker.step`) and the checkpoints (`raytrain.worker.checkpointer`). Its one loop
-runs epochs (`raytrain.worker.epoch`); per-step fault tolerance is the runtime's policy of
-the step (`raytrain.worker.replicas`).
+runs epochs (`raytrain.worker.epoch`), whatever the mode.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -31,17 +30,17 @@ from raytrain.rules.attempt import Attempt
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.budget import Budget
 from raytrain.rules.position import Position, progress
-from raytrain.rules.replicas import partial_start_line
 from raytrain.rules.stall import diagnose
 from raytrain.rundir.heartbeats import Heartbeat, read_heartbeats
 from raytrain.rundir.records import HEARTBEATS, Kind
 from raytrain.rundir.storage import Store
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker.checkpointer import Checkpointer
-from raytrain.worker.epoch import Data, Epochs, append_if_new
+from raytrain.worker.epoch import Data, Epochs
 from raytrain.worker.optim import describe_optimizer
 from raytrain.worker.phases import SteadyClock
-from raytrain.worker.replicas import JOIN_TIMEOUT_S, ReplicaRuntime
+from raytrain.worker.recovery import Recovery
+from raytrain.worker.replicas import PerStep
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import unwrap
 from raytrain.worker.step import StepRunner
@@ -59,6 +58,8 @@ class WorkerPayload:
 
 
 PAYLOAD = "raytrain"
+# The recovery object of each --fault-tolerance mode (`raytrain.worker.recovery`).
+RECOVERIES: dict[str, type[Recovery]] = {"restart": Recovery, "per-step": PerStep}
 # When a run ends on the user's error, how long a rank waits for its checkpoint being written.
 FINISH_ON_ERROR_S = 60.0
 
@@ -66,21 +67,14 @@ FINISH_ON_ERROR_S = 60.0
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     payload: WorkerPayload = loop_config[PAYLOAD]
     cfg, run_dir = payload.config, Store.of(payload.run_dir)
-    per_step = cfg.fault_tolerance == "per-step"
-    runtime = (
-        ReplicaRuntime(cfg.collective_timeout_s, run_dir, cfg.replica_group_size) if per_step else Runtime(cfg.gpu)
-    )
+    recovery = RECOVERIES[cfg.fault_tolerance](cfg, run_dir)
+    runtime = recovery.runtime
     files = RunWriter(run_dir, enabled=runtime.is_rank0)
     heartbeat = Heartbeat(run_dir.local_dir / HEARTBEATS, runtime.world_rank, enabled=runtime.world_size > 1)
-    checkpointer = Checkpointer(cfg, runtime, run_dir, via_ray=not per_step, invocation=payload.invocation)
-    if not per_step:  # a replacement replica must not clear what the live quorum is writing
-        files.clear_staging()
+    checkpointer = Checkpointer(cfg, recovery, run_dir, invocation=payload.invocation)
     try:
-        # A replacement that came up after the others finished the run: nothing to join (a
-        # group's workers go by its rank 0's reading, so that they all go or all stay).
-        if per_step and runtime.all_gather_object(files.rundir.finished(Budget.of(cfg)))[0]:
-            return
-        Training.begin(cfg, payload.pipeline, runtime, files, heartbeat, payload.sources, checkpointer).run()
+        if recovery.open(files, Budget.of(cfg)):
+            Training.begin(cfg, payload.pipeline, recovery, files, heartbeat, payload.sources, checkpointer).run()
     except Exception as exc:
         # A device's failure outside a step's phases (an assert shows at the host's next wait on
         # the GPU: the loss sync, a checkpoint's copy), as the user's too.
@@ -98,18 +92,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     finally:
         heartbeat.stop()
         files.close()
-        if per_step:
-            runtime.shutdown()
+        recovery.close()
 
 
 @dataclass
 class Training(Epochs):
     """One attempt of this worker: what it trains with and where it is. `run` is its one loop
-    over epochs (`Epochs.train_epoch` over each one's steps); the fault tolerance is the
-    runtime's policy of the step (`Runtime.start_step`/`commit`)."""
+    over epochs (`Epochs.train_epoch` over each one's steps); how a failure is recovered from
+    is the recovery object's (`raytrain.worker.recovery`)."""
 
     cfg: TrainConfig
-    runtime: Runtime
+    recovery: Recovery
     files: RunWriter
     runner: StepRunner  # the model, optimizer and rules of the current quorum
     checkpointer: Checkpointer
@@ -118,45 +111,40 @@ class Training(Epochs):
     position: Position
     saved: dict[str, Any] | None = None  # the checkpoint's train state (None: a fresh start)
     attempt: Attempt | None = None
-    not_waited: str | None = None  # per-step: why the replicas that started together did not all meet
     announced: bool = False
     steady_clock: SteadyClock | None = None  # times the steady steps (on a GPU, by CUDA events)
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.recovery.runtime
 
     @classmethod
     def begin(
         cls,
         cfg: TrainConfig,
         pipeline: Pipeline,
-        runtime: Runtime,
+        recovery: Recovery,
         files: RunWriter,
         heartbeat: Heartbeat,
         sources: dict[str, Source],
         checkpointer: Checkpointer,
     ) -> "Training":
         """Build for this attempt's workers (per-step: replicas), then restore: the furthest
-        checkpoint that loads. A replica joins its quorum once restored."""
-        workers = runtime.replica_count
-        if isinstance(runtime, ReplicaRuntime) and runtime.starts_with_group:
-            runtime.start_manager()  # heartbeating while it restores: the first quorum waits for it
+        checkpoint that loads; then ready to step (`Recovery.after_restore`)."""
+        runtime, workers = recovery.runtime, recovery.replica_count
         heartbeat.mark(0, "data")
         train_data = open_source("train", sources["train"], runtime.get_object, cfg.skip_nan_rows)
         val = sources.get("val")
         val_data = open_source("val", val, runtime.get_object, cfg.skip_nan_rows) if val is not None else None
         runner = StepRunner.build(pipeline, cfg, runtime, heartbeat, batch_plan_for(cfg, workers), len(train_data))
-        training = cls(cfg, runtime, files, runner, checkpointer, train_data, val_data, Position())
+        training = cls(cfg, recovery, files, runner, checkpointer, train_data, val_data, Position())
         training.saved = saved = checkpointer.restore(training)
         training.position = position = Position.restored(saved)
         now = data_digest(train_data)
         resume.check_same_data(position.data, now, position.step, mid_epoch=bool(position.epoch_offset))
         position.data = now
         training.attempt = Attempt.of(saved is not None, position.world_sizes, workers)
-        if isinstance(runtime, ReplicaRuntime):
-            state = runner.training_state(position)
-            training.runner = dataclasses.replace(runner, model=runtime.join(runner.model, state.live, state.load_live))
-            training.not_waited = runtime.wait_for_group()  # every replica restored and heartbeating, or why not
-        else:  # a replica announces at its first quorum (a replacement by the quorum's line)
-            training.announce()
-            position.world_sizes = append_if_new(position.world_sizes, runtime.world_size)
+        recovery.after_restore(training)
         return training
 
     def run(self) -> None:
@@ -180,15 +168,6 @@ class Training(Epochs):
             weights = self.runner.training_state(position).weights()  # a collective under fsdp: every rank gathers
             self.files.finish(weights, progress(position, self.runner.telemetry, "finished"))
         self.checkpointer.finish()  # the last checkpoint's files, written in the background
-
-    def first_quorum(self, size: int) -> None:
-        """A replica's first quorum: the attempt's line (a replacement says nothing of its own:
-        the quorum's line does), and why not every replica that started together is in it."""
-        runtime = self.runtime
-        self.announce()
-        if isinstance(runtime, ReplicaRuntime) and runtime.starts_with_group and size < runtime.replica_count:
-            line = partial_start_line(runtime.quorum.size, runtime.replica_count, self.not_waited, JOIN_TIMEOUT_S)
-            self.files.event(Kind.QUORUM, line, world_size=size)
 
     def announce(self) -> None:
         """Rank 0 says what this attempt is (with the plan and rate it trains with, against the

@@ -9,10 +9,12 @@ are averaged over the step's participants, and a step is applied only if every p
 commits it; one that is not committed (a peer died inside it) is taken again from the same
 position over the next quorum.
 
-`ReplicaRuntime` is the `Runtime` the loop sees in this mode: its rank and world size are
-this replica's place in the current quorum, its collectives go through the Manager, and
-checkpoints are written by the quorum's rank 0 straight to the run directory (Ray's report
-is a barrier over every worker, which a lost replica would hold up).
+`PerStep` is this mode's recovery object (`raytrain.worker.recovery`): the quorum, the
+commit, healing, a replacement's first quorum, and checkpoints written by the quorum's rank 0
+straight to the run directory (Ray's report is a barrier over every worker, which a lost
+replica would hold up). `ReplicaRuntime` is the runtime the loop sees in this mode: its rank
+and world size are this replica's place in the current quorum, and its collectives go
+through the Manager.
 
 Replicas that start together (a fresh start, a resume, a restart of every replica) start their
 Managers before they restore and meet at a barrier once restored, so the first quorum holds
@@ -26,12 +28,13 @@ rank r of the others through the Manager, a worker's share of a step's rows is i
 share split by rank (`raytrain.rules.replicas.step_share`), and the quorum's first group
 writes checkpoints together (DCP over the group). A group loses all its workers or none: the
 controller takes a lost worker's group out, and a worker that sees a member of its group gone
-leaves (`GroupWatch`).
+leaves (`raytrain.worker.groups`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import statistics
@@ -39,18 +42,31 @@ import threading
 import time
 from collections import deque
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from ray.train.v2.torch import torchft_config as ray_torchft
 
-from raytrain.parallel.hsdp import GroupWatch
 from raytrain.rules import replicas as rules
+from raytrain.rules.budget import Budget
+from raytrain.rules.replicas import partial_start_line
 from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind
 from raytrain.rundir.storage import Store
 from raytrain.text import first_line
-from raytrain.worker.runtime import Quorum, Runtime, group_barrier
+from raytrain.worker.groups import replica_of
+from raytrain.worker.recovery import Quorum, Recovery
+from raytrain.worker.runtime import Runtime, group_barrier
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pathlib import Path
+
+    from raytrain.config import TrainConfig
+    from raytrain.rundir.publish import Publish
+    from raytrain.rundir.writer import RunWriter
+    from raytrain.worker.recovery import Runner, Training
+    from raytrain.worker.state import TrainingState
+    from raytrain.worker.window import LossWindow
 
 # The lighthouse waits up to join_timeout_ms for every live (heartbeating) replica before it
 # forms a quorum: torchft's 100 ms default is shorter than a step, so the replicas would never
@@ -59,12 +75,6 @@ from raytrain.worker.runtime import Quorum, Runtime, group_barrier
 # (measured here: about 1 s lost per failure at 1000 ms).
 JOIN_TIMEOUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 1.0
-# A worker of a replica group of several leaves once a member of its group has not beaten for
-# this long (`raytrain.parallel.hsdp.GroupWatch`). The controller takes a lost worker's group
-# out first, within its poll (`raytrain.driver.replacement`); the watch is for a loss the
-# controller does not see. Long enough that a loaded machine, where a process can go a few
-# seconds unscheduled, is not taken for a loss (2.5 s seen with 4 workers on 2 cores).
-GROUP_LOST_AFTER_S = 15.0
 LIGHTHOUSE_KWARGS = {
     "min_replicas": 1,
     "join_timeout_ms": int(JOIN_TIMEOUT_S * 1000),
@@ -118,14 +128,18 @@ class StallWatch:
         self.on_stall, self.clock = on_stall, clock
         self.step: int | None = None
         self.since, self.limit_s = 0.0, math.inf
+        self.work_s: deque[float] = deque(maxlen=rules.STEPS_REMEMBERED)  # committed steps' work
 
     def enter(self, step: int, limit_s: float) -> None:
         self.since, self.limit_s, self.step = self.clock(), limit_s, step
 
-    def leave(self) -> float:
-        """Seconds since `enter`."""
+    def leave(self, committed: bool = False) -> float:
+        """Seconds since `enter`; a committed step's are remembered (what a step takes: `stall_after_s`)."""
         self.step = None
-        return self.clock() - self.since
+        seconds = self.clock() - self.since
+        if committed:
+            self.work_s.append(seconds)
+        return seconds
 
     def check(self) -> bool:
         """Whether the replica is stalled (then `on_stall` has run)."""
@@ -149,222 +163,70 @@ class StallWatch:
 
 
 class ReplicaRuntime(Runtime):
-    """This worker as one replica of the quorum (see the module's docstring)."""
+    """The runtime a per-step replica's loop sees: its rank and world size are its place in the
+    current quorum (`PerStep.start_step` sets them), its collectives go through torchft's
+    Manager across replicas and through its group within one (`raytrain.worker.groups`), and
+    there is none outside a step, where no quorum would guard it against a lost peer: each
+    replica validates on all of the (small) validation set by itself and gathers only its own
+    (group's) values, and its model is wrapped by torchft when the replica joins, not by Ray's."""
 
-    per_step = True
+    counts_flops = False
 
-    def __init__(self, timeout_s: float, run_dir: "str | os.PathLike | Store", group_size: int = 1) -> None:
+    def __init__(self, timeout_s: float, run_dir: Store, group_size: int) -> None:
         super().__init__()
-
-        self.replica_rank, self._replicas = self.world_rank, self.world_size  # Ray Train's rank and size
-        self.timeout_s = timeout_s
-        self.group_size = group_size
-        self.group, self.group_rank = rules.group_of(self.replica_rank, group_size)
-        self.group_store: tuple[str, int] | None = None  # a group of several workers: where it meets
-        self.group_watch: GroupWatch | None = None
-        self.quorum = Quorum(self.replica_count, self.replica_rank)  # until the first step's quorum
-        self.healed = False
-        self.starts_with_group = rules.starts_with_group(os.environ)
-        self.manager = None
-        self._state: Callable[[], dict[str, Any]] | None = None
-        self._load: Callable[[dict[str, Any]], None] | None = None
-        self.run_dir = Store.of(run_dir)
-        self.watch = StallWatch(self._leave_stalled)
-        self.work_s: deque[float] = deque(maxlen=rules.STEPS_REMEMBERED)  # committed steps' work
+        self.replica_rank, self.replicas = self.world_rank, self.world_size  # Ray Train's rank and size
+        self.timeout_s, self.run_dir = timeout_s, run_dir
         self.distributed = True
+        self.replica = replica_of(self.replica_rank, group_size, timeout_s, self._collective_device(), run_dir)
+        self.manager = None  # torchft's, once started (`start_manager`)
         collectives = "nccl" if self.device.type == "cuda" else "gloo"
-        self.backend = f"torchft ({collectives}) over {self.replica_count} replicas"
+        self.backend = f"torchft ({collectives}) over {self.replicas} replicas"
         if group_size > 1:
-            self._form_group(collectives)
-            groups = self.replica_count // group_size
+            groups = self.replicas // group_size
             self.backend = f"torchft ({collectives}) over {groups} replica groups of {group_size} (fsdp within each)"
 
-    def _form_group(self, backend: str) -> None:
-        """This worker's replica group of several: the process group its model is sharded over
-        (its default group, in place of Ray Train's group of one), met on the group's store
-        (`raytrain.driver.replacement`), and the watch that ends this worker once a member of
-        its group is gone (the group is replaced whole)."""
-        import torch.distributed as dist
-
-        host, port, generation = os.environ[rules.GROUP_STORE_ENV].rsplit(":", 2)
-        self.group_store = (host, int(port))
-        timeout = timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(f"raytrain/group/{generation}", store),
-            rank=self.group_rank,
-            world_size=self.group_size,
-            timeout=timeout,
-        )
-        watched = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
-        self.group_watch = GroupWatch(
-            watched, self.group_rank, self.group_size, self._leave_group, lost_after_s=GROUP_LOST_AFTER_S
-        )
-        self.group_watch.run_in_background()
-
-    @property
-    def replica_count(self) -> int:
-        return self._replicas
-
-    # -- the quorum ---------------------------------------------------------------------
-
-    def start_manager(self) -> None:
+    def start_manager(self, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> None:
         """Start this replica's torchft Manager: from here on it heartbeats to the lighthouse,
-        which waits for every heartbeating replica before it forms a quorum. Replicas that start
-        together call it before they restore, so that the first of them to ask for a quorum
-        waits for the others; a replacement calls it once built, so that its restore holds up
-        no live quorum."""
+        which waits for every heartbeating replica before it forms a quorum. `state`/`load`:
+        what a joining replica copies from a live one, and how it takes it."""
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
 
         timeout = timedelta(seconds=self.timeout_s)
         pg = ProcessGroupNCCL(timeout=timeout) if self.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        if self.group_store is not None:  # rank r of every group averages with rank r of the others
-            host, port = self.group_store
-            group = {"rank": self.group_rank, "world_size": self.group_size, "store_addr": host, "store_port": port}
-            replica_id = f"raytrain_group_{self.group}"
-        else:  # a replica group of one worker: rank 0 of 1 inside it (RANK/WORLD_SIZE hold Ray Train's)
-            group, replica_id = {"rank": 0, "world_size": 1}, f"raytrain_{self.replica_rank}"
         self.manager = Manager(
             pg=pg,
-            load_state_dict=self._load_live_state,
-            state_dict=self._live_state,
+            load_state_dict=load,
+            state_dict=state,
             min_replica_size=1,
             use_async_quorum=False,  # heal before the step's rows are chosen
-            replica_id=replica_id,
-            **group,
+            replica_id=self.replica.replica_id,
+            **self.replica.manager_place(),
             timeout=timeout,
             quorum_timeout=timedelta(seconds=rules.quorum_wait_s(self.timeout_s, JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S)),
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device),
         )
 
-    def join(
-        self, model: torch.nn.Module, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
-    ) -> torch.nn.Module:
-        """Ready to step: returns `model` in torchft's DDP (gradients averaged over each step's
-        participants), or, sharded within a group of several workers, with its gradient shards
-        averaged across the step's groups (`raytrain.parallel.hsdp`). `state`/`load`: what a
-        joining replica copies from a live one (model, optimizer, scaler, position). Starts the
-        Manager if it has not started yet."""
-        from torchft import DistributedDataParallel
-
-        from raytrain.parallel.hsdp import average_across_groups
-
-        self._state, self._load = state, load
-        if self.manager is None:
-            self.start_manager()
-        self.watch.run_in_background()
-        if self.group_store is not None:
-            average_across_groups(model, self.manager)
-            return model
-        return DistributedDataParallel(self.manager, model)
-
-    def _live_state(self) -> dict[str, Any]:
-        return self._state() if self._state is not None else {}
-
-    def _load_live_state(self, state: dict[str, Any]) -> None:
-        if state and self._load is not None:
-            self._load(state)
-            self.healed = True
-
-    def _leave_group(self, why: str) -> None:
-        """A member of this worker's group is gone, and its shards with it: say so, then exit,
-        so that the whole group is replaced while the other groups go on."""
-        message = f"Replica group {self.group} lost a worker ({why}): its worker {self.group_rank} leaves too"
-        with contextlib.suppress(Exception):
-            RunDir(self.run_dir).append_event(
-                Event(Kind.QUORUM, message, extra={"group": self.group, "replica": self.replica_rank})
-            )
-        os._exit(1)
-
-    def _leave_stalled(self, step: int, seconds: float) -> None:
-        """Say which replica stalled, then exit: Ray Train replaces it, the others go on."""
-        usual = f"its steps take {statistics.median(self.work_s):.2g} s" if self.work_s else "its first step"
-        message = (
-            f"Replica {self.replica_rank} stuck in step {step} for {seconds:.0f} s (the others gave up on it after "
-            f"--collective-timeout-s {self.timeout_s:g}; {usual}): it leaves the quorum and is replaced; "
-            "the others go on"
-        )
-        with contextlib.suppress(Exception):
-            RunDir(self.run_dir).append_event(
-                Event(Kind.STALL, message, extra={"replica": self.replica_rank, "step": step, "seconds": seconds})
-            )
-        os._exit(1)
-
-    def start_step(self, step: int) -> Quorum:
-        """The quorum of the step at `step` (a joining replica heals first). From here to the
-        commit the stall watch runs: the wait for the quorum is not this replica's work."""
-        self.healed = False
-        self.manager.start_quorum()
-        place = self.manager.participating_rank()  # this group's among the step's groups
-        rank, size = rules.step_share(place or 0, self.manager.num_participants(), self.group_rank, self.group_size)
-        self.quorum = Quorum(size, rank)
-        # The loop splits rows, weights gradients and writes files by its place in the quorum.
-        self.world_size, self.world_rank = self.quorum.size, self.quorum.rank
-        self.watch.enter(step, rules.stall_after_s(self.timeout_s, list(self.work_s)))
-        return self.quorum
-
-    def commit(self) -> bool:
-        """Whether every participant finished the step (then, and only then, apply it)."""
-        committed = False
-        try:
-            committed = bool(self.manager.should_commit())
-            return committed
-        finally:
-            seconds = self.watch.leave()
-            if committed:
-                self.work_s.append(seconds)
-
-    def wait_for_group(self) -> str | None:
-        """Replicas that start together meet here once restored, so that the first quorum holds
-        every one of them. Returns why it could not wait (a replica lost while the group
-        started, or one slower than --collective-timeout-s), or None."""
-        if not self.starts_with_group or self.replica_count == 1:
-            return None
-        try:
-            group_barrier()
-        except Exception as exc:  # a replica lost (Ray resets the barrier) or late: start without it
-            return f"{type(exc).__name__}: {first_line(str(exc))}"
-        return None
-
     def shutdown(self) -> None:
-        if self.group_watch is not None:
-            self.group_watch.stop()
+        self.replica.stop()
         if self.manager is not None:
             self.manager.shutdown(wait=False)
 
-    # -- what the loop sees (per_step: no collective outside a step, `Runtime`) ----------------
+    def evaluation_share(self) -> tuple[int, int]:
+        """All of the validation set, by this replica itself."""
+        return 0, 1
 
-    @property
-    def distributed_checkpoints(self) -> bool:
-        """A group of several workers writes and reads its checkpoints together (DCP over the
-        group); a replica of one writes and reads all of one by itself."""
-        return self.group_store is not None
-
-    @property
-    def writes_checkpoints(self) -> bool:
-        """The quorum's first group writes them (a group of one: the quorum's rank 0)."""
-        return self.quorum.rank < self.group_size
+    def prepare_model(self, model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
+        """On the device; torchft wraps it when the replica joins (`PerStep.after_restore`)."""
+        return model.to(self.device)
 
     def group_sum(self, values: list[float]) -> list[float]:
-        """Sum over this worker's group (a collective within it; a group of one: these values).
-        What a group's workers decide from it, they decide alike."""
-        if self.group_store is None:
-            return list(values)
-        return self._sum_in_process_group(values)  # the group's own process group is the default one
+        """Sum over this worker's replica (a group of one: these values)."""
+        return self.replica.sum(values)
 
     def all_gather_object(self, value: Any) -> list[Any]:
-        """Every worker of this group's `value`, by rank in the group (a group of one: this one's)."""
-        if self.group_store is None:
-            return [value]
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * self.group_size
-        dist.all_gather_object(gathered, value)
-        return gathered
+        """Every worker of this replica's `value`, by rank in it (a group of one: this one's)."""
+        return self.replica.gather(value)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum over the participants of the last step: within the group, then across the
@@ -376,17 +238,171 @@ class ReplicaRuntime(Runtime):
             values, dtype=torch.float64 if self.device.type == "cpu" else torch.float32, device=self.device
         )
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
-        errored = float(self.manager.errored() is not None)  # a member lost after the commit
-        if self.group_sum([errored])[0] if self.group_store is not None else errored:
+        if self.group_sum([float(self.manager.errored() is not None)])[0]:  # a member lost after the commit
             return list(values)  # this group's own figures, the same on each of its workers
         return [float(v) for v in tensor.tolist()]
+
+
+class PerStep(Recovery):
+    """Per-step fault tolerance's recovery (see the module's docstring)."""
+
+    each_reads_stop = True  # a replica reads the stop request itself rather than trusting the sync to carry it
+    rolls_back_every_node = False  # a lost replica costs the others no rollback
+
+    def __init__(self, cfg: "TrainConfig", run_dir: Store) -> None:
+        self.runtime = ReplicaRuntime(cfg.collective_timeout_s, Store.of(run_dir), cfg.replica_group_size)
+        self.group_size = cfg.replica_group_size
+        self.quorum = Quorum(self.runtime.replicas, self.runtime.replica_rank)  # until the first step's quorum
+        self.healed = False
+        self.starts_with_group = rules.starts_with_group(os.environ)
+        self.not_waited: str | None = None  # why the replicas that started together did not all meet
+        self.held: TrainingState | None = None  # what a joining replica copies from this one
+        self.watch = StallWatch(lambda step, seconds: _leave_stalled(self.runtime, self.watch, step, seconds))
+        self._window: Any = None  # the loss window before the step (restored when it is not committed)
+
+    @property
+    def replica_count(self) -> int:
+        return self.runtime.replicas
+
+    # -- the attempt ----------------------------------------------------------------------
+
+    def open(self, files: "RunWriter", budget: "Budget") -> bool:
+        """A replacement that came up after the others finished the run: nothing to join (a
+        group's workers go by its rank 0's reading, so that they all go or all stay). Replicas
+        that start together start their Managers before they restore, so that the first of
+        them to ask for a quorum waits for the others; a replacement once built, so that its
+        restore holds up no live quorum. It leaves the staging directory alone: the live
+        quorum may be writing there."""
+        if self.runtime.all_gather_object(files.rundir.finished(budget))[0]:
+            return False
+        if self.starts_with_group:
+            self.runtime.start_manager(self._live, self._heal)
+        return True
+
+    def after_restore(self, training: "Training") -> None:
+        """Ready to step: the model joins torchft's step (`raytrain.worker.groups`), and replicas
+        that start together meet here once restored, so that the first quorum holds every one
+        of them (or says why it could not wait: a replica lost while the group started, or one
+        slower than --collective-timeout-s)."""
+        runner = training.runner
+        self.held = runner.training_state(training.position)
+        if self.runtime.manager is None:
+            self.runtime.start_manager(self._live, self._heal)
+        self.watch.run_in_background()
+        joined = self.runtime.replica.join(runner.model, self.runtime.manager)
+        training.runner = dataclasses.replace(runner, model=joined)
+        if self.starts_with_group and self.replica_count > 1:
+            try:
+                group_barrier()
+            except Exception as exc:  # a replica lost (Ray resets the barrier) or late: start without it
+                self.not_waited = f"{type(exc).__name__}: {first_line(str(exc))}"
+
+    def _live(self) -> dict[str, Any]:
+        return self.held.live() if self.held is not None else {}
+
+    def _heal(self, state: dict[str, Any]) -> None:
+        if state and self.held is not None:
+            self.held.load_live(state)
+            self.healed = True
+
+    def first_quorum(self, training: "Training", quorum: Quorum) -> bool:
+        """A replica's first quorum: the attempt's line, and why not every replica that started
+        together is in it; a replacement healed into it says nothing of its own (the quorum's
+        line does). Alone in it after the others wrote the run's end: a replacement too late
+        to join (returns True)."""
+        alone = quorum.size == self.group_size < self.replica_count  # the same on a group's workers
+        if alone and self.runtime.all_gather_object(training.files.rundir.finished(Budget.of(training.cfg)))[0]:
+            return True
+        if self.healed:
+            training.announced = True
+            return False
+        training.announce()
+        if self.starts_with_group and quorum.size < self.replica_count:
+            line = partial_start_line(quorum.size, self.replica_count, self.not_waited, JOIN_TIMEOUT_S)
+            training.files.event(Kind.QUORUM, line, world_size=quorum.size)
+        return False
+
+    def close(self) -> None:
+        self.runtime.shutdown()
+
+    # -- a step -----------------------------------------------------------------------------
+
+    def start_step(self, step: int, window: "LossWindow") -> Quorum:
+        """The quorum of the step at `step` (a joining replica heals first). From here to the
+        commit the stall watch runs: the wait for the quorum is not this replica's work."""
+        self.healed = False
+        runtime, manager = self.runtime, self.runtime.manager
+        manager.start_quorum()
+        place = manager.participating_rank()  # this group's among the step's groups
+        rank, size = rules.step_share(place or 0, manager.num_participants(), runtime.replica.rank, self.group_size)
+        self.quorum = Quorum(size, rank)
+        # The loop splits rows, weights gradients and writes files by its place in the quorum.
+        runtime.world_size, runtime.world_rank = size, rank
+        self._window = window.snapshot()
+        self.watch.enter(step, rules.stall_after_s(runtime.timeout_s, list(self.watch.work_s)))
+        return self.quorum
+
+    def commit(self, runner: "Runner") -> bool:
+        """Whether every participant finished the step (then, and only then, apply it); a step
+        not committed counts for nothing (`StepRunner.discard_step`)."""
+        committed = False
+        try:
+            committed = bool(self.runtime.manager.should_commit())
+        finally:
+            self.watch.leave(committed)
+        if not committed:
+            runner.discard_step(self._window)
+        return committed
+
+    def sum_at_epoch_end(self, values: list[float]) -> list[float] | None:
+        """Nothing: no collective outside a step."""
+        return None
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """The quorum's first group writes them (a group of one: the quorum's rank 0)."""
+        return self.quorum.rank < self.group_size
+
+    @property
+    def distributed_checkpoints(self) -> bool:
+        """A group of several workers writes and reads its checkpoints together (DCP over the
+        group); a replica of one writes and reads all of one by itself."""
+        return self.runtime.replica.writes_together
+
+    def publish(
+        self, publish: "Publish", metrics: dict[str, Any], name: str, staging: "Path", asynchronous: bool,
+        prune: Callable[[], None],
+    ) -> None:  # fmt: skip
+        """The writer publishes and prunes by itself: Ray's report is a barrier over every
+        worker, which a lost replica would hold up."""
+        publish.start(then=prune)
+
+    def publish_wait_s(self, publish: "Publish", store: Store, timeout_s: float | None) -> float | None:
+        return timeout_s
+
+
+def _leave_stalled(runtime: ReplicaRuntime, watch: StallWatch, step: int, seconds: float) -> None:
+    """Say which replica stalled, then exit: Ray Train replaces it, the others go on."""
+    usual = f"its steps take {statistics.median(watch.work_s):.2g} s" if watch.work_s else "its first step"
+    message = (
+        f"Replica {runtime.replica_rank} stuck in step {step} for {seconds:.0f} s (the others gave up on it after "
+        f"--collective-timeout-s {runtime.timeout_s:g}; {usual}): it leaves the quorum and is replaced; "
+        "the others go on"
+    )
+    with contextlib.suppress(Exception):
+        RunDir(runtime.run_dir).append_event(
+            Event(Kind.STALL, message, extra={"replica": runtime.replica_rank, "step": step, "seconds": seconds})
+        )
+    os._exit(1)
 
 
 __all__ = [
     "HEARTBEAT_TIMEOUT_S",
     "JOIN_TIMEOUT_S",
     "LIGHTHOUSE_KWARGS",
-    "Quorum",
+    "PerStep",
     "ReplicaRuntime",
     "StallWatch",
     "torchft_config",

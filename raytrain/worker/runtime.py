@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import inspect
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,28 +22,13 @@ from raytrain.errors import find_user_error
 from raytrain.rundir.storage import Store
 
 
-@dataclass(frozen=True)
-class Quorum:
-    """The workers taking a step: how many, and this one's rank among them."""
-
-    size: int
-    rank: int
-
-
 class Runtime:
-    """Rank, world size, device and the collective helpers of the current worker; and its
-    policy of the step: a worker group that restarts on a failure takes every step with every
-    rank, and commits every one (`raytrain.worker.replicas.ReplicaRuntime`: the quorum's)."""
+    """Rank, world size, device and the collectives of the current worker over its process
+    group: Ray Train's worker group, every rank of which takes every step. How a failure is
+    recovered from is the recovery object's (`raytrain.worker.recovery`); per-step fault
+    tolerance's replica sees its quorum through `raytrain.worker.replicas.ReplicaRuntime`."""
 
-    # Per-step fault tolerance (`ReplicaRuntime`): no collective outside a step, where no quorum
-    # would guard it against a lost peer. So each replica validates on all of the (small)
-    # validation set by itself, gathers only its own value (a checkpoint keeps one RNG state,
-    # and replicas restored from it reseed by their rank), and the quorum's rank 0 writes a
-    # whole checkpoint by itself, which every replica reads all of; the model is wrapped by
-    # torchft's DDP when the replica joins (`ReplicaRuntime.join`), not by Ray's.
-    per_step = False
-    healed = False  # the last quorum loaded the live state from a peer
-    group_size = 1  # workers that hold one copy of the model between them (per-step's replica groups)
+    counts_flops = True  # rank 0 measures a micro-batch's FLOPs (the goodput's MFU)
 
     def __init__(self, gpu: bool | None = None) -> None:
         """`gpu`: --gpu / --no-gpu (None: auto), which local mode's device follows; a worker
@@ -59,18 +43,6 @@ class Runtime:
         self.device = ray.train.torch.get_device() if self.distributed else local_device(gpu)
         self.backend = dist.get_backend() if self.distributed else "none (local mode)"
         self._checkpoint_group = None  # DCP's gloo group (dcp_options)
-
-    @property
-    def replica_count(self) -> int:
-        return self.world_size
-
-    def start_step(self, step: int) -> Quorum:
-        """The workers of the step at `step`: all of them."""
-        return Quorum(self.world_size, self.world_rank)
-
-    def commit(self) -> bool:
-        """Whether to apply the step: always (a failure restarts the group from a checkpoint)."""
-        return True
 
     def alone(self) -> "Runtime":
         """This worker by itself, on the same device: rank 0 of 1, no collectives, no DDP
@@ -103,11 +75,11 @@ class Runtime:
 
     def evaluation_share(self) -> tuple[int, int]:
         """(rank, world size) over which validation is split and reduced."""
-        return (0, 1) if self.per_step else (self.world_rank, self.world_size)
+        return self.world_rank, self.world_size
 
     def all_gather_object(self, value: Any) -> list[Any]:
-        """Every rank's `value`, in rank order (a collective; per-step, this replica's only)."""
-        if not self.distributed or self.world_size == 1 or self.per_step:
+        """Every rank's `value`, in rank order (a collective)."""
+        if not self.distributed or self.world_size == 1:
             return [value]
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, value)
@@ -119,9 +91,8 @@ class Runtime:
 
     # -- model --------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> torch.nn.Module:
-        """Move to the device; wrap in DDP when there is more than one worker (per-step: torchft's,
-        when the replica joins)."""
-        if not self.distributed or self.per_step:
+        """Move to the device; wrap in DDP when there is more than one worker."""
+        if not self.distributed:
             return model.to(self.device)
         return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=_ddp_kwargs(ddp_kwargs))
 
@@ -138,18 +109,6 @@ class Runtime:
             raise
 
     # -- checkpoints and reports --------------------------------------------------------
-    @property
-    def writes_checkpoints(self) -> bool:
-        """Whether this worker writes the run's checkpoints without Ray Train (per-step's quorum
-        writes its own): rank 0."""
-        return self.is_rank0
-
-    @property
-    def distributed_checkpoints(self) -> bool:
-        """Whether every rank writes and reads its part of a checkpoint together (DCP over the
-        process group), rather than one process writing and reading all of it (per-step)."""
-        return self.distributed and not self.per_step
-
     def dcp_options(self, load: bool = False) -> dict[str, Any]:
         """DCP's process group: a gloo group of its own for saves, whose collectives run in a
         background thread and on host memory (NCCL's would contend with training's); loads

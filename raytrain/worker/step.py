@@ -108,7 +108,7 @@ class StepRunner:
             rate_multipliers=multipliers,
             window=LossWindow.on(runtime.device),
             prepared=prepared,
-            count_flops=runtime.is_rank0 and cfg.fault_tolerance == "restart",
+            count_flops=runtime.is_rank0 and runtime.counts_flops,
             total_steps=total_steps,
         )
 
@@ -213,6 +213,12 @@ class StepRunner:
                 self.memory = strategy.state_bytes(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         return lr
+
+    def discard_step(self, window_before: Any) -> None:
+        """The step's gradients dropped and its losses forgotten (`LossWindow.snapshot` before it):
+        a step its quorum did not commit counts for nothing."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.window.restore(window_before)
 
     @contextlib.contextmanager
     def device_failures(self, phase: StepPhases | str):

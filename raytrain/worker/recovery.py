@@ -1,0 +1,164 @@
+"""How a worker recovers from a failure: one recovery object per fault-tolerance mode, built
+once where the worker starts (`recovery_for`), and the only place that knows the mode.
+
+The loop (`raytrain.worker.loop`, `raytrain.worker.epoch`) and the checkpoints
+(`raytrain.worker.checkpointer`) ask the recovery object what differs between modes:
+
+- how an attempt opens (`open`) and is ready to step once restored (`after_restore`), and
+  the first quorum of a worker that had nothing to say before it (`first_quorum`);
+- each step's quorum (`start_step`) and whether to apply the step (`commit`);
+- what is summed at an epoch's end (`sum_at_epoch_end`) and whether each worker reads a stop
+  request itself (`each_reads_stop`);
+- who writes a checkpoint (`writes_checkpoints`), whether every rank writes its part
+  (`distributed_checkpoints`), and how it is published (`publish`, `publish_wait_s`);
+- its collectives, its model's wrapper and its evaluation share: those of its runtime
+  (`raytrain.worker.runtime.Runtime`, or per-step's `ReplicaRuntime`).
+
+`Recovery` is restart mode's (`--fault-tolerance restart`): a failure restarts the whole
+worker group from the last checkpoint, so every rank takes and commits every step, and Ray
+Train registers (and prunes) the checkpoints. Per-step fault tolerance is
+`raytrain.worker.replicas.PerStep`. A mode of its own is a module with a subclass, and one
+line where the worker chooses (`raytrain.worker.loop.RECOVERIES`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from raytrain.rundir.storage import Store
+from raytrain.worker.runtime import Runtime
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pathlib import Path
+
+    from raytrain.config import TrainConfig
+    from raytrain.rules.budget import Budget
+    from raytrain.rules.position import Position
+    from raytrain.rundir.publish import Publish
+    from raytrain.rundir.writer import RunWriter
+    from raytrain.worker.window import LossWindow
+
+# How long rank 0 waits at the end of a run for Ray's upload step to publish its last checkpoint.
+PUBLISH_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The workers taking a step: how many, and this one's rank among them."""
+
+    size: int
+    rank: int
+
+
+class Runner(Protocol):
+    """What a recovery object asks of the step machinery (`raytrain.worker.step.StepRunner`)."""
+
+    model: Any
+
+    def training_state(self, position: "Position") -> Any: ...
+
+    def discard_step(self, window_before: Any) -> None: ...
+
+
+class Training(Protocol):
+    """What a recovery object asks of an attempt (`raytrain.worker.loop.Training`)."""
+
+    cfg: "TrainConfig"
+    files: "RunWriter"
+    runner: Runner
+    position: "Position"
+    announced: bool
+
+    def announce(self) -> None: ...
+
+
+class Recovery:
+    """Restart mode's recovery (see the module's docstring); the base of every mode's."""
+
+    healed = False  # the last quorum loaded the live state from a peer
+    group_size = 1  # workers that hold one copy of the model between them (per-step's replica groups)
+    each_reads_stop = False  # every rank learns of a stop request by the sync
+    rolls_back_every_node = True  # a failure of any node rolls the whole run back (auto's failure rate)
+
+    def __init__(self, cfg: "TrainConfig", run_dir: Store, runtime: Runtime | None = None) -> None:
+        """`runtime`: this worker's (None: Ray Train's worker, or local mode's process)."""
+        self.runtime = runtime if runtime is not None else Runtime(cfg.gpu)
+        self._every = Quorum(self.runtime.world_size, self.runtime.world_rank)
+
+    @property
+    def replica_count(self) -> int:
+        """The copies of the model training in parallel: every worker's."""
+        return self.runtime.world_size
+
+    # -- the attempt ----------------------------------------------------------------------
+
+    def open(self, files: "RunWriter", budget: "Budget") -> bool:
+        """Before the attempt builds; returns whether it trains. Every worker starts together: a
+        checkpoint left half-written by the failed attempt is cleared."""
+        files.clear_staging()
+        return True
+
+    def after_restore(self, training: Training) -> None:
+        """Restored: ready to step. The attempt's line, at once (every worker starts with the others)."""
+        training.announce()
+        training.position.trains_with(self.runtime.world_size)
+
+    def first_quorum(self, training: Training, quorum: Quorum) -> bool:
+        """The first quorum of a worker that has not said its attempt's line; returns whether
+        the run was finished elsewhere (never: every worker says it once restored)."""
+        training.announce()
+        return False
+
+    def close(self) -> None:
+        """The attempt ended (for good, or to be restarted)."""
+
+    # -- a step -----------------------------------------------------------------------------
+
+    def start_step(self, step: int, window: "LossWindow") -> Quorum:
+        """The workers of the step at `step`: all of them."""
+        return self._every
+
+    def commit(self, runner: Runner) -> bool:
+        """Whether to apply the step: always (a failure restarts the group from a checkpoint)."""
+        return True
+
+    def sum_at_epoch_end(self, values: list[float]) -> list[float] | None:
+        """`values` summed over the workers at an epoch's end (None: not shared)."""
+        return self.runtime.all_reduce_sum(values)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this worker writes (its part of) the checkpoints: every one."""
+        return True
+
+    @property
+    def distributed_checkpoints(self) -> bool:
+        """Whether every rank writes and reads its part of a checkpoint together (DCP over the
+        process group), rather than one process writing and reading all of it."""
+        return self.runtime.distributed
+
+    def publish(
+        self, publish: "Publish", metrics: dict[str, Any], name: str, staging: "Path", asynchronous: bool,
+        prune: Callable[[], None],
+    ) -> None:  # fmt: skip
+        """Report `metrics` with the checkpoint `name` staged in `staging` to Ray Train, which runs
+        the coordinator's `publish` as its upload step and registers and prunes complete
+        checkpoints (a barrier over every rank)."""
+        if publish.coordinator:
+            self.runtime.report(metrics, name, staging, publish, asynchronous)
+        else:
+            publish.start()
+            self.runtime.report(metrics, asynchronous=asynchronous)
+
+    def publish_wait_s(self, publish: "Publish", store: Store, timeout_s: float | None) -> float | None:
+        """How long the run's end waits for `publish`: Ray's upload step renames the
+        coordinator's, briefly waited for, so that the run's end sees it."""
+        if publish.coordinator and self.runtime.distributed and store.renames:
+            return min(PUBLISH_WAIT_S, timeout_s or PUBLISH_WAIT_S)
+        return timeout_s
+
+
+__all__ = ["PUBLISH_WAIT_S", "Quorum", "Recovery", "Runner", "Training"]
