@@ -172,7 +172,7 @@ class Stepper:
         for _ in range(count):
             step = self.steps[position.step % len(self.steps)]
             runner.update_context(position)
-            phase = runner.phases(position, timed=False)
+            phase = runner.measures.phases(position.step, timed=False)
             runner.gradients(self.epoch, step, phase)
             runner.apply_gradients(position, phase)
             position.step += 1
@@ -250,7 +250,7 @@ def check_compile(report: Report, device: torch.device, scale: str) -> None:
             rates[compiled] = steps["timed"] * size[4] / seconds
             if compiled:
                 figures["graphs"] = int(counters["stats"]["unique_graphs"])
-                figures["flops_per_sample_counted"] = runner.telemetry.flops_per_sample
+                figures["flops_per_sample_counted"] = runner.measures.telemetry.flops_per_sample
         figures.update(
             samples_per_s_eager=round(rates[False], 1),
             samples_per_s_compiled=round(rates[True], 1),
@@ -451,7 +451,7 @@ def check_speed(report: Report, device: torch.device, scale: str) -> None:
                 rates[name].append(steps["timed"] * size[4] / timed(device, work, steps["timed"]))
         best = {name: max(values) for name, values in rates.items()}
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        cost = cost_view(runner.telemetry.flops_per_sample, best["raytrain"], 1, name, "bf16")
+        cost = cost_view(runner.measures.telemetry.flops_per_sample, best["raytrain"], 1, name, "bf16")
         peak = peak_memory_bytes(device)
         figures.update(
             model=dict(zip(("width", "layers", "heads", "block", "batch"), size)),
@@ -461,7 +461,7 @@ def check_speed(report: Report, device: torch.device, scale: str) -> None:
             ratio=round(best["raytrain"] / best["plain"], 4),
             target_ratio=TARGET_RATIO,
             rounds=rates,
-            flops_per_sample=runner.telemetry.flops_per_sample,
+            flops_per_sample=runner.measures.telemetry.flops_per_sample,
             achieved_tflops=cost and round(cost["achieved_tflops_per_worker"], 2),
             mfu=cost and cost["mfu"],
             peak_memory_gib=None if peak is None else round(peak / 2**30, 2),

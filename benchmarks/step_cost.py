@@ -35,6 +35,9 @@ from raytrain.rules.position import Position  # noqa: E402
 from raytrain.rules.schedule import run_schedule  # noqa: E402
 from raytrain.rundir.heartbeats import Heartbeat  # noqa: E402
 from raytrain.worker.loop import Training  # noqa: E402
+from raytrain.worker.optim import Rate  # noqa: E402
+from raytrain.worker.phases import Measures  # noqa: E402
+from raytrain.worker.recovery import Recovery  # noqa: E402
 from raytrain.worker.runtime import Runtime  # noqa: E402
 from raytrain.worker.step import StepRunner  # noqa: E402
 from raytrain.worker.window import LossWindow  # noqa: E402
@@ -70,16 +73,15 @@ def raytrain_step_s(pipe, cfg, table: Table, n: int) -> float:
         pipeline=pipe,
         cfg=cfg,
         runtime=OneProcess(),
-        heartbeat=Heartbeat(Path("."), 0, enabled=False),
         batch_plan=plan,
         model=model,
         optimizer=optimizer,
         scaler=torch.amp.GradScaler("cpu", enabled=False),
-        schedule=run_schedule(cfg, plan, len(table)),
-        rate_multipliers=[1.0] * len(optimizer.param_groups),
+        rate=Rate.of(pipe, run_schedule(cfg, plan, len(table)), [1.0] * len(optimizer.param_groups)),
         window=LossWindow.on(torch.device("cpu")),
+        measures=Measures(Heartbeat(Path("."), 0, enabled=False), torch.device("cpu")),
     )
-    training = Training(cfg, runner.runtime, None, runner, None, table, None, Position())
+    training = Training(cfg, Recovery(cfg, ".", runner.runtime), None, runner, None, table, None, Position())
     data = table.epoch(0, 0, 0, 0, 1)
     planned = steps.epoch_steps(len(table), BATCH)[: n + WARMUP]
     for step in planned[:WARMUP]:

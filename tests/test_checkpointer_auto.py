@@ -70,12 +70,15 @@ def test_the_interval_state_travels_in_the_checkpoint_and_a_restart_counts_a_fai
     owner.auto.on_steps(5, 0.5)
     owner.after_save(6, stall_s=0.2)
 
-    class Runner:  # what `contents` reads of the step machinery
-        peak_lr, rate_multipliers, cfg = 0.1, [1.0], TrainConfig()
-        batch_plan = batch_plan_for(TrainConfig(), 1)
+    class Rate:
+        peak_lr, multipliers = 0.1, [1.0]
 
-        def lr_at(self, samples_seen):
+        def at(self, samples_seen):
             return 0.1
+
+    class Runner:  # what `contents` reads of the step machinery
+        rate, cfg = Rate(), TrainConfig()
+        batch_plan = batch_plan_for(TrainConfig(), 1)
 
     attempt = SimpleNamespace(runner=Runner(), position=Position(step=6), files=None)
     saved = {**owner.contents(attempt), "position": {"step": 6, "world_sizes": [1]}}

@@ -29,8 +29,10 @@ from raytrain.pipeline import Pipeline
 from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
+from raytrain.worker.optim import Rate
+from raytrain.worker.phases import Measures
 from raytrain.worker.state import TrainingState
-from raytrain.worker.step import StepRunner
+from raytrain.worker.step import StepRunner, evaluate
 from raytrain.worker.window import LossWindow
 
 
@@ -83,15 +85,13 @@ def runner_for(
         pipeline=pipeline,
         cfg=cfg,
         runtime=OneRank(),
-        heartbeat=Quiet(),
         batch_plan=plan,
         model=model,
         optimizer=optimizer,
         scaler=torch.amp.GradScaler("cpu", enabled=cfg.precision == "fp16"),
-        schedule=run_schedule(cfg, plan, rows),
-        rate_multipliers=[1.0] * len(optimizer.param_groups),
+        rate=Rate.of(pipeline, run_schedule(cfg, plan, rows), [1.0] * len(optimizer.param_groups)),
         window=LossWindow.on(torch.device("cpu")),
-        count_flops=True,  # rank 0 of a restart-mode attempt
+        measures=Measures(Quiet(), torch.device("cpu"), count_flops=True),
     )
     x = np.random.default_rng(0).normal(size=(rows, 4)).astype(np.float32)
     table = Table({"x": x, "y": x.sum(axis=1, keepdims=True)})
@@ -116,7 +116,7 @@ def test_rank_0_counts_its_flops_and_still_compiles_the_model():
     for _ in range(3):
         take_a_step(runner, table)
     # 2 per multiply-add forward, 4 backward but for the first layer's input (no gradient): 2
-    assert runner.telemetry.flops_per_sample == pytest.approx(2 * 40 + 4 * 8 + 2 * 32)
+    assert runner.measures.telemetry.flops_per_sample == pytest.approx(2 * 40 + 4 * 8 + 2 * 32)
     assert counters["stats"]["unique_graphs"] >= 1
     assert model._compiled_call_impl is not None  # given back after the counted micro-batch
     torch._dynamo.reset()
@@ -200,7 +200,7 @@ def fail_in(where: str, error: Exception) -> DeviceFailure:
     runner, table = runner_for(FailsIn(where, error))
     with pytest.raises(DeviceFailure) as failure:
         take_a_step(runner, table)
-        runner.evaluate(table)
+        evaluate(runner, table)
     return failure.value
 
 

@@ -26,6 +26,8 @@ from raytrain.rules import steps
 from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
+from raytrain.worker.optim import Rate
+from raytrain.worker.phases import Measures
 from raytrain.worker.step import Batch, StepRunner
 from raytrain.worker.window import LossWindow
 
@@ -142,14 +144,13 @@ def runner_for(pipeline: Pipeline, rows: int = 8) -> tuple[StepRunner, Table]:
         pipeline=pipeline,
         cfg=cfg,
         runtime=FakeRuntime(),
-        heartbeat=Quiet(),
         batch_plan=plan,
         model=model,
         optimizer=optimizer,
         scaler=torch.amp.GradScaler("cpu", enabled=False),
-        schedule=run_schedule(cfg, plan, rows),
-        rate_multipliers=[1.0] * len(optimizer.param_groups),
+        rate=Rate.of(pipeline, run_schedule(cfg, plan, rows), [1.0] * len(optimizer.param_groups)),
         window=LossWindow.on(torch.device("cpu")),
+        measures=Measures(Quiet(), torch.device("cpu")),
     )
     table = Table({"x": np.ones((rows, 4), dtype=np.float32), "y": np.zeros((rows, 1), dtype=np.float32)})
     return runner, table
@@ -157,7 +158,7 @@ def runner_for(pipeline: Pipeline, rows: int = 8) -> tuple[StepRunner, Table]:
 
 def take_a_step(runner: StepRunner, table: Table) -> None:
     step = steps.epoch_steps(len(table), len(table))[0]
-    phase = runner.phases(Position(), timed=False)
+    phase = runner.measures.phases(0, timed=False)
     runner.gradients(table.epoch(0, 0, 0, 0, 1), step, phase)
     runner.apply_gradients(Position(), phase)
 

@@ -24,6 +24,8 @@ from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.worker import prefetch
 from raytrain.worker.checkpointer import Checkpointer
 from raytrain.worker.loop import Training
+from raytrain.worker.optim import Rate
+from raytrain.worker.phases import Measures
 from raytrain.worker.recovery import Recovery
 from raytrain.worker.step import StepRunner
 from raytrain.worker.window import LossWindow
@@ -115,14 +117,13 @@ def train(
         pipeline=pipeline,
         cfg=cfg,
         runtime=OneProcess(device),
-        heartbeat=Heartbeat(Path("."), 0, enabled=False),
         batch_plan=plan,
         model=model,
         optimizer=optimizer,
         scaler=torch.amp.GradScaler(device.type, enabled=False),
-        schedule=run_schedule(cfg, plan, ROWS),
-        rate_multipliers=[1.0] * len(optimizer.param_groups),
+        rate=Rate.of(pipeline, run_schedule(cfg, plan, ROWS), [1.0] * len(optimizer.param_groups)),
         window=LossWindow.on(device),
+        measures=Measures(Heartbeat(Path("."), 0, enabled=False), device),
     )
     position, files = Position(), Files()
     recovery = Recovery(cfg, Path("."), runner.runtime)

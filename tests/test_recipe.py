@@ -22,6 +22,8 @@ from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import LRSchedule, run_schedule
 from raytrain.worker import optim
+from raytrain.worker.optim import Rate
+from raytrain.worker.phases import Measures
 from raytrain.worker.step import Batch, StepRunner
 from raytrain.worker.window import LossWindow
 
@@ -164,18 +166,17 @@ def one_step(precision: str, clip: float | None) -> float:
         pipeline=pipeline,
         cfg=cfg,
         runtime=FakeRuntime(),
-        heartbeat=Quiet(),
         batch_plan=resolve_batch_plan(1, batch_size_per_worker=8),
         model=model,
         optimizer=pipeline.build_optimizer(model, cfg),
         scaler=torch.amp.GradScaler("cpu", enabled=precision == "fp16"),
-        schedule=run_schedule(cfg, resolve_batch_plan(1, batch_size_per_worker=8), 8),
-        rate_multipliers=[1.0],
+        rate=Rate.of(pipeline, run_schedule(cfg, resolve_batch_plan(1, batch_size_per_worker=8), 8), [1.0]),
         window=LossWindow.on(torch.device("cpu")),
+        measures=Measures(Quiet(), torch.device("cpu")),
     )
     table = Table({"x": np.ones((8, 4), dtype=np.float32)})
     step = steps.epoch_steps(8, 8)[0]
-    phase = runner.phases(Position(), timed=False)
+    phase = runner.measures.phases(0, timed=False)
     runner.gradients(table.epoch(0, 0, 0, 0, 1), step, phase)
     runner.apply_gradients(Position(), phase)
     after = torch.cat([p.detach().flatten() for p in model.parameters()])

@@ -181,8 +181,9 @@ class FakeRunner:
     def describe_plan(self) -> str:
         return f"global {32 * self.batch_plan.world_size}"
 
-    def lr_at(self, samples_seen: int) -> float:
-        return 1e-3 * self.batch_plan.world_size
+    @property
+    def rate(self):
+        return type("Rate", (), {"at": lambda _, samples_seen: 1e-3 * self.batch_plan.world_size})()
 
 
 def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tmp_path):

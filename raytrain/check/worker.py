@@ -130,7 +130,7 @@ def record_steps(
         data = Rotated(data) if reorder else data
         for step in steps.epoch_steps(len(train), runner.batch_plan.global_batch_size, position.epoch_offset):
             runner.update_context(position)
-            phase = runner.phases(position, timed=False)
+            phase = runner.measures.phases(position.step, timed=False)
             runner.gradients(data, step, phase)
             records.append(StepRecord(global_loss(runner), grad_norm(runner)))
             runner.apply_gradients(position, phase)

@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from raytrain.errors import CheckpointError, pipeline_code
 from raytrain.rules import resume
 from raytrain.rules.interval import AutoInterval, IntervalChange
-from raytrain.rules.position import Position, Telemetry
+from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.files import storage_errors
 from raytrain.rundir.publish import Publish
 from raytrain.rundir.records import Kind
 from raytrain.rundir.storage import Store
-from raytrain.worker.window import Throughput
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
@@ -141,8 +140,7 @@ class Checkpointer:
             if pruned:
                 return None, True
             if not unusable:
-                runner.telemetry = Telemetry.restored(train_state)
-                runner.throughput = Throughput(time.perf_counter(), state.position.samples_seen)
+                runner.measures.restore(train_state, state.position.samples_seen)
                 return train_state, False
             if not choice.names or choice.names[-1] != directory.name:  # failed on another rank
                 choice.pass_over(directory, f"checkpoint {directory.name} failed to load on another rank")
@@ -185,12 +183,12 @@ class Checkpointer:
             **auto,
             "scheduler": {
                 "samples_seen": position.samples_seen,
-                "peak_lr": runner.peak_lr,
+                "peak_lr": runner.rate.peak_lr,
                 "schedule": runner.cfg.schedule,
-                "rate_multipliers": runner.rate_multipliers,
+                "rate_multipliers": runner.rate.multipliers,
             },
             "batch_plan": dataclasses.asdict(runner.batch_plan),
-            "lr": runner.lr_at(position.samples_seen),
+            "lr": runner.rate.at(position.samples_seen),
         }
 
     def save(self, training: Checkpointed, metrics: dict[str, Any]) -> None:
@@ -198,7 +196,7 @@ class Checkpointer:
         barrier on every rank); the files are written while training goes on, and the time the
         loop waited is counted."""
         runner, position = training.runner, training.position
-        runner.heartbeat.mark(position.step, "report")
+        runner.measures.heartbeat.mark(position.step, "report")
         started, runtime = time.perf_counter(), self.runtime
         self.finish()  # one in flight at a time: bounded host memory and local disk
         name = runtime.all_gather_object(ckpt.checkpoint_name(position.step) if runtime.is_rank0 else None)[0]
@@ -223,8 +221,8 @@ class Checkpointer:
         if not self.cfg.checkpoint_async:
             self.finish()
         stall_s = time.perf_counter() - started
-        runner.telemetry.checkpoint_wait_s += stall_s
-        runner.telemetry.checkpoints += 1
+        runner.measures.telemetry.checkpoint_wait_s += stall_s
+        runner.measures.telemetry.checkpoints += 1
         if self.auto is not None:
             self.after_save(position.step, stall_s)
 

@@ -26,6 +26,7 @@ from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
 from raytrain.text import sci
 from raytrain.worker import prefetch
 from raytrain.worker.phases import SteadyClock
+from raytrain.worker.step import evaluate
 from raytrain.worker.window import TrainingDiverged, divergence_message, sync
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,7 +103,7 @@ class Epochs:
         if position.epoch_offset >= len(source):
             self.note_skipped_rows(plain)
         if self.steady_clock is not None:  # the epoch's last step ended at a sync (its row)
-            self.steady_clock.settle(self.runner.telemetry)
+            self.steady_clock.settle(self.runner.measures.telemetry)
         samples_per_s = (position.samples_seen - samples_before) / max(1e-9, time.perf_counter() - start)
         return EpochResult(position.epoch_loss_so_far().mean(), samples_per_s, stop)
 
@@ -117,7 +118,7 @@ class Epochs:
         if self.steady_clock is None:
             self.steady_clock = SteadyClock(self.runtime.device)
         tick = self.steady_clock.start() if steady else None
-        phase = runner.phases(position, timed=steady)
+        phase = runner.measures.phases(position.step, timed=steady)
         runner.gradients(data, step, phase)
         if not self.recovery.commit(runner):
             return False
@@ -127,7 +128,7 @@ class Epochs:
             data.stage(steps.next_step(rows, plan.global_batch_size, step.end, step.index + 1), plan.accumulation_steps)
         advance(position, step)
         if steady:
-            self.steady_clock.stop(tick, step.size, runner.telemetry)
+            self.steady_clock.stop(tick, step.size, runner.measures.telemetry)
         return True
 
     def follow_quorum(self, size: int) -> None:
@@ -156,7 +157,7 @@ class Epochs:
         return (
             f"Quorum {previous} → {now} {what} at step {position.step} (epoch {position.epoch + 1}, "
             f"{position.epoch_offset:,} samples into it; {why}): {runner.describe_plan()}; "
-            f"lr now {sci(runner.lr_at(position.samples_seen))}"
+            f"lr now {sci(runner.rate.at(position.samples_seen))}"
         )
 
     def after_step(self, last: bool) -> bool:
@@ -167,7 +168,7 @@ class Epochs:
         Returns whether the run was asked to stop. Per-step, each replica reads the stop request
         itself rather than trusting the sync to carry it."""
         cfg, runner, position, files, stop = self.cfg, self.runner, self.position, self.files, False
-        if runner.memory is not None and not runner.memory_said:
+        if runner.measures.memory is not None and not runner.measures.memory_said:
             self.say_memory()
         self.report_live()
         checkpoint_now = self.checkpointer.due(position.step, last)
@@ -180,17 +181,17 @@ class Epochs:
             if count:
                 position.epoch_loss = position.epoch_loss_so_far()
                 position.epoch_loss.add(loss, count)
-                runner.telemetry.last_loss = loss
+                runner.measures.telemetry.last_loss = loss
             if not last:
-                rate = runner.throughput.lap(position.samples_seen)
+                rate = runner.measures.throughput.lap(position.samples_seen)
                 validation = self.evaluate_during() if evaluate_now else {}
-                row = runner.metrics_row(position, loss=loss, samples_per_s=rate, extra=validation)
+                row = metrics_row(runner, position, loss=loss, samples_per_s=rate, extra=validation)
                 files.metrics(row)
                 if evaluate_now:
                     files.evaluation(row)
             checkpoint_now = checkpoint_now or (stop and not last)
         if checkpoint_now:
-            row = runner.metrics_row(position, loss=float("nan"), samples_per_s=0.0)
+            row = metrics_row(runner, position, loss=float("nan"), samples_per_s=0.0)
             self.checkpointer.save(self, row.to_json())
         return stop
 
@@ -201,9 +202,7 @@ class Epochs:
         import torch
 
         runner, files = self.runner, self.files
-
-        runner.memory_said = True
-        mine = {**(runner.memory or {}), "peak_rss": _peak_rss_bytes(psutil.Process())}
+        mine = {**(runner.measures.memory_to_say() or {}), "peak_rss": _peak_rss_bytes(psutil.Process())}
         device = runner.runtime.device
         if device.type == "cuda":  # what the GPU's allocator held at most: activations included
             mine["peak_gpu_allocated"] = torch.cuda.max_memory_allocated(device)
@@ -228,7 +227,7 @@ class Epochs:
         (TrainingDiverged), before its weights are saved."""
         runner, position = self.runner, self.position
         loss, count, stop, diverged = sync(
-            runner.runtime, runner.heartbeat, runner.window, position.step, stop_requested
+            runner.runtime, runner.measures.heartbeat, runner.window, position.step, stop_requested
         )
         if diverged:
             # The last good checkpoint may still be being written in the background: finish it first, so that the
@@ -241,13 +240,13 @@ class Epochs:
                     diverged,
                     stopped_at=position.step,
                     lr=runner.cfg.lr,
-                    peak_lr=runner.peak_lr,
+                    peak_lr=runner.rate.peak_lr,
                     precision=runner.cfg.precision,
                     last_good=str(last_good) if last_good else None,
                 )
             )
         if self.steady_clock is not None:  # the sync waited for the steps' kernels: their times are in
-            self.steady_clock.settle(runner.telemetry)
+            self.steady_clock.settle(runner.measures.telemetry)
         return loss, count, stop
 
     def end_epoch(self, epoch: EpochResult) -> None:
@@ -270,27 +269,31 @@ class Epochs:
     def closing_row(self, epoch: EpochResult, val_metrics: dict) -> MetricsRow:
         """The row that closes an epoch (or the run, inside one): its `loss` is the last window's, as
         every row's is; `epoch_loss` is the epoch's mean (so far)."""
-        last_loss = self.runner.telemetry.last_loss
+        last_loss = self.runner.measures.telemetry.last_loss
         last = math.nan if last_loss is None else last_loss
-        return self.runner.metrics_row(
-            self.position, loss=last, samples_per_s=epoch.samples_per_s, extra={EPOCH_LOSS: epoch.loss, **val_metrics}
+        return metrics_row(
+            self.runner,
+            self.position,
+            loss=last,
+            samples_per_s=epoch.samples_per_s,
+            extra={EPOCH_LOSS: epoch.loss, **val_metrics},
         )
 
     def validate(self) -> dict[str, float]:
         """A validation pass (none without a validation set); its time is counted."""
         if self.val_data is None:
             return {}
-        self.runner.heartbeat.mark(self.position.step, "eval")
+        self.runner.measures.heartbeat.mark(self.position.step, "eval")
         tick = time.perf_counter()
-        metrics = self.runner.evaluate(self.val_data)
-        self.runner.telemetry.validation_s += time.perf_counter() - tick
+        metrics = evaluate(self.runner, self.val_data)
+        self.runner.measures.telemetry.validation_s += time.perf_counter() - tick
         return metrics
 
     def evaluate_during(self) -> dict[str, float]:
         """A validation pass between two steps; its time is left out of the training throughput."""
         tick = time.perf_counter()
         metrics = self.validate()
-        self.runner.throughput.since_time += time.perf_counter() - tick
+        self.runner.measures.leave_out(time.perf_counter() - tick)
         return metrics
 
     def report_live(self) -> None:
@@ -318,6 +321,24 @@ class Epochs:
                     Kind.DATA,
                     f"epoch {self.position.epoch + 1}: skipped {skipped:,} row(s) holding NaN or inf (--skip-nan-rows)",
                 )
+
+
+def metrics_row(
+    runner: "StepRunner", position: Position, *, loss: float, samples_per_s: float, extra: dict | None = None
+) -> MetricsRow:
+    """A row of metrics.jsonl at `position`."""
+    return MetricsRow(
+        epoch=position.epoch if position.epoch_offset == 0 else position.epoch + 1,
+        step=position.step,
+        samples_seen=position.samples_seen,
+        world_size=runner.runtime.world_size,
+        global_batch_size=runner.batch_plan.global_batch_size,
+        lr=runner.rate.at(position.samples_seen),
+        loss=loss,
+        samples_per_s=samples_per_s,
+        time_s=time.time(),
+        extra=dict(extra or {}),
+    )
 
 
 def advance(position: Position, step: steps.Step) -> None:

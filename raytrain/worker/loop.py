@@ -163,10 +163,10 @@ class Training(Epochs):
             if epoch.stopped:
                 break
         if not budget.done(position.epoch, position.step):
-            self.files.interrupted(progress(position, self.runner.telemetry, "interrupted"))
+            self.files.interrupted(progress(position, self.runner.measures.telemetry, "interrupted"))
         else:
             weights = self.runner.training_state(position).weights()  # a collective under fsdp: every rank gathers
-            self.files.finish(weights, progress(position, self.runner.telemetry, "finished"))
+            self.files.finish(weights, progress(position, self.runner.measures.telemetry, "finished"))
         self.checkpointer.finish()  # the last checkpoint's files, written in the background
 
     def announce(self) -> None:
@@ -176,7 +176,7 @@ class Training(Epochs):
         self.announced = True
         lr_before = saved.get("lr", math.nan) if saved else math.nan
         world_size = runner.runtime.world_size
-        lr_now = runner.lr_at(position.samples_seen)
+        lr_now = runner.rate.at(position.samples_seen)
         event = self.attempt.event(position, world_size, runner.describe_plan(), lr_now, lr_before)
         files.start_attempt(event, position.step)
         for note in cost_notes(self.train_data, world_size):

@@ -10,7 +10,46 @@ resizes; a group built without its own `lr` follows the schedule.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import torch
+
+from raytrain.rules.schedule import LRSchedule
+
+
+@dataclass(frozen=True)
+class Rate:
+    """The learning rate of an attempt at its quorum's size: the schedule's (scaling rule ×
+    warmup × schedule, keyed to samples seen), times the pipeline's lr_factor when it has one,
+    times each group's multiplier."""
+
+    schedule: LRSchedule
+    multipliers: list[float]  # per parameter group: its rate at build / --lr
+    factor: Callable | None = None  # the pipeline's lr_factor hook
+
+    @classmethod
+    def of(cls, pipeline: Any, schedule: LRSchedule, multipliers: list[float]) -> "Rate":
+        """The rate of `schedule`, with `pipeline`'s lr_factor when it overrides it."""
+        from raytrain import hooks
+        from raytrain.pipeline import overrides
+
+        return cls(
+            schedule, multipliers, hooks.bound(pipeline, "lr_factor") if overrides(pipeline, "lr_factor") else None
+        )
+
+    @property
+    def peak_lr(self) -> float:
+        return self.schedule.peak_lr
+
+    def at(self, samples_seen: int) -> float:
+        return self.schedule.lr(samples_seen, self.factor)
+
+    def set_on(self, optimizer: torch.optim.Optimizer, samples_seen: int) -> float:
+        """Every group's rate at `samples_seen`; returns the run's."""
+        lr = self.at(samples_seen)
+        set_rates(optimizer, lr, self.multipliers)
+        return lr
 
 
 def rate_multipliers(optimizer: torch.optim.Optimizer, base_lr: float) -> list[float]:

@@ -1,5 +1,6 @@
-"""A step's instrumentation: where each rank is (the heartbeat) and where its time goes (the
-phase timer), told by one mechanism so that the step reads as the step.
+"""What an attempt measures of itself (`Measures`), and a step's instrumentation: where each
+rank is (the heartbeat) and where its time goes (the phase timer), told by one mechanism so
+that the step reads as the step.
 
 Heartbeat phases (raytrain.rules.stall.PHASE_ORDER): data, forward, backward, optimizer — and,
 outside the step, all_reduce, eval, report. Timer phases (progress.json's `phase_time_s`,
@@ -8,15 +9,98 @@ split by raytrain bench): data_wait, forward_backward, optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
+from raytrain.rules.position import Telemetry
 from raytrain.rundir.heartbeats import Heartbeat
+from raytrain.worker.window import Throughput
 
 if TYPE_CHECKING:
     import torch
 
-    from raytrain.rules.position import Telemetry
+
+@dataclass
+class Measures:
+    """What one attempt measures of itself and tells: the heartbeat, the telemetry a checkpoint
+    keeps (`raytrain.rules.position.Telemetry`), the throughput between metrics rows, the FLOPs
+    of a sample (rank 0, once per attempt), and the bytes of this rank's state after the first
+    step. The step machinery (`raytrain.worker.step.StepRunner`) holds it; it changes through
+    its own methods."""
+
+    heartbeat: Heartbeat
+    device: "torch.device"
+    time_phases: bool = False  # --time-phases: a GPU sync at each phase's end (raytrain bench)
+    count_flops: bool = False  # rank 0 counts the FLOPs of its next micro-batch with rows (once per attempt)
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    throughput: Throughput = field(default_factory=lambda: Throughput(time.perf_counter(), 0))
+    memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
+    memory_said: bool = False
+
+    def restore(self, train_state: dict[str, Any], samples_seen: int) -> None:
+        """A checkpoint's telemetry, and the throughput counted from its position."""
+        self.telemetry = Telemetry.restored(train_state)
+        self.throughput = Throughput(time.perf_counter(), samples_seen)
+
+    def phases(self, step: int, timed: bool) -> "StepPhases":
+        """The instrumentation of the step at `step`; `timed`: a steady step, whose phase times
+        add to the telemetry's."""
+        return StepPhases(self.heartbeat, step, PhaseTimer(self.telemetry.phase_time_s if timed else None, self.sync))
+
+    @property
+    def sync(self) -> Callable[[], None]:
+        """What the phase timer calls at each lap: a GPU sync under --time-phases (GPU kernels run
+        asynchronously: without it, phase times land on whatever waits next; it costs overlap),
+        else nothing."""
+        if self.time_phases and self.device.type == "cuda":
+            import torch
+
+            return lambda: torch.cuda.synchronize(self.device)
+        return _nothing
+
+    @contextlib.contextmanager
+    def counting_flops(self, rows: int, eager: Callable[[], Any]):
+        """The FLOPs of this micro-batch's forward and backward, per row, into the telemetry
+        (`raytrain.rules.flops`): rank 0, the first micro-batch with rows of an attempt, run
+        eagerly (`eager()`: a compiled model compiles at its next call)."""
+        if not self.count_flops or rows == 0:
+            yield
+            return
+        import torch
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False)
+        # Eager, under --compile too: Dynamo skips a frame first seen under a dispatch mode
+        # and never compiles its code afterwards.
+        with eager(), counter:
+            yield
+        self.count_flops = False
+        self.telemetry.flops_per_sample = counter.get_total_flops() / rows
+        device = self.device
+        self.telemetry.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+    def note_state(self, held: Callable[[], dict[str, int]]) -> None:
+        """The bytes of this rank's state (`held()`), once: after the attempt's first step, when
+        the gradients and the optimizer's state all exist."""
+        if self.memory is None:
+            self.memory = held()
+
+    def memory_to_say(self) -> dict[str, int] | None:
+        """The bytes to say once per attempt (None: said already, or not measured yet)."""
+        if self.memory is None or self.memory_said:
+            return None
+        self.memory_said = True
+        return self.memory
+
+    def leave_out(self, seconds: float) -> None:
+        """Time spent outside training (a validation pass between steps) left out of the throughput."""
+        self.throughput.since_time += seconds
+
+
+def _nothing() -> None:
+    pass
 
 
 class PhaseTimer:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -28,14 +27,13 @@ from raytrain.rules import steps
 from raytrain.rules.attempt import describe_plan
 from raytrain.rules.batch import BatchPlan, batch_plan_for
 from raytrain.rules.budget import Budget, evaluation_rows
-from raytrain.rules.position import Position, Telemetry
-from raytrain.rules.schedule import LRSchedule, run_schedule
+from raytrain.rules.position import Position
+from raytrain.rules.schedule import run_schedule
 from raytrain.rundir.heartbeats import Heartbeat
-from raytrain.rundir.records import MetricsRow
 from raytrain.worker import optim
-from raytrain.worker.phases import PhaseTimer, StepPhases
+from raytrain.worker.phases import Measures, StepPhases
 from raytrain.worker.state import TrainingState, restore_rank_rng, seed_everything, unwrap
-from raytrain.worker.window import LossWindow, Throughput
+from raytrain.worker.window import LossWindow
 
 if TYPE_CHECKING:  # pragma: no cover  (Ray's module: a step builds and runs without Ray)
     from raytrain.worker.runtime import Runtime
@@ -52,22 +50,15 @@ class StepRunner:
     pipeline: Pipeline
     cfg: TrainConfig
     runtime: Runtime
-    heartbeat: Heartbeat
     batch_plan: BatchPlan
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    schedule: LRSchedule
-    rate_multipliers: list[float]  # per parameter group: its rate at build / --lr
+    rate: optim.Rate  # the learning rate at this plan
     window: LossWindow  # the steps since the last sync
-    throughput: Throughput = field(default_factory=lambda: Throughput(time.perf_counter(), 0))
-    count_flops: bool = False  # rank 0 counts the FLOPs of its next micro-batch with rows (once per attempt)
+    measures: Measures  # the heartbeat, and what the attempt measures (restored with it)
     total_steps: int = 0  # the steps the whole run takes at this plan (raytrain.context())
-
     prepared: Prepared | None = None  # how the strategy holds the model (None in unit tests: a plain model)
-    memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
-    memory_said: bool = False
-    telemetry: Telemetry = field(default_factory=Telemetry)  # what the attempt measures (restored with it)
     exact: ClassVar[bool] = False  # full fp32 whatever --tf32 says (raytrain check compares runs exactly)
 
     @classmethod
@@ -99,63 +90,39 @@ class StepRunner:
             pipeline=pipeline,
             cfg=cfg,
             runtime=runtime,
-            heartbeat=heartbeat,
             batch_plan=batch_plan,
             model=model,
             optimizer=optimizer,
             scaler=strategy.grad_scaler(runtime.device, cfg.precision == "fp16", sharded=prepared.sharded),
-            schedule=run_schedule(cfg, batch_plan, num_train_rows),
-            rate_multipliers=multipliers,
+            rate=optim.Rate.of(pipeline, run_schedule(cfg, batch_plan, num_train_rows), multipliers),
             window=LossWindow.on(runtime.device),
+            measures=Measures(
+                heartbeat, runtime.device, cfg.time_phases, count_flops=runtime.is_rank0 and runtime.counts_flops
+            ),
             prepared=prepared,
-            count_flops=runtime.is_rank0 and runtime.counts_flops,
             total_steps=total_steps,
         )
 
     # -- the rules of this attempt ----------------------------------------------------------
 
-    @property
-    def peak_lr(self) -> float:
-        return self.schedule.peak_lr
-
-    def lr_at(self, samples_seen: int) -> float:
-        factor = hooks.bound(self.pipeline, "lr_factor") if overrides(self.pipeline, "lr_factor") else None
-        return self.schedule.lr(samples_seen, factor)
-
     def describe_plan(self) -> str:
         optimizer = optim.describe_optimizer(self.optimizer) if overrides(self.pipeline, "build_optimizer") else None
         model = self.prepared.describe() if self.prepared is not None else ""
         return describe_plan(
-            self.cfg, self.pipeline, self.batch_plan, self.schedule, self.runtime.backend, optimizer, model
+            self.cfg, self.pipeline, self.batch_plan, self.rate.schedule, self.runtime.backend, optimizer, model
         )
 
     def for_quorum(self, replicas: int, num_train_rows: int) -> "StepRunner":
         """This runner with the batch plan and rate of a quorum of `replicas` (per-step mode)."""
         plan = batch_plan_for(self.cfg, replicas)
         total = Budget.of(self.cfg).total_steps(num_train_rows, plan.global_batch_size)
-        schedule = run_schedule(self.cfg, plan, num_train_rows)
-        return dataclasses.replace(self, batch_plan=plan, schedule=schedule, total_steps=total)
+        rate = dataclasses.replace(self.rate, schedule=run_schedule(self.cfg, plan, num_train_rows))
+        return dataclasses.replace(self, batch_plan=plan, rate=rate, total_steps=total)
 
     def training_state(self, position: Position) -> TrainingState:
         """What a checkpoint, a healed replica and the final model hold (`raytrain.worker.state`)."""
         sharded = self.prepared is not None and self.prepared.sharded
-        return TrainingState(self.model, self.optimizer, self.scaler, position, sharded, self.telemetry)
-
-    def metrics_row(
-        self, position: Position, *, loss: float, samples_per_s: float, extra: dict | None = None
-    ) -> MetricsRow:
-        return MetricsRow(
-            epoch=position.epoch if position.epoch_offset == 0 else position.epoch + 1,
-            step=position.step,
-            samples_seen=position.samples_seen,
-            world_size=self.runtime.world_size,
-            global_batch_size=self.batch_plan.global_batch_size,
-            lr=self.lr_at(position.samples_seen),
-            loss=loss,
-            samples_per_s=samples_per_s,
-            time_s=time.time(),
-            extra=dict(extra or {}),
-        )
+        return TrainingState(self.model, self.optimizer, self.scaler, position, sharded, self.measures.telemetry)
 
     # -- a step ------------------------------------------------------------------------------
 
@@ -165,22 +132,15 @@ class StepRunner:
         _CONTEXT.epoch = position.epoch
         _CONTEXT.step = position.step
         _CONTEXT.samples_seen = position.samples_seen
-        _CONTEXT.lr = self.lr_at(position.samples_seen)
-
-    def phases(self, position: Position, timed: bool) -> StepPhases:
-        """The instrumentation of the step at `position`; `timed`: a steady step, whose phase
-        times add to the position's."""
-        return StepPhases(
-            self.heartbeat, position.step, PhaseTimer(self.telemetry.phase_time_s if timed else None, self.phase_sync())
-        )
+        _CONTEXT.lr = self.rate.at(position.samples_seen)
 
     def gradients(self, data: TableEpoch | StreamEpoch, step: steps.Step, phase: StepPhases) -> None:
         """Forward and backward over this rank's rows of `step` (gradients averaged over ranks)."""
         with self.device_failures(phase):
-            self._gradients(data, step, phase)
+            self._micro_batches(data, step, phase)
 
-    def _gradients(self, data: TableEpoch | StreamEpoch, step: steps.Step, phase: StepPhases) -> None:
-        step_index = phase.step_index
+    def _micro_batches(self, data: TableEpoch | StreamEpoch, step: steps.Step, phase: StepPhases) -> None:
+        step_index, measures = phase.step_index, self.measures
         for index, piece in enumerate(steps.micro_batches(data.rows(step), self.batch_plan.accumulation_steps)):
             # A rank with no rows in a (micro-)step still runs forward and backward (the data
             # gives one row for an empty piece; weight 0 below) so that it joins the
@@ -193,7 +153,7 @@ class StepRunner:
                 # over the samples actually present in the step (tail steps are smaller).
                 weight = steps.gradient_weight(count, self.runtime.world_size, step.size)
                 with self.accumulating(last=index == self.batch_plan.accumulation_steps - 1):
-                    with self.counting_flops(count):
+                    with measures.counting_flops(count, lambda: strategy.eager(self.model)):
                         with phase("forward"):
                             loss, _ = self.compute_loss(batch)
                         with phase("backward"):
@@ -203,14 +163,13 @@ class StepRunner:
 
     def apply_gradients(self, position: Position, phase: StepPhases) -> float:
         """The optimizer's step at the rate of `position`; returns that rate."""
-        lr = self.lr_at(position.samples_seen)
-        optim.set_rates(self.optimizer, lr, self.rate_multipliers)
+        lr = self.rate.set_on(self.optimizer, position.samples_seen)
         with self.device_failures(phase), phase("optimizer", timed="optimizer"):
             self.clip_gradients(position.step)
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            if self.memory is None:  # once: the gradients and the optimizer's state all exist now
-                self.memory = strategy.state_bytes(self.model, self.optimizer)
+            if self.measures.memory is None:  # once: the gradients and the optimizer's state all exist now
+                self.measures.note_state(lambda: strategy.state_bytes(self.model, self.optimizer))
             self.optimizer.zero_grad(set_to_none=True)
         return lr
 
@@ -233,26 +192,6 @@ class StepRunner:
                 raise
             raise failure from exc
 
-    @contextlib.contextmanager
-    def counting_flops(self, rows: int):
-        """The FLOPs of this micro-batch's forward and backward, per row, into the position
-        (`raytrain.rules.flops`): rank 0, the first micro-batch with rows of an attempt, run
-        eagerly (a compiled model compiles at its next call)."""
-        if not self.count_flops or rows == 0:
-            yield
-            return
-        from torch.utils.flop_counter import FlopCounterMode
-
-        counter = FlopCounterMode(display=False)
-        # Eager, under --compile too: Dynamo skips a frame first seen under a dispatch mode
-        # and never compiles its code afterwards.
-        with strategy.eager(self.model), counter:
-            yield
-        self.count_flops = False
-        self.telemetry.flops_per_sample = counter.get_total_flops() / rows
-        device = self.runtime.device
-        self.telemetry.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-
     def clip_gradients(self, step_index: int) -> None:
         if self.cfg.grad_clip_norm is None:
             return
@@ -260,16 +199,6 @@ class StepRunner:
         norm = strategy.full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm))
         if not self.scaler.is_enabled():  # under fp16 an inf norm is an overflow the scaler skips, not divergence
             self.window.note_if_bad(norm, step_index)
-
-    def sync_device(self) -> None:
-        # GPU kernels run asynchronously: without a sync, phase times land on whatever
-        # waits next. Only when asked (raytrain bench), as it costs overlap.
-        if self.cfg.time_phases and self.runtime.device.type == "cuda":
-            torch.cuda.synchronize(self.runtime.device)
-
-    def phase_sync(self) -> Callable[[], None]:
-        """What the phase timer calls at each lap: `sync_device`, or nothing where it would do nothing."""
-        return self.sync_device if self.cfg.time_phases and self.runtime.device.type == "cuda" else _nothing
 
     def autocast(self):
         # Under fsdp, bf16 and fp16 are FSDP2's mixed-precision policy (raytrain.parallel.strategy).
@@ -281,39 +210,6 @@ class StepRunner:
     def accumulating(self, last: bool):
         """The gradient reduction over ranks skipped on all micro-batches of a step but the last."""
         return contextlib.nullcontext() if last else strategy.no_gradient_sync(self.model)
-
-    def evaluate(self, source: Any) -> dict[str, float]:
-        """Validation loss and metrics, averaged over all validation samples of all ranks (over the
-        same --eval-batches global batches every pass, when given)."""
-        with self.device_failures("evaluation"):
-            return self._evaluate(source)
-
-    @torch.no_grad()
-    def _evaluate(self, source: Any) -> dict[str, float]:
-        runtime = self.runtime
-        self.model.eval()
-        batch_size = max(
-            1, self.batch_plan.per_worker_max if not self.cfg.micro_batch_size else self.cfg.micro_batch_size
-        )
-        sums: dict[str, float] = {}
-        count = 0
-        # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
-        # rank learns the metric names and joins the reduction below.
-        rank, world = runtime.evaluation_share()
-        limit = evaluation_rows(self.cfg)
-        batches = source.eval_batches(rank, world, batch_size, runtime.device, limit=limit, seed=self.cfg.seed)
-        if self.prepared is not None and self.prepared.sharded and world > 1:
-            batches = _in_step(batches, runtime)
-        for n, batch in batches:
-            loss, metrics = self.compute_loss(batch)
-            for name, value in {"loss": loss, **metrics}.items():
-                sums[name] = sums.get(name, 0.0) + float(value) * n
-            count += n
-        names = sorted(sums)
-        values = [sums[name] for name in names] + [float(count)]
-        totals = runtime.all_reduce_sum(values) if world > 1 else values
-        self.model.train()
-        return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}
 
     # -- the pipeline's hooks ------------------------------------------------------------------
 
@@ -346,6 +242,38 @@ class StepRunner:
                 self.pipeline, "compute_loss", self.model, Batch(batch), passthrough=strategy.is_collective_failure
             )
         return split_loss(output)
+
+
+def evaluate(runner: StepRunner, source: Any) -> dict[str, float]:
+    """Validation loss and metrics, averaged over all validation samples of all ranks (over the
+    same --eval-batches global batches every pass, when given)."""
+    with runner.device_failures("evaluation"), torch.no_grad():
+        return _evaluate(runner, source)
+
+
+def _evaluate(runner: StepRunner, source: Any) -> dict[str, float]:
+    runtime, cfg, model = runner.runtime, runner.cfg, runner.model
+    model.eval()
+    batch_size = max(1, runner.batch_plan.per_worker_max if not cfg.micro_batch_size else cfg.micro_batch_size)
+    sums: dict[str, float] = {}
+    count = 0
+    # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
+    # rank learns the metric names and joins the reduction below.
+    rank, world = runtime.evaluation_share()
+    limit = evaluation_rows(cfg)
+    batches = source.eval_batches(rank, world, batch_size, runtime.device, limit=limit, seed=cfg.seed)
+    if runner.prepared is not None and runner.prepared.sharded and world > 1:
+        batches = _in_step(batches, runtime)
+    for n, batch in batches:
+        loss, metrics = runner.compute_loss(batch)
+        for name, value in {"loss": loss, **metrics}.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * n
+        count += n
+    names = sorted(sums)
+    values = [sums[name] for name in names] + [float(count)]
+    totals = runtime.all_reduce_sum(values) if world > 1 else values
+    model.train()
+    return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}
 
 
 def show_plan(cfg: TrainConfig, runtime: Runtime, plan: BatchPlan, total_steps: int) -> None:
@@ -386,7 +314,3 @@ def _in_step(batches, runtime):
             yield item
         else:
             yield 0, last[1]
-
-
-def _nothing() -> None:
-    pass
