@@ -6,7 +6,8 @@ context, the heartbeat marks, the phase timer, the loss window and its snapshot,
 the pipeline's hooks under their rule, the batch plan's weight, the rate set every step) and
 through the bare loop a user writes (slice, forward, backward, AdamW). Timed in CPU time of the
 thread (`time.thread_time`), so other work on a busy machine does not land in the figure; min
-and median over rounds, after 50 warm-up steps each. Usage:
+and median over rounds, after 50 warm-up steps each. And the Python calls of a step of the step
+path (`sys.setprofile`), a count that noise does not move. Usage:
 
     python benchmarks/step_cost.py [--rounds 7] [--steps 400]
 """
@@ -79,7 +80,7 @@ def raytrain_step_s(pipe, cfg, table: Table, n: int) -> float:
         scaler=torch.amp.GradScaler("cpu", enabled=False),
         rate=Rate.of(pipe, run_schedule(cfg, plan, len(table)), [1.0] * len(optimizer.param_groups)),
         window=LossWindow.on(torch.device("cpu")),
-        measures=Measures(Heartbeat(Path("."), 0, enabled=False), torch.device("cpu")),
+        measures=Measures(Heartbeat(Path("."), 0, enabled=False), torch.device("cpu"), cfg.time_phases),
     )
     training = Training(cfg, Recovery(cfg, ".", runner.runtime), None, runner, None, table, None, Position())
     data = table.epoch(0, 0, 0, 0, 1)
@@ -89,7 +90,25 @@ def raytrain_step_s(pipe, cfg, table: Table, n: int) -> float:
     started = time.thread_time()
     for step in planned[WARMUP:]:
         training.take_step(data, step, last=False)
-    return (time.thread_time() - started) / n
+    return (time.thread_time() - started) / n, python_calls(training, data, planned[WARMUP : WARMUP + 20])
+
+
+def python_calls(training, data, planned) -> float:
+    """Python function calls per step of `Training.take_step` (sys.setprofile's "call" events;
+    calls into C not counted): the step path's cost in calls, which noise does not move."""
+    calls = 0
+
+    def count(frame, event, arg) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        for step in planned:
+            training.take_step(data, step, last=False)
+    finally:
+        sys.setprofile(None)
+    return calls / len(planned)
 
 
 def bare_step_s(pipe, cfg, table: Table, n: int) -> float:
@@ -116,13 +135,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     pipe, cfg, table = setup(args.steps)
-    ours = sorted(raytrain_step_s(pipe, cfg, table, args.steps) for _ in range(args.rounds))
+    rounds = [raytrain_step_s(pipe, cfg, table, args.steps) for _ in range(args.rounds)]
+    ours, calls = sorted(seconds for seconds, _ in rounds), rounds[-1][1]
     bare = sorted(bare_step_s(pipe, cfg, table, args.steps) for _ in range(args.rounds))
     mid = args.rounds // 2
     print(
         f"CPU time per step, min / median of {args.rounds} rounds of {args.steps} steps: raytrain "
         f"{ours[0] * 1e6:.0f} / {ours[mid] * 1e6:.0f} µs, bare loop {bare[0] * 1e6:.0f} / {bare[mid] * 1e6:.0f} µs; "
-        f"raytrain's own cost {(ours[0] - bare[0]) * 1e6:.0f} µs per step (from the minima)"
+        f"raytrain's own cost {(ours[0] - bare[0]) * 1e6:.0f} µs per step (from the minima); "
+        f"{calls:.0f} Python calls per step in raytrain's step path"
     )
 
 

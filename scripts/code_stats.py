@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import io
 import subprocess
 import sys
+import tokenize
 from collections import defaultdict
 from pathlib import Path
 
@@ -201,6 +203,100 @@ def option_readers(trees: dict[str, ast.Module], option: str) -> list[str]:
     return found
 
 
+# Issue 46's measures: the worker's kinds (fault-tolerance mode, sharded or not, storage kind)
+# each in one place, and no class in worker/ that holds too much.
+PER_STEP_MODULES = ("worker.replicas", "worker.groups")  # the per-step implementation's own modules
+MODE_NAMES = {"per_step", "via_ray", "ReplicaRuntime", "group_store", "fault_tolerance"}
+STORAGE_KIND_NAMES = {"remote", "local_path", "local_dir", "renames", "LocalFileSystem", "is_local", "is_remote"}
+MAX_FIELDS, MAX_METHODS = 12, 15
+
+
+def name_lines(texts: dict[str, str], names: set[str], skip: tuple[str, ...] = ()) -> list[str]:
+    """`module:line` of every line of worker/'s code (comments and strings left out) that holds
+    one of `names` as a name."""
+    found = []
+    for m, text in texts.items():
+        if not m.startswith("worker.") or m in skip:
+            continue
+        tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+        rows = sorted({t.start[0] for t in tokens if t.type == tokenize.NAME and t.string in names})
+        found += [f"{m}:{row}" for row in rows]
+    return found
+
+
+def storage_kind_branches(trees: dict[str, ast.Module], module: str = "rundir.checkpoints") -> int:
+    """Branches (if, ternary, while) of `module` on the storage kind: whose test names a storage
+    kind's mark (`remote(...)`, `.local_path()`, `.renames`, ...), or a name its function bound
+    from one (`store = remote(directory)` ... `if store is not None`)."""
+    tree = trees.get(module)
+    if tree is None:
+        return 0
+
+    def names(node: ast.AST) -> set[str]:
+        found = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        return found | {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+
+    count = 0
+    scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for scope in scopes:
+        marks = set(STORAGE_KIND_NAMES)
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Assign) and names(node.value) & STORAGE_KIND_NAMES:
+                marks |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        inner = {id(n) for s in scopes if s is not scope for n in ast.walk(s) if s in ast.walk(scope)}
+        for node in ast.walk(scope):
+            if isinstance(node, (ast.If, ast.IfExp, ast.While)) and id(node) not in inner:
+                count += bool(names(node.test) & marks)
+    return count
+
+
+def class_sizes(trees: dict[str, ast.Module]) -> list[tuple[str, int, int]]:
+    """(module.Class, fields, methods) of every class in worker/. Fields: the names assigned as
+    `self.x` in its methods, and its class-level names (annotated, ClassVar left out, or
+    assigned); methods: the functions of its body. Per class definition: inherited members
+    are not counted."""
+    sizes = []
+    for m, tree in trees.items():
+        if not m.startswith("worker."):
+            continue
+        for node in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            fields: set[str] = set()
+            methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    if "ClassVar" not in ast.unparse(item.annotation):
+                        fields.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    for target in item.targets:
+                        fields |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+            for method in methods:
+                for sub in ast.walk(method):
+                    targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
+                        sub, (ast.AnnAssign, ast.AugAssign)) else []  # fmt: skip
+                    for target in targets:
+                        for n in ast.walk(target):
+                            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+                                fields.add(n.attr)
+            sizes.append((f"{m}.{node.name}", len(fields), len(methods)))
+    return sizes
+
+
+def kinds(texts: dict[str, str], trees: dict[str, ast.Module]) -> tuple[list[str], int, list[str], list]:
+    """Issue 46's four measures: mode lines outside the per-step modules, storage-kind branches
+    of rundir/checkpoints.py, lines naming `sharded` in worker/, and the classes over a limit."""
+    over = [c for c in class_sizes(trees) if c[1] > MAX_FIELDS or c[2] > MAX_METHODS]
+    return (
+        name_lines(texts, MODE_NAMES, PER_STEP_MODULES),
+        storage_kind_branches(trees),
+        name_lines(texts, {"sharded"}),
+        over,
+    )
+
+
+def _listed(items: list[str], limit: int = 10) -> str:
+    return f" ({', '.join(items)})" if items and len(items) <= limit else ""
+
+
 def worker_core(texts: dict[str, str], trees: dict[str, ast.Module]) -> list[str]:
     local, bundle = local_branches(trees), bundle_functions(trees)
     readers = {option: option_readers(trees, option) for option in TRACED_OPTIONS}
@@ -215,6 +311,24 @@ def worker_core(texts: dict[str, str], trees: dict[str, ast.Module]) -> list[str
             f"Functions reading `{option}`: {len(found)}" + "".join(f"\n- {f}" for f in found)
             for option, found in readers.items()
         ),
+        *kinds_lines(kinds(texts, trees)),
+    ]
+
+
+def kinds_lines(measured: tuple, before: tuple | None = None) -> list[str]:
+    """Issue 46's measures as lines (`before`: a revision's, side by side)."""
+    mode, storage, sharded, over = measured
+    was = (lambda i, f: f"{f(before[i])} before, ") if before is not None else (lambda i, f: "")
+    return [
+        f"Lines of worker/ naming the fault-tolerance mode outside {', '.join(PER_STEP_MODULES)}: "
+        f"{was(0, len)}{len(mode)}{' after' if before is not None else ''}{_listed(mode)}",
+        f"Storage-kind branches in rundir/checkpoints.py: {was(1, int)}{storage}"
+        f"{' after' if before is not None else ''}",
+        f"Lines of worker/ naming `sharded`: {was(2, len)}{len(sharded)}{' after' if before is not None else ''}"
+        f"{_listed(sharded)}",
+        f"Classes of worker/ over {MAX_FIELDS} fields or {MAX_METHODS} methods: {was(3, len)}{len(over)}"
+        f"{' after' if before is not None else ''}"
+        + "".join(f"\n- {name} ({fields} fields, {methods} methods)" for name, fields, methods in over),
     ]
 
 
@@ -296,9 +410,9 @@ def compare(before: dict[str, str], after: dict[str, str]) -> str:
         twice = sorted(n for n, ms in top_level.items() if len(ms) > 1)
         local = local_branches(trees)
         core = (worker_lines(texts), sum(local.values()), len(local), len(bundle_functions(trees)))
-        return lines, modules, largest, longest, cycles(graph), twice, biggest, core
+        return lines, modules, largest, longest, cycles(graph), twice, biggest, core, kinds(texts, trees)
 
-    (lb, mb, gb, fb, cb, db, bb, kb), (la, ma, ga, fa, ca, da, ba, ka) = summary(before), summary(after)
+    (lb, mb, gb, fb, cb, db, bb, kb, sb), (la, ma, ga, fa, ca, da, ba, ka, sa) = summary(before), summary(after)
     out = [
         "| layer | lines before | after | modules before | after | largest module before | after "
         "| longest function before | after |",
@@ -323,6 +437,7 @@ def compare(before: dict[str, str], after: dict[str, str]) -> str:
         f"Lines of raytrain/worker/: {kb[0]:,} before, {ka[0]:,} after",
         f"`.local` outside rundir/storage.py: {kb[1]} in {kb[2]} modules before, {ka[1]} in {ka[2]} modules after",
         f"Functions taking two or more of the runner/position/files/data bundle: {kb[3]} before, {ka[3]} after",
+        *kinds_lines(sa, sb),
     ]
     return "\n".join(out)
 

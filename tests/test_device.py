@@ -32,7 +32,7 @@ from raytrain.rules.schedule import run_schedule
 from raytrain.worker.optim import Rate
 from raytrain.worker.phases import Measures
 from raytrain.worker.state import TrainingState
-from raytrain.worker.step import StepRunner, evaluate
+from raytrain.worker.step import StepRunner
 from raytrain.worker.window import LossWindow
 
 
@@ -200,7 +200,7 @@ def fail_in(where: str, error: Exception) -> DeviceFailure:
     runner, table = runner_for(FailsIn(where, error))
     with pytest.raises(DeviceFailure) as failure:
         take_a_step(runner, table)
-        evaluate(runner, table)
+        runner.evaluate(table)
     return failure.value
 
 

@@ -186,11 +186,14 @@ class FakeRunner:
         return type("Rate", (), {"at": lambda _, samples_seen: 1e-3 * self.batch_plan.world_size})()
 
 
-def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tmp_path):
+def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tmp_path, monkeypatch):
     from raytrain.rules.position import Position
     from raytrain.rundir import RunDir
     from raytrain.rundir.writer import RunWriter
+    from raytrain.worker import epoch
     from raytrain.worker.epoch import Epochs
+
+    monkeypatch.setattr(epoch, "plan_line", lambda runner: runner.describe_plan())
 
     def attempt(files, position, runner):
         training = SimpleNamespace(

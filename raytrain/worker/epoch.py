@@ -26,7 +26,7 @@ from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
 from raytrain.text import sci
 from raytrain.worker import prefetch
 from raytrain.worker.phases import SteadyClock
-from raytrain.worker.step import evaluate
+from raytrain.worker.step import plan_line
 from raytrain.worker.window import TrainingDiverged, divergence_message, sync
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -156,7 +156,7 @@ class Epochs:
         why = lost if now < previous else f"{back}, healed from a live peer"
         return (
             f"Quorum {previous} → {now} {what} at step {position.step} (epoch {position.epoch + 1}, "
-            f"{position.epoch_offset:,} samples into it; {why}): {runner.describe_plan()}; "
+            f"{position.epoch_offset:,} samples into it; {why}): {plan_line(runner)}; "
             f"lr now {sci(runner.rate.at(position.samples_seen))}"
         )
 
@@ -185,13 +185,13 @@ class Epochs:
             if not last:
                 rate = runner.measures.throughput.lap(position.samples_seen)
                 validation = self.evaluate_during() if evaluate_now else {}
-                row = metrics_row(runner, position, loss=loss, samples_per_s=rate, extra=validation)
+                row = self.metrics_row(loss=loss, samples_per_s=rate, extra=validation)
                 files.metrics(row)
                 if evaluate_now:
                     files.evaluation(row)
             checkpoint_now = checkpoint_now or (stop and not last)
         if checkpoint_now:
-            row = metrics_row(runner, position, loss=float("nan"), samples_per_s=0.0)
+            row = self.metrics_row(loss=float("nan"), samples_per_s=0.0)
             self.checkpointer.save(self, row.to_json())
         return stop
 
@@ -271,12 +271,26 @@ class Epochs:
         every row's is; `epoch_loss` is the epoch's mean (so far)."""
         last_loss = self.runner.measures.telemetry.last_loss
         last = math.nan if last_loss is None else last_loss
-        return metrics_row(
-            self.runner,
-            self.position,
+        return self.metrics_row(
             loss=last,
             samples_per_s=epoch.samples_per_s,
             extra={EPOCH_LOSS: epoch.loss, **val_metrics},
+        )
+
+    def metrics_row(self, *, loss: float, samples_per_s: float, extra: dict | None = None) -> MetricsRow:
+        """A row of metrics.jsonl at the attempt's position."""
+        runner, position = self.runner, self.position
+        return MetricsRow(
+            epoch=position.epoch if position.epoch_offset == 0 else position.epoch + 1,
+            step=position.step,
+            samples_seen=position.samples_seen,
+            world_size=runner.runtime.world_size,
+            global_batch_size=runner.batch_plan.global_batch_size,
+            lr=runner.rate.at(position.samples_seen),
+            loss=loss,
+            samples_per_s=samples_per_s,
+            time_s=time.time(),
+            extra=dict(extra or {}),
         )
 
     def validate(self) -> dict[str, float]:
@@ -285,7 +299,7 @@ class Epochs:
             return {}
         self.runner.measures.heartbeat.mark(self.position.step, "eval")
         tick = time.perf_counter()
-        metrics = evaluate(self.runner, self.val_data)
+        metrics = self.runner.evaluate(self.val_data)
         self.runner.measures.telemetry.validation_s += time.perf_counter() - tick
         return metrics
 
@@ -321,24 +335,6 @@ class Epochs:
                     Kind.DATA,
                     f"epoch {self.position.epoch + 1}: skipped {skipped:,} row(s) holding NaN or inf (--skip-nan-rows)",
                 )
-
-
-def metrics_row(
-    runner: "StepRunner", position: Position, *, loss: float, samples_per_s: float, extra: dict | None = None
-) -> MetricsRow:
-    """A row of metrics.jsonl at `position`."""
-    return MetricsRow(
-        epoch=position.epoch if position.epoch_offset == 0 else position.epoch + 1,
-        step=position.step,
-        samples_seen=position.samples_seen,
-        world_size=runner.runtime.world_size,
-        global_batch_size=runner.batch_plan.global_batch_size,
-        lr=runner.rate.at(position.samples_seen),
-        loss=loss,
-        samples_per_s=samples_per_s,
-        time_s=time.time(),
-        extra=dict(extra or {}),
-    )
 
 
 def advance(position: Position, step: steps.Step) -> None:

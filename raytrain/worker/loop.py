@@ -43,7 +43,7 @@ from raytrain.worker.recovery import Recovery
 from raytrain.worker.replicas import PerStep
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import unwrap
-from raytrain.worker.step import StepRunner
+from raytrain.worker.step import StepRunner, plan_line
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class Training(Epochs):
         lr_before = saved.get("lr", math.nan) if saved else math.nan
         world_size = runner.runtime.world_size
         lr_now = runner.rate.at(position.samples_seen)
-        event = self.attempt.event(position, world_size, runner.describe_plan(), lr_now, lr_before)
+        event = self.attempt.event(position, world_size, plan_line(runner), lr_now, lr_before)
         files.start_attempt(event, position.step)
         for note in cost_notes(self.train_data, world_size):
             files.event(Kind.DATA, note)

@@ -61,7 +61,7 @@ class Runner(Protocol):
     def discard_step(self, window_before: Any) -> None: ...
 
 
-class Training(Protocol):
+class Restored(Protocol):
     """What a recovery object asks of an attempt (`raytrain.worker.loop.Training`)."""
 
     cfg: "TrainConfig"
@@ -99,12 +99,12 @@ class Recovery:
         files.clear_staging()
         return True
 
-    def after_restore(self, training: Training) -> None:
+    def after_restore(self, training: Restored) -> None:
         """Restored: ready to step. The attempt's line, at once (every worker starts with the others)."""
         training.announce()
         training.position.trains_with(self.runtime.world_size)
 
-    def first_quorum(self, training: Training, quorum: Quorum) -> bool:
+    def first_quorum(self, training: Restored, quorum: Quorum) -> bool:
         """The first quorum of a worker that has not said its attempt's line; returns whether
         the run was finished elsewhere (never: every worker says it once restored)."""
         training.announce()
@@ -161,4 +161,4 @@ class Recovery:
         return timeout_s
 
 
-__all__ = ["PUBLISH_WAIT_S", "Quorum", "Recovery", "Runner", "Training"]
+__all__ = ["PUBLISH_WAIT_S", "Quorum", "Recovery", "Restored", "Runner"]

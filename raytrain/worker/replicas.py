@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
     from raytrain.rundir.publish import Publish
     from raytrain.rundir.writer import RunWriter
-    from raytrain.worker.recovery import Runner, Training
+    from raytrain.worker.recovery import Restored, Runner
     from raytrain.worker.state import TrainingState
     from raytrain.worker.window import LossWindow
 
@@ -279,7 +279,7 @@ class PerStep(Recovery):
             self.runtime.start_manager(self._live, self._heal)
         return True
 
-    def after_restore(self, training: "Training") -> None:
+    def after_restore(self, training: "Restored") -> None:
         """Ready to step: the model joins torchft's step (`raytrain.worker.groups`), and replicas
         that start together meet here once restored, so that the first quorum holds every one
         of them (or says why it could not wait: a replica lost while the group started, or one
@@ -305,7 +305,7 @@ class PerStep(Recovery):
             self.held.load_live(state)
             self.healed = True
 
-    def first_quorum(self, training: "Training", quorum: Quorum) -> bool:
+    def first_quorum(self, training: "Restored", quorum: Quorum) -> bool:
         """A replica's first quorum: the attempt's line, and why not every replica that started
         together is in it; a replacement healed into it says nothing of its own (the quorum's
         line does). Alone in it after the others wrote the run's end: a replacement too late

@@ -105,13 +105,6 @@ class StepRunner:
 
     # -- the rules of this attempt ----------------------------------------------------------
 
-    def describe_plan(self) -> str:
-        optimizer = optim.describe_optimizer(self.optimizer) if overrides(self.pipeline, "build_optimizer") else None
-        model = self.prepared.describe() if self.prepared is not None else ""
-        return describe_plan(
-            self.cfg, self.pipeline, self.batch_plan, self.rate.schedule, self.runtime.backend, optimizer, model
-        )
-
     def for_quorum(self, replicas: int, num_train_rows: int) -> "StepRunner":
         """This runner with the batch plan and rate of a quorum of `replicas` (per-step mode)."""
         plan = batch_plan_for(self.cfg, replicas)
@@ -152,7 +145,9 @@ class StepRunner:
                 # DDP averages gradients over ranks; this weight turns that into the mean
                 # over the samples actually present in the step (tail steps are smaller).
                 weight = steps.gradient_weight(count, self.runtime.world_size, step.size)
-                with self.accumulating(last=index == self.batch_plan.accumulation_steps - 1):
+                # The gradient reduction over ranks skipped on all micro-batches of a step but the last.
+                last = index == self.batch_plan.accumulation_steps - 1
+                with contextlib.nullcontext() if last else strategy.no_gradient_sync(self.model):
                     with measures.counting_flops(count, lambda: strategy.eager(self.model)):
                         with phase("forward"):
                             loss, _ = self.compute_loss(batch)
@@ -207,9 +202,32 @@ class StepRunner:
         dtype = strategy.compute_dtype(self.cfg.precision)
         return torch.autocast(device_type=self.runtime.device.type, dtype=dtype)
 
-    def accumulating(self, last: bool):
-        """The gradient reduction over ranks skipped on all micro-batches of a step but the last."""
-        return contextlib.nullcontext() if last else strategy.no_gradient_sync(self.model)
+    def evaluate(self, source: Any) -> dict[str, float]:
+        """Validation loss and metrics, averaged over all validation samples of all ranks (over the
+        same --eval-batches global batches every pass, when given)."""
+        runtime, cfg, model = self.runtime, self.cfg, self.model
+        with self.device_failures("evaluation"), torch.no_grad():
+            model.eval()
+            batch_size = max(1, self.batch_plan.per_worker_max if not cfg.micro_batch_size else cfg.micro_batch_size)
+            sums: dict[str, float] = {}
+            count = 0
+            # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
+            # rank learns the metric names and joins the reduction below.
+            rank, world = runtime.evaluation_share()
+            limit = evaluation_rows(cfg)
+            batches = source.eval_batches(rank, world, batch_size, runtime.device, limit=limit, seed=cfg.seed)
+            if self.prepared is not None and self.prepared.sharded and world > 1:
+                batches = _in_step(batches, runtime)
+            for n, batch in batches:
+                loss, metrics = self.compute_loss(batch)
+                for name, value in {"loss": loss, **metrics}.items():
+                    sums[name] = sums.get(name, 0.0) + float(value) * n
+                count += n
+            names = sorted(sums)
+            values = [sums[name] for name in names] + [float(count)]
+            totals = runtime.all_reduce_sum(values) if world > 1 else values
+            model.train()
+        return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}
 
     # -- the pipeline's hooks ------------------------------------------------------------------
 
@@ -244,36 +262,13 @@ class StepRunner:
         return split_loss(output)
 
 
-def evaluate(runner: StepRunner, source: Any) -> dict[str, float]:
-    """Validation loss and metrics, averaged over all validation samples of all ranks (over the
-    same --eval-batches global batches every pass, when given)."""
-    with runner.device_failures("evaluation"), torch.no_grad():
-        return _evaluate(runner, source)
-
-
-def _evaluate(runner: StepRunner, source: Any) -> dict[str, float]:
-    runtime, cfg, model = runner.runtime, runner.cfg, runner.model
-    model.eval()
-    batch_size = max(1, runner.batch_plan.per_worker_max if not cfg.micro_batch_size else cfg.micro_batch_size)
-    sums: dict[str, float] = {}
-    count = 0
-    # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
-    # rank learns the metric names and joins the reduction below.
-    rank, world = runtime.evaluation_share()
-    limit = evaluation_rows(cfg)
-    batches = source.eval_batches(rank, world, batch_size, runtime.device, limit=limit, seed=cfg.seed)
-    if runner.prepared is not None and runner.prepared.sharded and world > 1:
-        batches = _in_step(batches, runtime)
-    for n, batch in batches:
-        loss, metrics = runner.compute_loss(batch)
-        for name, value in {"loss": loss, **metrics}.items():
-            sums[name] = sums.get(name, 0.0) + float(value) * n
-        count += n
-    names = sorted(sums)
-    values = [sums[name] for name in names] + [float(count)]
-    totals = runtime.all_reduce_sum(values) if world > 1 else values
-    model.train()
-    return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}
+def plan_line(runner: StepRunner) -> str:
+    """The attempt's (or quorum's) plan in words: batch, rate, schedule, optimizer, backend, model."""
+    optimizer = optim.describe_optimizer(runner.optimizer) if overrides(runner.pipeline, "build_optimizer") else None
+    model = runner.prepared.describe() if runner.prepared is not None else ""
+    return describe_plan(
+        runner.cfg, runner.pipeline, runner.batch_plan, runner.rate.schedule, runner.runtime.backend, optimizer, model
+    )
 
 
 def show_plan(cfg: TrainConfig, runtime: Runtime, plan: BatchPlan, total_steps: int) -> None:
