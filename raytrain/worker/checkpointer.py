@@ -221,8 +221,7 @@ class Checkpointer:
         if not self.cfg.checkpoint_async:
             self.finish()
         stall_s = time.perf_counter() - started
-        runner.measures.telemetry.checkpoint_wait_s += stall_s
-        runner.measures.telemetry.checkpoints += 1
+        runner.measures.checkpointed(stall_s)
         if self.auto is not None:
             self.after_save(position.step, stall_s)
 

@@ -181,9 +181,9 @@ class Epochs:
             if count:
                 position.epoch_loss = position.epoch_loss_so_far()
                 position.epoch_loss.add(loss, count)
-                runner.measures.telemetry.last_loss = loss
+                runner.measures.synced(loss)
             if not last:
-                rate = runner.measures.throughput.lap(position.samples_seen)
+                rate = runner.measures.lap(position.samples_seen)
                 validation = self.evaluate_during() if evaluate_now else {}
                 row = self.metrics_row(loss=loss, samples_per_s=rate, extra=validation)
                 files.metrics(row)
@@ -300,7 +300,7 @@ class Epochs:
         self.runner.measures.heartbeat.mark(self.position.step, "eval")
         tick = time.perf_counter()
         metrics = self.runner.evaluate(self.val_data)
-        self.runner.measures.telemetry.validation_s += time.perf_counter() - tick
+        self.runner.measures.validated(time.perf_counter() - tick)
         return metrics
 
     def evaluate_during(self) -> dict[str, float]:

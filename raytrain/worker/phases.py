@@ -98,6 +98,23 @@ class Measures:
         """Time spent outside training (a validation pass between steps) left out of the throughput."""
         self.throughput.since_time += seconds
 
+    def synced(self, loss: float) -> None:
+        """The mean loss over all ranks of a sync's window."""
+        self.telemetry.last_loss = loss
+
+    def lap(self, samples_seen: int) -> float:
+        """Samples per second since the last metrics row."""
+        return self.throughput.lap(samples_seen)
+
+    def checkpointed(self, stall_s: float) -> None:
+        """A checkpoint saved, the loop having waited `stall_s` for it."""
+        self.telemetry.checkpoint_wait_s += stall_s
+        self.telemetry.checkpoints += 1
+
+    def validated(self, seconds: float) -> None:
+        """A validation pass took `seconds` (goodput's account of it)."""
+        self.telemetry.validation_s += seconds
+
 
 def _nothing() -> None:
     pass
