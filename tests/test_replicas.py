@@ -192,6 +192,7 @@ def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tm
     from raytrain.rundir.writer import RunWriter
     from raytrain.worker import epoch
     from raytrain.worker.epoch import Epochs
+    from raytrain.worker.recovery import Recovery
 
     monkeypatch.setattr(epoch, "plan_line", lambda runner: runner.describe_plan())
 
@@ -201,9 +202,8 @@ def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tm
             position=position,
             runner=runner,
             train_data=range(1000),
-            recovery=SimpleNamespace(group_size=1),
+            recovery=Recovery.__new__(Recovery),  # no Ray Train context: its line only
         )
-        training.quorum_line = lambda previous: Epochs.quorum_line(training, previous)
         return training
 
     files, position, runner = RunWriter(tmp_path, enabled=True), Position(), FakeRunner(3)

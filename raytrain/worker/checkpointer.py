@@ -13,10 +13,11 @@ staged, published and pruned, and where an attempt continues from.
 - How and where, for both fault-tolerance modes: every writing rank writes its part into a
   staging directory (`Store.local_dir`), in the background; the checkpoint becomes visible
   once complete (`raytrain.rundir.publish.Publish`: renamed into place, or uploaded with its
-  marker last). With a restarting worker group, Ray Train registers it (rank 0 hands Ray the
-  publish step as its upload function: Ray lists, and prunes, only complete checkpoints).
-  Per-step, the quorum's rank 0 writes all of it and publishes and prunes it by itself: Ray's
-  report is a barrier over every worker, which a lost replica would hold up.
+  marker last). Who writes and how it is published is the recovery object's
+  (`raytrain.worker.recovery`): with a restarting worker group, Ray Train registers it (rank 0
+  hands Ray the publish step as its upload function: Ray lists, and prunes, only complete
+  checkpoints); per-step, the quorum's rank 0 writes all of it and publishes and prunes it by
+  itself: Ray's report is a barrier over every worker, which a lost replica would hold up.
 - Restore: `raytrain.rundir.checkpoints.resume_choice` says which; the furthest that loads on
   every rank is loaded (`Checkpointer.restore`).
 """

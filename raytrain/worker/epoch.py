@@ -23,7 +23,6 @@ from raytrain.rules.budget import Budget, evaluation_due
 from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints
 from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
-from raytrain.text import sci
 from raytrain.worker import prefetch
 from raytrain.worker.phases import SteadyClock
 from raytrain.worker.step import plan_line
@@ -65,7 +64,7 @@ class Epochs:
 
     def train_epoch(self) -> EpochResult:
         """Train the rest of the current epoch: to its end, to the step budget (--max-steps), or to
-        the step where the run was asked to stop. Each step: the quorum (the runtime's policy: a
+        the step where the run was asked to stop. Each step: the quorum (the recovery's policy: a
         restarting group's is every rank, always; per-step, the live replicas, a joining one
         healed first, position included); on a new quorum the batch plan and rate follow its size
         and the rows from the current offset are split over its members; forward and backward;
@@ -140,25 +139,10 @@ class Epochs:
             self.runner = self.runner.for_quorum(size, len(self.train_data))
         previous = position.world_sizes[-1] if position.world_sizes else size
         if size != previous:
-            line = self.quorum_line(previous)
+            runner, lr = self.runner, self.runner.rate.at(position.samples_seen)
+            line = self.recovery.quorum_line(previous, size, position, plan_line(runner), lr)
             self.files.event(Kind.QUORUM, line, world_size=size, previous_world_size=previous, step=position.step)
         position.trains_with(size)
-
-    def quorum_line(self, previous: int) -> str:
-        """`Quorum 3 → 2 replicas at step 40 (epoch 1, 1,280 samples into it): <plan>; lr now …`."""
-        runner, position = self.runner, self.position
-        now, k = runner.runtime.world_size, self.recovery.group_size
-        if k > 1:  # replica groups of several workers: counted in workers, and in groups
-            what = f"workers ({previous // k} → {now // k} replica groups of {k})"
-            lost, back = "a worker was lost, and its group with it; the other groups go on", "a group rejoined"
-        else:
-            what, lost, back = "replicas", "a replica was lost; the survivors go on", "a replica rejoined"
-        why = lost if now < previous else f"{back}, healed from a live peer"
-        return (
-            f"Quorum {previous} → {now} {what} at step {position.step} (epoch {position.epoch + 1}, "
-            f"{position.epoch_offset:,} samples into it; {why}): {plan_line(runner)}; "
-            f"lr now {sci(runner.rate.at(position.samples_seen))}"
-        )
 
     def after_step(self, last: bool) -> bool:
         """After a step: rank 0's live row; at the logging cadence the sync (loss, stop request)
@@ -169,8 +153,18 @@ class Epochs:
         itself rather than trusting the sync to carry it."""
         cfg, runner, position, files, stop = self.cfg, self.runner, self.position, self.files, False
         if runner.measures.memory is not None and not runner.measures.memory_said:
-            self.say_memory()
-        self.report_live()
+            sharded = runner.prepared is not None and runner.prepared.sharded
+            runner.measures.say_memory(runner.runtime, files, shards=sharded)
+        if files.live_due():  # about once a second, where rank 0 is in the epoch (the driver's progress bar)
+            files.live(
+                epoch=position.epoch + 1,
+                step=position.step,
+                samples_seen=position.samples_seen,
+                epoch_rows=len(self.train_data),
+                global_batch_size=runner.batch_plan.global_batch_size,
+                world_size=runner.runtime.world_size,
+                loss=runner.window.mean_loss(),
+            )
         checkpoint_now = self.checkpointer.due(position.step, last)
         evaluate_now = self.val_data is not None and evaluation_due(position.step, cfg.eval_every_steps, last)
         if position.step % cfg.log_every_steps == 0 or last or checkpoint_now or evaluate_now:
@@ -184,7 +178,7 @@ class Epochs:
                 runner.measures.synced(loss)
             if not last:
                 rate = runner.measures.lap(position.samples_seen)
-                validation = self.evaluate_during() if evaluate_now else {}
+                validation = self.validate(between_steps=True) if evaluate_now else {}
                 row = self.metrics_row(loss=loss, samples_per_s=rate, extra=validation)
                 files.metrics(row)
                 if evaluate_now:
@@ -194,32 +188,6 @@ class Epochs:
             row = self.metrics_row(loss=float("nan"), samples_per_s=0.0)
             self.checkpointer.save(self, row.to_json())
         return stop
-
-    def say_memory(self) -> None:
-        """Once per attempt, after its first step (a collective): the bytes each worker holds of the
-        parameters, their gradients and the optimizer's state, and each process's peak RSS."""
-        import psutil
-        import torch
-
-        runner, files = self.runner, self.files
-        mine = {**(runner.measures.memory_to_say() or {}), "peak_rss": _peak_rss_bytes(psutil.Process())}
-        device = runner.runtime.device
-        if device.type == "cuda":  # what the GPU's allocator held at most: activations included
-            mine["peak_gpu_allocated"] = torch.cuda.max_memory_allocated(device)
-        every = runner.runtime.all_gather_object(mine)
-        sharded = runner.prepared is not None and runner.prepared.sharded
-        held = ", ".join(
-            f"{_mib(mine[k])} {label}"
-            for k, label in (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"))
-        )
-        rss = ", ".join(_mib(rank["peak_rss"]) for rank in every)
-        gpu = ", ".join(_mib(rank["peak_gpu_allocated"]) for rank in every if "peak_gpu_allocated" in rank)
-        files.event(
-            Kind.MEMORY,
-            f"memory per worker after the first step: {held}{' (its shards)' if sharded else ''}; "
-            f"peak RSS by rank: {rss}" + (f"; peak GPU memory allocated by rank: {gpu}" if gpu else ""),
-            **{key: [rank.get(key, 0) for rank in every] for key in mine},
-        )
 
     def sync_ranks(self, stop_requested: bool = False) -> tuple[float, int, bool]:
         """The sync (`raytrain.worker.window.sync`): the mean loss since the last one, the samples
@@ -293,36 +261,17 @@ class Epochs:
             extra=dict(extra or {}),
         )
 
-    def validate(self) -> dict[str, float]:
-        """A validation pass (none without a validation set); its time is counted."""
+    def validate(self, between_steps: bool = False) -> dict[str, float]:
+        """A validation pass (none without a validation set); its time is counted and, between two
+        steps, left out of the training throughput."""
         if self.val_data is None:
             return {}
-        self.runner.measures.heartbeat.mark(self.position.step, "eval")
+        measures = self.runner.measures
+        measures.heartbeat.mark(self.position.step, "eval")
         tick = time.perf_counter()
         metrics = self.runner.evaluate(self.val_data)
-        self.runner.measures.validated(time.perf_counter() - tick)
+        measures.validated(time.perf_counter() - tick, between_steps)
         return metrics
-
-    def evaluate_during(self) -> dict[str, float]:
-        """A validation pass between two steps; its time is left out of the training throughput."""
-        tick = time.perf_counter()
-        metrics = self.validate()
-        self.runner.measures.leave_out(time.perf_counter() - tick)
-        return metrics
-
-    def report_live(self) -> None:
-        """About once a second, where rank 0 is in the epoch (for the driver's progress bar)."""
-        if self.files.live_due():
-            runner, position = self.runner, self.position
-            self.files.live(
-                epoch=position.epoch + 1,
-                step=position.step,
-                samples_seen=position.samples_seen,
-                epoch_rows=len(self.train_data),
-                global_batch_size=runner.batch_plan.global_batch_size,
-                world_size=runner.runtime.world_size,
-                loss=runner.window.mean_loss(),
-            )
 
     def note_skipped_rows(self, data: Any) -> None:
         """Rows of the stream skipped this epoch for NaN/inf (--skip-nan-rows), over all ranks
@@ -342,13 +291,3 @@ def advance(position: Position, step: steps.Step) -> None:
     position.step += 1
     position.samples_seen += step.size
     position.epoch_offset = step.end
-
-
-def _peak_rss_bytes(process) -> int:
-    import resource
-
-    return max(process.memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"

@@ -87,17 +87,6 @@ class Measures:
         if self.memory is None:
             self.memory = held()
 
-    def memory_to_say(self) -> dict[str, int] | None:
-        """The bytes to say once per attempt (None: said already, or not measured yet)."""
-        if self.memory is None or self.memory_said:
-            return None
-        self.memory_said = True
-        return self.memory
-
-    def leave_out(self, seconds: float) -> None:
-        """Time spent outside training (a validation pass between steps) left out of the throughput."""
-        self.throughput.since_time += seconds
-
     def synced(self, loss: float) -> None:
         """The mean loss over all ranks of a sync's window."""
         self.telemetry.last_loss = loss
@@ -111,13 +100,53 @@ class Measures:
         self.telemetry.checkpoint_wait_s += stall_s
         self.telemetry.checkpoints += 1
 
-    def validated(self, seconds: float) -> None:
-        """A validation pass took `seconds` (goodput's account of it)."""
+    def validated(self, seconds: float, between_steps: bool) -> None:
+        """A validation pass took `seconds` (goodput's account of it); `between_steps`: left out
+        of the throughput too."""
         self.telemetry.validation_s += seconds
+        if between_steps:
+            self.throughput.since_time += seconds
+
+    def say_memory(self, runtime: Any, files: Any, *, shards: bool) -> None:
+        """Once per attempt, after its first step (a collective): the bytes each worker holds of the
+        parameters, their gradients and the optimizer's state (`shards`: its shards of them), and
+        each process's peak RSS (and on a GPU, the allocator's peak)."""
+        import psutil
+        import torch
+
+        from raytrain.rundir.records import Kind
+
+        self.memory_said = True
+        mine = {**(self.memory or {}), "peak_rss": _peak_rss_bytes(psutil.Process())}
+        if self.device.type == "cuda":  # what the GPU's allocator held at most: activations included
+            mine["peak_gpu_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        every = runtime.all_gather_object(mine)
+        held = ", ".join(
+            f"{_mib(mine[k])} {label}"
+            for k, label in (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"))
+        )
+        rss = ", ".join(_mib(rank["peak_rss"]) for rank in every)
+        gpu = ", ".join(_mib(rank["peak_gpu_allocated"]) for rank in every if "peak_gpu_allocated" in rank)
+        files.event(
+            Kind.MEMORY,
+            f"memory per worker after the first step: {held}{' (its shards)' if shards else ''}; "
+            f"peak RSS by rank: {rss}" + (f"; peak GPU memory allocated by rank: {gpu}" if gpu else ""),
+            **{key: [rank.get(key, 0) for rank in every] for key in mine},
+        )
 
 
 def _nothing() -> None:
     pass
+
+
+def _peak_rss_bytes(process) -> int:
+    import resource
+
+    return max(process.memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
 
 
 class PhaseTimer:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from raytrain.rundir.storage import Store
+from raytrain.text import sci
 from raytrain.worker.runtime import Runtime
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -122,6 +123,21 @@ class Recovery:
     def commit(self, runner: Runner) -> bool:
         """Whether to apply the step: always (a failure restarts the group from a checkpoint)."""
         return True
+
+    def quorum_line(self, previous: int, now: int, position: "Position", plan: str, lr: float) -> str:
+        """`Quorum 3 → 2 replicas at step 40 (epoch 1, 1,280 samples into it): <plan>; lr now …`:
+        the line of a quorum whose size changed from `previous` to `now` (per-step)."""
+        k = self.group_size
+        if k > 1:  # replica groups of several workers: counted in workers, and in groups
+            what = f"workers ({previous // k} → {now // k} replica groups of {k})"
+            lost, back = "a worker was lost, and its group with it; the other groups go on", "a group rejoined"
+        else:
+            what, lost, back = "replicas", "a replica was lost; the survivors go on", "a replica rejoined"
+        why = lost if now < previous else f"{back}, healed from a live peer"
+        return (
+            f"Quorum {previous} → {now} {what} at step {position.step} (epoch {position.epoch + 1}, "
+            f"{position.epoch_offset:,} samples into it; {why}): {plan}; lr now {sci(lr)}"
+        )
 
     def sum_at_epoch_end(self, values: list[float]) -> list[float] | None:
         """`values` summed over the workers at an epoch's end (None: not shared)."""
