@@ -28,20 +28,17 @@ upload failed half-way is never seen, and the previous one is untouched.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
-import shutil
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Callable, ContextManager, Iterator, Union
 
 import torch
 
 from raytrain.errors import CheckpointError
+from raytrain.rundir.faults import without_credentials
 from raytrain.rundir.formats import (
     DCP_METADATA,
     dcp_metadata,
@@ -51,7 +48,7 @@ from raytrain.rundir.formats import (
     unreadable,
 )
 from raytrain.rundir.records import MODEL
-from raytrain.rundir.storage import Store, is_uri
+from raytrain.rundir.storage import Store
 
 Where = Union[str, os.PathLike, Store]  # a checkpoint or run directory: a local path, a URI or a Store
 
@@ -67,13 +64,6 @@ RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of the c
 _STEP_IN_NAME = re.compile(r"^checkpoint_s(\d+)_")
 
 
-def remote(where: Where) -> Store | None:
-    """The Store of a checkpoint or run directory on an object store; None for a local one."""
-    if isinstance(where, Store):
-        return None if where.local_path() is not None else where
-    return Store.of(where) if is_uri(where) else None
-
-
 def write_train_state(directory: str | os.PathLike, train_state: dict[str, Any]) -> None:
     """The small part of a checkpoint, and its position as JSON (written by one rank)."""
     directory = Path(directory)
@@ -82,32 +72,43 @@ def write_train_state(directory: str | os.PathLike, train_state: dict[str, Any])
     (directory / POSITION_FILE).write_text(json.dumps(train_state.get("position", {})))
 
 
+def _completed_by(store: Store) -> tuple[tuple[str, ...], ...]:
+    """The sets of files, any one of which makes a checkpoint directory of `store` complete (the
+    first file is the one named when none is there). Where a directory is renamed into place
+    whole: its train state with its position and DCP's metadata, or an earlier version's single
+    state file. On an object store: its marker, written last."""
+    if store.renames:
+        return (TRAIN_STATE_FILE, POSITION_FILE, DCP_METADATA), (LEGACY_STATE_FILE,)
+    return ((COMPLETE,),)
+
+
+def _whole(store: Store, present: Callable[[str], bool]) -> bool:
+    return any(all(present(name) for name in files) for files in _completed_by(store))
+
+
 def is_complete(directory: Where) -> bool:
     """Whether `directory` holds a whole checkpoint: its position, and its train state with
     DCP's metadata (or an earlier version's single state file); on an object store, its marker."""
-    store = remote(directory)
-    if store is not None:
-        return store.exists(COMPLETE)
-    directory = Path(directory)
-    files = (POSITION_FILE, TRAIN_STATE_FILE, DCP_METADATA)
-    return all((directory / name).is_file() for name in files) or (directory / LEGACY_STATE_FILE).is_file()
+    store = Store.of(directory)
+    return _whole(store, store.is_file)
 
 
 def is_legacy(directory: Where) -> bool:
-    """A checkpoint of an earlier version: everything in one `state.pt`."""
-    if remote(directory) is not None:
-        return False  # object stores came after the single file
-    return not (Path(directory) / DCP_METADATA).is_file() and (Path(directory) / LEGACY_STATE_FILE).is_file()
+    """A checkpoint of an earlier version: everything in one `state.pt` (none on an object
+    store: they came after the single file)."""
+    store = Store.of(directory)
+    return not store.is_file(DCP_METADATA) and store.is_file(LEGACY_STATE_FILE)
 
 
 def stored_step(directory: Where) -> int:
     """The optimizer step a checkpoint directory was taken at (-1 if unknown): from its name,
     else its position.json."""
-    named = _STEP_IN_NAME.match(Store.of(directory).name)
+    store = Store.of(directory)
+    named = _STEP_IN_NAME.match(store.name)
     if named:
         return int(named[1])
     try:
-        return int(json.loads(_read(directory, POSITION_FILE)).get("step", -1))
+        return int(json.loads(store.read_text(POSITION_FILE)).get("step", -1))
     except (OSError, ValueError, AttributeError):
         return -1
 
@@ -115,7 +116,7 @@ def stored_step(directory: Where) -> int:
 def stored_position(directory: Where) -> dict[str, Any]:
     """A checkpoint's position.json ({} when it cannot be read)."""
     try:
-        value = json.loads(_read(directory, POSITION_FILE))
+        value = json.loads(Store.of(directory).read_text(POSITION_FILE))
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
@@ -124,83 +125,58 @@ def stored_position(directory: Where) -> dict[str, Any]:
 def load_train_state(directory: Where) -> dict[str, Any]:
     """A checkpoint's train state (an earlier version's whole state); CheckpointError naming the
     file when it is missing, truncated or not a raytrain checkpoint."""
-    store = remote(directory)
-    if store is not None:
-        if not is_complete(store):
-            raise CheckpointError(f"checkpoint {store} is incomplete or not a raytrain checkpoint (no {COMPLETE})")
-        try:
-            data = store.read_bytes(TRAIN_STATE_FILE)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {store} has no {TRAIN_STATE_FILE}; it is partial") from None
-        return load_torch(io.BytesIO(data), "checkpoint file", f"{store}/{TRAIN_STATE_FILE}")
-    directory = Path(directory)
-    path = directory / (LEGACY_STATE_FILE if is_legacy(directory) else TRAIN_STATE_FILE)
-    if not path.is_file() or not is_complete(directory):
-        raise CheckpointError(f"checkpoint {directory} is incomplete or not a raytrain checkpoint (no {path.name})")
-    return load_torch(path, "checkpoint file")
+    store = Store.of(directory)
+    if not is_complete(store):
+        missing = _completed_by(store)[0][0]
+        raise CheckpointError(f"checkpoint {store} is incomplete or not a raytrain checkpoint (no {missing})")
+    name = LEGACY_STATE_FILE if is_legacy(store) else TRAIN_STATE_FILE
+    try:
+        return _load(store, name, "checkpoint file", f"{store}/{name}")
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {store} has no {name}; it is partial") from None
 
 
 def load_state(directory: Where) -> dict[str, Any]:
     """Everything a checkpoint holds as plain containers, in one process (no process group):
     `model` and `optimizer` (keyed by parameter name) with the train state. For reading and
     tests; training loads its own shards (`raytrain.worker.state`)."""
-    if remote(directory) is not None:
-        with local_copy(directory) as copy:
-            return load_state(copy)
-    directory = Path(directory)
-    state = load_train_state(directory)
-    if is_legacy(directory):
-        return state
-    loaded = read_dcp(directory)
+    with local_copy(directory) as copy:
+        state = load_train_state(copy)
+        if is_legacy(copy):
+            return state
+        loaded = read_dcp(copy)
     return {**state, "model": loaded.get("model", {}), "optimizer": loaded.get("optim", {})}
 
 
 def checkpoint_dirs(run_dir: Where) -> list:
-    """Complete checkpoint directories of a run, oldest first (by their step, then name): Paths
-    on a file system, Stores on an object store.
+    """Complete checkpoint directories of a run, oldest first (by their step, then name), by one
+    listing: Paths on a file system, Stores on an object store.
 
     raytrain writes a checkpoint under RUN_DIR/.staging/ and renames it into place when it is
     complete, so a directory here is whole; older runs (Ray's own copy) may hold partial
-    ones, which loading rejects. On an object store, those with their marker (one listing)."""
-    store = remote(run_dir)
-    if store is not None:
-        names = store.list(recursive=True)
-        found = [store / name.split("/")[0] for name in names if _is_marker(name)]
-        return sorted(found, key=lambda p: (stored_step(p), p.name))
-    found = [p for p in Path(run_dir).glob("checkpoint_*") if is_complete(p)]
+    ones, which loading rejects. On an object store, those with their marker."""
+    store = Store.of(run_dir)
+    held: dict[str, set[str]] = {}  # a checkpoint directory's name: the names of its files
+    for name in store.list(recursive=True):
+        directory, _, file = name.partition("/")
+        if directory.startswith("checkpoint_") and file:
+            held.setdefault(directory, set()).add(file)
+    found = [(store / name).path_or_store() for name, files in held.items() if _whole(store, files.__contains__)]
     return sorted(found, key=lambda p: (stored_step(p), p.name))
-
-
-def _is_marker(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) == 2 and parts[0].startswith("checkpoint_") and parts[1] == COMPLETE
 
 
 def remove(directory: Where) -> None:
     """Delete a checkpoint directory; on an object store its marker goes first, so a reader
     never takes a checkpoint that is being deleted for a complete one."""
-    store = remote(directory)
-    if store is None:
-        shutil.rmtree(directory, ignore_errors=True)
-        return
+    store = Store.of(directory)
     store.delete(COMPLETE)
     store.delete_tree()
 
 
-@contextlib.contextmanager
-def local_copy(directory: Where) -> Iterator[Path]:
+def local_copy(directory: Where) -> ContextManager[Path]:
     """A checkpoint directory as a local path: itself, or a temporary copy of an object
     store's (deleted after)."""
-    store = remote(directory)
-    if store is None:
-        yield Path(directory)
-        return
-    copy = Path(tempfile.mkdtemp(prefix="raytrain-restore-"))
-    try:
-        store.download("", copy)
-        yield copy
-    finally:
-        shutil.rmtree(copy, ignore_errors=True)
+    return Store.of(directory).local_copy()
 
 
 def latest_complete(run_dir: Where):
@@ -262,33 +238,30 @@ def choose(found: list, first_only: bool = False) -> ResumeChoice:
 
 
 def gone(directory: Where) -> bool:
-    """Whether a checkpoint listed complete has since been removed (pruned): on a file system
-    its directory, on an object store its marker (removed first)."""
-    store = remote(directory)
-    if store is not None:
-        return not store.exists(COMPLETE)
-    return not Path(directory).exists()
+    """Whether a checkpoint listed complete has since been removed (pruned): no longer complete
+    (on a file system its files go with its directory, on an object store its marker goes first)."""
+    return not is_complete(directory)
 
 
 def _openable(directory: Where) -> dict[str, Any]:
     """The train state of the checkpoint in `directory` once its other files open (no tensor of
     the model is read); CheckpointError naming the file that does not."""
-    state = load_train_state(directory)
-    store = remote(directory)
-    if store is not None:
-        if not store.exists(DCP_METADATA):
-            raise CheckpointError(f"checkpoint {store}: its {DCP_METADATA} is missing")
-        return state
-    directory = Path(directory)
-    if not is_legacy(directory):
-        dcp_metadata(directory)
-    elif (directory / MODEL_FILE).is_file():
-        path = directory / MODEL_FILE
-        try:
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:
-            why = unreadable(exc, path, checkpoint=True)
-            raise CheckpointError(f"checkpoint file {path} cannot be read: {why}") from None
+    store = Store.of(directory)
+    state = load_train_state(store)
+    legacy = is_legacy(store)
+    name = MODEL_FILE if legacy else DCP_METADATA
+    with store.local_copy((name,)) as copy:
+        path = copy / name
+        if not legacy:
+            if not path.is_file():
+                raise CheckpointError(f"checkpoint {store}: its {DCP_METADATA} is missing")
+            dcp_metadata(copy, shown=store)
+        elif path.is_file():
+            try:
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:
+                why = unreadable(exc, path, checkpoint=True)
+                raise CheckpointError(f"checkpoint file {store}/{name} cannot be read: {why}") from None
     return state
 
 
@@ -348,75 +321,63 @@ def staging_dir(run_dir: Where) -> Path:
 
 def model_shapes(directory: Where) -> dict[str, tuple[int, ...]]:
     """The model's parameter and buffer names and shapes in a checkpoint, read from DCP's
-    metadata (no tensor is loaded) or from its model file."""
-    store = remote(directory)
-    if store is not None:  # the metadata alone
-        with tempfile.TemporaryDirectory(prefix="raytrain-metadata-") as copy:
-            try:
-                Path(copy, DCP_METADATA).write_bytes(store.read_bytes(DCP_METADATA))
-            except FileNotFoundError:
-                raise CheckpointError(f"checkpoint {store} has no {DCP_METADATA}; it is partial") from None
-            return model_shapes(copy)
-    directory = Path(directory)
-    if not is_legacy(directory) and (directory / DCP_METADATA).is_file():
-        metadata = dcp_metadata(directory)
-        prefix = "model."
-        return {
-            key[len(prefix) :]: tuple(meta.size)
-            for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith(prefix) and hasattr(meta, "size")
-        }
-    return {key: tuple(value.shape) for key, value in load_model_weights(directory).items()}
+    metadata (no tensor is loaded; on an object store, the metadata alone is copied) or from
+    its model file."""
+    store = Store.of(directory)
+    if not is_legacy(store):
+        with store.local_copy((DCP_METADATA,)) as copy:
+            if (copy / DCP_METADATA).is_file():
+                metadata = dcp_metadata(copy, shown=store)
+                prefix = "model."
+                return {
+                    key[len(prefix) :]: tuple(meta.size)
+                    for key, meta in metadata.state_dict_metadata.items()
+                    if key.startswith(prefix) and hasattr(meta, "size")
+                }
+    return {key: tuple(value.shape) for key, value in load_model_weights(store).items()}
 
 
 def load_model_weights(path: Where) -> dict[str, torch.Tensor]:
     """Model weights as a plain state_dict, from a run directory (model.pt, else its latest
     checkpoint), a checkpoint directory (its model.pt, else its DCP shards, gathered in this
     process without a process group) or a .pt file; each a local path or a URI."""
-    store = remote(path)
-    if store is not None:
-        return _remote_model_weights(store)
-    path = Path(path).expanduser()
-    if not path.exists():
+    store, shown = Store.of(path), _named(path)
+    if store.is_file(""):  # a .pt file
+        return _checked_weights(_load(store.parent, store.name, "model file", shown), shown)
+    if not store.exists():
         raise CheckpointError(
-            f"{path} does not exist; give a run directory, a checkpoint directory or a model .pt file"
+            f"{shown} does not exist; give a run directory, a checkpoint directory or a model .pt file"
         )
-    if path.is_dir():
-        checkpoint = path if is_complete(path) else None
-        if checkpoint is None and not (path / MODEL_FILE).is_file():  # a run without its final model yet
-            checkpoint = latest_complete(path)
-            if checkpoint is None:
-                raise CheckpointError(
-                    f"{path} holds no model.pt and no complete checkpoint; has the run saved one yet?"
-                )
-        if checkpoint is None:
-            path = path / MODEL_FILE
-        elif (checkpoint / MODEL_FILE).is_file():
-            path = checkpoint / MODEL_FILE
-        elif is_legacy(checkpoint):
-            path = checkpoint / LEGACY_STATE_FILE
-        else:  # sharded: its shards, gathered here
-            return read_model(checkpoint)
-    return _checked_weights(load_torch(path, "model file"), str(path))
-
-
-def _remote_model_weights(store: Store) -> dict[str, torch.Tensor]:
-    checkpoint = store if is_complete(store) else None
-    if checkpoint is None and not store.is_file(MODEL_FILE):
-        if store.is_file(""):  # a .pt object
-            return _checked_weights(load_torch(io.BytesIO(store.read_bytes()), "model file", str(store)), str(store))
-        checkpoint = latest_complete(store)
-        if checkpoint is None:
-            raise CheckpointError(
-                f"{store} holds no model.pt and no complete checkpoint; give a run directory, a checkpoint directory "
-                "or a model .pt file (has the run saved one yet?)"
-            )
-    source = checkpoint or store
+    source = store
+    if not is_complete(store) and not store.is_file(MODEL_FILE):  # a run without its final model yet
+        latest = latest_complete(store)
+        if latest is None:
+            raise CheckpointError(f"{shown} holds no model.pt and no complete checkpoint; has the run saved one yet?")
+        source = Store.of(latest)
+        shown = f"{shown}/{source.name}"
     if source.is_file(MODEL_FILE):
-        data = source.read_bytes(MODEL_FILE)
-        return _checked_weights(load_torch(io.BytesIO(data), "model file", f"{source}/{MODEL_FILE}"), str(source))
-    with local_copy(source) as copy:  # sharded: its shards, gathered here
-        return read_model(copy)
+        name = MODEL_FILE
+    elif is_legacy(source):
+        name = LEGACY_STATE_FILE
+    else:  # sharded: its shards, gathered here
+        with local_copy(source) as copy:
+            return read_model(copy)
+    return _checked_weights(_load(source, name, "model file", f"{shown}/{name}"), f"{shown}/{name}")
+
+
+def _load(store: Store, name: str, what: str, shown: str) -> Any:
+    """The torch file `name` of `store` (called `shown` in messages), loaded safely from a path
+    on this node (an object is copied here first); FileNotFoundError when there is none."""
+    with store.local_copy((name,)) as copy:
+        if not (copy / name).is_file():
+            raise FileNotFoundError(shown)
+        return load_torch(copy / name, what, shown)
+
+
+def _named(where: Where) -> str:
+    """How `where` is named in messages: as the caller gave it (a path as typed, a URI without
+    its credentials or query)."""
+    return without_credentials(os.path.expanduser(str(where))).split("?", 1)[0]
 
 
 def _checked_weights(weights: Any, where: str) -> dict[str, torch.Tensor]:
@@ -428,11 +389,6 @@ def _checked_weights(weights: Any, where: str) -> dict[str, torch.Tensor]:
             "torch.save(model.state_dict(), PATH), or give a run or checkpoint directory"
         )
     return weights
-
-
-def _read(directory: Where, name: str) -> str:
-    store = remote(directory)
-    return store.read_text(name) if store is not None else (Path(directory) / name).read_text()
 
 
 def read_model(directory: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -94,16 +94,16 @@ def single_process() -> Iterator[None]:
 def load_torch(path: Path | io.BytesIO, what: str, name: str | None = None) -> Any:
     """A torch file read safely (weights_only); CheckpointError saying what the file is when it
     cannot be (`unreadable`), never torch's own advice to load it unsafely. `name`: what to call
-    a file read into memory (from an object store)."""
+    the file in messages (as stored, where `path` is a copy or in memory)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         head = path.getvalue()[:4] if isinstance(path, io.BytesIO) else None
         shown = name or path
         if what == "checkpoint file":
-            why = unreadable(exc, shown, checkpoint=True, head=head)
+            why = unreadable(exc, path, checkpoint=True, head=head)
             raise CheckpointError(f"checkpoint file {shown} cannot be read: {why}") from None
-        why = unreadable(exc, shown, head=head)
+        why = unreadable(exc, path, head=head)
         if "convert it once" not in why:  # the pickled-object answer carries its own fix
             why += (
                 "; give a state_dict saved with torch.save(model.state_dict(), PATH), or a run or checkpoint directory"
@@ -132,13 +132,16 @@ def _reason(exc: BaseException) -> str:
     return dcp_failure(exc)
 
 
-def dcp_metadata(directory: Path):
+def dcp_metadata(directory: Path, shown: Any = None):
+    """DCP's metadata in `directory`; CheckpointError naming the checkpoint (`shown`: as stored,
+    where `directory` is a copy) when it cannot be read."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
         return FileSystemReader(str(directory)).read_metadata()
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {directory}: its {DCP_METADATA} cannot be read ({_reason(exc)})") from None
+        where = shown or directory
+        raise CheckpointError(f"checkpoint {where}: its {DCP_METADATA} cannot be read ({_reason(exc)})") from None
 
 
 def read_dcp(directory: Path, only: str | None = None) -> dict[str, Any]:

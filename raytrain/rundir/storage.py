@@ -416,6 +416,10 @@ class Store:
     def local_path(self) -> Path | None:
         return self.path if self.local else None
 
+    def path_or_store(self) -> "Path | Store":
+        """This location as callers that work on files take it: a local directory's Path, else the Store."""
+        return self.local_path() or self
+
     # -- errors ---------------------------------------------------------------------------------
 
     _retry = retried  # retried with backoff while the store's errors are transient (`faults.retried`)

@@ -144,12 +144,15 @@ class TrainingState:
         runs the optimizer's part, which the pipeline's build_optimizer decides. A file that
         cannot be read is a CheckpointError. A checkpoint on an object store is read from a copy
         on this node (removed after)."""
-        if checkpoints.remote(directory) is not None:
-            with checkpoints.local_copy(directory) as copy:
-                try:
-                    return self.load(copy, runtime, seed, distributed=distributed, load_optimizer=load_optimizer)
-                except CheckpointError as error:  # named as stored, not as copied
-                    raise CheckpointError(str(error).replace(copy.name, directory.name)) from None
+        with checkpoints.local_copy(directory) as copy:
+            try:
+                self._load(copy, runtime, seed, distributed=distributed, load_optimizer=load_optimizer)
+            except CheckpointError as error:  # named as stored, not as copied
+                raise CheckpointError(str(error).replace(copy.name, directory.name)) from None
+
+    def _load(
+        self, directory: Path, runtime: "Runtime", seed: int, *, distributed: bool, load_optimizer: Callable
+    ) -> None:
         train_state = checkpoints.load_train_state(directory)
         if checkpoints.is_legacy(directory):
             self._load_legacy(directory, train_state, load_optimizer)
