@@ -204,7 +204,6 @@ class Epochs:
         if device.type == "cuda":  # what the GPU's allocator held at most: activations included
             mine["peak_gpu_allocated"] = torch.cuda.max_memory_allocated(device)
         every = runner.runtime.all_gather_object(mine)
-        sharded = runner.prepared is not None and runner.prepared.sharded
         held = ", ".join(
             f"{_mib(mine[k])} {label}"
             for k, label in (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"))
@@ -213,7 +212,7 @@ class Epochs:
         gpu = ", ".join(_mib(rank["peak_gpu_allocated"]) for rank in every if "peak_gpu_allocated" in rank)
         files.event(
             Kind.MEMORY,
-            f"memory per worker after the first step: {held}{' (its shards)' if sharded else ''}; "
+            f"memory per worker after the first step: {held}{runner.holding.memory_note}; "
             f"peak RSS by rank: {rss}" + (f"; peak GPU memory allocated by rank: {gpu}" if gpu else ""),
             **{key: [rank.get(key, 0) for rank in every] for key in mine},
         )

@@ -22,6 +22,7 @@ from raytrain.config import TrainConfig
 from raytrain.data.stream import StreamEpoch
 from raytrain.data.table import TableEpoch
 from raytrain.parallel import device, strategy
+from raytrain.parallel.holding import Ddp, Holding
 from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import _CONTEXT, Pipeline, overrides, set_plan
 from raytrain.rules import steps
@@ -103,7 +104,7 @@ class StepRunner:
             batch_plan=batch_plan,
             model=model,
             optimizer=optimizer,
-            scaler=strategy.grad_scaler(runtime.device, cfg.precision == "fp16", sharded=prepared.sharded),
+            scaler=prepared.strategy.grad_scaler(runtime.device),
             schedule=run_schedule(cfg, batch_plan, num_train_rows),
             rate_multipliers=multipliers,
             window=LossWindow.on(runtime.device),
@@ -136,10 +137,15 @@ class StepRunner:
         schedule = run_schedule(self.cfg, plan, num_train_rows)
         return dataclasses.replace(self, batch_plan=plan, schedule=schedule, total_steps=total)
 
+    @property
+    def holding(self) -> Holding:
+        """The strategy that holds the model (`raytrain.parallel.holding`); a plain model's,
+        ddp's, when nothing prepared it (unit tests)."""
+        return self.prepared.strategy if self.prepared is not None else Ddp(self.cfg.precision, name="local")
+
     def training_state(self, position: Position) -> TrainingState:
         """What a checkpoint, a healed replica and the final model hold (`raytrain.worker.state`)."""
-        sharded = self.prepared is not None and self.prepared.sharded
-        return TrainingState(self.model, self.optimizer, self.scaler, position, sharded, self.telemetry)
+        return TrainingState(self.model, self.optimizer, self.scaler, position, self.holding, self.telemetry)
 
     def metrics_row(
         self, position: Position, *, loss: float, samples_per_s: float, extra: dict | None = None
@@ -266,11 +272,8 @@ class StepRunner:
         return self.sync_device if self.cfg.time_phases and self.runtime.device.type == "cuda" else _nothing
 
     def autocast(self):
-        # Under fsdp, bf16 and fp16 are FSDP2's mixed-precision policy (raytrain.parallel.strategy).
-        if self.cfg.precision == "fp32" or (self.prepared is not None and self.prepared.sharded):
-            return contextlib.nullcontext()
-        dtype = strategy.compute_dtype(self.cfg.precision)
-        return torch.autocast(device_type=self.runtime.device.type, dtype=dtype)
+        """The forward's precision: the strategy's policy (`holding.Holding.autocast`)."""
+        return self.holding.autocast(self.runtime.device.type)
 
     def accumulating(self, last: bool):
         """The gradient reduction over ranks skipped on all micro-batches of a step but the last."""
@@ -296,7 +299,7 @@ class StepRunner:
         rank, world = runtime.evaluation_share()
         limit = evaluation_rows(self.cfg)
         batches = source.eval_batches(rank, world, batch_size, runtime.device, limit=limit, seed=self.cfg.seed)
-        if self.prepared is not None and self.prepared.sharded and world > 1:
+        if self.holding.forward_is_collective and world > 1:
             batches = _in_step(batches, runtime)
         for n, batch in batches:
             loss, metrics = self.compute_loss(batch)
