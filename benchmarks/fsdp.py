@@ -166,6 +166,7 @@ def _save_times(rank: int, world: int, port: int, strategy: str, width: int, lay
     from pipelines.charlm.model import CharGPT
     from raytrain.config import TrainConfig
     from raytrain.parallel import strategy as strategies
+    from raytrain.parallel.holding import Ddp, Fsdp
     from raytrain.rules.position import Position
     from raytrain.worker.state import TrainingState
 
@@ -181,7 +182,8 @@ def _save_times(rank: int, world: int, port: int, strategy: str, width: int, lay
     tokens = torch.randint(0, 256, (2, 33))
     model(tokens[:, :-1]).float().mean().backward()
     optimizer.step()
-    state = TrainingState(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), Position(), strategy == "fsdp")
+    holding = Fsdp() if strategy == "fsdp" else Ddp()
+    state = TrainingState(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), Position(), holding)
     harness, times, expected = Harness(), {}, None
     for mode in ("warmup", "synchronous", "asynchronous"):
         if mode == "asynchronous" and strategy != "fsdp":

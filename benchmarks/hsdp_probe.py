@@ -108,7 +108,8 @@ def member(
     from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing.pg_transport import PGTransport
 
-    from raytrain.parallel.hsdp import GroupWatch, average_across_groups, load_local_state, local_state
+    from raytrain.parallel.holding import load_local_state, local_state
+    from raytrain.parallel.hsdp import GroupWatch, average_across_groups
     from raytrain.parallel.strategy import state_bytes
     from raytrain.rules.replicas import step_share
 

@@ -36,6 +36,7 @@ from raytrain.rules.position import Position  # noqa: E402
 from raytrain.rules.schedule import run_schedule  # noqa: E402
 from raytrain.rundir.heartbeats import Heartbeat  # noqa: E402
 from raytrain.worker.loop import Training  # noqa: E402
+from raytrain.parallel.strategy import Prepared  # noqa: E402
 from raytrain.worker.optim import Rate  # noqa: E402
 from raytrain.worker.phases import Measures  # noqa: E402
 from raytrain.worker.recovery import Recovery  # noqa: E402
@@ -81,6 +82,7 @@ def raytrain_step_s(pipe, cfg, table: Table, n: int) -> float:
         rate=Rate.of(pipe, run_schedule(cfg, plan, len(table)), [1.0] * len(optimizer.param_groups)),
         window=LossWindow.on(torch.device("cpu")),
         measures=Measures(Heartbeat(Path("."), 0, enabled=False), torch.device("cpu"), cfg.time_phases),
+        prepared=Prepared.plain(model, cfg.precision),
     )
     training = Training(cfg, Recovery(cfg, ".", runner.runtime), None, runner, None, table, None, Position())
     data = table.epoch(0, 0, 0, 0, 1)

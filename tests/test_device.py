@@ -29,6 +29,7 @@ from raytrain.pipeline import Pipeline
 from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
+from raytrain.parallel.strategy import Prepared
 from raytrain.worker.optim import Rate
 from raytrain.worker.phases import Measures
 from raytrain.worker.state import TrainingState
@@ -92,6 +93,7 @@ def runner_for(
         rate=Rate.of(pipeline, run_schedule(cfg, plan, rows), [1.0] * len(optimizer.param_groups)),
         window=LossWindow.on(torch.device("cpu")),
         measures=Measures(Quiet(), torch.device("cpu"), count_flops=True),
+        prepared=Prepared.plain(model, cfg.precision),
     )
     x = np.random.default_rng(0).normal(size=(rows, 4)).astype(np.float32)
     table = Table({"x": x, "y": x.sum(axis=1, keepdims=True)})

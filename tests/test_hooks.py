@@ -26,6 +26,7 @@ from raytrain.rules import steps
 from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
+from raytrain.parallel.strategy import Prepared
 from raytrain.worker.optim import Rate
 from raytrain.worker.phases import Measures
 from raytrain.worker.step import Batch, StepRunner
@@ -151,6 +152,7 @@ def runner_for(pipeline: Pipeline, rows: int = 8) -> tuple[StepRunner, Table]:
         rate=Rate.of(pipeline, run_schedule(cfg, plan, rows), [1.0] * len(optimizer.param_groups)),
         window=LossWindow.on(torch.device("cpu")),
         measures=Measures(Quiet(), torch.device("cpu")),
+        prepared=Prepared.plain(model, cfg.precision),
     )
     table = Table({"x": np.ones((rows, 4), dtype=np.float32), "y": np.zeros((rows, 1), dtype=np.float32)})
     return runner, table

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raytrain.parallel.hsdp import GroupWatch, average_across_groups, load_local_state, local_state
+from raytrain.parallel.holding import load_local_state, local_state
+from raytrain.parallel.hsdp import GroupWatch, average_across_groups
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
 

@@ -24,6 +24,7 @@ from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.worker import prefetch
 from raytrain.worker.checkpointer import Checkpointer
 from raytrain.worker.loop import Training
+from raytrain.parallel.strategy import Prepared
 from raytrain.worker.optim import Rate
 from raytrain.worker.phases import Measures
 from raytrain.worker.recovery import Recovery
@@ -124,6 +125,7 @@ def train(
         rate=Rate.of(pipeline, run_schedule(cfg, plan, ROWS), [1.0] * len(optimizer.param_groups)),
         window=LossWindow.on(device),
         measures=Measures(Heartbeat(Path("."), 0, enabled=False), device),
+        prepared=Prepared.plain(model, cfg.precision),
     )
     position, files = Position(), Files()
     recovery = Recovery(cfg, Path("."), runner.runtime)

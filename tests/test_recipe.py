@@ -22,6 +22,7 @@ from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import LRSchedule, run_schedule
 from raytrain.worker import optim
+from raytrain.parallel.strategy import Prepared
 from raytrain.worker.optim import Rate
 from raytrain.worker.phases import Measures
 from raytrain.worker.step import Batch, StepRunner
@@ -173,6 +174,7 @@ def one_step(precision: str, clip: float | None) -> float:
         rate=Rate.of(pipeline, run_schedule(cfg, resolve_batch_plan(1, batch_size_per_worker=8), 8), [1.0]),
         window=LossWindow.on(torch.device("cpu")),
         measures=Measures(Quiet(), torch.device("cpu")),
+        prepared=Prepared.plain(model, cfg.precision),
     )
     table = Table({"x": np.ones((8, 4), dtype=np.float32)})
     step = steps.epoch_steps(8, 8)[0]

@@ -19,7 +19,7 @@ from pipelines.charlm.model import CharGPT
 from raytrain import fields
 from raytrain.config import TrainConfig
 from raytrain.errors import CheckpointError, ConfigError, PipelineCodeError
-from raytrain.parallel import strategy
+from raytrain.parallel import holding, strategy
 from raytrain.pipeline import default_blocks
 from raytrain.rules import resume
 from raytrain.rules.position import Position
@@ -173,11 +173,32 @@ def torch_version() -> tuple[int, int]:
 
 def test_every_precision_has_one_compute_dtype():
     choices = fields.option(TrainConfig, "precision").choices
-    assert {p: strategy.compute_dtype(p) for p in choices} == {
+    assert {p: holding.compute_dtype(p) for p in choices} == {
         "fp32": None,
         "bf16": torch.bfloat16,
         "fp16": torch.float16,
     }
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_each_strategy_owns_its_precision_policy(precision):
+    cpu, dtype = torch.device("cpu"), holding.compute_dtype(precision)
+    ddp, fsdp = holding.Ddp(precision), holding.Fsdp(precision)
+    with ddp.autocast("cpu"):  # ddp: torch.autocast, but for fp32
+        assert torch.is_autocast_enabled("cpu") == (dtype is not None)
+        assert dtype is None or torch.get_autocast_dtype("cpu") == dtype
+    with fsdp.autocast("cpu"):  # fsdp: FSDP2's policy casts, not autocast
+        assert not torch.is_autocast_enabled("cpu")
+    policy = fsdp.mp_policy()
+    if dtype is None:
+        assert policy is None
+    else:
+        assert (policy.param_dtype, policy.reduce_dtype) == (dtype, torch.float32)
+    # fp16's scaler: under fsdp ShardedGradScaler, whose overflow check spans every shard
+    for held, plain in ((ddp, True), (fsdp, precision != "fp16")):
+        scaler = held.grad_scaler(cpu)
+        assert scaler.is_enabled() == (precision == "fp16")
+        assert (type(scaler) is torch.amp.GradScaler) == plain, (held, type(scaler))
 
 
 @pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
@@ -284,12 +305,13 @@ def test_strategy_options_that_cannot_work_are_refused(values, message):
 
 
 def test_the_plan_line_says_what_was_sharded_and_held():
-    prepared = strategy.Prepared(nn.Linear(1, 1), "fsdp", ("blocks.0", "blocks.1"), 1_100_000, 2_200_000, True, True)
+    fsdp = holding.Fsdp("bf16")
+    prepared = strategy.Prepared(nn.Linear(1, 1), fsdp, ("blocks.0", "blocks.1"), 1_100_000, 2_200_000, True, True)
     assert prepared.describe() == (
         "fsdp over 2 blocks (blocks.0–blocks.1) and the root, 1.1M of 2.2M parameters on this rank; "
         "activation checkpointing on 2 blocks (blocks.0–blocks.1); compiled per block"
     )
-    assert strategy.Prepared(nn.Linear(1, 1), "ddp", (), 10, 10).describe() == ""
+    assert strategy.Prepared(nn.Linear(1, 1), holding.Ddp(), (), 10, 10).describe() == ""
 
 
 def test_activation_checkpointing_keeps_the_names_and_the_gradients():
@@ -344,6 +366,24 @@ def test_a_checkpoint_holds_model_optimizer_and_position_and_gives_them_back(tmp
     assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, fresh.optimizer.state.values()))
 
 
+@pytest.mark.parametrize("held", [holding.Ddp(), holding.Fsdp()], ids=["ddp", "fsdp"])
+def test_the_strategy_says_whether_a_checkpoint_carries_the_plain_model(tmp_path, held):
+    saved = trained()
+    saved.holding = held
+    saved.save(tmp_path / "ckpt", OneProcess(), {}, distributed=False).wait()
+    assert (tmp_path / "ckpt" / "model.pt").exists() == held.holds_whole_model
+    # the train state's key, as every version has written it
+    assert checkpoints.load_train_state(tmp_path / "ckpt")["sharded"] == (not held.holds_whole_model)
+
+
+def test_a_replica_heals_from_a_live_peers_state():
+    peer, joiner = trained(seed=0), trained(seed=1)
+    joiner.position = Position()
+    joiner.load_live(peer.live())
+    assert all(torch.equal(a, b) for a, b in zip(peer.weights().values(), joiner.weights().values()))
+    assert joiner.position == peer.position
+
+
 def test_a_sharded_checkpoint_without_its_plain_model_still_exports_the_weights(tmp_path):
     saved = trained()
     saved.save(tmp_path / "ckpt", OneProcess(), {}, distributed=False).wait()
@@ -389,7 +429,7 @@ def test_an_earlier_versions_single_file_checkpoint_still_resumes_unsharded(tmp_
     fresh = trained(seed=3)
     fresh.load(directory, OneProcess(), seed=0, distributed=False, load_optimizer=lambda load: load())
     assert all(torch.equal(a, b) for a, b in zip(saved.weights().values(), fresh.weights().values()))
-    fresh.sharded = True
+    fresh.holding = holding.Fsdp()
     with pytest.raises(CheckpointError, match="resume it with --strategy ddp"):
         fresh.load(directory, OneProcess(), seed=0, distributed=False, load_optimizer=lambda load: load())
 

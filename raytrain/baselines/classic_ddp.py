@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from raytrain.config import TrainConfig
 from raytrain.parallel.device import apply_tf32
-from raytrain.parallel.strategy import compute_dtype
+from raytrain.parallel.holding import compute_dtype
 from raytrain.pipeline import load_pipeline
 
 

@@ -6,8 +6,9 @@ own process group (its default group: `raytrain.parallel.strategy.shard`). Rank 
 group holds the same shard, so the groups average their gradients shard by shard: FSDP2's
 reduce-scatter averages within the group, then an all-reduce hook averages each rank's shard
 over the same rank of every group in the step's quorum (`average_across_groups`). A group that
-joins heals from a live group the same way, rank r from rank r (`local_state`,
-`load_local_state`): the shards travel as plain tensors, and are copied into this rank's own.
+joins heals from a live group the same way, rank r from rank r (`holding.Fsdp.live_state`,
+`holding.load_local_state`): the shards travel as plain tensors, and are copied into this rank's
+own.
 
 A group's shards are one model only together: a member whose peer is gone must leave too, so
 that the whole group is replaced (`GroupWatch`). Until it leaves, its group's rank 0 keeps
@@ -25,8 +26,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from raytrain.parallel.strategy import local_part
-
 
 def average_across_groups(model: nn.Module, manager: Any) -> int:
     """Average each FSDP unit's reduce-scattered gradient shard over the step's groups through
@@ -42,36 +41,6 @@ def average_across_groups(model: nn.Module, manager: Any) -> int:
     for unit in units:
         unit.set_all_reduce_hook(hook)
     return len(units)
-
-
-def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's shards of the model and of the optimizer's state, as plain tensors (a peer
-    group's rank of the same index loads them: `load_local_state`)."""
-    optim = optimizer.state_dict()
-    return {
-        "model": {name: local_part(value) for name, value in model.state_dict().items()},
-        "optim": {
-            "state": {
-                index: {key: local_part(value) for key, value in entry.items()}
-                for index, entry in optim["state"].items()
-            },
-            "param_groups": optim["param_groups"],
-        },
-    }
-
-
-def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Copy a peer's shards (`local_state`) into this rank's: the parameters in place, the
-    optimizer's state as tensors of this rank's layout (a fresh optimizer has none yet)."""
-    with torch.no_grad():
-        for name, value in model.state_dict().items():
-            local_part(value).copy_(state["model"][name])
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    entries = {}
-    for index, entry in state["optim"]["state"].items():
-        param = params[int(index)]
-        entries[index] = {key: _like(param, value) for key, value in entry.items()}
-    optimizer.load_state_dict({"state": entries, "param_groups": state["optim"]["param_groups"]})
 
 
 class GroupWatch:
@@ -141,27 +110,4 @@ def _done(rank: int) -> str:
     return f"raytrain/group-watch/done/{rank}"
 
 
-def _like(param: torch.Tensor, value: Any) -> Any:
-    """A copy of `value` (a plain tensor) in `param`'s layout: a shard of a sharded parameter
-    becomes a DTensor on its mesh; a step count or a scalar stays plain. A copy: what a
-    transport hands over may still be the sender's own storage."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(value, torch.Tensor):
-        return value
-    value = value.detach().clone()
-    if isinstance(param, DTensor) and value.shape == param.to_local().shape:
-        # The parameter's global shape and stride: FSDP2 shards unevenly (the last ranks may
-        # hold fewer rows), which a shape inferred from this rank's rows would get wrong.
-        return DTensor.from_local(
-            value.to(param.device),
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.size(),
-            stride=param.stride(),
-        )
-    return value
-
-
-__all__ = ["GroupWatch", "average_across_groups", "load_local_state", "local_state"]
+__all__ = ["GroupWatch", "average_across_groups"]

@@ -7,9 +7,10 @@ the root, or DistributedDataParallel around the whole. Compiling and checkpointi
 a parameter (`nn.Module.compile` compiles in place; the checkpoint wraps the block's forward),
 so the state a checkpoint or an export holds is keyed the same under every combination.
 
-`Prepared` says what was done, for the plan line: which modules were sharded and how many
-parameters this rank holds. `compute_dtype` is --precision's one map to torch (autocast, FSDP2's
-policy); `is_collective_failure` tells a lost or stalled peer (retried) from the user's error.
+`Prepared` says what was done: the strategy as an object (`raytrain.parallel.holding`: its
+precision policy and what its state holds), and for the plan line which modules were sharded
+and how many parameters this rank holds. `is_collective_failure` tells a lost or stalled peer
+(retried) from the user's error.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 from raytrain import hooks
 from raytrain.errors import ConfigError, PipelineCodeError
 from raytrain.meta import build_on_meta, is_meta
+from raytrain.parallel.holding import Ddp, Fsdp, Holding, local_part
 from raytrain.pipeline import overrides
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,10 +53,10 @@ class Placement(Protocol):
 
 @dataclass(frozen=True)
 class Prepared:
-    """The model as the strategy prepared it, and what the plan line says of it."""
+    """The model as the strategy prepared it, the strategy, and what the plan line says of it."""
 
     model: nn.Module
-    strategy: str  # "ddp", "fsdp", or "local" (one process, nothing to wrap)
+    strategy: Holding  # Fsdp, or Ddp ("ddp", or "local": one process, nothing to wrap)
     blocks: tuple[str, ...]  # the blocks' names in the model ("blocks.0", ...)
     local_parameters: int  # parameters this rank holds (its shards under fsdp)
     total_parameters: int
@@ -62,12 +64,20 @@ class Prepared:
     compiled: bool = False  # --compile
     materialized: bool = False  # built on the meta device, each rank filled only its shards
 
+    @classmethod
+    def plain(cls, model: nn.Module, precision: str = "fp32") -> "Prepared":
+        """`model` held whole by one process, wrapped by nothing (local mode's holding; what a
+        step runner built by hand, without a pipeline's build, steps with)."""
+        count = sum(p.numel() for p in model.parameters())
+        return cls(model, Ddp(precision, name="local"), (), count, count)
+
     def describe(self) -> str:
         """What the plan line says of the model, when there is more to say than DDP's default:
         `fsdp over 2 blocks (blocks.0–blocks.1) and the root, 1.1M of 2.2M parameters on this
         rank; activation checkpointing on 2 blocks; compiled per block`; "" otherwise."""
         parts = []
-        if self.sharded:
+        sharded = not self.strategy.holds_whole_model
+        if sharded:
             held = f"{_count(self.local_parameters)} of {_count(self.total_parameters)} parameters on this rank"
             parts.append(
                 f"fsdp over {self._blocks()} and the root, {held}" if self.blocks else f"fsdp over the root, {held}"
@@ -78,27 +88,12 @@ class Prepared:
             where = self._blocks() if self.blocks else "the whole model (no blocks)"
             parts.append(f"activation checkpointing on {where}")
         if self.compiled:
-            parts.append("compiled per block" if self.sharded and self.blocks else "compiled")
+            parts.append("compiled per block" if sharded and self.blocks else "compiled")
         return "; ".join(parts)
 
     def _blocks(self) -> str:
         span = f"{self.blocks[0]}–{self.blocks[-1]}" if len(self.blocks) > 1 else self.blocks[0]
         return f"{len(self.blocks)} block{'s' if len(self.blocks) != 1 else ''} ({span})"
-
-    @property
-    def sharded(self) -> bool:
-        return self.strategy == "fsdp"
-
-
-# --precision as the dtype the forward computes in (autocast's, or FSDP2's parameters'); fp32: none.
-COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def compute_dtype(precision: str) -> torch.dtype | None:
-    """The dtype --precision computes in: None for fp32 (no autocast, no mixed-precision policy).
-    The one map from the option to torch, for the step's autocast, FSDP2's policy and the
-    torchrun baseline."""
-    return COMPUTE_DTYPES[precision]
 
 
 def blocks_of(pipeline: "Pipeline", model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -216,12 +211,12 @@ def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime:
             for block in blocks:
                 block.compile()
         model = shard(model if is_meta(model) else model.to(runtime.device), blocks, cfg)
-        strategy = "fsdp"
+        strategy: Holding = Fsdp(cfg.precision)
     else:
         if cfg.compile:
             model.compile()
         model = runtime.prepare_model(model, dataclasses.asdict(cfg.ddp))
-        strategy = "ddp" if runtime.distributed and runtime.world_size > 1 else "local"
+        strategy = Ddp(cfg.precision, name="ddp" if runtime.distributed and runtime.world_size > 1 else "local")
     local = sum(local_part(p).numel() for p in model.parameters())
     names = tuple(name for name, _ in picked)
     return Prepared(
@@ -231,14 +226,14 @@ def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime:
 
 def shard(model: nn.Module, blocks: list[nn.Module], cfg: "TrainConfig") -> nn.Module:
     """FSDP2: each block its own unit (its parameters gathered for its forward and backward
-    only), then the root holding the rest. bf16 is FSDP2's mixed-precision policy: bf16
-    parameters in compute, fp32 gradient reduction."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    only), then the root holding the rest. bf16 and fp16 are FSDP2's mixed-precision policy
+    (`Fsdp.mp_policy`: parameters in that dtype in compute, fp32 gradient reduction)."""
+    from torch.distributed.fsdp import fully_shard
 
     options: dict[str, Any] = {"reshard_after_forward": cfg.fsdp_reshard_after_forward}
-    dtype = compute_dtype(cfg.precision)
-    if dtype is not None:
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    policy = Fsdp(cfg.precision).mp_policy()
+    if policy is not None:
+        options["mp_policy"] = policy
     for block in blocks:
         fully_shard(block, **options)
     # The root without reshard_after_forward: FSDP2's default keeps its parameters for the
@@ -347,16 +342,6 @@ def checkpoint_activations(block: nn.Module) -> None:
     block.forward = checkpointed
 
 
-def grad_scaler(device: torch.device, enabled: bool, *, sharded: bool) -> torch.amp.GradScaler:
-    """fp16's gradient scaler. Under fsdp each rank sees only its shards' gradients, so an
-    overflow found on one rank must skip the step on all (ShardedGradScaler all-reduces it)."""
-    if sharded and enabled:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(device.type, enabled=True)
-    return torch.amp.GradScaler(device.type, enabled=enabled)
-
-
 def no_gradient_sync(model: nn.Module):
     """A context in which backward passes accumulate gradients without reducing them over the
     ranks (micro-batches but the last of a step): DDP's no_sync, FSDP2's
@@ -391,11 +376,6 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value (a collective), or the tensor itself."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a sharded tensor (a DTensor's local shard), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -153,8 +153,7 @@ class Epochs:
         itself rather than trusting the sync to carry it."""
         cfg, runner, position, files, stop = self.cfg, self.runner, self.position, self.files, False
         if runner.measures.memory is not None and not runner.measures.memory_said:
-            sharded = runner.prepared is not None and runner.prepared.sharded
-            runner.measures.say_memory(runner.runtime, files, shards=sharded)
+            runner.measures.say_memory(runner.runtime, files, note=runner.prepared.strategy.memory_note)
         if files.live_due():  # about once a second, where rank 0 is in the epoch (the driver's progress bar)
             files.live(
                 epoch=position.epoch + 1,

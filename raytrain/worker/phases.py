@@ -107,10 +107,10 @@ class Measures:
         if between_steps:
             self.throughput.since_time += seconds
 
-    def say_memory(self, runtime: Any, files: Any, *, shards: bool) -> None:
+    def say_memory(self, runtime: Any, files: Any, *, note: str = "") -> None:
         """Once per attempt, after its first step (a collective): the bytes each worker holds of the
-        parameters, their gradients and the optimizer's state (`shards`: its shards of them), and
-        each process's peak RSS (and on a GPU, the allocator's peak)."""
+        parameters, their gradients and the optimizer's state (`note`: the strategy's word on
+        them, " (its shards)"), and each process's peak RSS (and on a GPU, the allocator's peak)."""
         import psutil
         import torch
 
@@ -129,7 +129,7 @@ class Measures:
         gpu = ", ".join(_mib(rank["peak_gpu_allocated"]) for rank in every if "peak_gpu_allocated" in rank)
         files.event(
             Kind.MEMORY,
-            f"memory per worker after the first step: {held}{' (its shards)' if shards else ''}; "
+            f"memory per worker after the first step: {held}{note}; "
             f"peak RSS by rank: {rss}" + (f"; peak GPU memory allocated by rank: {gpu}" if gpu else ""),
             **{key: [rank.get(key, 0) for rank in every] for key in mine},
         )

@@ -13,6 +13,8 @@ what each of these holds, under --strategy ddp and fsdp alike:
 - an export and the final `model.pt` (`weights`): the plain model, without `module.` or
   `_orig_mod.` prefixes, on the CPU (gathered from the shards under fsdp).
 
+What differs between the strategies it asks the strategy (`raytrain.parallel.holding`).
+
 A save is asynchronous where a process group allows it: the loop blocks while the state is
 staged in host memory, and the files are written in the background (`Save.wait`).
 Where a run continues from is `raytrain.rundir.checkpoints.resume_choice`.
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from raytrain.errors import CheckpointError
+from raytrain.parallel.holding import Ddp, Holding, unwrap
 from raytrain.rules.position import Position, Telemetry
 from raytrain.rundir import checkpoints, formats
 from raytrain.rundir.formats import single_process
@@ -43,13 +46,14 @@ if TYPE_CHECKING:  # pragma: no cover
 @dataclass
 class TrainingState:
     """A worker's model (as trained: wrapped by DDP or torchft, or sharded by FSDP2), optimizer,
-    scaler and position. `sharded`: no rank holds all of the model (--strategy fsdp)."""
+    scaler and position. `holding`: the strategy that holds the model (`holding.Ddp`,
+    `holding.Fsdp`)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     position: Position
-    sharded: bool = False
+    holding: Holding = field(default_factory=Ddp)
     telemetry: Telemetry = field(default_factory=Telemetry)  # kept beside the position, never needed to resume
 
     # -- the plain model ----------------------------------------------------------------------
@@ -57,12 +61,7 @@ class TrainingState:
     def weights(self) -> dict[str, torch.Tensor]:
         """The model as a plain state_dict on the CPU: what model.pt and an export hold. Under
         fsdp a collective (every rank calls it); rank 0 gets the weights, the others {}."""
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return get_model_state_dict(self.model, options=options)
-        return {key: value.detach().cpu().clone() for key, value in unwrap(self.model).state_dict().items()}
+        return self.holding.weights(self.model)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -86,7 +85,7 @@ class TrainingState:
             "rng": rng,
             "position": dataclasses.asdict(self.position),
             "telemetry": dataclasses.asdict(self.telemetry),
-            "sharded": self.sharded,
+            "sharded": not self.holding.holds_whole_model,  # the key as every version has written it
             **rules,
         }
         if distributed:
@@ -108,7 +107,7 @@ class TrainingState:
                     with single_process():
                         dcp.save(writes, checkpoint_id=str(directory), no_dist=True)
                 if rank0:
-                    if not self.sharded:  # the plain model too, read back from the files just written
+                    if self.holding.holds_whole_model:  # the plain model too, read back from the files just written
                         plain = writes["model"] if writes is not None else checkpoints.read_model(directory)
                         formats.save_torch(plain, directory / checkpoints.MODEL_FILE)
                     # Last: a train state beside DCP's metadata is what makes the directory a checkpoint.
@@ -168,7 +167,7 @@ class TrainingState:
             except formats.dcp_errors() as exc:
                 reason = formats.dcp_failure(exc)
                 raise CheckpointError(f"checkpoint {directory.name} cannot be read ({reason})") from None
-            target = self.model if self.sharded else unwrap(self.model)
+            target = self.holding.dcp_target(self.model)
             set_model_state_dict(target, state["model"])
             load_optimizer(lambda: set_optimizer_state_dict(target, self.optimizer, state["optim"]))
         load_scaler(self.scaler, train_state["scaler"])
@@ -178,8 +177,7 @@ class TrainingState:
         """The model and optimizer by parameter name (DTensor shards under fsdp)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model = self.model if self.sharded else unwrap(self.model)
-        model_state, optim_state = get_state_dict(model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.holding.dcp_target(self.model), self.optimizer)
         return {"model": model_state, "optim": optim_state}
 
     def _dcp_part(self, rank: int, world_size: int) -> dict[str, Any]:
@@ -189,7 +187,7 @@ class TrainingState:
         the whole model, so rank 0 reads the plain model.pt back from its own file: on an
         object store the other ranks' files stay on their nodes."""
         state = self._dcp_state()
-        if self.sharded or world_size == 1:
+        if not self.holding.holds_whole_model or world_size == 1:
             return state
         model, optim = state["model"], state["optim"]
         mine = set(_balanced_owners(model, optim.get("state", {}), world_size)[rank])
@@ -201,11 +199,7 @@ class TrainingState:
     def _load_legacy(self, directory: Path, saved: dict[str, Any], load_optimizer: Callable) -> None:
         """An earlier version's single state file: a plain model and an optimizer state keyed
         by parameter index, which only an unsharded model takes."""
-        if self.sharded:
-            raise CheckpointError(
-                f"checkpoint {directory.name} was written by an earlier raytrain as one file, which --strategy fsdp "
-                "cannot reshard; resume it with --strategy ddp, and its next checkpoint resumes under fsdp"
-            )
+        self.holding.check_legacy(directory.name)
         unwrap(self.model).load_state_dict(saved["model"], strict=True)
         load_optimizer(lambda: self.optimizer.load_state_dict(saved["optimizer"]))
 
@@ -213,17 +207,11 @@ class TrainingState:
 
     def live(self) -> dict[str, Any]:
         """What a joining replica copies from this one (per-step mode; sharded within a replica
-        group, this rank's shards, as plain tensors: `raytrain.parallel.hsdp.local_state`)."""
-        if self.sharded:
-            from raytrain.parallel.hsdp import local_state
-
-            held = local_state(self.model, self.optimizer)
-            model, optimizer = held["model"], held["optim"]
-        else:
-            model, optimizer = unwrap(self.model).state_dict(), self.optimizer.state_dict()
+        group, this rank's shards, as plain tensors: `raytrain.parallel.holding.local_state`)."""
+        held = self.holding.live_state(self.model, self.optimizer)
         return {
-            "model": model,
-            "optimizer": optimizer,
+            "model": held["model"],
+            "optimizer": held["optim"],
             "scaler": self.scaler.state_dict(),
             "position": dataclasses.asdict(self.position),
             "telemetry": dataclasses.asdict(self.telemetry),
@@ -231,13 +219,7 @@ class TrainingState:
 
     def load_live(self, live: dict[str, Any]) -> None:
         """Take a live peer's state (per-step mode), the position included."""
-        if self.sharded:
-            from raytrain.parallel.hsdp import load_local_state
-
-            load_local_state(self.model, self.optimizer, {"model": live["model"], "optim": live["optimizer"]})
-        else:
-            unwrap(self.model).load_state_dict(live["model"])
-            self.optimizer.load_state_dict(live["optimizer"])
+        self.holding.load_live_state(self.model, self.optimizer, {"model": live["model"], "optim": live["optimizer"]})
         load_scaler(self.scaler, live["scaler"])
         for part, restored in ((self.position, Position.restored(live)), (self.telemetry, Telemetry.restored(live))):
             for name in (f.name for f in dataclasses.fields(part)):
@@ -291,15 +273,6 @@ def load_scaler(scaler: torch.amp.GradScaler, saved: dict[str, Any]) -> None:
     switch); a disabled scaler ignores what it is given."""
     if saved or not scaler.is_enabled():
         scaler.load_state_dict(saved)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside DDP (and torch.compile), so saved keys have no `module.` prefix."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
 
 
 # -- random number generators -------------------------------------------------------------------

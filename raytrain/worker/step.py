@@ -57,8 +57,8 @@ class StepRunner:
     rate: optim.Rate  # the learning rate at this plan
     window: LossWindow  # the steps since the last sync
     measures: Measures  # the heartbeat, and what the attempt measures (restored with it)
+    prepared: Prepared  # how the strategy holds the model (`Prepared.plain`: one process's, unwrapped)
     total_steps: int = 0  # the steps the whole run takes at this plan (raytrain.context())
-    prepared: Prepared | None = None  # how the strategy holds the model (None in unit tests: a plain model)
     exact: ClassVar[bool] = False  # full fp32 whatever --tf32 says (raytrain check compares runs exactly)
 
     @classmethod
@@ -93,7 +93,7 @@ class StepRunner:
             batch_plan=batch_plan,
             model=model,
             optimizer=optimizer,
-            scaler=strategy.grad_scaler(runtime.device, cfg.precision == "fp16", sharded=prepared.sharded),
+            scaler=prepared.strategy.grad_scaler(runtime.device),
             rate=optim.Rate.of(pipeline, run_schedule(cfg, batch_plan, num_train_rows), multipliers),
             window=LossWindow.on(runtime.device),
             measures=Measures(
@@ -114,8 +114,9 @@ class StepRunner:
 
     def training_state(self, position: Position) -> TrainingState:
         """What a checkpoint, a healed replica and the final model hold (`raytrain.worker.state`)."""
-        sharded = self.prepared is not None and self.prepared.sharded
-        return TrainingState(self.model, self.optimizer, self.scaler, position, sharded, self.measures.telemetry)
+        return TrainingState(
+            self.model, self.optimizer, self.scaler, position, self.prepared.strategy, self.measures.telemetry
+        )
 
     # -- a step ------------------------------------------------------------------------------
 
@@ -196,11 +197,8 @@ class StepRunner:
             self.window.note_if_bad(norm, step_index)
 
     def autocast(self):
-        # Under fsdp, bf16 and fp16 are FSDP2's mixed-precision policy (raytrain.parallel.strategy).
-        if self.cfg.precision == "fp32" or (self.prepared is not None and self.prepared.sharded):
-            return contextlib.nullcontext()
-        dtype = strategy.compute_dtype(self.cfg.precision)
-        return torch.autocast(device_type=self.runtime.device.type, dtype=dtype)
+        """The forward's precision: the strategy's policy (`holding.Holding.autocast`)."""
+        return self.prepared.strategy.autocast(self.runtime.device.type)
 
     def evaluate(self, source: Any) -> dict[str, float]:
         """Validation loss and metrics, averaged over all validation samples of all ranks (over the
@@ -216,7 +214,7 @@ class StepRunner:
             rank, world = runtime.evaluation_share()
             limit = evaluation_rows(cfg)
             batches = source.eval_batches(rank, world, batch_size, runtime.device, limit=limit, seed=cfg.seed)
-            if self.prepared is not None and self.prepared.sharded and world > 1:
+            if self.prepared.strategy.forward_is_collective and world > 1:
                 batches = _in_step(batches, runtime)
             for n, batch in batches:
                 loss, metrics = self.compute_loss(batch)
@@ -265,7 +263,7 @@ class StepRunner:
 def plan_line(runner: StepRunner) -> str:
     """The attempt's (or quorum's) plan in words: batch, rate, schedule, optimizer, backend, model."""
     optimizer = optim.describe_optimizer(runner.optimizer) if overrides(runner.pipeline, "build_optimizer") else None
-    model = runner.prepared.describe() if runner.prepared is not None else ""
+    model = runner.prepared.describe()
     return describe_plan(
         runner.cfg, runner.pipeline, runner.batch_plan, runner.rate.schedule, runner.runtime.backend, optimizer, model
     )
