@@ -9,7 +9,7 @@ planned runs, `run_raytrain` and `run_template`, the first steps of every epoch 
 
 Start (each contender a fresh process; the clock runs from just before it starts):
 
-- `raytrain train benchmarks.overhead:MarkedDigits --workers 2 --epochs 1` (`digits`,
+- `raytrain train benchmarks.start_common:MarkedDigits --workers 2 --epochs 1` (`digits`,
   noting when rank 0 starts its first training step) against the template
   (`torchrun --nproc_per_node 2 -m raytrain.baselines.classic_ddp`) on the same rows and
   config: time to the first step and to the process's exit;
@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,7 +39,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MARK_ENV = "RAYTRAIN_OVERHEAD_MARK"
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -50,7 +48,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import raytrain  # noqa: E402
-from pipelines.digits import DigitsPipeline  # noqa: E402
+from benchmarks import startup_phases  # noqa: E402
+from benchmarks.start_common import echo, head_command, start_template, timed_process  # noqa: E402
 
 TARGETS = {"mlp": 0.97, "cnn": 1.0, "first_step_s": 10.0, "end_to_end_s": 12.0}
 # With `raytrain up` running: end to end against the template, and the first step (issue 32).
@@ -121,31 +120,6 @@ class ImageCNN(raytrain.Pipeline):
     @property
     def name(self) -> str:
         return "image-cnn"
-
-
-class MarkedDigits(DigitsPipeline):
-    """`digits`, noting (once per process, the first writer kept) when a training step starts."""
-
-    def __init__(self) -> None:
-        self.mark_file = os.environ.get(MARK_ENV)  # read on the driver, pickled to the workers
-        self.marked = False
-
-    def compute_loss(self, model, batch):
-        if not self.marked and model.training and self.mark_file:
-            self.marked = True
-            stamp = repr(time.time())
-            try:
-                fd = os.open(self.mark_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-            except FileExistsError:
-                pass
-            else:
-                os.write(fd, stamp.encode())
-                os.close(fd)
-        return super().compute_loss(model, batch)
-
-    @property
-    def name(self) -> str:
-        return "digits"
 
 
 MODELS = {"mlp": "benchmarks.overhead:TinyMLP", "cnn": "benchmarks.overhead:ImageCNN"}
@@ -227,73 +201,19 @@ def throughput_round(
 
 def start_raytrain(out: Path, storage: str, head_file: Path) -> dict[str, float]:
     """`raytrain train`; it joins the head recorded in `head_file` if there is one (`raytrain up`)."""
-    command = [str(Path(sys.executable).with_name("raytrain")), "train", "benchmarks.overhead:MarkedDigits"]
+    command = [str(Path(sys.executable).with_name("raytrain")), "train", "benchmarks.start_common:MarkedDigits"]
     command += ["--workers", "2", "--epochs", "1", "--storage", storage]
     return timed_process(command, out / "mark-raytrain", env={"RAYTRAIN_HEAD_FILE": str(head_file)})
 
 
-def head_command(verb: str, head_file: Path, extra_env: dict[str, str] | None = None) -> None:
-    """`raytrain up` / `raytrain down` with the benchmark's own record."""
-    env = {**os.environ, **(extra_env or {}), "RAYTRAIN_HEAD_FILE": str(head_file)}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    command = [str(Path(sys.executable).with_name("raytrain")), verb]
-    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    echo(f"raytrain {verb}: {(done.stdout + done.stderr).strip().splitlines()[:1]}")
-    if done.returncode != 0:
-        raise RuntimeError(f"raytrain {verb} failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
-
-
-def start_template(out: Path) -> dict[str, float]:
-    from pipelines.digits.pipeline import load_arrays, split
-    from raytrain.config import TrainConfig
-    from raytrain.driver.session import free_port
-
-    folder = out / "start-template"
-    folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / "train.npz").exists():
-        images, labels = load_arrays()
-        rows, _ = split(len(labels))
-        np.savez(folder / "train.npz", image=images[rows], label=labels[rows])
-        cfg = TrainConfig.from_dict({**DigitsPipeline.default_config, "workers": 2, "epochs": 1})
-        (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2"]
-    command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    command += ["-m", "raytrain.baselines.classic_ddp", "--pipeline", "benchmarks.overhead:MarkedDigits"]
-    command += ["--data", str(folder / "train.npz"), "--config", str(folder / "config.json"), "--epochs", "1"]
-    command += ["--warmup-steps", "0", "--out", str(folder / "out.json")]
-    return timed_process(command, out / "mark-template", threads=1)
-
-
-def timed_process(
-    command: list[str], mark: Path, threads: int | None = None, env: dict[str, str] | None = None
-) -> dict[str, float]:
-    mark.unlink(missing_ok=True)
-    pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, **(env or {}), MARK_ENV: str(mark), "PYTHONPATH": pythonpath}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)  # as Ray gives its 1-CPU workers
-    started = time.time()
-    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    ended = time.time()
-    if done.returncode != 0 or not mark.exists():
-        raise RuntimeError(f"{command[:4]} failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
-    return {"first_step_s": float(mark.read_text()) - started, "end_to_end_s": ended - started}
-
-
 def start_phased(kind: str, storage: str, head_file: Path | None = None) -> dict:
     """startup_phases' contender `kind` (raytrain, raytrain-head or bare): its timeline and its end."""
-    from benchmarks import startup_phases
-
     started = time.time()
     timeline = startup_phases.measure(kind, 2, storage, str(head_file) if head_file else None)
     return {"timeline": timeline, "first_step_s": timeline[-1][2], "end_to_end_s": time.time() - started}
 
 
 # -- the report ------------------------------------------------------------------------------------
-
-
-def echo(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def median(values: list[float]) -> float:
@@ -350,10 +270,8 @@ def report(rounds: list[dict]) -> str:
     for kind in ("raytrain", "raytrain-head", "bare"):
         timelines = [r["start"][f"{kind}-phases"]["timeline"] for r in rounds if f"{kind}-phases" in r["start"]]
         if timelines:
-            from benchmarks.startup_phases import phase_table
-
             lines.append(f"\n{kind}: the start phase by phase (median seconds since the process started)")
-            for row in phase_table(timelines):
+            for row in startup_phases.phase_table(timelines):
                 lines.append(f"  {row['at']:6.2f}  +{row['seconds']:5.2f}  {row['process']:6s}  {row['to']}")
     return "\n".join(lines)
 

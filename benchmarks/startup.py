@@ -68,7 +68,7 @@ def digits_epoch(config: dict) -> None:
     from ray.train.torch import prepare_model
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from benchmarks.startup_phases import note
+    from benchmarks.start_common import note
     from pipelines.digits.model import DigitsCNN
     from pipelines.digits.pipeline import load_arrays, split
 

@@ -17,7 +17,7 @@ forward pass. Contenders:
 - bare-epoch, bare-epoch-head: the floor for the same work, a plain TorchTrainer running one
   epoch of `digits` as the template does (`startup.digits_epoch`: no raytrain), on its own
   embedded Ray or joining the --head-file head;
-- template: benchmarks/overhead.py's torchrun template (`start_template`), first step and exit.
+- template: the classic torchrun template (`start_common.start_template`), first step and exit.
 
 Ray Train's own phases (controller started, worker group starting, worker actors up, process
 group formed, train function launched) are noted by `PhaseNotes`, a Ray Train callback that
@@ -49,7 +49,6 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES_ENV = "RAYTRAIN_PHASES_FILE"
 CONTENDERS = (
     "raytrain",
     "raytrain-nice15",
@@ -64,15 +63,9 @@ CONTENDERS = (
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks import startup  # noqa: E402
+from benchmarks.start_common import PHASES_ENV, head_command, note, start_template  # noqa: E402
 from pipelines.digits import DigitsPipeline  # noqa: E402
-
-
-def note(label: str, at: float | None = None, path: str | None = None) -> None:
-    """Append one timestamped line (this process) to the phases file; no-op without one."""
-    path = path or os.environ.get(PHASES_ENV)
-    if path:
-        with open(path, "a") as handle:
-            handle.write(json.dumps({"time": at or time.time(), "pid": os.getpid(), "label": label}) + "\n")
 
 
 def timed(owner, attr: str, label: str, describe=None) -> None:
@@ -211,8 +204,6 @@ def child_raytrain(argv: list[str]) -> int:
 
 
 def child_bare(workers: int, with_data: bool, epoch: bool) -> None:
-    from benchmarks import startup
-
     note("python started", at=STARTED)
     wrap_driver()
     note("phase wrappers installed (imports ray.train.torch)")
@@ -230,8 +221,6 @@ def child_bare(workers: int, with_data: bool, epoch: bool) -> None:
 def measure(kind: str, workers: int, storage: str, head_file: str | None = None) -> list[tuple[str, str, float]]:
     """(process, label, seconds since the start) for the driver and rank 0, in time order."""
     if kind == "template":
-        from benchmarks.overhead import start_template
-
         figures = start_template(Path(storage))
         return [("driver", "first step", figures["first_step_s"]), ("driver", "exit", figures["end_to_end_s"])]
     phases = Path(tempfile.mkstemp(prefix=f"phases-{kind}-")[1])
@@ -342,8 +331,6 @@ def main() -> None:
     storage = tempfile.mkdtemp(prefix="raytrain-startup-phases-")
     own_head = bool(args.head_file) and not Path(args.head_file).exists()
     if own_head:
-        from benchmarks.overhead import head_command
-
         head_command("up", Path(args.head_file))
     try:
         runs = run_rounds(args, kinds, storage)

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from raytrain import hooks  # noqa: E402
 from raytrain.config import TrainConfig  # noqa: E402
 from raytrain.data.table import Table  # noqa: E402
+from raytrain.parallel.strategy import Prepared  # noqa: E402
 from raytrain.pipeline import load_pipeline  # noqa: E402
 from raytrain.rules import steps  # noqa: E402
 from raytrain.rules.batch import resolve_batch_plan  # noqa: E402
@@ -36,7 +37,6 @@ from raytrain.rules.position import Position  # noqa: E402
 from raytrain.rules.schedule import run_schedule  # noqa: E402
 from raytrain.rundir.heartbeats import Heartbeat  # noqa: E402
 from raytrain.worker.loop import Training  # noqa: E402
-from raytrain.parallel.strategy import Prepared  # noqa: E402
 from raytrain.worker.optim import Rate  # noqa: E402
 from raytrain.worker.phases import Measures  # noqa: E402
 from raytrain.worker.recovery import Recovery  # noqa: E402

@@ -1,5 +1,5 @@
 """A map-style torch Dataset into Ray Data: `ray.data.from_torch` vs raytrain's parallel read
-over index ranges (`raytrain.data.checks.from_torch_dataset`: `ray.data.range` + a map_batches that
+over index ranges (`raytrain.data.torch_dataset.from_torch_dataset`: `ray.data.range` + a map_batches that
 fetches each task's indices).
 
 The dataset has `--rows` samples of (`--features` float32, label), each `__getitem__` costing

@@ -1,5 +1,6 @@
 """Lines per module and per layer, the longest functions, import cycles, names defined twice, and
-the worker core's shape (its lines, `.local` branches, the runner/position/files/data bundle) in `raytrain/`.
+the worker core's shape (its lines, `.local` branches, the runner/position/files/data bundle, the
+fault-tolerance mode and the storage kind named outside their owners, its largest classes) in `raytrain/`.
 
     python scripts/code_stats.py            # a Markdown report of the working tree
     python scripts/code_stats.py --rev REV  # the same for a git revision
@@ -13,6 +14,22 @@ and every function that takes two or more of the bundle's parts as separate para
 `position`, `files`, and the data (`data`, `train_data`, `val_data` or `source`); and, for two
 options (`checkpoint_every_steps`, `precision`), every function that reads the field: the code
 that acts on the option, one call from the config.
+
+Issue 46's targets, from the tokens and the syntax tree (comments and strings never count;
+from Python 3.12, which tokenizes inside f-strings, a name in an f-string's braces does):
+- the lines of `raytrain/worker/*.py` outside the per-step modules (`PER_STEP_MODULES`) that name
+  the fault-tolerance mode: a NAME token among `FAULT_TOLERANCE_NAMES` (`per_step`, `via_ray`,
+  `ReplicaRuntime`, `group_store`, `fault_tolerance`), listed as module:line when 10 or fewer;
+- the storage-kind branches of `rundir/checkpoints.py`: `if`, `while` and conditional
+  expressions whose test holds a call or an attribute named in `STORAGE_KIND_NAMES` (`remote(d)`,
+  `.local_dir`, `.renames`...), or a name its function bound from one (`store = remote(d)`);
+- the lines of `raytrain/worker/*.py` with the NAME token `sharded`;
+- the classes of `raytrain/worker/*.py` over `FIELD_LIMIT` (12) fields or `METHOD_LIMIT` (15)
+  methods, each class definition on its own (inherited members not counted). Its fields: the
+  names it assigns as `self.X = ...`, `self.X: T = ...` or in a tuple of targets in its methods,
+  its class-level annotations but `ClassVar`s, and its class-level assignments to names
+  (`per_step = False`; dunders such as `__slots__` left out). Its methods: every function
+  directly in its body (properties, dunders, static and class methods included).
 
 Exit status 1 when there is an import cycle.
 """
@@ -203,98 +220,182 @@ def option_readers(trees: dict[str, ast.Module], option: str) -> list[str]:
     return found
 
 
-# Issue 46's measures: the worker's kinds (fault-tolerance mode, sharded or not, storage kind)
-# each in one place, and no class in worker/ that holds too much.
-PER_STEP_MODULES = ("worker.replicas", "worker.groups")  # the per-step implementation's own modules
-MODE_NAMES = {"per_step", "via_ray", "ReplicaRuntime", "group_store", "fault_tolerance"}
-STORAGE_KIND_NAMES = {"remote", "local_path", "local_dir", "renames", "LocalFileSystem", "is_local", "is_remote"}
-MAX_FIELDS, MAX_METHODS = 12, 15
+# -- issue 46: the worker's modes and storage kinds named outside their owners, its large classes
+
+# The modules of the per-step implementation, where naming the mode is their business.
+PER_STEP_MODULES = ("worker.replicas", "worker.groups")
+FAULT_TOLERANCE_NAMES = frozenset({"per_step", "via_ray", "ReplicaRuntime", "group_store", "fault_tolerance"})
+CHECKPOINTS_MODULE = "rundir.checkpoints"
+STORAGE_KIND_NAMES = frozenset(
+    {"remote", "local_path", "local_dir", "renames", "LocalFileSystem", "is_local", "is_remote"}
+)
+FIELD_LIMIT, METHOD_LIMIT = 12, 15
 
 
-def name_lines(texts: dict[str, str], names: set[str], skip: tuple[str, ...] = ()) -> list[str]:
-    """`module:line` of every line of worker/'s code (comments and strings left out) that holds
-    one of `names` as a name."""
-    found = []
-    for m, text in texts.items():
-        if not m.startswith("worker.") or m in skip:
-            continue
-        tokens = tokenize.generate_tokens(io.StringIO(text).readline)
-        rows = sorted({t.start[0] for t in tokens if t.type == tokenize.NAME and t.string in names})
-        found += [f"{m}:{row}" for row in rows]
-    return found
+def _worker_file(module: str) -> bool:
+    """A module of `raytrain/worker/*.py` (the package's __init__ included)."""
+    return module == "worker" or (module.startswith("worker.") and module.count(".") == 1)
 
 
-def storage_kind_branches(trees: dict[str, ast.Module], module: str = "rundir.checkpoints") -> int:
-    """Branches (if, ternary, while) of `module` on the storage kind: whose test names a storage
-    kind's mark (`remote(...)`, `.local_path()`, `.renames`, ...), or a name its function bound
-    from one (`store = remote(directory)` ... `if store is not None`)."""
-    tree = trees.get(module)
+def name_lines(text: str, names: frozenset[str] | set[str]) -> list[int]:
+    """The lines holding a NAME token among `names` (code only: not comments, not strings)."""
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    return sorted({t.start[0] for t in tokens if t.type == tokenize.NAME and t.string in names})
+
+
+def worker_name_lines(texts: dict[str, str], names: frozenset[str] | set[str], skip=()) -> list[str]:
+    """module:line of every line of raytrain/worker/*.py (but the modules in `skip`) naming one of `names`."""
+    return [
+        f"{m}:{line}"
+        for m, t in sorted(texts.items())
+        if _worker_file(m) and m not in skip
+        for line in name_lines(t, names)
+    ]
+
+
+def mode_lines(texts: dict[str, str]) -> list[str]:
+    return worker_name_lines(texts, FAULT_TOLERANCE_NAMES, skip=PER_STEP_MODULES)
+
+
+def storage_branches(tree: ast.Module | None) -> list[int]:
+    """The lines of the if/while tests and conditional expressions that hold a call or an
+    attribute named in STORAGE_KIND_NAMES, or a name their function bound from one
+    (`store = remote(d)` ... `if store is not None`)."""
+
+    def named(node: ast.AST) -> bool:
+        if isinstance(node, ast.Attribute):
+            return node.attr in STORAGE_KIND_NAMES
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in STORAGE_KIND_NAMES
+
     if tree is None:
-        return 0
-
-    def names(node: ast.AST) -> set[str]:
-        found = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-        return found | {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
-
-    count = 0
-    scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        return []
+    lines: set[int] = set()
+    scopes = [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef))]
     for scope in scopes:
-        marks = set(STORAGE_KIND_NAMES)
+        bound = {
+            target.id
+            for node in ast.walk(scope)
+            if isinstance(node, ast.Assign) and any(named(inner) for inner in ast.walk(node.value))
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
         for node in ast.walk(scope):
-            if isinstance(node, ast.Assign) and names(node.value) & STORAGE_KIND_NAMES:
-                marks |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-        inner = {id(n) for s in scopes if s is not scope for n in ast.walk(s) if s in ast.walk(scope)}
-        for node in ast.walk(scope):
-            if isinstance(node, (ast.If, ast.IfExp, ast.While)) and id(node) not in inner:
-                count += bool(names(node.test) & marks)
-    return count
+            if isinstance(node, ast.If | ast.IfExp | ast.While):
+                test = list(ast.walk(node.test))
+                if any(named(inner) for inner in test) or any(isinstance(n, ast.Name) and n.id in bound for n in test):
+                    lines.add(node.lineno)
+    return sorted(lines)
 
 
-def class_sizes(trees: dict[str, ast.Module]) -> list[tuple[str, int, int]]:
-    """(module.Class, fields, methods) of every class in worker/. Fields: the names assigned as
-    `self.x` in its methods, and its class-level names (annotated, ClassVar left out, or
-    assigned); methods: the functions of its body. Per class definition: inherited members
-    are not counted."""
-    sizes = []
-    for m, tree in trees.items():
-        if not m.startswith("worker."):
-            continue
-        for node in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-            fields: set[str] = set()
-            methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-            for item in node.body:
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                    if "ClassVar" not in ast.unparse(item.annotation):
-                        fields.add(item.target.id)
-                elif isinstance(item, ast.Assign):
-                    for target in item.targets:
-                        fields |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
-            for method in methods:
-                for sub in ast.walk(method):
-                    targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
-                        sub, (ast.AnnAssign, ast.AugAssign)) else []  # fmt: skip
-                    for target in targets:
-                        for n in ast.walk(target):
-                            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
-                                fields.add(n.attr)
-            sizes.append((f"{m}.{node.name}", len(fields), len(methods)))
-    return sizes
+def _targets(target: ast.AST):
+    """The single targets of an assignment's target (a tuple or list of them unpacked)."""
+    if isinstance(target, ast.Tuple | ast.List):
+        for element in target.elts:
+            yield from _targets(element)
+    elif isinstance(target, ast.Starred):
+        yield from _targets(target.value)
+    else:
+        yield target
 
 
-def kinds(texts: dict[str, str], trees: dict[str, ast.Module]) -> tuple[list[str], int, list[str], list]:
-    """Issue 46's four measures: mode lines outside the per-step modules, storage-kind branches
-    of rundir/checkpoints.py, lines naming `sharded` in worker/, and the classes over a limit."""
-    over = [c for c in class_sizes(trees) if c[1] > MAX_FIELDS or c[2] > MAX_METHODS]
-    return (
-        name_lines(texts, MODE_NAMES, PER_STEP_MODULES),
-        storage_kind_branches(trees),
-        name_lines(texts, {"sharded"}),
-        over,
+def _within(node: ast.AST):
+    """Every node under `node`, but not inside a class defined there."""
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, ast.ClassDef):
+            yield child
+            yield from _within(child)
+
+
+def _class_var(annotation: ast.AST) -> bool:
+    if isinstance(annotation, ast.Subscript):
+        annotation = annotation.value
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return annotation.value.split("[")[0].rpartition(".")[2] == "ClassVar"
+    return (isinstance(annotation, ast.Name) and annotation.id == "ClassVar") or (
+        isinstance(annotation, ast.Attribute) and annotation.attr == "ClassVar"
     )
+
+
+def class_fields(node: ast.ClassDef) -> set[str]:
+    """The names of a class's fields (the module's docstring says which)."""
+    fields: set[str] = set()
+    for statement in node.body:
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            if not _class_var(statement.annotation):
+                fields.add(statement.target.id)
+        elif isinstance(statement, ast.Assign):
+            named = (t.id for target in statement.targets for t in _targets(target) if isinstance(t, ast.Name))
+            fields.update(n for n in named if not (n.startswith("__") and n.endswith("__")))
+        elif isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
+            for inner in _within(statement):
+                if not isinstance(inner, ast.Assign | ast.AnnAssign):
+                    continue
+                targets = inner.targets if isinstance(inner, ast.Assign) else [inner.target]
+                fields.update(
+                    t.attr
+                    for target in targets
+                    for t in _targets(target)
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+                )
+    return fields
+
+
+def class_shapes(trees: dict[str, ast.Module]) -> list[tuple[str, int, int]]:
+    """(module.Class, fields, methods) of every class of raytrain/worker/*.py, nested ones too."""
+    shapes = []
+    for m, t in sorted(trees.items()):
+        if not _worker_file(m):
+            continue
+        for node in (n for n in ast.walk(t) if isinstance(n, ast.ClassDef)):
+            methods = sum(isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef) for s in node.body)
+            shapes.append((f"{m}.{node.name}", len(class_fields(node)), methods))
+    return shapes
+
+
+def _shape(shape: tuple[str, int, int] | None) -> str:
+    return f"{shape[0]} ({shape[1]} fields, {shape[2]} methods)" if shape else "none"
+
+
+def modes_and_classes(texts: dict[str, str], trees: dict[str, ast.Module]) -> dict:
+    """Issue 46's figures of one tree."""
+    shapes = class_shapes(trees)
+    return {
+        "mode": mode_lines(texts),
+        "storage": storage_branches(trees.get(CHECKPOINTS_MODULE)),
+        "sharded": worker_name_lines(texts, {"sharded"}),
+        "large": [s for s in shapes if s[1] > FIELD_LIMIT or s[2] > METHOD_LIMIT],
+        "most_fields": max(shapes, key=lambda s: s[1], default=None),
+        "most_methods": max(shapes, key=lambda s: s[2], default=None),
+    }
 
 
 def _listed(items: list[str], limit: int = 10) -> str:
     return f" ({', '.join(items)})" if items and len(items) <= limit else ""
+
+
+def modes_lines(before: dict | None, after: dict) -> list[str]:
+    """Issue 46's lines of the report, "B before, A after" with a `before`, else the figures alone."""
+
+    def pair(b: str | None, a: str) -> str:
+        return a if b is None else f"{b} before, {a} after"
+
+    b = before or {}
+    large = f"over {FIELD_LIMIT} fields or {METHOD_LIMIT} methods"
+    return [
+        f"Lines of raytrain/worker/ naming the fault-tolerance mode outside {', '.join(PER_STEP_MODULES)}: "
+        + pair(before and str(len(b["mode"])), f"{len(after['mode'])}{_listed(after['mode'])}"),
+        f"Storage-kind branches in {CHECKPOINTS_MODULE}: "
+        + pair(before and str(len(b["storage"])), str(len(after["storage"]))),
+        "Lines of raytrain/worker/ with `sharded`: "
+        + pair(before and str(len(b["sharded"])), str(len(after["sharded"]))),
+        f"Classes of raytrain/worker/ {large}: "
+        + pair(
+            before and f"{len(b['large'])}{_listed([_shape(s) for s in b['large']])}",
+            f"{len(after['large'])}{_listed([_shape(s) for s in after['large']])}",
+        ),
+        "Most fields: " + pair(before and _shape(b["most_fields"]), _shape(after["most_fields"])),
+        "Most methods: " + pair(before and _shape(b["most_methods"]), _shape(after["most_methods"])),
+    ]
 
 
 def worker_core(texts: dict[str, str], trees: dict[str, ast.Module]) -> list[str]:
@@ -311,24 +412,7 @@ def worker_core(texts: dict[str, str], trees: dict[str, ast.Module]) -> list[str
             f"Functions reading `{option}`: {len(found)}" + "".join(f"\n- {f}" for f in found)
             for option, found in readers.items()
         ),
-        *kinds_lines(kinds(texts, trees)),
-    ]
-
-
-def kinds_lines(measured: tuple, before: tuple | None = None) -> list[str]:
-    """Issue 46's measures as lines (`before`: a revision's, side by side)."""
-    mode, storage, sharded, over = measured
-    was = (lambda i, f: f"{f(before[i])} before, ") if before is not None else (lambda i, f: "")
-    return [
-        f"Lines of worker/ naming the fault-tolerance mode outside {', '.join(PER_STEP_MODULES)}: "
-        f"{was(0, len)}{len(mode)}{' after' if before is not None else ''}{_listed(mode)}",
-        f"Storage-kind branches in rundir/checkpoints.py: {was(1, int)}{storage}"
-        f"{' after' if before is not None else ''}",
-        f"Lines of worker/ naming `sharded`: {was(2, len)}{len(sharded)}{' after' if before is not None else ''}"
-        f"{_listed(sharded)}",
-        f"Classes of worker/ over {MAX_FIELDS} fields or {MAX_METHODS} methods: {was(3, len)}{len(over)}"
-        f"{' after' if before is not None else ''}"
-        + "".join(f"\n- {name} ({fields} fields, {methods} methods)" for name, fields, methods in over),
+        *modes_lines(None, modes_and_classes(texts, trees)),
     ]
 
 
@@ -410,9 +494,9 @@ def compare(before: dict[str, str], after: dict[str, str]) -> str:
         twice = sorted(n for n, ms in top_level.items() if len(ms) > 1)
         local = local_branches(trees)
         core = (worker_lines(texts), sum(local.values()), len(local), len(bundle_functions(trees)))
-        return lines, modules, largest, longest, cycles(graph), twice, biggest, core, kinds(texts, trees)
+        return lines, modules, largest, longest, cycles(graph), twice, biggest, core, modes_and_classes(texts, trees)
 
-    (lb, mb, gb, fb, cb, db, bb, kb, sb), (la, ma, ga, fa, ca, da, ba, ka, sa) = summary(before), summary(after)
+    (lb, mb, gb, fb, cb, db, bb, kb, xb), (la, ma, ga, fa, ca, da, ba, ka, xa) = summary(before), summary(after)
     out = [
         "| layer | lines before | after | modules before | after | largest module before | after "
         "| longest function before | after |",
@@ -437,7 +521,7 @@ def compare(before: dict[str, str], after: dict[str, str]) -> str:
         f"Lines of raytrain/worker/: {kb[0]:,} before, {ka[0]:,} after",
         f"`.local` outside rundir/storage.py: {kb[1]} in {kb[2]} modules before, {ka[1]} in {ka[2]} modules after",
         f"Functions taking two or more of the runner/position/files/data bundle: {kb[3]} before, {ka[3]} after",
-        *kinds_lines(sa, sb),
+        *modes_lines(xb, xa),
     ]
     return "\n".join(out)
 

@@ -25,11 +25,11 @@ from raytrain.config import TrainConfig
 from raytrain.data.table import Table
 from raytrain.errors import ConfigError, find_user_error
 from raytrain.parallel.device import DeviceFailure
+from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import Pipeline
 from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
-from raytrain.parallel.strategy import Prepared
 from raytrain.worker.optim import Rate
 from raytrain.worker.phases import Measures
 from raytrain.worker.state import TrainingState

@@ -21,12 +21,12 @@ from raytrain.cli import main
 from raytrain.config import TrainConfig
 from raytrain.data.table import Table
 from raytrain.errors import PipelineCodeError, PipelineError, find_user_error
+from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import Pipeline, parse_pipeline_args
 from raytrain.rules import steps
 from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
-from raytrain.parallel.strategy import Prepared
 from raytrain.worker.optim import Rate
 from raytrain.worker.phases import Measures
 from raytrain.worker.step import Batch, StepRunner

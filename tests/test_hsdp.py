@@ -1,7 +1,7 @@
 """Replica groups that shard one model (HSDP, `raytrain.parallel.hsdp`), the pure parts: a group
 heals from a peer group's shards, averages its gradient shards across groups through torchft's
 Manager, and learns that a member of its group is gone. The whole of it on Ray Train:
-tests/test_hsdp_ray.py; across processes without Ray: benchmarks/hsdp_probe.py."""
+tests/test_hsdp_ray.py; across processes without Ray, measured once: benchmarks/RESULTS.md §24."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from torch import nn
 from raytrain import hooks
 from raytrain.config import TrainConfig
 from raytrain.data.table import Table
+from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import Pipeline
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.position import Position
@@ -24,7 +25,6 @@ from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.worker import prefetch
 from raytrain.worker.checkpointer import Checkpointer
 from raytrain.worker.loop import Training
-from raytrain.parallel.strategy import Prepared
 from raytrain.worker.optim import Rate
 from raytrain.worker.phases import Measures
 from raytrain.worker.recovery import Recovery

@@ -16,13 +16,13 @@ from raytrain.config import TrainConfig
 from raytrain.data.table import Table
 from raytrain.data.torch_dataset import TorchSamples, sample_columns
 from raytrain.errors import ConfigError, DataError
+from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import default_optimizer
 from raytrain.rules import steps
 from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import LRSchedule, run_schedule
 from raytrain.worker import optim
-from raytrain.parallel.strategy import Prepared
 from raytrain.worker.optim import Rate
 from raytrain.worker.phases import Measures
 from raytrain.worker.step import Batch, StepRunner

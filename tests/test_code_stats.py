@@ -1,0 +1,108 @@
+"""scripts/code_stats.py's measures of issue 46 on small sources (pure tier: parsed, never
+imported): the fault-tolerance mode and `sharded` named in code, storage-kind branches, and
+the fields and methods of a class."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+_SPEC = importlib.util.spec_from_file_location(
+    "code_stats", Path(__file__).resolve().parents[1] / "scripts" / "code_stats.py"
+)
+code_stats = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(code_stats)
+
+WORKER = '''"""per_step in a docstring does not count."""
+import x  # nor per_step in a comment
+
+def f(cfg, runtime):
+    label = "fault_tolerance"
+    if runtime.per_step:
+        return cfg.fault_tolerance, sharded
+    return label
+'''
+
+
+def test_the_mode_is_counted_in_code_lines_of_the_worker_outside_the_per_step_modules():
+    texts = {"worker.loop": WORKER, "worker.replicas": WORKER, "driver.run": WORKER}
+    assert code_stats.mode_lines(texts) == ["worker.loop:6", "worker.loop:7"]
+    assert code_stats.worker_name_lines(texts, {"sharded"}) == ["worker.loop:7", "worker.replicas:7"]
+
+
+def test_a_storage_kind_branch_is_a_test_holding_a_named_call_or_attribute_or_a_name_bound_from_one():
+    source = """
+if remote(directory) is not None:
+    pass
+copy = a if store.local_dir else b
+while self.store.renames:
+    break
+store = remote(directory)
+if store is not None:
+    pass
+if remote:
+    pass
+if other(directory):
+    pass
+"""
+    assert code_stats.storage_branches(ast.parse(source)) == [2, 4, 5, 8]  # 8: `store`, bound from remote()
+    assert code_stats.storage_branches(None) == []
+
+
+def test_a_class_counts_its_own_fields_and_methods():
+    source = """
+class Shape:
+    size: int
+    limit: ClassVar[int] = 3
+    other: "typing.ClassVar[int]" = 4
+    per_step = False
+    __slots__ = ()
+
+    def __init__(self, a):
+        self.a = a
+        self.b: int = 0
+        self.c, (self.d, *self.e) = 1, (2, 3, 4)
+        self.a = 5
+        local = 6
+        self.b += 1
+
+    @property
+    def f(self):
+        def inner():
+            self.g = 7
+        return inner
+
+    @staticmethod
+    def h():
+        class Nested:
+            def m(self):
+                self.not_shape = 8
+
+    async def run(self):
+        pass
+"""
+    tree = ast.parse(source)
+    shape = next(n for n in tree.body if isinstance(n, ast.ClassDef))
+    assert code_stats.class_fields(shape) == {"size", "per_step", "a", "b", "c", "d", "e", "g"}
+    assert code_stats.class_shapes({"worker.shape": tree, "driver.shape": tree}) == [
+        ("worker.shape.Shape", 8, 4),
+        ("worker.shape.Nested", 1, 1),
+    ]
+
+
+def test_compare_prints_each_measure_before_and_after_with_the_classes_over_a_limit():
+    wide = "class Wide:\n" + "".join(f"    f{i} = {i}\n" for i in range(13)) + "    def m(self):\n        pass\n"
+    before = {"worker.loop": "x = 1\n", "rundir.checkpoints": "y = 2\n"}
+    after = {"worker.loop": WORKER + wide, "rundir.checkpoints": "if remote(d):\n    pass\n"}
+    lines = code_stats.compare(before, after).splitlines()
+    assert lines[-6:] == [
+        "Lines of raytrain/worker/ naming the fault-tolerance mode outside worker.replicas, worker.groups: "
+        "0 before, 2 (worker.loop:6, worker.loop:7) after",
+        "Storage-kind branches in rundir.checkpoints: 0 before, 1 after",
+        "Lines of raytrain/worker/ with `sharded`: 0 before, 1 after",
+        "Classes of raytrain/worker/ over 12 fields or 15 methods: 0 before, "
+        "1 (worker.loop.Wide (13 fields, 1 methods)) after",
+        "Most fields: none before, worker.loop.Wide (13 fields, 1 methods) after",
+        "Most methods: none before, worker.loop.Wide (13 fields, 1 methods) after",
+    ]
