@@ -3,7 +3,6 @@ public surface small (pure tier)."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import shutil
 import subprocess
@@ -11,71 +10,109 @@ import sys
 from pathlib import Path
 
 import pytest
+from ray_surface import copies, defines, private_ray_names, ray_object, source_digest
 
 import raytrain
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "raytrain"
 
-# Every private Ray name raytrain uses, by the module that uses it: each pins raytrain to
-# Ray's minor version (pyproject: ray >=2.60,<2.61). An upgrade that moves or removes one
-# fails here first; revisit these modules then. Nothing else may reach into Ray's internals.
+# Every private Ray name raytrain uses, by the module that uses it (what counts as a use:
+# tests/ray_surface.py), each with why: each pins raytrain to Ray's minor version (pyproject:
+# ray >=2.60,<2.61). An upgrade that moves or removes one fails here first; revisit these modules
+# then. Nothing else may reach into Ray's internals. Train V2's public surface in 2.60
+# (ray.train.v2.api) is its configs, the trainer's public methods and UserCallback (after_report,
+# after_exception, added through RunConfig(callbacks=...)); the failure and scaling policies, the
+# controller and its other callbacks are all _internal, and `fit` builds its own policies.
 PRIVATE_RAY_NAMES = {
+    # Ray Data's logical plan read and rebuilt over some of its units (the module's docstring):
+    # Ray Data 2.60 has no public API that lists a plan's read units or reads only some of them.
     "raytrain.data.shards": {
+        # the file listing Ray's own file read runs: row groups and their row counts
         "ray.data._internal.datasource_v2.common.listing_utils.list_files_for_each_block",
-        "ray.data._internal.datasource_v2.interfaces.file_manifest.PATH_COLUMN_NAME",
-        "ray.data._internal.execution.interfaces.BlockEntry",
-        "ray.data._internal.execution.interfaces.RefBundle",
-        "ray.data._internal.logical.interfaces.LogicalPlan",
-        "ray.data._internal.logical.interfaces.SourceOperator",
-        "ray.data._internal.logical.operators.InputData",
-        "ray.data._internal.logical.operators.Limit",
-        "ray.data._internal.logical.operators.ListFiles",
-        "ray.data._internal.logical.operators.Read",
-        "ray.data._internal.logical.operators.ReadFiles",
-        "ray.data._internal.logical.operators.map_operator.AbstractMap",
+        # that listing's footer readers, no more than the cluster has CPUs (_right_size_footer_readers)
+        "ray.data._internal.datasource_v2.formats.parquet.footer_file_indexer.FooterFileIndexer._max_inflight_batches",
+        "ray.data._internal.datasource_v2.formats.parquet.footer_file_indexer.FooterFileIndexer._num_actors",
+        "ray.data._internal.datasource_v2.interfaces.file_manifest.PATH_COLUMN_NAME",  # a manifest row's path
+        "ray.data._internal.execution.interfaces.BlockEntry",  # a unit's block, for the new source
+        "ray.data._internal.execution.interfaces.RefBundle",  # the new source's input
+        "ray.data._internal.logical.interfaces.LogicalPlan",  # the plan of the dataset over some units
+        "ray.data._internal.logical.interfaces.SourceOperator",  # a source that holds its blocks
+        # each step above the source, copied onto the new source
+        "ray.data._internal.logical.interfaces.logical_operator.LogicalOperator._with_new_input_dependencies",
+        "ray.data._internal.logical.operators.InputData",  # blocks as a source, theirs and ours
+        "ray.data._internal.logical.operators.Limit",  # at most `limit` rows through the pipeline's steps
+        "ray.data._internal.logical.operators.ListFiles",  # the sources `split` cuts: a file listing,
+        "ray.data._internal.logical.operators.Read",  # a datasource's read tasks,
+        "ray.data._internal.logical.operators.ReadFiles",  # the file read above a listing
+        "ray.data._internal.logical.operators.map_operator.AbstractMap",  # per-row steps, kept above the source
         "ray.data._internal.logical.operators.one_to_one_operator.AbstractOneToOne",
-        "ray.data._internal.logical.operators.one_to_one_operator.Limit",
-        "ray.data._internal.stats.DatasetStats",
+        "ray.data._internal.logical.operators.one_to_one_operator.Limit",  # a limit in the plan: not cut
+        "ray.data._internal.stats.DatasetStats",  # the new dataset's (empty) stats
+        "ray.data.dataset.Dataset._logical_plan",  # the plan a dataset holds: no public getter
     },
-    # The failure policy; a per-step run's controller started as Ray starts its own; Ray's
-    # datasets callback without its dataset manager.
     "raytrain.driver.failfast": {
+        # In the copy of Ray's controller start (COPIED_RAY_CODE), as Ray writes them.
         "ray._common.constants.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR",
         "ray._raylet.RAY_NODE_ID_KEY",
-        "ray.train.v2._internal.callbacks.DatasetsCallback",
         "ray.train.v2._internal.constants.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE",
         "ray.train.v2._internal.constants.get_env_vars_to_propagate",
+        # Ray's datasets callback without its dataset manager, for a trainer without datasets.
+        "ray.train.v2._internal.callbacks.DatasetsCallback",
+        # The failure policy around Ray's: the controller takes only an _internal FailurePolicy,
+        # and `fit` builds Ray's from FailureConfig (create_failure_policy) with no hook.
         "ray.train.v2._internal.execution.failure_handling.FailureDecision",
         "ray.train.v2._internal.execution.failure_handling.FailurePolicy",
-        # overridden: the trainer's callbacks, its controller's start and Ray's SIGINT handler
+        # Overridden, no public equivalent: RunConfig(callbacks=...) only adds to Ray's callbacks,
+        # and DatasetsCallback must be replaced;
         "ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._create_default_callbacks",
+        # where `fit` hands the controller its failure and scaling policies and callbacks (and
+        # Ray's controller class, which this copy replaces: Ray takes none);
         "ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._initialize_and_run_controller",
+        # raytrain's signal handling keeps the controller to abort it, in place of Ray's handler.
         "ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._register_sigint_handler",
     },
-    # Ray Train's controller hooks: per-step replicas replaced several at once; its controller,
-    # where a group without room waits; its elastic policy in whole groups (the docstrings).
+    # Ray Train's controller of a per-step run, its callbacks and its elastic policy in whole groups.
     "raytrain.driver.replacement": {
+        # ReplicaGroups' hooks (a worker or replica group started, a resize about to run): UserCallback has none
         "ray.train.v2._internal.execution.callback.ControllerCallback",
         "ray.train.v2._internal.execution.callback.ReplicaGroupCallback",
         "ray.train.v2._internal.execution.callback.WorkerGroupCallback",
-        "ray.train.v2._internal.execution.controller.TrainController",
+        "ray.train.v2._internal.execution.controller.TrainController",  # GroupController's base
+        # GroupController's overrides; no hook, public or _internal, reaches what each changes:
+        # a replacement kept in place at the running size (a scaling policy decides without the
+        # poll's status, and before_controller_execute_resize_decision cannot change a decision);
+        "ray.train.v2._internal.execution.controller.controller.TrainController._execute_resize_decision",
+        # a lost group's restart once there is room, and its workers read as finished meanwhile
+        # (no hook sees or changes a poll's status);
+        "ray.train.v2._internal.execution.controller.controller.TrainController._poll_workers",
+        # a group without room left waiting instead of Ray's unbounded wait in replace_replica_group;
+        "ray.train.v2._internal.execution.controller.controller.TrainController._replace_bad_workers",
+        # the waiting groups forgotten when a whole new worker group starts (they start with it).
+        "ray.train.v2._internal.execution.controller.controller.TrainController._start_worker_group",
+        # The elastic policy in whole groups: `fit` builds Ray's (create_scaling_policy), no hook.
         "ray.train.v2._internal.execution.scaling_policy.ElasticScalingPolicy",
         "ray.train.v2._internal.execution.scaling_policy.NoopDecision",
         "ray.train.v2._internal.execution.scaling_policy.ResizeDecision",
-        "ray.train.v2._internal.execution.worker_group.poll.WorkerGroupPollStatus",
-        "ray.train.v2._internal.execution.worker_group.poll.WorkerStatus",
-        # overridden by GroupController
-        "ray.train.v2._internal.execution.controller.controller.TrainController._execute_resize_decision",
-        "ray.train.v2._internal.execution.controller.controller.TrainController._poll_workers",
-        "ray.train.v2._internal.execution.controller.controller.TrainController._replace_bad_workers",
-        "ray.train.v2._internal.execution.controller.controller.TrainController._start_worker_group",
+        "ray.train.v2._internal.execution.scaling_policy.elastic.ElasticScalingPolicy._count_possible_workers",
+        "ray.train.v2._internal.execution.worker_group.poll.WorkerGroupPollStatus",  # a poll's status, rebuilt
+        "ray.train.v2._internal.execution.worker_group.poll.WorkerStatus",  # a waiting worker's: finished
     },
     "raytrain.driver.session": {
-        "ray._private.worker._global_node",
+        "ray._private.worker._global_node",  # the session's log directory: no public API gives it
     },
-    # Ray Train's torchft backend (a private class), subclassed for a lighthouse that asks for no CPU.
+    "raytrain.errors": {
+        # the user's exception inside Ray Train's wrapper (poll.py reads it so too): no public attribute
+        "ray.train.v2._internal.exceptions.UserExceptionWithTraceback._base_exc",
+    },
+    "raytrain.tune.driver": {
+        # what the scheduler's public `metric` property gives (Tune checks results for it)
+        "ray.tune.schedulers.trial_scheduler.TrialScheduler._metric",
+    },
     "raytrain.worker.replicas": {
+        # Ray Train's torchft backend, a private class (TorchftConfig.backend_cls), subclassed for a
+        # lighthouse that asks for no CPU: no option or hook sets the lighthouse actor's resources.
+        "ray.train.v2.torch.torchft_config._TorchftBackend",
         "ray.train.v2.torch.torchft_config._TorchftBackend._maybe_create_lighthouse_actor",
     },
 }
@@ -83,84 +120,36 @@ PRIVATE_RAY_NAMES = {
 # test_the_private_names_were_read_from_the_installed_ray until they are read again.
 PRIVATE_NAMES_READ_FROM = "2.60.0"
 
+# Ray code copied into raytrain, by the copy (marked `# A copy of <the Ray name>` in it): the Ray
+# function it mirrors, and a digest of the source it was made from. A Ray whose source differs,
+# a patch release too, fails test_every_copy_of_ray_code_was_made_from_the_installed_source:
+# bring the copy up to date, then the digest (tests/ray_surface.py: `source_digest`).
+COPIED_RAY_CODE = {
+    # Ray's controller start with raytrain's controller class, which Ray's takes no argument for
+    "raytrain.driver.failfast.FailFastTrainer._run_controller": (
+        "ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._initialize_and_run_controller",
+        "ea57ec4498323973",
+    ),
+}
+
+
+def _modules() -> list[tuple[str, str]]:
+    """(module, its source) for every module of the package."""
+    return [
+        (".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"), path.read_text())
+        for path in sorted(PACKAGE.rglob("*.py"))
+    ]
+
 
 def _private_ray_names() -> dict[str, set[str]]:
-    """module -> the private Ray names it imports or reaches by attribute (`ray._private.x`, or
-    `alias._X` where `alias` names a Ray module or object), and the private members of Ray's
-    classes that its classes override (`ray...TrainController._start`)."""
-    found: dict[str, set[str]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-        tree = ast.parse(path.read_text())
-        aliases = _ray_aliases(tree)
-        names = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ray":
-                if any(_private(part) for part in node.module.split(".")):
-                    names.update(f"{node.module}.{alias.name}" for alias in node.names)
-                names.update(f"{node.module}.{alias.name}" for alias in node.names if _private(alias.name))
-            elif isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Store):
-                chain = _dotted(node)
-                if not chain:
-                    continue
-                head, *rest = chain.split(".")
-                if head in aliases:  # a private name reached through a Ray module or object bound here
-                    if any(_private(part) for part in rest):
-                        names.add(".".join([aliases[head], *rest]))
-                elif head == "ray" and any(_private(part) for part in rest):
-                    names.add(chain)
-        names |= _overridden_private_members(module)
-        names = {n for n in names if not any(n != m and m.startswith(n + ".") for m in names)}
-        if names:
-            found[module] = names
-    return found
+    """module -> the private Ray names it uses (tests/ray_surface.py)."""
+    found = {module: private_ray_names(source) for module, source in _modules()}
+    return {module: names for module, names in found.items() if names}
 
 
-def _ray_aliases(tree: ast.AST) -> dict[str, str]:
-    """Local names bound to a Ray module or object by `import ray.x as y` or `from ray.x import y [as z]`."""
-    aliases = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] == "ray" and alias.asname:
-                    aliases[alias.asname] = alias.name
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ray":
-            for alias in node.names:
-                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-    return aliases
-
-
-def _overridden_private_members(module: str) -> set[str]:
-    """`ray.<module>.<Class>.<_member>` for each private member of a Ray class that a class of
-    `module` defines again: an override of what Ray may rename or drop in any release."""
-    imported = importlib.import_module(module)
-    names = set()
-    for value in vars(imported).values():
-        if not isinstance(value, type) or value.__module__ != module:
-            continue
-        ray_bases = [base for base in value.__mro__[1:] if base.__module__.split(".")[0] == "ray"]
-        for member in vars(value):
-            if not _private(member) or member == "_abc_impl":  # ABCMeta's own, set on every subclass
-                continue
-            for base in ray_bases:
-                if member in vars(base):
-                    names.add(f"{base.__module__}.{base.__qualname__}.{member}")
-                    break
-    return names
-
-
-def _private(name: str) -> bool:
-    return name.startswith("_") and not name.endswith("__")
-
-
-def _dotted(node: ast.AST) -> str | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        return ".".join([node.id, *reversed(parts)])
-    return None
+def _copies_of_ray_code() -> dict[str, str]:
+    """`module.Class.function` -> the Ray name it copies, by the marks in the package."""
+    return {f"{module}.{copy}": name for module, source in _modules() for copy, name in copies(source).items()}
 
 
 def test_private_ray_names_are_the_listed_ones_in_the_listed_modules():
@@ -178,19 +167,110 @@ def test_the_private_names_were_read_from_the_installed_ray():
 
 @pytest.mark.parametrize("name", sorted(n for names in PRIVATE_RAY_NAMES.values() for n in names))
 def test_every_private_ray_name_exists_in_the_installed_ray(name):
-    parts = name.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            value = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            if attr == "_global_node" and value.__name__ == "ray._private.worker":
-                assert hasattr(value, attr)  # set once Ray is initialized; the name must exist
-                return
-            value = getattr(value, attr)
-        return
-    pytest.fail(f"{name}: no importable module")
+    holder, member = name.rsplit(".", 1)
+    value = ray_object(holder)
+    if isinstance(value, type):  # a member of a class: its own, a base's, or an attribute its methods set
+        assert any(defines(cls, member) for cls in value.__mro__), f"{name}: {holder} has no {member}"
+    else:  # a module's name (ray._private.worker._global_node exists before Ray sets it)
+        assert hasattr(value, member), f"{name}: {holder} has no {member}"
+
+
+def test_every_copy_of_ray_code_is_listed():
+    assert _copies_of_ray_code() == {copy: ray_name for copy, (ray_name, _) in COPIED_RAY_CODE.items()}
+
+
+@pytest.mark.parametrize("copy", sorted(COPIED_RAY_CODE))
+def test_every_copy_of_ray_code_was_made_from_the_installed_source(copy):
+    ray_name, digest = COPIED_RAY_CODE[copy]
+    assert source_digest(ray_name) == digest, (
+        f"{ray_name} is not the source {copy} was copied from: compare them, bring the copy up to date, "
+        f"then set its digest to {source_digest(ray_name)!r}"
+    )
+
+
+def test_the_scan_finds_a_private_base_class_and_the_private_members_a_class_overrides():
+    source = """
+from ray.train.v2.torch import torchft_config as ft
+
+class Backend(ft._TorchftBackend):
+    def _maybe_create_lighthouse_actor(self, config):
+        return super()._maybe_create_lighthouse_actor(config)
+
+def policy():
+    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+
+    class InGroups(ElasticScalingPolicy):  # a class inside a function, on a Ray class reached by its public name
+        def _count_possible_workers(self, reserved):
+            return 2
+"""
+    assert private_ray_names(source) == {
+        "ray.train.v2.torch.torchft_config._TorchftBackend",
+        "ray.train.v2.torch.torchft_config._TorchftBackend._maybe_create_lighthouse_actor",
+        "ray.train.v2._internal.execution.scaling_policy.ElasticScalingPolicy",
+        "ray.train.v2._internal.execution.scaling_policy.elastic.ElasticScalingPolicy._count_possible_workers",
+    }
+
+
+def test_the_scan_finds_private_attributes_of_objects_ray_gives():
+    source = """
+from ray.train.v2._internal.execution.controller import TrainController
+from ray.util.placement_group import placement_group
+
+class Controller(TrainController):
+    def slots(self):
+        group = self._worker_group  # set by Ray's controller
+        if hasattr(group, "_worker_group_state"):
+            return group._worker_group_state.placement_group_handle.placement_group
+
+def reserve():
+    pg = placement_group([{"CPU": 1}])
+    pg._fill_bundle_cache_if_needed()
+    return pg
+"""
+    assert private_ray_names(source) == {
+        "ray.train.v2._internal.execution.controller.TrainController",
+        "ray.train.v2._internal.execution.controller.controller.TrainController._worker_group",
+        "ray.train.v2._internal.execution.worker_group.worker_group.WorkerGroup._worker_group_state",
+        "ray.util.placement_group.PlacementGroup._fill_bundle_cache_if_needed",
+    }
+
+
+def test_the_scan_leaves_out_private_names_that_are_not_rays():
+    source = """
+import os
+
+import torch
+from ray.train import ScalingConfig
+
+class Mine:
+    def __init__(self):
+        self._steps = 0
+
+    def step(self, other: "Mine"):
+        self._steps += other._steps
+        return self._steps
+
+def shrink(module: torch.nn.Module):
+    module._apply(lambda t: t)  # torch's (Ray has an `_apply` too)
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        os._exit(1)
+    return ScalingConfig(num_workers=1)
+"""
+    assert private_ray_names(source) == set()
+
+
+def test_a_copy_of_ray_code_is_found_by_its_mark():
+    source = """
+class Trainer:
+    def start(self):
+        # A copy of ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._initialize_and_run_controller
+        return 1
+
+    def stop(self):
+        return 0
+"""
+    name = "ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._initialize_and_run_controller"
+    assert copies(source) == {"Trainer.start": name}
 
 
 def test_the_public_surface_is_the_documented_names():

@@ -108,6 +108,8 @@ class FailFastTrainer(TorchTrainer):
     def _run_controller(self, controller_cls, kwargs):
         """`DataParallelTrainer._initialize_and_run_controller` of Ray 2.60, with raytrain's
         controller class (Ray's takes none)."""
+        # A copy of ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._initialize_and_run_controller
+        # (tests/test_style.py holds the digest of the source it was made from).
         import ray
         from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
         from ray.train.v2._internal.constants import (

@@ -192,7 +192,7 @@ class GroupController(TrainController):
         super()._start_worker_group(num_workers, resources_per_worker)
 
     def _execute_resize_decision(self, decision: ResizeDecision):
-        worker_group = self._worker_group
+        worker_group = self.get_worker_group()
         status = worker_group.get_latest_poll_status() if worker_group is not None else None
         if status is not None:  # this controller runs replica groups only
             failing = status.failing_replica_group_indices
@@ -201,9 +201,10 @@ class GroupController(TrainController):
         return super()._execute_resize_decision(decision)
 
     def _replace_bad_workers(self, poll_status: WorkerGroupPollStatus) -> None:
+        worker_group = self.get_worker_group()
         for index in sorted(poll_status.failing_replica_group_indices):
             if index in self.waiting or not self._has_room(index):
-                group = self._worker_group.get_replica_groups()[index]
+                group = worker_group.get_replica_groups()[index]
                 if group.is_active():
                     group.shutdown()
                 if index not in self.waiting:
@@ -214,14 +215,14 @@ class GroupController(TrainController):
                     )
                 self.waiting.add(index)
             else:
-                self._worker_group.replace_replica_group(index)
+                worker_group.replace_replica_group(index)
 
     async def _poll_workers(self) -> WorkerGroupPollStatus:
         for index in sorted(self.waiting):
             if self._has_room(index):
                 self.waiting.discard(index)
                 try:
-                    self._worker_group.replace_replica_group(index)
+                    self.get_worker_group().replace_replica_group(index)
                 except Exception as error:  # its node went again while it started: it waits again
                     logger.warning("raytrain: replica group %d failed to start again (%s); it waits", index, error)
                     self.waiting.add(index)
@@ -241,8 +242,8 @@ class GroupController(TrainController):
         """Whether every slot of replica group `index` is placed on a node."""
         from ray.util.placement_group import placement_group_table
 
-        worker_group = self._worker_group
-        placement_group = worker_group._worker_group_state.placement_group_handle.placement_group
+        worker_group = self.get_worker_group()
+        placement_group = worker_group.get_worker_group_state().placement_group_handle.placement_group
         nodes = placement_group_table(placement_group).get("bundles_to_node_id") or {}
         slots = [
             worker.placement_group_bundle_index for worker in worker_group.get_replica_groups()[index].get_workers()
