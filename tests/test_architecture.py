@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from cycles import cycles
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "raytrain"
 DOC = REPO / "docs" / "architecture.md"
@@ -222,21 +224,8 @@ def test_every_import_keeps_the_layer_rule():
 
 def test_no_import_cycles():
     graph = {name: {t for t, _ in _imports(m, modules())} for name, m in modules().items()}
-    cycles, state = [], {}
-
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = "open"
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == "open":
-                cycles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
-            elif nxt not in state:
-                visit(nxt, [*path, nxt])
-        state[node] = "done"
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])
-    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(found)
 
 
 # -- references ---------------------------------------------------------------------------------

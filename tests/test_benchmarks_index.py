@@ -9,6 +9,8 @@ import ast
 import re
 from pathlib import Path
 
+from cycles import cycles
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 SCRIPT = re.compile(r"`((?:[\w-]+/)*[\w-]+\.(?:py|sh))`")
@@ -91,24 +93,6 @@ def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
         found = {m.removeprefix("benchmarks.").split(".")[0] for m in found}
         graph[name] = (found & set(sources)) - {name}
     return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[str]:
-    found, state = [], {}
-
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = "open"
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == "open":
-                found.append(" -> ".join([*path[path.index(nxt) :], nxt]))
-            elif nxt not in state:
-                visit(nxt, [*path, nxt])
-        state[node] = "done"
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])
-    return found
 
 
 def test_the_benchmarks_import_one_another_without_a_cycle():
