@@ -5,10 +5,6 @@ BatchNorm conversion of --sync-batchnorm, and bad usage refused before Ray start
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -261,12 +257,10 @@ def test_a_flag_the_check_does_not_take_is_bad_usage(capsys):
 @pytest.mark.slow
 def test_sync_batchnorm_over_gloo_takes_the_step_one_process_takes_over_the_whole_batch(tmp_path):
     import syncbn_ranks
+    from ranks import run_ranks
 
     out = tmp_path / "ranks.pt"
-    tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": f"{tests.parent}:{tests}", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    subprocess.run([*command, str(tests / "syncbn_ranks.py"), str(out)], check=True, env=env, timeout=300)
+    run_ranks("syncbn_ranks.py", out)
     ranks = torch.load(out, weights_only=True)
     model = syncbn_ranks.model()
     x, y = syncbn_ranks.batch()

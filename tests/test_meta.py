@@ -4,11 +4,6 @@ tied weights stay tied; fresh weights depend on the seed only, not on the worker
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -91,18 +86,15 @@ def gloo_runs(tmp_path_factory):
     """tests/meta_ranks.py at 1 and at 2 processes over gloo: {world size: what rank 0 saved}."""
     pytest.importorskip("transformers")
     from hf_fixtures import make_model
+    from ranks import run_ranks
 
     root = tmp_path_factory.mktemp("meta")
     make_model(root / "weights", "gpt2")
     make_model(root / "config", "gpt2", weights=False)
-    tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": f"{tests.parent}:{tests}", "OMP_NUM_THREADS": "1"}
     runs = {}
     for world in (1, 2):
         out = root / f"ranks{world}.pt"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-        args = [str(tests / "meta_ranks.py"), str(root / "weights"), str(root / "config"), str(out)]
-        subprocess.run([*command, *args], check=True, env=env, timeout=300)
+        run_ranks("meta_ranks.py", root / "weights", root / "config", out, ranks=world)
         runs[world] = torch.load(out, weights_only=False)
     return root, runs
 
