@@ -171,7 +171,7 @@ def grad_norm(runner: StepRunner) -> float:
     squared norms are summed over the ranks (one collective)."""
     local = [local_part(p.grad) for p in unwrap(runner.model).parameters() if p.grad is not None]
     squares = sum(float(g.detach().double().square().sum()) for g in local)
-    if not runner.holding.holds_whole_model:
+    if not runner.prepared.strategy.holds_whole_model:
         squares = runner.runtime.all_reduce_sum([squares])[0]
     scale = runner.scaler.get_scale() if runner.scaler.is_enabled() else 1.0
     return math.sqrt(squares) / scale
