@@ -127,6 +127,7 @@ def find_user_error(error: BaseException | None) -> UserError | None:
         if isinstance(current, UserError):
             return current
         stack.append(getattr(current, "_base_exc", None))  # Ray Train's UserExceptionWithTraceback
+        stack.append(getattr(current, "controller_failure", None))  # Ray Train's ControllerError
         stack.append(cause)
         stack.append(current.__cause__)
         failures = getattr(current, "worker_failures", None) or {}

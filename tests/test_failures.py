@@ -38,6 +38,7 @@ from raytrain.parallel.strategy import is_collective_failure
 from raytrain.rundir import Store
 from raytrain.rundir.faults import StorageUnavailable
 from raytrain.rundir.files import RunLocked
+from raytrain.worker.network import ProcessGroupNetworkError
 from raytrain.worker.window import TrainingDiverged
 
 STATUSES = {  # every error type a command ends with -> its exit status (DESIGN: Exit status)
@@ -53,6 +54,7 @@ STATUSES = {  # every error type a command ends with -> its exit status (DESIGN:
     ReportError: 2,
     DeviceFailure: 2,  # out of memory, a device-side assert: the same at every retry
     PredictError: 2,
+    ProcessGroupNetworkError: 2,  # the workers' process group cannot connect across hosts: the interfaces
     RunFailed: 1,
     BenchError: 1,
     TrainingDiverged: 1,  # a UserError (never retried) and a FloatingPointError, but the run failed

@@ -109,6 +109,14 @@ PRIVATE_RAY_NAMES = {
         # what the scheduler's public `metric` property gives (Tune checks results for it)
         "ray.tune.schedulers.trial_scheduler.TrialScheduler._metric",
     },
+    "raytrain.worker.network": {
+        # Ray Train's torch backend, a private class (TorchConfig.backend_cls), subclassed to run a
+        # step on every worker before its on_start creates the process group: gloo and NCCL choose
+        # their interface inside init_process_group, from the worker's environment, and no option
+        # or hook of Ray 2.60 runs in a worker before it (a runtime_env's worker_process_setup_hook
+        # is read from ray.init's job config only, not from RunConfig.worker_runtime_env).
+        "ray.train.torch.config._TorchBackend",
+    },
     "raytrain.worker.replicas": {
         # Ray Train's torchft backend, a private class (TorchftConfig.backend_cls), subclassed for a
         # lighthouse that asks for no CPU: no option or hook sets the lighthouse actor's resources.

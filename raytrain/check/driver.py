@@ -109,12 +109,12 @@ def fit_check(
     """One Ray Train run of N workers; rank 0's Outcome. An error in the pipeline's code or data
     is raised as such (exit 2, never retried); any other failure is RunFailed."""
     from ray.train import LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
     from raytrain.driver.failfast import FailFastTrainer
     from raytrain.driver.launch import apply_train_timers
     from raytrain.driver.session import WORKER_ENV, ray_logs_dir
     from raytrain.errors import explain_worker_errors, summarize_on_raise
+    from raytrain.worker.network import BoundTorchConfig
 
     apply_train_timers(run)
     payload = CheckPayload(run, reference, pipe, sources, opts.steps, tolerance)
@@ -125,7 +125,7 @@ def fit_check(
             summarize_on_raise(check_loop_per_worker),
             train_loop_config={PAYLOAD: payload},
             scaling_config=ScalingConfig(num_workers=run.max_workers, use_gpu=use_gpu, resources_per_worker=resources),
-            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=run.collective_timeout_s),
+            torch_config=BoundTorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=run.collective_timeout_s),
             run_config=RunConfig(
                 name="check",
                 storage_path=storage,

@@ -75,12 +75,13 @@ def build_torch_trainer(
     """The TorchTrainer of the run: the worker count (elastic: MIN, MAX), the backend (gloo,
     NCCL, or torchft's replica groups in per-step mode), the failure and checkpoint policies."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
     from raytrain.driver.failfast import FailFastTrainer, stall_reporter
     from raytrain.errors import summarize_on_raise
+    from raytrain.rules.network import INTERFACE_VARIABLES
     from raytrain.rundir.storage import RETRY_ENV, Store
     from raytrain.worker.loop import PAYLOAD, WorkerPayload, train_loop_per_worker
+    from raytrain.worker.network import BoundTorchConfig
     from raytrain.worker.replicas import torchft_config
 
     workers: int | tuple[int, int] = cfg.max_workers if not cfg.elastic else (cfg.min_workers, cfg.max_workers)
@@ -94,7 +95,7 @@ def build_torch_trainer(
         min_groups = cfg.min_workers // cfg.replica_group_size if cfg.elastic else 1
         torch_config = torchft_config(use_gpu, cfg.collective_timeout_s, min_groups)
     else:
-        torch_config = TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=cfg.collective_timeout_s)
+        torch_config = BoundTorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=cfg.collective_timeout_s)
     return FailFastTrainer(
         summarize_on_raise(train_loop_per_worker),
         train_loop_config={PAYLOAD: WorkerPayload(cfg, pipe, Store.of(run_dir), sources, invocation=uuid4().hex)},
@@ -114,7 +115,13 @@ def build_torch_trainer(
             failure_config=FailureConfig(max_failures=cfg.max_failures, max_preemption_failures=-1),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
             logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "ERROR"),
-            worker_runtime_env={"env_vars": {**WORKER_ENV, **nccl_env(cfg.fault_tolerance), **_passed_on(RETRY_ENV)}},
+            worker_runtime_env={
+                "env_vars": {
+                    **WORKER_ENV,
+                    **nccl_env(cfg.fault_tolerance),
+                    **_passed_on(RETRY_ENV, *INTERFACE_VARIABLES),
+                }
+            },
             callbacks=list(callbacks),
         ),
         replica_group_size=cfg.replica_group_size,

@@ -55,6 +55,7 @@ from raytrain.rundir.records import Event, Kind
 from raytrain.rundir.storage import Store
 from raytrain.text import first_line
 from raytrain.worker.groups import replica_of
+from raytrain.worker.network import BindsInterfaces
 from raytrain.worker.recovery import Quorum, Recovery
 from raytrain.worker.runtime import Runtime, group_barrier
 
@@ -82,8 +83,9 @@ LIGHTHOUSE_KWARGS = {
 }
 
 
-class _Backend(ray_torchft._TorchftBackend):
-    """Ray Train's torchft backend, with a lighthouse that asks for no CPU. Ray 2.60 pins the
+class _Backend(BindsInterfaces, ray_torchft._TorchftBackend):
+    """Ray Train's torchft backend, bound to each node's interface (`raytrain.worker.network`),
+    with a lighthouse that asks for no CPU. Ray 2.60 pins the
     lighthouse to the controller's node as an actor with the default request of 1 CPU for
     scheduling: on a cluster whose head has none (`ray start --head --num-cpus=0`, where the
     driver and the controller run), it can never be placed and the run never starts. It

@@ -1,0 +1,79 @@
+"""The process group's network: each worker's gloo and NCCL bound to the interface that holds
+its own Ray node address (`raytrain.rules.network`), before Ray Train creates the group.
+
+Ray Train sets MASTER_ADDR to rank 0's node address and then calls `init_process_group` on
+every worker (its TorchConfig backend's `on_start`); gloo's and NCCL's own choice of interface
+is made inside that call, from the worker's environment. raytrain's backends
+(`BoundTorchConfig` here; per-step mode's in `raytrain.worker.replicas`) first run
+`bind_to_node_interface` on every worker of the group, then Ray's `on_start`. A group that
+still cannot connect (a variable set to the wrong interface, a node address no interface holds,
+a firewall) is said in one message that names the host, the address it tried and the fix:
+a `ProcessGroupNetworkError` (exit status 2, never retried) when the interfaces are wrong, else
+an error Ray's failure policy may retry (a firewall; a host cut off while the group formed).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from ray.train.torch import TorchConfig
+from ray.train.torch.config import _TorchBackend
+
+from raytrain.errors import UserError
+from raytrain.rules import network
+from raytrain.rules.network import WorkerNetwork
+
+
+def bind_to_node_interface() -> WorkerNetwork:
+    """In a worker: set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to the interface that holds
+    this node's Ray address, each unless already set, and say what they are."""
+    import psutil
+    import ray
+
+    address = ray.util.get_node_ip_address()
+    interfaces = {name: [entry.address for entry in entries] for name, entries in psutil.net_if_addrs().items()}
+    values = network.interface_env(address, interfaces, os.environ)
+    os.environ.update(values)
+    return WorkerNetwork(
+        hostname=socket.gethostname(),
+        node_address=address,
+        interface=network.interface_holding(address, interfaces),
+        chosen={name: os.environ[name] for name in network.INTERFACE_VARIABLES if name in os.environ},
+        set_here=tuple(sorted(values)),
+    )
+
+
+class ProcessGroupNetworkError(UserError, RuntimeError):
+    """The workers' process group could not connect across hosts: the host, the address it
+    tried and the interface variables that fix it (exit status 2; never retried)."""
+
+
+class BindsInterfaces:
+    """A Ray Train torch backend's `on_start`, preceded by `bind_to_node_interface` on every
+    worker of the group it starts (a whole worker group, or one replica group)."""
+
+    def on_start(self, worker_group: Any, backend_config: Any) -> None:
+        workers = worker_group.execute(bind_to_node_interface)
+        try:
+            super().on_start(worker_group, backend_config)  # type: ignore[misc]
+        except Exception as exc:
+            failure = network.connect_failure(str(exc), workers)
+            if failure is None:
+                raise
+            if failure.deterministic:
+                raise ProcessGroupNetworkError(failure.message) from None
+            raise RuntimeError(failure.message) from exc  # Ray's policy may retry it (--max-failures)
+
+
+class _Backend(BindsInterfaces, _TorchBackend):
+    """Ray Train's torch backend, bound to each node's interface."""
+
+
+class BoundTorchConfig(TorchConfig):
+    """`TorchConfig` whose backend binds gloo and NCCL to each node's interface first."""
+
+    @property
+    def backend_cls(self):
+        return _Backend

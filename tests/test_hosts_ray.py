@@ -1,0 +1,63 @@
+"""Two real hosts (tests/hosts.py): a network stack each, interfaces named differently, a hostname
+that resolves to loopback. With nothing set by hand, `raytrain train --address` trains across
+them; with an interface variable that cannot work, the run stops at once with one message (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+from hosts import Hosts, made_hosts, skip_reason
+
+pytestmark = [
+    pytest.mark.ray,  # a Ray node on each of two hosts of its own (not the session's Ray)
+    pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""),
+]
+
+CLI = "import sys; from raytrain.cli import main; sys.exit(main())"
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    """Two hosts (ens5 on the first, eth1 on the second; the hostname resolves to 127.0.1.1 on
+    both; GLOO_SOCKET_IFNAME set nowhere), one CPU each: a run of two one-CPU workers has one on
+    each host, so its process group spans both."""
+    started = time.monotonic()
+    with made_hosts(tmp_path_factory.mktemp("hosts"), 2) as hosts:
+        hosts.start_ray(num_cpus=1)
+        print(f"hosts and their Ray nodes up after {time.monotonic() - started:.1f} s")
+        yield hosts
+
+
+def train_on_first_host(hosts: Hosts, storage, name: str, **env: str):
+    args = ["train", "digits", "--workers", "2", "--epochs", "1", "--address", hosts.head_address]
+    args += ["--storage", str(storage), "--name", name]
+    started = time.monotonic()
+    done = hosts[0].run([sys.executable, "-c", CLI, *args], timeout=240, cwd=storage, env={**hosts.env, **env})
+    print(f"{name}: exit {done.returncode} after {time.monotonic() - started:.1f} s")
+    return done
+
+
+def test_two_hosts_with_differently_named_interfaces_train_with_nothing_set_by_hand(two_hosts, tmp_path):
+    done = train_on_first_host(two_hosts, tmp_path, "two-hosts")
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    summary = json.loads((tmp_path / "two-hosts" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["world_sizes"] == [2], summary
+
+
+def test_an_interface_variable_that_cannot_work_is_one_message_naming_the_host_the_address_and_the_fix(
+    two_hosts, tmp_path
+):
+    # Exported where raytrain runs, it reaches every worker: each hands its peers 127.0.0.1.
+    done = train_on_first_host(two_hosts, tmp_path, "loopback", GLOO_SOCKET_IFNAME="lo")
+    assert done.returncode == 2, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    message = done.stderr.strip()
+    assert message.startswith("raytrain train: The workers' process group could not connect across 2 hosts: ")
+    assert "a worker on host " in message and "tried 127.0.0.1, a loopback address" in message
+    assert f"({two_hosts[0].address}) lo, set by the user, but {two_hosts[0].address} is on ens5" in message
+    assert f"({two_hosts[1].address}) lo, set by the user, but {two_hosts[1].address} is on eth1" in message
+    assert "Fix: unset GLOO_SOCKET_IFNAME" in message
+    assert "Traceback" not in done.stderr and "ControllerError" not in done.stderr
+    assert len(message.splitlines()) == 1
