@@ -293,3 +293,15 @@ def test_a_running_per_step_group_is_never_shrunk_by_rays_resource_count():
     policy._get_reserved_resources = lambda: {"node-a": {"CPU": 6.0}}  # room for more: a growth
     grown = policy.make_decision_for_running_worker_group(state, None)
     assert isinstance(grown, ResizeDecision) and grown.num_workers == 6
+
+
+def test_each_fault_tolerance_mode_names_its_recovery_object():
+    """A mode is its module and its line in FAULT_TOLERANCE_MODES: each line names a Recovery."""
+    import importlib
+
+    from raytrain.config.sections import FAULT_TOLERANCE_MODES
+    from raytrain.worker.recovery import Recovery
+
+    for mode, where in FAULT_TOLERANCE_MODES.items():
+        module, name = where.split(":")
+        assert issubclass(getattr(importlib.import_module(module), name), Recovery), mode

@@ -14,6 +14,7 @@ runs epochs (`raytrain.worker.epoch`), whatever the mode.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Any
 
 from raytrain import hooks
 from raytrain.config import TrainConfig
+from raytrain.config.sections import FAULT_TOLERANCE_MODES
 from raytrain.data.sources import Source, cost_notes, data_digest, open_source
 from raytrain.errors import find_user_error
 from raytrain.parallel.device import device_failure
@@ -40,7 +42,6 @@ from raytrain.worker.epoch import Data, Epochs
 from raytrain.worker.optim import describe_optimizer
 from raytrain.worker.phases import SteadyClock
 from raytrain.worker.recovery import Recovery
-from raytrain.worker.replicas import PerStep
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import unwrap
 from raytrain.worker.step import StepRunner, plan_line
@@ -58,8 +59,6 @@ class WorkerPayload:
 
 
 PAYLOAD = "raytrain"
-# The recovery object of each --fault-tolerance mode (`raytrain.worker.recovery`).
-RECOVERIES: dict[str, type[Recovery]] = {"restart": Recovery, "per-step": PerStep}
 # When a run ends on the user's error, how long a rank waits for its checkpoint being written.
 FINISH_ON_ERROR_S = 60.0
 
@@ -67,7 +66,7 @@ FINISH_ON_ERROR_S = 60.0
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     payload: WorkerPayload = loop_config[PAYLOAD]
     cfg, run_dir = payload.config, Store.of(payload.run_dir)
-    recovery = RECOVERIES[cfg.fault_tolerance](cfg, run_dir)
+    recovery = recovery_for(cfg, run_dir)
     runtime = recovery.runtime
     files = RunWriter(run_dir, enabled=runtime.is_rank0)
     heartbeat = Heartbeat(run_dir.local_dir / HEARTBEATS, runtime.world_rank, enabled=runtime.world_size > 1)
@@ -187,6 +186,13 @@ class Training(Epochs):
         if overrides(runner.pipeline, "build_optimizer"):  # config.yaml says what the pipeline's optimizer is
             details = {"build_optimizer": describe_optimizer(runner.optimizer)}
             files.update_config(resume.recorded_config(files.rundir.config(), ["build_optimizer"], details))
+
+
+def recovery_for(cfg: TrainConfig, run_dir: Store) -> Recovery:
+    """This worker's recovery object: the one of cfg's --fault-tolerance mode
+    (`raytrain.config.sections.FAULT_TOLERANCE_MODES`), built once where the worker starts."""
+    module, name = FAULT_TOLERANCE_MODES[cfg.fault_tolerance].split(":")
+    return getattr(importlib.import_module(module), name)(cfg, run_dir)
 
 
 class StallError(RuntimeError):

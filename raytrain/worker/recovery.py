@@ -17,8 +17,8 @@ The loop (`raytrain.worker.loop`, `raytrain.worker.epoch`) and the checkpoints
 `Recovery` is restart mode's (`--fault-tolerance restart`): a failure restarts the whole
 worker group from the last checkpoint, so every rank takes and commits every step, and Ray
 Train registers (and prunes) the checkpoints. Per-step fault tolerance is
-`raytrain.worker.replicas.PerStep`. A mode of its own is a module with a subclass, and one
-line where the worker chooses (`raytrain.worker.loop.RECOVERIES`).
+`raytrain.worker.replicas.PerStep`. A mode of its own is a module with a subclass, and its
+line in `raytrain.config.sections.FAULT_TOLERANCE_MODES`.
 """
 
 from __future__ import annotations
