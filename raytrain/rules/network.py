@@ -16,6 +16,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from raytrain.text import first_line
+
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
 INTERFACE_VARIABLES = (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)
@@ -170,4 +172,4 @@ def _binding(worker: WorkerNetwork, variable: str) -> str:
 
 def _first_line(error: str) -> str:
     lines = [line.strip() for line in error.splitlines() if any(marker in line for marker in CONNECT_FAILURES)]
-    return (lines[0] if lines else error.strip().splitlines()[0] if error.strip() else "")[:300]
+    return (lines[0] if lines else first_line(error))[:300]

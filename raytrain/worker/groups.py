@@ -22,6 +22,7 @@ from raytrain.rules import replicas as rules
 from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind
 from raytrain.rundir.storage import Store
+from raytrain.worker.runtime import gather_over_default_group, sum_over_default_group
 
 # A worker of a replica group of several leaves once a member of its group has not beaten for
 # this long (`raytrain.parallel.hsdp.GroupWatch`). The controller takes a lost worker's group
@@ -103,20 +104,13 @@ class ReplicaGroup:
         return model
 
     def sum(self, values: list[float]) -> list[float]:
-        """Sum over the group (a collective within it). What its workers decide from it, they decide alike."""
-        import torch.distributed as dist
-
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor.tolist()
+        """Sum over the group (a collective within it: the group is its workers' default process
+        group). What its workers decide from it, they decide alike."""
+        return sum_over_default_group(values, self.device)
 
     def gather(self, value: Any) -> list[Any]:
         """Every worker of the group's `value`, by rank in the group."""
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * self.size
-        dist.all_gather_object(gathered, value)
-        return gathered
+        return gather_over_default_group(value, self.size)
 
     def stop(self) -> None:
         self.watch.stop()

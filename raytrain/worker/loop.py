@@ -189,10 +189,15 @@ class Training(Epochs):
 
 
 def recovery_for(cfg: TrainConfig, run_dir: Store) -> Recovery:
-    """This worker's recovery object: the one of cfg's --fault-tolerance mode
-    (`raytrain.config.sections.FAULT_TOLERANCE_MODES`), built once where the worker starts."""
-    module, name = FAULT_TOLERANCE_MODES[cfg.fault_tolerance].split(":")
-    return getattr(importlib.import_module(module), name)(cfg, run_dir)
+    """This worker's recovery object: the one of cfg's --fault-tolerance mode, built once where
+    the worker starts."""
+    return recovery_class(cfg.fault_tolerance)(cfg, run_dir)
+
+
+def recovery_class(mode: str) -> type[Recovery]:
+    """The recovery class of --fault-tolerance `mode` (`raytrain.config.sections.FAULT_TOLERANCE_MODES`)."""
+    module, name = FAULT_TOLERANCE_MODES[mode].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class StallError(RuntimeError):

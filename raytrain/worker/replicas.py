@@ -275,7 +275,7 @@ class PerStep(Recovery):
         them to ask for a quorum waits for the others; a replacement once built, so that its
         restore holds up no live quorum. It leaves the staging directory alone: the live
         quorum may be writing there."""
-        if self.runtime.all_gather_object(files.rundir.finished(budget))[0]:
+        if _finished(self.runtime, files, budget):
             return False
         if self.starts_with_group:
             self.runtime.start_manager(self._live, self._heal)
@@ -313,7 +313,7 @@ class PerStep(Recovery):
         line does). Alone in it after the others wrote the run's end: a replacement too late
         to join (returns True)."""
         alone = quorum.size == self.group_size < self.replica_count  # the same on a group's workers
-        if alone and self.runtime.all_gather_object(training.files.rundir.finished(Budget.of(training.cfg)))[0]:
+        if alone and _finished(self.runtime, training.files, Budget.of(training.cfg)):
             return True
         if self.healed:
             training.announced = True
@@ -383,6 +383,12 @@ class PerStep(Recovery):
 
     def publish_wait_s(self, publish: "Publish", store: Store, timeout_s: float | None) -> float | None:
         return timeout_s
+
+
+def _finished(runtime: ReplicaRuntime, files: "RunWriter", budget: Budget) -> bool:
+    """Whether the others wrote the run's end (a group's workers go by its rank 0's reading, so
+    that they all go or all stay)."""
+    return runtime.all_gather_object(files.rundir.finished(budget))[0]
 
 
 def _leave_stalled(runtime: ReplicaRuntime, watch: StallWatch, step: int, seconds: float) -> None:

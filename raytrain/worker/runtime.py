@@ -61,13 +61,7 @@ class Runtime:
         """Sum a few floats over all ranks (one collective); identity in local mode."""
         if not self.distributed or self.world_size == 1:
             return list(values)
-        return self._sum_in_process_group(values)
-
-    def _sum_in_process_group(self, values: list[float]) -> list[float]:
-        """Sum a few floats over this process's default group (one collective)."""
-        tensor = torch.tensor(values, dtype=torch.float64, device=self._collective_device())
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor.tolist()
+        return sum_over_default_group(values, self._collective_device())
 
     def group_sum(self, values: list[float]) -> list[float]:
         """Sum over the workers that continue from one checkpoint together: all of them."""
@@ -81,9 +75,7 @@ class Runtime:
         """Every rank's `value`, in rank order (a collective)."""
         if not self.distributed or self.world_size == 1:
             return [value]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
-        return gathered
+        return gather_over_default_group(value, self.world_size)
 
     def _collective_device(self) -> torch.device:
         # gloo reduces CPU tensors; NCCL (a worker's on a GPU) needs them on the GPU.
@@ -173,6 +165,21 @@ def _ray_checkpoint(target: Store, distributed: bool) -> Checkpoint:
         return Checkpoint(path=target.root, filesystem=target.fs)
     storage = ray.train.get_context().get_storage()  # Ray accepts its own file system object only
     return Checkpoint(path=target.root, filesystem=storage.storage_filesystem)
+
+
+def sum_over_default_group(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few floats over this process's default group (one collective; `device`: where its
+    backend reduces, the GPU for NCCL)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def gather_over_default_group(value: Any, size: int) -> list[Any]:
+    """Every member of this process's default group's `value` (`size` members), in rank order."""
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def group_barrier() -> None:
