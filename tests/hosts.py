@@ -22,14 +22,24 @@ and removes the namespaces, their interfaces, /etc/netns/NAME and the temp dirs 
 test failed. Where namespaces cannot be made (not root, no CAP_NET_ADMIN, no `ip`),
 `skip_reason()` says why and the tests skip.
 
-Faults (a host lost, frozen, cut off, flapping, slow) are not built yet; they belong on `Host`
-(see its "faults" section): every process of a host is `pids()`, its link is `interface`.
+Faults, on `Host`: `lose()` (every process of the host SIGKILLed, as a machine that died),
+`freeze()`/`thaw()` (every process SIGSTOPped, then SIGCONTed), `cut()`/`heal()` (its link
+down, then up: a partition), `flap(period_s, down_s)` (a link that goes down and up on a cycle)
+and `slow(pid, duty)` (one process stopped and continued on a duty cycle). The kernel here has
+no netem qdisc: no latency or loss emulation.
+
+`Hosts.start_ray(supervised=True)` runs every host's node but the head's under a supervisor, as
+systemd's `Restart=always` or a KubeRay pod would: when its `ray start --block` exits (Ray
+ends the raylet of a node it declared dead, once that node can reach the head again), it is
+started again, and the node rejoins as a new one. A lost host is not restarted (its
+supervisor died with it) until `boot()`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import secrets
 import shutil
@@ -38,6 +48,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +57,7 @@ from typing import IO, Iterator, Sequence
 BIN = Path(sys.executable).parent  # the venv's bin: `ray` lives next to python
 REPO = Path(__file__).resolve().parents[1]
 NETNS_ETC = Path("/etc/netns")
+OWNERS = Path("/run/raytrain-test-hosts")  # a file per set of hosts: the id of the process that made them
 SUBNET = "10.77.0"  # a private test range; its addresses exist only inside the test's namespaces
 INTERFACE_NAMES = ("ens5", "eth1", "enp0s8", "eth2")
 GCS_PORT = 6379  # each host has its own port space
@@ -80,8 +92,12 @@ class Host:
     interface: str
     env: dict[str, str]
     temp_dir: str  # the Ray node's --temp-dir
+    log_path: Path  # its node's output, every start of it
     proc: subprocess.Popen | None = None  # `ray start --block`, leader of its process group
     log: IO[str] | None = field(default=None, repr=False)
+    start_args: list[str] = field(default_factory=list)  # its `ray start` command, for restarts
+    supervised: bool = False  # restarted when its node exits (`Hosts.start_ray(supervised=True)`)
+    starts: list[float] = field(default_factory=list)  # time.time() of each `ray start`
 
     def command(self, args: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *args]
@@ -128,9 +144,117 @@ class Host:
         if self.log is not None:
             self.log.close()
 
-    # -- faults (not built yet): a host lost (SIGKILL to pids()), frozen (SIGSTOP, SIGCONT),
-    # -- cut off (`ip -n NETNS link set INTERFACE down`, then up), flapping, slow (a duty cycle
-    # -- of SIGSTOP/SIGCONT on one worker). The kernel here has no netem qdisc (RAY_NOTES).
+    # -- its node -------------------------------------------------------------------------------
+
+    def start_node(self) -> None:
+        """Its `ray start --block` (`start_args`) in a process group of its own, output appended
+        to its log."""
+        if self.log is None or self.log.closed:
+            self.log = open(self.log_path, "a")
+        self.log.write(f"\n--- ray start at {time.time():.3f}\n")
+        self.log.flush()
+        self.starts.append(time.time())
+        args = self.command(self.start_args)
+        out = {"stdout": self.log, "stderr": subprocess.STDOUT}
+        self.proc = subprocess.Popen(args, env=self.env, start_new_session=True, **out)
+
+    def wait_started(self, timeout_s: float) -> None:
+        """Until its latest `ray start` says the node started."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None and not self.supervised:
+                raise AssertionError(f"ray start on {self.netns} exited ({self.proc.returncode}): {self.log_text()}")
+            if "Ray runtime started" in self.log_text(chars=100_000).rsplit("--- ray start at", 1)[-1]:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"ray start on {self.netns} did not start within {timeout_s} s: {self.log_text()}")
+
+    # -- faults -----------------------------------------------------------------------------------
+
+    def lose(self) -> float:
+        """The host dies: every process of it SIGKILLed (its supervisor with it: it stays down
+        until `boot`). Returns the time of the fault."""
+        self.supervised = False
+        at = time.time()
+        self.signal_all(signal.SIGKILL)
+        return at
+
+    def boot(self) -> float:
+        """A lost host back: its node started again, and supervised. Returns when."""
+        at = time.time()
+        self.supervised = True
+        self.start_node()
+        return at
+
+    def freeze(self) -> float:
+        """Every process of the host stopped (SIGSTOP), as a host that hangs; returns when."""
+        at = time.time()
+        self.signal_all(signal.SIGSTOP)
+        return at
+
+    def thaw(self) -> float:
+        at = time.time()
+        self.signal_all(signal.SIGCONT)
+        return at
+
+    def cut(self) -> float:
+        """Its link down: a partition from every other host. Returns when."""
+        at = time.time()
+        _ip("-n", self.netns, "link", "set", self.interface, "down")
+        return at
+
+    def heal(self) -> float:
+        at = time.time()
+        _ip("-n", self.netns, "link", "set", self.interface, "up")
+        return at
+
+    @contextlib.contextmanager
+    def flap(self, period_s: float, down_s: float) -> Iterator[list[float]]:
+        """While inside: the link down for `down_s` of every `period_s`, from the start; yields
+        the times it went down. Up again on leaving."""
+        stop = threading.Event()
+        downs: list[float] = []
+
+        def cycle() -> None:
+            while not stop.is_set():
+                downs.append(self.cut())
+                stop.wait(down_s)
+                self.heal()
+                stop.wait(period_s - down_s)
+
+        thread = threading.Thread(target=cycle, name=f"flap-{self.netns}", daemon=True)
+        thread.start()
+        try:
+            yield downs
+        finally:
+            stop.set()
+            thread.join(timeout=period_s + 5)
+            self.heal()
+
+    @contextlib.contextmanager
+    def slow(self, pid: int, duty: float, period_s: float = 1.0) -> Iterator[None]:
+        """While inside: process `pid` of this host runs only `duty` of every `period_s` (stopped
+        the rest), as a worker on a slow or overloaded host. Continued on leaving."""
+        stop = threading.Event()
+
+        def cycle() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+                stop.wait(period_s * (1 - duty))
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+                stop.wait(period_s * duty)
+
+        thread = threading.Thread(target=cycle, name=f"slow-{pid}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=period_s + 5)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 class Hosts:
@@ -143,6 +267,7 @@ class Hosts:
         self.bridge = "br0"
         self.token_path = root / "auth_token"
         self.hostname_to_loopback = hostname_to_loopback
+        self._ending = threading.Event()
         base = {
             key: value
             for key, value in os.environ.items()
@@ -163,6 +288,7 @@ class Hosts:
                 interface=INTERFACE_NAMES[i % len(INTERFACE_NAMES)],
                 env=self.env,
                 temp_dir=os.path.join(self.temp_root, str(i)),
+                log_path=root / f"ray-{self.id}-{i}.log",
             )
             for i in range(k)
         ]
@@ -175,7 +301,10 @@ class Hosts:
         return f"{self.hosts[0].address}:{GCS_PORT}"
 
     def make(self) -> None:
-        """The namespaces, the bridge, one veth pair per host; each host's /etc/hosts."""
+        """The namespaces, the bridge, one veth pair per host; each host's /etc/hosts. Its
+        owner file first, so that hosts whose test died before removing them are swept."""
+        OWNERS.mkdir(parents=True, exist_ok=True)
+        (OWNERS / self.id).write_text(str(os.getpid()))
         self.token_path.write_text(secrets.token_hex(32))
         self.token_path.chmod(0o600)
         _ip("netns", "add", self.switch)
@@ -198,15 +327,21 @@ class Hosts:
                 hostname = socket.gethostname()
                 (etc / "hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{hostname}\n")
 
-    def start_ray(self, *, num_cpus: int = 1, ready_timeout_s: float = 90.0) -> None:
-        """A Ray node on every host, the head on the first; returns once each says it started."""
+    def start_ray(
+        self, *, num_cpus: int = 1, ready_timeout_s: float = 90.0, supervised: bool = False, system_config=None
+    ) -> None:
+        """A Ray node on every host, the head on the first; returns once each says it started.
+        `supervised`: every other host's node is started again whenever it exits (see the
+        module's docstring). `system_config`: the head's `--system-config` (Ray's health checks)."""
         for i, host in enumerate(self.hosts):
             role = (
                 ["--head", f"--port={GCS_PORT}", "--dashboard-host=127.0.0.1", "--include-dashboard=true"]
                 if i == 0
                 else [f"--address={self.head_address}"]
             )
-            args = [
+            if i == 0 and system_config:
+                role.append(f"--system-config={json.dumps(system_config)}")
+            host.start_args = [
                 str(BIN / "ray"),
                 "start",
                 "--block",
@@ -217,26 +352,29 @@ class Hosts:
                 f"--temp-dir={host.temp_dir}",
                 "--disable-usage-stats",
             ]
-            host.log = open(self.root / f"ray-{host.netns}.log", "w")
-            host.proc = subprocess.Popen(
-                host.command(args), env=self.env, stdout=host.log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            self._wait_started(host, ready_timeout_s)
+            host.supervised = supervised and i > 0
+            host.start_node()
+            host.wait_started(ready_timeout_s)
+        if supervised:
+            self._supervisor = threading.Thread(target=self._supervise, name="hosts-supervisor", daemon=True)
+            self._supervisor.start()
 
-    @staticmethod
-    def _wait_started(host: Host, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if host.proc is not None and host.proc.poll() is not None:
-                raise AssertionError(f"ray start on {host.netns} exited ({host.proc.returncode}): {host.log_text()}")
-            if "Ray runtime started" in host.log_text(chars=100_000):
-                return
-            time.sleep(0.5)
-        raise AssertionError(f"ray start on {host.netns} did not start within {timeout_s} s: {host.log_text()}")
+    def _supervise(self, restart_after_s: float = 1.0) -> None:
+        """`Restart=always` for every supervised host's node, until the hosts are removed."""
+        while not self._ending.wait(0.5):
+            for host in self.hosts:
+                if host.supervised and host.proc is not None and host.proc.poll() is not None:
+                    if self._ending.wait(restart_after_s) or not host.supervised:
+                        return
+                    host.start_node()
 
     def end_processes(self, grace_s: float = 5.0) -> dict[str, list[int]]:
         """SIGTERM to every process of every host, SIGKILL to what is left after `grace_s`;
         returns what survived even that, by host (a test's hosts hold nothing worth a drain)."""
+        self._ending.set()
+        for host in self.hosts:
+            host.supervised = False
+            host.signal_all(signal.SIGCONT)  # a frozen host ends too
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             for host in self.hosts:
                 host.signal_all(sig)
@@ -255,16 +393,47 @@ class Hosts:
             shutil.rmtree(NETNS_ETC / netns, ignore_errors=True)
         with contextlib.suppress(OSError):
             NETNS_ETC.rmdir()  # only if no one else keeps a namespace's files there
-        shutil.rmtree(self.temp_root, ignore_errors=True)
+        if self.temp_root:
+            shutil.rmtree(self.temp_root, ignore_errors=True)
         listed = _ip("netns", "list", check=False).stdout
         left += [line.split()[0] for line in listed.splitlines() if line.startswith(f"rth{self.id}-")]
+        if not left:
+            (OWNERS / self.id).unlink(missing_ok=True)
         return left
+
+
+def sweep_left_behind() -> list[str]:
+    """Remove the hosts of tests that died without removing theirs (killed by SIGKILL or
+    SIGTERM, where no `finally` runs): those whose owner process is gone. Returns their ids."""
+    swept = []
+    for owner in OWNERS.glob("*") if OWNERS.is_dir() else []:
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(owner.read_text())
+            if pid == os.getpid() or Path(f"/proc/{pid}").exists():
+                continue
+        hosts = Hosts.__new__(Hosts)  # only what `remove` needs: the names and the temp dirs
+        listed = _ip("netns", "list", check=False).stdout.split()
+        names = sorted({name for name in listed if name.startswith(f"rth{owner.name}-")})
+        hosts.id, hosts._ending = owner.name, threading.Event()
+        hosts.switch = f"rth{owner.name}-sw"
+        hosts.temp_root = ""
+        hosts.hosts = [
+            Host(netns=name, address="", interface="", env={}, temp_dir="", log_path=Path(os.devnull))
+            for name in names
+            if name != hosts.switch
+        ]
+        for temp in Path("/tmp").glob(f"rth{owner.name}-*"):
+            shutil.rmtree(temp, ignore_errors=True)
+        if not hosts.remove():
+            swept.append(owner.name)
+    return swept
 
 
 @contextlib.contextmanager
 def made_hosts(root: Path, k: int = 2, **kwargs) -> Iterator[Hosts]:
     """K hosts made (not started: `Hosts.start_ray`); every process of them ended and they are
     removed on leaving, also on a failure. The exit fails if anything of them is left."""
+    sweep_left_behind()
     hosts = Hosts(root, k, **kwargs)
     try:
         hosts.make()

@@ -98,6 +98,13 @@ PRIVATE_RAY_NAMES = {
         "ray.train.v2._internal.execution.worker_group.poll.WorkerGroupPollStatus",  # a poll's status, rebuilt
         "ray.train.v2._internal.execution.worker_group.poll.WorkerStatus",  # a waiting worker's: finished
     },
+    # An elastic run's view of the cluster refreshed: the coordinator reads the nodes only every 20 s.
+    "raytrain.driver.resources": {
+        "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator.get_or_create_autoscaling_coordinator",
+        # where the refresh runs: before a failure is acted on, and after the group's polls
+        "ray.train.v2._internal.execution.callback.ControllerCallback",
+        "ray.train.v2._internal.execution.callback.WorkerGroupCallback",
+    },
     "raytrain.driver.session": {
         "ray._private.worker._global_node",  # the session's log directory: no public API gives it
     },

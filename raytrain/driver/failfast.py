@@ -95,6 +95,10 @@ class FailFastTrainer(TorchTrainer):
 
     def _initialize_and_run_controller(self, **kwargs):
         replica_groups = bool(getattr(self.backend_config.backend_cls, "has_replica_groups", False))
+        if self.scaling_config.elasticity_enabled:
+            from raytrain.driver.resources import FreshResources
+
+            kwargs["callbacks"] = [*kwargs["callbacks"], FreshResources()]
         kwargs["failure_policy"] = FailFastPolicy(
             kwargs["failure_policy"], replica_groups=replica_groups, on_worker_failure=self.on_worker_failure
         )

@@ -33,7 +33,20 @@ EMBEDDED_WORKER_NICENESS = "0"
 # (0.0.0.0) unless the node's address is loopback, which Ray never makes it (README
 # "Exposure"); their ports are read from these variables, and no setting moves the address.
 METRICS_PORT_VARIABLES = ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")
+# How soon the head declares a silent node dead (a host lost, frozen or cut off): Ray's
+# defaults (a check every 3 s, each given 10 s, 5 misses) take 50–65 s, during which a
+# restarting run waits for the node's workers and an elastic one cannot shrink. These take
+# 5–10 s; a node busy enough to miss five 2 s answers in a row is not the common case.
+# Set on the head (`ray start --head --system-config`), where the checks run: the Ray
+# raytrain starts and `raytrain up` use them; docs/cluster.md says how to set them elsewhere.
+NODE_HEALTH_CONFIG = {
+    "health_check_initial_delay_ms": 2000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 2000,
+    "health_check_failure_threshold": 5,
+}
 EMBEDDED_SYSTEM_CONFIG = {
+    **NODE_HEALTH_CONFIG,
     # Ray binds its servers to the node's address even when asked for 127.0.0.1
     # (services.resolve_ip_for_localhost); its gRPC ports need the session token, but the
     # Prometheus /metrics exporters answer anyone: the per-node agent's is not started.

@@ -191,6 +191,7 @@ class ReplicaRuntime(Runtime):
         """Start this replica's torchft Manager: from here on it heartbeats to the lighthouse,
         which waits for every heartbeating replica before it forms a quorum. `state`/`load`:
         what a joining replica copies from a live one, and how it takes it."""
+        import ray
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -203,6 +204,9 @@ class ReplicaRuntime(Runtime):
             min_replica_size=1,
             use_async_quorum=False,  # heal before the step's rows are chosen
             replica_id=self.replica.replica_id,
+            # What the lighthouse hands the other replicas to reach this one's store: its node's
+            # address, never the hostname, which often resolves to loopback (rules.network).
+            hostname=ray.util.get_node_ip_address(),
             **self.replica.manager_place(),
             timeout=timeout,
             quorum_timeout=timedelta(seconds=rules.quorum_wait_s(self.timeout_s, JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S)),

@@ -1,0 +1,231 @@
+"""Faults on real hosts: a row per fault × mode.
+
+Two hosts made on this machine (`tests/hosts.py`: a network stack each, interfaces `ens5` and
+`eth1`, the hostname on 127.0.1.1, nothing set by hand), two CPUs each; the second host's node
+supervised (started again whenever it exits, as systemd's `Restart=always`). An elastic run,
+`--workers 2:4`, paced at `--step-s` a step, has one worker on every CPU. Once it has a
+checkpoint and trains at 4, the second host meets its fault:
+
+- `partition`: its link down for `--down-s`, then up;
+- `frozen`: every process of it stopped for `--down-s`, then continued;
+- `lost`: every process of it killed; after `--down-s` it boots again.
+
+Each row says: the exit status; the worker counts the run trained with; seconds from the fault
+to training again on the host left (`again_s`: the first step recorded after the fault by a
+run that had seen the fault: at 2 workers, or per-step a step past the one in flight); the
+longest pause between two steps around the fault (`pause_s`, what the survivors waited); seconds
+from the fault's end to training at 4 again (`back_s`); and whether every id was trained exactly
+once in every epoch (`exactly_once`), from the ids each step recorded, with the steps a restart
+took again counted once.
+
+    python benchmarks/real_hosts.py OUT [--faults partition,frozen,lost] [--modes restart,per-step]
+        [--ray-defaults]   # the cluster's health checks as Ray's defaults, not raytrain's
+
+Needs root (network namespaces); one case takes 2–4 minutes on 2 cores. Writes OUT/rows.json
+and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+
+from hosts import made_hosts, skip_reason  # noqa: E402
+from rt_test_pipelines import read_jsonl  # noqa: E402
+
+ROWS = 960
+GLOBAL_BATCH = 48  # 20 steps an epoch
+
+
+def driver(out: Path, mode: str, address: str, epochs: int, step_s: float) -> int:
+    """The run, on the first host (`--driver`)."""
+    from rt_test_pipelines import RecordingPipeline, ReplicaRecordingPipeline
+
+    import raytrain
+
+    records = out / "records"
+    records.mkdir(parents=True, exist_ok=True)
+    pace = dict(step_sleep_s=step_s, pace_until=str(out / "unpaced"))
+    if mode == "per-step":
+        pipeline = ReplicaRecordingPipeline(str(records), num_rows=ROWS, crash_at_step=None, **pace)
+    else:
+        pipeline = RecordingPipeline(str(records), num_rows=ROWS, **pace)
+    cfg = raytrain.TrainConfig(
+        workers="2:4",
+        epochs=epochs,
+        global_batch_size=GLOBAL_BATCH,
+        lr=0.05,
+        warmup_epochs=0,
+        checkpoint_every_steps=4,
+        log_every_steps=1,
+        max_failures=5,
+        fault_tolerance=mode,
+        storage=str(out),
+        name="run",
+        address=address,
+        progress="off",
+    )
+    try:
+        raytrain.fit(pipeline, cfg)
+    except Exception as exc:  # noqa: BLE001 - the row says how it ended
+        print(f"the run failed: {exc!r}", flush=True)
+        return 1
+    return 0
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [row for row in read_jsonl(path) if "step" in row and "time_s" in row] if path.exists() else []
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.25)
+    raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+
+
+def trained_ids(records: Path) -> dict[int, list[int]]:
+    """The ids each epoch trained, a step taken again (after a restart from a checkpoint, or a
+    step per-step did not commit) counted once: its last taking."""
+    rows = sorted((row for path in records.glob("ids-*.jsonl") for row in read_jsonl(path)), key=lambda r: r["time"])
+    taken: list[dict] = []
+    for row in rows:
+        who = row.get("pid", row["rank"])
+        if any(r["step"] > row["step"] or (r["step"] == row["step"] and r.get("pid", r["rank"]) == who) for r in taken):
+            taken = [r for r in taken if r["step"] < row["step"]]  # that step again: what came after it is void
+        taken.append(row)
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for row in taken:
+        per_epoch[row["epoch"]].extend(row["ids"])
+    return per_epoch
+
+
+def case(out: Path, fault: str, mode: str, args: argparse.Namespace) -> dict:
+    from raytrain.driver.session import NODE_HEALTH_CONFIG
+
+    out.mkdir(parents=True, exist_ok=True)
+    row: dict = {"fault": fault, "mode": mode}
+    with made_hosts(out, 2) as hosts:
+        hosts.env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), hosts.env["PYTHONPATH"]])
+        hosts.start_ray(num_cpus=2, supervised=True, system_config=None if args.ray_defaults else NODE_HEALTH_CONFIG)
+        command = [sys.executable, __file__, "--driver", str(out), mode, hosts.head_address, str(args.epochs)]
+        command += ["--step-s", str(args.step_s)]
+        run = hosts[0].popen(command, log=out / "driver.log")
+        run_dir = out / "run"
+        try:
+            wait_for(
+                lambda: any(run_dir.glob("checkpoint_*")) and any(m["world_size"] == 4 for m in metrics(run_dir)),
+                300,
+                "a checkpoint and a step at 4 workers",
+            )
+            time.sleep(2 * args.step_s)
+            victim = hosts[1]
+            start, end = {"partition": (victim.cut, victim.heal), "frozen": (victim.freeze, victim.thaw)}.get(
+                fault, (victim.lose, victim.boot)
+            )
+            fault_at = start()
+            time.sleep(args.down_s)
+            ended_at = end()
+            try:
+                wait_for(
+                    lambda: any(m["time_s"] > ended_at and m["world_size"] == 4 for m in metrics(run_dir)),
+                    args.back_wait_s,
+                    "training at 4 again",
+                )
+            except TimeoutError as exc:
+                row["note"] = str(exc)
+        except TimeoutError as exc:
+            row["note"] = str(exc)
+            fault_at = ended_at = None
+        finally:
+            (out / "unpaced").touch()
+        try:
+            row["exit"] = run.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            row["exit"] = "hung"
+        row["node_starts"] = len(hosts[1].starts)
+        for i, host in enumerate(hosts.hosts):  # the nodes' logs, before their temp dirs go
+            logs = Path(host.temp_dir) / "session_latest" / "logs"
+            shutil.copytree(logs, out / f"logs-{i}", dirs_exist_ok=True, ignore_dangling_symlinks=True)
+    row["fault_at"], row["ended_at"] = fault_at, ended_at
+    steps = metrics(run_dir)
+    sizes: list[int] = []
+    for m in steps:
+        if not sizes or sizes[-1] != m["world_size"]:
+            sizes.append(m["world_size"])
+    row["sizes"] = "→".join(map(str, sizes))
+    if fault_at is not None:
+        before = [m for m in steps if m["time_s"] <= fault_at]
+        last_step = before[-1]["step"] if before else 0
+        after = [m for m in steps if m["time_s"] > fault_at]
+        again = [m for m in after if (m["world_size"] < 4 if mode == "restart" else m["step"] > last_step + 1)]
+        row["again_s"] = round(again[0]["time_s"] - fault_at, 1) if again else None
+        times = [m["time_s"] for m in steps if fault_at - 30 < m["time_s"] < (again[0]["time_s"] + 1 if again else 0)]
+        row["pause_s"] = round(max((b - a for a, b in zip(times, times[1:])), default=0.0), 1)
+        back = [m for m in steps if m["time_s"] > ended_at and m["world_size"] == 4]
+        row["back_s"] = round(back[0]["time_s"] - ended_at, 1) if back else None
+    per_epoch = trained_ids(out / "records")
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    complete = sorted(per_epoch)[: summary.get("epochs", len(per_epoch))]
+    row["exactly_once"] = bool(complete) and all(sorted(per_epoch[e]) == list(range(ROWS)) for e in complete)
+    row["status"] = summary.get("status")
+    return row
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--driver":
+        parser = argparse.ArgumentParser(prog="real_hosts.py --driver")
+        parser.add_argument("out", type=Path)
+        parser.add_argument("mode")
+        parser.add_argument("address")
+        parser.add_argument("epochs", type=int)
+        parser.add_argument("--step-s", type=float, default=0.5)
+        a = parser.parse_args(sys.argv[2:])
+        return driver(a.out, a.mode, a.address, a.epochs, a.step_s)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--faults", default="partition,frozen,lost")
+    parser.add_argument("--modes", default="restart,per-step")
+    parser.add_argument("--down-s", type=float, default=60.0, help="how long the fault lasts")
+    parser.add_argument("--step-s", type=float, default=0.5, help="each step's pace until the run is back at 4")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--back-wait-s", type=float, default=180.0, help="the longest wait for 4 workers again")
+    parser.add_argument("--ray-defaults", action="store_true", help="Ray's own node health checks")
+    args = parser.parse_args()
+    if skip_reason():
+        print(f"cannot make hosts here: {skip_reason()}", file=sys.stderr)
+        return 2
+    rows = []
+    for mode in args.modes.split(","):
+        for fault in args.faults.split(","):
+            started = time.monotonic()
+            row = case(args.out / f"{mode}-{fault}", fault, mode, args)
+            row["case_s"] = round(time.monotonic() - started)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (args.out / "rows.json").write_text(json.dumps(rows, indent=2))
+    keys = ["fault", "mode", "exit", "sizes", "again_s", "pause_s", "back_s", "exactly_once", "node_starts", "case_s"]
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
