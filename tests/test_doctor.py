@@ -3,8 +3,9 @@
 The CLI tests run the console script in a subprocess (marked `ray`): once on the embedded
 local Ray a plain `raytrain train` would use (this machine's real CPU count), and, to spare a
 Ray start each, joined with --address to the test session's Ray for the storage failures.
-The verdict tests call `assess` with made-up nodes and probe results (multi-node storage,
-GPU nodes) and need no Ray.
+The verdict tests call `assess` and `assess_network` with made-up nodes and probe results
+(multi-node storage, GPU nodes, the network between hosts) and need no Ray; two real hosts'
+network is tests/test_hosts_ray.py's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from raytrain.doctor import StorageState, assess, inspect_storage
+from raytrain.doctor import StorageState, assess, assess_network, describe_node, describe_reachability, inspect_storage
+from raytrain.rules.network import Unreachable
 
 _SCRIPT = Path(sys.executable).parent / "raytrain"  # the console script of this venv
 RAYTRAIN = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "raytrain.cli"]
@@ -196,3 +198,66 @@ def test_node_without_raytrain_fails_and_silent_node_is_noted(tmp_path):
     assert len(report.problems) == 1 and "raytrain does not import" in report.problems[0]
     assert "--working-dir" in report.problems[0]
     assert any("did not answer" in note for note in report.notes)
+
+
+def _network_facts(i: int, interface: str, **extra) -> dict:
+    """What the probe finds of a host of tests/hosts.py: Debian's /etc/hosts, its own interface name."""
+    interfaces = {"lo": ["127.0.0.1", "::1"], interface: [f"10.0.0.{i}"]}
+    return _facts(hostname="vm", node_address=f"10.0.0.{i}", interfaces=interfaces, resolves_to=["127.0.1.1"], **extra)
+
+
+def test_the_network_between_hosts_is_read_from_the_probes_facts():
+    nodes = [_node(1), _node(2)]
+    probes = {"n1": _network_facts(1, "ens5"), "n2": _network_facts(2, "eth1")}
+    report = assess_network(nodes, probes, {})
+    assert report.problems == []
+    assert [note.split(":")[0] for note in report.notes[:2]] == ["node 10.0.0.1 (vm)", "node 10.0.0.2 (vm)"]
+    assert "interfaces named differently: ens5 on 10.0.0.1 (vm); eth1 on 10.0.0.2 (vm)" in report.notes[2]
+    assert "interface ens5" in describe_node(nodes[0], probes["n1"])
+    assert "no interface holds its address" in describe_node(nodes[0], {**probes["n1"], "node_address": "10.9.9.9"})
+
+    # A variable set here (raytrain passes it on to every worker) that one host lacks; a node's own.
+    probes["n2"]["interface_variables"] = {"NCCL_SOCKET_IFNAME": "=ens5"}
+    report = assess_network(nodes, probes, {"GLOO_SOCKET_IFNAME": "ens5"})
+    assert [problem.split(",")[0] for problem in report.problems] == [
+        "GLOO_SOCKET_IFNAME=ens5",
+        "NCCL_SOCKET_IFNAME==ens5",
+    ]
+
+    # A node whose probe failed, or found no network, is left out: one host alone says nothing.
+    assert assess_network(nodes, {"n1": probes["n1"], "n2": {"error": "no answer within 90 s"}}, {}).notes == []
+
+
+def test_pairs_that_cannot_connect_are_problems_and_the_line_counts_them():
+    nodes = [_node(1), _node(2)]
+    probes = {"n1": _network_facts(1, "eth0"), "n2": _network_facts(2, "eth0")}
+    pairs = [
+        Unreachable("10.0.0.2", "10.0.0.1", 40001, "no answer within 2.5 s (packets dropped: a firewall, or no route)")
+    ]
+    report = assess_network(nodes, probes, {}, pairs, {})
+    assert report.problems == [
+        "node 10.0.0.2 (vm) cannot reach node 10.0.0.1 (vm) on a free port (40001): no answer within 2.5 s (packets "
+        "dropped: a firewall, or no route). gloo and NCCL connect between hosts on random ports, not only Ray's: "
+        "allow all TCP between the cluster's nodes on their private network (a firewall rule for the subnet, or a "
+        "security group that admits itself)"
+    ]
+    assert (
+        describe_reachability(2, pairs, {})
+        == "Between nodes: 1 of 2 node pairs could not connect on a free port (below)"
+    )
+    assert (
+        describe_reachability(3, [], {})
+        == "Between nodes: each of the 3 nodes reached every other's address on a free port"
+    )
+    assert describe_reachability(2, [], {"10.0.0.2": "x"}) == "Between nodes: 1 node(s) unchecked (below)"
+
+
+def test_the_listener_dials_each_endpoint_and_says_why_one_did_not_connect():
+    import socket
+
+    from raytrain.doctor.network import _make_listener
+
+    listener = object.__new__(_make_listener())  # its dialling only: no Ray, no node address
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        errors = listener.dial([("127.0.0.1", server.getsockname()[1]), ("127.0.0.1", _closed_port())], 2.0)
+    assert errors == [None, "Connection refused"]

@@ -1,10 +1,13 @@
 """Two real hosts (tests/hosts.py): a network stack each, interfaces named differently, a hostname
 that resolves to loopback. With nothing set by hand, `raytrain train --address` trains across
-them; with an interface variable that cannot work, the run stops at once with one message (exit 2)."""
+them; with an interface variable that cannot work, the run stops at once with one message (exit 2);
+`raytrain doctor --address` names both hostnames on loopback and the differing interface names, as
+notes (exit 0)."""
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 
@@ -61,3 +64,25 @@ def test_an_interface_variable_that_cannot_work_is_one_message_naming_the_host_t
     assert "Fix: unset GLOO_SOCKET_IFNAME" in message
     assert "Traceback" not in done.stderr and "ControllerError" not in done.stderr
     assert len(message.splitlines()) == 1
+
+
+def test_doctor_names_each_hostname_on_loopback_and_the_differing_interfaces_as_notes(two_hosts, tmp_path):
+    args = ["doctor", "--address", two_hosts.head_address, "--storage", str(tmp_path)]
+    started = time.monotonic()
+    done = two_hosts[0].run([sys.executable, "-c", CLI, *args], timeout=240, cwd=tmp_path)
+    print(f"doctor: exit {done.returncode} after {time.monotonic() - started:.1f} s\n{done.stdout}{done.stderr}")
+    out = done.stdout + done.stderr
+    # Notes, not failures: raytrain binds each host's own interface, so a run works (exit 0).
+    assert done.returncode == 0, out
+    assert "OK: a run will work here." in out and "Traceback" not in out
+    name = socket.gethostname()
+    for host in two_hosts.hosts:
+        assert f"note: node {host.address} ({name}): its hostname {name} resolves to 127.0.1.1, a loopback" in out
+        assert f'map the hostname to the node address ("{host.address} {name}" in place of "127.0.1.1 {name}")' in out
+        assert f"raytrain binds its workers to {host.interface}, which holds {host.address}" in out
+    first, second = two_hosts.hosts
+    assert (
+        "note: the node addresses are on interfaces named differently: "
+        f"{first.interface} on {first.address} ({name}); {second.interface} on {second.address} ({name})"
+    ) in out
+    assert "Between nodes: each of the 2 nodes reached every other's address on a free port" in out

@@ -6,7 +6,16 @@ import pytest
 from ray.train import ControllerError
 
 from raytrain.errors import exit_status, find_user_error
-from raytrain.rules.network import WorkerNetwork, connect_failure, interface_env, interface_holding, is_loopback
+from raytrain.rules.network import (
+    NodeNetwork,
+    Unreachable,
+    WorkerNetwork,
+    connect_failure,
+    interface_env,
+    interface_holding,
+    is_loopback,
+    network_findings,
+)
 from raytrain.worker.network import BindsInterfaces, ProcessGroupNetworkError, bind_to_node_interface
 
 HOST_A = {"lo": ["127.0.0.1", "::1"], "ens5": ["10.77.0.1", "fe80::5c50:1bff:fecd:84fa%ens5"]}
@@ -147,3 +156,119 @@ def test_the_backend_binds_every_worker_before_rays_on_start_and_names_a_failure
 
     with pytest.raises(ValueError, match="unrelated"):
         Backend(ValueError("unrelated")).on_start(FakeGroup(workers()), None)
+
+
+# -- what `raytrain doctor` says of the network between hosts ------------------------------
+
+DEBIAN = ("127.0.1.1",)  # Debian's default /etc/hosts: the hostname on 127.0.1.1
+
+
+def debian_hosts(**b) -> list[NodeNetwork]:
+    """The two hosts of tests/hosts.py: ens5 on one, eth1 on the other, the hostname on loopback."""
+    a = NodeNetwork("vm", "10.77.0.1", HOST_A, DEBIAN)
+    return [a, NodeNetwork(**{"hostname": "vm", "node_address": "10.77.0.2", "interfaces": HOST_B, **b})]
+
+
+def test_a_hostname_on_loopback_is_a_note_per_host_with_the_hosts_line_that_fixes_it():
+    found = network_findings(debian_hosts(resolves_to=DEBIAN), {})
+    assert found.problems == []
+    loopback = [note for note in found.notes if "resolves to 127.0.1.1, a loopback address" in note]
+    assert len(loopback) == 2
+    assert loopback[0].startswith("node 10.77.0.1 (vm): its hostname vm resolves to 127.0.1.1")
+    assert "raytrain binds its workers to ens5, which holds 10.77.0.1, so raytrain runs work" in loopback[0]
+    assert '"10.77.0.1 vm" in place of "127.0.1.1 vm"' in loopback[0] and "torchrun" in loopback[0]
+    assert "GLOO_SOCKET_IFNAME=eth1 and NCCL_SOCKET_IFNAME==eth1" in loopback[1]
+    assert '"10.77.0.2 vm" in place of "127.0.1.1 vm"' in loopback[1]
+
+
+def test_interfaces_named_differently_are_a_note_that_one_name_for_every_host_would_fail():
+    found = network_findings(debian_hosts(resolves_to=("10.77.0.2",)), {})
+    assert found.problems == [] and len(found.notes) == 2  # host A's hostname on loopback; the names
+    assert found.notes[1].startswith(
+        "the node addresses are on interfaces named differently: ens5 on 10.77.0.1 (vm); eth1 on 10.77.0.2 (vm). "
+        "raytrain binds each host's workers to its own, so raytrain runs work"
+    )
+    assert "set to one name for every host" in found.notes[1] and "fails on the others" in found.notes[1]
+    same = [NodeNetwork("a", "10.0.0.1", {"eth0": ["10.0.0.1"]}), NodeNetwork("b", "10.0.0.2", {"eth0": ["10.0.0.2"]})]
+    assert network_findings(same, {}).notes == []
+
+
+def test_one_node_alone_has_nothing_to_say():
+    assert network_findings(debian_hosts()[:1], {"GLOO_SOCKET_IFNAME": "eth9"}) == network_findings([], {})
+    assert network_findings([], {}).problems == [] and network_findings([], {}).notes == []
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("GLOO_SOCKET_IFNAME", "ens5", ["10.77.0.2 (vm) has no interface ens5 (its node address is on eth1)"]),
+        ("NCCL_SOCKET_IFNAME", "=eth1", ["10.77.0.1 (vm) has no interface eth1 (its node address is on ens5)"]),
+        ("NCCL_SOCKET_IFNAME", "eth", ["10.77.0.1 (vm) has no interface named eth* (its node address is on ens5)"]),
+        (
+            "GLOO_SOCKET_IFNAME",
+            "ens5,eth1",
+            ["10.77.0.1 (vm) has no interface eth1", "10.77.0.2 (vm) has no interface ens5"],
+        ),
+        ("GLOO_SOCKET_IFNAME", "lo", ["on 10.77.0.1 (vm) it names loopback", "on 10.77.0.2 (vm) it names loopback"]),
+        ("NCCL_SOCKET_IFNAME", "e", []),  # a prefix of ens5 and eth1
+        ("NCCL_SOCKET_IFNAME", "=ens5,eth1", []),  # each host uses the one it has
+        ("NCCL_SOCKET_IFNAME", "^docker,lo", []),  # an exclusion: nothing to check
+    ],
+)
+def test_a_variable_set_where_doctor_runs_is_a_problem_when_some_host_cannot_use_it(variable, value, says):
+    problems = network_findings(debian_hosts(), {variable: value}).problems
+    if not says:
+        assert problems == []
+        return
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{variable}={value}, set where doctor runs (a run started here passes it on")
+    assert all(part in problems[0] for part in says), problems[0]
+    assert (
+        f"Fix: unset {variable} (raytrain binds each worker to the interface that holds its node address"
+        in (problems[0])
+    )
+
+
+def test_a_variable_in_one_nodes_environment_is_checked_against_that_host_only():
+    assert network_findings(debian_hosts(variables={"GLOO_SOCKET_IFNAME": "eth1"}), {}).problems == []
+    problems = network_findings(debian_hosts(variables={"GLOO_SOCKET_IFNAME": "ens5"}), {}).problems
+    assert len(problems) == 1 and problems[0].startswith(
+        "GLOO_SOCKET_IFNAME=ens5, set on node 10.77.0.2 (in its Ray node's environment), cannot work: "
+        "10.77.0.2 (vm) has no interface ens5 (its node address is on eth1)"
+    )
+    # Set where the run starts, it reaches every worker over the node's own.
+    problems = network_findings(debian_hosts(variables={"GLOO_SOCKET_IFNAME": "ens5"}), {"GLOO_SOCKET_IFNAME": "lo"})
+    assert len(problems.problems) == 1 and "lo, set where doctor runs" in problems.problems[0]
+
+
+def test_a_node_address_no_interface_holds_is_a_note_and_with_a_hostname_on_loopback_a_problem():
+    behind_nat = {"hostname": "vm", "node_address": "203.0.113.5", "interfaces": HOST_B}
+    found = network_findings(debian_hosts(**behind_nat, resolves_to=("10.77.0.2",)), {})
+    assert found.problems == []
+    assert any(
+        note.startswith("node 203.0.113.5 (vm): no interface of that host holds its node address (a node behind NAT")
+        and "gloo takes the address the hostname resolves to: 10.77.0.2" in note
+        for note in found.notes
+    ), found.notes
+    # raytrain then sets nothing there, and gloo takes the hostname's address: loopback.
+    found = network_findings(debian_hosts(**behind_nat, resolves_to=DEBIAN), {})
+    assert len(found.problems) == 1 and found.problems[0].startswith(
+        "node 203.0.113.5 (vm): no interface holds its node address (NAT?), so raytrain sets no GLOO_SOCKET_IFNAME "
+        "there, and its hostname vm resolves to 127.0.1.1, a loopback address: gloo hands its peers loopback"
+    )
+    assert '"203.0.113.5 vm" in place of "127.0.1.1 vm"' in found.problems[0]
+    # GLOO_SOCKET_IFNAME set by hand on that host decides instead of the hostname: a note again.
+    hand_set = {**behind_nat, "variables": {"GLOO_SOCKET_IFNAME": "eth1"}}
+    found = network_findings(debian_hosts(**hand_set, resolves_to=DEBIAN), {})
+    assert found.problems == [] and any("no interface of that host holds" in note for note in found.notes)
+
+
+def test_a_pair_that_cannot_connect_on_a_free_port_is_a_problem_naming_both_nodes_and_the_fix():
+    refused = Unreachable("10.77.0.1", "10.77.0.2", 41234, "Connection refused")
+    found = network_findings(debian_hosts(resolves_to=("10.77.0.2",)), {}, [refused], {"10.77.0.3": "no answer"})
+    assert found.problems == [
+        "node 10.77.0.1 (vm) cannot reach node 10.77.0.2 (vm) on a free port (41234): Connection refused. "
+        "gloo and NCCL connect between hosts on random ports, not only Ray's: allow all TCP between the cluster's "
+        "nodes on their private network (a firewall rule for the subnet, or a security group that admits itself)"
+    ]
+    assert "node 10.77.0.3: whether it reaches the other nodes on a free port is unchecked (no answer)" in found.notes

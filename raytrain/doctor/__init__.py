@@ -4,8 +4,12 @@ It joins the Ray a run would use (--address, else RAY_ADDRESS, else an embedded 
 lists every node with its CPUs, GPUs (model), memory, torch/CUDA/NCCL and whether raytrain
 imports there (a probe task pinned to each node), names the backend a run will use, and
 checks the storage path: it exists, is writable, and — on a multi-node cluster — every node
-sees the same directory (a file written here is read back on each node). Exit status 0 when
-a run will work, 1 when something will not, each problem printed with its fix.
+sees the same directory (a file written here is read back on each node). On a multi-node
+cluster it also checks the network between the hosts: a hostname that resolves to loopback,
+interfaces named differently, an interface variable some host cannot use (from the probes'
+facts), and whether every node reaches every other's node address on a free port (`network`).
+Exit status 0 when a run will work (notes do not change it), 1 when something will not, each
+problem printed with its fix.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import platform
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
+from raytrain.doctor.network import check_reachability
 from raytrain.doctor.probe import PROBE_TIMEOUT_S, probe_nodes
 from raytrain.doctor.storage import NETWORK_FS, StorageState, describe_storage, inspect_storage, remove_marker
 from raytrain.driver.session import address_problem
+from raytrain.rules.network import NodeNetwork, Unreachable, interface_holding, network_findings
 
 
 @dataclass
@@ -77,7 +83,13 @@ def run_doctor(
         probes = probe_nodes(nodes, state, timeout_s=probe_timeout_s)
         for node in nodes:
             echo("  " + describe_node(node, probes.get(node["NodeID"])))
+        unreachable, unchecked = check_reachability(nodes)
+        if len(nodes) > 1:
+            echo(describe_reachability(len(nodes), unreachable, unchecked))
         report = assess(nodes, probes, state, local)
+        network = assess_network(nodes, probes, os.environ, unreachable, unchecked)
+        report.problems += network.problems
+        report.notes += network.notes
         total_gpus = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in nodes)
         echo(
             "Backend a run will use: "
@@ -137,7 +149,45 @@ def describe_node(node: dict, facts: dict[str, Any] | None) -> str:
     elif "torch_error" in facts:
         line += f"; torch does not import: {facts['torch_error']}"
     line += f"; raytrain {facts['raytrain']}" if "raytrain" in facts else ""
+    if "interfaces" in facts:
+        held = interface_holding(facts.get("node_address") or node.get("NodeManagerAddress", ""), facts["interfaces"])
+        line += f"; interface {held}" if held else "; no interface holds its address"
     return line
+
+
+def describe_reachability(count: int, unreachable: list[Unreachable], unchecked: dict[str, str]) -> str:
+    pairs = count * (count - 1)
+    if not unreachable and not unchecked:
+        return f"Between nodes: each of the {count} nodes reached every other's address on a free port"
+    failed = f"{len(unreachable)} of {pairs} node pairs could not connect on a free port" if unreachable else ""
+    left = f"{len(unchecked)} node(s) unchecked" if unchecked else ""
+    return f"Between nodes: {'; '.join(filter(None, [failed, left]))} (below)"
+
+
+def assess_network(
+    nodes: list[dict],
+    probes: dict[str, dict[str, Any]],
+    driver_env: Mapping[str, str],
+    unreachable: Sequence[Unreachable] = (),
+    unchecked: dict[str, str] | None = None,
+) -> Report:
+    """The network's problems and notes (`raytrain.rules.network.network_findings`) from the
+    probes' facts (pure: tested without Ray). A node whose probe found no network is left out."""
+    networks = []
+    for node in nodes:
+        facts = probes.get(node["NodeID"], {})
+        if "interfaces" in facts:
+            networks.append(
+                NodeNetwork(
+                    hostname=facts.get("hostname", "?"),
+                    node_address=facts.get("node_address") or node.get("NodeManagerAddress", "?"),
+                    interfaces=facts["interfaces"],
+                    resolves_to=tuple(facts.get("resolves_to", ())),
+                    variables=facts.get("interface_variables", {}),
+                )
+            )
+    found = network_findings(networks, driver_env, unreachable, unchecked)
+    return Report(problems=found.problems, notes=found.notes)
 
 
 def assess(nodes: list[dict], probes: dict[str, dict[str, Any]], state: StorageState, local: dict[str, Any]) -> Report:
@@ -286,4 +336,4 @@ def _nccl_text(facts: dict[str, Any]) -> str:
     return f"available {facts['nccl_version']}" if facts.get("nccl_version") else "available"
 
 
-__all__ = ["run_doctor", "assess", "inspect_storage", "StorageState"]
+__all__ = ["run_doctor", "assess", "assess_network", "inspect_storage", "StorageState"]

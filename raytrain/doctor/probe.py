@@ -1,5 +1,6 @@
 """A probe task pinned to each node: its CPUs, GPUs, memory, torch/CUDA/NCCL, whether raytrain
-imports there, and whether it reads back the driver's storage marker."""
+imports there, whether it reads back the driver's storage marker, and its network (its node
+address, its interfaces, what its hostname resolves to, the interface variables it has)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,33 @@ PROBE_TIMEOUT_S = 90.0
 def _make_probe() -> Callable[..., dict[str, Any]]:
     """A self-contained function for a task on each node (pickled by value, so it runs
     even where raytrain does not import — which it then reports)."""
+
+    def add_network(facts: dict[str, Any]) -> None:
+        """The node's address, each interface's IP addresses, what the hostname resolves to, and
+        the interface variables in the node's environment (`raytrain.rules.network.NodeNetwork`)."""
+        import os
+        import socket
+
+        facts["interface_variables"] = {
+            name: os.environ[name] for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name in os.environ
+        }
+        try:
+            resolved = socket.getaddrinfo(facts["hostname"], None, type=socket.SOCK_STREAM)
+            facts["resolves_to"] = list(dict.fromkeys(str(info[4][0]) for info in resolved))
+        except OSError:
+            facts["resolves_to"] = []
+        try:
+            import psutil
+            import ray
+
+            facts["node_address"] = ray.util.get_node_ip_address()
+            families = (socket.AF_INET, socket.AF_INET6)
+            facts["interfaces"] = {
+                name: [entry.address for entry in entries if entry.family in families]
+                for name, entries in psutil.net_if_addrs().items()
+            }
+        except Exception as exc:  # noqa: BLE001 - the network facts are left out, said as such
+            facts["network_error"] = f"{type(exc).__name__}: {exc}"
 
     def probe(storage: str, marker: str, token: str) -> dict[str, Any]:
         import os
@@ -58,6 +86,7 @@ def _make_probe() -> Callable[..., dict[str, Any]]:
                 facts["gpu_models"] = [line.strip() for line in out.splitlines() if line.strip()]
             except (OSError, subprocess.SubprocessError):
                 pass
+        add_network(facts)
         try:
             import raytrain
 

@@ -7,14 +7,20 @@ they dial themselves: `Gloo connectFullMesh failed ... remote=[127.0.1.1]`. Ever
 instead to the interface that holds its own Ray node address, the address the other nodes
 already reach it at; interfaces may be named differently on every host (`ens5` here, `eth1`
 there). A variable the user set, on the host or in the run's environment, is kept as it is.
+
+`raytrain doctor` says what it finds of the network before a run (`network_findings`, from each
+node's `NodeNetwork` and the pairs of nodes that could not connect): a hostname on loopback and
+interface names that differ between hosts are notes (raytrain binds around them; torchrun and
+other tools do not), a variable some host cannot use and a pair of nodes that cannot connect on
+a free port are problems.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from raytrain.text import first_line
 
@@ -173,3 +179,195 @@ def _binding(worker: WorkerNetwork, variable: str) -> str:
 def _first_line(error: str) -> str:
     lines = [line.strip() for line in error.splitlines() if any(marker in line for marker in CONNECT_FAILURES)]
     return (lines[0] if lines else first_line(error))[:300]
+
+
+# -- what `raytrain doctor` says of the network between hosts ------------------------------
+
+
+@dataclass(frozen=True)
+class NodeNetwork:
+    """One node's network, as `raytrain doctor`'s probe found it on that host."""
+
+    hostname: str
+    node_address: str  # its Ray node address: the one the other nodes reach it at
+    interfaces: Mapping[str, Sequence[str]]  # each interface's IP addresses, in the kernel's order
+    resolves_to: tuple[str, ...] = ()  # what its hostname resolves to, in the resolver's order
+    variables: Mapping[str, str] = field(default_factory=dict)  # the interface variables its Ray node has
+
+    @property
+    def interface(self) -> str | None:
+        return interface_holding(self.node_address, self.interfaces)
+
+    @property
+    def name(self) -> str:
+        return f"{self.node_address} ({self.hostname})"
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """A node that could not open a TCP connection to another's node address on a free port."""
+
+    source: str  # node addresses
+    target: str
+    port: int
+    error: str
+
+
+@dataclass
+class Findings:
+    problems: list[str] = field(default_factory=list)  # a run across hosts will fail: what, and the fix
+    notes: list[str] = field(default_factory=list)  # worth knowing: raytrain runs work, other tools may not
+
+
+def network_findings(
+    nodes: Sequence[NodeNetwork],
+    driver_env: Mapping[str, str],
+    unreachable: Sequence[Unreachable] = (),
+    unchecked: Mapping[str, str] | None = None,
+) -> Findings:
+    """What `raytrain doctor` says of the network between the nodes (nothing of one node alone):
+    hostnames on loopback, node addresses no interface holds, interface names that differ
+    between hosts, an interface variable some host cannot use, and pairs of nodes that cannot
+    connect on a free port (`unreachable`; `unchecked`: node address -> why it was not tried)."""
+    found = Findings()
+    for node in nodes if len(nodes) > 1 else ():
+        gloo_set = GLOO_SOCKET_IFNAME in driver_env or GLOO_SOCKET_IFNAME in node.variables
+        if node.interface is None and _on_loopback(node) and not gloo_set:
+            found.problems.append(_loopback_and_unheld(node))
+        elif node.interface is None:
+            found.notes.append(_unheld(node))
+        elif _on_loopback(node):
+            found.notes.append(_loopback_hostname(node))
+    names = differing_interfaces(nodes)
+    if names:
+        found.notes.append(names)
+    found.problems += variable_problems(nodes, driver_env) if len(nodes) > 1 else []
+    hostnames = {node.node_address: node.hostname for node in nodes}
+    found.problems += [_unreachable(pair, hostnames) for pair in unreachable]
+    for address, why in sorted((unchecked or {}).items()):
+        found.notes.append(f"node {address}: whether it reaches the other nodes on a free port is unchecked ({why})")
+    return found
+
+
+def _on_loopback(node: NodeNetwork) -> bool:
+    """The hostname resolves first to a loopback address (the one gloo and torchrun take)."""
+    return bool(node.resolves_to) and is_loopback(node.resolves_to[0]) and not is_loopback(node.node_address)
+
+
+def _resolved(node: NodeNetwork) -> str:
+    return ", ".join(dict.fromkeys(node.resolves_to))
+
+
+def _hosts_line(node: NodeNetwork) -> str:
+    loopback = next(address for address in node.resolves_to if is_loopback(address))
+    return f'"{node.node_address} {node.hostname}" in place of "{loopback} {node.hostname}"'
+
+
+def _loopback_hostname(node: NodeNetwork) -> str:
+    return (
+        f"node {node.name}: its hostname {node.hostname} resolves to {_resolved(node)}, a loopback address "
+        "(Debian's and Ubuntu's default /etc/hosts; many containers). raytrain binds its workers to "
+        f"{node.interface}, which holds {node.node_address}, so raytrain runs work; torchrun and other tools "
+        "that take the hostname's address hand their peers loopback. Fix for them: in /etc/hosts on that host, "
+        f"map the hostname to the node address ({_hosts_line(node)}), or set GLOO_SOCKET_IFNAME={node.interface} "
+        f"and NCCL_SOCKET_IFNAME=={node.interface} where they run"
+    )
+
+
+def _loopback_and_unheld(node: NodeNetwork) -> str:
+    return (
+        f"node {node.name}: no interface holds its node address (NAT?), so raytrain sets no GLOO_SOCKET_IFNAME "
+        f"there, and its hostname {node.hostname} resolves to {_resolved(node)}, a loopback address: gloo hands "
+        "its peers loopback and a run on gloo (CPU workers, or per-step mode's groups) cannot connect across "
+        f"hosts. Fix: in /etc/hosts on that host, map the hostname to an address the other nodes reach it at "
+        f"({_hosts_line(node)}), or set GLOO_SOCKET_IFNAME before `ray start` there to the interface the other "
+        "nodes reach it through"
+    )
+
+
+def _unheld(node: NodeNetwork) -> str:
+    return (
+        f"node {node.name}: no interface of that host holds its node address (a node behind NAT, or a "
+        "--node-ip-address the host does not hold), so raytrain leaves gloo and NCCL to choose there (gloo takes "
+        f"the address the hostname resolves to: {_resolved(node) or 'it does not resolve'}); if a run cannot "
+        "connect across hosts, set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME before `ray start` there to the "
+        "interface the other nodes reach it through"
+    )
+
+
+def differing_interfaces(nodes: Sequence[NodeNetwork]) -> str | None:
+    """The note when the interfaces holding the node addresses are named differently."""
+    by_name: dict[str, list[str]] = {}
+    for node in nodes:
+        if node.interface is not None:
+            by_name.setdefault(node.interface, []).append(node.name)
+    if len(by_name) < 2:
+        return None
+    where = "; ".join(f"{name} on {', '.join(names)}" for name, names in sorted(by_name.items()))
+    return (
+        f"the node addresses are on interfaces named differently: {where}. raytrain binds each host's workers to "
+        "its own, so raytrain runs work; a GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME set to one name for every host "
+        "(for torchrun, or exported where raytrain runs) fails on the others: leave them unset for raytrain, and "
+        "for other tools set them on each host to its own interface"
+    )
+
+
+def _unusable(variable: str, value: str, node: NodeNetwork) -> str | None:
+    """Why `variable=value` cannot work on `node` (None when it can, or cannot be told). gloo
+    makes a device for each name of its list, which must all exist; NCCL takes the interfaces
+    its prefixes match (exact names after `=`) and skips those after `^`."""
+    if variable == NCCL_SOCKET_IFNAME and value.startswith("^"):
+        return None
+    exact = variable == GLOO_SOCKET_IFNAME or value.startswith("=")
+    wanted = [part.strip() for part in value.lstrip("=").split(",") if part.strip()]
+    named = [name for name in node.interfaces if any(name == w if exact else name.startswith(w) for w in wanted)]
+    where = f"its node address is on {node.interface}" if node.interface else "no interface holds its node address"
+    lacking = [w for w in wanted if w not in node.interfaces] if variable == GLOO_SOCKET_IFNAME else []
+    if lacking or not named:
+        what = ", ".join(lacking or wanted) if exact else f"named {' or '.join(w + '*' for w in wanted)}"
+        return f"{node.name} has no interface {what} ({where})"
+    if all(held and all(is_loopback(address) for address in held) for held in map(node.interfaces.get, named)):
+        return f"on {node.name} it names loopback ({where}): its ranks hand their peers a loopback address"
+    return None
+
+
+def variable_problems(nodes: Sequence[NodeNetwork], driver_env: Mapping[str, str]) -> list[str]:
+    """An interface variable some node cannot use: set where doctor runs (a run started there
+    passes it on to every worker, on every host, over what a node has), or in one node's
+    environment (set before `ray start` there)."""
+    problems = []
+    for variable in INTERFACE_VARIABLES:
+        value = driver_env.get(variable)
+        if value:
+            why = [reason for node in nodes if (reason := _unusable(variable, value, node))]
+            origin = "set where doctor runs (a run started here passes it on to every worker, on every host)"
+            problems += [_variable_problem(variable, value, origin, why)] if why else []
+            continue
+        for node in nodes:
+            value = node.variables.get(variable)
+            reason = _unusable(variable, value, node) if value else None
+            if reason:
+                origin = f"set on node {node.node_address} (in its Ray node's environment)"
+                problems.append(_variable_problem(variable, value or "", origin, [reason]))
+    return problems
+
+
+def _variable_problem(variable: str, value: str, origin: str, why: list[str]) -> str:
+    return (
+        f"{variable}={value}, {origin}, cannot work: {'; '.join(why)}. A run's process group will not connect "
+        f"across hosts. Fix: unset {variable} (raytrain binds each worker to the interface that holds its node "
+        "address, whatever its name on that host), or set it on each host, before `ray start` there, to that "
+        "host's own interface (`ip -br addr`)"
+    )
+
+
+def _unreachable(pair: Unreachable, hostnames: Mapping[str, str]) -> str:
+    def name(address: str) -> str:
+        return f"{address} ({hostnames[address]})" if address in hostnames else address
+
+    return (
+        f"node {name(pair.source)} cannot reach node {name(pair.target)} on a free port ({pair.port}): "
+        f"{pair.error}. gloo and NCCL connect between hosts on random ports, not only Ray's: allow all TCP between "
+        "the cluster's nodes on their private network (a firewall rule for the subnet, or a security group that "
+        "admits itself)"
+    )
