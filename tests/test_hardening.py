@@ -28,6 +28,7 @@ from raytrain.driver.summary import write_summary
 from raytrain.errors import ConfigError, PipelineCodeError, PipelineError, StorageError, find_user_error, pipeline_code
 from raytrain.pipeline import parse_pipeline_args
 from raytrain.rules.resume import StoredRun, changes
+from raytrain.rundir.host import host_id
 
 
 def test_run_files_are_strict_json():
@@ -100,7 +101,9 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path):
     first.release()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (tmp_path / ".lock").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "since": 0}))
+    (tmp_path / ".lock").write_text(
+        json.dumps({"pid": dead.pid, "host": os.uname().nodename, "host_id": host_id(), "since": 0})
+    )
     second.acquire()
     assert second.holder()["pid"] == os.getpid()
     second.release()

@@ -24,6 +24,7 @@ import raytrain
 from raytrain.cli import main
 from raytrain.errors import PipelineCodeError, StorageError, exit_status
 from raytrain.rundir.checkpoints import checkpoint_dirs
+from raytrain.rundir.host import host_id
 from raytrain.worker.window import TrainingDiverged
 
 pytestmark = pytest.mark.ray
@@ -187,7 +188,7 @@ def test_a_second_run_under_the_same_name_is_refused_naming_the_holder(ray_sessi
     try:
         (tmp_path / "busy").mkdir()
         (tmp_path / "busy" / ".lock").write_text(
-            json.dumps({"pid": holder.pid, "host": os.uname().nodename, "since": 0})
+            json.dumps({"pid": holder.pid, "host": os.uname().nodename, "host_id": host_id(), "since": 0})
         )
         code = main(["train", "digits", "--name", "busy", "--storage", str(tmp_path), "--workers", "1"])
         err = capsys.readouterr().err

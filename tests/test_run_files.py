@@ -1,11 +1,26 @@
-"""The run's summary.json, from the files rank 0 leaves (pure tier: no Ray)."""
+"""The run's summary.json, from the files rank 0 leaves; the run lock and the heartbeats, which
+tell hosts apart by `host_id`, never by hostname alone (pure tier: no Ray)."""
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hosts import skip_reason
 
 from raytrain.config import TrainConfig
 from raytrain.driver.summary import write_summary
+from raytrain.rundir.files import RunLock, RunLocked
+from raytrain.rundir.heartbeats import Heartbeat
+from raytrain.rundir.host import host_id, identity
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_summary_carries_the_steady_step_count(tmp_path):
@@ -150,3 +165,92 @@ def test_a_signal_after_the_last_epoch_leaves_the_run_finished(tmp_path):
     (tmp_path / "progress.json").write_text(json.dumps({**progress, "epoch": 1, "status": "interrupted"}))
     summary = write_summary(tmp_path, cfg, None, None, started=10.0, interrupted=2, stop_requested_at=30.0)
     assert summary.status == "interrupted"
+
+
+# -- which host holds the lock ---------------------------------------------------------------------
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (on this host)."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    return ended.pid
+
+
+def write_lock(run_dir: Path, **record) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / ".lock").write_text(json.dumps({"pid": dead_pid(), "host": socket.gethostname(), "since": 0} | record))
+
+
+def test_a_lock_of_another_host_with_this_hostname_is_refused_never_taken(tmp_path):
+    # Hosts sharing a hostname (containers, cloned images, network namespaces): the holder's pid
+    # is dead here, yet it may be alive there.
+    write_lock(tmp_path, host_id="0123456789abcdef")
+    with pytest.raises(RunLocked) as refused:
+        RunLock(tmp_path).acquire()
+    message = str(refused.value)
+    assert f"on another host named {socket.gethostname()} (same hostname, different machine" in message
+    assert f"leaves {tmp_path}/.lock: delete it" in message
+    assert json.loads((tmp_path / ".lock").read_text())["host_id"] == "0123456789abcdef"  # untouched
+
+
+def test_a_lock_of_this_host_whose_holder_is_dead_is_taken_over(tmp_path):
+    write_lock(tmp_path, host_id=host_id())
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    record = json.loads((tmp_path / ".lock").read_text())
+    assert (record["pid"], record["host"], record["host_id"]) == (os.getpid(), socket.gethostname(), host_id())
+    lock.release()
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_a_lock_of_an_older_raytrain_without_host_id_is_refused_never_taken(tmp_path):
+    write_lock(tmp_path)  # what raytrain wrote before host_id: pid, hostname, since
+    with pytest.raises(RunLocked, match=r"older raytrain.*cannot be checked from here.*/\.lock: delete it"):
+        RunLock(tmp_path).acquire()
+    assert "host_id" not in json.loads((tmp_path / ".lock").read_text())
+
+
+def test_host_id_rests_on_boot_and_namespaces_not_on_the_hostname_alone():
+    assert host_id() == host_id() and len(host_id()) == 16
+    assert identity("vm", "boot-a", [1, 2]) != identity("vm", "boot-b", [1, 2])  # cloned images
+    assert identity("vm", "boot-a", [1, 2]) != identity("vm", "boot-a", [3, 2])  # network namespaces
+    assert identity("vm", None, [None, None]) != identity("other", None, [None, None])  # no /proc: the hostname
+
+
+@pytest.mark.slow  # starts a Python in a network namespace of its own
+@pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+def test_a_lock_left_in_another_network_namespace_is_refused_here(tmp_path):
+    """Two hosts on one machine that share hostname, file system and boot id, as raytrain's test
+    hosts do: a lock the other left behind, its pid dead here, is another host's."""
+    netns = f"rtid{secrets.token_hex(3)}"
+    leave_lock = (
+        "import sys; from raytrain.rundir.files import RunLock; from raytrain.rundir.host import host_id; "
+        "RunLock(sys.argv[1]).acquire(); print(host_id())"
+    )
+    subprocess.run(["ip", "netns", "add", netns], check=True, timeout=30)
+    try:
+        there = subprocess.run(
+            ["ip", "netns", "exec", netns, sys.executable, "-c", leave_lock, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+    finally:
+        subprocess.run(["ip", "netns", "del", netns], timeout=30)
+    assert there.returncode == 0, there.stderr
+    assert there.stdout.strip() != host_id()
+    with pytest.raises(RunLocked, match="on another host named .*same hostname"):
+        RunLock(tmp_path).acquire()
+
+
+# -- heartbeats -------------------------------------------------------------------------------------
+
+
+def test_a_heartbeat_names_its_host_by_host_id_and_its_node_when_given(tmp_path):
+    Heartbeat(tmp_path, 0, enabled=False).write()
+    Heartbeat(tmp_path, 1, enabled=False, node="10.77.0.2").write()
+    first, second = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert first["host_id"] == second["host_id"] == host_id() and "node" not in first
+    assert second["node"] == "10.77.0.2"

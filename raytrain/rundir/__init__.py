@@ -1,6 +1,7 @@
 """The one owner of a run directory's files (STORAGE/NAME/).
 
 - `files`: atomic writes, strict JSON, JSONL appends, the run lock, storage errors;
+- `host`: `host_id`, which host a process runs on (hosts may share a hostname);
 - `records`: the typed records (`MetricsRow`, `Event`, `Summary`, `Progress`) and file names;
 - `tail`: following a JSONL file while it grows;
 - `writer`: `RunWriter`, rank 0's writer during training (imported from there: it needs torch);

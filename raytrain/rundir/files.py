@@ -4,8 +4,9 @@
   flushed and renamed over the target, so a reader sees the old file or the new one;
 - `append_jsonl`: one JSON line per call (a torn last line is skipped by `read_jsonl`);
 - JSON is strict: NaN and infinities become null (`strict`);
-- `RunLock`: one run per name at a time, taken over from a dead holder (on an object store
-  through a conditional create: `raytrain.rundir.storage`);
+- `RunLock`: one run per name at a time, taken over from a dead holder on this host, hosts told
+  apart by `raytrain.rundir.host.host_id` (on an object store through a conditional create:
+  `raytrain.rundir.storage`);
 - every OSError becomes a `StorageError` naming the path and the errno, with what to do.
 """
 
@@ -25,6 +26,7 @@ import yaml
 
 from raytrain.errors import StorageError
 from raytrain.rundir.faults import storage_errors
+from raytrain.rundir.host import host_id
 from raytrain.rundir.storage import Store
 
 LOCK_FILE = ".lock"
@@ -92,7 +94,9 @@ class RunLock:
     a conditional write on S3); held by this process until `release`.
 
     A lock whose holder is gone (a dead process on this host) is taken over. A lock held by
-    a live process, or by a process on another host, is refused with who holds it.
+    a live process, or by a process on another host, is refused with who holds it. "This host"
+    is `host_id`, never the hostname: hosts that share one (containers, cloned images, network
+    namespaces) would each find the other's pid dead and take a live run's lock.
     """
 
     def __init__(self, run_dir: "str | os.PathLike | Store"):
@@ -103,7 +107,7 @@ class RunLock:
     def acquire(self) -> None:
         self.store.make_dir()
         for _ in range(3):
-            record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+            record = json.dumps(self_record() | {"since": time.time()})
             if self.store.create_exclusive(LOCK_FILE, record.encode()):
                 self.held = True
                 return
@@ -130,10 +134,10 @@ class RunLock:
                 return holder
             info = self.store.info(LOCK_FILE)
             if info.type.name == "NotFound":
-                return {"pid": -1, "host": socket.gethostname()}  # released meanwhile: take it
+                return self_record(pid=-1)  # released meanwhile: take it
             age_s = time.time() - info.mtime.timestamp() if info.mtime is not None else 0.0
             if age_s > wait_s or time.monotonic() > deadline:
-                return {"pid": -1, "host": socket.gethostname()} if age_s > wait_s else None
+                return self_record(pid=-1) if age_s > wait_s else None
             time.sleep(0.05)
 
     def holder(self) -> dict[str, Any] | None:
@@ -144,8 +148,10 @@ class RunLock:
 
     @staticmethod
     def _alive(holder: dict[str, Any]) -> bool:
-        if holder.get("host") != socket.gethostname():
-            return True  # another machine's process: cannot be checked from here
+        if holder.get("host_id") != host_id():
+            # Another host's process (or a lock of an older raytrain, which recorded no host_id):
+            # its pid means nothing here.
+            return True
         pid = holder.get("pid")
         if not isinstance(pid, int) or pid <= 0:
             return False
@@ -158,16 +164,36 @@ class RunLock:
         return True
 
 
+def self_record(pid: int | None = None) -> dict[str, Any]:
+    """A lock record naming this process (or `pid`) on this host: the hostname for messages,
+    `host_id` for deciding whether the pid can be checked here."""
+    return {"pid": os.getpid() if pid is None else pid, "host": socket.gethostname(), "host_id": host_id()}
+
+
+def holder_place(holder: dict[str, Any], hostname: str, here: str) -> str:
+    """Where a lock's holder runs, in words, for a user on host `hostname` (`host_id` `here`)."""
+    host = holder.get("host", "?")
+    if holder.get("host_id") == here:
+        return host
+    if "pid" in holder and "host_id" not in holder:
+        return f"{host} (a lock of an older raytrain, which recorded no host identity: it cannot be checked from here)"
+    if host == hostname:
+        # The same name, yet not this host: say so, or the user looks for the process here.
+        return f"another host named {host} (same hostname, different machine, container or network namespace)"
+    return host
+
+
 class RunLocked(StorageError):
     def __init__(self, run_dir: "Store", holder: dict[str, Any]):
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if holder.get("since") else "?"
         # A holder on another host cannot be checked from here (a dead one on this host is taken over).
-        elsewhere = holder.get("host") != socket.gethostname()
+        elsewhere = holder.get("host_id") != host_id()
         remove = f"; a holder that is gone for good leaves {run_dir}/{LOCK_FILE}: delete it" if elsewhere else ""
+        place = holder_place(holder, socket.gethostname(), host_id())
         super().__init__(
             errno_codes.EBUSY,
-            f"run {run_dir.name!r} in {run_dir.parent} is in use by process {holder.get('pid', '?')} on "
-            f"{holder.get('host', '?')} (since {since}); wait for it to end, stop it, or choose another --name{remove}",
+            f"run {run_dir.name!r} in {run_dir.parent} is in use by process {holder.get('pid', '?')} since {since} "
+            f"on {place}; wait for it to end, stop it, or choose another --name{remove}",
         )
 
 

@@ -5,7 +5,9 @@ Each rank records its step and phase in memory (cheap, every phase change); a da
 thread writes them to RUN_DIR/heartbeats/rank<N>.json every few seconds. When a
 collective times out on one rank, that rank reads every heartbeat (`read_heartbeats`) and
 names the ranks that stopped making progress, and where (`raytrain.rules.stall.diagnose`).
-Needs the run directory on storage all nodes see (as checkpoints do).
+Needs the run directory on storage all nodes see (as checkpoints do). A record names its host by
+hostname, `host_id` (`raytrain.rundir.host`: hosts may share a hostname) and, when the caller
+knows it, its Ray node (`node`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,15 @@ import threading
 import time
 from pathlib import Path
 
+from raytrain.rundir.host import host_id
+
 
 class Heartbeat:
-    def __init__(self, directory: Path, rank: int, interval_s: float = 2.0, enabled: bool = True):
+    def __init__(
+        self, directory: Path, rank: int, interval_s: float = 2.0, enabled: bool = True, node: str | None = None
+    ):
+        """`node`: this worker's Ray node (its id or address), recorded to tell apart hosts that
+        share a hostname."""
         self.path = directory / f"rank{rank}.json"
         self.rank = rank
         self.step = 0
@@ -27,6 +35,7 @@ class Heartbeat:
         self.phase_since = time.time()
         self.attempt_start = self.phase_since
         self.interval_s = interval_s
+        self.node = node
         self._stop = threading.Event()
         self._thread = None
         if enabled:
@@ -47,8 +56,9 @@ class Heartbeat:
             "attempt_start": self.attempt_start,
             "time": time.time(),
             "host": socket.gethostname(),
+            "host_id": host_id(),
             "pid": os.getpid(),
-        }
+        } | ({"node": self.node} if self.node is not None else {})
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
