@@ -48,7 +48,7 @@ ROWS = 960
 GLOBAL_BATCH = 48  # 20 steps an epoch
 
 
-def driver(out: Path, mode: str, address: str, epochs: int, step_s: float) -> int:
+def driver(out: Path, mode: str, address: str, epochs: int, step_s: float, timeout_s: float | None) -> int:
     """The run, on the first host (`--driver`)."""
     from rt_test_pipelines import RecordingPipeline, ReplicaRecordingPipeline
 
@@ -75,6 +75,7 @@ def driver(out: Path, mode: str, address: str, epochs: int, step_s: float) -> in
         name="run",
         address=address,
         progress="off",
+        **({"collective_timeout_s": timeout_s} if timeout_s else {}),
     )
     try:
         raytrain.fit(pipeline, cfg)
@@ -124,6 +125,7 @@ def case(out: Path, fault: str, mode: str, args: argparse.Namespace) -> dict:
         hosts.start_ray(num_cpus=2, supervised=True, system_config=None if args.ray_defaults else NODE_HEALTH_CONFIG)
         command = [sys.executable, __file__, "--driver", str(out), mode, hosts.head_address, str(args.epochs)]
         command += ["--step-s", str(args.step_s)]
+        command += ["--collective-timeout-s", str(args.collective_timeout_s)] if args.collective_timeout_s else []
         run = hosts[0].popen(command, log=out / "driver.log")
         run_dir = out / "run"
         try:
@@ -195,8 +197,9 @@ def main() -> int:
         parser.add_argument("address")
         parser.add_argument("epochs", type=int)
         parser.add_argument("--step-s", type=float, default=0.5)
+        parser.add_argument("--collective-timeout-s", type=float)
         a = parser.parse_args(sys.argv[2:])
-        return driver(a.out, a.mode, a.address, a.epochs, a.step_s)
+        return driver(a.out, a.mode, a.address, a.epochs, a.step_s, a.collective_timeout_s)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--faults", default="partition,frozen,lost")
@@ -205,6 +208,7 @@ def main() -> int:
     parser.add_argument("--step-s", type=float, default=0.5, help="each step's pace until the run is back at 4")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--back-wait-s", type=float, default=180.0, help="the longest wait for 4 workers again")
+    parser.add_argument("--collective-timeout-s", type=float, help="the run's --collective-timeout-s")
     parser.add_argument("--ray-defaults", action="store_true", help="Ray's own node health checks")
     args = parser.parse_args()
     if skip_reason():

@@ -211,3 +211,16 @@ def test_validate_config_rejects_broken_copies(breakage):
     with pytest.raises(Exception) as excinfo:
         validate_config(_prepared(broken))
     assert type(excinfo.value).__name__ in {"ValidationError", "ValueError"}
+
+
+@pytest.mark.parametrize("config_path", CONFIG_PATHS, ids=lambda p: p.name)
+def test_each_head_declares_a_silent_node_dead_as_the_heads_raytrain_starts(config_path):
+    """The health checks of `ray start --head` in each config are raytrain's (NODE_HEALTH_CONFIG):
+    a lost, frozen or cut-off host is a failure within seconds, not a minute."""
+    import json
+
+    from raytrain.driver.session import NODE_HEALTH_CONFIG
+
+    (start,) = [c for c in _load(config_path)["head_start_ray_commands"] if "ray start --head" in c]
+    (flag,) = [word for word in shlex.split(start.split(";")[-1]) if word.startswith("--system-config=")]
+    assert json.loads(flag.split("=", 1)[1]) == NODE_HEALTH_CONFIG
