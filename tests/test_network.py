@@ -6,6 +6,7 @@ import pytest
 from ray.train import ControllerError
 
 from raytrain.errors import exit_status, find_user_error
+from raytrain.rules import network
 from raytrain.rules.network import (
     NodeNetwork,
     Unreachable,
@@ -272,3 +273,16 @@ def test_a_pair_that_cannot_connect_on_a_free_port_is_a_problem_naming_both_node
         "nodes on their private network (a firewall rule for the subnet, or a security group that admits itself)"
     ]
     assert "node 10.77.0.3: whether it reaches the other nodes on a free port is unchecked (no answer)" in found.notes
+
+
+@pytest.mark.parametrize(
+    "url, host, expected",
+    [
+        ("http://vm:33383", "10.77.0.1", "http://10.77.0.1:33383"),  # torchft's lighthouse, by hostname
+        ("http://[::1]:5/status", "10.0.0.2", "http://10.0.0.2:5/status"),
+        ("http://vm:33383", "fe80::1%eth0", "http://[fe80::1]:33383"),
+        ("vm:80", "1.2.3.4", "1.2.3.4:80"),
+    ],
+)
+def test_an_address_given_by_hostname_is_given_by_the_node_address_instead(url, host, expected):
+    assert network.with_host(url, host) == expected

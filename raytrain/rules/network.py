@@ -62,6 +62,17 @@ def interface_env(address: str, interfaces: Mapping[str, Iterable[str]], env: Ma
     return {variable: value for variable, value in values.items() if variable not in env}
 
 
+def with_host(url: str, host: str) -> str:
+    """`url` (`http://vm:29510`) with its host replaced by `host`, an address (an IPv6 one in
+    brackets): `http://10.0.0.1:29510`."""
+    scheme, sep, rest = url.rpartition("://")
+    netloc, slash, path = rest.partition("/")
+    port = netloc.rsplit(":", 1)[1] if ":" in netloc and not netloc.endswith("]") else ""
+    bare = _normal(host)
+    shown = f"[{bare}]" if ":" in bare else bare
+    return f"{scheme}{sep}{shown}{':' + port if port else ''}{slash}{path}"
+
+
 def is_loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(_normal(address)).is_loopback

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from ray.train.v2.torch import torchft_config as ray_torchft
 
+from raytrain.rules import network
 from raytrain.rules import replicas as rules
 from raytrain.rules.budget import Budget
 from raytrain.rules.replicas import partial_start_line
@@ -100,7 +101,11 @@ class _Backend(BindsInterfaces, ray_torchft._TorchftBackend):
             self.lighthouse_actor = ray_torchft.LighthouseServerActor.options(
                 num_cpus=0, scheduling_strategy=here
             ).remote(lighthouse_kwargs={"bind": "[::]:0", **backend_config.lighthouse_kwargs})
-        return super()._maybe_create_lighthouse_actor(backend_config)  # its address, from the actor
+        # The lighthouse says its address by the hostname, which often resolves to loopback
+        # (`raytrain.rules.network`): replicas on other hosts would dial themselves. It runs on
+        # this node, so this node's Ray address reaches it.
+        address = super()._maybe_create_lighthouse_actor(backend_config)  # its address, from the actor
+        return network.with_host(address, ray.util.get_node_ip_address())
 
 
 class _TorchftConfig(ray_torchft.TorchftConfig):
