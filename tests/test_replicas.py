@@ -304,3 +304,35 @@ def test_each_fault_tolerance_mode_names_its_recovery_object():
 
     assert all(issubclass(recovery_class(mode), Recovery) for mode in FAULT_TOLERANCE_MODES)
     assert recovery_class("restart") is Recovery and recovery_class("per-step") is PerStep
+
+
+def test_survivors_give_up_on_a_silent_peer_after_a_few_usual_steps_not_the_collective_timeout():
+    """A host lost, frozen or cut off: the others' all-reduce gives up after the peer wait, then
+    their next quorum forms without it (issue 47: their extra wait ≤ 10 s)."""
+    assert rules.peer_wait_s(600.0, []) == 600.0  # before a first commit: a compile may run
+    assert rules.peer_wait_s(600.0, [0.5] * 20) == rules.PEER_WAIT_MIN_S  # short steps: the floor
+    assert rules.PEER_WAIT_MIN_S + 2 * 1.0 < 10.0  # with the lighthouse's heartbeat timeout, twice
+    assert rules.peer_wait_s(600.0, [0.5] * 5 + [3.0] * 20) == 12.0  # four usual steps of a slow model
+    assert rules.peer_wait_s(8.0, [3.0] * 20) == 8.0  # never more than the collective timeout
+    # A peer merely slower than the wait is waited for longer on each retry, never given up forever.
+    waits = [rules.peer_wait_s(600.0, [0.5] * 20, uncommitted_in_a_row=n) for n in range(4)]
+    assert waits == [5.0, 10.0, 20.0, 40.0]
+    assert rules.peer_wait_s(600.0, [0.5] * 20, uncommitted_in_a_row=10_000) == 600.0
+    # A stuck replica leaves after the others' wait and its grace.
+    assert rules.stall_after_s(5.0, [0.5] * 20) == 5.0 + rules.STALL_GRACE_MIN_S
+
+
+def test_a_replica_hands_the_others_its_store_by_node_address_not_by_hostname():
+    """torchft's handle names the store by the hostname, which resolves to loopback on many hosts:
+    replicas on other hosts then never joined the process group (issue 47)."""
+    import json
+    from datetime import timedelta
+
+    from torchft import ProcessGroupGloo
+
+    from raytrain.worker.replicas import _handed_by_address
+
+    pg = _handed_by_address(ProcessGroupGloo, "10.77.0.2")(timeout=timedelta(seconds=5))
+    handle = json.loads(pg.get_reconfigure_handle())
+    assert handle["store"].startswith("10.77.0.2:") and int(handle["store"].rsplit(":", 1)[1]) > 0
+    assert isinstance(pg, ProcessGroupGloo)

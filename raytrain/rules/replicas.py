@@ -6,8 +6,14 @@ in the first quorum, so they wait for each other; a replacement of one lost repl
 live quorum and waits for no one. The controller tells each worker which it is (`START_ENV`).
 
 A step's work (after its quorum formed, to the commit) is the replica's forward and backward,
-then the gradient all-reduce, which gives up on a missing member after the collective timeout.
-A replica whose work outlasts that timeout by more than its grace is stuck (a hung kernel, a
+then the gradient all-reduce, which gives up on a missing member after the peer wait
+(`peer_wait_s`): the collective timeout until the replica has committed a step, then four of
+its usual steps, at least PEER_WAIT_MIN_S, doubled for each step in a row that was not
+committed (so that peers merely slower than that are waited for on the next try) and never
+more than the collective timeout. A host lost, frozen or cut off thus costs the survivors the
+peer wait and a new quorum (the lighthouse forgets a member after a second without its
+heartbeat), not the collective timeout. A quorum, and a heal from a live peer, wait the
+collective timeout. A replica whose work outlasts the peer wait by more than its grace is stuck (a hung kernel, a
 lost mount) and must leave: while it lives it heartbeats, and torchft's lighthouse keeps
 counting it. With three replicas or more the others go on without it after the lighthouse's
 join wait; with two, the lighthouse forms no quorum of one out of two live replicas (its guard
@@ -41,6 +47,9 @@ STEPS_OF_GRACE = 4
 FIRST_STEP_GRACE_S = 60.0
 # How many of a replica's last committed steps its usual step is taken from.
 STEPS_REMEMBERED = 50
+# Floor of the peer wait: above what replicas of one run drift apart in a healthy step on a
+# loaded machine (a data read, a collection), under the 10 s a lost host may cost the others.
+PEER_WAIT_MIN_S = 5.0
 
 
 def group_of(world_rank: int, group_size: int) -> tuple[int, int]:
@@ -113,13 +122,23 @@ def starts_with_group(environ: Mapping[str, str]) -> bool:
     return environ.get(START_ENV) == STARTS_WITH_GROUP
 
 
-def stall_after_s(collective_timeout_s: float, committed_work_s: Sequence[float]) -> float:
-    """How long a replica may stay in one step's work before it is taken as stuck: the
-    collective timeout (how long the others' all-reduce waits for it), then its grace."""
+def peer_wait_s(collective_timeout_s: float, committed_work_s: Sequence[float], uncommitted_in_a_row: int = 0) -> float:
+    """How long a step's collectives across replicas wait for a missing peer before the step is
+    given up (not committed; the next quorum forms without a peer that stopped heartbeating):
+    see the module's docstring."""
     if not committed_work_s:
-        return collective_timeout_s + max(FIRST_STEP_GRACE_S, collective_timeout_s)
+        return collective_timeout_s  # a first step may compile
     usual = statistics.median(committed_work_s[-STEPS_REMEMBERED:])
-    return collective_timeout_s + max(STALL_GRACE_MIN_S, STEPS_OF_GRACE * usual)
+    return min(collective_timeout_s, max(PEER_WAIT_MIN_S, STEPS_OF_GRACE * usual) * 2 ** min(uncommitted_in_a_row, 20))
+
+
+def stall_after_s(peer_wait_s: float, committed_work_s: Sequence[float]) -> float:
+    """How long a replica may stay in one step's work before it is taken as stuck: the peer
+    wait (how long the others' all-reduce waits for it), then its grace."""
+    if not committed_work_s:
+        return peer_wait_s + max(FIRST_STEP_GRACE_S, peer_wait_s)
+    usual = statistics.median(committed_work_s[-STEPS_REMEMBERED:])
+    return peer_wait_s + max(STALL_GRACE_MIN_S, STEPS_OF_GRACE * usual)
 
 
 def quorum_wait_s(collective_timeout_s: float, join_timeout_s: float, heartbeat_timeout_s: float) -> float:
@@ -134,6 +153,7 @@ def quorum_wait_s(collective_timeout_s: float, join_timeout_s: float, heartbeat_
 
 __all__ = [
     "FIRST_STEP_GRACE_S",
+    "PEER_WAIT_MIN_S",
     "GROUP_STORE_ENV",
     "GroupGenerations",
     "REPLACES_ONE",
@@ -142,6 +162,7 @@ __all__ = [
     "STARTS_WITH_GROUP",
     "STEPS_OF_GRACE",
     "group_of",
+    "peer_wait_s",
     "quorum_wait_s",
     "stall_after_s",
     "starts_with_group",

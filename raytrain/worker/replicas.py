@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import statistics
@@ -125,6 +126,21 @@ def torchft_config(use_gpu: bool, timeout_s: float, min_groups: int = 1):
     )
 
 
+def _handed_by_address(pg_class: type, address: str) -> type:
+    """torchft's process group `pg_class` whose reconfigure handle names its rendezvous store by
+    `address` (torchft names it by `socket.gethostname()`; the store itself listens on every
+    interface)."""
+
+    class HandedByAddress(pg_class):  # type: ignore[valid-type, misc]
+        def get_reconfigure_handle(self) -> str:
+            handle = json.loads(super().get_reconfigure_handle())
+            handle["store"] = network.with_host(handle["store"], address)
+            return json.dumps(handle)
+
+    HandedByAddress.__name__ = HandedByAddress.__qualname__ = pg_class.__name__
+    return HandedByAddress
+
+
 class StallWatch:
     """Ends a replica stuck in one step's work (a hung kernel, a lost NFS mount): past the
     step's limit (`raytrain.rules.replicas.stall_after_s`), `on_stall(step, seconds)` runs (it
@@ -201,7 +217,12 @@ class ReplicaRuntime(Runtime):
         from torchft.checkpointing.pg_transport import PGTransport
 
         timeout = timedelta(seconds=self.timeout_s)
-        pg = ProcessGroupNCCL(timeout=timeout) if self.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        node_address = ray.util.get_node_ip_address()
+        # Every address a replica hands the others names its node's address, never the hostname,
+        # which often resolves to loopback (`raytrain.rules.network`): the Manager's (for the
+        # lighthouse) and the process group's rendezvous store (its reconfigure handle).
+        pg_class = ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo
+        pg = _handed_by_address(pg_class, node_address)(timeout=timeout)
         self.manager = Manager(
             pg=pg,
             load_state_dict=load,
@@ -209,14 +230,20 @@ class ReplicaRuntime(Runtime):
             min_replica_size=1,
             use_async_quorum=False,  # heal before the step's rows are chosen
             replica_id=self.replica.replica_id,
-            # What the lighthouse hands the other replicas to reach this one's store: its node's
-            # address, never the hostname, which often resolves to loopback (rules.network).
-            hostname=ray.util.get_node_ip_address(),
+            hostname=node_address,
             **self.replica.manager_place(),
             timeout=timeout,
             quorum_timeout=timedelta(seconds=rules.quorum_wait_s(self.timeout_s, JOIN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S)),
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=self.device),
         )
+
+    def wait_for_peers(self, seconds: float) -> None:
+        """How long this replica's collectives through the Manager (a step's all-reduce, its
+        commit) wait for a missing peer from here on: `rules.peer_wait_s`. torchft's Manager
+        reads its `_timeout` for each collective's future (`Manager.wrap_future`) and has no
+        setter; its process group keeps the whole timeout for what it does alone."""
+        if self.manager is not None:
+            self.manager._timeout = timedelta(seconds=seconds)
 
     def shutdown(self) -> None:
         self.replica.stop()
@@ -270,6 +297,7 @@ class PerStep(Recovery):
         self.held: TrainingState | None = None  # what a joining replica copies from this one
         self.watch = StallWatch(lambda step, seconds: _leave_stalled(self.runtime, self.watch, step, seconds))
         self._window: Any = None  # the loss window before the step (restored when it is not committed)
+        self.uncommitted_in_a_row = 0  # steps given up in a row: each doubles the peer wait
 
     @property
     def replica_count(self) -> int:
@@ -343,6 +371,7 @@ class PerStep(Recovery):
         commit the stall watch runs: the wait for the quorum is not this replica's work."""
         self.healed = False
         runtime, manager = self.runtime, self.runtime.manager
+        runtime.wait_for_peers(runtime.timeout_s)  # a quorum, and a heal, wait the whole timeout
         manager.start_quorum()
         place = manager.participating_rank()  # this group's among the step's groups
         rank, size = rules.step_share(place or 0, manager.num_participants(), runtime.replica.rank, self.group_size)
@@ -350,7 +379,10 @@ class PerStep(Recovery):
         # The loop splits rows, weights gradients and writes files by its place in the quorum.
         runtime.world_size, runtime.world_rank = size, rank
         self._window = window.snapshot()
-        self.watch.enter(step, rules.stall_after_s(runtime.timeout_s, list(self.watch.work_s)))
+        work_s = list(self.watch.work_s)
+        peer_wait_s = rules.peer_wait_s(runtime.timeout_s, work_s, self.uncommitted_in_a_row)
+        runtime.wait_for_peers(peer_wait_s)
+        self.watch.enter(step, rules.stall_after_s(peer_wait_s, work_s))
         return self.quorum
 
     def commit(self, runner: "Runner") -> bool:
@@ -361,6 +393,7 @@ class PerStep(Recovery):
             committed = bool(self.runtime.manager.should_commit())
         finally:
             self.watch.leave(committed)
+            self.uncommitted_in_a_row = 0 if committed else self.uncommitted_in_a_row + 1
         if not committed:
             runner.discard_step(self._window)
         return committed
