@@ -94,8 +94,9 @@ class _Backend(BindsInterfaces, ray_torchft._TorchftBackend):
     answers a few small requests per step: it needs no CPU of its own."""
 
     def _maybe_create_lighthouse_actor(self, backend_config) -> str:
+        import ray
+
         if self.lighthouse_actor is None:
-            import ray
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -202,6 +203,7 @@ class ReplicaRuntime(Runtime):
         self.distributed = True
         self.replica = replica_of(self.replica_rank, group_size, timeout_s, self._collective_device(), run_dir)
         self.manager = None  # torchft's, once started (`start_manager`)
+        self.peer_wait_s = timeout_s  # how long its collectives wait for a missing peer (`wait_for_peers`)
         collectives = "nccl" if self.device.type == "cuda" else "gloo"
         self.backend = f"torchft ({collectives}) over {self.replicas} replicas"
         if group_size > 1:
@@ -242,6 +244,7 @@ class ReplicaRuntime(Runtime):
         commit) wait for a missing peer from here on: `rules.peer_wait_s`. torchft's Manager
         reads its `_timeout` for each collective's future (`Manager.wrap_future`) and has no
         setter; its process group keeps the whole timeout for what it does alone."""
+        self.peer_wait_s = seconds
         if self.manager is not None:
             self.manager._timeout = timedelta(seconds=seconds)
 
@@ -438,7 +441,7 @@ def _leave_stalled(runtime: ReplicaRuntime, watch: StallWatch, step: int, second
     usual = f"its steps take {statistics.median(watch.work_s):.2g} s" if watch.work_s else "its first step"
     message = (
         f"Replica {runtime.replica_rank} stuck in step {step} for {seconds:.0f} s (the others gave up on it after "
-        f"--collective-timeout-s {runtime.timeout_s:g}; {usual}): it leaves the quorum and is replaced; "
+        f"{runtime.peer_wait_s:.3g} s; {usual}): it leaves the quorum and is replaced; "
         "the others go on"
     )
     with contextlib.suppress(Exception):
