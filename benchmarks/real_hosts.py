@@ -100,14 +100,19 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
 
 
 def trained_ids(records: Path) -> dict[int, list[int]]:
-    """The ids each epoch trained, a step taken again (after a restart from a checkpoint, or a
-    step per-step did not commit) counted once: its last taking."""
+    """The ids each epoch trained, a step taken again counted once: its last taking. Restart
+    mode takes again the steps after the checkpoint it resumed from (what came after a step's
+    first taking is void); per-step takes again a step that was not committed, in the same
+    processes (`tests/test_replicas_ray.committed_ids`)."""
     rows = sorted((row for path in records.glob("ids-*.jsonl") for row in read_jsonl(path)), key=lambda r: r["time"])
+    if rows and "pid" in rows[0]:
+        from test_replicas_ray import committed_ids
+
+        return committed_ids(records)
     taken: list[dict] = []
     for row in rows:
-        who = row.get("pid", row["rank"])
-        if any(r["step"] > row["step"] or (r["step"] == row["step"] and r.get("pid", r["rank"]) == who) for r in taken):
-            taken = [r for r in taken if r["step"] < row["step"]]  # that step again: what came after it is void
+        if any(r["step"] > row["step"] or (r["step"] == row["step"] and r["rank"] == row["rank"]) for r in taken):
+            taken = [r for r in taken if r["step"] < row["step"]]
         taken.append(row)
     per_epoch: dict[int, list[int]] = defaultdict(list)
     for row in taken:

@@ -322,7 +322,7 @@ def test_survivors_give_up_on_a_silent_peer_after_a_few_usual_steps_not_the_coll
     assert rules.stall_after_s(5.0, [0.5] * 20) == 5.0 + rules.STALL_GRACE_MIN_S
 
 
-def test_a_replica_hands_the_others_its_store_by_node_address_not_by_hostname():
+def test_a_replica_hands_the_others_its_store_by_node_address_and_waits_the_peer_wait_in_each_collective():
     """torchft's handle names the store by the hostname, which resolves to loopback on many hosts:
     replicas on other hosts then never joined the process group (issue 47)."""
     import json
@@ -330,9 +330,15 @@ def test_a_replica_hands_the_others_its_store_by_node_address_not_by_hostname():
 
     from torchft import ProcessGroupGloo
 
-    from raytrain.worker.replicas import _handed_by_address
+    from raytrain.worker.replicas import _replica_process_group
 
-    pg = _handed_by_address(ProcessGroupGloo, "10.77.0.2")(timeout=timedelta(seconds=5))
+    pg = _replica_process_group(ProcessGroupGloo, "10.77.0.2")(timeout=timedelta(seconds=5))
     handle = json.loads(pg.get_reconfigure_handle())
     assert handle["store"].startswith("10.77.0.2:") and int(handle["store"].rsplit(":", 1)[1]) > 0
     assert isinstance(pg, ProcessGroupGloo)
+    # Each collective waits the peer wait for a missing peer, not the group's timeout.
+    from torch.distributed import AllreduceOptions
+
+    assert pg._opts_hook(AllreduceOptions()).timeout < timedelta(0)  # unset: the group's
+    pg.op_timeout = timedelta(seconds=5)
+    assert pg._opts_hook(AllreduceOptions()).timeout == timedelta(seconds=5)

@@ -127,19 +127,32 @@ def torchft_config(use_gpu: bool, timeout_s: float, min_groups: int = 1):
     )
 
 
-def _handed_by_address(pg_class: type, address: str) -> type:
-    """torchft's process group `pg_class` whose reconfigure handle names its rendezvous store by
-    `address` (torchft names it by `socket.gethostname()`; the store itself listens on every
-    interface)."""
+def _replica_process_group(pg_class: type, address: str) -> type:
+    """torchft's process group `pg_class`, as a replica needs it across hosts:
 
-    class HandedByAddress(pg_class):  # type: ignore[valid-type, misc]
+    - its reconfigure handle names its rendezvous store by `address` (torchft names it by
+      `socket.gethostname()`; the store itself listens on every interface);
+    - each collective waits for a missing peer `op_timeout` (the peer wait, set per step by
+      `ReplicaRuntime.wait_for_peers`), not the group's timeout, which a gloo or NCCL
+      collective would otherwise wait out whatever torchft's Manager waits (its `wrap_future`
+      bounds a step's future, but a `Work.wait` blocks in the collective itself)."""
+
+    class ReplicaProcessGroup(pg_class):  # type: ignore[valid-type, misc]
+        op_timeout: timedelta | None = None
+
         def get_reconfigure_handle(self) -> str:
             handle = json.loads(super().get_reconfigure_handle())
             handle["store"] = network.with_host(handle["store"], address)
             return json.dumps(handle)
 
-    HandedByAddress.__name__ = HandedByAddress.__qualname__ = pg_class.__name__
-    return HandedByAddress
+        def _opts_hook(self, opts: Any) -> Any:
+            opts = super()._opts_hook(opts)
+            if self.op_timeout is not None and hasattr(opts, "timeout"):
+                opts.timeout = self.op_timeout
+            return opts
+
+    ReplicaProcessGroup.__name__ = ReplicaProcessGroup.__qualname__ = pg_class.__name__
+    return ReplicaProcessGroup
 
 
 class StallWatch:
@@ -203,6 +216,7 @@ class ReplicaRuntime(Runtime):
         self.distributed = True
         self.replica = replica_of(self.replica_rank, group_size, timeout_s, self._collective_device(), run_dir)
         self.manager = None  # torchft's, once started (`start_manager`)
+        self.process_group: Any = None  # the Manager's, across replicas
         self.peer_wait_s = timeout_s  # how long its collectives wait for a missing peer (`wait_for_peers`)
         collectives = "nccl" if self.device.type == "cuda" else "gloo"
         self.backend = f"torchft ({collectives}) over {self.replicas} replicas"
@@ -224,7 +238,7 @@ class ReplicaRuntime(Runtime):
         # which often resolves to loopback (`raytrain.rules.network`): the Manager's (for the
         # lighthouse) and the process group's rendezvous store (its reconfigure handle).
         pg_class = ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo
-        pg = _handed_by_address(pg_class, node_address)(timeout=timeout)
+        pg = self.process_group = _replica_process_group(pg_class, node_address)(timeout=timeout)
         self.manager = Manager(
             pg=pg,
             load_state_dict=load,
@@ -241,12 +255,14 @@ class ReplicaRuntime(Runtime):
 
     def wait_for_peers(self, seconds: float) -> None:
         """How long this replica's collectives through the Manager (a step's all-reduce, its
-        commit) wait for a missing peer from here on: `rules.peer_wait_s`. torchft's Manager
-        reads its `_timeout` for each collective's future (`Manager.wrap_future`) and has no
-        setter; its process group keeps the whole timeout for what it does alone."""
+        commit) wait for a missing peer from here on: `raytrain.rules.replicas.peer_wait_s`.
+        Each collective of its process group is given that timeout (`_replica_process_group`),
+        and torchft's Manager reads its `_timeout` for each collective's future
+        (`Manager.wrap_future`) and has no setter."""
         self.peer_wait_s = seconds
         if self.manager is not None:
             self.manager._timeout = timedelta(seconds=seconds)
+            self.process_group.op_timeout = timedelta(seconds=seconds)
 
     def shutdown(self) -> None:
         self.replica.stop()

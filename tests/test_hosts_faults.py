@@ -1,0 +1,49 @@
+"""A host lost, frozen or cut off under an elastic run on two real hosts (tests/hosts.py), in
+restart and per-step modes: the run finishes, every id is trained exactly once per epoch, it
+goes on at 2 workers on the host left, and it grows back to 4 when the host returns (its node
+supervised). The recovery times are benchmarks/real_hosts.py's figures (RESULTS.md section 30);
+here a bound only says it was a failure handled, never a hang. Scenario stage: each case takes
+3-5 minutes on 2 cores; CI keeps tests/test_hosts_ray.py (two hosts train, no fault)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+from hosts import skip_reason
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import real_hosts  # noqa: E402
+
+pytestmark = [
+    pytest.mark.scenario,
+    pytest.mark.ray,  # a Ray node on each of two hosts of its own (not the session's Ray)
+    pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""),
+]
+
+
+@pytest.mark.parametrize(
+    "mode, fault",
+    [
+        ("restart", "partition"),
+        ("restart", "frozen"),
+        ("restart", "lost"),
+        ("per-step", "partition"),
+        ("per-step", "frozen"),
+        ("per-step", "lost"),
+    ],
+)
+def test_a_failed_host_is_a_failure_handled_and_taken_back_when_it_returns(tmp_path, mode, fault):
+    args = argparse.Namespace(
+        down_s=60.0, step_s=0.5, epochs=30, back_wait_s=180.0, ray_defaults=False, collective_timeout_s=None
+    )
+    row = real_hosts.case(tmp_path / f"{mode}-{fault}", fault, mode, args)
+    print(row)
+    assert row["exit"] == 0 and row["status"] == "finished", row
+    assert row["sizes"] == "4→2→4", row  # on at the host left, then back to both
+    assert row["exactly_once"], row
+    assert row["again_s"] is not None and row["again_s"] < 90, row  # a failure handled, not the 600 s timeout
+    assert row["back_s"] is not None, row
