@@ -5,10 +5,10 @@ Ray Train 2.60's elastic policy sizes a worker group from the resources Ray Data
 AutoscalingCoordinator reserves for it, and the coordinator reads the cluster's nodes only on
 its tick, every 20 s (`_AutoscalingCoordinatorActor.TICK_INTERVAL_S`). After a node dies the
 controller's next decision may still count it: it asks for the old size, waits out the
-placement group's start timeout (raytrain's 30 s, `launch.ELASTIC_START_TIMEOUT_S`), and only
+placement group's start timeout (`launch.ELASTIC_START_TIMEOUT_S`), and only
 then tries the size the cluster has. Measured on two real hosts with one cut off
-(benchmarks/real_hosts.py): 58 s from the cut to training again, of which about 30 s was that
-wait. A new node waits for the tick the same way before the run grows onto it.
+(benchmarks/real_hosts.py): 58 s from the cut to training again, of which 30 s was that wait
+(the timeout was 30 s then). A new node waits for the tick the same way before the run grows onto it.
 
 `FreshResources`, a controller callback, asks the coordinator to read the nodes again (a
 `recompute` of its reservations, one `ray.nodes()` on the head) before the controller acts on a
