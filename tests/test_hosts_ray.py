@@ -86,3 +86,23 @@ def test_doctor_names_each_hostname_on_loopback_and_the_differing_interfaces_as_
         f"{first.interface} on {first.address} ({name}); {second.interface} on {second.address} ({name})"
     ) in out
     assert "Between nodes: each of the 2 nodes reached every other's address on a free port" in out
+
+
+def test_joins_from_another_host_and_after_another_driver_and_a_refused_token_is_named(two_hosts, tmp_path):
+    """Issue 47's `InvalidAuthToken`: a driver whose token differs from the head's is refused,
+    and Ray retries for 20 s, logging InvalidAuthToken once a second, before it gives up with
+    "Failed to connect". Drivers on the other host with the head's token join, one after the
+    other; one with another token is told which token it sent and how to fix it."""
+    args = ["doctor", "--address", two_hosts.head_address, "--storage", str(tmp_path)]
+    for _ in range(2):  # a join from the second host, then another one after it
+        done = two_hosts[1].run([sys.executable, "-c", CLI, *args], timeout=240, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+    other = tmp_path / "other_token"
+    other.write_text("0" * 64)
+    env = {**two_hosts.env, "RAY_AUTH_TOKEN_PATH": str(other)}
+    done = two_hosts[1].run([sys.executable, "-c", CLI, *args], timeout=240, cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"FAIL cannot reach Ray at {two_hosts.head_address}" in done.stdout
+    assert "most likely it refused this process's token (Ray logs InvalidAuthToken)" in done.stdout
+    assert f"this process sends the token in {other} (last changed " in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr

@@ -286,3 +286,20 @@ def test_a_pair_that_cannot_connect_on_a_free_port_is_a_problem_naming_both_node
 )
 def test_an_address_given_by_hostname_is_given_by_the_node_address_instead(url, host, expected):
     assert network.with_host(url, host) == expected
+
+
+def test_a_driver_says_which_token_it_sends(tmp_path):
+    from raytrain.driver.session import token_source
+
+    home = tmp_path
+    token = home / ".ray" / "auth_token"
+    assert token_source({}, home) == f"RAY_AUTH_MODE is not `token` here and {token} does not exist: it sends no token"
+    assert token_source({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "x"}, home) == "the token in RAY_AUTH_TOKEN"
+    assert token_source({"RAY_AUTH_MODE": "token"}, home) == f"no token: {home}/.ray/auth_token does not exist"
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text("t")
+    assert token_source({"RAY_AUTH_MODE": "token"}, home).startswith(f"the token in {token} (last changed ")
+    named = tmp_path / "mine"
+    named.write_text("t")
+    sent = token_source({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(named)}, home)
+    assert sent.startswith(f"the token in {named} (")

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 from raytrain.doctor.network import check_reachability
 from raytrain.doctor.probe import PROBE_TIMEOUT_S, probe_nodes
 from raytrain.doctor.storage import NETWORK_FS, StorageState, describe_storage, inspect_storage, remove_marker
-from raytrain.driver.session import address_problem
+from raytrain.driver.session import address_problem, join_fix
 from raytrain.rules.network import NodeNetwork, Unreachable, interface_holding, network_findings
 
 
@@ -73,7 +73,7 @@ def run_doctor(
         except Exception as exc:  # connection and auth errors come in several types
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             echo(f"FAIL cannot reach Ray at {address or 'a new local instance'}: {first}")
-            echo(f"  fix: {_CONNECT_FIX}")
+            echo(f"  fix: {join_fix() if address else _CONNECT_FIX}")
             remove_marker(state)
             return 1
     try:

@@ -14,6 +14,9 @@ import json
 import logging
 import os
 import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Callable, Iterator
 
 from raytrain.config import TrainConfig
@@ -140,11 +143,43 @@ def _join_cluster(address: str, runtime_env: dict, quiet: dict) -> None:
         ray.init(address=address, runtime_env=runtime_env, **quiet)
     except Exception as exc:  # connection errors come in several types
         cause = str(exc).splitlines()[0][:200]
-        fix = (
-            "check that its head is running (ray status), the address, and RAY_AUTH_MODE=token if the cluster "
-            "uses token auth"
+        raise ConfigError(
+            [("address", f"cannot join the Ray cluster at {address!r} ({cause}); {join_fix()}")]
+        ) from None
+
+
+def token_source(environ: Mapping[str, str] | None = None, home: Path | None = None) -> str:
+    """Which token a Ray driver started here sends, in Ray 2.60's order (RAY_AUTH_TOKEN, then the
+    file RAY_AUTH_TOKEN_PATH names, then ~/.ray/auth_token), and when its file last changed."""
+    environ = os.environ if environ is None else environ
+    path = Path(environ.get("RAY_AUTH_TOKEN_PATH") or (home or Path.home()) / ".ray" / "auth_token")
+    if environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        unset = "RAY_AUTH_MODE is not `token` here"
+        return (
+            f"{unset}: it sends the token in {path}, if Ray takes token mode from that file"
+            if path.exists()
+            else f"{unset} and {path} does not exist: it sends no token"
         )
-        raise ConfigError([("address", f"cannot reach a Ray cluster at {address!r} ({cause}); {fix}")]) from None
+    if environ.get("RAY_AUTH_TOKEN"):
+        return "the token in RAY_AUTH_TOKEN"
+    try:
+        changed = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
+    except OSError:
+        return f"no token: {path} does not exist"
+    return f"the token in {path} (last changed {changed})"
+
+
+def join_fix() -> str:
+    """What to check when a cluster's head answers but this process cannot join it: most often
+    its token (Ray logs `InvalidAuthToken` once a second for 20 s, then gives up)."""
+    return (
+        "its head answers there, so most likely it refused this process's token (Ray logs InvalidAuthToken): "
+        f"this process sends {token_source()}. Export RAY_AUTH_MODE=token and give it the head's token: copy the "
+        "head's ~/.ray/auth_token here, or point RAY_AUTH_TOKEN_PATH at a copy. A local Ray started without "
+        "RAY_AUTH_MODE (a plain ray.init(), or raytrain without --address) writes a new ~/.ray/auth_token where "
+        "none exists, which then differs from the cluster's. Otherwise check the versions: the same Ray and Python "
+        "as the cluster"
+    )
 
 
 def _start_embedded(
