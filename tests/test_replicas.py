@@ -330,9 +330,9 @@ def test_a_replica_hands_the_others_its_store_by_node_address_and_waits_the_peer
 
     from torchft import ProcessGroupGloo
 
-    from raytrain.worker.replicas import _replica_process_group
+    from raytrain.worker.groups import replica_process_group
 
-    pg = _replica_process_group(ProcessGroupGloo, "10.77.0.2")(timeout=timedelta(seconds=5))
+    pg = replica_process_group(ProcessGroupGloo, "10.77.0.2")(timeout=timedelta(seconds=5))
     handle = json.loads(pg.get_reconfigure_handle())
     assert handle["store"].startswith("10.77.0.2:") and int(handle["store"].rsplit(":", 1)[1]) > 0
     assert isinstance(pg, ProcessGroupGloo)

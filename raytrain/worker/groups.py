@@ -11,6 +11,7 @@ loses all its workers or none: a worker that sees a member gone leaves, `GroupWa
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from datetime import timedelta
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from raytrain.parallel.hsdp import GroupWatch
+from raytrain.rules import network
 from raytrain.rules import replicas as rules
 from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind
@@ -131,3 +133,31 @@ def replica_of(
 ) -> Solo | ReplicaGroup:
     """This worker's replica: itself, or its group of `size`."""
     return ReplicaGroup(replica_rank, size, timeout_s, device, run_dir) if size > 1 else Solo(replica_rank)
+
+
+def replica_process_group(pg_class: type, address: str) -> type:
+    """torchft's process group `pg_class`, as a replica needs it across hosts:
+
+    - its reconfigure handle names its rendezvous store by `address` (torchft names it by
+      `socket.gethostname()`; the store itself listens on every interface);
+    - each collective waits for a missing peer `op_timeout` (the peer wait, set per step by
+      `ReplicaRuntime.wait_for_peers`), not the group's timeout, which a gloo or NCCL
+      collective would otherwise wait out whatever torchft's Manager waits (its `wrap_future`
+      bounds a step's future, but a `Work.wait` blocks in the collective itself)."""
+
+    class ReplicaProcessGroup(pg_class):  # type: ignore[valid-type, misc]
+        op_timeout: timedelta | None = None
+
+        def get_reconfigure_handle(self) -> str:
+            handle = json.loads(super().get_reconfigure_handle())
+            handle["store"] = network.with_host(handle["store"], address)
+            return json.dumps(handle)
+
+        def _opts_hook(self, opts: Any) -> Any:
+            opts = super()._opts_hook(opts)
+            if self.op_timeout is not None and hasattr(opts, "timeout"):
+                opts.timeout = self.op_timeout
+            return opts
+
+    ReplicaProcessGroup.__name__ = ReplicaProcessGroup.__qualname__ = pg_class.__name__
+    return ReplicaProcessGroup

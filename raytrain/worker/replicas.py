@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import statistics
@@ -56,7 +55,7 @@ from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind
 from raytrain.rundir.storage import Store
 from raytrain.text import first_line
-from raytrain.worker.groups import replica_of
+from raytrain.worker.groups import replica_of, replica_process_group
 from raytrain.worker.network import BindsInterfaces
 from raytrain.worker.recovery import Quorum, Recovery
 from raytrain.worker.runtime import Runtime, group_barrier
@@ -125,34 +124,6 @@ def torchft_config(use_gpu: bool, timeout_s: float, min_groups: int = 1):
         backend="nccl" if use_gpu else "gloo",
         timeout_s=timeout_s,  # seconds as given: Ray makes a timedelta of them (0.5 stays 0.5)
     )
-
-
-def _replica_process_group(pg_class: type, address: str) -> type:
-    """torchft's process group `pg_class`, as a replica needs it across hosts:
-
-    - its reconfigure handle names its rendezvous store by `address` (torchft names it by
-      `socket.gethostname()`; the store itself listens on every interface);
-    - each collective waits for a missing peer `op_timeout` (the peer wait, set per step by
-      `ReplicaRuntime.wait_for_peers`), not the group's timeout, which a gloo or NCCL
-      collective would otherwise wait out whatever torchft's Manager waits (its `wrap_future`
-      bounds a step's future, but a `Work.wait` blocks in the collective itself)."""
-
-    class ReplicaProcessGroup(pg_class):  # type: ignore[valid-type, misc]
-        op_timeout: timedelta | None = None
-
-        def get_reconfigure_handle(self) -> str:
-            handle = json.loads(super().get_reconfigure_handle())
-            handle["store"] = network.with_host(handle["store"], address)
-            return json.dumps(handle)
-
-        def _opts_hook(self, opts: Any) -> Any:
-            opts = super()._opts_hook(opts)
-            if self.op_timeout is not None and hasattr(opts, "timeout"):
-                opts.timeout = self.op_timeout
-            return opts
-
-    ReplicaProcessGroup.__name__ = ReplicaProcessGroup.__qualname__ = pg_class.__name__
-    return ReplicaProcessGroup
 
 
 class StallWatch:
@@ -238,7 +209,7 @@ class ReplicaRuntime(Runtime):
         # which often resolves to loopback (`raytrain.rules.network`): the Manager's (for the
         # lighthouse) and the process group's rendezvous store (its reconfigure handle).
         pg_class = ProcessGroupNCCL if self.device.type == "cuda" else ProcessGroupGloo
-        pg = self.process_group = _replica_process_group(pg_class, node_address)(timeout=timeout)
+        pg = self.process_group = replica_process_group(pg_class, node_address)(timeout=timeout)
         self.manager = Manager(
             pg=pg,
             load_state_dict=load,
@@ -256,7 +227,7 @@ class ReplicaRuntime(Runtime):
     def wait_for_peers(self, seconds: float) -> None:
         """How long this replica's collectives through the Manager (a step's all-reduce, its
         commit) wait for a missing peer from here on: `raytrain.rules.replicas.peer_wait_s`.
-        Each collective of its process group is given that timeout (`_replica_process_group`),
+        Each collective of its process group is given that timeout (`raytrain.worker.groups.replica_process_group`),
         and torchft's Manager reads its `_timeout` for each collective's future
         (`Manager.wrap_future`) and has no setter."""
         self.peer_wait_s = seconds
