@@ -109,11 +109,24 @@ def trained_ids(records: Path) -> dict[int, list[int]]:
         from test_replicas_ray import committed_ids
 
         return committed_ids(records)
-    taken: list[dict] = []
+    # The records in attempts: a new one starts at a step already taken (a smaller step, or
+    # the same step again by a rank that took it, or at another size). Within an attempt
+    # every rank records step s before any records s + 1 (the step's all-reduce is between).
+    attempts: list[list[dict]] = [[]]
+    top, ranks, size = -1, set(), None
     for row in rows:
-        if any(r["step"] > row["step"] or (r["step"] == row["step"] and r["rank"] == row["rank"]) for r in taken):
-            taken = [r for r in taken if r["step"] < row["step"]]
-        taken.append(row)
+        again = row["step"] < top or (row["step"] == top and (row["rank"] in ranks or row["world_size"] != size))
+        if again and attempts[-1]:
+            attempts.append([])
+            top, ranks = -1, set()
+        attempts[-1].append(row)
+        if row["step"] > top:
+            top, ranks, size = row["step"], set(), row["world_size"]
+        ranks.add(row["rank"])
+    taken: list[dict] = []
+    for attempt in attempts:  # each voids what earlier ones took from its first step on
+        first = min((row["step"] for row in attempt), default=0)
+        taken = [row for row in taken if row["step"] < first] + attempt
     per_epoch: dict[int, list[int]] = defaultdict(list)
     for row in taken:
         per_epoch[row["epoch"]].extend(row["ids"])
