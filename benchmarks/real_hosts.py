@@ -18,7 +18,7 @@ from the fault's end to training at 4 again (`back_s`); and whether every id was
 once in every epoch (`exactly_once`), from the ids each step recorded, with the steps a restart
 took again counted once.
 
-    python benchmarks/real_hosts.py OUT [--faults partition,frozen,lost] [--modes restart,per-step]
+    python benchmarks/real_hosts.py OUT [--faults partition,frozen,lost] [--modes restart,per-step,per-step-groups]
         [--ray-defaults]   # the cluster's health checks as Ray's defaults, not raytrain's
 
 Needs root (network namespaces); one case takes 2–4 minutes on 2 cores. Writes OUT/rows.json
@@ -49,7 +49,8 @@ GLOBAL_BATCH = 48  # 20 steps an epoch
 
 
 def driver(out: Path, mode: str, address: str, epochs: int, step_s: float, timeout_s: float | None) -> int:
-    """The run, on the first host (`--driver`)."""
+    """`mode`: restart, per-step, or per-step-groups (replica groups of 2 workers, fsdp within
+    each: HSDP)."""
     from rt_test_pipelines import RecordingPipeline, ReplicaRecordingPipeline
 
     import raytrain
@@ -57,6 +58,8 @@ def driver(out: Path, mode: str, address: str, epochs: int, step_s: float, timeo
     records = out / "records"
     records.mkdir(parents=True, exist_ok=True)
     pace = dict(step_sleep_s=step_s, pace_until=str(out / "unpaced"))
+    groups = {"replica_group_size": 2, "strategy": "fsdp"} if mode == "per-step-groups" else {}
+    mode = "per-step" if groups else mode
     if mode == "per-step":
         pipeline = ReplicaRecordingPipeline(str(records), num_rows=ROWS, crash_at_step=None, **pace)
     else:
@@ -76,6 +79,7 @@ def driver(out: Path, mode: str, address: str, epochs: int, step_s: float, timeo
         address=address,
         progress="off",
         **({"collective_timeout_s": timeout_s} if timeout_s else {}),
+        **groups,
     )
     try:
         raytrain.fit(pipeline, cfg)
@@ -221,7 +225,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--faults", default="partition,frozen,lost")
-    parser.add_argument("--modes", default="restart,per-step")
+    parser.add_argument("--modes", default="restart,per-step", help="restart, per-step, per-step-groups (HSDP)")
     parser.add_argument("--down-s", type=float, default=60.0, help="how long the fault lasts")
     parser.add_argument("--step-s", type=float, default=0.5, help="each step's pace until the run is back at 4")
     parser.add_argument("--epochs", type=int, default=30)
