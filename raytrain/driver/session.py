@@ -38,8 +38,9 @@ EMBEDDED_WORKER_NICENESS = "0"
 METRICS_PORT_VARIABLES = ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")
 # How soon the head declares a silent node dead (a host lost, frozen or cut off): Ray's
 # defaults (a check every 3 s, each given 10 s, 5 misses) take 50–65 s, during which a
-# restarting run waits for the node's workers and an elastic one cannot shrink. These take
-# 5–10 s; a node busy enough to miss five 2 s answers in a row is not the common case.
+# restarting run waits for the node's workers and an elastic one cannot shrink. With these a
+# cut-off node was declared dead 15 s after the cut (benchmarks/RESULTS.md section 30); a node
+# busy enough to miss five 2 s answers in a row is not the common case.
 # Set on the head (`ray start --head --system-config`), where the checks run: the Ray
 # raytrain starts and `raytrain up` use them; docs/cluster.md says how to set them elsewhere.
 NODE_HEALTH_CONFIG = {

@@ -13,8 +13,8 @@ committed (so that peers merely slower than that are waited for on the next try)
 more than the collective timeout. A host lost, frozen or cut off thus costs the survivors the
 peer wait and a new quorum (the lighthouse forgets a member after a second without its
 heartbeat), not the collective timeout. A quorum, and a heal from a live peer, wait the
-collective timeout. A replica whose work outlasts the peer wait by more than its grace is stuck (a hung kernel, a
-lost mount) and must leave: while it lives it heartbeats, and torchft's lighthouse keeps
+collective timeout. A replica whose work outlasts the peer wait by more than its grace is stuck
+(a hung kernel, a lost mount) and must leave: while it lives it heartbeats, and torchft's lighthouse keeps
 counting it. With three replicas or more the others go on without it after the lighthouse's
 join wait; with two, the lighthouse forms no quorum of one out of two live replicas (its guard
 against a split brain), so the survivor waits until the stuck one is gone.
@@ -128,7 +128,7 @@ def peer_wait_s(collective_timeout_s: float, committed_work_s: Sequence[float], 
     see the module's docstring."""
     if not committed_work_s:
         return collective_timeout_s  # a first step may compile
-    usual = statistics.median(committed_work_s[-STEPS_REMEMBERED:])
+    usual = _usual_step_s(committed_work_s)
     return min(collective_timeout_s, max(PEER_WAIT_MIN_S, STEPS_OF_GRACE * usual) * 2 ** min(uncommitted_in_a_row, 20))
 
 
@@ -137,8 +137,12 @@ def stall_after_s(peer_wait_s: float, committed_work_s: Sequence[float]) -> floa
     wait (how long the others' all-reduce waits for it), then its grace."""
     if not committed_work_s:
         return peer_wait_s + max(FIRST_STEP_GRACE_S, peer_wait_s)
-    usual = statistics.median(committed_work_s[-STEPS_REMEMBERED:])
-    return peer_wait_s + max(STALL_GRACE_MIN_S, STEPS_OF_GRACE * usual)
+    return peer_wait_s + max(STALL_GRACE_MIN_S, STEPS_OF_GRACE * _usual_step_s(committed_work_s))
+
+
+def _usual_step_s(committed_work_s: Sequence[float]) -> float:
+    """A replica's usual step: the median of its last STEPS_REMEMBERED committed steps."""
+    return statistics.median(committed_work_s[-STEPS_REMEMBERED:])
 
 
 def quorum_wait_s(collective_timeout_s: float, join_timeout_s: float, heartbeat_timeout_s: float) -> float:
