@@ -7,11 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from raytrain.bench.baselines import GLOO_ABORT
+
 TESTS = Path(__file__).parent
-# What a rank that torch's gloo aborted at a busy moment prints (std::terminate in a gloo
-# thread, SIGABRT): seen a few times in the slow stage while other gloo jobs ran on the 2 cores,
-# on rank 0 before its first collective; never with the same script run alone.
-GLOO_ABORT = "terminate called without an active exception"
 
 
 def run_ranks(script: str, *args: str, ranks: int = 2, timeout_s: float = 300, check: bool = True):

@@ -8,6 +8,7 @@ recorded in benchmarks/RESULTS.md, not tests.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from raytrain.bench import (
     step_split,
     study,
 )
-from raytrain.bench.options import PlannedRun
+from raytrain.bench.options import BenchError, PlannedRun
 from raytrain.cli import main
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
@@ -215,6 +216,59 @@ def test_template_baselines_run(planned, mode):
     assert result["steady_samples_per_s"] > 0
     assert set(result["phase_time_s"]) == {"data_wait", "forward_backward", "optimizer"}
     assert any("samples/s steady" in line for line in lines)
+
+
+def _fake_template(outcomes: list[str], runs: list[list[str]]):
+    """A `subprocess.run` standing in for torchrun: each call takes the next outcome ("abort":
+    gloo's own abort, "bug": the template's failure, "ok": its result file)."""
+
+    def run(command, stdout, **kwargs):
+        runs.append(command)
+        outcome = outcomes[len(runs) - 1]
+        out = Path(command[command.index("--out") + 1])
+        if outcome == "ok":
+            out.write_text(json.dumps({"steady_samples_per_s": 1.0}))
+        stdout.write({"abort": baselines.GLOO_ABORT, "bug": "ValueError: a bug", "ok": "done"}[outcome] + "\n")
+        return subprocess.CompletedProcess(command, 0 if outcome == "ok" else 1)
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "outcomes, ran, passes",
+    [
+        (["abort", "ok"], 2, True),  # gloo aborted a rank by itself: taken once more
+        (["abort", "abort"], 2, False),  # twice: the error, after one retry only
+        (["bug", "ok"], 1, False),  # the template's own failure is never retried
+    ],
+)
+def test_a_template_run_that_gloo_aborted_by_itself_is_taken_once_more(tmp_path, monkeypatch, outcomes, ran, passes):
+    (tmp_path / "baselines").mkdir()
+    cfg = TrainConfig(workers=2, epochs=1, batch_size_per_worker=16, storage=str(tmp_path / "runs"), name="w2")
+    run = PlannedRun(
+        workers=2,
+        cfg=cfg,
+        batch=resolve_batch_plan(2, batch_size_per_worker=16),
+        epochs=1,
+        steady_steps=1,
+        num_rows=32,
+        out=tmp_path,
+    )
+    runs: list[list[str]] = []
+    monkeypatch.setattr(baselines.subprocess, "run", _fake_template(outcomes, runs))
+    opts = BenchOptions(workers=[2], warmup_steps=1, baselines=["torchrun"], storage=str(tmp_path))
+    lines: list[str] = []
+
+    def call():
+        return baselines.run_template("digits", run, opts, tmp_path, mode="torchrun", tag="", echo=lines.append)
+
+    if passes:
+        assert call()["steady_samples_per_s"] == 1.0
+    else:
+        with pytest.raises(BenchError, match="exited with 1"):
+            call()
+    assert len(runs) == ran
+    assert sum("aborted by gloo itself" in line for line in lines) == (1 if ran == 2 else 0)
 
 
 # -- command line ---------------------------------------------------------------------------

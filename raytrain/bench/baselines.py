@@ -18,6 +18,11 @@ import psutil
 from raytrain.bench.options import BASELINE_TIMEOUT_S, TEMPLATE_MODULE, BenchError, BenchOptions, PlannedRun
 from raytrain.text import plural
 
+# What a rank prints when torch's gloo aborts it by itself (std::terminate in a gloo thread,
+# SIGABRT), seen a few times on a busy 2-core machine while other gloo jobs ran, never with the
+# same template run alone: not the template's failure, so its run is taken once more.
+GLOO_ABORT = "terminate called without an active exception"
+
 
 def run_template(
     pipeline: str, run: PlannedRun, opts: BenchOptions, out: Path, *, mode: str, tag: str, echo
@@ -71,13 +76,17 @@ def run_template(
     echo(f"bench: {what}, {plural(threads, 'thread')} each")
     log = folder / f"{name}.log"
     background = BackgroundCPU()
-    with open(log, "w") as handle:
-        try:
-            code = subprocess.run(
-                command, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=BASELINE_TIMEOUT_S
-            ).returncode
-        except subprocess.TimeoutExpired:
-            code = None
+    for attempt in range(2):
+        with open(log, "w") as handle:
+            try:
+                code = subprocess.run(
+                    command, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=BASELINE_TIMEOUT_S
+                ).returncode
+            except subprocess.TimeoutExpired:
+                code = None
+        if code in (0, None) or attempt == 1 or GLOO_ABORT not in log.read_text(errors="replace"):
+            break
+        echo(f"bench: a rank of the {what} was aborted by gloo itself ({GLOO_ABORT!r}); running it once more")
     ray_share = background.share()
     import ray
 
