@@ -188,7 +188,8 @@ def test_an_earlier_runs_config_yaml_loads_as_it_did(tmp_path):
     expected = {key: value for key, value in recorded.items() if key not in ("pipeline", "optimizer")}
     # gpu is what the run found, decided again by a resume (raytrain.rundir.RunDir.stored_run)
     expected.update(OPTIMIZER_DEFAULTS, decay_norm_and_bias=True, resume=True, gpu=None)
-    expected.update(replica_group_size=1, tf32=True)  # fields added since: their defaults
+    # fields added since: their defaults
+    expected.update(replica_group_size=1, tf32=True, straggler_factor=1.5, straggler_steps=20, replica_check_steps=None)
     assert spec == "digits"
     assert cfg.to_dict() == expected
     # resumed with the options it ran with: nothing to report, nothing refused

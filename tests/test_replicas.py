@@ -187,22 +187,22 @@ class FakeRunner:
 
 
 def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tmp_path, monkeypatch):
+    from raytrain.config import TrainConfig
     from raytrain.rules.position import Position
     from raytrain.rundir import RunDir
     from raytrain.rundir.writer import RunWriter
     from raytrain.worker import epoch
     from raytrain.worker.epoch import Epochs
     from raytrain.worker.recovery import Recovery
+    from raytrain.worker.watch import Watch
 
     monkeypatch.setattr(epoch, "plan_line", lambda runner: runner.describe_plan())
 
     def attempt(files, position, runner):
+        recovery = Recovery.__new__(Recovery)  # no Ray Train context: its line only
+        recovery.faults = Watch(TrainConfig())
         training = SimpleNamespace(
-            files=files,
-            position=position,
-            runner=runner,
-            train_data=range(1000),
-            recovery=Recovery.__new__(Recovery),  # no Ray Train context: its line only
+            files=files, position=position, runner=runner, train_data=range(1000), recovery=recovery
         )
         return training
 

@@ -319,6 +319,35 @@ class ObserveSection:
 
 
 @dataclass(kw_only=True)
+class WatchSection:
+    """The faults that announce nothing: a slow rank every step waits for, a replica whose weights differ."""
+
+    straggler_factor: float = 1.5
+    """A rank whose own step time (its data wait, forward and optimizer step: the phases in which it waits for no
+    other rank) is more than this many times the median of the others' is slow."""
+    straggler_steps: int = 20
+    """A rank slow for this many steps running is named a straggler: one "straggler" event (its rank, host, how much
+    slower, and whether it waits for data or computes slowly), again only when that changes."""
+    replica_check_steps: int | None = None
+    """Compare the replicas' weights and optimizer state (a fingerprint of bit patterns, one small collective) every
+    this many steps; default: before every checkpoint, and at least every 1,000 steps. A mismatch rolls the run back
+    to the last checkpoint whose replicas agreed; 0 turns the check off."""
+
+    def own_problems(self) -> Iterable[tuple[str, str]]:
+        if not 1 < self.straggler_factor < math.inf:
+            yield (
+                "straggler_factor",
+                f"got {self.straggler_factor}; must be a ratio above 1, e.g. --straggler-factor 1.5",
+            )
+        yield from positive_int("straggler_steps", self.straggler_steps, 20)
+        if self.replica_check_steps is not None and self.replica_check_steps < 0:
+            yield (
+                "replica_check_steps",
+                f"got {self.replica_check_steps}; must be 0 (off) or a positive step count, e.g. 1000",
+            )
+
+
+@dataclass(kw_only=True)
 class ClusterSection:
     """Where the workers run and what each one holds."""
 

@@ -26,6 +26,7 @@ from raytrain.config.sections import (
     RunSection,
     StorageSection,
     StrategySection,
+    WatchSection,
     key_value,
 )
 from raytrain.errors import ConfigError
@@ -38,6 +39,7 @@ SECTIONS = (
     FaultToleranceSection,
     StorageSection,
     ObserveSection,
+    WatchSection,
     ClusterSection,
     RunSection,
 )
@@ -47,6 +49,7 @@ SECTIONS = (
 class TrainConfig(
     RunSection,
     ClusterSection,
+    WatchSection,
     ObserveSection,
     StorageSection,
     FaultToleranceSection,

@@ -45,6 +45,8 @@ class Kind:
     MEMORY = "memory"  # what each worker holds of the model's state, after an attempt's first step
     SKIPPED = "skipped"  # an unusable checkpoint was passed over for an earlier one
     NOTE = "note"  # something about the run's setup worth knowing (an optimizer that leaves parameters out)
+    STRAGGLER = "straggler"  # a rank every step waits for (or, `ended`, no longer): raytrain.rules.stragglers
+    REPLICA_MISMATCH = "replica_mismatch"  # replicas' weights differ: the run goes back to a checkpoint
 
     # Events worth a line in the report and a mark on the plots.
     MARKED: ClassVar[tuple[str, ...]] = (RESIZE, RESTORE, QUORUM)

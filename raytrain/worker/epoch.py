@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from raytrain.worker.step import StepRunner
 
 Data = Table | Stream | Draws  # a dataset on a worker
-DIVERGED_CHECKPOINT_WAIT_S = 60.0  # how long a diverged rank waits for the checkpoint being written
+DIVERGED_CHECKPOINT_WAIT_S = 60.0  # how long a diverged (or disagreeing) rank waits for the checkpoint being written
 
 
 class EpochResult(NamedTuple):
@@ -126,6 +126,7 @@ class Epochs:
             plan, rows = runner.batch_plan, len(self.train_data)
             data.stage(steps.next_step(rows, plan.global_batch_size, step.end, step.index + 1), plan.accumulation_steps)
         advance(position, step)
+        runner.measures.own.steps += 1
         if steady:
             self.steady_clock.stop(tick, step.size, runner.measures.telemetry)
         return True
@@ -135,6 +136,7 @@ class Epochs:
         size differs from the one the run last trained with (the position says it, the same on
         every member, a healed one included)."""
         position = self.position
+        self.recovery.faults.forget()  # other workers, maybe on other hosts
         if size != self.runner.batch_plan.world_size:
             self.runner = self.runner.for_quorum(size, len(self.train_data))
         previous = position.world_sizes[-1] if position.world_sizes else size
@@ -152,6 +154,7 @@ class Epochs:
         Returns whether the run was asked to stop. Per-step, each replica reads the stop request
         itself rather than trusting the sync to carry it."""
         cfg, runner, position, files, stop = self.cfg, self.runner, self.position, self.files, False
+        faults = self.recovery.faults
         if runner.measures.memory is not None and not runner.measures.memory_said:
             runner.measures.say_memory(runner.runtime, files, note=runner.prepared.strategy.memory_note)
         if files.live_due():  # about once a second, where rank 0 is in the epoch (the driver's progress bar)
@@ -178,11 +181,13 @@ class Epochs:
             if not last:
                 rate = runner.measures.lap(position.samples_seen)
                 validation = self.validate(between_steps=True) if evaluate_now else {}
-                row = self.metrics_row(loss=loss, samples_per_s=rate, extra=validation)
+                row = self.metrics_row(loss=loss, samples_per_s=rate, extra={**validation, **faults.row_figures()})
                 files.metrics(row)
                 if evaluate_now:
                     files.evaluation(row)
             checkpoint_now = checkpoint_now or (stop and not last)
+        if not last and faults.replicas_due(self.recovery, position.step, checkpoint_now):
+            self.compare_replicas()  # before the checkpoint: a published one's replicas agreed
         if checkpoint_now:
             row = self.metrics_row(loss=float("nan"), samples_per_s=0.0)
             self.checkpointer.save(self, row.to_json())
@@ -193,8 +198,9 @@ class Epochs:
         it covers and whether to stop. A NaN/inf loss on any rank ends the run here
         (TrainingDiverged), before its weights are saved."""
         runner, position = self.runner, self.position
-        loss, count, stop, diverged = sync(
-            runner.runtime, runner.measures.heartbeat, runner.window, position.step, stop_requested
+        heartbeat, own = runner.measures.heartbeat, runner.measures.own.take()
+        loss, count, stop, diverged, times = sync(
+            runner.runtime, heartbeat, runner.window, position.step, stop_requested, own
         )
         if diverged:
             # The last good checkpoint may still be being written in the background: finish it first, so that the
@@ -214,7 +220,23 @@ class Epochs:
             )
         if self.steady_clock is not None:  # the sync waited for the steps' kernels: their times are in
             self.steady_clock.settle(runner.measures.telemetry)
+        self.recovery.faults.after_sync(self.recovery, self.files, times, position.step)
         return loss, count, stop
+
+    def compare_replicas(self) -> None:
+        """The replicas' fingerprints compared (`raytrain.worker.watch.Watch.compare`); on a
+        mismatch the run goes back to the last checkpoint, whose replicas agreed."""
+
+        def last_checkpoint() -> str | None:
+            with contextlib.suppress(Exception):  # the one being written was compared before it
+                self.checkpointer.finish(timeout_s=DIVERGED_CHECKPOINT_WAIT_S)
+            latest = checkpoints.latest_complete(self.checkpointer.store)
+            return latest.name if latest else None
+
+        runner = self.runner
+        self.recovery.faults.compare(
+            self.recovery, self.files, runner.model, runner.optimizer, self.position.step, last_checkpoint
+        )
 
     def end_epoch(self, epoch: EpochResult) -> None:
         """Validate, write the epoch's row and report it with a checkpoint."""
@@ -223,7 +245,7 @@ class Epochs:
         position.epoch, position.epoch_offset = position.epoch + 1, 0
         row = self.closing_row(epoch, val_metrics)
         self.files.epoch_end(row, self.cfg.epochs)
-        self.checkpointer.save(self, row.to_json())
+        self.save_compared(row)
 
     def end_at_step_budget(self, epoch: EpochResult) -> None:
         """The step budget (--max-steps) ran out inside an epoch: validate, write the run's last row
@@ -231,6 +253,12 @@ class Epochs:
         row = self.closing_row(epoch, self.validate())
         self.files.metrics(row)
         self.files.evaluation(row, final=True)
+        self.save_compared(row)
+
+    def save_compared(self, row: MetricsRow) -> None:
+        """A checkpoint of the epoch's or the run's last step, once its replicas agreed."""
+        if self.recovery.faults.replicas_due(self.recovery, self.position.step, checkpoint_now=True):
+            self.compare_replicas()
         self.checkpointer.save(self, row.to_json())
 
     def closing_row(self, epoch: EpochResult, val_metrics: dict) -> MetricsRow:

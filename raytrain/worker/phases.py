@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from raytrain.rules.position import Telemetry
+from raytrain.rules.stragglers import RankTimes
 from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.worker.window import Throughput
 
@@ -38,6 +39,7 @@ class Measures:
     throughput: Throughput = field(default_factory=lambda: Throughput(time.perf_counter(), 0))
     memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
     memory_said: bool = False
+    own: "OwnTime" = field(default_factory=lambda: OwnTime())  # this rank's own time since the last sync
 
     def restore(self, train_state: dict[str, Any], samples_seen: int) -> None:
         """A checkpoint's telemetry, and the throughput counted from its position."""
@@ -47,7 +49,8 @@ class Measures:
     def phases(self, step: int, timed: bool) -> "StepPhases":
         """The instrumentation of the step at `step`; `timed`: a steady step, whose phase times
         add to the telemetry's."""
-        return StepPhases(self.heartbeat, step, PhaseTimer(self.telemetry.phase_time_s if timed else None, self.sync))
+        timer = PhaseTimer(self.telemetry.phase_time_s if timed else None, self.sync)
+        return StepPhases(self.heartbeat, step, timer, self.own)
 
     @property
     def sync(self) -> Callable[[], None]:
@@ -166,15 +169,39 @@ class PhaseTimer:
         self.last = now
 
 
+# The phases in which a rank waits for no other (under ddp; the backward holds the gradient
+# all-reduce's wait for the slowest rank): its own time, which names stragglers.
+OWN_PHASES = {"data": "data_s", "forward": "compute_s", "optimizer": "compute_s"}
+
+
+@dataclass
+class OwnTime:
+    """This rank's own seconds since the last sync (`raytrain.rules.stragglers`): host time in the
+    phases of OWN_PHASES, with no device sync (on a GPU, the time the host spent queueing them
+    and waiting for the device), and the steps they cover."""
+
+    compute_s: float = 0.0
+    data_s: float = 0.0
+    steps: int = 0
+
+    def take(self) -> RankTimes:
+        """The figures so far, and a fresh start."""
+        taken = RankTimes(self.compute_s, self.data_s, self.steps)
+        self.compute_s = self.data_s = 0.0
+        self.steps = 0
+        return taken
+
+
 class StepPhases:
     """Where one optimizer step is, told to what watches it: the heartbeat (a stalled
-    collective names the phase each rank was in) and the phase timer (raytrain bench's
-    split of the step time). `with phases("backward"):` marks the heartbeat as the phase
-    begins; `timed="optimizer"` laps the timer as the block ends, so the timed blocks tile
-    the step. A block that raises laps nothing."""
+    collective names the phase each rank was in), the phase timer (raytrain bench's split of
+    the step time) and the rank's own time (`OwnTime`). `with phases("backward"):` marks the
+    heartbeat as the phase begins; `timed="optimizer"` laps the timer as the block ends, so the
+    timed blocks tile the step. A block that raises laps nothing."""
 
-    def __init__(self, heartbeat: Heartbeat, step_index: int, timer: PhaseTimer):
+    def __init__(self, heartbeat: Heartbeat, step_index: int, timer: PhaseTimer, own: OwnTime | None = None):
         self.heartbeat, self.step_index, self.timer = heartbeat, step_index, timer
+        self.own = own if own is not None else OwnTime()
         self.current = "data"  # the last phase marked: where a failure happened
 
     def __call__(self, mark: str | None = None, *, timed: str | None = None) -> "_Block":
@@ -185,17 +212,23 @@ class _Block:
     """One `with phases(...)` block: a plain class, not a generator context manager, as
     several run every step."""
 
-    __slots__ = ("phases", "mark", "timed")
+    __slots__ = ("phases", "mark", "timed", "started")
 
     def __init__(self, phases: StepPhases, mark: str | None, timed: str | None):
         self.phases, self.mark, self.timed = phases, mark, timed
+        self.started = 0.0
 
     def __enter__(self) -> None:
         if self.mark is not None:
             self.phases.current = self.mark
             self.phases.heartbeat.mark(self.phases.step_index, self.mark)
+            self.started = time.perf_counter()
 
     def __exit__(self, kind, value, traceback) -> None:
+        if kind is None and self.mark in OWN_PHASES:
+            own = self.phases.own
+            name = OWN_PHASES[self.mark]
+            setattr(own, name, getattr(own, name) + time.perf_counter() - self.started)
         if kind is None and self.timed is not None:
             self.phases.timer.lap(self.timed)
 

@@ -12,7 +12,9 @@ The loop (`raytrain.worker.loop`, `raytrain.worker.epoch`) and the checkpoints
 - who writes a checkpoint (`writes_checkpoints`), whether every rank writes its part
   (`distributed_checkpoints`), and how it is published (`publish`, `publish_wait_s`);
 - its collectives, its model's wrapper and its evaluation share: those of its runtime
-  (`raytrain.worker.runtime.Runtime`, or per-step's `ReplicaRuntime`).
+  (`raytrain.worker.runtime.Runtime`, or per-step's `ReplicaRuntime`);
+- which ranks hold the same shard of different replicas (`shards_per_replica`) and where each
+  rank runs (`rank_hosts`), for its watch of slow and silent faults (`raytrain.worker.watch`).
 
 `Recovery` is restart mode's (`--fault-tolerance restart`): a failure restarts the whole
 worker group from the last checkpoint, so every rank takes and commits every step, and Ray
@@ -28,7 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from raytrain.rundir.storage import Store
 from raytrain.text import sci
-from raytrain.worker.runtime import Runtime
+from raytrain.worker.runtime import Runtime, node_address
+from raytrain.worker.watch import Watch
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
@@ -86,6 +89,18 @@ class Recovery:
         """`runtime`: this worker's (None: Ray Train's worker, or local mode's process)."""
         self.runtime = runtime if runtime is not None else Runtime(cfg.gpu)
         self._every = Quorum(self.runtime.world_size, self.runtime.world_rank)
+        self.faults = Watch(cfg)  # slow and silent faults: stragglers, replicas that differ
+        self._sharded = cfg.strategy == "fsdp"
+
+    @property
+    def shards_per_replica(self) -> int:
+        """The ranks that hold one copy of the model between them: one under ddp (every rank holds a
+        replica), all of them under fsdp (one copy, sharded: nothing to compare)."""
+        return self.runtime.world_size if self._sharded else 1
+
+    def rank_hosts(self) -> list[str]:
+        """Every rank's host, in rank order (a collective)."""
+        return self.runtime.all_gather_object(node_address())
 
     @property
     def replica_count(self) -> int:

@@ -9,12 +9,11 @@ are averaged over the step's participants, and a step is applied only if every p
 commits it; one that is not committed (a peer died inside it) is taken again from the same
 position over the next quorum.
 
-`PerStep` is this mode's recovery object (`raytrain.worker.recovery`): the quorum, the
-commit, healing, a replacement's first quorum, and checkpoints written by the quorum's rank 0
-straight to the run directory (Ray's report is a barrier over every worker, which a lost
-replica would hold up). `ReplicaRuntime` is the runtime the loop sees in this mode: its rank
-and world size are this replica's place in the current quorum, and its collectives go
-through the Manager.
+`PerStep` is this mode's recovery object (`raytrain.worker.recovery`): the quorum, the commit,
+healing, a replacement's first quorum, and checkpoints the quorum's rank 0 writes straight to
+the run directory (Ray's report is a barrier over every worker, which a lost replica would hold
+up). `ReplicaRuntime`, the runtime the loop sees here, ranks this replica by its place in the
+current quorum; its collectives go through the Manager.
 
 Replicas that start together (a fresh start, a resume, a restart of every replica) start their
 Managers before they restore and meet at a barrier once restored, so the first quorum holds
@@ -35,12 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import statistics
-import threading
-import time
-from collections import deque
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -59,6 +54,7 @@ from raytrain.worker.groups import replica_of, replica_process_group
 from raytrain.worker.network import BindsInterfaces
 from raytrain.worker.recovery import Quorum, Recovery
 from raytrain.worker.runtime import Runtime, group_barrier
+from raytrain.worker.watch import StallWatch
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
@@ -124,50 +120,6 @@ def torchft_config(use_gpu: bool, timeout_s: float, min_groups: int = 1):
         backend="nccl" if use_gpu else "gloo",
         timeout_s=timeout_s,  # seconds as given: Ray makes a timedelta of them (0.5 stays 0.5)
     )
-
-
-class StallWatch:
-    """Ends a replica stuck in one step's work (a hung kernel, a lost NFS mount): past the
-    step's limit (`raytrain.rules.replicas.stall_after_s`), `on_stall(step, seconds)` runs (it
-    says so and exits the process, and Ray Train replaces the replica). The others' all-reduce
-    gave up on it long before; once it is gone the lighthouse forms their quorum without it."""
-
-    def __init__(self, on_stall: Callable[[int, float], None], clock: Callable[[], float] = time.monotonic):
-        self.on_stall, self.clock = on_stall, clock
-        self.step: int | None = None
-        self.since, self.limit_s = 0.0, math.inf
-        self.work_s: deque[float] = deque(maxlen=rules.STEPS_REMEMBERED)  # committed steps' work
-
-    def enter(self, step: int, limit_s: float) -> None:
-        self.since, self.limit_s, self.step = self.clock(), limit_s, step
-
-    def leave(self, committed: bool = False) -> float:
-        """Seconds since `enter`; a committed step's are remembered (what a step takes: `stall_after_s`)."""
-        self.step = None
-        seconds = self.clock() - self.since
-        if committed:
-            self.work_s.append(seconds)
-        return seconds
-
-    def check(self) -> bool:
-        """Whether the replica is stalled (then `on_stall` has run)."""
-        step = self.step
-        if step is None:
-            return False
-        seconds = self.clock() - self.since
-        if seconds <= self.limit_s:
-            return False
-        self.on_stall(step, seconds)
-        return True
-
-    def run_in_background(self, interval_s: float = 1.0) -> threading.Thread:
-        def watch() -> None:
-            while not self.check():
-                time.sleep(interval_s)
-
-        thread = threading.Thread(target=watch, name="raytrain-stall-watch", daemon=True)
-        thread.start()
-        return thread
 
 
 class ReplicaRuntime(Runtime):
@@ -278,7 +230,8 @@ class PerStep(Recovery):
     rolls_back_every_node = False  # a lost replica costs the others no rollback
 
     def __init__(self, cfg: "TrainConfig", run_dir: Store) -> None:
-        self.runtime = ReplicaRuntime(cfg.collective_timeout_s, Store.of(run_dir), cfg.replica_group_size)
+        runtime = ReplicaRuntime(cfg.collective_timeout_s, Store.of(run_dir), cfg.replica_group_size)
+        super().__init__(cfg, run_dir, runtime)
         self.group_size = cfg.replica_group_size
         self.quorum = Quorum(self.runtime.replicas, self.runtime.replica_rank)  # until the first step's quorum
         self.healed = False
@@ -292,6 +245,10 @@ class PerStep(Recovery):
     @property
     def replica_count(self) -> int:
         return self.runtime.replicas
+
+    @property
+    def shards_per_replica(self) -> int:
+        return self.group_size  # a group's workers hold one copy between them (HSDP), a replica of one all of it
 
     # -- the attempt ----------------------------------------------------------------------
 

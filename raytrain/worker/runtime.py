@@ -198,6 +198,16 @@ def _ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def node_address() -> str:
+    """This worker's host as the others reach it: its Ray node's address (the hostname where
+    Ray is not running: local mode)."""
+    import socket
+
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return socket.gethostname()
+
+
 def local_device(gpu: bool | None, cuda_visible: bool | None = None) -> torch.device:
     """Local mode's device (the loop in this process): the first visible GPU unless --no-gpu, or
     when there is none, the CPU. `cuda_visible`: whether this process sees a GPU (None: ask torch)."""

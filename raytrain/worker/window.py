@@ -3,7 +3,8 @@
 Steps add their loss to a `LossWindow` on the device, without a host sync. Every
 --log-every-steps steps (and at an epoch's end, and before every checkpoint) all ranks
 `sync`: one collective gives the sample-weighted mean loss over all ranks, whether anyone
-was asked to stop, and whether any rank saw a NaN/inf loss or gradient norm. A non-finite
+was asked to stop, whether any rank saw a NaN/inf loss or gradient norm, and each rank's own
+step time (`raytrain.rules.stragglers`). A non-finite
 loss ends the run there (`TrainingDiverged`), before any checkpoint saves its weights.
 """
 
@@ -12,11 +13,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from raytrain.errors import EXIT_FAILED, UserError
+from raytrain.rules.stragglers import RankTimes
 from raytrain.text import sci
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -112,26 +114,44 @@ class LossWindow:
         return float(self.loss_sum.item()) / self.loss_count if self.loss_count else None
 
 
+class Synced(NamedTuple):
+    """What a sync shares (`sync`)."""
+
+    loss: float  # the sample-weighted mean training loss over all ranks since the last sync
+    count: int  # the samples it covers
+    stop: bool  # a rank was asked to stop
+    diverged: dict[int, int]  # {rank: first step whose loss or gradient norm was NaN/inf}; empty when all is well
+    times: list[RankTimes]  # each rank's own time over the window's steps (raytrain.rules.stragglers)
+
+
 def sync(
-    runtime: "Runtime", heartbeat: "Heartbeat", window: LossWindow, step: int, stop_requested: bool = False
-) -> tuple[float, int, bool, dict[int, int]]:
+    runtime: "Runtime",
+    heartbeat: "Heartbeat",
+    window: LossWindow,
+    step: int,
+    stop_requested: bool = False,
+    own: RankTimes | None = None,
+) -> Synced:
     """One collective at the logging cadence (every rank calls it at the same steps, after the
-    step to `step`): the sample-weighted mean training loss over all ranks since the last
-    call, the samples it covers, whether any rank was asked to stop, and the ranks whose loss
-    or gradient norm went NaN/inf since then ({rank: first bad step}; empty when all is well).
-    The window is cleared."""
+    step to `step`): the mean loss, whether to stop, the ranks that diverged and every rank's
+    own time (`own`: this rank's, since the last call). The window is cleared."""
     heartbeat.mark(step - 1, "all_reduce")  # in the step just taken
     world, rank = runtime.world_size, runtime.world_rank
-    # Sum-reduce: each rank fills only its own slot of the first-bad-step vector (others 0).
+    # Sum-reduce: each rank fills only its own slots of the per-rank vectors (others 0).
     slots = [0.0] * world
     slots[rank] = float(window.first_bad_step.item())
+    own = own or RankTimes(0.0, 0.0, 0)
+    times = [0.0] * (3 * world)
+    times[3 * rank : 3 * rank + 3] = [own.compute_s, own.data_s, float(own.steps)]
     totals = runtime.all_reduce_sum(
-        [float(window.loss_sum.item()), float(window.loss_count), float(stop_requested), *slots]
+        [float(window.loss_sum.item()), float(window.loss_count), float(stop_requested), *slots, *times]
     )
-    total, count, stop, bad_steps = totals[0], int(totals[1]), totals[2] > 0, totals[3:]
+    total, count, stop = totals[0], int(totals[1]), totals[2] > 0
+    bad_steps, shared = totals[3 : 3 + world], totals[3 + world :]
     window.clear()
     diverged = {r: int(bad) for r, bad in enumerate(bad_steps) if math.isfinite(bad)}
-    return (total / count if count else float("nan")), count, stop, diverged
+    ranks = [RankTimes(shared[3 * r], shared[3 * r + 1], int(shared[3 * r + 2])) for r in range(world)]
+    return Synced((total / count if count else float("nan")), count, stop, diverged, ranks)
 
 
 def divergence_message(

@@ -1,0 +1,62 @@
+"""Whether the replicas of the model agree: which ranks' fingerprints differ from the majority.
+
+Every rank fingerprints what it holds (`raytrain.worker.agreement.fingerprint`: its weights and
+optimizer state, or its shard of them). Ranks that hold the same shard of different replicas
+must hold the same bits: under ddp every rank holds all of the model (a shard of one); under
+per-step replica groups of K (HSDP) rank g·K + i holds shard i of group g's replica. A rank
+whose fingerprint differs from the majority of its shard's is odd; with no majority (two
+replicas that differ) every one of that shard's ranks is named, since either may be the
+corrupted one.
+
+A fingerprint is a 64-bit integer; it travels in the sync's float all-reduce as four 16-bit
+pieces (exact in float32 and float64), one slot per piece per rank, each rank filling its own.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+PIECES = 4  # 16-bit pieces of a 64-bit fingerprint
+PIECE = 1 << 16
+
+
+def to_slots(fingerprint: int, rank: int, world_size: int) -> list[float]:
+    """The all-reduce vector of `rank`: its fingerprint's pieces in its own slots, zeros elsewhere."""
+    unsigned = fingerprint % (1 << 64)
+    slots = [0.0] * (PIECES * world_size)
+    for piece in range(PIECES):
+        slots[PIECES * rank + piece] = float((unsigned >> (16 * piece)) % PIECE)
+    return slots
+
+
+def from_slots(summed: list[float], world_size: int) -> list[int]:
+    """Every rank's fingerprint from the summed vector."""
+    return [
+        sum(int(summed[PIECES * rank + piece]) << (16 * piece) for piece in range(PIECES)) for rank in range(world_size)
+    ]
+
+
+def odd_ranks(fingerprints: list[int], shards_per_replica: int) -> list[int]:
+    """The ranks whose fingerprint differs from the majority of the ranks holding the same shard
+    (rank r holds shard r % shards_per_replica); all of a shard's ranks when no fingerprint has a
+    majority. Empty when the replicas agree, or when there is one replica (nothing to compare)."""
+    odd: list[int] = []
+    for shard in range(shards_per_replica):
+        ranks = list(range(shard, len(fingerprints), shards_per_replica))
+        if len(ranks) < 2:
+            continue
+        value, count = Counter(fingerprints[r] for r in ranks).most_common(1)[0]
+        if count == len(ranks):
+            continue
+        odd += [r for r in ranks if fingerprints[r] != value] if count * 2 > len(ranks) else ranks
+    return sorted(odd)
+
+
+def check_due(step: int, every: int | None, checkpoint_now: bool, default_most_steps: int = 1000) -> bool:
+    """Whether the replicas are compared after the step to `step`: every `every` steps when given
+    (0: never); by default before every checkpoint and at least every `default_most_steps` steps."""
+    if every == 0:
+        return False
+    if every is not None:
+        return step % every == 0 or checkpoint_now
+    return checkpoint_now or step % default_most_steps == 0

@@ -1,0 +1,76 @@
+"""The replicas compared: a fingerprint of what each rank holds, and the error that rolls a
+run back when one replica silently differs (`raytrain.rules.agreement` decides who differs;
+`raytrain.worker.watch.Watch.compare` shares the fingerprints in one small all-reduce).
+
+Silent data corruption (a flipped bit in a device's arithmetic or memory) leaves one replica's
+weights different from the others'. Gradients are averaged, so nothing else would notice, and
+every checkpoint after it would hold the corrupted weights. The check runs before every
+checkpoint (so a published checkpoint's replicas agreed) and every --replica-check-steps
+steps; on a mismatch rank 0 writes a "replica_mismatch" event naming the odd ranks and their
+hosts, and every rank raises `ReplicaMismatch`: a failure like a lost worker's, recovered from
+the last checkpoint, whose replicas agreed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Integer views of a tensor's bits, by element size.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class ReplicaMismatch(RuntimeError):
+    """The replicas' weights or optimizer state differ: the attempt fails and the run goes back to
+    the last checkpoint (a fault of the hardware, retried as any worker's failure)."""
+
+
+def held_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """What this rank holds of the training state, in an order every replica shares: its
+    parameters (their local shards under fsdp), then the optimizer's state of each."""
+    params = list(model.parameters())
+    tensors = [_local(p) for p in params]
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                tensors += [_local(state[key]) for key in sorted(state) if isinstance(state[key], torch.Tensor)]
+    return tensors
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> int:
+    """A 64-bit fingerprint of the tensors' bit patterns: each tensor's bits summed as integers on
+    its device, weighted by its place in the list (one host sync for the whole)."""
+    if not tensors:
+        return 0
+    total = torch.zeros((), dtype=torch.int64, device=tensors[0].device)
+    for place, tensor in enumerate(tensors, start=1):
+        flat = tensor.detach().reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        bits = flat.view(_BITS[flat.element_size()]) if flat.dtype != torch.bool else flat.to(torch.uint8)
+        total = total + bits.sum(dtype=torch.int64).to(total.device) * (2 * place + 1)
+    return int(total.item())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (fsdp), or the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def mismatch_line(
+    odd: list[int], hosts: list[str], step: int, shards_per_replica: int, world_size: int, last_checkpoint: str | None
+) -> str:  # fmt: skip
+    """The sentence of a mismatch: who, where, and what the run does."""
+    named = ", ".join(f"rank {r} (host {hosts[r] if r < len(hosts) else '?'})" for r in odd)
+    replicas = world_size // max(1, shards_per_replica)
+    if replicas == 2 and len(odd) > 1:
+        who = f"the two replicas differ and there is no majority to say which is wrong: {named}"
+    else:
+        who = f"{named} differ{'s' if len(odd) == 1 else ''} from the other replicas"
+    back = f"checkpoint {last_checkpoint}" if last_checkpoint else "the start (no checkpoint yet)"
+    return (
+        f"Replicas disagree at step {step}: {who}. Their weights or optimizer state changed without a gradient "
+        f"(silent data corruption on that device or host): the run goes back to {back}, whose replicas agreed. "
+        "If it happens again on the same host, take that host out of the cluster."
+    )

@@ -1,0 +1,154 @@
+"""The faults that announce nothing, watched by every attempt: a rank every step waits for
+(`raytrain.rules.stragglers`), a replica whose weights silently differ
+(`raytrain.worker.agreement`) and, per-step, a replica stuck in its step (`StallWatch`).
+
+The recovery object holds one `Watch` (`raytrain.worker.recovery.Recovery.faults`): its mode
+says which ranks hold the same shard (`Recovery.shards_per_replica`) and where each rank runs
+(`Recovery.rank_hosts`). The loop hands it each sync's figures (`after_sync`) and asks it to
+compare the replicas when due and before every checkpoint (`compare`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from raytrain.rules import agreement
+from raytrain.rules import replicas as replica_rules
+from raytrain.rules.stragglers import RankTimes, StragglerWatch
+from raytrain.rundir.records import Kind
+from raytrain.worker.agreement import ReplicaMismatch, fingerprint, held_tensors, mismatch_line
+
+if TYPE_CHECKING:  # pragma: no cover
+    from raytrain.config import TrainConfig
+    from raytrain.rundir.writer import RunWriter
+    from raytrain.worker.runtime import Runtime
+
+# Keys of a metrics row: each rank's own seconds per step over the row's window.
+RANK_STEP_S = "rank_step_s"
+
+
+class Recovery(Protocol):
+    """What the watch asks of the recovery object (`raytrain.worker.recovery.Recovery`)."""
+
+    runtime: "Runtime"
+    shards_per_replica: int
+
+    def rank_hosts(self) -> list[str]: ...
+
+
+class Watch:
+    """Stragglers named at each sync (on the writing rank) and the replicas compared (every rank)."""
+
+    def __init__(self, cfg: "TrainConfig") -> None:
+        self.cfg = cfg
+        self.stragglers = StragglerWatch(cfg.straggler_factor, cfg.straggler_steps)
+        self.hosts: list[str] | None = None  # by rank, for this quorum
+        self.last: list[RankTimes] = []  # the last sync's figures
+
+    def forget(self) -> None:
+        """A new quorum: its ranks are other workers, maybe on other hosts."""
+        self.hosts = None
+        self.stragglers.forget()
+
+    def rank_hosts(self, recovery: "Recovery") -> list[str]:
+        """Where each rank runs (a collective the first time in a quorum: every rank asks at once)."""
+        if self.hosts is None or len(self.hosts) != recovery.runtime.world_size:
+            self.hosts = recovery.rank_hosts()
+        return self.hosts
+
+    def after_sync(self, recovery: "Recovery", files: "RunWriter", times: list[RankTimes], step: int) -> None:
+        """A sync's figures: the writing rank says a straggler found, or gone (every rank takes
+        part in learning the hosts)."""
+        self.last = times
+        if len(times) < 2:
+            return
+        hosts = self.rank_hosts(recovery)
+        if not files.enabled:
+            return
+        for found in self.stragglers.observe(times, hosts):
+            files.event(Kind.STRAGGLER, found.line(self.cfg.straggler_factor), step=step, **found.record())
+
+    def row_figures(self) -> dict[str, Any]:
+        """What a metrics row holds of the last sync: each rank's own seconds per step."""
+        if len(self.last) < 2 or not any(t.steps for t in self.last):
+            return {}
+        return {RANK_STEP_S: [round(t.step_s, 6) for t in self.last]}
+
+    def replicas_due(self, recovery: "Recovery", step: int, checkpoint_now: bool) -> bool:
+        """Whether the replicas are compared after the step to `step` (there are several)."""
+        replicas = recovery.runtime.world_size // max(1, recovery.shards_per_replica)
+        return replicas > 1 and agreement.check_due(step, self.cfg.replica_check_steps, checkpoint_now)
+
+    def compare(
+        self, recovery: "Recovery", files: "RunWriter", model: Any, optimizer: Any, step: int,
+        last_checkpoint: Callable[[], str | None],
+    ) -> list[int]:  # fmt: skip
+        """Every rank's fingerprint after the step to `step`. On a mismatch the writing rank
+        writes the event (naming `last_checkpoint()`, where the run goes back to) and every rank
+        raises `ReplicaMismatch`."""
+        runtime, shards = recovery.runtime, recovery.shards_per_replica
+        mine = fingerprint(held_tensors(model, optimizer))
+        summed = runtime.all_reduce_sum(agreement.to_slots(mine, runtime.world_rank, runtime.world_size))
+        every = agreement.from_slots(summed, runtime.world_size)
+        odd = agreement.odd_ranks(every, shards)
+        if not odd:
+            return every
+        hosts = self.rank_hosts(recovery)
+        back = last_checkpoint()
+        line = mismatch_line(odd, hosts, step, shards, runtime.world_size, back)
+        named = [hosts[r] for r in odd]
+        one = {"rank": odd[0], "host": named[0]} if len(odd) == 1 else {}
+        files.event(
+            Kind.REPLICA_MISMATCH, line, step=step, ranks=odd, hosts=named, checkpoint=back, **one,
+            fingerprints=[f"{value:016x}" for value in every],
+        )  # fmt: skip
+        files.flush()
+        raise ReplicaMismatch(line)
+
+
+class StallWatch:
+    """Ends a replica stuck in one step's work (a hung kernel, a lost NFS mount): past the
+    step's limit (`raytrain.rules.replicas.stall_after_s`), `on_stall(step, seconds)` runs (it
+    says so and exits the process, and Ray Train replaces the replica). The others' all-reduce
+    gave up on it long before; once it is gone the lighthouse forms their quorum without it."""
+
+    def __init__(self, on_stall: Callable[[int, float], None], clock: Callable[[], float] = time.monotonic):
+        self.on_stall, self.clock = on_stall, clock
+        self.step: int | None = None
+        self.since, self.limit_s = 0.0, math.inf
+        self.work_s: deque[float] = deque(maxlen=replica_rules.STEPS_REMEMBERED)  # committed steps' work
+
+    def enter(self, step: int, limit_s: float) -> None:
+        self.since, self.limit_s, self.step = self.clock(), limit_s, step
+
+    def leave(self, committed: bool = False) -> float:
+        """Seconds since `enter`; a committed step's are remembered (what a step takes: `stall_after_s`)."""
+        self.step = None
+        seconds = self.clock() - self.since
+        if committed:
+            self.work_s.append(seconds)
+        return seconds
+
+    def check(self) -> bool:
+        """Whether the replica is stalled (then `on_stall` has run)."""
+        step = self.step
+        if step is None:
+            return False
+        seconds = self.clock() - self.since
+        if seconds <= self.limit_s:
+            return False
+        self.on_stall(step, seconds)
+        return True
+
+    def run_in_background(self, interval_s: float = 1.0) -> threading.Thread:
+        def watch() -> None:
+            while not self.check():
+                time.sleep(interval_s)
+
+        thread = threading.Thread(target=watch, name="raytrain-stall-watch", daemon=True)
+        thread.start()
+        return thread
