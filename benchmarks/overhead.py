@@ -20,9 +20,16 @@ Start (each contender a fresh process; the clock runs from just before it starts
 - the floor: `benchmarks/startup_phases.py`'s bare TorchTrainer (ray.init + an almost empty
   train function: prepare_model and one step), and raytrain's start phase by phase.
 
+The replica check (`fingerprint`, in this process, no Ray): the seed CNN (pipelines/digits'
+DigitsCNN, AdamW, batch 32) timed per training step and per fingerprint of its weights and
+optimizer state (`raytrain.worker.agreement`), medians of interleaved repeats; its cost per step
+at the default interval: before every checkpoint (digits checkpoints at each epoch's end: 23
+steps at 2 workers) and at least every 1,000 steps.
+
 Rounds alternate the order; every figure is the median over rounds. Usage:
 
-    python benchmarks/overhead.py --rounds 2 [--skip throughput,phases,head] [--head-env K=V] [--json out.json]
+    python benchmarks/overhead.py --rounds 2 [--skip throughput,start,phases,head,fingerprint] [--head-env K=V]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ import raytrain  # noqa: E402
 from benchmarks import startup_phases  # noqa: E402
 from benchmarks.start_common import echo, head_command, start_template, timed_process  # noqa: E402
 
-TARGETS = {"mlp": 0.97, "cnn": 1.0, "first_step_s": 10.0, "end_to_end_s": 12.0}
+TARGETS = {"mlp": 0.97, "cnn": 1.0, "first_step_s": 10.0, "end_to_end_s": 12.0, "fingerprint_share": 0.01}
+# The steps between two replica checks by default for digits: an epoch (1,437 rows at global batch 64).
+DIGITS_STEPS_PER_EPOCH = 23
 # With `raytrain up` running: end to end against the template, and the first step (issue 32).
 HEAD_TARGETS = {"end_to_end_ratio": 2.0, "first_step_s": 6.0}
 
@@ -123,6 +132,46 @@ class ImageCNN(raytrain.Pipeline):
 
 
 MODELS = {"mlp": "benchmarks.overhead:TinyMLP", "cnn": "benchmarks.overhead:ImageCNN"}
+
+
+# -- the replica check's fingerprint against the step ---------------------------------------------
+
+
+def fingerprint_cost(repeats: int = 200) -> dict[str, float]:
+    """Seconds per training step of the seed CNN and per fingerprint (medians of interleaved repeats)."""
+    import torch
+
+    from pipelines.digits.model import DigitsCNN
+    from raytrain.worker.agreement import fingerprint, held_tensors
+
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    images, labels = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
+    step_s, check_s = [], []
+    for index in range(repeats + 10):
+        tick = time.perf_counter()
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        middle = time.perf_counter()
+        fingerprint(held_tensors(model, optimizer))
+        done = time.perf_counter()
+        if index >= 10:  # warm-up left out
+            step_s.append(middle - tick)
+            check_s.append(done - middle)
+    step, check = median(step_s), median(check_s)
+    return {"step_s": step, "fingerprint_s": check, "per_epoch_share": check / (DIGITS_STEPS_PER_EPOCH * step)}
+
+
+def fingerprint_report(figures: dict[str, float]) -> str:
+    share, target = figures["per_epoch_share"], TARGETS["fingerprint_share"]
+    return (
+        f"| replica check: fingerprint of the seed CNN's weights and AdamW state / its step | "
+        f"{figures['step_s'] * 1e3:.2f} ms step | {figures['fingerprint_s'] * 1e3:.3f} ms | "
+        f"{share:.2%} of the step time at the default interval ({DIGITS_STEPS_PER_EPOCH} steps) | ≤ {target:.0%} | "
+        f"{'yes' if share <= target else 'no'} |"
+    )
 
 
 # -- throughput: raytrain bench's planned runs, raytrain and the template -------------------------
@@ -317,9 +366,13 @@ def main() -> None:
     finally:
         if with_head:
             head_command("down", head_file)
+    check = fingerprint_cost() if "fingerprint" not in skip else None
     if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "rounds": rounds}, indent=2))
+        figures = {"date": time.strftime("%Y-%m-%d %H:%M"), "rounds": rounds, "fingerprint": check}
+        Path(args.json).write_text(json.dumps(figures, indent=2))
     print(report(rounds))
+    if check is not None:
+        print(fingerprint_report(check))
 
 
 def run_rounds(args, skip: set[str], plans: dict, out: Path, storage: str, no_head: Path, head: Path | None) -> list:

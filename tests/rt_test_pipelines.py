@@ -638,3 +638,38 @@ class StepsPipeline(RecordingPipeline):
     @property
     def name(self) -> str:
         return "steps"
+
+
+class StragglingPipeline(RecordingPipeline):
+    """Every training forward paced at `step_sleep_s`; rank `slow_rank`'s takes `extra_s` more
+    from global step `from_step` on: a slow host every step waits for."""
+
+    def __init__(self, out_dir: str, slow_rank: int = 1, from_step: int = 10, extra_s: float = 0.3, **kwargs):
+        super().__init__(out_dir, **kwargs)
+        self.slow_rank, self.from_step, self.extra_s = slow_rank, from_step, extra_s
+
+    def compute_loss(self, model, batch):
+        ctx = raytrain.context()
+        if model.training and ctx.world_rank == self.slow_rank and ctx.step >= self.from_step:
+            import time
+
+            time.sleep(self.extra_s)
+        return super().compute_loss(model, batch)
+
+
+class CorruptingPipeline(RecordingPipeline):
+    """Silent corruption: at global step `at_step` of the first attempt (a marker file in
+    `out_dir`), one weight of rank `rank`'s replica gains `delta`, with no gradient."""
+
+    def __init__(self, out_dir: str, rank: int = 1, at_step: int = 12, delta: float = 1.0, **kwargs):
+        super().__init__(out_dir, **kwargs)
+        self.rank, self.at_step, self.delta = rank, at_step, delta
+
+    def compute_loss(self, model, batch):
+        ctx = raytrain.context()
+        marker = Path(self.out_dir) / "corrupted"
+        if model.training and ctx.world_rank == self.rank and ctx.step == self.at_step and not marker.exists():
+            with torch.no_grad():
+                next(getattr(model, "module", model).parameters()).view(-1)[0] += self.delta
+            marker.write_text(str(ctx.step))
+        return super().compute_loss(model, batch)

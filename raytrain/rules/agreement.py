@@ -18,6 +18,7 @@ from collections import Counter
 
 PIECES = 4  # 16-bit pieces of a 64-bit fingerprint
 PIECE = 1 << 16
+MISSING = 0  # the fingerprint of a rank whose slots stayed empty (`fingerprint` never gives it)
 
 
 def to_slots(fingerprint: int, rank: int, world_size: int) -> list[float]:
@@ -39,10 +40,12 @@ def from_slots(summed: list[float], world_size: int) -> list[int]:
 def odd_ranks(fingerprints: list[int], shards_per_replica: int) -> list[int]:
     """The ranks whose fingerprint differs from the majority of the ranks holding the same shard
     (rank r holds shard r % shards_per_replica); all of a shard's ranks when no fingerprint has a
-    majority. Empty when the replicas agree, or when there is one replica (nothing to compare)."""
+    majority. Empty when the replicas agree, or when there is one replica (nothing to compare).
+    A fingerprint of 0 is a rank that did not answer (per-step, a reduction a lost peer failed
+    counts its own group only): left out, never called odd."""
     odd: list[int] = []
     for shard in range(shards_per_replica):
-        ranks = list(range(shard, len(fingerprints), shards_per_replica))
+        ranks = [r for r in range(shard, len(fingerprints), shards_per_replica) if fingerprints[r] != MISSING]
         if len(ranks) < 2:
             continue
         value, count = Counter(fingerprints[r] for r in ranks).most_common(1)[0]

@@ -41,7 +41,7 @@ def fingerprint(tensors: list[torch.Tensor]) -> int:
     """A 64-bit fingerprint of the tensors' bit patterns: each tensor's bits summed as integers on
     its device, weighted by its place in the list (one host sync for the whole)."""
     if not tensors:
-        return 0
+        return 1
     total = torch.zeros((), dtype=torch.int64, device=tensors[0].device)
     for place, tensor in enumerate(tensors, start=1):
         flat = tensor.detach().reshape(-1)
@@ -49,7 +49,7 @@ def fingerprint(tensors: list[torch.Tensor]) -> int:
             flat = flat.contiguous()
         bits = flat.view(_BITS[flat.element_size()]) if flat.dtype != torch.bool else flat.to(torch.uint8)
         total = total + bits.sum(dtype=torch.int64).to(total.device) * (2 * place + 1)
-    return int(total.item())
+    return int(total.item()) or 1  # never MISSING (raytrain.rules.agreement): 0 is a rank that did not answer
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,7 @@ def mismatch_line(
         who = f"the two replicas differ and there is no majority to say which is wrong: {named}"
     else:
         who = f"{named} differ{'s' if len(odd) == 1 else ''} from the other replicas"
-    back = f"checkpoint {last_checkpoint}" if last_checkpoint else "the start (no checkpoint yet)"
+    back = last_checkpoint or "the start (no checkpoint yet)"
     return (
         f"Replicas disagree at step {step}: {who}. Their weights or optimizer state changed without a gradient "
         f"(silent data corruption on that device or host): the run goes back to {back}, whose replicas agreed. "

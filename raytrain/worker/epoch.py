@@ -84,6 +84,7 @@ class Epochs:
             if not self.announced and recovery.first_quorum(self, quorum):  # a replacement too late to join
                 return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True)
             if quorum != split:
+                recovery.faults.follow(quorum)
                 self.follow_quorum(quorum.size)
                 split, data = quorum, None
             if data is None:  # a new split, or the rows of an uncommitted step to read again
@@ -136,7 +137,6 @@ class Epochs:
         size differs from the one the run last trained with (the position says it, the same on
         every member, a healed one included)."""
         position = self.position
-        self.recovery.faults.forget()  # other workers, maybe on other hosts
         if size != self.runner.batch_plan.world_size:
             self.runner = self.runner.for_quorum(size, len(self.train_data))
         previous = position.world_sizes[-1] if position.world_sizes else size
@@ -186,8 +186,10 @@ class Epochs:
                 if evaluate_now:
                     files.evaluation(row)
             checkpoint_now = checkpoint_now or (stop and not last)
-        if not last and faults.replicas_due(self.recovery, position.step, checkpoint_now):
-            self.compare_replicas()  # before the checkpoint: a published one's replicas agreed
+        if faults.replicas_due(self.recovery, position.step, checkpoint_now or last):
+            # Before the checkpoint (the epoch's or the run's last, its caller's): a published one's
+            # replicas agreed. Here, at the sync, where every replica is (per-step, inside the step).
+            self.compare_replicas()
         if checkpoint_now:
             row = self.metrics_row(loss=float("nan"), samples_per_s=0.0)
             self.checkpointer.save(self, row.to_json())
@@ -245,7 +247,7 @@ class Epochs:
         position.epoch, position.epoch_offset = position.epoch + 1, 0
         row = self.closing_row(epoch, val_metrics)
         self.files.epoch_end(row, self.cfg.epochs)
-        self.save_compared(row)
+        self.checkpointer.save(self, row.to_json())
 
     def end_at_step_budget(self, epoch: EpochResult) -> None:
         """The step budget (--max-steps) ran out inside an epoch: validate, write the run's last row
@@ -253,12 +255,6 @@ class Epochs:
         row = self.closing_row(epoch, self.validate())
         self.files.metrics(row)
         self.files.evaluation(row, final=True)
-        self.save_compared(row)
-
-    def save_compared(self, row: MetricsRow) -> None:
-        """A checkpoint of the epoch's or the run's last step, once its replicas agreed."""
-        if self.recovery.faults.replicas_due(self.recovery, self.position.step, checkpoint_now=True):
-            self.compare_replicas()
         self.checkpointer.save(self, row.to_json())
 
     def closing_row(self, epoch: EpochResult, val_metrics: dict) -> MetricsRow:

@@ -54,7 +54,7 @@ from raytrain.worker.groups import replica_of, replica_process_group
 from raytrain.worker.network import BindsInterfaces
 from raytrain.worker.recovery import Quorum, Recovery
 from raytrain.worker.runtime import Runtime, group_barrier
-from raytrain.worker.watch import StallWatch
+from raytrain.worker.watch import StallWatch, hosts_by_sum
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
@@ -249,6 +249,11 @@ class PerStep(Recovery):
     @property
     def shards_per_replica(self) -> int:
         return self.group_size  # a group's workers hold one copy between them (HSDP), a replica of one all of it
+
+    def rank_hosts(self) -> list[str]:
+        """Every quorum rank's node address, through the Manager's all-reduce (a replica gathers
+        objects within its group only)."""
+        return hosts_by_sum(self.runtime)
 
     # -- the attempt ----------------------------------------------------------------------
 

@@ -40,6 +40,22 @@ class Recovery(Protocol):
     def rank_hosts(self) -> list[str]: ...
 
 
+def hosts_by_sum(runtime: "Runtime") -> list[str]:
+    """Every rank's node address, carried in one float all-reduce (IPv4: "?" for another kind), for
+    collectives that gather no objects across the ranks (per-step's replicas)."""
+    import ipaddress
+
+    from raytrain.worker.runtime import node_address
+
+    try:
+        mine = int(ipaddress.IPv4Address(node_address()))
+    except ValueError:
+        mine = agreement.MISSING
+    summed = runtime.all_reduce_sum(agreement.to_slots(mine, runtime.world_rank, runtime.world_size))
+    every = agreement.from_slots(summed, runtime.world_size)
+    return [str(ipaddress.IPv4Address(value)) if 0 < value < 2**32 else "?" for value in every]
+
+
 class Watch:
     """Stragglers named at each sync (on the writing rank) and the replicas compared (every rank)."""
 
@@ -48,11 +64,14 @@ class Watch:
         self.stragglers = StragglerWatch(cfg.straggler_factor, cfg.straggler_steps)
         self.hosts: list[str] | None = None  # by rank, for this quorum
         self.last: list[RankTimes] = []  # the last sync's figures
+        self.quorum: Any = None  # the workers of the figures (`raytrain.worker.recovery.Quorum`)
 
-    def forget(self) -> None:
-        """A new quorum: its ranks are other workers, maybe on other hosts."""
-        self.hosts = None
-        self.stragglers.forget()
+    def follow(self, quorum: Any) -> None:
+        """The quorum the next steps take; a new one (per-step, a replica lost or back) holds other
+        workers, maybe on other hosts: what was said of its ranks is forgotten."""
+        if quorum != self.quorum:
+            self.quorum, self.hosts = quorum, None
+            self.stragglers.forget()
 
     def rank_hosts(self, recovery: "Recovery") -> list[str]:
         """Where each rank runs (a collective the first time in a quorum: every rank asks at once)."""

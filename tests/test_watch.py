@@ -1,0 +1,136 @@
+"""Pure tier: stragglers named from the ranks' own step times, replicas compared by fingerprint
+(`raytrain.rules.stragglers`, `raytrain.rules.agreement`, `raytrain.worker.agreement`)."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from raytrain.config import TrainConfig
+from raytrain.errors import ConfigError
+from raytrain.rules import agreement
+from raytrain.rules.stragglers import RankTimes, StragglerWatch, step_ratios
+from raytrain.worker.agreement import fingerprint, held_tensors, mismatch_line
+from raytrain.worker.phases import OwnTime, PhaseTimer, StepPhases
+
+
+def window(step_s: list[float], data_s: list[float] | None = None, steps: int = 10) -> list[RankTimes]:
+    data_s = data_s or [0.0] * len(step_s)
+    return [RankTimes((s - d) * steps, d * steps, steps) for s, d in zip(step_s, data_s)]
+
+
+def test_each_rank_is_compared_with_the_median_of_the_others():
+    assert step_ratios(window([0.05, 0.35, 0.05])) == pytest.approx([1 / 4, 7.0, 1 / 4], rel=1e-6)
+    assert step_ratios(window([0.1])) == [1.0]  # alone: nothing to compare with
+    assert step_ratios([RankTimes(1.0, 0.0, 10), RankTimes(0.0, 0.0, 0)]) == [1.0, 1.0]  # no steps measured
+
+
+def test_a_straggler_is_named_once_after_enough_slow_steps_and_again_only_when_the_picture_changes():
+    watch = StragglerWatch(factor=1.5, steps_needed=20)
+    hosts = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    assert watch.observe(window([0.05, 0.35, 0.05]), hosts) == []  # 10 slow steps
+    found = watch.observe(window([0.05, 0.35, 0.05]), hosts)  # 20
+    assert [(s.rank, s.host, s.cause, s.steps, s.ended) for s in found] == [(1, "10.0.0.2", "compute", 20, False)]
+    assert found[0].record()["step_ratio"] == pytest.approx(7.0)
+    assert "rank 1 (host 10.0.0.2) takes 7.0×" in found[0].line(1.5) and "computes slowly" in found[0].line(1.5)
+    assert watch.observe(window([0.05, 0.4, 0.05]), hosts) == []  # still slow: said already
+    # Now it waits for its data: the cause changed, said again.
+    changed = watch.observe(window([0.05, 0.4, 0.05], data_s=[0.0, 0.3, 0.0]), hosts)
+    assert [(s.rank, s.cause) for s in changed] == [(1, "data")] and "waits for its data" in changed[0].line(1.5)
+    gone = watch.observe(window([0.05, 0.06, 0.05]), hosts)
+    assert [(s.rank, s.ended) for s in gone] == [(1, True)] and "gone" in gone[0].line(1.5)
+    assert watch.observe(window([0.05, 0.06, 0.05]), hosts) == []
+
+
+def test_a_rank_slow_only_now_and_then_is_never_named():
+    watch = StragglerWatch(factor=1.5, steps_needed=20)
+    for _ in range(10):  # slow one window in two: never 20 steps running
+        assert watch.observe(window([0.05, 0.3, 0.05]), ["a", "b", "c"]) == []
+        assert watch.observe(window([0.05, 0.05, 0.05]), ["a", "b", "c"]) == []
+
+
+def test_a_step_counts_its_own_phases_and_leaves_the_backward_out():
+    own = OwnTime()
+    heartbeat = type("Beat", (), {"mark": lambda self, step, phase: None})()
+    phases = StepPhases(heartbeat, 0, PhaseTimer(None, lambda: None), own)
+    for phase, seconds in (("data", 0.02), ("forward", 0.03), ("backward", 0.2), ("optimizer", 0.01)):
+        with phases(phase):
+            time.sleep(seconds)
+    with pytest.raises(RuntimeError), phases("forward"):  # a phase that raised counts nothing
+        raise RuntimeError
+    own.steps += 1
+    taken = own.take()
+    assert 0.02 <= taken.data_s < 0.1 and 0.04 <= taken.compute_s < 0.15, taken  # no backward
+    assert taken.steps == 1 and own.take() == RankTimes(0.0, 0.0, 0)
+
+
+@pytest.mark.parametrize("value", [0, 1, 2**64 - 1, 0x3F2A_0000_FFFF_1234])
+def test_a_fingerprint_travels_exactly_in_a_float32_sum(value):
+    world = 3
+    vectors = [agreement.to_slots(value if rank == 1 else rank, rank, world) for rank in range(world)]
+    summed = torch.tensor(vectors, dtype=torch.float32).sum(0).tolist()
+    assert agreement.from_slots(summed, world) == [0, value, 2]
+
+
+def test_odd_ranks_differ_from_their_shards_majority():
+    assert agreement.odd_ranks([7, 7, 7], 1) == []
+    assert agreement.odd_ranks([7, 9, 7], 1) == [1]
+    assert agreement.odd_ranks([7, 9], 1) == [0, 1]  # two replicas: no majority, both named
+    assert agreement.odd_ranks([5, 6, 7], 1) == [0, 1, 2]
+    # Replica groups of 2 (HSDP): ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1; 4 and 5 a third group.
+    assert agreement.odd_ranks([10, 20, 10, 21, 10, 20], 2) == [3]
+    assert agreement.odd_ranks([10, 20], 2) == []  # one sharded copy: nothing to compare
+
+
+def test_replicas_are_compared_before_every_checkpoint_and_at_least_every_1000_steps():
+    assert agreement.check_due(15, None, checkpoint_now=True)
+    assert not agreement.check_due(999, None, checkpoint_now=False) and agreement.check_due(1000, None, False)
+    assert agreement.check_due(50, 50, False) and agreement.check_due(7, 50, True)
+    assert not agreement.check_due(15, 0, checkpoint_now=True)  # --replica-check-steps 0: off
+
+
+def test_a_fingerprint_sees_one_weight_changed_and_the_optimizer_state():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    twin = copy.deepcopy(model)
+    twin_optimizer = torch.optim.AdamW(twin.parameters())
+    twin_optimizer.load_state_dict(optimizer.state_dict())
+    same = fingerprint(held_tensors(model, optimizer))
+    assert fingerprint(held_tensors(twin, twin_optimizer)) == same
+    kept = twin[0].weight.view(-1)[0].item()
+    with torch.no_grad():
+        twin[0].weight.view(-1)[0] += 1.0
+    assert fingerprint(held_tensors(twin, twin_optimizer)) != same
+    with torch.no_grad():
+        twin[0].weight.view(-1)[0] = kept
+    assert fingerprint(held_tensors(twin, twin_optimizer)) == same
+    twin_optimizer.state[twin[2].bias]["exp_avg"][0] += 1e-7  # the last bit of one moment
+    assert fingerprint(held_tensors(twin, twin_optimizer)) != same
+    assert fingerprint(held_tensors(model.to(torch.bfloat16), None)) != 0  # 16-bit weights too
+
+
+def test_the_mismatch_line_names_the_ranks_their_hosts_and_where_the_run_goes_back_to():
+    two = mismatch_line([0, 1], ["h0", "h1"], 15, 1, 2, "checkpoint_s000000010_x")
+    assert "no majority" in two and "rank 1 (host h1)" in two and "goes back to checkpoint_s000000010_x" in two
+    three = mismatch_line([2], ["h0", "h1", "h2"], 40, 1, 3, None)
+    assert "rank 2 (host h2) differs from the other replicas" in three and "the start" in three
+
+
+@pytest.mark.parametrize(
+    "option, value, fix",
+    [
+        ("straggler_factor", 1.0, "above 1"),
+        ("straggler_steps", 0, "straggler-steps"),
+        ("replica_check_steps", -1, "0 (off)"),
+    ],
+)
+def test_bad_watch_options_name_the_field_and_the_fix(option, value, fix):
+    with pytest.raises(ConfigError) as error:
+        TrainConfig(**{option: value})
+    assert option in str(error.value) and fix in str(error.value)

@@ -1,0 +1,79 @@
+"""CPU Ray tier: the faults that announce nothing (`raytrain.worker.watch`): a rank every step
+waits for is named, and a replica whose weights silently changed is caught, rolled back to a
+checkpoint its replicas agreed on, and never published."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rt_test_pipelines import CorruptingPipeline, StragglingPipeline, read_jsonl
+
+import raytrain
+from raytrain.cli import main
+
+pytestmark = pytest.mark.ray
+
+
+def test_a_rank_slower_from_step_10_is_named_a_straggler_and_the_run_finishes(ray_session, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = raytrain.TrainConfig(
+        workers=3, batch_size_per_worker=8, max_steps=40, storage=str(tmp_path), name="straggler", schedule="constant"
+    )
+    pipeline = StragglingPipeline(str(out), slow_rank=1, from_step=10, extra_s=0.3, step_sleep_s=0.05, num_rows=960)
+    result = raytrain.fit(pipeline, cfg)
+    assert result.summary["status"] == "finished"
+    events = read_jsonl(Path(result.run_dir) / "events.jsonl")
+    found = [e for e in events if e["kind"] == "straggler"]
+    assert len(found) == 1, found  # said once: the picture did not change
+    straggler = found[0]
+    assert straggler["rank"] == 1 and not straggler["ended"]
+    assert straggler["host"] and straggler["step_ratio"] > 3, straggler
+    assert straggler["data_wait_fraction"] < 0.5  # it computes slowly, it does not wait for data
+    # Named within --straggler-steps (20) of the log cadence (10) after it became slow at step 10.
+    assert straggler["step"] <= 10 + 20 + 10, straggler
+    assert "rank 1" in straggler["message"] and "computes slowly" in straggler["message"]
+    rows = [row for row in read_jsonl(Path(result.run_dir) / "metrics.jsonl") if "rank_step_s" in row]
+    late = rows[-1]["rank_step_s"]
+    assert late[1] > 3 * max(late[0], late[2]), late
+    report = (Path(result.run_dir) / "report.md").read_text()
+    assert "Step time per rank" in report
+
+
+def test_a_corrupted_replica_is_caught_rolled_back_and_never_published(ray_session, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = raytrain.TrainConfig(
+        workers=2,
+        batch_size_per_worker=8,
+        epochs=1,
+        checkpoint_every_steps=5,
+        num_checkpoints_to_keep=10,
+        storage=str(tmp_path),
+        name="corrupt",
+    )
+    result = raytrain.fit(CorruptingPipeline(str(out), rank=1, at_step=12, num_rows=400), cfg)
+    assert result.summary["status"] == "finished"
+    events = read_jsonl(Path(result.run_dir) / "events.jsonl")
+    mismatches = [e for e in events if e["kind"] == "replica_mismatch"]
+    assert len(mismatches) == 1, mismatches  # once: the replicas agreed at every check after the rollback
+    mismatch = mismatches[0]
+    assert 1 in mismatch["ranks"] and mismatch["step"] == 15, mismatch  # two replicas: both named
+    assert mismatch["checkpoint"].startswith("checkpoint_s000000010_"), mismatch
+    assert "no majority" in mismatch["message"]
+    restores = [e for e in events if e["kind"] == "restore"]
+    assert restores and restores[-1]["step"] < 12, restores
+    assert result.summary["failures_recovered"] >= 1
+    # No published checkpoint holds the corrupted weights: every one's replicas agreed, so the
+    # final model's weights continue from step 10's, the same on both ranks.
+    for rank in (0, 1):
+        steps = [row["step"] for row in read_jsonl(out / f"ids-rank{rank}.jsonl")]
+        assert [steps.count(step) for step in range(10, 15)] == [2] * 5, steps  # taken again after the rollback
+    exported = tmp_path / "exported.pt"
+    assert main(["export", str(result.run_dir), "-o", str(exported)]) == 0
+    model = CorruptingPipeline(str(out)).build_model(cfg)
+    model.load_state_dict(torch.load(exported, weights_only=True), strict=True)
+    assert json.loads((out / "corrupted").read_text()) == 12
