@@ -8,7 +8,13 @@ checkpoint and trains at 4, the second host meets its fault:
 
 - `partition`: its link down for `--down-s`, then up;
 - `frozen`: every process of it stopped for `--down-s`, then continued;
-- `lost`: every process of it killed; after `--down-s` it boots again.
+- `lost`: every process of it killed; after `--down-s` it boots again;
+- `slow`: its training workers stopped 3/4 of every 0.2 s (SIGSTOP, SIGCONT), as on a slow or
+  overloaded host, for `--down-s` or until the run evicts it. With `--evict-stragglers` the run
+  has `--evict-stragglers --straggler-steps 5 --straggler-evict-steps 10`; the row adds the
+  `straggler` event's host and ratio (`straggler`), seconds from the slowness to it
+  (`named_s`) and to the run training without the host (`evicted_s`), and the sizes say
+  whether the host came back (it must not).
 
 Each row says: the exit status; the worker counts the run trained with; seconds from the fault
 to training again on the host left (`again_s`: the first step recorded after the fault by a
@@ -20,6 +26,7 @@ took again counted once.
 
     python benchmarks/real_hosts.py OUT [--faults partition,frozen,lost] [--modes restart,per-step,per-step-groups]
         [--ray-defaults]   # the cluster's health checks as Ray's defaults, not raytrain's
+        [--evict-stragglers]   # with --faults slow
 
 Needs root (network namespaces); one case takes 2–4 minutes on 2 cores. Writes OUT/rows.json
 and prints a table.
@@ -48,7 +55,9 @@ ROWS = 960
 GLOBAL_BATCH = 48  # 20 steps an epoch
 
 
-def driver(out: Path, mode: str, address: str, epochs: int, step_s: float, timeout_s: float | None) -> int:
+def driver(
+    out: Path, mode: str, address: str, epochs: int, step_s: float, timeout_s: float | None, evict: bool = False
+) -> int:
     """`mode`: restart, per-step, or per-step-groups (replica groups of 2 workers, fsdp within
     each: HSDP)."""
     from rt_test_pipelines import RecordingPipeline, ReplicaRecordingPipeline
@@ -79,6 +88,7 @@ def driver(out: Path, mode: str, address: str, epochs: int, step_s: float, timeo
         address=address,
         progress="off",
         **({"collective_timeout_s": timeout_s} if timeout_s else {}),
+        **({"evict_stragglers": True, "straggler_steps": 5, "straggler_evict_steps": 10} if evict else {}),
         **groups,
     )
     try:
@@ -137,6 +147,53 @@ def trained_ids(records: Path) -> dict[int, list[int]]:
     return per_epoch
 
 
+def train_worker_pids(host) -> list[int]:
+    """The host's Ray Train workers."""
+    pids = []
+    for pid in host.pids():
+        try:
+            if b"RayTrainWorker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+        except OSError:
+            continue
+    return pids
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [e for e in read_jsonl(path) if e.get("kind") == kind] if path.exists() else []
+
+
+def slowed(host, run_dir: Path, down_s: float) -> tuple[float, float]:
+    """The host's training workers stopped 3/4 of every 0.2 s for `down_s`, or until the run
+    evicts it; returns when the slowness began and ended."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        for pid in train_worker_pids(host):
+            stack.enter_context(host.slow(pid, duty=0.25, period_s=0.2))
+        began = time.time()
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: events(run_dir, "evicted"), down_s, "an eviction")
+    return began, time.time()
+
+
+def slow_figures(run_dir: Path, began: float) -> dict:
+    """The straggler named (its host and ratio), and how long after the slowness began it was
+    named and the run trained without the host."""
+    with_host = [m for m in metrics(run_dir) if m["time_s"] > began]
+    named, evicted = events(run_dir, "straggler"), events(run_dir, "evicted")
+    row: dict = {"straggler": None, "named_s": None, "evicted_s": None}
+    if named:
+        row["straggler"] = f"rank {named[0]['rank']} on {named[0]['host']}, {named[0]['step_ratio']:.1f}×"
+        row["named_s"] = round(named[0]["time"] - began, 1)
+    if evicted:
+        after = [m for m in with_host if m["time_s"] > evicted[0]["time"] and m["world_size"] < 4]
+        row["evicted_s"] = round(after[0]["time_s"] - began, 1) if after else None
+        row["evicted_host"] = evicted[0]["host"]
+    return row
+
+
 def case(out: Path, fault: str, mode: str, args: argparse.Namespace) -> dict:
     from raytrain.driver.session import NODE_HEALTH_CONFIG
 
@@ -148,6 +205,7 @@ def case(out: Path, fault: str, mode: str, args: argparse.Namespace) -> dict:
         command = [sys.executable, __file__, "--driver", str(out), mode, hosts.head_address, str(args.epochs)]
         command += ["--step-s", str(args.step_s)]
         command += ["--collective-timeout-s", str(args.collective_timeout_s)] if args.collective_timeout_s else []
+        command += ["--evict"] if getattr(args, "evict_stragglers", False) else []
         run = hosts[0].popen(command, log=out / "driver.log")
         run_dir = out / "run"
         try:
@@ -158,18 +216,23 @@ def case(out: Path, fault: str, mode: str, args: argparse.Namespace) -> dict:
             )
             time.sleep(2 * args.step_s)
             victim = hosts[1]
-            start, end = {"partition": (victim.cut, victim.heal), "frozen": (victim.freeze, victim.thaw)}.get(
-                fault, (victim.lose, victim.boot)
-            )
-            fault_at = start()
-            time.sleep(args.down_s)
-            ended_at = end()
-            try:
-                wait_for(
-                    lambda: any(m["time_s"] > ended_at and m["world_size"] == 4 for m in metrics(run_dir)),
-                    args.back_wait_s,
-                    "training at 4 again",
+            if fault == "slow":
+                fault_at, ended_at = slowed(victim, run_dir, args.down_s)
+                row.update(slow_figures(run_dir, fault_at))
+            else:
+                start, end = {"partition": (victim.cut, victim.heal), "frozen": (victim.freeze, victim.thaw)}.get(
+                    fault, (victim.lose, victim.boot)
                 )
+                fault_at = start()
+                time.sleep(args.down_s)
+                ended_at = end()
+            try:
+                if not events(run_dir, "evicted"):  # an evicted host is never taken back
+                    wait_for(
+                        lambda: any(m["time_s"] > ended_at and m["world_size"] == 4 for m in metrics(run_dir)),
+                        args.back_wait_s,
+                        "training at 4 again",
+                    )
             except TimeoutError as exc:
                 row["note"] = str(exc)
         except TimeoutError as exc:
@@ -220,8 +283,9 @@ def main() -> int:
         parser.add_argument("epochs", type=int)
         parser.add_argument("--step-s", type=float, default=0.5)
         parser.add_argument("--collective-timeout-s", type=float)
+        parser.add_argument("--evict", action="store_true")
         a = parser.parse_args(sys.argv[2:])
-        return driver(a.out, a.mode, a.address, a.epochs, a.step_s, a.collective_timeout_s)
+        return driver(a.out, a.mode, a.address, a.epochs, a.step_s, a.collective_timeout_s, a.evict)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--faults", default="partition,frozen,lost")
@@ -232,6 +296,7 @@ def main() -> int:
     parser.add_argument("--back-wait-s", type=float, default=180.0, help="the longest wait for 4 workers again")
     parser.add_argument("--collective-timeout-s", type=float, help="the run's --collective-timeout-s")
     parser.add_argument("--ray-defaults", action="store_true", help="Ray's own node health checks")
+    parser.add_argument("--evict-stragglers", action="store_true", help="with --faults slow: the run evicts it")
     args = parser.parse_args()
     if skip_reason():
         print(f"cannot make hosts here: {skip_reason()}", file=sys.stderr)
@@ -246,6 +311,8 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             (args.out / "rows.json").write_text(json.dumps(rows, indent=2))
     keys = ["fault", "mode", "exit", "sizes", "again_s", "pause_s", "back_s", "exactly_once", "node_starts", "case_s"]
+    if "slow" in args.faults:
+        keys[4:7] = ["straggler", "named_s", "evicted_s"]
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for row in rows:

@@ -189,7 +189,15 @@ def test_an_earlier_runs_config_yaml_loads_as_it_did(tmp_path):
     # gpu is what the run found, decided again by a resume (raytrain.rundir.RunDir.stored_run)
     expected.update(OPTIMIZER_DEFAULTS, decay_norm_and_bias=True, resume=True, gpu=None)
     # fields added since: their defaults
-    expected.update(replica_group_size=1, tf32=True, straggler_factor=1.5, straggler_steps=20, replica_check_steps=None)
+    expected.update(
+        replica_group_size=1,
+        tf32=True,
+        straggler_factor=1.5,
+        straggler_steps=20,
+        replica_check_steps=None,
+        evict_stragglers=False,
+        straggler_evict_steps=200,
+    )
     assert spec == "digits"
     assert cfg.to_dict() == expected
     # resumed with the options it ran with: nothing to report, nothing refused

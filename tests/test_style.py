@@ -72,6 +72,14 @@ PRIVATE_RAY_NAMES = {
         # raytrain's signal handling keeps the controller to abort it, in place of Ray's handler.
         "ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._register_sigint_handler",
     },
+    # --evict-stragglers: the evicted nodes kept out where the controller decides (no hook or option
+    # of Ray 2.60 excludes a live node from a run).
+    "raytrain.driver.evict": {
+        # before a failure is acted on, an actor holding each evicted node's resources
+        "ray.train.v2._internal.execution.callback.ControllerCallback",
+        # the elastic policy counting no worker on an evicted node: `fit` builds Ray's, no hook
+        "ray.train.v2._internal.execution.scaling_policy.ElasticScalingPolicy",
+    },
     # Ray Train's controller of a per-step run, its callbacks and its elastic policy in whole groups.
     "raytrain.driver.replacement": {
         # ReplicaGroups' hooks (a worker or replica group started, a resize about to run): UserCallback has none
@@ -123,6 +131,13 @@ PRIVATE_RAY_NAMES = {
         # or hook of Ray 2.60 runs in a worker before it (a runtime_env's worker_process_setup_hook
         # is read from ray.init's job config only, not from RunConfig.worker_runtime_env).
         "ray.train.torch.config._TorchBackend",
+    },
+    "raytrain.worker.runtime": {
+        # the nodes a run evicted, written by a worker and read by the controller (raytrain.driver.evict):
+        # Ray's key-value store in the GCS, which both reach; Ray 2.60 has no public one
+        "ray.experimental.internal_kv._internal_kv_initialized",
+        "ray.experimental.internal_kv._internal_kv_list",
+        "ray.experimental.internal_kv._internal_kv_put",
     },
     "raytrain.worker.replicas": {
         # Ray Train's torchft backend, a private class (TorchftConfig.backend_cls), subclassed for a

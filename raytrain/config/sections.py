@@ -328,6 +328,12 @@ class WatchSection:
     straggler_steps: int = 20
     """A rank slow for this many steps running is named a straggler: one "straggler" event (its rank, host, how much
     slower, and whether it waits for data or computes slowly), again only when that changes."""
+    evict_stragglers: bool = False
+    """With an elastic run (--workers MIN:MAX): a rank that stays a straggler for --straggler-evict-steps steps is
+    treated as failed and its host kept out to the run's end: the run resizes without it (per-step: its replica group
+    leaves, the others train on). Without it nothing is evicted."""
+    straggler_evict_steps: int = 200
+    """With --evict-stragglers: the steps running a rank must stay a straggler before it is evicted."""
     replica_check_steps: int | None = None
     """Compare the replicas' weights and optimizer state (a fingerprint of bit patterns, one small collective) every
     this many steps; default: before every checkpoint, and at least every 1,000 steps. A mismatch rolls the run back
@@ -340,6 +346,17 @@ class WatchSection:
                 f"got {self.straggler_factor}; must be a ratio above 1, e.g. --straggler-factor 1.5",
             )
         yield from positive_int("straggler_steps", self.straggler_steps, 20)
+        yield from positive_int("straggler_evict_steps", self.straggler_evict_steps, 200)
+        try:
+            low, high = parse_workers(self.workers)
+        except ValueError:  # said by the cluster section's own checks
+            low = high = 0
+        if self.evict_stragglers and not 1 <= low < high:
+            yield (
+                "evict_stragglers",
+                f"needs an elastic run, which can go on without the evicted host: got --workers {self.workers}; give "
+                "--workers MIN:MAX (e.g. 2:4), or drop --evict-stragglers",
+            )
         if self.replica_check_steps is not None and self.replica_check_steps < 0:
             yield (
                 "replica_check_steps",

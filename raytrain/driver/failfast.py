@@ -23,6 +23,7 @@ from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
 from raytrain.driver import interrupts, replacement
+from raytrain.driver.evict import HoldEvicted, evicting_policy
 from raytrain.driver.replacement import GroupController, ReplicaGroups, group_scaling_policy, lost_while_replacing
 from raytrain.errors import find_user_error
 
@@ -74,11 +75,13 @@ class FailFastTrainer(TorchTrainer):
         *args,
         replica_group_size: int = 1,
         on_worker_failure: Callable[[BaseException], None] | None = None,
+        evict_key: bytes | None = None,
         **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.replica_group_size = replica_group_size  # workers per replica group (per-step)
         self.on_worker_failure = on_worker_failure
+        self.evict_key = evict_key  # --evict-stragglers: the run's evicted nodes (raytrain.driver.evict)
 
     def _create_default_callbacks(self):
         """Ray's, but with no dataset manager when the trainer has no datasets (raytrain's
@@ -102,12 +105,21 @@ class FailFastTrainer(TorchTrainer):
         kwargs["failure_policy"] = FailFastPolicy(
             kwargs["failure_policy"], replica_groups=replica_groups, on_worker_failure=self.on_worker_failure
         )
+        if self.evict_key is not None:  # an elastic run: keep evicted stragglers' nodes out
+            kwargs["callbacks"] = [*kwargs["callbacks"], HoldEvicted(self.evict_key)]
+            if not replica_groups:
+                kwargs["scaling_policy"] = evicting_policy(self.scaling_config, self.evict_key)
         if not replica_groups:
             return super()._initialize_and_run_controller(**kwargs)
         kwargs["callbacks"] = [*kwargs["callbacks"], ReplicaGroups(self.replica_group_size)]
         if self.scaling_config.elasticity_enabled:  # an elastic run starts with whole groups
-            kwargs["scaling_policy"] = group_scaling_policy(self.scaling_config, self.replica_group_size)
-        return self._run_controller(GroupController, kwargs)
+            kwargs["scaling_policy"] = group_scaling_policy(
+                self.scaling_config, self.replica_group_size, self.evict_key
+            )
+        controller = GroupController
+        if self.evict_key is not None:
+            controller = type("GroupController", (GroupController,), {"evict_key": self.evict_key})
+        return self._run_controller(controller, kwargs)
 
     def _run_controller(self, controller_cls, kwargs):
         """`DataParallelTrainer._initialize_and_run_controller` of Ray 2.60, with raytrain's

@@ -87,6 +87,7 @@ def build_torch_trainer(
     from raytrain.worker.loop import PAYLOAD, WorkerPayload, train_loop_per_worker
     from raytrain.worker.network import BoundTorchConfig
     from raytrain.worker.replicas import torchft_config
+    from raytrain.worker.runtime import run_key
 
     workers: int | tuple[int, int] = cfg.max_workers if not cfg.elastic else (cfg.min_workers, cfg.max_workers)
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
@@ -130,4 +131,5 @@ def build_torch_trainer(
         ),
         replica_group_size=cfg.replica_group_size,
         on_worker_failure=stall_reporter(run_dir, cfg.collective_timeout_s) if restart else None,
+        evict_key=run_key(cfg.storage, cfg.name) if cfg.evict_stragglers else None,
     )

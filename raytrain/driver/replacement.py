@@ -183,6 +183,8 @@ class GroupController(TrainController):
     its size is the most workers the run started with, and the quorum holds those that are
     alive (`--workers MIN:MAX` sets how many it starts with)."""
 
+    evict_key: bytes | None = None  # --evict-stragglers: a group on an evicted node has no room (raytrain.driver.evict)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.waiting: set[int] = set()  # replica groups (Ray's: one per worker) without room
@@ -239,8 +241,11 @@ class GroupController(TrainController):
         return WorkerGroupPollStatus(statuses, status.worker_rank_to_replica_group_rank)
 
     def _has_room(self, index: int) -> bool:
-        """Whether every slot of replica group `index` is placed on a node."""
+        """Whether every slot of replica group `index` is placed on a node, and none of them on an
+        evicted one (`raytrain.driver.evict`: kept out to the run's end)."""
         from ray.util.placement_group import placement_group_table
+
+        from raytrain.worker.runtime import evicted_nodes
 
         worker_group = self.get_worker_group()
         placement_group = worker_group.get_worker_group_state().placement_group_handle.placement_group
@@ -248,10 +253,11 @@ class GroupController(TrainController):
         slots = [
             worker.placement_group_bundle_index for worker in worker_group.get_replica_groups()[index].get_workers()
         ]
-        return all(nodes.get(slot) for slot in slots)
+        out = evicted_nodes(self.evict_key) if self.evict_key is not None else set()
+        return all(nodes.get(slot) and nodes.get(slot) not in out for slot in slots)
 
 
-def group_scaling_policy(scaling_config, group_size: int):
+def group_scaling_policy(scaling_config, group_size: int, evict_key: bytes | None = None):
     """Ray Train's elastic scaling policy for a per-step run of replica groups of `group_size`
     workers: it counts the workers the cluster can hold in whole groups (at least MIN, which is
     itself whole groups), and never shrinks a running group. Ray 2.60 replaces a failing
@@ -259,6 +265,8 @@ def group_scaling_policy(scaling_config, group_size: int):
     from the last checkpoint (`TrainController._execute_resize_decision`): here only a growth
     past the size the run started with."""
     from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+
+    from raytrain.driver.evict import evicting_policy
 
     class GroupScalingPolicy(ElasticScalingPolicy):
         def _count_possible_workers(self, reserved_resources) -> int:
@@ -273,6 +281,8 @@ def group_scaling_policy(scaling_config, group_size: int):
                 return NoopDecision()
             return decision
 
+    if evict_key is not None:  # no worker counted on an evicted node
+        return evicting_policy(scaling_config, evict_key, base=GroupScalingPolicy)
     return GroupScalingPolicy(scaling_config=scaling_config)
 
 

@@ -6,11 +6,13 @@ waits for no other rank: its data wait, its forward and its optimizer step (DDP'
 overlaps the backward, so a fast rank's backward holds its wait; the backward is left out).
 
 Every rank sums its own time over the steps between two log syncs; the sync shares the sums
-(`RankTimes`, one slot per rank in the sync's one all-reduce) and rank 0 keeps `StragglerWatch`:
+(`RankTimes`, one slot per rank in the sync's one all-reduce) and `StragglerWatch` judges them:
 a rank whose own step time is more than --straggler-factor × the median of the others' is slow
 for that window's steps; slow for --straggler-steps steps running, it is a straggler. The
 watch says a straggler once, and again only when the picture changes: it waits for data
-instead of computing slowly (or the reverse), or it is no longer slow.
+instead of computing slowly (or the reverse), or it is no longer slow. Under --evict-stragglers
+a rank slow for --straggler-evict-steps steps running is evicted (`StragglerWatch.to_evict`):
+every rank keeps the watch, on the same figures, and reaches that decision at the same sync.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class StragglerWatch:
 
     factor: float
     steps_needed: int
+    evict_after: int | None = None  # --straggler-evict-steps under --evict-stragglers (None: never)
     slow_steps: dict[int, int] = field(default_factory=dict)  # rank: steps running it has been slow
     said: dict[int, str] = field(default_factory=dict)  # rank: the cause last said of it
 
@@ -126,6 +129,15 @@ class StragglerWatch:
                 del self.said[rank]
                 changed.append(Straggler(rank, host, ratio, times[rank].data_wait_fraction, 0, ended=True))
         return changed
+
+    def to_evict(self) -> int | None:
+        """The rank a straggler for --straggler-evict-steps steps running, the slowest first (None:
+        none, or eviction not asked for). Every rank holds the same figures after a sync, so every
+        rank finds the same one."""
+        if self.evict_after is None:
+            return None
+        due = [(steps, rank) for rank, steps in self.slow_steps.items() if steps >= self.evict_after]
+        return max(due)[1] if due else None
 
     def forget(self) -> None:
         """A new quorum or attempt: the ranks are not the same workers."""

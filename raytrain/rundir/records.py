@@ -46,6 +46,7 @@ class Kind:
     SKIPPED = "skipped"  # an unusable checkpoint was passed over for an earlier one
     NOTE = "note"  # something about the run's setup worth knowing (an optimizer that leaves parameters out)
     STRAGGLER = "straggler"  # a rank every step waits for (or, `ended`, no longer): raytrain.rules.stragglers
+    EVICTED = "evicted"  # --evict-stragglers: a straggler's host taken out of the run
     REPLICA_MISMATCH = "replica_mismatch"  # replicas' weights differ: the run goes back to a checkpoint
 
     # Events worth a line in the report and a mark on the plots.

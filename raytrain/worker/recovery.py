@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from raytrain.rundir.storage import Store
 from raytrain.text import sci
-from raytrain.worker.runtime import Runtime, node_address
-from raytrain.worker.watch import Watch
+from raytrain.worker.runtime import Runtime, hold_out_this_node, node_address, run_key
+from raytrain.worker.watch import StragglerEvicted, Watch
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
@@ -91,6 +91,7 @@ class Recovery:
         self._every = Quorum(self.runtime.world_size, self.runtime.world_rank)
         self.faults = Watch(cfg)  # slow and silent faults: stragglers, replicas that differ
         self._sharded = cfg.strategy == "fsdp"
+        self.evict_key = run_key(cfg.storage, cfg.name)  # where a straggler's node is written down
 
     @property
     def shards_per_replica(self) -> int:
@@ -101,6 +102,15 @@ class Recovery:
     def rank_hosts(self) -> list[str]:
         """Every rank's host, in rank order (a collective)."""
         return self.runtime.all_gather_object(node_address())
+
+    def evict(self, rank: int, line: str) -> None:
+        """--evict-stragglers, every rank at once: the straggler's worker writes its node down for the
+        controller (`raytrain.driver.evict` keeps the run off it), then the attempt ends on every
+        rank; Ray Train restarts the group at the size the other nodes hold."""
+        if self.runtime.world_rank == rank:
+            hold_out_this_node(self.evict_key)
+        self.runtime.all_reduce_sum([0.0])  # written down before any rank leaves
+        raise StragglerEvicted(line)
 
     @property
     def replica_count(self) -> int:

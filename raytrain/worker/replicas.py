@@ -53,7 +53,7 @@ from raytrain.text import first_line
 from raytrain.worker.groups import replica_of, replica_process_group
 from raytrain.worker.network import BindsInterfaces
 from raytrain.worker.recovery import Quorum, Recovery
-from raytrain.worker.runtime import Runtime, group_barrier
+from raytrain.worker.runtime import Runtime, group_barrier, hold_out_this_node
 from raytrain.worker.watch import StallWatch, hosts_by_sum
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -254,6 +254,14 @@ class PerStep(Recovery):
         """Every quorum rank's node address, through the Manager's all-reduce (a replica gathers
         objects within its group only)."""
         return hosts_by_sum(self.runtime)
+
+    def evict(self, rank: int, line: str) -> None:
+        """--evict-stragglers: the straggler's replica group writes its nodes down (the controller
+        leaves the group waiting for room: `raytrain.driver.replacement.GroupController`) and
+        leaves; the others train on without it."""
+        if self.runtime.world_rank // self.group_size == rank // self.group_size:
+            hold_out_this_node(self.evict_key)
+            os._exit(1)
 
     # -- the attempt ----------------------------------------------------------------------
 

@@ -39,6 +39,13 @@ class Recovery(Protocol):
 
     def rank_hosts(self) -> list[str]: ...
 
+    def evict(self, rank: int, line: str) -> None: ...
+
+
+class StragglerEvicted(RuntimeError):
+    """--evict-stragglers took a straggler's host out of the run: the attempt ends, and the run
+    goes on without that host (a failure, retried as any worker's)."""
+
 
 def hosts_by_sum(runtime: "Runtime") -> list[str]:
     """Every rank's node address, carried in one float all-reduce (IPv4: "?" for another kind), for
@@ -61,7 +68,8 @@ class Watch:
 
     def __init__(self, cfg: "TrainConfig") -> None:
         self.cfg = cfg
-        self.stragglers = StragglerWatch(cfg.straggler_factor, cfg.straggler_steps)
+        evict_after = cfg.straggler_evict_steps if cfg.evict_stragglers else None
+        self.stragglers = StragglerWatch(cfg.straggler_factor, cfg.straggler_steps, evict_after)
         self.hosts: list[str] | None = None  # by rank, for this quorum
         self.last: list[RankTimes] = []  # the last sync's figures
         self.quorum: Any = None  # the workers of the figures (`raytrain.worker.recovery.Quorum`)
@@ -80,16 +88,25 @@ class Watch:
         return self.hosts
 
     def after_sync(self, recovery: "Recovery", files: "RunWriter", times: list[RankTimes], step: int) -> None:
-        """A sync's figures: the writing rank says a straggler found, or gone (every rank takes
-        part in learning the hosts)."""
+        """A sync's figures, the same on every rank: the writing rank says a straggler found, or
+        gone; under --evict-stragglers every rank finds the one to evict (`Recovery.evict`)."""
         self.last = times
         if len(times) < 2:
             return
         hosts = self.rank_hosts(recovery)
-        if not files.enabled:
-            return
         for found in self.stragglers.observe(times, hosts):
             files.event(Kind.STRAGGLER, found.line(self.cfg.straggler_factor), step=step, **found.record())
+        rank = self.stragglers.to_evict()
+        if rank is not None:
+            steps = self.stragglers.slow_steps[rank]
+            line = (
+                f"Evicting rank {rank} (host {hosts[rank]}): a straggler for {steps} steps running "
+                f"(--straggler-evict-steps {self.cfg.straggler_evict_steps}); the run goes on without that host, "
+                "and does not take it back"
+            )
+            files.event(Kind.EVICTED, line, step=step, rank=rank, host=hosts[rank], slow_steps=steps)
+            files.flush()
+            recovery.evict(rank, line)
 
     def row_figures(self) -> dict[str, Any]:
         """What a metrics row holds of the last sync: each rank's own seconds per step."""
