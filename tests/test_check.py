@@ -5,6 +5,7 @@ BatchNorm conversion of --sync-batchnorm, and bad usage refused before Ray start
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -20,8 +21,11 @@ from check_pipelines import (
 
 from pipelines.digits.pipeline import load_arrays
 from raytrain.check import probes
+from raytrain.check.driver import report_lines
 from raytrain.check.verdict import (
+    NO_CAUSE,
     TOLERANCE,
+    Replicas,
     StepRecord,
     Verdict,
     compare,
@@ -30,8 +34,11 @@ from raytrain.check.verdict import (
     table_rows,
     tolerance_for,
 )
+from raytrain.check.worker import Outcome, replica_fingerprints
 from raytrain.cli import main
 from raytrain.config import TrainConfig
+from raytrain.rules import agreement
+from raytrain.worker.agreement import fingerprint, held_tensors
 
 # -- the verdict -----------------------------------------------------------------------------
 
@@ -104,6 +111,110 @@ def test_the_tolerance_follows_the_precision_unless_given():
     assert tolerance_for("fp32") == 1e-5
     assert tolerance_for("bf16") == tolerance_for("fp16") == 1e-2
     assert tolerance_for("bf16", 0.05) == 0.05
+
+
+# -- the replicas' fingerprints --------------------------------------------------------------
+
+A, B, C = 0x3F2A9C1E0B7D4C21, 0x1A2B3C4D5E6F7081, 0x0123456789ABCDEF
+
+
+def test_replicas_that_agree_after_every_step_are_said_to_agree_with_their_fingerprint():
+    reference = records([2.3, 2.2, 2.1])
+    replicas = Replicas(2, 1, ((C, C), (B, B), (A, A)))
+    verdict = Verdict(compare(reference, reference, 1e-5, workers=2), replicas=replicas)
+    assert verdict.equivalent and verdict.exit_status == 0
+    lines = verdict.lines()
+    assert lines[0].startswith("Equivalent: 2 workers train like 1 over 3 steps")
+    assert lines[1] == (
+        "Replicas agree: the 2 workers' weights and optimizer state had the same fingerprint after every compared "
+        "step (steps 1–3; after step 3: 3f2a9c1e0b7d4c21)."
+    )
+    header, rows = table_rows(verdict.comparison, replicas=replicas)
+    assert header[-2] == "replica fingerprint"
+    assert [row[-2] for row in rows] == ["01234567", "1a2b3c4d", "3f2a9c1e"]
+
+
+def test_a_replica_that_differs_fails_the_check_naming_the_first_step_and_the_rank():
+    reference = records([2.3, 2.2, 2.1])
+    replicas = Replicas(4, 1, ((C, C, C, C), (B, B, B, B), (A, A, B, A)))  # rank 2 parts after step 3
+    verdict = Verdict(compare(reference, reference, 1e-5, workers=4), replicas=replicas)
+    assert verdict.comparison.equivalent and not verdict.equivalent and verdict.exit_status == 1
+    lines = verdict.lines()
+    assert lines[0].startswith(
+        "Not equivalent: the 4 workers' replicas differ from step 3, though their loss and gradient norm agree "
+        "with 1 worker's over 3 steps"
+    )
+    assert lines[1] == (
+        "Replicas differ from step 3: rank 2 (1a2b3c4d5e6f7081) differs from the other replicas' 3f2a9c1e0b7d4c21 "
+        "(after 1 of the 3 steps)."
+    )
+    assert lines[2].startswith(
+        "Cause: the replicas' weights or optimizer state differ. After step 3 the weights and optimizer state of "
+        "rank 2 no longer have the other replicas' fingerprint."
+    )
+    assert lines[3].startswith("  Fix: look for a change to the weights or the optimizer state that depends on")
+    assert "rank 2 may be faulty" in lines[3]
+    assert NO_CAUSE not in lines  # the replicas are the cause named
+    _, rows = table_rows(verdict.comparison, replicas=replicas)
+    assert [row[-2] for row in rows] == ["01234567", "1a2b3c4d", "rank 2 differs"]
+
+
+def test_two_replicas_that_differ_are_both_named_beside_a_loss_that_differs():
+    replicas = Replicas(2, 1, ((A, A), (A, B)))
+    verdict = Verdict(compare(records([1.0, 1.0]), records([1.0, 1.1]), 1e-5, workers=2), replicas=replicas)
+    lines = verdict.lines()
+    assert lines[0].startswith("Differs from step 2")
+    assert lines[1].startswith(
+        "Replicas differ from step 2: rank 0 (3f2a9c1e0b7d4c21), rank 1 (1a2b3c4d5e6f7081) differ, and with two "
+        "replicas there is no majority to say which is wrong"
+    )
+    assert "no longer have a common fingerprint (ranks 0, 1)" in lines[2]
+    assert "ranks 0, 1 may be faulty" in lines[-1]
+    assert table_rows(verdict.comparison, replicas=replicas)[1][1][-2] == "ranks 0, 1 differ"
+
+
+def test_one_sharded_copy_has_no_replicas_to_compare():
+    replicas = Replicas(2, 2)  # --strategy fsdp: nothing fingerprinted
+    verdict = Verdict(compare(records([1.0]), records([1.0]), 1e-5, workers=2), replicas=replicas)
+    assert verdict.equivalent
+    assert verdict.lines()[1] == (
+        "Replicas: one sharded copy: no replicas to compare (each of the 2 workers holds a distinct shard of the "
+        "weights and optimizer state)."
+    )
+    header, _ = table_rows(verdict.comparison, replicas=replicas)
+    assert "replica fingerprint" not in header
+
+
+def test_the_report_shows_the_replicas_in_the_table_and_the_verdict():
+    reference = records([2.3, 2.2])
+    outcome = Outcome(reference, reference, reference, replicas=Replicas(2, 1, ((B, B), (A, A))))
+    verdict = Verdict(compare(reference, reference, 1e-5, workers=2), replicas=outcome.replicas)
+    lines = report_lines(outcome, verdict)
+    assert lines[2].startswith("replica fingerprint: the first 8 hex digits")
+    assert lines[3].split()[-2:] == ["replica", "fingerprint"]
+    assert lines[4].split()[-1] == "1a2b3c4d" and lines[5].split()[-1] == "3f2a9c1e"
+    assert lines[-1].startswith("Replicas agree: the 2 workers' weights and optimizer state")
+
+
+def test_the_fingerprints_of_every_rank_travel_in_one_sum(monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    mine = fingerprint(held_tensors(model, optimizer))
+
+    class TwoRanks:  # rank 0 of 2; rank 1 holds the same but one bit
+        world_rank, world_size = 0, 2
+
+        def all_reduce_sum(self, values):
+            other = agreement.to_slots(mine ^ 1, 1, 2)
+            return [a + b for a, b in zip(values, other)]
+
+    runner = types.SimpleNamespace(runtime=TwoRanks(), model=model, optimizer=optimizer)
+    prints = replica_fingerprints(runner)
+    assert prints == (mine % (1 << 64), (mine ^ 1) % (1 << 64))
+    assert agreement.odd_ranks(list(prints), 1) == [0, 1]
 
 
 # -- the probes, on one batch of digits in this process -------------------------------------

@@ -151,10 +151,11 @@ def fit_check(
 
 def judge(outcome: Outcome, tolerance: float, workers: int) -> Verdict:
     """The verdict from rank 0's records: the comparison up to the pipeline's horizon, the
-    probes' causes, and whether the --sync-batchnorm rerun closed the gap."""
+    probes' causes, whether the --sync-batchnorm rerun closed the gap, and the replicas'
+    fingerprints."""
     horizon = horizon_of(outcome.reference, outcome.reordered, tolerance)
     comparison = compare(outcome.reference, outcome.run, tolerance, workers, horizon)
-    verdict = Verdict(comparison, causes=list(outcome.causes))
+    verdict = Verdict(comparison, causes=list(outcome.causes), replicas=outcome.replicas)
     synced = outcome.reruns.get("sync_batchnorm")
     if synced:
         rerun = compare(outcome.reference, synced, tolerance, workers, horizon)
@@ -173,7 +174,7 @@ def judge(outcome: Outcome, tolerance: float, workers: int) -> Verdict:
 
 
 def report_lines(outcome: Outcome, verdict: Verdict) -> list[str]:
-    """What was neutralized, the side-by-side table, then the verdict."""
+    """What was neutralized, the side-by-side table (with the replicas' fingerprints), then the verdict."""
     c: Comparison = verdict.comparison
     dropout = (
         f"{plural(outcome.dropout_layers, 'dropout layer')} in evaluation mode on both sides (their masks "
@@ -182,7 +183,7 @@ def report_lines(outcome: Outcome, verdict: Verdict) -> list[str]:
         else "no dropout layers (any would be put in evaluation mode: their masks legitimately differ with the "
         "worker count)"
     )
-    header, rows = table_rows(c, outcome.reordered)
+    header, rows = table_rows(c, outcome.reordered, verdict.replicas)
     augmented = (
         [
             "transform_batch runs one row at a time on both sides, each row's draws seeded by its place in the epoch: "
@@ -195,4 +196,12 @@ def report_lines(outcome: Outcome, verdict: Verdict) -> list[str]:
         "1 vs 1 reordered: the 1-worker run against itself with each step's rows rotated by half (the same math, "
         "summed in another order): how far this pipeline's training amplifies rounding."
     )
-    return [dropout + ".", *augmented, legend, *text_table(header, rows), *verdict.lines()]
+    fingerprints = (
+        [
+            f"replica fingerprint: the first 8 hex digits of the fingerprint every one of the {c.workers} workers' "
+            "weights and optimizer state had after the step (or the ranks that differ)."
+        ]
+        if verdict.replicas is not None and verdict.replicas.compared
+        else []
+    )
+    return [dropout + ".", *augmented, legend, *fingerprints, *text_table(header, rows), *verdict.lines()]

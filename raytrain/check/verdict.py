@@ -21,12 +21,21 @@ its sums taken in another order, as a split over ranks takes them) and finds the
 *horizon*: the first step, from the second on, at which the 1-worker run departs from itself
 beyond the tolerance. Steps from the horizon on are shown but not judged: no comparison can
 tell a cause from rounding there. Step 1, from identical weights, is always judged.
+
+The N-worker run's replicas are compared too (`Replicas`): under ddp every rank holds the whole
+model, starts from the same weights and applies the same averaged gradients, so after every
+step every rank's weights and optimizer state must have the same fingerprint
+(`raytrain.worker.agreement.fingerprint`, bit for bit, no tolerance). A replica that differs
+fails the check with its own cause. Under fsdp the ranks hold one sharded copy: nothing to
+compare.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from raytrain.rules.agreement import odd_ranks
 
 # Relative difference allowed per step, loss and gradient norm alike, by precision.
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}
@@ -131,6 +140,101 @@ class Cause:
     fix: str
 
 
+# -- the replicas ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The N-worker run's replicas: every rank's fingerprint of its weights and optimizer state
+    after each step's update (`raytrain.worker.agreement.fingerprint`), and how many ranks hold
+    one copy of the model between them (1 under ddp, every rank a replica; all of them under
+    fsdp, one sharded copy: nothing to compare, nothing fingerprinted)."""
+
+    workers: int
+    shards_per_replica: int = 1
+    fingerprints: tuple[tuple[int, ...], ...] = ()  # [step - 1][rank], unsigned 64-bit
+
+    @property
+    def compared(self) -> bool:
+        """Whether there are replicas to compare, and their fingerprints."""
+        return self.workers // max(1, self.shards_per_replica) > 1 and bool(self.fingerprints)
+
+    def odd(self, step: int) -> list[int]:
+        """The ranks whose fingerprint after `step` differs from their shard's majority (`odd_ranks`)."""
+        return odd_ranks(list(self.fingerprints[step - 1]), self.shards_per_replica)
+
+    @property
+    def first_difference(self) -> int | None:
+        """The first step after which a replica differs (None: none does, or nothing compared)."""
+        if not self.compared:
+            return None
+        return next((step for step in range(1, len(self.fingerprints) + 1) if self.odd(step)), None)
+
+    def line(self) -> str:
+        """What the check says of the replicas: that they agree, where they part, or that there are none."""
+        if self.workers // max(1, self.shards_per_replica) <= 1:
+            return (
+                f"Replicas: one sharded copy: no replicas to compare (each of the {self.workers} workers holds a "
+                "distinct shard of the weights and optimizer state)."
+            )
+        if not self.fingerprints:
+            return "Replicas: not fingerprinted."
+        steps = len(self.fingerprints)
+        span = f"step {steps}" if steps == 1 else f"steps 1–{steps}"
+        first = self.first_difference
+        if first is None:
+            return (
+                f"Replicas agree: the {self.workers} workers' weights and optimizer state had the same fingerprint "
+                f"after every compared step ({span}; after step {steps}: {_hex(self.fingerprints[-1][0])})."
+            )
+        parted = sum(1 for step in range(first, steps + 1) if self.odd(step))
+        return f"Replicas differ from step {first}: {self._who(first)} (after {parted} of the {steps} steps)."
+
+    def _who(self, step: int) -> str:
+        odd, prints = self.odd(step), self.fingerprints[step - 1]
+        named = ", ".join(f"rank {rank} ({_hex(prints[rank])})" for rank in odd)
+        others = sorted({_hex(value) for rank, value in enumerate(prints) if rank not in odd})
+        if not others:  # no majority
+            two = " with two replicas" if self.workers // max(1, self.shards_per_replica) == 2 else ""
+            return f"{named} differ, and{two} there is no majority to say which is wrong"
+        verb = "differs" if len(odd) == 1 else "differ"
+        return f"{named} {verb} from the other replicas' {', '.join(others)}"
+
+    def cause(self) -> Cause:
+        """The cause line of replicas that differ."""
+        first = self.first_difference
+        odd = self.odd(first) if first is not None else []
+        ranks = f"rank{'s' if len(odd) != 1 else ''} {', '.join(str(rank) for rank in odd)}"
+        majority = len(odd) < len(self.fingerprints[first - 1]) if first is not None else True
+        what = (
+            f"the weights and optimizer state of {ranks} no longer have the other replicas' fingerprint"
+            if majority
+            else f"the replicas' weights and optimizer state no longer have a common fingerprint ({ranks})"
+        )
+        return Cause(
+            "the replicas' weights or optimizer state differ",
+            f"After step {first} {what}. DDP's replicas start from the same weights and apply the same averaged "
+            "gradients: they stay bit-identical unless something changes one of them outside the step.",
+            "look for a change to the weights or the optimizer state that depends on the rank (code that reads the "
+            "rank or world size in the model, the optimizer or a hook; a parameter set by hand; optimizer settings "
+            f"that differ per rank). If the pipeline has none, the device or host of {ranks} may be faulty (silent "
+            "data corruption): check again, and take it out of the cluster if it recurs.",
+        )
+
+    def cell(self, step: int) -> str:
+        """The table's cell for `step`: the replicas' fingerprint (first 8 hex digits), or who differs."""
+        if step > len(self.fingerprints):
+            return ""
+        odd = self.odd(step)
+        if not odd:
+            return _hex(self.fingerprints[step - 1][0])[:8]
+        return f"rank {odd[0]} differs" if len(odd) == 1 else f"ranks {', '.join(map(str, odd))} differ"
+
+
+def _hex(fingerprint: int) -> str:
+    return f"{fingerprint % (1 << 64):016x}"
+
+
 @dataclass
 class Verdict:
     """What the check concludes: equivalent, or differs from a step with its causes."""
@@ -138,20 +242,35 @@ class Verdict:
     comparison: Comparison
     causes: list[Cause] = field(default_factory=list)
     confirmed: list[str] = field(default_factory=list)  # reruns that closed the gap, said as sentences
+    replicas: Replicas | None = None  # the N-worker run's replicas, step by step (None: not fingerprinted)
+
+    @property
+    def replicas_differ(self) -> bool:
+        return self.replicas is not None and self.replicas.first_difference is not None
+
+    @property
+    def equivalent(self) -> bool:
+        """The losses and gradient norms agree with 1 worker's, and the replicas with each other."""
+        return self.comparison.equivalent and not self.replicas_differ
 
     @property
     def exit_status(self) -> int:
-        return 0 if self.comparison.equivalent else 1
+        return 0 if self.equivalent else 1
 
     def lines(self) -> list[str]:
         c = self.comparison
         largest = c.largest
         judged = len(c.judged_rows)
-        if c.equivalent:
+        within = (
+            f"largest relative difference {largest.difference:.1e} (step {largest.step}), within the tolerance "
+            f"{c.tolerance:.0e}"
+        )
+        if self.equivalent:
+            lines = [f"Equivalent: {c.workers} workers train like 1 over {plural_steps(judged)}; {within}."]
+        elif c.equivalent:  # the replicas differ
             lines = [
-                f"Equivalent: {c.workers} workers train like 1 over {judged} step{'s' if judged != 1 else ''}; largest "
-                f"relative difference {largest.difference:.1e} (step {largest.step}), within the tolerance "
-                f"{c.tolerance:.0e}."
+                f"Not equivalent: the {c.workers} workers' replicas differ from step {self.replicas.first_difference}, "
+                f"though their loss and gradient norm agree with 1 worker's over {plural_steps(judged)}; {within}."
             ]
         else:
             first = c.rows[c.first_difference - 1]
@@ -165,13 +284,20 @@ class Verdict:
                 "itself departs from the same run with its rows summed in another order beyond the tolerance, as "
                 "rounding compounds through training."
             )
-        for cause in self.causes:
+        if self.replicas is not None:
+            lines.append(self.replicas.line())
+        causes = [*self.causes, *([self.replicas.cause()] if self.replicas_differ else [])]
+        for cause in causes:
             lines.append(f"Cause: {cause.name}. {cause.evidence}")
             lines.append(f"  Fix: {cause.fix}")
         lines += [f"Confirmed: {sentence}" for sentence in self.confirmed]
-        if not c.equivalent and not self.causes:
+        if not c.equivalent and not causes:
             lines.append(NO_CAUSE)
         return lines
+
+
+def plural_steps(count: int) -> str:
+    return f"{count} step{'s' if count != 1 else ''}"
 
 
 NO_CAUSE = (
@@ -185,13 +311,19 @@ NO_CAUSE = (
 # -- the table -------------------------------------------------------------------------------
 
 
-def table_rows(comparison: Comparison, reordered: list[StepRecord] | None = None) -> tuple[list[str], list[list[str]]]:
+def table_rows(
+    comparison: Comparison, reordered: list[StepRecord] | None = None, replicas: Replicas | None = None
+) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the side-by-side table: step, both losses, both gradient norms, their
-    differences, and (given `reordered`) the 1-worker run against itself with its rows reordered."""
+    differences, (given `reordered`) the 1-worker run against itself with its rows reordered,
+    and (given `replicas` to compare) the replicas' fingerprint after the step."""
+    shown = replicas if replicas is not None and replicas.compared else None
     n = comparison.workers
     header = ["step", "loss 1 worker", f"loss {n} workers", "rel diff", "grad norm 1", f"grad norm {n}", "rel diff"]
     if reordered is not None:
         header.append("1 vs 1 reordered")
+    if shown is not None:
+        header.append("replica fingerprint")
     header.append("")  # the mark: differs, or not judged
     rows = []
     for row in comparison.rows:
@@ -207,6 +339,8 @@ def table_rows(comparison: Comparison, reordered: list[StepRecord] | None = None
         if reordered is not None:
             itself = Row(row.step, row.reference, reordered[row.step - 1]) if row.step <= len(reordered) else None
             line.append(f"{itself.difference:.1e}" if itself else "")
+        if shown is not None:
+            line.append(shown.cell(row.step))
         if not comparison.judged(row):
             line.append("  not judged")
         else:

@@ -8,7 +8,9 @@ same steps from the same initial weights over the same rows. Every side is built
 trainer's own pieces (`StepRunner`, `open_source`, `rules.steps`), dropout layers in
 evaluation mode, `transform_batch` row by row (`RowByRow`), and records for every step the
 global loss (sample-weighted over every rank's rows, all-reduced) and the global gradient
-norm, before the step's update.
+norm, before the step's update. The N-worker run under ddp also records every rank's
+fingerprint of its weights and optimizer state after each update, shared in one all-reduce
+(`replica_fingerprints`), so the verdict can say that the replicas stayed bit-identical.
 
 When the runs differ, rank 0 decides what to probe (`raytrain.check.verdict`): a model with
 per-rank BatchNorm is run again for a few steps with --sync-batchnorm on all N workers, to
@@ -28,17 +30,18 @@ from typing import Any
 import torch
 
 from raytrain.check import probes
-from raytrain.check.verdict import Cause, StepRecord, compare, horizon_of
+from raytrain.check.verdict import Cause, Replicas, StepRecord, compare, horizon_of
 from raytrain.config import TrainConfig
 from raytrain.data.sources import Source, open_source
 from raytrain.data.stream import Stream, StreamEpoch
 from raytrain.data.table import Table, TableEpoch
 from raytrain.parallel.strategy import local_part
 from raytrain.pipeline import Pipeline, overrides
-from raytrain.rules import steps
+from raytrain.rules import agreement, steps
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.position import Position
 from raytrain.rundir.heartbeats import Heartbeat
+from raytrain.worker.agreement import fingerprint, held_tensors
 from raytrain.worker.epoch import advance
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import unwrap
@@ -72,6 +75,7 @@ class Outcome:
     causes: list[Cause] = field(default_factory=list)
     dropout_layers: int = 0
     augmented_row_by_row: bool = False  # the pipeline's transform_batch, applied one row at a time (RowByRow)
+    replicas: Replicas | None = None  # the N-worker run's fingerprints, every rank's after every step
 
 
 def check_loop_per_worker(loop_config: dict[str, Any]) -> Outcome | None:
@@ -84,7 +88,11 @@ def check_loop_per_worker(loop_config: dict[str, Any]) -> Outcome | None:
         reference, _ = record_steps(payload.reference, copy.deepcopy(pristine), alone, payload)
         reordered, _ = record_steps(payload.reference, copy.deepcopy(pristine), alone, payload, reorder=True)
     runtime.all_gather_object(None)  # the others wait here while rank 0 takes the 1-worker steps
-    run, model = record_steps(payload.config, copy.deepcopy(pristine), runtime, payload)
+    # Who holds one copy of the model, as in training (`raytrain.worker.recovery.Recovery.shards_per_replica`):
+    # every rank under ddp; all of them, a shard each, under fsdp (nothing to compare, nothing fingerprinted).
+    shards = runtime.world_size if payload.config.strategy == "fsdp" else 1
+    prints: list[tuple[int, ...]] | None = [] if shards == 1 else None
+    run, model = record_steps(payload.config, copy.deepcopy(pristine), runtime, payload, fingerprints=prints)
     layers = probes.batchnorm_layers(unwrap(model))
     differs = reference is not None and not agrees(reference, reordered, run, payload.tolerance, runtime.world_size)
     outcome = Outcome(
@@ -93,6 +101,7 @@ def check_loop_per_worker(loop_config: dict[str, Any]) -> Outcome | None:
         run,
         dropout_layers=probes.dropout_to_eval(model),
         augmented_row_by_row=overrides(pristine, "transform_batch"),
+        replicas=Replicas(runtime.world_size, shards, tuple(prints or ())),
     )
     # Every rank must agree to rerun; rank 0 alone holds the reference.
     rerun = runtime.all_reduce_sum([float(differs and bool(layers))])[0] > 0
@@ -118,10 +127,11 @@ def record_steps(
     payload: CheckPayload,
     count: int | None = None,
     reorder: bool = False,
+    fingerprints: list[tuple[int, ...]] | None = None,
 ) -> tuple[list[StepRecord], torch.nn.Module]:
     """`count` optimizer steps (default: the check's) from the seeded initial weights, each
     recorded before its update (`reorder`: each step's rows rotated by half); returns them
-    and the model."""
+    and the model. Given `fingerprints`, every rank's after each update is appended to it."""
     runner, train = build_runner(cfg, pipeline, runtime, payload)
     position, records = Position(), []
     count = payload.steps if count is None else count
@@ -134,6 +144,8 @@ def record_steps(
             runner.gradients(data, step, phase)
             records.append(StepRecord(global_loss(runner), grad_norm(runner)))
             runner.apply_gradients(position, phase)
+            if fingerprints is not None:
+                fingerprints.append(replica_fingerprints(runner))
             advance(position, step)
             if len(records) == count:
                 break
@@ -175,6 +187,16 @@ def grad_norm(runner: StepRunner) -> float:
         squares = runner.runtime.all_reduce_sum([squares])[0]
     scale = runner.scaler.get_scale() if runner.scaler.is_enabled() else 1.0
     return math.sqrt(squares) / scale
+
+
+def replica_fingerprints(runner: StepRunner) -> tuple[int, ...]:
+    """Every rank's fingerprint of what it holds (weights and optimizer state), shared in one
+    all-reduce of their 16-bit pieces, as training compares its replicas
+    (`raytrain.worker.watch.Watch.compare`)."""
+    runtime = runner.runtime
+    mine = fingerprint(held_tensors(unwrap(runner.model), runner.optimizer))
+    summed = runtime.all_reduce_sum(agreement.to_slots(mine, runtime.world_rank, runtime.world_size))
+    return tuple(agreement.from_slots(summed, runtime.world_size))
 
 
 def probe(pipeline: Pipeline, payload: CheckPayload, alone: Runtime) -> list[Cause]:
