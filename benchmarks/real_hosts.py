@@ -218,7 +218,6 @@ def case(out: Path, fault: str, mode: str, args: argparse.Namespace) -> dict:
             victim = hosts[1]
             if fault == "slow":
                 fault_at, ended_at = slowed(victim, run_dir, args.down_s)
-                row.update(slow_figures(run_dir, fault_at))
             else:
                 start, end = {"partition": (victim.cut, victim.heal), "frozen": (victim.freeze, victim.thaw)}.get(
                     fault, (victim.lose, victim.boot)
@@ -250,6 +249,8 @@ def case(out: Path, fault: str, mode: str, args: argparse.Namespace) -> dict:
             logs = Path(host.temp_dir) / "session_latest" / "logs"
             shutil.copytree(logs, out / f"logs-{i}", dirs_exist_ok=True, ignore_dangling_symlinks=True)
     row["fault_at"], row["ended_at"] = fault_at, ended_at
+    if fault == "slow" and fault_at is not None:
+        row.update(slow_figures(run_dir, fault_at))
     steps = metrics(run_dir)
     sizes: list[int] = []
     for m in steps:

@@ -134,3 +134,30 @@ def test_bad_watch_options_name_the_field_and_the_fix(option, value, fix):
     with pytest.raises(ConfigError) as error:
         TrainConfig(**{option: value})
     assert option in str(error.value) and fix in str(error.value)
+
+
+def test_a_rank_slow_for_the_evict_steps_is_evicted_only_when_asked():
+    kept = StragglerWatch(factor=1.5, steps_needed=20)
+    evicting = StragglerWatch(factor=1.5, steps_needed=20, evict_after=40)
+    for watch in (kept, evicting):
+        for _ in range(3):
+            watch.observe(window([0.05, 0.35, 0.05, 0.5]), ["a", "b", "c", "d"])
+        assert watch.to_evict() is None  # 30 slow steps
+        watch.observe(window([0.05, 0.35, 0.05, 0.5]), ["a", "b", "c", "d"])
+    assert kept.to_evict() is None  # without --evict-stragglers, never
+    assert evicting.to_evict() == 3  # two at 40 steps: the slowest first
+
+
+def test_the_elastic_policy_counts_no_worker_on_an_evicted_node(monkeypatch):
+    from ray.train import ScalingConfig
+
+    from raytrain.driver import evict
+    from raytrain.driver.replacement import group_scaling_policy
+
+    monkeypatch.setattr(evict, "evicted_nodes", lambda key: {"node-b"} if key == b"run" else set())
+    reserved = {"node-a": {"CPU": 2.0}, "node-b": {"CPU": 2.0}, "node-c": {"CPU": 1.0}}
+    config = ScalingConfig(num_workers=(1, 5), resources_per_worker={"CPU": 1})
+    assert evict.evicting_policy(config, b"run")._count_possible_workers(reserved) == 3
+    assert evict.evicting_policy(config, b"other")._count_possible_workers(reserved) == 5
+    groups = group_scaling_policy(ScalingConfig(num_workers=(2, 4), resources_per_worker={"CPU": 1}), 2, b"run")
+    assert groups._count_possible_workers(reserved) == 2  # 3 workers' room: one whole group of 2
