@@ -17,13 +17,16 @@ from raytrain.cli import main
 pytestmark = pytest.mark.ray
 
 
-def test_a_rank_slower_from_step_10_is_named_a_straggler_and_the_run_finishes(ray_session, tmp_path):
+def test_a_rank_slower_from_step_5_is_named_a_straggler_and_the_run_finishes(ray_session, tmp_path):
+    """The issue's case, shortened for CI (benchmarks/silent_faults.py runs it as given: slower
+    from step 10, the default cadences)."""
     out = tmp_path / "out"
     out.mkdir()
     cfg = raytrain.TrainConfig(
-        workers=3, batch_size_per_worker=8, max_steps=40, storage=str(tmp_path), name="straggler", schedule="constant"
-    )
-    pipeline = StragglingPipeline(str(out), slow_rank=1, from_step=10, extra_s=0.3, step_sleep_s=0.05, num_rows=960)
+        workers=3, batch_size_per_worker=8, max_steps=25, storage=str(tmp_path), name="straggler",
+        schedule="constant", log_every_steps=5, straggler_steps=10,
+    )  # fmt: skip
+    pipeline = StragglingPipeline(str(out), slow_rank=1, from_step=5, extra_s=0.3, step_sleep_s=0.05, num_rows=600)
     result = raytrain.fit(pipeline, cfg)
     assert result.summary["status"] == "finished"
     events = read_jsonl(Path(result.run_dir) / "events.jsonl")
@@ -33,8 +36,8 @@ def test_a_rank_slower_from_step_10_is_named_a_straggler_and_the_run_finishes(ra
     assert straggler["rank"] == 1 and not straggler["ended"]
     assert straggler["host"] and straggler["step_ratio"] > 3, straggler
     assert straggler["data_wait_fraction"] < 0.5  # it computes slowly, it does not wait for data
-    # Named within --straggler-steps (20) of the log cadence (10) after it became slow at step 10.
-    assert straggler["step"] <= 10 + 20 + 10, straggler
+    # Named within --straggler-steps (10) of the log cadence (5) after it became slow at step 5.
+    assert straggler["step"] <= 5 + 10 + 5, straggler
     assert "rank 1" in straggler["message"] and "computes slowly" in straggler["message"]
     rows = [row for row in read_jsonl(Path(result.run_dir) / "metrics.jsonl") if "rank_step_s" in row]
     late = rows[-1]["rank_step_s"]
@@ -43,7 +46,8 @@ def test_a_rank_slower_from_step_10_is_named_a_straggler_and_the_run_finishes(ra
     assert "Step time per rank" in report
 
 
-def test_a_corrupted_replica_is_caught_rolled_back_and_never_published(ray_session, tmp_path):
+@pytest.mark.parametrize("mode", ["restart", "per-step"])
+def test_a_corrupted_replica_is_caught_rolled_back_and_never_published(ray_session, tmp_path, mode):
     out = tmp_path / "out"
     out.mkdir()
     cfg = raytrain.TrainConfig(
@@ -54,6 +58,7 @@ def test_a_corrupted_replica_is_caught_rolled_back_and_never_published(ray_sessi
         num_checkpoints_to_keep=10,
         storage=str(tmp_path),
         name="corrupt",
+        fault_tolerance=mode,
     )
     result = raytrain.fit(CorruptingPipeline(str(out), rank=1, at_step=12, num_rows=400), cfg)
     assert result.summary["status"] == "finished"
