@@ -187,3 +187,54 @@ def test_report_says_the_goodput_and_where_the_rest_went(tmp_path):
     assert "| recovery | 15.0 | 7.5% |" in text
     assert "| validation | not recorded |  |" in text
     assert "their time is part of *other*" in text
+
+
+def write_straggling_run(run_dir: Path) -> Path:
+    """The elastic run with each rank's own step time: ~100 ms everywhere, until rank 2 (of the
+    4 workers from step 45) takes ~7× as long from step 55, and is named a straggler at step 70."""
+    write_run(run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        if not row.get("epoch_end"):
+            times = [0.100 + 0.001 * rank for rank in range(row["world_size"])]
+            if row["world_size"] == 4 and row["step"] >= 55:
+                times[2] = 0.700
+            row["rank_step_s"] = times
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    straggler = {
+        "time": T0 + 140,
+        "kind": "straggler",
+        "message": "Straggler: rank 2 (host 10.0.0.3) takes 6.9× the others' median step time for 15 steps running, "
+        "and every step waits for it; it computes slowly (data wait 2% of its step): a slow or busy device or host.",
+        "step": 70,
+        "rank": 2,
+        "host": "10.0.0.3",
+        "step_ratio": 6.931,
+        "data_wait_fraction": 0.02,
+        "slow_steps": 15,
+        "ended": False,
+    }
+    with (run_dir / "events.jsonl").open("a") as events:
+        events.write(json.dumps(straggler) + "\n")
+    return run_dir
+
+
+def test_report_shows_each_ranks_own_step_time_and_the_straggler(tmp_path):
+    run_dir = write_straggling_run(tmp_path / "straggling")
+    text = write_report(run_dir).read_text()
+    section = text.split("## Step time per rank\n", 1)[1].split("\n## ", 1)[0]
+    assert "| rank | steps | median ms | max ms | median / all ranks' median |" in section
+    assert "| 0 | 5–85 | 100.0 | 100.0 (step 5) | 0.98× |" in section  # 2 workers up to step 40, 4 after
+    assert "| 2 | 45–85 | 700.0 | 700.0 (step 55) | 6.86× |" in section  # 700 / 102 ms
+    assert "| 3 | 45–85 | 103.0 | 103.0 (step 45) | 1.01× |" in section
+    assert "(+140 s): Straggler: rank 2 (host 10.0.0.3) takes 6.9× the others' median step time" in section
+    assert text.index("## Step time per rank") < text.index("## Plots")
+    assert "![ranks](plots/ranks.png)" in text
+    assert (run_dir / "plots" / "ranks.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_report_of_a_run_without_rank_step_times_has_no_such_section(tmp_path):
+    run_dir = write_run(tmp_path / "elastic")
+    text = write_report(run_dir).read_text()
+    assert "Step time per rank" not in text and "ranks.png" not in text
+    assert not (run_dir / "plots" / "ranks.png").exists()

@@ -8,6 +8,7 @@ Reads the run files (metrics.jsonl, events.jsonl, summary.json, config.yaml) and
     RUN_DIR/plots/lr.png       the learning rate schedule (warmup, decay, rescaling)
     RUN_DIR/plots/workers.png  world size and global batch over wall time, resizes marked
     RUN_DIR/plots/throughput.png  samples/s per logged window and per epoch
+    RUN_DIR/plots/ranks.png    each rank's own step time (a multi-worker run; `ranks`)
 
 It runs at the end of every `raytrain train` and works on a partial or failed run.
 Plots use matplotlib's Agg canvas directly (no pyplot, no display, no global state).
@@ -23,6 +24,7 @@ from typing import Any
 
 from raytrain.errors import UserError
 from raytrain.observe.goodput import goodput_section
+from raytrain.observe.ranks import plot_rank_times, rank_section
 from raytrain.observe.render import figure, markdown_table
 from raytrain.rules import flops
 from raytrain.rundir import EPOCH_LOSS, PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Store, Summary
@@ -116,6 +118,7 @@ def write_plots(run: RunRecord, directory: Path) -> dict[str, Path]:
         ("lr", _plot_lr),
         ("workers", _plot_workers),
         ("throughput", _plot_throughput),
+        ("ranks", lambda run, figure: plot_rank_times(run.step_rows, run.events, figure)),
     ):
         figure = _new_figure()
         if draw(run, figure) is False:
@@ -295,6 +298,7 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
         lines += ["## Resizes and restarts", ""]
         lines += [f"- {_clock(e.time)} (+{_since(e.time, start)}): {e.message}" for e in run.marked_events]
         lines.append("")
+    lines += rank_section(run.step_rows, run.events, run.start_time)
     if plots:
         lines += ["## Plots", ""]
         for key, path in plots.items():

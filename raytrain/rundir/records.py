@@ -27,6 +27,9 @@ PLOTS = "plots"
 # Keys of a metrics row beyond its fields: every row's `loss` is the mean over the steps since the
 # previous row (the window); the epoch's mean, on the epoch's row and the run's last, is this.
 EPOCH_LOSS = "epoch_loss"
+# A multi-worker run's step rows: each rank's own seconds per step over the window, by rank (its data
+# wait, forward and optimizer step: `raytrain.rules.stragglers`); the report plots them.
+RANK_STEP_S = "rank_step_s"
 
 
 class Kind:

@@ -19,16 +19,13 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from raytrain.rules import agreement
 from raytrain.rules import replicas as replica_rules
 from raytrain.rules.stragglers import RankTimes, StragglerWatch
-from raytrain.rundir.records import Kind
+from raytrain.rundir.records import RANK_STEP_S, Kind
 from raytrain.worker.agreement import ReplicaMismatch, fingerprint, held_tensors, mismatch_line
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
     from raytrain.rundir.writer import RunWriter
     from raytrain.worker.runtime import Runtime
-
-# Keys of a metrics row: each rank's own seconds per step over the row's window.
-RANK_STEP_S = "rank_step_s"
 
 
 class Recovery(Protocol):
