@@ -75,7 +75,8 @@ PRIVATE_RAY_NAMES = {
     # --evict-stragglers: the evicted nodes kept out where the controller decides (no hook or option
     # of Ray 2.60 excludes a live node from a run).
     "raytrain.driver.evict": {
-        # before a failure is acted on, an actor holding each evicted node's resources
+        "ray._raylet.RAY_NODE_ID_KEY",  # the label every node has: its id (no public name in 2.60)
+        # every new worker group's label selector (on_controller_start_worker_group): no public hook
         "ray.train.v2._internal.execution.callback.ControllerCallback",
         # the elastic policy counting no worker on an evicted node: `fit` builds Ray's, no hook
         "ray.train.v2._internal.execution.scaling_policy.ElasticScalingPolicy",

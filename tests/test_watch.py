@@ -161,3 +161,91 @@ def test_the_elastic_policy_counts_no_worker_on_an_evicted_node(monkeypatch):
     assert evict.evicting_policy(config, b"other")._count_possible_workers(reserved) == 5
     groups = group_scaling_policy(ScalingConfig(num_workers=(2, 4), resources_per_worker={"CPU": 1}), 2, b"run")
     assert groups._count_possible_workers(reserved) == 2  # 3 workers' room: one whole group of 2
+
+
+class _Writer:
+    """The writing rank's files, in memory."""
+
+    enabled = True
+
+    def __init__(self):
+        self.events = []
+
+    def event(self, kind, message, **extra):
+        self.events.append((kind, message, extra))
+
+    def flush(self):
+        pass
+
+
+class _Recovery:
+    """A restart-mode recovery's answers, without Ray."""
+
+    shards_per_replica = 1
+
+    def __init__(self, world_size):
+        self.runtime = type("Runtime", (), {"world_size": world_size, "world_rank": 0})()
+        self.evicted = []
+
+    def workers_left(self, rank, hosts):
+        return sum(host != hosts[rank] for host in hosts)
+
+    def evict(self, rank, line):
+        self.evicted.append(rank)
+
+
+@pytest.mark.parametrize("workers, evicts", [("2:4", True), ("3:4", False)])
+def test_a_straggler_is_evicted_once_and_only_when_enough_workers_are_left(workers, evicts):
+    from raytrain.worker.watch import Watch
+
+    cfg = TrainConfig(workers=workers, evict_stragglers=True, straggler_steps=10, straggler_evict_steps=20)
+    watch, files, recovery = Watch(cfg), _Writer(), _Recovery(4)
+    hosts = ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]  # ranks 2 and 3 share the slow host
+    for step in (10, 20):
+        watch.after_sync(recovery, files, window([0.05, 0.05, 0.4, 0.4]), hosts, step)
+    decided = [extra for kind, _, extra in files.events if kind == "evicted"]
+    assert len(decided) == 1 and decided[0]["host"] == "10.0.0.2" and decided[0]["evicted"] is evicts, files.events
+    rank = decided[0]["rank"]
+    assert recovery.evicted == ([rank] if evicts else [])  # 2 left on 10.0.0.1: enough for MIN 2, not for 3
+    watch.after_sync(recovery, files, window([0.05, 0.05, 0.4, 0.4]), hosts, 30)
+    assert recovery.evicted.count(rank) == (1 if evicts else 0)  # each rank decided once
+
+
+def test_every_new_worker_group_is_placed_off_the_evicted_nodes(monkeypatch):
+    from raytrain.driver import evict
+
+    monkeypatch.setattr(evict, "evicted_nodes", lambda key: {"b" * 56, "a" * 56} if key == b"run" else set())
+    selector = evict.KeepEvictedOut(b"run").on_controller_start_worker_group(scaling_config=None, num_workers=2)
+    assert selector == {"ray.io/node-id": f"!in({'a' * 56}, {'b' * 56})"}
+    assert evict.KeepEvictedOut(b"other").on_controller_start_worker_group(scaling_config=None, num_workers=2) is None
+
+
+def test_the_sync_carries_every_ranks_own_time_and_host():
+    from raytrain.worker.window import LossWindow, sync
+
+    world, vectors = 3, []
+
+    class Runtime:
+        world_size = world
+
+        def __init__(self, rank):
+            self.world_rank = rank
+
+        def all_reduce_sum(self, values):
+            vectors.append(values)
+            return values
+
+    beat = type("Beat", (), {"mark": lambda self, step, phase: None})()
+    for rank in range(world):
+        sync(Runtime(rank), beat, LossWindow.on(torch.device("cpu")), 10, own=RankTimes(0.1 * rank, 0.01, 10),
+             host=agreement.ipv4(f"10.0.0.{rank + 1}"))  # fmt: skip
+    summed = [sum(column) for column in zip(*vectors)]
+
+    class Summed(Runtime):
+        def all_reduce_sum(self, values):
+            return summed
+
+    synced = sync(Summed(0), beat, LossWindow.on(torch.device("cpu")), 10)
+    assert synced.hosts == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    assert [t.compute_s for t in synced.times] == pytest.approx([0.0, 0.1, 0.2]) and synced.times[2].steps == 10
+    assert agreement.address(agreement.ipv4("fe80::1")) == "?"

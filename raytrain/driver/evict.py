@@ -1,20 +1,18 @@
 """Hosts evicted for being stragglers (`--evict-stragglers`), kept out of the run to its end.
 
 A worker decides (`raytrain.worker.watch`): every rank holds the same figures after the log
-sync, so every rank finds the same straggler at the same step. The straggler's workers write
-their Ray node id under the run's key in Ray's internal key-value store
-(`raytrain.worker.runtime.hold_out_this_node`),
-then the attempt ends (restart mode: every rank raises and Ray Train restarts the group;
-per-step: the straggler's replica group leaves and the others train on).
+sync, so every rank finds the same straggler at the same step. The straggler's worker writes
+its Ray node id under the run's key (one per invocation of the driver) in Ray's internal
+key-value store (`raytrain.worker.runtime.hold_out_this_node`), then the attempt ends (restart
+mode: every rank raises and Ray Train restarts the group; per-step: the straggler's replica
+group leaves at the next step's start and the others train on).
 
 The controller reads the key (`raytrain.worker.runtime.evicted_nodes`) where it decides:
 
 - `Evicting`, a mixin of Ray Train's elastic scaling policy, counts no worker on an evicted
   node: the group restarts at the size the other nodes hold;
-- `HoldEvicted`, a controller callback, places one actor on each evicted node, asking for all
-  of its CPUs and GPUs, before the failure is acted on: it gets them as the straggler's
-  workers exit, so no new placement group can use the node. The actors belong to the
-  controller and end with the run;
+- `KeepEvictedOut`, a controller callback, gives every new worker group a label selector
+  that excludes the evicted nodes (`ray.io/node-id` not in them): no worker is placed there;
 - per-step, `raytrain.driver.replacement.GroupController` leaves a replica group whose slots
   are on an evicted node waiting, as one whose node is gone.
 """
@@ -49,40 +47,18 @@ def evicting_policy(scaling_config: Any, key: bytes, base: type | None = None) -
     return policy_class(scaling_config=scaling_config)
 
 
-class HoldEvicted(ControllerCallback):
-    """Before the controller acts on a failure, an actor on each newly evicted node asking for all
-    of its CPUs and GPUs (see the module's docstring)."""
+class KeepEvictedOut(ControllerCallback):
+    """Every new worker group placed off the evicted nodes (see the module's docstring)."""
 
     def __init__(self, key: bytes) -> None:
         self.key = key
-        self.holds: dict[str, Any] = {}  # node id: its actor
 
-    def before_controller_execute_failure_decision(self, failure_decision: Any) -> None:
-        self.hold()
-
-    def hold(self) -> None:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        for node in ray.nodes():
-            node_id = node["NodeID"]
-            if node_id in self.holds or not node["Alive"] or node_id not in evicted_nodes(self.key):
-                continue
-            resources = node.get("Resources") or {}
-            self.holds[node_id] = _Hold.options(
-                num_cpus=resources.get("CPU", 0),
-                num_gpus=resources.get("GPU", 0),
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote()
+    def on_controller_start_worker_group(self, *, scaling_config: Any, num_workers: int) -> dict[str, str] | None:
+        try:
+            out = sorted(evicted_nodes(self.key))
+        except Exception:  # noqa: BLE001 - the store unreachable: placed as Ray would, evicted again if slow
+            return None
+        return {ray._raylet.RAY_NODE_ID_KEY: f"!in({', '.join(out)})"} if out else None
 
 
-class _HoldActor:
-    """Holds a node's resources for as long as it lives: nothing of the run is placed there."""
-
-    def ready(self) -> bool:
-        return True
-
-
-_Hold = ray.remote(_HoldActor)
-
-
-__all__ = ["Evicting", "HoldEvicted", "evicting_policy"]
+__all__ = ["Evicting", "KeepEvictedOut", "evicting_policy"]

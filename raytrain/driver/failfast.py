@@ -23,7 +23,7 @@ from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
 from raytrain.driver import interrupts, replacement
-from raytrain.driver.evict import HoldEvicted, evicting_policy
+from raytrain.driver.evict import KeepEvictedOut, evicting_policy
 from raytrain.driver.replacement import GroupController, ReplicaGroups, group_scaling_policy, lost_while_replacing
 from raytrain.errors import find_user_error
 
@@ -106,7 +106,7 @@ class FailFastTrainer(TorchTrainer):
             kwargs["failure_policy"], replica_groups=replica_groups, on_worker_failure=self.on_worker_failure
         )
         if self.evict_key is not None:  # an elastic run: keep evicted stragglers' nodes out
-            kwargs["callbacks"] = [*kwargs["callbacks"], HoldEvicted(self.evict_key)]
+            kwargs["callbacks"] = [*kwargs["callbacks"], KeepEvictedOut(self.evict_key)]
             if not replica_groups:
                 kwargs["scaling_policy"] = evicting_policy(self.scaling_config, self.evict_key)
         if not replica_groups:

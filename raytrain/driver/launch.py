@@ -101,9 +101,10 @@ def build_torch_trainer(
         torch_config = torchft_config(use_gpu, cfg.collective_timeout_s, min_groups)
     else:
         torch_config = BoundTorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=cfg.collective_timeout_s)
+    invocation = uuid4().hex  # this run of the driver
     return FailFastTrainer(
         summarize_on_raise(train_loop_per_worker),
-        train_loop_config={PAYLOAD: WorkerPayload(cfg, pipe, Store.of(run_dir), sources, invocation=uuid4().hex)},
+        train_loop_config={PAYLOAD: WorkerPayload(cfg, pipe, Store.of(run_dir), sources, invocation=invocation)},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources, **elastic),
         torch_config=torch_config,
         # No `datasets=`: Ray's equal split drops tail rows and keeps no position. The
@@ -131,5 +132,5 @@ def build_torch_trainer(
         ),
         replica_group_size=cfg.replica_group_size,
         on_worker_failure=stall_reporter(run_dir, cfg.collective_timeout_s) if restart else None,
-        evict_key=run_key(cfg.storage, cfg.name) if cfg.evict_stragglers else None,
+        evict_key=run_key(cfg.storage, cfg.name, invocation) if cfg.evict_stragglers else None,
     )

@@ -8,8 +8,9 @@ whose fingerprint differs from the majority of its shard's is odd; with no major
 replicas that differ) every one of that shard's ranks is named, since either may be the
 corrupted one.
 
-A fingerprint is a 64-bit integer; it travels in the sync's float all-reduce as four 16-bit
-pieces (exact in float32 and float64), one slot per piece per rank, each rank filling its own.
+A fingerprint is a 64-bit integer; it travels in a float all-reduce as four 16-bit pieces
+(exact in float32 and float64), one slot per piece per rank, each rank filling its own. So does
+each rank's host, an IPv4 address, in the log sync (`ipv4`, `address`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,23 @@ def from_slots(summed: list[float], world_size: int) -> list[int]:
     return [
         sum(int(summed[PIECES * rank + piece]) << (16 * piece) for piece in range(PIECES)) for rank in range(world_size)
     ]
+
+
+def ipv4(address: str) -> int:
+    """An IPv4 address as the integer the sync carries (MISSING for another kind of address)."""
+    import ipaddress
+
+    try:
+        return int(ipaddress.IPv4Address(address))
+    except ValueError:
+        return MISSING
+
+
+def address(value: int) -> str:
+    """The address an integer of `ipv4` stands for ("?" for MISSING)."""
+    import ipaddress
+
+    return str(ipaddress.IPv4Address(value)) if 0 < value < 1 << 32 else "?"
 
 
 def odd_ranks(fingerprints: list[int], shards_per_replica: int) -> list[int]:

@@ -102,13 +102,15 @@ def step_ratios(times: list[RankTimes]) -> list[float]:
 
 @dataclass
 class StragglerWatch:
-    """Rank 0's account of the ranks' own step times over the log windows (see the module's docstring)."""
+    """The account of the ranks' own step times over the log windows that every rank keeps, on the
+    same figures (see the module's docstring)."""
 
     factor: float
     steps_needed: int
     evict_after: int | None = None  # --straggler-evict-steps under --evict-stragglers (None: never)
     slow_steps: dict[int, int] = field(default_factory=dict)  # rank: steps running it has been slow
     said: dict[int, str] = field(default_factory=dict)  # rank: the cause last said of it
+    evicted: set[int] = field(default_factory=set)  # ranks decided on (`to_evict` names each once)
 
     def observe(self, times: list[RankTimes], hosts: list[str]) -> list[Straggler]:
         """One log window's times, by rank; returns what changed: ranks newly named (or whose
@@ -136,10 +138,15 @@ class StragglerWatch:
         rank finds the same one."""
         if self.evict_after is None:
             return None
-        due = [(steps, rank) for rank, steps in self.slow_steps.items() if steps >= self.evict_after]
+        due = [
+            (steps, rank)
+            for rank, steps in self.slow_steps.items()
+            if steps >= self.evict_after and rank not in self.evicted
+        ]
         return max(due)[1] if due else None
 
     def forget(self) -> None:
         """A new quorum or attempt: the ranks are not the same workers."""
         self.slow_steps.clear()
         self.said.clear()
+        self.evicted.clear()

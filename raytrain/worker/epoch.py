@@ -200,9 +200,9 @@ class Epochs:
         it covers and whether to stop. A NaN/inf loss on any rank ends the run here
         (TrainingDiverged), before its weights are saved."""
         runner, position = self.runner, self.position
-        heartbeat, own = runner.measures.heartbeat, runner.measures.own.take()
-        loss, count, stop, diverged, times = sync(
-            runner.runtime, heartbeat, runner.window, position.step, stop_requested, own
+        heartbeat, own, faults = runner.measures.heartbeat, runner.measures.own.take(), self.recovery.faults
+        loss, count, stop, diverged, times, hosts = sync(
+            runner.runtime, heartbeat, runner.window, position.step, stop_requested, own, faults.my_host
         )
         if diverged:
             # The last good checkpoint may still be being written in the background: finish it first, so that the
@@ -222,7 +222,7 @@ class Epochs:
             )
         if self.steady_clock is not None:  # the sync waited for the steps' kernels: their times are in
             self.steady_clock.settle(runner.measures.telemetry)
-        self.recovery.faults.after_sync(self.recovery, self.files, times, position.step)
+        faults.after_sync(self.recovery, self.files, times, hosts, position.step)
         return loss, count, stop
 
     def compare_replicas(self) -> None:

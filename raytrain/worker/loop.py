@@ -66,7 +66,7 @@ FINISH_ON_ERROR_S = 60.0
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     payload: WorkerPayload = loop_config[PAYLOAD]
     cfg, run_dir = payload.config, Store.of(payload.run_dir)
-    recovery = recovery_for(cfg, run_dir)
+    recovery = recovery_for(cfg, run_dir, payload.invocation)
     runtime = recovery.runtime
     files = RunWriter(run_dir, enabled=runtime.is_rank0)
     heartbeat = Heartbeat(run_dir.local_dir / HEARTBEATS, runtime.world_rank, enabled=runtime.world_size > 1)
@@ -188,10 +188,10 @@ class Training(Epochs):
             files.update_config(resume.recorded_config(files.rundir.config(), ["build_optimizer"], details))
 
 
-def recovery_for(cfg: TrainConfig, run_dir: Store) -> Recovery:
+def recovery_for(cfg: TrainConfig, run_dir: Store, invocation: str = "") -> Recovery:
     """This worker's recovery object: the one of cfg's --fault-tolerance mode, built once where
-    the worker starts."""
-    return recovery_class(cfg.fault_tolerance)(cfg, run_dir)
+    the worker starts (`invocation`: this run of the driver)."""
+    return recovery_class(cfg.fault_tolerance)(cfg, run_dir, invocation=invocation)
 
 
 def recovery_class(mode: str) -> type[Recovery]:

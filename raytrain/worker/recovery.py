@@ -13,8 +13,9 @@ The loop (`raytrain.worker.loop`, `raytrain.worker.epoch`) and the checkpoints
   (`distributed_checkpoints`), and how it is published (`publish`, `publish_wait_s`);
 - its collectives, its model's wrapper and its evaluation share: those of its runtime
   (`raytrain.worker.runtime.Runtime`, or per-step's `ReplicaRuntime`);
-- which ranks hold the same shard of different replicas (`shards_per_replica`) and where each
-  rank runs (`rank_hosts`), for its watch of slow and silent faults (`raytrain.worker.watch`).
+- which ranks hold the same shard of different replicas (`shards_per_replica`), and what
+  evicting a straggler leaves (`workers_left`) and does (`evict`), for its watch of slow and
+  silent faults (`raytrain.worker.watch`).
 
 `Recovery` is restart mode's (`--fault-tolerance restart`): a failure restarts the whole
 worker group from the last checkpoint, so every rank takes and commits every step, and Ray
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from raytrain.rundir.storage import Store
 from raytrain.text import sci
-from raytrain.worker.runtime import Runtime, hold_out_this_node, node_address, run_key
+from raytrain.worker.runtime import Runtime, hold_out_this_node, run_key
 from raytrain.worker.watch import StragglerEvicted, Watch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,13 +86,16 @@ class Recovery:
     each_reads_stop = False  # every rank learns of a stop request by the sync
     rolls_back_every_node = True  # a failure of any node rolls the whole run back (auto's failure rate)
 
-    def __init__(self, cfg: "TrainConfig", run_dir: Store, runtime: Runtime | None = None) -> None:
-        """`runtime`: this worker's (None: Ray Train's worker, or local mode's process)."""
+    def __init__(
+        self, cfg: "TrainConfig", run_dir: Store, runtime: Runtime | None = None, *, invocation: str = ""
+    ) -> None:
+        """`runtime`: this worker's (None: Ray Train's worker, or local mode's process); `invocation`:
+        this run of the driver (its evictions are its own)."""
         self.runtime = runtime if runtime is not None else Runtime(cfg.gpu)
         self._every = Quorum(self.runtime.world_size, self.runtime.world_rank)
         self.faults = Watch(cfg)  # slow and silent faults: stragglers, replicas that differ
         self._sharded = cfg.strategy == "fsdp"
-        self.evict_key = run_key(cfg.storage, cfg.name)  # where a straggler's node is written down
+        self.evict_key = run_key(cfg.storage, cfg.name, invocation)  # where a straggler's node is written down
 
     @property
     def shards_per_replica(self) -> int:
@@ -99,17 +103,19 @@ class Recovery:
         replica), all of them under fsdp (one copy, sharded: nothing to compare)."""
         return self.runtime.world_size if self._sharded else 1
 
-    def rank_hosts(self) -> list[str]:
-        """Every rank's host, in rank order (a collective)."""
-        return self.runtime.all_gather_object(node_address())
+    def workers_left(self, rank: int, hosts: list[str]) -> int:
+        """The workers an eviction of `rank` leaves: those on other hosts (its host goes)."""
+        return sum(host != hosts[rank] for host in hosts)
 
     def evict(self, rank: int, line: str) -> None:
         """--evict-stragglers, every rank at once: the straggler's worker writes its node down for the
         controller (`raytrain.driver.evict` keeps the run off it), then the attempt ends on every
         rank; Ray Train restarts the group at the size the other nodes hold."""
-        if self.runtime.world_rank == rank:
-            hold_out_this_node(self.evict_key)
-        self.runtime.all_reduce_sum([0.0])  # written down before any rank leaves
+        try:
+            if self.runtime.world_rank == rank:
+                hold_out_this_node(self.evict_key)
+        finally:
+            self.runtime.all_reduce_sum([0.0])  # written down before any rank leaves (or its failure raises)
         raise StragglerEvicted(line)
 
     @property

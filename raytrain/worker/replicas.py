@@ -54,7 +54,7 @@ from raytrain.worker.groups import replica_of, replica_process_group
 from raytrain.worker.network import BindsInterfaces
 from raytrain.worker.recovery import Quorum, Recovery
 from raytrain.worker.runtime import Runtime, group_barrier, hold_out_this_node
-from raytrain.worker.watch import StallWatch, hosts_by_sum
+from raytrain.worker.watch import StallWatch
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
@@ -229,9 +229,10 @@ class PerStep(Recovery):
     each_reads_stop = True  # a replica reads the stop request itself rather than trusting the sync to carry it
     rolls_back_every_node = False  # a lost replica costs the others no rollback
 
-    def __init__(self, cfg: "TrainConfig", run_dir: Store) -> None:
+    def __init__(self, cfg: "TrainConfig", run_dir: Store, *, invocation: str = "") -> None:
         runtime = ReplicaRuntime(cfg.collective_timeout_s, Store.of(run_dir), cfg.replica_group_size)
-        super().__init__(cfg, run_dir, runtime)
+        super().__init__(cfg, run_dir, runtime, invocation=invocation)
+        self.evicting: int | None = None  # --evict-stragglers: the quorum rank whose group leaves
         self.group_size = cfg.replica_group_size
         self.quorum = Quorum(self.runtime.replicas, self.runtime.replica_rank)  # until the first step's quorum
         self.healed = False
@@ -250,18 +251,25 @@ class PerStep(Recovery):
     def shards_per_replica(self) -> int:
         return self.group_size  # a group's workers hold one copy between them (HSDP), a replica of one all of it
 
-    def rank_hosts(self) -> list[str]:
-        """Every quorum rank's node address, through the Manager's all-reduce (a replica gathers
-        objects within its group only)."""
-        return hosts_by_sum(self.runtime)
+    def workers_left(self, rank: int, hosts: list[str]) -> int:
+        """The workers an eviction of `rank` leaves: all but its replica group."""
+        return self.runtime.world_size - self.group_size
 
     def evict(self, rank: int, line: str) -> None:
-        """--evict-stragglers: the straggler's replica group writes its nodes down (the controller
-        leaves the group waiting for room: `raytrain.driver.replacement.GroupController`) and
-        leaves; the others train on without it."""
-        if self.runtime.world_rank // self.group_size == rank // self.group_size:
-            hold_out_this_node(self.evict_key)
-            os._exit(1)
+        """--evict-stragglers: the straggler's replica group leaves at the next step's start, where no
+        collective is under way (`leave_if_evicted`); the others train on without it."""
+        self.evicting = rank
+
+    def leave_if_evicted(self) -> None:
+        """The straggler writes its node down (the controller leaves its group waiting for room:
+        `raytrain.driver.replacement.GroupController`), and its group leaves."""
+        rank, runtime = self.evicting, self.runtime
+        if rank is None or runtime.world_rank // self.group_size != rank // self.group_size:
+            return
+        if runtime.world_rank == rank:
+            with contextlib.suppress(Exception):  # leaving matters more than the note
+                hold_out_this_node(self.evict_key)
+        os._exit(1)
 
     # -- the attempt ----------------------------------------------------------------------
 
@@ -330,6 +338,7 @@ class PerStep(Recovery):
         """The quorum of the step at `step` (a joining replica heals first). From here to the
         commit the stall watch runs: the wait for the quorum is not this replica's work."""
         self.healed = False
+        self.leave_if_evicted()
         runtime, manager = self.runtime, self.runtime.manager
         runtime.wait_for_peers(runtime.timeout_s)  # a quorum, and a heal, wait the whole timeout
         manager.start_quorum()

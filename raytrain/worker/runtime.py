@@ -201,9 +201,10 @@ def _ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 EVICTED_NAMESPACE = "raytrain"  # Ray's internal key-value store: the nodes evicted from each run
 
 
-def run_key(storage: str, name: str | None) -> bytes:
-    """The key of a run's evicted nodes in Ray's internal key-value store (`raytrain.driver.evict`)."""
-    return f"evicted:{storage.rstrip('/')}/{name}".encode()
+def run_key(storage: str, name: str | None, invocation: str) -> bytes:
+    """The key of the nodes one invocation of a run evicted, in Ray's internal key-value store
+    (`raytrain.driver.evict`): a `--resume` starts with none."""
+    return f"evicted:{storage.rstrip('/')}/{name}/{invocation}".encode()
 
 
 def evicted_nodes(key: bytes) -> set[str]:

@@ -3,9 +3,11 @@
 (`raytrain.worker.agreement`) and, per-step, a replica stuck in its step (`StallWatch`).
 
 The recovery object holds one `Watch` (`raytrain.worker.recovery.Recovery.faults`): its mode
-says which ranks hold the same shard (`Recovery.shards_per_replica`) and where each rank runs
-(`Recovery.rank_hosts`). The loop hands it each sync's figures (`after_sync`) and asks it to
-compare the replicas when due and before every checkpoint (`compare`).
+says which ranks hold the same shard (`Recovery.shards_per_replica`), how many workers an
+eviction leaves (`Recovery.workers_left`) and what an eviction does (`Recovery.evict`). The
+loop hands it each sync's figures, every rank's own time and host (`after_sync`), and asks it
+to compare the replicas when due and before every checkpoint (`compare`). Every rank keeps the
+same watch over the same figures, so every rank reaches the same decisions.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class Recovery(Protocol):
     runtime: "Runtime"
     shards_per_replica: int
 
-    def rank_hosts(self) -> list[str]: ...
+    def workers_left(self, rank: int, hosts: list[str]) -> int: ...
 
     def evict(self, rank: int, line: str) -> None: ...
 
@@ -44,66 +46,64 @@ class StragglerEvicted(RuntimeError):
     goes on without that host (a failure, retried as any worker's)."""
 
 
-def hosts_by_sum(runtime: "Runtime") -> list[str]:
-    """Every rank's node address, carried in one float all-reduce (IPv4: "?" for another kind), for
-    collectives that gather no objects across the ranks (per-step's replicas)."""
-    import ipaddress
-
-    from raytrain.worker.runtime import node_address
-
-    try:
-        mine = int(ipaddress.IPv4Address(node_address()))
-    except ValueError:
-        mine = agreement.MISSING
-    summed = runtime.all_reduce_sum(agreement.to_slots(mine, runtime.world_rank, runtime.world_size))
-    every = agreement.from_slots(summed, runtime.world_size)
-    return [str(ipaddress.IPv4Address(value)) if 0 < value < 2**32 else "?" for value in every]
-
-
 class Watch:
-    """Stragglers named at each sync (on the writing rank) and the replicas compared (every rank)."""
+    """Stragglers found at each sync and the replicas compared, on every rank alike (the writing rank
+    writes the events)."""
 
     def __init__(self, cfg: "TrainConfig") -> None:
         self.cfg = cfg
         evict_after = cfg.straggler_evict_steps if cfg.evict_stragglers else None
         self.stragglers = StragglerWatch(cfg.straggler_factor, cfg.straggler_steps, evict_after)
-        self.hosts: list[str] | None = None  # by rank, for this quorum
+        self.hosts: list[str] = []  # by rank, as the last sync said
         self.last: list[RankTimes] = []  # the last sync's figures
         self.quorum: Any = None  # the workers of the figures (`raytrain.worker.recovery.Quorum`)
+        self._my_host: int | None = None
 
     def follow(self, quorum: Any) -> None:
         """The quorum the next steps take; a new one (per-step, a replica lost or back) holds other
         workers, maybe on other hosts: what was said of its ranks is forgotten."""
         if quorum != self.quorum:
-            self.quorum, self.hosts = quorum, None
+            self.quorum = quorum
             self.stragglers.forget()
 
-    def rank_hosts(self, recovery: "Recovery") -> list[str]:
-        """Where each rank runs (a collective the first time in a quorum: every rank asks at once)."""
-        if self.hosts is None or len(self.hosts) != recovery.runtime.world_size:
-            self.hosts = recovery.rank_hosts()
-        return self.hosts
+    @property
+    def my_host(self) -> int:
+        """This worker's node address as the sync carries it (`raytrain.rules.agreement.ipv4`)."""
+        if self._my_host is None:
+            from raytrain.worker.runtime import node_address
 
-    def after_sync(self, recovery: "Recovery", files: "RunWriter", times: list[RankTimes], step: int) -> None:
+            self._my_host = agreement.ipv4(node_address())
+        return self._my_host
+
+    def after_sync(
+        self, recovery: "Recovery", files: "RunWriter", times: list[RankTimes], hosts: list[str], step: int
+    ) -> None:
         """A sync's figures, the same on every rank: the writing rank says a straggler found, or
         gone; under --evict-stragglers every rank finds the one to evict (`Recovery.evict`)."""
-        self.last = times
+        self.last, self.hosts = times, hosts
         if len(times) < 2:
             return
-        hosts = self.rank_hosts(recovery)
         for found in self.stragglers.observe(times, hosts):
             files.event(Kind.STRAGGLER, found.line(self.cfg.straggler_factor), step=step, **found.record())
         rank = self.stragglers.to_evict()
-        if rank is not None:
-            steps = self.stragglers.slow_steps[rank]
+        if rank is None:
+            return
+        self.stragglers.evicted.add(rank)  # decided once, whatever comes of it
+        steps, left, least = self.stragglers.slow_steps[rank], recovery.workers_left(rank, hosts), self.cfg.min_workers
+        why = f"a straggler for {steps} steps running (--straggler-evict-steps {self.cfg.straggler_evict_steps})"
+        if left < least:
             line = (
-                f"Evicting rank {rank} (host {hosts[rank]}): a straggler for {steps} steps running "
-                f"(--straggler-evict-steps {self.cfg.straggler_evict_steps}); the run goes on without that host, "
-                "and does not take it back"
+                f"Not evicting rank {rank} (host {hosts[rank]}), {why}: without it {left} worker(s) would be left, "
+                f"fewer than --workers' MIN {least}; it trains on"
             )
-            files.event(Kind.EVICTED, line, step=step, rank=rank, host=hosts[rank], slow_steps=steps)
-            files.flush()
-            recovery.evict(rank, line)
+            files.event(Kind.EVICTED, line, step=step, rank=rank, host=hosts[rank], slow_steps=steps, evicted=False)
+            return
+        line = (
+            f"Evicting rank {rank} (host {hosts[rank]}), {why}: the run goes on without that host, never taking it back"
+        )
+        files.event(Kind.EVICTED, line, step=step, rank=rank, host=hosts[rank], slow_steps=steps, evicted=True)
+        files.flush()
+        recovery.evict(rank, line)
 
     def row_figures(self) -> dict[str, Any]:
         """What a metrics row holds of the last sync: each rank's own seconds per step."""
@@ -130,7 +130,7 @@ class Watch:
         odd = agreement.odd_ranks(every, shards)
         if not odd:
             return every
-        hosts = self.rank_hosts(recovery)
+        hosts = [self.hosts[r] if r < len(self.hosts) else "?" for r in range(runtime.world_size)]
         back = last_checkpoint()
         line = mismatch_line(odd, hosts, step, shards, runtime.world_size, back)
         named = [hosts[r] for r in odd]

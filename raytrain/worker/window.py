@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from raytrain.errors import EXIT_FAILED, UserError
+from raytrain.rules import agreement
 from raytrain.rules.stragglers import RankTimes
 from raytrain.text import sci
 
@@ -122,6 +123,7 @@ class Synced(NamedTuple):
     stop: bool  # a rank was asked to stop
     diverged: dict[int, int]  # {rank: first step whose loss or gradient norm was NaN/inf}; empty when all is well
     times: list[RankTimes]  # each rank's own time over the window's steps (raytrain.rules.stragglers)
+    hosts: list[str]  # each rank's node address (IPv4; "?" for another kind)
 
 
 def sync(
@@ -131,10 +133,12 @@ def sync(
     step: int,
     stop_requested: bool = False,
     own: RankTimes | None = None,
+    host: int = 0,
 ) -> Synced:
     """One collective at the logging cadence (every rank calls it at the same steps, after the
-    step to `step`): the mean loss, whether to stop, the ranks that diverged and every rank's
-    own time (`own`: this rank's, since the last call). The window is cleared."""
+    step to `step`): the mean loss, whether to stop, the ranks that diverged, every rank's own
+    time (`own`: this rank's, since the last call) and its host (`host`: this rank's IPv4
+    address as an integer, `raytrain.rules.agreement.ipv4`). The window is cleared."""
     heartbeat.mark(step - 1, "all_reduce")  # in the step just taken
     world, rank = runtime.world_size, runtime.world_rank
     # Sum-reduce: each rank fills only its own slots of the per-rank vectors (others 0).
@@ -143,15 +147,17 @@ def sync(
     own = own or RankTimes(0.0, 0.0, 0)
     times = [0.0] * (3 * world)
     times[3 * rank : 3 * rank + 3] = [own.compute_s, own.data_s, float(own.steps)]
+    hosts = agreement.to_slots(host, rank, world)
     totals = runtime.all_reduce_sum(
-        [float(window.loss_sum.item()), float(window.loss_count), float(stop_requested), *slots, *times]
+        [float(window.loss_sum.item()), float(window.loss_count), float(stop_requested), *slots, *times, *hosts]
     )
     total, count, stop = totals[0], int(totals[1]), totals[2] > 0
-    bad_steps, shared = totals[3 : 3 + world], totals[3 + world :]
+    bad_steps, shared = totals[3 : 3 + world], totals[3 + world : 3 + 4 * world]
     window.clear()
     diverged = {r: int(bad) for r, bad in enumerate(bad_steps) if math.isfinite(bad)}
     ranks = [RankTimes(shared[3 * r], shared[3 * r + 1], int(shared[3 * r + 2])) for r in range(world)]
-    return Synced((total / count if count else float("nan")), count, stop, diverged, ranks)
+    addresses = [agreement.address(value) for value in agreement.from_slots(totals[3 + 4 * world :], world)]
+    return Synced((total / count if count else float("nan")), count, stop, diverged, ranks, addresses)
 
 
 def divergence_message(
