@@ -263,7 +263,7 @@ class PerStep(Recovery):
     def leave_if_evicted(self) -> None:
         """The straggler writes its node down (the controller leaves its group waiting for room:
         `raytrain.driver.replacement.GroupController`), and its group leaves."""
-        rank, runtime = self.evicting, self.runtime
+        rank, runtime, self.evicting = self.evicting, self.runtime, None  # ranks change with the next quorum
         if rank is None or runtime.world_rank // self.group_size != rank // self.group_size:
             return
         if runtime.world_rank == rank:
