@@ -37,11 +37,11 @@ from raytrain.data.stream import Stream, StreamEpoch
 from raytrain.data.table import Table, TableEpoch
 from raytrain.parallel.strategy import local_part
 from raytrain.pipeline import Pipeline, overrides
-from raytrain.rules import agreement, steps
+from raytrain.rules import steps
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.position import Position
 from raytrain.rundir.heartbeats import Heartbeat
-from raytrain.worker.agreement import fingerprint, held_tensors
+from raytrain.worker.agreement import shared_fingerprints
 from raytrain.worker.epoch import advance
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import unwrap
@@ -190,13 +190,9 @@ def grad_norm(runner: StepRunner) -> float:
 
 
 def replica_fingerprints(runner: StepRunner) -> tuple[int, ...]:
-    """Every rank's fingerprint of what it holds (weights and optimizer state), shared in one
-    all-reduce of their 16-bit pieces, as training compares its replicas
-    (`raytrain.worker.watch.Watch.compare`)."""
-    runtime = runner.runtime
-    mine = fingerprint(held_tensors(unwrap(runner.model), runner.optimizer))
-    summed = runtime.all_reduce_sum(agreement.to_slots(mine, runtime.world_rank, runtime.world_size))
-    return tuple(agreement.from_slots(summed, runtime.world_size))
+    """Every rank's fingerprint of what it holds (weights and optimizer state), shared as training
+    compares its replicas (`raytrain.worker.agreement.shared_fingerprints`)."""
+    return tuple(shared_fingerprints(runner.runtime, unwrap(runner.model), runner.optimizer))
 
 
 def probe(pipeline: Pipeline, payload: CheckPayload, alone: Runtime) -> list[Cause]:

@@ -1,6 +1,6 @@
 """The replicas compared: a fingerprint of what each rank holds, and the error that rolls a
 run back when one replica silently differs (`raytrain.rules.agreement` decides who differs;
-`raytrain.worker.watch.Watch.compare` shares the fingerprints in one small all-reduce).
+`shared_fingerprints` shares them in one small all-reduce).
 
 Silent data corruption (a flipped bit in a device's arithmetic or memory) leaves one replica's
 weights different from the others'. Gradients are averaged, so nothing else would notice, and
@@ -13,7 +13,14 @@ the last checkpoint, whose replicas agreed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+from raytrain.rules import agreement
+
+if TYPE_CHECKING:  # pragma: no cover
+    from raytrain.worker.runtime import Runtime
 
 # Integer views of a tensor's bits, by element size.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -50,6 +57,16 @@ def fingerprint(tensors: list[torch.Tensor]) -> int:
         bits = flat.view(_BITS[flat.element_size()]) if flat.dtype != torch.bool else flat.to(torch.uint8)
         total = total + bits.sum(dtype=torch.int64).to(total.device) * (2 * place + 1)
     return int(total.item()) or 1  # never MISSING (raytrain.rules.agreement): 0 is a rank that did not answer
+
+
+def shared_fingerprints(
+    runtime: "Runtime", model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> list[int]:
+    """Every rank's fingerprint of what it holds (`held_tensors`), in rank order: one all-reduce of
+    their 16-bit pieces (`raytrain.rules.agreement.to_slots`), a collective of every rank."""
+    mine = fingerprint(held_tensors(model, optimizer))
+    summed = runtime.all_reduce_sum(agreement.to_slots(mine, runtime.world_rank, runtime.world_size))
+    return agreement.from_slots(summed, runtime.world_size)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

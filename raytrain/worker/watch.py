@@ -22,7 +22,7 @@ from raytrain.rules import agreement
 from raytrain.rules import replicas as replica_rules
 from raytrain.rules.stragglers import RankTimes, StragglerWatch
 from raytrain.rundir.records import RANK_STEP_S, Kind
-from raytrain.worker.agreement import ReplicaMismatch, fingerprint, held_tensors, mismatch_line
+from raytrain.worker.agreement import ReplicaMismatch, mismatch_line, shared_fingerprints
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
@@ -124,9 +124,7 @@ class Watch:
         writes the event (naming `last_checkpoint()`, where the run goes back to) and every rank
         raises `ReplicaMismatch`."""
         runtime, shards = recovery.runtime, recovery.shards_per_replica
-        mine = fingerprint(held_tensors(model, optimizer))
-        summed = runtime.all_reduce_sum(agreement.to_slots(mine, runtime.world_rank, runtime.world_size))
-        every = agreement.from_slots(summed, runtime.world_size)
+        every = shared_fingerprints(runtime, model, optimizer)
         odd = agreement.odd_ranks(every, shards)
         if not odd:
             return every
