@@ -205,11 +205,7 @@ class Epochs:
             runner.runtime, heartbeat, runner.window, position.step, stop_requested, own, faults.my_host
         )
         if diverged:
-            # The last good checkpoint may still be being written in the background: finish it first, so that the
-            # message names it (the run ends here either way).
-            with contextlib.suppress(Exception):
-                self.checkpointer.finish(timeout_s=DIVERGED_CHECKPOINT_WAIT_S)
-            last_good = checkpoints.latest_complete(self.checkpointer.store)
+            last_good = self.last_good_checkpoint()
             raise TrainingDiverged(
                 divergence_message(
                     diverged,
@@ -225,19 +221,20 @@ class Epochs:
         faults.after_sync(self.recovery, self.files, times, hosts, position.step)
         return loss, count, stop
 
+    def last_good_checkpoint(self) -> Any:
+        """The run's last complete checkpoint (None: none yet), once the one being written in the
+        background is finished, so that a run ending here (diverged, its replicas disagreeing) names
+        it. That one was saved after a finite loss and agreeing replicas."""
+        with contextlib.suppress(Exception):
+            self.checkpointer.finish(timeout_s=DIVERGED_CHECKPOINT_WAIT_S)
+        return checkpoints.latest_complete(self.checkpointer.store)
+
     def compare_replicas(self) -> None:
         """The replicas' fingerprints compared (`raytrain.worker.watch.Watch.compare`); on a
         mismatch the run goes back to the last checkpoint, whose replicas agreed."""
-
-        def last_checkpoint() -> str | None:
-            with contextlib.suppress(Exception):  # the one being written was compared before it
-                self.checkpointer.finish(timeout_s=DIVERGED_CHECKPOINT_WAIT_S)
-            latest = checkpoints.latest_complete(self.checkpointer.store)
-            return latest.name if latest else None
-
         runner = self.runner
         self.recovery.faults.compare(
-            self.recovery, self.files, runner.model, runner.optimizer, self.position.step, last_checkpoint
+            self.recovery, self.files, runner.model, runner.optimizer, self.position.step, self.last_good_checkpoint
         )
 
     def end_epoch(self, epoch: EpochResult) -> None:

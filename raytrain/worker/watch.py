@@ -118,18 +118,19 @@ class Watch:
 
     def compare(
         self, recovery: "Recovery", files: "RunWriter", model: Any, optimizer: Any, step: int,
-        last_checkpoint: Callable[[], str | None],
+        last_checkpoint: Callable[[], Any],
     ) -> list[int]:  # fmt: skip
         """Every rank's fingerprint after the step to `step`. On a mismatch the writing rank
-        writes the event (naming `last_checkpoint()`, where the run goes back to) and every rank
-        raises `ReplicaMismatch`."""
+        writes the event (naming `last_checkpoint()`, the directory the run goes back to, or None)
+        and every rank raises `ReplicaMismatch`."""
         runtime, shards = recovery.runtime, recovery.shards_per_replica
         every = shared_fingerprints(runtime, model, optimizer)
         odd = agreement.odd_ranks(every, shards)
         if not odd:
             return every
         hosts = [self.hosts[r] if r < len(self.hosts) else "?" for r in range(runtime.world_size)]
-        back = last_checkpoint()
+        latest = last_checkpoint()
+        back = latest.name if latest is not None else None
         line = mismatch_line(odd, hosts, step, shards, runtime.world_size, back)
         named = [hosts[r] for r in odd]
         one = {"rank": odd[0], "host": named[0]} if len(odd) == 1 else {}
