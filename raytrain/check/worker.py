@@ -37,7 +37,7 @@ from raytrain.data.stream import Stream, StreamEpoch
 from raytrain.data.table import Table, TableEpoch
 from raytrain.parallel.strategy import local_part
 from raytrain.pipeline import Pipeline, overrides
-from raytrain.rules import steps
+from raytrain.rules import agreement, steps
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.position import Position
 from raytrain.rundir.heartbeats import Heartbeat
@@ -88,9 +88,9 @@ def check_loop_per_worker(loop_config: dict[str, Any]) -> Outcome | None:
         reference, _ = record_steps(payload.reference, copy.deepcopy(pristine), alone, payload)
         reordered, _ = record_steps(payload.reference, copy.deepcopy(pristine), alone, payload, reorder=True)
     runtime.all_gather_object(None)  # the others wait here while rank 0 takes the 1-worker steps
-    # Who holds one copy of the model, as in training (`raytrain.worker.recovery.Recovery.shards_per_replica`):
-    # every rank under ddp; all of them, a shard each, under fsdp (nothing to compare, nothing fingerprinted).
-    shards = runtime.world_size if payload.config.strategy == "fsdp" else 1
+    # Who holds one copy of the model, as in training: every rank under ddp; all of them, a shard
+    # each, under fsdp (nothing to compare, nothing fingerprinted).
+    shards = agreement.shards_per_replica(payload.config.strategy, runtime.world_size)
     prints: list[tuple[int, ...]] | None = [] if shards == 1 else None
     run, model = record_steps(payload.config, copy.deepcopy(pristine), runtime, payload, fingerprints=prints)
     layers = probes.batchnorm_layers(unwrap(model))

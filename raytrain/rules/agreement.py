@@ -22,6 +22,13 @@ PIECE = 1 << 16
 MISSING = 0  # the fingerprint of a rank whose slots stayed empty (`fingerprint` never gives it)
 
 
+def shards_per_replica(strategy: str, world_size: int) -> int:
+    """The ranks that hold one copy of the model between them, for workers that are not replica
+    groups: one under ddp (every rank holds a replica), all of them under fsdp (one copy, sharded:
+    nothing to compare). Per-step replica groups of K hold one copy per group: K."""
+    return world_size if strategy == "fsdp" else 1
+
+
 def to_slots(fingerprint: int, rank: int, world_size: int) -> list[float]:
     """The all-reduce vector of `rank`: its fingerprint's pieces in its own slots, zeros elsewhere."""
     unsigned = fingerprint % (1 << 64)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from raytrain.rules import agreement
 from raytrain.rundir.storage import Store
 from raytrain.text import sci
 from raytrain.worker.runtime import Runtime, hold_out_this_node, run_key
@@ -94,14 +95,13 @@ class Recovery:
         self.runtime = runtime if runtime is not None else Runtime(cfg.gpu)
         self._every = Quorum(self.runtime.world_size, self.runtime.world_rank)
         self.faults = Watch(cfg)  # slow and silent faults: stragglers, replicas that differ
-        self._sharded = cfg.strategy == "fsdp"
+        self._strategy = cfg.strategy
         self.evict_key = run_key(cfg.storage, cfg.name, invocation)  # where a straggler's node is written down
 
     @property
     def shards_per_replica(self) -> int:
-        """The ranks that hold one copy of the model between them: one under ddp (every rank holds a
-        replica), all of them under fsdp (one copy, sharded: nothing to compare)."""
-        return self.runtime.world_size if self._sharded else 1
+        """The ranks that hold one copy of the model between them (`raytrain.rules.agreement.shards_per_replica`)."""
+        return agreement.shards_per_replica(self._strategy, self.runtime.world_size)
 
     def workers_left(self, rank: int, hosts: list[str]) -> int:
         """The workers an eviction of `rank` leaves: those on other hosts (its host goes)."""
