@@ -91,7 +91,8 @@ def _check_choices(cfg: Any) -> Iterable[tuple[str, str]]:
 def across_sections(c: Any) -> Iterable[tuple[str, str]]:
     """The rules that read more than one section: what per-step fault tolerance needs (Ray
     workers, torchft installed, no BatchNorm sync, replica groups that fit the worker count),
-    fsdp's workers, and the global batch against the worker count."""
+    fsdp's workers, the global batch against the worker count, and evicting stragglers (an
+    elastic run)."""
     try:
         min_workers, max_workers = parse_workers(c.workers)
     except ValueError:  # said by the cluster section's own checks
@@ -121,6 +122,12 @@ def across_sections(c: Any) -> Iterable[tuple[str, str]]:
             "is nothing to shard the model over; give --workers N (N >= 1), or use --strategy ddp in local mode",
         )
     yield from _replica_group_problems(c, min_workers, max_workers)
+    if c.evict_stragglers and min_workers is not None and not 1 <= min_workers < max_workers:
+        yield (
+            "evict_stragglers",
+            f"needs an elastic run, which can go on without the evicted host: got --workers {c.workers}; give "
+            "--workers MIN:MAX (e.g. 2:4), or drop --evict-stragglers",
+        )
     if (
         c.global_batch_size is not None
         and c.batch_size_per_worker is None

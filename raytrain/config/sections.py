@@ -347,16 +347,6 @@ class WatchSection:
             )
         yield from positive_int("straggler_steps", self.straggler_steps, 20)
         yield from positive_int("straggler_evict_steps", self.straggler_evict_steps, 200)
-        try:
-            low, high = parse_workers(self.workers)
-        except ValueError:  # said by the cluster section's own checks
-            low = high = 0
-        if self.evict_stragglers and not 1 <= low < high:
-            yield (
-                "evict_stragglers",
-                f"needs an elastic run, which can go on without the evicted host: got --workers {self.workers}; give "
-                "--workers MIN:MAX (e.g. 2:4), or drop --evict-stragglers",
-            )
         if self.replica_check_steps is not None and self.replica_check_steps < 0:
             yield (
                 "replica_check_steps",
