@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from raytrain.observe.render import markdown_table
+from raytrain.observe.render import event_line, markdown_table
 from raytrain.rundir.records import RANK_STEP_S, Event, Kind, MetricsRow
 from raytrain.text import is_number
 
@@ -77,7 +76,7 @@ def rank_section(rows: Sequence[MetricsRow], events: Sequence[Event], start: flo
             "",
         ]
     if watched:
-        lines += [f"- {_when(e.time, start)}: {e.message}" for e in watched]
+        lines += [event_line(e, start or 0) for e in watched]
         lines.append("")
     return lines
 
@@ -102,10 +101,3 @@ def plot_rank_times(rows: Sequence[MetricsRow], events: Sequence[Event], figure:
         axes.legend(fontsize="small", ncol=1 + len(series) // 6)
     axes.grid(alpha=0.3)
     return True
-
-
-def _when(stamp: Any, start: float | None) -> str:
-    if not is_number(stamp):
-        return "?"
-    since = f" (+{stamp - start:.0f} s)" if is_number(start) else ""
-    return time.strftime("%H:%M:%S", time.localtime(stamp)) + since

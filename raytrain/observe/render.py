@@ -52,3 +52,15 @@ def figure(width_in: float, height_in: float, **kwargs: Any):
 
 
 __all__ = ["figure", "markdown_table", "text_table"]
+
+
+def event_line(event: Any, start: float) -> str:
+    """A run's event as a report lists it: `- 12:04:31 (+93 s): <its message>` (`start`: the run's first record)."""
+    import time
+
+    from raytrain.text import is_number
+
+    stamp = event.time
+    if not is_number(stamp):
+        return f"- ? (+?): {event.message}"
+    return f"- {time.strftime('%H:%M:%S', time.localtime(stamp))} (+{stamp - start:.0f} s): {event.message}"

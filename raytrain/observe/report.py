@@ -25,7 +25,7 @@ from typing import Any
 from raytrain.errors import UserError
 from raytrain.observe.goodput import goodput_section
 from raytrain.observe.ranks import plot_rank_times, rank_section
-from raytrain.observe.render import figure, markdown_table
+from raytrain.observe.render import event_line, figure, markdown_table
 from raytrain.rules import flops
 from raytrain.rundir import EPOCH_LOSS, PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Store, Summary
 from raytrain.rundir.records import Goodput
@@ -296,7 +296,7 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
     if run.marked_events:
         start = run.start_time or 0
         lines += ["## Resizes and restarts", ""]
-        lines += [f"- {_clock(e.time)} (+{_since(e.time, start)}): {e.message}" for e in run.marked_events]
+        lines += [event_line(e, start) for e in run.marked_events]
         lines.append("")
     lines += rank_section(run.step_rows, run.events, run.start_time)
     if plots:
@@ -427,11 +427,3 @@ def _distinct(values: list[Any]) -> list[Any]:
         if value is not None and (not out or out[-1] != value):
             out.append(value)
     return out
-
-
-def _clock(stamp: Any) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(stamp)) if is_number(stamp) else "?"
-
-
-def _since(stamp: Any, start: float) -> str:
-    return f"{stamp - start:.0f} s" if is_number(stamp) else "?"
