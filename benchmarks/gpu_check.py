@@ -15,6 +15,10 @@ so one failure does not stop the rest, and writes its figures to OUT_DIR/gpu_che
              figures; a device-side assert too (in a child process: it breaks the CUDA context)
   speed      MFU and peak memory at bf16 on a mid-size model, and raytrain's steady samples/s
              against a plain loop on the same model, data and optimizer (target ratio >= 0.97)
+  watch      a rank's own compute time is the device's (CUDA events), not its host's: a spin the
+             host only queues counts in full; the replicas' fingerprint of the GPU's weights and
+             AdamW state equals their CPU copies' and changes with one weight, and its cost
+             against a step
 
 Exit status: 0 every part passed, 1 a part failed, 2 no CUDA device (without --device cpu), 3
 raytrain's step cannot be imported (a missing module).
@@ -469,7 +473,67 @@ def check_speed(report: Report, device: torch.device, scale: str) -> None:
         figures["ok"] = figures["ratio"] >= TARGET_RATIO if device.type == "cuda" else True
 
 
-PARTS = {"sync": check_sync, "compile": check_compile, "resume": check_resume, "oom": check_oom, "speed": check_speed}
+SPIN_CYCLES = 50_000_000  # torch.cuda._sleep's spin: about 25 ms at 2 GHz
+
+
+def check_watch(report: Report, device: torch.device, scale: str) -> None:
+    from raytrain.worker.agreement import fingerprint, held_tensors
+    from raytrain.worker.phases import PhaseTimer, StepPhases
+
+    with report.part("watch") as figures:
+        size = SIZES[scale]["mid"]
+        stepper = Stepper(runner_for(charlm(size), size, device, 8 * size[4], precision="bf16"), windows(size, 8))
+        runner = stepper.runner
+        stepper.step(2)
+        own = runner.measures.own
+        own.take()
+        step_s = timed(device, stepper.step, 3) / 3
+        compute_s = own.take().compute_s / 3  # forward and optimizer: less than the whole step
+        figures.update(step_ms=round(step_s * 1e3, 2), own_compute_ms_per_step=round(compute_s * 1e3, 2))
+        checks = [0 < compute_s < step_s]
+        if device.type == "cuda":  # a device slower than its host: a spin of kernels the host only queues
+            synchronize(device)
+            started = time.perf_counter()
+            torch.cuda._sleep(SPIN_CYCLES)
+            synchronize(device)
+            spin_s = time.perf_counter() - started
+            phases = StepPhases(Quiet(), 0, PhaseTimer(None, lambda: None), own)
+            started = time.perf_counter()
+            with phases("forward"):
+                torch.cuda._sleep(SPIN_CYCLES)
+            host_s = time.perf_counter() - started
+            counted_s = own.take().compute_s
+            figures.update(spin_ms=round(spin_s * 1e3, 2), spin_counted_ms=round(counted_s * 1e3, 2))
+            figures["spin_host_ms"] = round(host_s * 1e3, 3)
+            checks.append(0.8 * spin_s <= counted_s <= 1.2 * spin_s and host_s < 0.5 * counted_s)
+        held = held_tensors(runner.model, runner.optimizer)
+        synchronize(device)
+        started = time.perf_counter()
+        mine = fingerprint(held)
+        fingerprint_s = time.perf_counter() - started
+        same_on_cpu = fingerprint([t.detach().cpu() for t in held]) == mine
+        weight = next(runner.model.parameters())
+        with torch.no_grad():
+            weight.view(-1)[0] += 1.0
+        changed = fingerprint(held_tensors(runner.model, runner.optimizer)) != mine
+        figures.update(
+            fingerprint_ms=round(fingerprint_s * 1e3, 3),
+            fingerprint_over_step=round(fingerprint_s / step_s, 4),
+            fingerprint_same_on_cpu=same_on_cpu,
+            fingerprint_changed_by_one_weight=changed,
+            tensors_fingerprinted=len(held),
+        )
+        figures["ok"] = all(checks) and same_on_cpu and changed
+
+
+PARTS = {
+    "sync": check_sync,
+    "compile": check_compile,
+    "resume": check_resume,
+    "oom": check_oom,
+    "speed": check_speed,
+    "watch": check_watch,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -113,3 +113,26 @@ def test_steady_steps_on_a_gpu_count_the_kernels_time_not_the_hosts_queueing():
     clock.settle(telemetry)
     assert telemetry.steady_steps == 1 and telemetry.steady_samples == 64
     assert telemetry.steady_time_s > queued
+
+
+def test_a_ranks_own_compute_time_on_a_gpu_is_the_devices_not_the_hosts_queueing():
+    import time
+
+    import torch
+
+    from raytrain.worker.phases import OwnTime, PhaseTimer, StepPhases
+
+    own = OwnTime(on_gpu=True)
+    heartbeat = type("Beat", (), {"mark": lambda self, step, phase: None})()
+    phases = StepPhases(heartbeat, 0, PhaseTimer(None, lambda: None), own)
+    a = torch.randn(8192, 8192, device="cuda")
+    a = a @ a / 8192.0  # cuBLAS's start, on the host, before the timed block
+    torch.cuda.synchronize()
+    queued = time.perf_counter()
+    with phases("forward"):  # a slow device's forward: the host returns long before it is done
+        for _ in range(20):
+            a = a @ a / 8192.0
+    queued = time.perf_counter() - queued
+    assert own.compute_s == 0.0 and len(own.pending) == 1  # nothing read, nothing waited for, in the step
+    taken = own.take()  # at the sync: waits for the device, then reads its time
+    assert taken.compute_s > 10 * queued and taken.data_s == 0.0

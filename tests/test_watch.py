@@ -67,6 +67,67 @@ def test_a_step_counts_its_own_phases_and_leaves_the_backward_out():
     assert taken.steps == 1 and own.take() == RankTimes(0.0, 0.0, 0)
 
 
+class Device:
+    """A GPU's clock as CUDA events see it: kernels advance `now_ms`, the host returns at once;
+    `done`: whether the device has reached the events recorded so far."""
+
+    def __init__(self) -> None:
+        self.now_ms, self.done, self.waits = 0.0, False, 0
+
+    def event(self) -> "Event":
+        return Event(self)
+
+
+class Event:
+    def __init__(self, device: Device) -> None:
+        self.device, self.at_ms = device, device.now_ms
+
+    def query(self) -> bool:
+        return self.device.done
+
+    def synchronize(self) -> None:
+        self.device.waits += 1
+
+    def elapsed_time(self, end: "Event") -> float:
+        return end.at_ms - self.at_ms
+
+
+def test_on_a_gpu_the_compute_phases_count_the_devices_time_read_at_the_sync(monkeypatch):
+    import raytrain.worker.phases as phases_module
+
+    device = Device()
+    monkeypatch.setattr(phases_module, "recorded_event", device.event)
+    own = OwnTime(on_gpu=True)
+    heartbeat = type("Beat", (), {"mark": lambda self, step, phase: None})()
+    phases = StepPhases(heartbeat, 0, PhaseTimer(None, lambda: None), own)
+    # The host queues each phase's kernels and returns: only the device's clock moves, as the
+    # slow device's would, while its host runs ahead and waits wherever the others' wait too.
+    for phase, device_ms, host_s in (
+        ("data", 0, 0.02),
+        ("forward", 300, 0),
+        ("backward", 900, 0),
+        ("optimizer", 100, 0),
+    ):
+        with phases(phase):
+            device.now_ms += device_ms
+            time.sleep(host_s)
+    own.steps += 1
+    assert own.compute_s == 0.0 and device.waits == 0  # nothing read, nothing waited for, in the step
+    taken = own.take()
+    assert taken.compute_s == pytest.approx(0.4) and 0.02 <= taken.data_s < 0.1, taken  # no backward
+    assert device.waits == 2 and own.pending == []  # the two compute blocks, at the sync
+    # Between syncs the blocks the device has done are read without waiting, so few stay held.
+    for _ in range(phases_module.EVENTS_HELD):
+        with phases("forward"):
+            device.now_ms += 1
+    assert len(own.pending) == phases_module.EVENTS_HELD  # the device has not caught up: kept
+    device.done = True
+    with phases("forward"):
+        device.now_ms += 1
+    assert own.pending == [] and own.compute_s == pytest.approx((phases_module.EVENTS_HELD + 1) / 1e3)
+    assert device.waits == 2
+
+
 @pytest.mark.parametrize("value", [0, 1, 2**64 - 1, 0x3F2A_0000_FFFF_1234])
 def test_a_fingerprint_travels_exactly_in_a_float32_sum(value):
     world = 3

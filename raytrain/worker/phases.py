@@ -39,7 +39,10 @@ class Measures:
     throughput: Throughput = field(default_factory=lambda: Throughput(time.perf_counter(), 0))
     memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
     memory_said: bool = False
-    own: "OwnTime" = field(default_factory=lambda: OwnTime())  # this rank's own time since the last sync
+    own: "OwnTime" = field(init=False)  # this rank's own time since the last sync
+
+    def __post_init__(self) -> None:
+        self.own = OwnTime(on_gpu=self.device.type == "cuda")
 
     def restore(self, train_state: dict[str, Any], samples_seen: int) -> None:
         """A checkpoint's telemetry, and the throughput counted from its position."""
@@ -172,24 +175,71 @@ class PhaseTimer:
 # The phases in which a rank waits for no other (under ddp; the backward holds the gradient
 # all-reduce's wait for the slowest rank): its own time, which names stragglers.
 OWN_PHASES = {"data": "data_s", "forward": "compute_s", "optimizer": "compute_s"}
+# Device-timed blocks whose times wait unread before the done ones are read without waiting.
+EVENTS_HELD = 64
 
 
 @dataclass
 class OwnTime:
-    """This rank's own seconds since the last sync (`raytrain.rules.stragglers`): host time in the
-    phases of OWN_PHASES, with no device sync (on a GPU, the time the host spent queueing them
-    and waiting for the device), and the steps they cover."""
+    """This rank's own seconds since the last sync (`raytrain.rules.stragglers`) in the phases of
+    OWN_PHASES, and the steps they cover. The data wait is the host's time. The compute phases
+    are too on a CPU; on a GPU (`on_gpu`) the host only queues their kernels, and would wait for
+    a slow device wherever a full launch queue or a sync stops it, on every rank alike (each
+    device waits for the slowest in the all-reduce): a CUDA event at each compute block's start
+    and end times what the device itself took, read at the sync (`take`), with no sync in the
+    step."""
 
     compute_s: float = 0.0
     data_s: float = 0.0
     steps: int = 0
+    on_gpu: bool = False
+    pending: list[tuple[Any, Any]] = field(default_factory=list)  # (start, end) events not yet read
+
+    def begin(self, mark: str) -> Any:
+        """What `end` needs to time the block of phase `mark` (one of OWN_PHASES)."""
+        if self.on_gpu and OWN_PHASES[mark] == "compute_s":
+            return recorded_event()
+        return time.perf_counter()
+
+    def end(self, mark: str, started: Any) -> None:
+        """The block of phase `mark`, begun at `started`, ended well."""
+        if isinstance(started, float):
+            name = OWN_PHASES[mark]
+            setattr(self, name, getattr(self, name) + time.perf_counter() - started)
+            return
+        self.pending.append((started, recorded_event()))
+        if len(self.pending) >= EVENTS_HELD:
+            self._read(wait=False)
+
+    def _read(self, wait: bool) -> None:
+        """The device times of the pending blocks into `compute_s`: the ones done (`wait`: all,
+        waiting for the device, as the sync is about to)."""
+        done = 0
+        for started, ended in self.pending:
+            if wait:
+                ended.synchronize()
+            elif not ended.query():
+                break
+            self.compute_s += started.elapsed_time(ended) / 1e3  # milliseconds
+            done += 1
+        del self.pending[:done]
 
     def take(self) -> RankTimes:
         """The figures so far, and a fresh start."""
+        self._read(wait=True)
         taken = RankTimes(self.compute_s, self.data_s, self.steps)
         self.compute_s = self.data_s = 0.0
         self.steps = 0
         return taken
+
+
+def recorded_event() -> Any:
+    """A CUDA event recorded on the current stream, with timing."""
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 class StepPhases:
@@ -216,19 +266,18 @@ class _Block:
 
     def __init__(self, phases: StepPhases, mark: str | None, timed: str | None):
         self.phases, self.mark, self.timed = phases, mark, timed
-        self.started = 0.0
+        self.started: Any = 0.0
 
     def __enter__(self) -> None:
         if self.mark is not None:
             self.phases.current = self.mark
             self.phases.heartbeat.mark(self.phases.step_index, self.mark)
-            self.started = time.perf_counter()
+            if self.mark in OWN_PHASES:
+                self.started = self.phases.own.begin(self.mark)
 
     def __exit__(self, kind, value, traceback) -> None:
         if kind is None and self.mark in OWN_PHASES:
-            own = self.phases.own
-            name = OWN_PHASES[self.mark]
-            setattr(own, name, getattr(own, name) + time.perf_counter() - self.started)
+            self.phases.own.end(self.mark, self.started)
         if kind is None and self.timed is not None:
             self.phases.timer.lap(self.timed)
 
@@ -245,23 +294,13 @@ class SteadyClock:
         self.pending: list[tuple[object, object, int]] = []
 
     def start(self) -> object:
-        if not self.on_gpu:
-            return time.perf_counter()
-        import torch
-
-        begun = torch.cuda.Event(enable_timing=True)
-        begun.record()
-        return begun
+        return recorded_event() if self.on_gpu else time.perf_counter()
 
     def stop(self, started: object, samples: int, telemetry: "Telemetry") -> None:
         if not self.on_gpu:
             telemetry.add_steady(samples, time.perf_counter() - started)
             return
-        import torch
-
-        ended = torch.cuda.Event(enable_timing=True)
-        ended.record()
-        self.pending.append((started, ended, samples))
+        self.pending.append((started, recorded_event(), samples))
 
     def settle(self, telemetry: "Telemetry") -> None:
         """Add the steps timed on the GPU since the last settle (call it after a host sync: their
