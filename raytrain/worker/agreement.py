@@ -46,16 +46,20 @@ def held_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 
 def fingerprint(tensors: list[torch.Tensor]) -> int:
     """A 64-bit fingerprint of the tensors' bit patterns: each tensor's bits summed as integers on
-    its device, weighted by its place in the list (one host sync for the whole)."""
+    its device, weighted by its place in the list, and the sums of each device added (an
+    optimizer's step counts, on the CPU beside a GPU's weights, cross once; one host sync)."""
     if not tensors:
         return 1
-    total = torch.zeros((), dtype=torch.int64, device=tensors[0].device)
+    totals: dict[torch.device, torch.Tensor] = {}
     for place, tensor in enumerate(tensors, start=1):
         flat = tensor.detach().reshape(-1)
         if not flat.is_contiguous():
             flat = flat.contiguous()
         bits = flat.view(_BITS[flat.element_size()]) if flat.dtype != torch.bool else flat.to(torch.uint8)
-        total = total + bits.sum(dtype=torch.int64).to(total.device) * (2 * place + 1)
+        part = bits.sum(dtype=torch.int64) * (2 * place + 1)
+        totals[part.device] = totals[part.device] + part if part.device in totals else part
+    first = tensors[0].device
+    total = sum((value.to(first) for value in totals.values()), torch.zeros((), dtype=torch.int64, device=first))
     return int(total.item()) or 1  # never MISSING (raytrain.rules.agreement): 0 is a rank that did not answer
 
 
