@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # Integer views of a tensor's bits, by element size.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SUM_PIECE = 1 << 24  # elements summed at a time: the int64 copy of a piece is 128 MiB
 
 
 class ReplicaMismatch(RuntimeError):
@@ -56,7 +57,8 @@ def fingerprint(tensors: list[torch.Tensor]) -> int:
         if not flat.is_contiguous():
             flat = flat.contiguous()
         bits = flat.view(_BITS[flat.element_size()]) if flat.dtype != torch.bool else flat.to(torch.uint8)
-        part = bits.sum(dtype=torch.int64) * (2 * place + 1)
+        # In pieces: an int64 sum first copies its input to int64 (2-4x the tensor's bytes).
+        part = sum(piece.sum(dtype=torch.int64) for piece in bits.split(SUM_PIECE)) * (2 * place + 1)
         totals[part.device] = totals[part.device] + part if part.device in totals else part
     first = tensors[0].device
     total = sum((value.to(first) for value in totals.values()), torch.zeros((), dtype=torch.int64, device=first))

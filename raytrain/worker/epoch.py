@@ -200,7 +200,10 @@ class Epochs:
         it covers and whether to stop. A NaN/inf loss on any rank ends the run here
         (TrainingDiverged), before its weights are saved."""
         runner, position = self.runner, self.position
-        heartbeat, own, faults = runner.measures.heartbeat, runner.measures.own.take(), self.recovery.faults
+        heartbeat, faults = runner.measures.heartbeat, self.recovery.faults
+        # On a GPU `take` waits for the device, which may wait in the all-reduce for a stalled peer.
+        heartbeat.mark(position.step - 1, "all_reduce")
+        own = runner.measures.own.take()
         loss, count, stop, diverged, times, hosts = sync(
             runner.runtime, heartbeat, runner.window, position.step, stop_requested, own, faults.my_host
         )
