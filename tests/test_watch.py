@@ -298,7 +298,7 @@ def test_the_sync_carries_every_ranks_own_time_and_host():
 
     beat = type("Beat", (), {"mark": lambda self, step, phase: None})()
     for rank in range(world):
-        sync(Runtime(rank), beat, LossWindow.on(torch.device("cpu")), 10, own=RankTimes(0.1 * rank, 0.01, 10),
+        sync(Runtime(rank), beat, LossWindow.on(torch.device("cpu")), 10, own=OwnTime(0.1 * rank, 0.01, 10),
              host=agreement.ipv4(f"10.0.0.{rank + 1}"))  # fmt: skip
     summed = [sum(column) for column in zip(*vectors)]
 

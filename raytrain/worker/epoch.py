@@ -200,10 +200,7 @@ class Epochs:
         it covers and whether to stop. A NaN/inf loss on any rank ends the run here
         (TrainingDiverged), before its weights are saved."""
         runner, position = self.runner, self.position
-        heartbeat, faults = runner.measures.heartbeat, self.recovery.faults
-        # On a GPU `take` waits for the device, which may wait in the all-reduce for a stalled peer.
-        heartbeat.mark(position.step - 1, "all_reduce")
-        own = runner.measures.own.take()
+        heartbeat, own, faults = runner.measures.heartbeat, runner.measures.own, self.recovery.faults
         loss, count, stop, diverged, times, hosts = sync(
             runner.runtime, heartbeat, runner.window, position.step, stop_requested, own, faults.my_host
         )

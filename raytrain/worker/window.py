@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -126,27 +126,35 @@ class Synced(NamedTuple):
     hosts: list[str]  # each rank's node address (IPv4; "?" for another kind)
 
 
+class OwnFigures(Protocol):
+    """A rank's own time since the last sync (`raytrain.worker.phases.OwnTime`)."""
+
+    def take(self) -> RankTimes: ...
+
+
 def sync(
     runtime: "Runtime",
     heartbeat: "Heartbeat",
     window: LossWindow,
     step: int,
     stop_requested: bool = False,
-    own: RankTimes | None = None,
+    own: "OwnFigures | None" = None,
     host: int = 0,
 ) -> Synced:
     """One collective at the logging cadence (every rank calls it at the same steps, after the
     step to `step`): the mean loss, whether to stop, the ranks that diverged, every rank's own
-    time (`own`: this rank's, since the last call) and its host (`host`: this rank's IPv4
+    time (`own`: this rank's since the last call, taken) and its host (`host`: this rank's IPv4
     address as an integer, `raytrain.rules.agreement.ipv4`). The window is cleared."""
-    heartbeat.mark(step - 1, "all_reduce")  # in the step just taken
+    # In the step just taken; from here on a GPU waits for its device, which may wait in the
+    # all-reduce for a stalled peer.
+    heartbeat.mark(step - 1, "all_reduce")
     world, rank = runtime.world_size, runtime.world_rank
     # Sum-reduce: each rank fills only its own slots of the per-rank vectors (others 0).
     slots = [0.0] * world
     slots[rank] = float(window.first_bad_step.item())
-    own = own or RankTimes(0.0, 0.0, 0)
+    mine = own.take() if own is not None else RankTimes(0.0, 0.0, 0)
     times = [0.0] * (3 * world)
-    times[3 * rank : 3 * rank + 3] = [own.compute_s, own.data_s, float(own.steps)]
+    times[3 * rank : 3 * rank + 3] = [mine.compute_s, mine.data_s, float(mine.steps)]
     hosts = agreement.to_slots(host, rank, world)
     totals = runtime.all_reduce_sum(
         [float(window.loss_sum.item()), float(window.loss_count), float(stop_requested), *slots, *times, *hosts]
