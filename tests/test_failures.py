@@ -9,7 +9,9 @@ import importlib
 import json
 import pkgutil
 import signal
+import time
 from argparse import Namespace
+from types import SimpleNamespace
 
 import pytest
 import ray.exceptions
@@ -214,3 +216,47 @@ def test_what_gloo_raises_for_a_lost_peer_is_a_collective_failure(tmp_path, how)
     seen = json.loads(out.read_text())
     assert seen["type"] is not None, "the collective did not fail"
     assert seen["collective"], seen
+
+
+def test_a_finished_run_whose_controller_does_not_return_is_ended_and_counted_finished():
+    """A run whose training finished always ends: `done` starts the controller's grace, and a
+    controller still waiting then (a replica waiting for room) is ended."""
+    import threading
+
+    from raytrain.driver.interrupts import EndsWhenDone
+    from raytrain.rundir.records import Event, Kind
+
+    lines, ended = [], threading.Event()
+    sink = EndsWhenDone(lines.append, grace_s=0.05, end=lambda: ended.set() or True)
+    sink.event(Event(Kind.EPOCH, "epoch 1/1"))
+    assert not ended.wait(0.2)  # no `done`, no end
+    sink.event(Event(Kind.DONE, "finished 1 epochs, 23 steps"))
+    assert ended.wait(5) and sink.ended
+    assert "training finished" in lines[0] and "ending it" in lines[0]
+    returned = EndsWhenDone(lines.append, grace_s=0.05, end=lambda: pytest.fail("ended a controller that returned"))
+    returned.event(Event(Kind.DONE, "finished"))
+    returned.cancel()  # the controller returned within its grace
+    time.sleep(0.2)
+    assert not returned.ended
+
+
+def test_an_abort_the_controller_does_not_answer_kills_it(monkeypatch):
+    """After "aborting", the driver returns: a controller stuck in a wait of its own is killed."""
+    import ray
+
+    from raytrain.driver import interrupts
+
+    killed = []
+
+    def no_answer(ref, timeout=None):
+        raise ray.exceptions.GetTimeoutError("no answer")
+
+    controller = SimpleNamespace(abort=SimpleNamespace(remote=lambda: "ref"))
+    monkeypatch.setattr(ray, "get", no_answer)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append((actor, no_restart)))
+    monkeypatch.setattr(interrupts, "_controller", controller)
+    lines = []
+    interrupts.StopRequest(run_dir=None, echo=lines.append).abort("the workers did not stop in time")
+    assert killed == [(controller, True)] and "aborting the run" in lines[0]
+    monkeypatch.setattr(interrupts, "_controller", None)
+    assert interrupts.end_controller(abort_timeout_s=1) is False  # no run: nothing to end

@@ -295,6 +295,32 @@ def test_a_running_per_step_group_is_never_shrunk_by_rays_resource_count():
     assert isinstance(grown, ResizeDecision) and grown.num_workers == 6
 
 
+def test_survivors_training_below_min_are_polled_while_the_lost_groups_wait_for_room(monkeypatch):
+    """The issue's hang: a lost (or evicted) group leaves room for fewer than MIN workers; Ray's
+    elastic policy would wait for room polling no one, and a run the survivors finish would never
+    end. With survivors live, the lost groups wait in place (GroupController), the others polled."""
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
+
+    from raytrain.driver import replacement
+
+    policy = replacement.group_scaling_policy(ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1}), 1)
+    policy._maybe_send_resource_request = lambda: None
+    policy._get_reserved_resources = lambda: {}  # the only node evicted: room for no worker
+
+    def poll(failing, every):
+        return SimpleNamespace(failing_replica_group_indices=failing, all_replica_group_indices=every)
+
+    live = SimpleNamespace(get_workers=lambda: [0, 1, 2], get_latest_poll_status=lambda: poll({1}, {0, 1, 2}))
+    monkeypatch.setattr(replacement, "_RUNNING", SimpleNamespace(worker_group=live))
+    in_place = policy.make_decision_for_non_running_worker_group()
+    assert isinstance(in_place, ResizeDecision) and in_place.num_workers == 3
+    live.get_latest_poll_status = lambda: poll({0, 1, 2}, {0, 1, 2})  # every group lost: wait for room, as Ray
+    assert isinstance(policy.make_decision_for_non_running_worker_group(), NoopDecision)
+    monkeypatch.setattr(replacement, "_RUNNING", SimpleNamespace(worker_group=None))  # no group yet
+    assert isinstance(policy.make_decision_for_non_running_worker_group(), NoopDecision)
+
+
 def test_each_fault_tolerance_mode_names_its_recovery_object():
     """A mode is its module and its line in FAULT_TOLERANCE_MODES: each line names a Recovery."""
     from raytrain.config.sections import FAULT_TOLERANCE_MODES

@@ -3,9 +3,12 @@
 First signal: the driver writes RUN_DIR/.stop; rank 0 sees it, the next sync (every
 --log-every-steps steps) tells every rank, and they report a checkpoint at that step and
 return. If that does not happen within STOP_GRACE_S, or on a second signal, the driver
-aborts Ray Train's controller (the workers are stopped; the last checkpoint stands). A
-third signal exits at once. `fit` then writes summary.json with status "interrupted" and
-raises `Interrupted`, which the CLI turns into exit status 130 (SIGINT) or 143 (SIGTERM).
+aborts Ray Train's controller (the workers are stopped; the last checkpoint stands; a
+controller that does not answer is killed). A third signal exits at once. `fit` then writes
+summary.json with status "interrupted" and raises `Interrupted`, which the CLI turns into exit
+status 130 (SIGINT) or 143 (SIGTERM).
+
+A run whose training finished ends too, whatever its controller waits for (`EndsWhenDone`).
 """
 
 from __future__ import annotations
@@ -18,8 +21,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from raytrain.observe.sinks import Sink
+from raytrain.rundir.records import Kind
+
 # Seconds the workers get to checkpoint and stop on their own before the run is aborted.
 STOP_GRACE_S = 30.0
+# Seconds Ray Train's controller gets to return once training finished: it polls the workers
+# every 2 s, and shutting them down takes a few more.
+FINISHED_GRACE_S = 60.0
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 # The running controller (set by raytrain.driver.failfast.FailFastTrainer), to abort it.
@@ -82,13 +91,61 @@ class StopRequest:
 
     def abort(self, why: str) -> None:
         self.echo(f"raytrain: aborting the run ({why}); it resumes from its last checkpoint")
-        if _controller is not None:
-            import ray
-
-            with contextlib.suppress(Exception):
-                ray.get(_controller.abort.remote(), timeout=30)
+        end_controller(abort_timeout_s=30)
 
     def cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def end_controller(abort_timeout_s: float) -> bool:
+    """Abort Ray Train's controller (its workers stop with it); one that does not answer within
+    `abort_timeout_s` (stuck in a wait of its own, as for a replacement with no node) is killed,
+    so that `fit` always returns. Whether there was one."""
+    controller = _controller
+    if controller is None:
+        return False
+    import ray
+
+    try:
+        ray.get(controller.abort.remote(), timeout=abort_timeout_s)
+    except Exception:  # noqa: BLE001 - not answering, or gone: killed either way
+        with contextlib.suppress(Exception):
+            ray.kill(controller, no_restart=True)  # its worker actors are its own: they go with it
+    return True
+
+
+class EndsWhenDone(Sink):
+    """A sink of the run's records: once rank 0 says
+    training finished (the final model and progress.json written, then the `done` event), Ray
+    Train's controller has `grace_s` to return; one still waiting then (a per-step replica that
+    waits for room it never gets, a replacement stuck in Ray's unbounded start) is ended, and
+    the run counts as finished."""
+
+    name = "the end of a finished run"
+
+    def __init__(
+        self, echo: Callable[[str], None], grace_s: float = FINISHED_GRACE_S, end: Callable[[], bool] | None = None
+    ):
+        self.echo, self.grace_s = echo, grace_s
+        self.end = end or (lambda: end_controller(abort_timeout_s=10))
+        self.ended = False  # the controller was ended after training finished
+        self._timer: threading.Timer | None = None
+
+    def event(self, event: Any) -> None:
+        if event.kind == Kind.DONE and self._timer is None:
+            self._timer = threading.Timer(self.grace_s, self._end_now)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _end_now(self) -> None:
+        self.echo(
+            f"raytrain: training finished {self.grace_s:.0f} s ago but Ray Train's controller has not returned "
+            "(a replica still waiting for room?); ending it"
+        )
+        self.ended = self.end()
+
+    def cancel(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
 

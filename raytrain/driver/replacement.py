@@ -81,6 +81,12 @@ def mark_group(address: str) -> None:
     os.environ[GROUP_STORE_ENV] = address
 
 
+def partial_loss(status: WorkerGroupPollStatus) -> bool:
+    """Whether some replica groups failed and others live: the failed ones are replaced in place."""
+    failing = status.failing_replica_group_indices
+    return bool(failing) and failing != status.all_replica_group_indices
+
+
 def lost_while_replacing(error: Exception) -> bool:
     """A controller error from a dead actor: under per-step fault tolerance, a replica that died
     while the controller was replacing another (see the module's docstring)."""
@@ -143,9 +149,9 @@ class ReplicaGroups(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallbac
         if worker_group is None:
             return
         status = worker_group.poll_status(timeout=POLL_TIMEOUT_S)  # what the controller reads next
-        failing, every = status.failing_replica_group_indices, status.all_replica_group_indices
-        if not failing or failing == every:
+        if not partial_loss(status):
             return  # nothing to replace, or the controller restarts the whole group
+        failing = status.failing_replica_group_indices
         groups = worker_group.get_replica_groups() or []
         # With replica groups of several workers, a failing worker's group goes with it (the
         # controller replaces the others once it finds them down, and the failure policy does
@@ -196,10 +202,8 @@ class GroupController(TrainController):
     def _execute_resize_decision(self, decision: ResizeDecision):
         worker_group = self.get_worker_group()
         status = worker_group.get_latest_poll_status() if worker_group is not None else None
-        if status is not None:  # this controller runs replica groups only
-            failing = status.failing_replica_group_indices
-            if failing and failing != status.all_replica_group_indices:  # replace in place, never shrink
-                decision = ResizeDecision(len(worker_group.get_workers()), decision.resources_per_worker)
+        if status is not None and partial_loss(status):  # replace in place, never shrink
+            decision = ResizeDecision(len(worker_group.get_workers()), decision.resources_per_worker)
         return super()._execute_resize_decision(decision)
 
     def _replace_bad_workers(self, poll_status: WorkerGroupPollStatus) -> None:
@@ -279,6 +283,18 @@ def group_scaling_policy(scaling_config, group_size: int, evict_key: bytes | Non
                 # and the resources Ray counts lag behind a node that came back (seen: a
                 # shrink to 2 decided just after the lost group had started again).
                 return NoopDecision()
+            return decision
+
+        def make_decision_for_non_running_worker_group(self):
+            decision = super().make_decision_for_non_running_worker_group()
+            groups = running()
+            live = groups.worker_group if groups is not None else None
+            status = live.get_latest_poll_status() if live is not None else None
+            if isinstance(decision, NoopDecision) and status is not None and partial_loss(status):
+                # Room for fewer than MIN, but survivors train on: Ray would wait here for room
+                # polling no one, so a run they finish would never end. The lost groups wait for
+                # room in place instead (`GroupController`; a replacement ignores the resources).
+                return ResizeDecision(len(live.get_workers()), dict(self.scaling_config.resources_per_worker or {}))
             return decision
 
     if evict_key is not None:  # no worker counted on an evicted node

@@ -88,12 +88,15 @@ def fit(
                 f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
                 f"({'GPU, nccl' if use_gpu else 'CPU, gloo'}); run directory {run_dir}"
             )
-            started = time.time()
-            with tracker.follow(since=started, train_rows=sources["train"].rows):
+            started, ends = time.time(), interrupts.EndsWhenDone(echo)
+            with tracker.follow(since=started, train_rows=sources["train"].rows, also=[ends]):
                 try:
                     result, error = trainer.fit(), None
                 except Exception as exc:  # Ray wraps worker errors; re-raised below
                     result, error = None, exc
+            ends.cancel()
+            if ends.ended:  # training had finished: only its controller was ended
+                result, error = None, None
         summary = write_summary(
             run_dir, cfg, result, error, started, interrupted=stop.signal, stop_requested_at=stop.requested_at
         )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from raytrain.environ import scoped_env
 from raytrain.errors import ConfigError
@@ -138,8 +138,9 @@ class RunTracker:
             self.echo(f"raytrain: {tracker} could not start a run, training without it: {first_line(exc)}")
 
     @contextlib.contextmanager
-    def follow(self, since: float, train_rows: int | None = None) -> Iterator[None]:
-        self.dispatcher.sinks = self.open_sinks(train_rows=train_rows if self.progress else None)
+    def follow(self, since: float, train_rows: int | None = None, also: Sequence[Sink] = ()) -> Iterator[None]:
+        """Send the run's records to the console and trackers (and `also`'s sinks) while the body runs."""
+        self.dispatcher.sinks = [*self.open_sinks(train_rows=train_rows if self.progress else None), *also]
         self.dispatcher.warn = self.dispatcher.sinks[0].write  # the console: above the bar, if any
         try:
             with follow(self.run_dir, self.dispatcher, since=since):
