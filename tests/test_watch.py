@@ -11,7 +11,7 @@ import torch
 
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
-from raytrain.rules import agreement
+from raytrain.rules import agreement, stragglers
 from raytrain.rules.stragglers import RankTimes, StragglerWatch, step_ratios
 from raytrain.worker.agreement import fingerprint, held_tensors, mismatch_line
 from raytrain.worker.phases import OwnTime, PhaseTimer, StepPhases
@@ -249,7 +249,7 @@ class _Recovery:
         self.evicted = []
 
     def workers_left(self, rank, hosts):
-        return sum(host != hosts[rank] for host in hosts)
+        return stragglers.workers_left(rank, hosts)
 
     def evict(self, rank, line):
         self.evicted.append(rank)
@@ -270,6 +270,41 @@ def test_a_straggler_is_evicted_once_and_only_when_enough_workers_are_left(worke
     assert recovery.evicted == ([rank] if evicts else [])  # 2 left on 10.0.0.1: enough for MIN 2, not for 3
     watch.after_sync(recovery, files, window([0.05, 0.05, 0.4, 0.4]), hosts, 30)
     assert recovery.evicted.count(rank) == (1 if evicts else 0)  # each rank decided once
+
+
+@pytest.mark.parametrize(
+    "hosts, group_size, left",
+    [
+        (["a", "a", "a"], 1, 0),  # one host: evicting it leaves nobody, whatever the mode
+        (["a", "a", "a"], 3, 0),
+        (["a", "a", "b", "b"], 1, 2),
+        (["a", "a", "b", "b"], 2, 2),  # per-step groups of 2, each on one host
+        (["a", "b", "a", "b"], 2, 0),  # every group has a worker on the evicted host
+        (["a", "b", "c", "c"], 1, 3),
+    ],
+)
+def test_an_eviction_leaves_only_the_workers_whose_group_has_none_on_the_evicted_host(hosts, group_size, left):
+    assert stragglers.workers_left(0, hosts, group_size) == left
+
+
+def test_a_straggler_on_the_only_host_is_not_evicted_in_per_step_mode():
+    """The issue's case: every worker on one host, per-step replicas of one worker each; the slow
+    rank's host is everyone's, so the run would be left with no worker: it trains on."""
+    from raytrain.worker.replicas import PerStep as Mode
+    from raytrain.worker.watch import Watch
+
+    class PerStep(_Recovery):
+        group_size = 1
+        workers_left = Mode.workers_left  # per-step's own answer (its runtime needs Ray)
+
+    cfg = TrainConfig(workers="2:3", fault_tolerance="per-step", evict_stragglers=True, straggler_steps=5,
+                      straggler_evict_steps=10)  # fmt: skip
+    watch, files, recovery = Watch(cfg), _Writer(), PerStep(3)
+    for step in (5, 10, 15):
+        watch.after_sync(recovery, files, window([0.05, 0.3, 0.05]), ["127.0.0.1"] * 3, step)
+    decided = [(message, extra) for kind, message, extra in files.events if kind == "evicted"]
+    assert len(decided) == 1 and decided[0][1]["evicted"] is False and recovery.evicted == [], decided
+    assert "0 worker(s) would be left" in decided[0][0]
 
 
 def test_every_new_worker_group_is_placed_off_the_evicted_nodes(monkeypatch):

@@ -150,3 +150,13 @@ class StragglerWatch:
         self.slow_steps.clear()
         self.said.clear()
         self.evicted.clear()
+
+
+def workers_left(rank: int, hosts: list[str], group_size: int = 1) -> int:
+    """The workers an eviction of `rank` leaves, in any fault-tolerance mode: its host is kept out
+    to the run's end, so a worker stays only if no worker of its group (`group_size` consecutive
+    ranks: a per-step replica group; 1 under restart, whose group restarts at any size) is on
+    that host. On a single host, none."""
+    out = hosts[rank]
+    groups = [hosts[start : start + group_size] for start in range(0, len(hosts), group_size)]
+    return sum(len(group) for group in groups if out not in group)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from raytrain.rules import agreement
+from raytrain.rules import agreement, stragglers
 from raytrain.rundir.storage import Store
 from raytrain.text import sci
 from raytrain.worker.runtime import Runtime, hold_out_this_node, run_key
@@ -104,8 +104,8 @@ class Recovery:
         return agreement.shards_per_replica(self._strategy, self.runtime.world_size)
 
     def workers_left(self, rank: int, hosts: list[str]) -> int:
-        """The workers an eviction of `rank` leaves: those on other hosts (its host goes)."""
-        return sum(host != hosts[rank] for host in hosts)
+        """The workers an eviction of `rank` leaves: those on other hosts (the group restarts without its host)."""
+        return stragglers.workers_left(rank, hosts)
 
     def evict(self, rank: int, line: str) -> None:
         """--evict-stragglers, every rank at once: the straggler's worker writes its node down for the

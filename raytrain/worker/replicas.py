@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from ray.train.v2.torch import torchft_config as ray_torchft
 
-from raytrain.rules import network
+from raytrain.rules import network, stragglers
 from raytrain.rules import replicas as rules
 from raytrain.rules.budget import Budget
 from raytrain.rules.replicas import partial_start_line
@@ -252,8 +252,9 @@ class PerStep(Recovery):
         return self.group_size  # a group's workers hold one copy between them (HSDP), a replica of one all of it
 
     def workers_left(self, rank: int, hosts: list[str]) -> int:
-        """The workers an eviction of `rank` leaves: all but its replica group."""
-        return self.runtime.world_size - self.group_size
+        """The workers an eviction of `rank` leaves: the replica groups with no worker on its host
+        (its group leaves now; the others there are never replaced once they go)."""
+        return stragglers.workers_left(rank, hosts, self.group_size)
 
     def evict(self, rank: int, line: str) -> None:
         """--evict-stragglers: the straggler's replica group leaves at the next step's start, where no
