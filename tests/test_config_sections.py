@@ -273,3 +273,14 @@ def test_problems_still_come_all_at_once_in_field_order():
     with pytest.raises(ConfigError) as info:
         TrainConfig(data_partitions=0, lr=math.inf, workers="x", max_failures=-2)
     assert [name for name, _ in info.value.problems] == ["data_partitions", "lr", "max_failures", "workers"]
+
+
+def test_straggler_evict_steps_without_evict_stragglers_is_refused_with_both_flags_and_the_fix():
+    with pytest.raises(
+        ConfigError,
+        match=r"straggler_evict_steps: got 50 without --evict-stragglers, so nothing would be evicted: add "
+        r"--evict-stragglers \(with --workers MIN:MAX\) .* or leave --straggler-evict-steps at its default 200",
+    ):
+        TrainConfig(straggler_evict_steps=50)
+    TrainConfig(straggler_evict_steps=200)  # the default, given or not: nothing changes
+    assert TrainConfig(workers="2:4", evict_stragglers=True, straggler_evict_steps=50).straggler_evict_steps == 50

@@ -347,6 +347,16 @@ class WatchSection:
             )
         yield from positive_int("straggler_steps", self.straggler_steps, 20)
         yield from positive_int("straggler_evict_steps", self.straggler_evict_steps, 200)
+        # The default cannot be told from the same value given; any other, from any layer, was
+        # meant to act, and without the switch nothing reads it.
+        default = WatchSection.straggler_evict_steps
+        if not self.evict_stragglers and self.straggler_evict_steps >= 1 and self.straggler_evict_steps != default:
+            yield (
+                "straggler_evict_steps",
+                f"got {self.straggler_evict_steps} without --evict-stragglers, so nothing would be evicted: add "
+                "--evict-stragglers (with --workers MIN:MAX) to evict a rank a straggler for that many steps, or "
+                f"leave --straggler-evict-steps at its default {default}",
+            )
         if self.replica_check_steps is not None and self.replica_check_steps < 0:
             yield (
                 "replica_check_steps",
