@@ -141,6 +141,19 @@ def test_bench_options_validate_and_always_run_one_worker(tmp_path):
     assert fields == ["workers", "steps", "repeat", "statistic", "baseline", "link"]
 
 
+def test_the_cost_models_options_without_predict_are_refused_before_a_bench_runs(tmp_path, capsys):
+    assert main(["bench", "digits", "--from", str(tmp_path), "--storage", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        "raytrain bench: --from is read only with --predict (the cost model, which runs nothing): add --predict to "
+        "estimate the speedup from it, or drop it to run the bench\n"
+    )
+    assert main(["bench", "digits", "--gpus", "4", "--grad-mb", "3", "--storage", str(tmp_path)]) == 2
+    assert "--gpus and --grad-mb are read only with --predict" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing ran
+    # --link is the bench's too (a predicted column), read without --predict
+    assert main(["bench", "--predict", "--link", "nvlink", "--step-time-ms", "20", "--grad-mb", "3"]) == 0
+
+
 # -- outputs ------------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from raytrain import fields
 from raytrain.cli.options import check_pipeline_args, read_run_options, resumed_options
 from raytrain.config import TrainConfig, merge_layers
-from raytrain.errors import ConfigError
+from raytrain.errors import ConfigError, UsageError
 from raytrain.rules.accounting import goodput_phrase
 from raytrain.rundir import RunDir, Store
 from raytrain.rundir.records import PLOTS, REPORT
@@ -97,6 +97,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     given = vars(args)
     own = {option.name for option in (*fields.options(BenchOptions), *fields.options(PredictOptions))}
+    # The cost model's inputs but --link (the bench's too): without --predict a whole bench would
+    # run and never read them.
+    unread = [o.flags[-1] for o in fields.options(PredictOptions) if o.name in given and o.name != "link"]
+    if unread and not args.predict:
+        one = len(unread) == 1
+        raise UsageError(
+            f"{' and '.join(unread)} {'is' if one else 'are'} read only with --predict (the cost model, which runs "
+            f"nothing): add --predict to estimate the speedup from {'it' if one else 'them'}, or drop "
+            f"{'it' if one else 'them'} to run the bench"
+        )
     if args.predict:
         predict_speedups(
             PredictOptions(
