@@ -244,13 +244,13 @@ def test_an_address_that_is_not_ray_is_answered_within_seconds():
 
     threading.Thread(target=http_like, daemon=True).start()
     started = time.monotonic()
-    assert "not a Ray cluster" in address_problem(f"127.0.0.1:{port}")
+    assert "not a Ray cluster" in address_problem(f"127.0.0.1:{port}")[0]
     assert time.monotonic() - started < 10
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen()  # accepts, never answers
     started = time.monotonic()
-    assert "not a Ray cluster" in address_problem(f"127.0.0.1:{silent.getsockname()[1]}")
+    assert "not a Ray cluster" in address_problem(f"127.0.0.1:{silent.getsockname()[1]}")[0]
     assert time.monotonic() - started < 30
     server.close()
     silent.close()
@@ -282,6 +282,33 @@ def test_a_worker_count_this_machine_cannot_hold_is_refused_with_the_numbers(tmp
         timeout=120,
     )
     assert done.returncode == 2 and "use at most" in done.stderr and not (tmp_path / "big").exists()
+
+
+@pytest.mark.slow
+def test_train_names_what_is_wrong_with_an_address_and_never_the_token_when_no_head_answered(tmp_path):
+    """The issue's cases, as a user runs them: each refused with exit 2 in seconds, before Ray
+    starts, naming the form or that nothing answers (not a refused token)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    cases = {
+        "127.0.0.1:99999": "its port 99999 is out of range: a port is a number from 1 to 65535",
+        f"ray://127.0.0.1:{port}": "nothing answers there (Connection refused)",
+    }
+    for address, said in cases.items():
+        started = time.monotonic()
+        done = subprocess.run(
+            [str(Path(sys.executable).with_name("raytrain")), "train", "digits", "--address", address]
+            + ["--name", "joined", "--storage", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+        )
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert f"--address: got {address!r}: {said}; " in done.stderr, done.stderr
+        assert "token" not in done.stderr and "Traceback" not in done.stderr
+        assert time.monotonic() - started < 60
 
 
 def test_build_datasets_without_train_lists_the_keys(ray_free_build):

@@ -20,7 +20,9 @@ from raytrain.rules.head import (
     REFUSE,
     STALE,
     TEMP_DIR_PROOF,
+    address_form_problem,
     head_verdict,
+    join_failure,
     record_file_problem,
     record_problem,
     same_python,
@@ -329,3 +331,111 @@ def test_up_refused_before_the_start_leaves_no_temp_dir(tmp_path, monkeypatch):
 def test_a_start_that_timed_out_says_load_is_the_likely_cause_and_a_retry_helps():
     assert "run `raytrain up` again" in head._load_hint("... node timed out during startup ...")
     assert head._load_hint("some other failure") == ""
+
+
+# -- what an --address names, and why joining it failed ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "address, what, fix",
+    [
+        ("garbage", "it is not an address Ray joins: it has no :PORT", "give the head's GCS address HOST:PORT"),
+        ("127.0.0.1:", "it has no port after the colon", "e.g. 127.0.0.1:6379"),
+        ("ray://10.0.0.5:", "it has no port after the colon", "e.g. ray://10.0.0.5:10001"),
+        ("127.0.0.1:99999", "its port 99999 is out of range: a port is a number from 1 to 65535", "6379"),
+        ("127.0.0.1:0", "its port 0 is out of range", "6379"),
+        ("head:abc", "its port 'abc' is not a number", "HOST:PORT"),
+        (":6379", "it has no host before the port", "HOST:PORT"),
+        ("fd00::5:6379", "an IPv6 host needs brackets", "[fd00::5]:6379"),
+        ("http://127.0.0.1:8265", "the dashboard/Jobs API URL", "ray job submit"),
+    ],
+)
+def test_an_address_of_the_wrong_form_is_named_by_what_is_wrong(address, what, fix):
+    said, fixed = address_form_problem(address)
+    assert what in said
+    assert fix in fixed and "token" not in said + fixed
+
+
+@pytest.mark.parametrize(
+    "address", ["auto", "local", "10.0.0.5:6379", "head.example:6379", "[fd00::5]:6379", "ray://10.0.0.5:10001"]
+)
+def test_an_address_ray_can_try_passes_its_form(address):
+    assert address_form_problem(address) is None
+
+
+SENDS = "the token in /home/u/.ray/auth_token (last changed 2026-12-06 06:00:00)"
+
+
+@pytest.mark.parametrize(
+    "address, error, answers, what, fix",
+    [
+        (
+            "auto",
+            "ConnectionError: Could not find any running Ray instance. Please specify the one to connect to",
+            False,
+            "no Ray runs on this machine for `auto` to find",
+            "start one here (`raytrain up`, or `ray start --head`)",
+        ),
+        (
+            "auto",
+            "ConnectionError: Failed to connect to Ray cluster at 10.0.0.9:6379",
+            False,
+            "nothing answers at 10.0.0.9:6379, where `auto` found the Ray last started on this machine: it has stopped",
+            "start the head there",
+        ),
+        (
+            "garbage",
+            "ValueError: Invalid address format: garbage",
+            False,
+            "it is not an address Ray joins",
+            "HOST:PORT",
+        ),
+        ("127.0.0.1:", "ValueError: Unable to parse port number from ", False, "it has no port after the colon", ""),
+        (
+            "ray://127.0.0.1:10001",
+            "ConnectionError: ray client connection timeout",
+            False,
+            "nothing answers at 127.0.0.1:10001",
+            "",
+        ),
+        (
+            "10.0.0.5:6379",
+            "ConnectionError: Failed to connect to Ray cluster at 10.0.0.5:6379\n"
+            "RuntimeError: Version mismatch: The cluster was started with:\n    Ray: 2.59.0\n    Python: 3.11.7\n"
+            "This process on node 10.0.0.7 was started with:\n    Ray: 2.60.0\n    Python: 3.11.7\n",
+            True,
+            "the cluster runs another Ray or Python than this process (Version mismatch: The cluster was started with: "
+            "Ray: 2.59.0 Python: 3.11.7 This process on node 10.0.0.7 was started with: Ray: 2.60.0 Python: 3.11.7)",
+            "the cluster's Ray and Python versions",
+        ),
+    ],
+)
+def test_a_failed_join_says_what_went_wrong_and_no_token_unless_a_head_answered(address, error, answers, what, fix):
+    said, fixed = join_failure(address, error, answers=answers, sends=SENDS)
+    assert said.startswith(what)
+    assert fix in fixed
+    assert SENDS not in fixed and "InvalidAuthToken" not in fixed
+
+
+def test_a_head_that_answered_and_refused_the_join_names_the_token_this_process_sends():
+    error = "ConnectionError: Failed to connect to Ray cluster at 10.0.0.5:6379\nConnectionError: Could not read 'x'"
+    said, fixed = join_failure("10.0.0.5:6379", error, answers=True, sends=SENDS)
+    assert said == "a Ray server answers at 10.0.0.5:6379, but it did not take this process"
+    assert fixed.startswith("most likely it refused this process's token (Ray logs InvalidAuthToken): ")
+    assert f"this process sends {SENDS}. Export RAY_AUTH_MODE=token" in fixed
+
+
+def test_a_join_that_failed_where_nothing_answers_now_is_said_so_from_the_exceptions_chain():
+    from raytrain.driver.session import join_problem
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    try:
+        try:
+            raise ConnectionError("Could not read 'session_name' from GCS. Did GCS start successfully?")
+        except ConnectionError as inner:
+            raise ConnectionError(f"Failed to connect to Ray cluster at {address}") from inner
+    except ConnectionError as exc:
+        said, fixed = join_problem(address, exc)
+    assert said == f"nothing answers at {address}" and "token" not in fixed

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 from raytrain.doctor.network import check_reachability
 from raytrain.doctor.probe import PROBE_TIMEOUT_S, probe_nodes
 from raytrain.doctor.storage import NETWORK_FS, StorageState, describe_storage, inspect_storage, remove_marker
-from raytrain.driver.session import address_problem, join_fix
+from raytrain.driver.session import address_problem, join_problem
 from raytrain.rules.network import NodeNetwork, Unreachable, interface_holding, network_findings
 
 
@@ -59,8 +59,8 @@ def run_doctor(
     unreachable = address_problem(address) if started_here and address else None
     if unreachable:
         # ray.init retries an address that does not answer for minutes, deaf to Ctrl-C.
-        echo(f"FAIL cannot reach Ray at {address}: {unreachable}")
-        echo(f"  fix: {_CONNECT_FIX}")
+        echo(f"FAIL cannot reach Ray at {address}: {unreachable[0]}")
+        echo(f"  fix: {unreachable[1]}")
         remove_marker(state)
         return 1
     if started_here:
@@ -72,8 +72,9 @@ def run_doctor(
                 ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         except Exception as exc:  # connection and auth errors come in several types
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            echo(f"FAIL cannot reach Ray at {address or 'a new local instance'}: {first}")
-            echo(f"  fix: {join_fix() if address else _CONNECT_FIX}")
+            what, fix = join_problem(address, exc) if address else ("a local Ray did not start", _LOCAL_FIX)
+            echo(f"FAIL cannot reach Ray at {address or 'a new local instance'}: {what} (Ray: {first})")
+            echo(f"  fix: {fix}")
             remove_marker(state)
             return 1
     try:
@@ -108,12 +109,8 @@ def run_doctor(
     return 1 if report.problems else 0
 
 
-_CONNECT_FIX = (
-    "check --address/RAY_ADDRESS (the head's GCS address, e.g. 10.0.0.5:6379, or `auto` on a cluster node; "
-    "`ray status` on the head prints it), that the head is running and this machine can reach it, and for a "
-    "token-auth cluster export RAY_AUTH_MODE=token with the cluster's token in ~/.ray/auth_token (or "
-    "RAY_AUTH_TOKEN_PATH). From a laptop, run doctor as a job instead: ray job submit -- raytrain doctor"
-)
+# A local Ray that would not start (doctor without --address): what `ray_session` says of it.
+_LOCAL_FIX = "is the machine overloaded, or /tmp full? Or give --address to check a running cluster"
 
 
 # -- the verdict ---------------------------------------------------------------------------

@@ -23,6 +23,14 @@ from raytrain.config import TrainConfig
 from raytrain.config.sections import ClusterSection
 from raytrain.environ import scoped_env
 from raytrain.errors import ConfigError, RunFailed
+from raytrain.rules.head import (
+    NO_HEAD_FIX,
+    Diagnosis,
+    address_form_problem,
+    join_failure,
+    split_host_port,
+    tried_address,
+)
 
 # Without this every print in the train function shows twice (RAY_NOTES).
 WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
@@ -105,7 +113,7 @@ def ray_session(
     quiet = {"logging_level": logging.INFO if cfg.verbose else logging.ERROR, "log_to_driver": cfg.verbose}
     with contextlib.ExitStack() as held:
         if address:
-            _join_cluster(address, runtime_env, quiet)
+            _join_cluster(address, runtime_env, quiet, from_env=not cfg.address)
         else:
             # Held while the embedded Ray lives: its /metrics servers start after ray.init returns.
             metrics_port = held.enter_context(contextlib.closing(hold_port()))
@@ -127,14 +135,18 @@ def quiet_ray_data_console() -> None:
             handler.setLevel(logging.CRITICAL)
 
 
-def _join_cluster(address: str, runtime_env: dict, quiet: dict) -> None:
-    """ray.init at `address`, checked first: a dead or foreign address is a ConfigError in seconds."""
+def _join_cluster(address: str, runtime_env: dict, quiet: dict, from_env: bool) -> None:
+    """ray.init at `address` (--address, or RAY_ADDRESS when `from_env`), checked first: a
+    malformed, dead or foreign address is a ConfigError in seconds; a failed join is explained
+    (`join_problem`)."""
     import ray
+
+    def refused(message: str) -> ConfigError:
+        return ConfigError([("", f"RAY_ADDRESS: {message}")] if from_env else [("address", message)])
 
     problem = address_problem(address)
     if problem:
-        fix = "give the head's HOST:PORT (e.g. 10.0.0.5:6379) or leave it out for a local Ray"
-        raise ConfigError([("address", f"got {address!r}: {problem}; {fix}")])
+        raise refused(f"got {address!r}: {problem[0]}; {problem[1]}")
     # Inside `ray job submit` the job's runtime_env may set the same variables; Ray
     # refuses to merge two values for one key, and the job's choice should win.
     job_config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
@@ -144,9 +156,8 @@ def _join_cluster(address: str, runtime_env: dict, quiet: dict) -> None:
         ray.init(address=address, runtime_env=runtime_env, **quiet)
     except Exception as exc:  # connection errors come in several types
         cause = str(exc).splitlines()[0][:200]
-        raise ConfigError(
-            [("address", f"cannot join the Ray cluster at {address!r} ({cause}); {join_fix()}")]
-        ) from None
+        what, fix = join_problem(address, exc)
+        raise refused(f"cannot join the Ray cluster at {address!r}: {what} (Ray: {cause}); {fix}") from None
 
 
 def token_source(environ: Mapping[str, str] | None = None, home: Path | None = None) -> str:
@@ -170,17 +181,17 @@ def token_source(environ: Mapping[str, str] | None = None, home: Path | None = N
     return f"the token in {path} (last changed {changed})"
 
 
-def join_fix() -> str:
-    """What to check when a cluster's head answers but this process cannot join it: most often
-    its token (Ray logs `InvalidAuthToken` once a second for 20 s, then gives up)."""
-    return (
-        "its head answers there, so most likely it refused this process's token (Ray logs InvalidAuthToken): "
-        f"this process sends {token_source()}. Export RAY_AUTH_MODE=token and give it the head's token: copy the "
-        "head's ~/.ray/auth_token here, or point RAY_AUTH_TOKEN_PATH at a copy. A local Ray started without "
-        "RAY_AUTH_MODE (a plain ray.init(), or raytrain without --address) writes a new ~/.ray/auth_token where "
-        "none exists, which then differs from the cluster's. Otherwise check the versions: the same Ray and Python "
-        "as the cluster"
-    )
+def join_problem(address: str, exc: BaseException) -> Diagnosis:
+    """What a failed ray.init at `address` means and its fix (`rules.head.join_failure`), from
+    the exception and its causes (ray.init wraps a version mismatch in a ConnectionError) and
+    whether a Ray server answers where it tried: the token is named only when one does."""
+    causes, seen = [], exc
+    while seen is not None and len(causes) < 5:
+        causes.append(f"{type(seen).__name__}: {seen}")
+        seen = seen.__cause__ or seen.__context__
+    error = "\n".join(causes)
+    tried = tried_address(address, error)
+    return join_failure(address, error, answers=bool(tried) and gcs_answers(tried), sends=token_source())
 
 
 def _start_embedded(
@@ -233,31 +244,34 @@ def ray_logs_dir() -> str | None:
     return None
 
 
-def address_problem(address: str) -> str | None:
-    """Why `address` cannot be a GCS address that answers, judged in a few seconds; None if it may."""
-    if address.startswith(("http://", "https://")):
-        return "that is the dashboard/Jobs API URL (for `ray job submit`); Ray needs the GCS address, HOST:6379"
-    if address in ("auto", "local") or "://" in address:
-        return None
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        return None
+def address_problem(address: str) -> Diagnosis | None:
+    """Why `address` cannot be joined, judged in a few seconds (its form, then whether a Ray
+    server answers there: ray.init would retry a dead one for minutes), with the fix; None if
+    it may be joined."""
+    form = address_form_problem(address)
+    target = tried_address(address, "")
+    if form or target is None:
+        return form
+    host, port = split_host_port(target)
     try:
-        connection = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
+        connection = socket.create_connection((host, int(port)), timeout=5)
     except OSError as exc:
-        return f"nothing answers there ({exc.strerror or type(exc).__name__})"
+        return f"nothing answers there ({exc.strerror or type(exc).__name__})", NO_HEAD_FIX
     with connection:
         if not speaks_grpc(connection):
-            return "something answers there, but not a Ray cluster (its GCS speaks gRPC)"
+            return "something answers there, but not a Ray cluster (Ray's GCS and Ray Client server speak gRPC)", (
+                "give the head's GCS port (6379 unless `ray start --port` chose another), not the dashboard's (8265) "
+                "or another service's"
+            )
     return None
 
 
 def gcs_answers(address: str, timeout_s: float = 3.0) -> bool:
-    """Whether a GCS (a gRPC server) answers at HOST:PORT `address`."""
-    host, _, port = address.rpartition(":")
+    """Whether a gRPC server (Ray's GCS, or its Ray Client server) answers at HOST:PORT `address`."""
+    parts = split_host_port(address)
     try:
-        connection = socket.create_connection((host, int(port)), timeout=timeout_s)
-    except (OSError, ValueError):
+        connection = socket.create_connection((parts[0], int(parts[1])), timeout=timeout_s)
+    except (OSError, ValueError, TypeError, OverflowError):
         return False
     with connection:
         return speaks_grpc(connection, timeout_s)

@@ -1,4 +1,5 @@
-"""Whether a run joins the local Ray head `raytrain up` recorded, clears its record, or refuses.
+"""Whether a run joins the local Ray head `raytrain up` recorded, clears its record, or refuses;
+what an --address names, and why joining it failed.
 
 A command without --address (and without RAY_ADDRESS) reads the record (`raytrain.driver.head`)
 and asks `head_verdict`:
@@ -14,6 +15,11 @@ and asks `head_verdict`:
 Refusing rather than falling back to an embedded Ray keeps the choice visible: a user who ran
 `raytrain up` expects runs to use that head; a silent fallback would pay the full start again
 and hide why.
+
+An --address (or RAY_ADDRESS) is judged by its text first (`address_form_problem`: its form,
+its port's range), then the driver asks whether anything answers there, and a ray.init that
+failed is explained from Ray's words and whether a head answers (`join_failure`): the token is
+named only when a head answered and refused this process.
 """
 
 from __future__ import annotations
@@ -142,3 +148,104 @@ def record_file_problem(*, file_uid: int, file_mode: int, dir_mode: int, uid: in
     if dir_mode & 0o002 and not dir_mode & 0o1000:  # world-writable without the sticky bit: replaceable
         return f"anyone can replace it: its folder has mode {dir_mode & 0o7777:04o}"
     return None
+
+
+# -- what an --address names, and why joining it failed ---------------------------------------
+
+# A problem of an address, or of joining it: (what is wrong, the fix).
+Diagnosis = tuple[str, str]
+ADDRESS_FORMS = (
+    "give the head's GCS address HOST:PORT (e.g. 10.0.0.5:6379; `ray status` on the head prints it), "
+    "ray://HOST:10001 (Ray Client), or auto (a Ray started on this machine); or leave --address out for a local Ray"
+)
+NO_HEAD_FIX = (
+    "start the head there (`raytrain up`, or `ray start --head`), or give the address `ray status` prints on the "
+    "head; from another machine, check that this one reaches it (a firewall, the port open)"
+)
+# How ray.init says that a HOST:PORT joined answered and then failed, naming where it tried
+# (with `auto`, the address it found).
+_FAILED_AT = re.compile(r"Failed to connect to Ray cluster at (\S+)")
+
+
+def split_host_port(address: str) -> tuple[str, str] | None:
+    """`10.0.0.5:6379` -> ("10.0.0.5", "6379"), `[fd00::5]:6379` -> ("fd00::5", "6379"), as
+    written (the port unchecked); None without a colon."""
+    host, colon, port = address.rpartition(":")
+    if not colon:
+        return None
+    return (host[1:-1] if host.startswith("[") and host.endswith("]") else host), port
+
+
+def address_form_problem(address: str) -> Diagnosis | None:
+    """What is wrong with the form of `address`, from its text alone; None when Ray can try it
+    (`auto`, `local`, HOST:PORT or ray://HOST:PORT with a port from 1 to 65535, or another
+    scheme, which Ray hands to the client module of that name)."""
+    if address.startswith(("http://", "https://")):
+        return "that is the dashboard/Jobs API URL (for `ray job submit`), not the GCS address a driver joins", (
+            "give HOST:6379 (the GCS port), or submit the command as a job: ray job submit -- raytrain ..."
+        )
+    scheme, sep, rest = address.partition("://")
+    if address in ("auto", "local") or (sep and scheme != "ray"):
+        return None
+    parts = split_host_port(rest if sep else address)
+    if parts is None:
+        return "it is not an address Ray joins: it has no :PORT", ADDRESS_FORMS
+    host, port = parts
+    if not host:
+        return "it has no host before the port", ADDRESS_FORMS
+    if ":" in host and not (rest if sep else address).startswith("["):
+        return "an IPv6 host needs brackets", "write it as [HOST]:PORT, e.g. [fd00::5]:6379"
+    if not port:
+        return "it has no port after the colon", f"add the head's port, e.g. {address}{10001 if sep else 6379}"
+    if not (port.isascii() and port.isdigit()):
+        return f"its port {port!r} is not a number", ADDRESS_FORMS
+    if not 1 <= int(port) <= 65535:
+        return (
+            f"its port {int(port)} is out of range: a port is a number from 1 to 65535",
+            f"give the head's port: {'10001 for Ray Client' if sep else '6379'} unless the head was started on another",
+        )
+    return None
+
+
+def tried_address(address: str, error: str) -> str | None:
+    """The HOST:PORT a failed ray.init tried: the one Ray names in `error` (what `auto` found),
+    else `address` itself (ray:// dropped); None when there was none (`auto` found nothing)."""
+    found = _FAILED_AT.search(error)
+    if found:
+        return found.group(1)
+    scheme, sep, rest = address.partition("://")
+    if address in ("auto", "local") or (sep and scheme != "ray"):
+        return None
+    return rest if sep else address
+
+
+def join_failure(address: str, error: str, *, answers: bool, sends: str) -> Diagnosis:
+    """Why ray.init at `address` failed, and the fix, from Ray's words (`error`: the exception
+    and its causes), whether a Ray server answers now where it tried (`answers`) and which token
+    this process sends (`sends`). The token is named only when a head answered and refused."""
+    form = address_form_problem(address)
+    if form:
+        return form
+    tried = tried_address(address, error) or address
+    if "Could not find any running Ray instance" in error:
+        return "no Ray runs on this machine for `auto` to find", (
+            "start one here (`raytrain up`, or `ray start --head`), give a head's HOST:PORT, or leave --address "
+            "out for an embedded local Ray"
+        )
+    if "Version mismatch" in error:
+        # Ray's six lines: the cluster's Ray and Python, then this process's.
+        said = " ".join(" ".join(error[error.index("Version mismatch") :].splitlines()[:6]).split())
+        return f"the cluster runs another Ray or Python than this process ({said})", (
+            "run raytrain from an environment with the cluster's Ray and Python versions"
+        )
+    if not answers:
+        found = ", where `auto` found the Ray last started on this machine: it has stopped" if address == "auto" else ""
+        return f"nothing answers at {tried}{found}", NO_HEAD_FIX
+    return f"a Ray server answers at {tried}, but it did not take this process", (
+        "most likely it refused this process's token (Ray logs InvalidAuthToken): "
+        f"this process sends {sends}. Export RAY_AUTH_MODE=token and give it the head's token: copy the "
+        "head's ~/.ray/auth_token here, or point RAY_AUTH_TOKEN_PATH at a copy. A local Ray started without "
+        "RAY_AUTH_MODE (a plain ray.init(), or raytrain without --address) writes a new ~/.ray/auth_token where "
+        "none exists, which then differs from the cluster's. Otherwise check the versions: the same Ray and Python "
+        "as the cluster"
+    )
