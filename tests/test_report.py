@@ -129,6 +129,17 @@ def test_report_writes_valid_pngs_and_a_markdown_summary(tmp_path):
     assert f"tensorboard --logdir {run_dir}" in text
 
 
+def test_an_event_whose_time_no_clock_reaches_is_written_as_its_number(tmp_path):
+    run_dir = write_run(tmp_path / "far")
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events[1]["time"] = 1e300  # past any time_t: time.localtime raises OverflowError
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert main(["report", str(run_dir)]) == 0
+    text = (run_dir / "report.md").read_text()
+    assert "- 1e+300 (+1e+300 s): Restarted from the checkpoint at step 20 with 2 workers" in text
+    assert "(+81 s): Resized 2 → 4 workers at step 40" in text
+
+
 def test_report_of_a_run_still_going_or_killed_has_no_summary_yet(tmp_path):
     run_dir = write_run(tmp_path / "partial", summary=False)
     text = write_report(run_dir).read_text()

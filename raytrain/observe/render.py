@@ -63,4 +63,10 @@ def event_line(event: Any, start: float) -> str:
     stamp = event.time
     if not is_number(stamp):
         return f"- ? (+?): {event.message}"
-    return f"- {time.strftime('%H:%M:%S', time.localtime(stamp))} (+{stamp - start:.0f} s): {event.message}"
+    try:
+        clock = time.strftime("%H:%M:%S", time.localtime(stamp))
+    except (OverflowError, OSError, ValueError):  # a time no clock reaches (1e300): the number as written
+        clock = f"{stamp:g}"
+    since_s = stamp - start
+    since = f"{since_s:.0f}" if abs(since_s) < 1e9 else f"{since_s:.3g}"  # not 300 digits
+    return f"- {clock} (+{since} s): {event.message}"
