@@ -11,12 +11,14 @@
 #
 # Each stage is its own pytest session: its time, its 10 slowest tests (--durations=10; an argument
 # given here wins), its check that nothing was left outside tmp_path (tests/conftest.py). A stage
-# that selects no test (pytest's exit status 5) passes. The line before the last compares each CI
-# stage's wall time with its budget on a quiet 2-core machine (it reports, it does not fail):
+# that selects no test (pytest's exit status 5) passes, but when no stage selects one (a -k or a
+# path that matches nothing: a typo would read as a green run) the script says so and exits 5.
+# The line before the last compares each CI stage's wall time with its budget on a quiet 2-core
+# machine (it reports, it does not fail):
 #   "test: budget quick 68 s/120 s ok, slow 160 s/480 s ok, ray 1900 s/1500 s OVER"
 # The last line is the sum of the stages' counts, in pytest's words:
 #   "812 passed, 0 failed, 4 skipped in 1450.3s (stages: quick, slow, ray)"
-# Exit status: 0, or the status of the stage that failed.
+# Exit status: 0, the status of the stage that failed, or 5 when no stage selected a test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -36,6 +38,7 @@ summaries=$(mktemp -t rtstages.XXXXXX)
 trap 'rm -f "$summaries"' EXIT
 ran=()
 took_s=()
+selected=0 # stages that selected a test (pytest's status not 5)
 
 total_line() {
     # Sum "N word" counts over the stages' lines ("deselected" left out: each stage deselects
@@ -99,6 +102,7 @@ for ((i = 0; i < stages; i++)); do
     grep -E '^(no tests ran|[0-9]+ [a-z]+.*) in [0-9.]+s' "$out" | tail -n 1 >>"$summaries"
     rm -f "$out"
     ran+=("$name")
+    [ "$status" -ne 5 ] && selected=$((selected + 1))
     if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then
         echo "test: stage ${name} failed (pytest exit status ${status}); later stages not run"
         budget_line
@@ -106,5 +110,12 @@ for ((i = 0; i < stages; i++)); do
         exit "$status"
     fi
 done
+if [ "$selected" -eq 0 ]; then
+    echo "test: no stage selected a test (pytest's exit status 5 in each of the ${stages} stages): check the arguments," \
+        "a -k or a path that matches nothing"
+    budget_line
+    total_line
+    exit 5
+fi
 budget_line
 total_line

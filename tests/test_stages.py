@@ -86,6 +86,21 @@ def test_a_failing_stage_stops_the_later_ones_with_its_status(tmp_path):
     assert lines[-1].endswith("(stages: quick, slow)")
 
 
+def test_arguments_that_select_nothing_in_every_stage_exit_5_but_one_empty_stage_passes(tmp_path):
+    root = suite(tmp_path / "typo")
+    status, lines = run(root, "-k", "test_no_such_name")
+    assert status == 5, "\n".join(lines[-30:])
+    assert (
+        "test: no stage selected a test (pytest's exit status 5 in each of the 3 stages): check the arguments, "
+        "a -k or a path that matches nothing"
+    ) in lines
+    assert lines[-1].startswith("0 passed, 0 failed in "), lines[-1]
+    # Only the quick stage selects a test: the other two select none, and the run passes.
+    status, lines = run(root, "-k", "test_pure")
+    assert status == 0, "\n".join(lines[-30:])
+    assert lines[-1].startswith("2 passed, 0 failed in "), lines[-1]
+
+
 def stage_marks() -> dict[str, str]:
     """Each stage's marker expression, as scripts/test.sh writes them."""
     script = (REPO / "scripts" / "test.sh").read_text()
