@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 from ray.train import ControllerError
 
@@ -12,12 +17,21 @@ from raytrain.rules.network import (
     Unreachable,
     WorkerNetwork,
     connect_failure,
+    host_problems,
     interface_env,
     interface_holding,
     is_loopback,
     network_findings,
+    selected,
 )
-from raytrain.worker.network import BindsInterfaces, ProcessGroupNetworkError, bind_to_node_interface
+from raytrain.worker.network import (
+    BindsInterfaces,
+    ProcessGroupNetworkError,
+    bind_to_node_interface,
+    check_host_interfaces,
+    connect_now,
+    host_interfaces,
+)
 
 HOST_A = {"lo": ["127.0.0.1", "::1"], "ens5": ["10.77.0.1", "fe80::5c50:1bff:fecd:84fa%ens5"]}
 # What Ray Train's controller got when host B's rank handed host A's its hostname's address (Debian's
@@ -76,6 +90,64 @@ def test_loopback_addresses():
     assert not is_loopback("10.77.0.1") and not is_loopback("vm")
 
 
+NAMES = ["lo", "eth0", "eth10", "docker0"]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "taken", "lacking"),
+    [
+        ("GLOO_SOCKET_IFNAME", "eth0", ["eth0"], None),
+        ("GLOO_SOCKET_IFNAME", "nosuch0", [], "nosuch0"),
+        # gloo makes a device for every name of its list: one missing name fails it all.
+        ("GLOO_SOCKET_IFNAME", "lo,nosuch0", ["lo"], "nosuch0"),
+        ("GLOO_SOCKET_IFNAME", "eth", [], "eth"),  # gloo takes exact names, no prefixes
+        ("NCCL_SOCKET_IFNAME", "eth", ["eth0", "eth10"], None),  # NCCL: prefixes
+        ("NCCL_SOCKET_IFNAME", "=eth1", [], "eth1"),  # `=`: exact names, so eth10 is not eth1
+        ("NCCL_SOCKET_IFNAME", "=eth0,nosuch0", ["eth0"], None),  # NCCL takes whichever of its list exist
+        ("NCCL_SOCKET_IFNAME", "nosuch,ib", [], "named nosuch* or ib*"),
+        ("NCCL_SOCKET_IFNAME", "^docker,lo", ["eth0", "eth10"], None),  # `^`: what the prefixes do not match
+        ("NCCL_SOCKET_IFNAME", "^=eth1", NAMES, None),
+        ("NCCL_SOCKET_IFNAME", "^lo,eth,docker", [], "other than lo*, eth*, docker*"),
+        ("NCCL_SOCKET_IFNAME", "^=lo,eth0,eth10,docker0", [], "other than lo, eth0, eth10, docker0"),
+        ("TP_SOCKET_IFNAME", "eth0", ["eth0"], None),
+        ("TP_SOCKET_IFNAME", "eth0,lo", [], "eth0,lo"),  # tensorpipe looks the whole value up as one name
+    ],
+)
+def test_which_interfaces_a_variable_names_and_what_of_them_a_host_lacks(variable, value, taken, lacking):
+    assert selected(variable, value, NAMES) == (taken, lacking)
+
+
+def test_a_variable_naming_an_interface_the_host_lacks_is_one_message_with_the_host_its_interfaces_and_the_fix():
+    interfaces = {"lo": ["127.0.0.1"], "eth0": ["10.0.0.1"]}
+    assert host_problems({"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "^lo"}, "vm", interfaces) == []
+    assert host_problems({"GLOO_SOCKET_IFNAME": ""}, "vm", interfaces) == []  # empty: unset, to gloo too
+    env = {"GLOO_SOCKET_IFNAME": "lo,nosuch0", "NCCL_SOCKET_IFNAME": "=nosuch0", "TP_SOCKET_IFNAME": "eth0"}
+    gloo, nccl = host_problems(env, "vm", interfaces)
+    assert gloo == (
+        "GLOO_SOCKET_IFNAME=lo,nosuch0 cannot work on host vm: it has no interface nosuch0 (its interfaces: lo, eth0). "
+        "Fix: unset GLOO_SOCKET_IFNAME wherever it is set (where you run raytrain, the job's runtime_env, or before "
+        "`ray start` on that host), and raytrain binds each worker to the interface that holds its node address; "
+        "or set it to one of those."
+    )
+    assert nccl.startswith("NCCL_SOCKET_IFNAME==nosuch0 cannot work on host vm: it has no interface nosuch0 (")
+
+
+def test_the_driver_of_an_embedded_ray_refuses_a_variable_naming_an_interface_this_host_lacks(monkeypatch):
+    names = list(host_interfaces())
+    assert names and all(host_interfaces().values())  # each with an IP address: loopback at least
+    for variable in network.INTERFACE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    check_host_interfaces()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", names[0])
+    check_host_interfaces()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
+    with pytest.raises(ProcessGroupNetworkError) as raised:
+        check_host_interfaces()
+    message = str(raised.value)
+    assert message.startswith(f"GLOO_SOCKET_IFNAME=nosuch0 cannot work on host {socket.gethostname()}: ")
+    assert f"(its interfaces: {', '.join(names)})" in message and exit_status(raised.value) == 2
+
+
 def workers(gloo_b: str | None = None) -> list[WorkerNetwork]:
     a = WorkerNetwork("vm", "10.77.0.1", "ens5", {"GLOO_SOCKET_IFNAME": "ens5"}, ("GLOO_SOCKET_IFNAME",))
     chosen_b = {"GLOO_SOCKET_IFNAME": gloo_b} if gloo_b else {}
@@ -113,13 +185,68 @@ def test_other_failures_and_groups_on_one_host_are_left_as_they_are():
     assert connect_failure(GLOO_REFUSED, one_host) is None
 
 
+@pytest.mark.slow
+def test_raytrain_train_with_a_variable_naming_no_interface_here_exits_2_before_ray_starts(tmp_path):
+    """Issue 54: on one host, GLOO_SOCKET_IFNAME naming a missing interface was a ControllerError (exit 1)."""
+    value = f"{next(iter(host_interfaces()))},nosuch0"  # one of this host's, then one it lacks
+    script = "import sys, ray; from raytrain.cli import main; code = main(sys.argv[1:]); print(ray.is_initialized())"
+    script += "; sys.exit(code)"
+    env = {key: item for key, item in os.environ.items() if key != "RAY_ADDRESS"}
+    args = ["train", "digits", "--workers", "2", "--storage", str(tmp_path / "runs")]
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env={**env, "GLOO_SOCKET_IFNAME": value},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(
+        f"raytrain train: GLOO_SOCKET_IFNAME={value} cannot work on host {socket.gethostname()}: it has no interface "
+        f"nosuch0 (its interfaces: {', '.join(host_interfaces())}). Fix: unset GLOO_SOCKET_IFNAME"
+    )
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"  # Ray never started
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+NODE_VARIABLE_RUN = """
+import os, sys, time
+import ray, raytrain
+from raytrain.errors import exit_status
+os.environ["GLOO_SOCKET_IFNAME"] = "nosuch0"  # the Ray node's environment: its workers inherit it
+ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+del os.environ["GLOO_SOCKET_IFNAME"]  # not the driver's: nothing refuses it before the workers start
+started = time.monotonic()
+try:
+    raytrain.fit("digits", raytrain.TrainConfig(workers=2, epochs=1, storage=sys.argv[1]))
+except Exception as exc:
+    print(f"{exit_status(exc)} after {time.monotonic() - started:.1f} s: {exc}")
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.scenario
+def test_a_nodes_variable_naming_an_interface_it_lacks_stops_the_run_as_its_workers_start(tmp_path):
+    """On a cluster the driver's environment is not the nodes': each worker checks its own host."""
+    done = subprocess.run(
+        [sys.executable, "-c", NODE_VARIABLE_RUN, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    print(done.stdout[-2000:], done.stderr[-2000:])
+    said = done.stdout.strip().splitlines()[-1]
+    assert said.startswith("2 after "), said
+    assert f"GLOO_SOCKET_IFNAME=nosuch0 cannot work on host {socket.gethostname()}: it has no interface nosuch0" in said
+    assert said.count("GLOO_SOCKET_IFNAME=nosuch0 cannot work") == 1  # once for the host's two workers
+
+
 class FakeGroup:
     def __init__(self, found: list[WorkerNetwork]):
-        self.found = found
+        self.found, self.ran = found, []
 
     def execute(self, fn):
-        assert fn is bind_to_node_interface
-        return self.found
+        self.ran.append(fn)
+        return self.found if fn is bind_to_node_interface else [None] * len(self.found)
 
 
 class RaysBackend:
@@ -132,6 +259,10 @@ class RaysBackend:
         self.started = True
         if self.error is not None:
             raise self.error
+
+
+class Nccl:
+    backend = "nccl"
 
 
 class Backend(BindsInterfaces, RaysBackend):
@@ -157,6 +288,41 @@ def test_the_backend_binds_every_worker_before_rays_on_start_and_names_a_failure
 
     with pytest.raises(ValueError, match="unrelated"):
         Backend(ValueError("unrelated")).on_start(FakeGroup(workers()), None)
+
+
+def test_a_worker_whose_host_lacks_the_named_interface_stops_the_group_before_it_forms():
+    lacking = "GLOO_SOCKET_IFNAME=nosuch0 cannot work on host vm: it has no interface nosuch0 (its interfaces: lo)."
+    found = [WorkerNetwork("vm", "10.77.0.1", "ens5", {"GLOO_SOCKET_IFNAME": "nosuch0"}, (), (lacking,))] * 2
+    backend = Backend()
+    with pytest.raises(ProcessGroupNetworkError) as raised:
+        backend.on_start(FakeGroup(found), None)
+    assert str(raised.value) == lacking  # said once for the host's two workers
+    assert not backend.started  # before Ray creates the process group: whatever the number of hosts
+    assert find_user_error(ControllerError(raised.value)) is raised.value  # exit 2, never retried
+
+
+def test_on_nccl_the_backend_connects_at_once_with_a_one_element_all_reduce():
+    group = FakeGroup(workers())
+    Backend().on_start(group, Nccl())
+    assert group.ran == [bind_to_node_interface, connect_now]
+    group = FakeGroup(workers())
+    Backend().on_start(group, None)  # gloo connects as the group forms
+    assert group.ran == [bind_to_node_interface]
+
+
+def test_a_failure_to_connect_at_ncclss_first_all_reduce_is_named_like_one_while_the_group_forms():
+    class FailsToConnect(FakeGroup):
+        def execute(self, fn):
+            if fn is connect_now:
+                raise RuntimeError(GLOO_REFUSED.replace("Gloo connectFullMesh failed", "ncclSystemError"))
+            return super().execute(fn)
+
+    with pytest.raises(ProcessGroupNetworkError, match=r"tried 127\.0\.1\.1.*NCCL_SOCKET_IFNAME per host"):
+        Backend().on_start(FailsToConnect(workers()), Nccl())
+
+
+def test_connect_now_all_reduces_one_element_over_the_process_group(one_rank_group):
+    connect_now()  # gloo, one rank on the CPU: the call a GPU worker makes on NCCL
 
 
 # -- what `raytrain doctor` says of the network between hosts ------------------------------
@@ -194,17 +360,31 @@ def test_interfaces_named_differently_are_a_note_that_one_name_for_every_host_wo
     assert network_findings(same, {}).notes == []
 
 
-def test_one_node_alone_has_nothing_to_say():
-    assert network_findings(debian_hosts()[:1], {"GLOO_SOCKET_IFNAME": "eth9"}) == network_findings([], {})
+def test_one_node_alone_has_nothing_to_say_but_a_variable_naming_an_interface_it_lacks():
+    alone = debian_hosts()[:1]
+    assert network_findings(alone, {"GLOO_SOCKET_IFNAME": "lo"}) == network_findings([], {})  # loopback: one host
     assert network_findings([], {}).problems == [] and network_findings([], {}).notes == []
+    found = network_findings(alone, {"GLOO_SOCKET_IFNAME": "nosuch0"})
+    assert found.notes == [] and found.problems == [
+        "GLOO_SOCKET_IFNAME=nosuch0, set where doctor runs (a run started here passes it on to every worker, on "
+        "every host), cannot work: 10.77.0.1 (vm) has no interface nosuch0 (its interfaces: lo, ens5; its node "
+        "address is on ens5). A run's workers cannot form their process group. Fix: unset GLOO_SOCKET_IFNAME "
+        "(raytrain binds each worker to the interface that holds its node address, whatever its name on that host), "
+        "or set it on each host, before `ray start` there, to that host's own interface (`ip -br addr`)"
+    ]
+    on_node = network_findings([NodeNetwork("vm", "10.77.0.1", HOST_A, variables={"TP_SOCKET_IFNAME": "eth0"})], {})
+    assert len(on_node.problems) == 1 and on_node.problems[0].startswith(
+        "TP_SOCKET_IFNAME=eth0, set on node 10.77.0.1 (in its Ray node's environment), cannot work: 10.77.0.1 (vm) "
+        "has no interface eth0"
+    )
 
 
 @pytest.mark.parametrize(
     ("variable", "value", "says"),
     [
-        ("GLOO_SOCKET_IFNAME", "ens5", ["10.77.0.2 (vm) has no interface ens5 (its node address is on eth1)"]),
-        ("NCCL_SOCKET_IFNAME", "=eth1", ["10.77.0.1 (vm) has no interface eth1 (its node address is on ens5)"]),
-        ("NCCL_SOCKET_IFNAME", "eth", ["10.77.0.1 (vm) has no interface named eth* (its node address is on ens5)"]),
+        ("GLOO_SOCKET_IFNAME", "ens5", ["10.77.0.2 (vm) has no interface ens5 (its interfaces: lo, docker0, eth1; "]),
+        ("NCCL_SOCKET_IFNAME", "=eth1", ["10.77.0.1 (vm) has no interface eth1 (its interfaces: lo, ens5; its node"]),
+        ("NCCL_SOCKET_IFNAME", "eth", ["10.77.0.1 (vm) has no interface named eth* (its interfaces: lo, ens5; its"]),
         (
             "GLOO_SOCKET_IFNAME",
             "ens5,eth1",
@@ -235,7 +415,7 @@ def test_a_variable_in_one_nodes_environment_is_checked_against_that_host_only()
     problems = network_findings(debian_hosts(variables={"GLOO_SOCKET_IFNAME": "ens5"}), {}).problems
     assert len(problems) == 1 and problems[0].startswith(
         "GLOO_SOCKET_IFNAME=ens5, set on node 10.77.0.2 (in its Ray node's environment), cannot work: "
-        "10.77.0.2 (vm) has no interface ens5 (its node address is on eth1)"
+        "10.77.0.2 (vm) has no interface ens5 (its interfaces: lo, docker0, eth1; its node address is on eth1)"
     )
     # Set where the run starts, it reaches every worker over the node's own.
     problems = network_findings(debian_hosts(variables={"GLOO_SOCKET_IFNAME": "ens5"}), {"GLOO_SOCKET_IFNAME": "lo"})

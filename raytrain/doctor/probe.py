@@ -25,7 +25,9 @@ def _make_probe() -> Callable[..., dict[str, Any]]:
         import socket
 
         facts["interface_variables"] = {
-            name: os.environ[name] for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name in os.environ
+            name: os.environ[name]
+            for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+            if name in os.environ
         }
         try:
             resolved = socket.getaddrinfo(facts["hostname"], None, type=socket.SOCK_STREAM)

@@ -68,8 +68,11 @@ def fit(
     cfg = resolve_config(pipe, cfg or TrainConfig(**pipe.default_config), spec)
     echo = echo or (lambda line: None)
     embedded = will_embed_ray(cfg)
-    if embedded:
-        check_embedded_capacity(cfg, echo=echo)  # before anything is written or started
+    if embedded:  # before anything is written or started
+        from raytrain.worker.network import check_host_interfaces
+
+        check_embedded_capacity(cfg, echo=echo)
+        check_host_interfaces()  # its workers are this host's and inherit this environment
     with claimed(Store.of(cfg.storage) / cfg.name) as run_dir:
         stored = check_run_dir(run_dir, cfg, spec, replaced_options(pipe))
         tracker = RunTracker(cfg, run_dir, spec, echo=echo, progress=progress)

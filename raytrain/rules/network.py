@@ -8,6 +8,12 @@ instead to the interface that holds its own Ray node address, the address the ot
 already reach it at; interfaces may be named differently on every host (`ens5` here, `eth1`
 there). A variable the user set, on the host or in the run's environment, is kept as it is.
 
+An interface variable (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, TP_SOCKET_IFNAME) naming an
+interface a host lacks fails on that host whatever the number of hosts: gloo when its group forms,
+NCCL only at its first collective. `host_problems` says so, naming the host's interfaces and the
+fix, before a run: on the driver for an embedded Ray (its workers are this host and inherit its
+environment), and in each worker's backend start on a cluster.
+
 `raytrain doctor` says what it finds of the network before a run (`network_findings`, from each
 node's `NodeNetwork` and the pairs of nodes that could not connect): a hostname on loopback and
 interface names that differ between hosts are notes (raytrain binds around them; torchrun and
@@ -26,7 +32,8 @@ from raytrain.text import first_line
 
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
-INTERFACE_VARIABLES = (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)
+TP_SOCKET_IFNAME = "TP_SOCKET_IFNAME"  # tensorpipe's (torch RPC): one exact name
+INTERFACE_VARIABLES = (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, TP_SOCKET_IFNAME)
 
 
 def _normal(address: str) -> str:
@@ -80,6 +87,49 @@ def is_loopback(address: str) -> bool:
         return address == "localhost"
 
 
+def selected(variable: str, value: str, names: Iterable[str]) -> tuple[list[str], str | None]:
+    """The interfaces `variable=value` selects among a host's `names` (those with an IP address),
+    and what it names that the host lacks, worded to follow "no interface" (None: nothing).
+    gloo makes a device for each name of its comma list, each of which must exist; tensorpipe
+    looks its value up as one name; NCCL takes the interfaces its comma list's prefixes match
+    (exact names after `=`), or after `^` those they do not match, and fails when none is left."""
+    names = list(names)
+    if variable == TP_SOCKET_IFNAME:
+        return ([value], None) if value in names else ([], value)
+    exclude = variable == NCCL_SOCKET_IFNAME and value.startswith("^")
+    listed = value[1:] if exclude else value
+    exact = variable != NCCL_SOCKET_IFNAME or listed.startswith("=")
+    wanted = [part.strip() for part in listed.lstrip("=").split(",") if part.strip()]
+    if variable == GLOO_SOCKET_IFNAME:
+        return [w for w in wanted if w in names], ", ".join(w for w in wanted if w not in names) or None
+    patterns = wanted if exact else [w + "*" for w in wanted]
+    matched = [name for name in names if any(name == w if exact else name.startswith(w) for w in wanted)]
+    taken = [name for name in names if name not in matched] if exclude else matched
+    if taken:
+        return taken, None
+    if exclude:
+        return [], f"other than {', '.join(patterns)}"
+    return [], ", ".join(patterns) if exact else f"named {' or '.join(patterns)}"
+
+
+def host_problems(env: Mapping[str, str], host: str, interfaces: Mapping[str, Sequence[str]]) -> list[str]:
+    """For each interface variable set in `env` that names an interface this host lacks
+    (`interfaces`: each interface with an IP address, in the kernel's order), one message naming
+    the variable, the host, its interfaces and the fix."""
+    problems = []
+    for variable in INTERFACE_VARIABLES:
+        value = env.get(variable)
+        lacking = selected(variable, value, interfaces)[1] if value else None
+        if lacking:
+            problems.append(
+                f"{variable}={value} cannot work on host {host}: it has no interface {lacking} (its interfaces: "
+                f"{', '.join(interfaces) or 'none with an IP address'}). Fix: unset {variable} wherever it is set "
+                "(where you run raytrain, the job's runtime_env, or before `ray start` on that host), and raytrain "
+                "binds each worker to the interface that holds its node address; or set it to one of those."
+            )
+    return problems
+
+
 # What gloo and NCCL say when a rank cannot reach another while the process group forms.
 CONNECT_FAILURES = (
     "connectFullMesh",
@@ -127,6 +177,7 @@ class WorkerNetwork:
     interface: str | None  # the interface holding node_address; None if none does
     chosen: dict[str, str]  # the interface variables as the worker has them, set by raytrain or the user
     set_here: tuple[str, ...] = ()  # those raytrain set
+    problems: tuple[str, ...] = ()  # a variable naming an interface this host lacks (`host_problems`)
 
 
 @dataclass(frozen=True)
@@ -236,10 +287,10 @@ def network_findings(
     unreachable: Sequence[Unreachable] = (),
     unchecked: Mapping[str, str] | None = None,
 ) -> Findings:
-    """What `raytrain doctor` says of the network between the nodes (nothing of one node alone):
-    hostnames on loopback, node addresses no interface holds, interface names that differ
-    between hosts, an interface variable some host cannot use, and pairs of nodes that cannot
-    connect on a free port (`unreachable`; `unchecked`: node address -> why it was not tried)."""
+    """What `raytrain doctor` says of the network: an interface variable some host cannot use
+    (on one node too), and between the nodes: hostnames on loopback, node addresses no interface
+    holds, interface names that differ between hosts, and pairs of nodes that cannot connect on a
+    free port (`unreachable`; `unchecked`: node address -> why it was not tried)."""
     found = Findings()
     for node in nodes if len(nodes) > 1 else ():
         gloo_set = GLOO_SOCKET_IFNAME in driver_env or GLOO_SOCKET_IFNAME in node.variables
@@ -252,7 +303,7 @@ def network_findings(
     names = differing_interfaces(nodes)
     if names:
         found.notes.append(names)
-    found.problems += variable_problems(nodes, driver_env) if len(nodes) > 1 else []
+    found.problems += variable_problems(nodes, driver_env)
     hostnames = {node.node_address: node.hostname for node in nodes}
     found.problems += [_unreachable(pair, hostnames) for pair in unreachable]
     for address, why in sorted((unchecked or {}).items()):
@@ -323,21 +374,16 @@ def differing_interfaces(nodes: Sequence[NodeNetwork]) -> str | None:
     )
 
 
-def _unusable(variable: str, value: str, node: NodeNetwork) -> str | None:
-    """Why `variable=value` cannot work on `node` (None when it can, or cannot be told). gloo
-    makes a device for each name of its list, which must all exist; NCCL takes the interfaces
-    its prefixes match (exact names after `=`) and skips those after `^`."""
-    if variable == NCCL_SOCKET_IFNAME and value.startswith("^"):
-        return None
-    exact = variable == GLOO_SOCKET_IFNAME or value.startswith("=")
-    wanted = [part.strip() for part in value.lstrip("=").split(",") if part.strip()]
-    named = [name for name in node.interfaces if any(name == w if exact else name.startswith(w) for w in wanted)]
+def _unusable(variable: str, value: str, node: NodeNetwork, hosts: int) -> str | None:
+    """Why `variable=value` cannot work on `node` (None when it can, or cannot be told): it names
+    an interface the host lacks (`selected`), or, across `hosts` > 1, only loopback."""
+    names = [name for name, held in node.interfaces.items() if held]  # gloo and NCCL take no other
+    taken, lacking = selected(variable, value, names)
     where = f"its node address is on {node.interface}" if node.interface else "no interface holds its node address"
-    lacking = [w for w in wanted if w not in node.interfaces] if variable == GLOO_SOCKET_IFNAME else []
-    if lacking or not named:
-        what = ", ".join(lacking or wanted) if exact else f"named {' or '.join(w + '*' for w in wanted)}"
-        return f"{node.name} has no interface {what} ({where})"
-    if all(held and all(is_loopback(address) for address in held) for held in map(node.interfaces.get, named)):
+    if lacking:
+        return f"{node.name} has no interface {lacking} (its interfaces: {', '.join(names)}; {where})"
+    loopback = all(held and all(is_loopback(address) for address in held) for held in map(node.interfaces.get, taken))
+    if hosts > 1 and taken and loopback:
         return f"on {node.name} it names loopback ({where}): its ranks hand their peers a loopback address"
     return None
 
@@ -350,13 +396,13 @@ def variable_problems(nodes: Sequence[NodeNetwork], driver_env: Mapping[str, str
     for variable in INTERFACE_VARIABLES:
         value = driver_env.get(variable)
         if value:
-            why = [reason for node in nodes if (reason := _unusable(variable, value, node))]
+            why = [reason for node in nodes if (reason := _unusable(variable, value, node, len(nodes)))]
             origin = "set where doctor runs (a run started here passes it on to every worker, on every host)"
             problems += [_variable_problem(variable, value, origin, why)] if why else []
             continue
         for node in nodes:
             value = node.variables.get(variable)
-            reason = _unusable(variable, value, node) if value else None
+            reason = _unusable(variable, value, node, len(nodes)) if value else None
             if reason:
                 origin = f"set on node {node.node_address} (in its Ray node's environment)"
                 problems.append(_variable_problem(variable, value or "", origin, [reason]))
@@ -365,8 +411,8 @@ def variable_problems(nodes: Sequence[NodeNetwork], driver_env: Mapping[str, str
 
 def _variable_problem(variable: str, value: str, origin: str, why: list[str]) -> str:
     return (
-        f"{variable}={value}, {origin}, cannot work: {'; '.join(why)}. A run's process group will not connect "
-        f"across hosts. Fix: unset {variable} (raytrain binds each worker to the interface that holds its node "
+        f"{variable}={value}, {origin}, cannot work: {'; '.join(why)}. A run's workers cannot form their process "
+        f"group. Fix: unset {variable} (raytrain binds each worker to the interface that holds its node "
         "address, whatever its name on that host), or set it on each host, before `ray start` there, to that "
         "host's own interface (`ip -br addr`)"
     )

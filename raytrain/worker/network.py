@@ -5,11 +5,16 @@ Ray Train sets MASTER_ADDR to rank 0's node address and then calls `init_process
 every worker (its TorchConfig backend's `on_start`); gloo's and NCCL's own choice of interface
 is made inside that call, from the worker's environment. raytrain's backends
 (`BoundTorchConfig` here; per-step mode's in `raytrain.worker.replicas`) first run
-`bind_to_node_interface` on every worker of the group, then Ray's `on_start`. A group that
-still cannot connect (a variable set to the wrong interface, a node address no interface holds,
-a firewall) is said in one message that names the host, the address it tried and the fix:
-a `ProcessGroupNetworkError` (exit status 2, never retried) when the interfaces are wrong, else
-an error Ray's failure policy may retry (a firewall; a host cut off while the group formed).
+`bind_to_node_interface` on every worker of the group, then Ray's `on_start`. An interface
+variable naming an interface a worker's host lacks stops the group before it forms (one message
+naming the variable, the host, its interfaces and the fix; `check_host_interfaces` says the same
+on the driver before an embedded Ray starts). On NCCL, which connects only at a group's first
+collective, a one-element all-reduce follows the group's start, so that a bad interface fails
+there and not in DDP's first broadcast. A group that still cannot connect (a variable set to
+the wrong interface, a node address no interface holds, a firewall) is said in one message that
+names the host, the address it tried and the fix: a `ProcessGroupNetworkError` (exit status 2,
+never retried) when the interfaces are wrong, else an error Ray's failure policy may retry (a
+firewall; a host cut off while the group formed).
 """
 
 from __future__ import annotations
@@ -26,14 +31,34 @@ from raytrain.rules import network
 from raytrain.rules.network import WorkerNetwork
 
 
+def host_interfaces() -> dict[str, list[str]]:
+    """This host's interfaces that hold an IP address (gloo and NCCL take no other), each with
+    its addresses, in the kernel's order."""
+    import psutil
+
+    families = (socket.AF_INET, socket.AF_INET6)
+    found = {
+        name: [e.address for e in entries if e.family in families] for name, entries in psutil.net_if_addrs().items()
+    }
+    return {name: addresses for name, addresses in found.items() if addresses}
+
+
+def check_host_interfaces() -> None:
+    """Raise ProcessGroupNetworkError when an interface variable of this process's environment
+    names an interface this host lacks (the driver of an embedded Ray, whose workers inherit it)."""
+    problems = network.host_problems(os.environ, socket.gethostname(), host_interfaces())
+    if problems:
+        raise ProcessGroupNetworkError(" ".join(problems))
+
+
 def bind_to_node_interface() -> WorkerNetwork:
     """In a worker: set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to the interface that holds
-    this node's Ray address, each unless already set, and say what they are."""
-    import psutil
+    this node's Ray address, each unless already set, and say what they are, and what of them
+    this host lacks."""
     import ray
 
     address = ray.util.get_node_ip_address()
-    interfaces = {name: [entry.address for entry in entries] for name, entries in psutil.net_if_addrs().items()}
+    interfaces = host_interfaces()
     values = network.interface_env(address, interfaces, os.environ)
     os.environ.update(values)
     return WorkerNetwork(
@@ -42,22 +67,43 @@ def bind_to_node_interface() -> WorkerNetwork:
         interface=network.interface_holding(address, interfaces),
         chosen={name: os.environ[name] for name in network.INTERFACE_VARIABLES if name in os.environ},
         set_here=tuple(sorted(values)),
+        problems=tuple(network.host_problems(os.environ, socket.gethostname(), interfaces)),
     )
 
 
+def connect_now() -> None:
+    """In a worker: a one-element all-reduce over its process group (NCCL's on the worker's GPU).
+    NCCL connects at a group's first collective, not when it is created."""
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+
+    from raytrain.worker.runtime import sum_over_default_group
+
+    nccl = dist.get_backend() == "nccl"
+    sum_over_default_group([1.0], ray.train.torch.get_device() if nccl else torch.device("cpu"))
+
+
 class ProcessGroupNetworkError(UserError, RuntimeError):
-    """The workers' process group could not connect across hosts: the host, the address it
-    tried and the interface variables that fix it (exit status 2; never retried)."""
+    """The workers' process group cannot form: an interface variable names an interface a host
+    lacks, or the group could not connect across hosts (the host, the address it tried and the
+    interface variables that fix it). Exit status 2; never retried."""
 
 
 class BindsInterfaces:
     """A Ray Train torch backend's `on_start`, preceded by `bind_to_node_interface` on every
-    worker of the group it starts (a whole worker group, or one replica group)."""
+    worker of the group it starts (a whole worker group, or one replica group), and on NCCL
+    followed by `connect_now`."""
 
     def on_start(self, worker_group: Any, backend_config: Any) -> None:
         workers = worker_group.execute(bind_to_node_interface)
+        problems = list(dict.fromkeys(problem for worker in workers for problem in worker.problems))
+        if problems:  # every attempt would fail alike, on this host
+            raise ProcessGroupNetworkError(" ".join(problems))
         try:
             super().on_start(worker_group, backend_config)  # type: ignore[misc]
+            if getattr(backend_config, "backend", None) == "nccl":
+                worker_group.execute(connect_now)
         except Exception as exc:
             failure = network.connect_failure(str(exc), workers)
             if failure is None:
