@@ -526,17 +526,32 @@ def compare(before: dict[str, str], after: dict[str, str]) -> str:
     return "\n".join(out)
 
 
-def main() -> int:
+def count(text: str) -> int:
+    """--longest: a positive number of functions."""
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; give a positive number of functions, e.g. 10")
+    return int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rev", help="a git revision instead of the working tree")
     parser.add_argument("--compare", metavar="REV", help="a before (REV) / after (working tree) table")
-    parser.add_argument("--longest", type=int, default=10, help="how many of the longest functions to list")
-    args = parser.parse_args()
+    parser.add_argument("--longest", type=count, default=10, help="how many of the longest functions to list")
+    args = parser.parse_args(argv)
     root = Path(__file__).resolve().parents[1]
-    if args.compare:
-        print(compare(sources(args.compare, root), sources(None, root)))
-        return 0
-    text, n_cycles = report(sources(args.rev, root), args.longest)
+    try:
+        if args.compare:
+            print(compare(sources(args.compare, root), sources(None, root)))
+            return 0
+        text, n_cycles = report(sources(args.rev, root), args.longest)
+    except subprocess.CalledProcessError as exc:
+        said = (exc.stderr or "").strip().splitlines() or [str(exc)]
+        flag = "--compare" if args.compare else "--rev"
+        parser.error(
+            f"{flag} {args.compare or args.rev}: git cannot read it in {root} ({said[0]}); it needs a git clone and a "
+            "revision of its history: leave it out for the working tree"
+        )
     print(text)
     return 1 if n_cycles else 0
 

@@ -1,12 +1,19 @@
 """scripts/code_stats.py's measures of issue 46 on small sources (pure tier: parsed, never
 imported): the fault-tolerance mode and `sharded` named in code, storage-kind branches, and
-the fields and methods of a class."""
+the fields and methods of a class; and its arguments refused with exit 2 (a copy outside git
+runs in a process of its own: slow)."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 _SPEC = importlib.util.spec_from_file_location(
     "code_stats", Path(__file__).resolve().parents[1] / "scripts" / "code_stats.py"
@@ -106,3 +113,32 @@ def test_compare_prints_each_measure_before_and_after_with_the_classes_over_a_li
         "Most fields: none before, worker.loop.Wide (13 fields, 1 methods) after",
         "Most methods: none before, worker.loop.Wide (13 fields, 1 methods) after",
     ]
+
+
+@pytest.mark.parametrize("given", ["-5", "0", "ten"])
+def test_longest_takes_a_positive_count_of_functions(given, capsys):
+    with pytest.raises(SystemExit) as done:
+        code_stats.main(["--longest", given])
+    assert done.value.code == 2
+    assert f"argument --longest: got {given!r}; give a positive number of functions, e.g. 10" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_revision_outside_git_is_named_with_exit_2_not_a_traceback(tmp_path):
+    """The script copied out of its clone (an unpacked archive): --rev has no history to read."""
+    copy = tmp_path / "copy"
+    (copy / "scripts").mkdir(parents=True)
+    (copy / "raytrain").mkdir()
+    (copy / "raytrain" / "__init__.py").write_text("x = 1\n")
+    shutil.copy(_SPEC.origin, copy / "scripts" / "code_stats.py")
+    done = subprocess.run(
+        [sys.executable, str(copy / "scripts" / "code_stats.py"), "--rev", "HEAD"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path)},  # no repository above the copy either
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"error: --rev HEAD: git cannot read it in {copy} (fatal: not a git repository" in done.stderr
+    assert "it needs a git clone and a revision of its history: leave it out for the working tree" in done.stderr
+    assert "Traceback" not in done.stderr
