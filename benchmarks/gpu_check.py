@@ -19,6 +19,10 @@ so one failure does not stop the rest, and writes its figures to OUT_DIR/gpu_che
              host only queues counts in full; the replicas' fingerprint of the GPU's weights and
              AdamW state equals their CPU copies' and changes with one weight, and its cost
              against a step
+  connect    NCCL connects at a group's first collective: with NCCL_SOCKET_IFNAME naming no
+             interface here, a one-process group forms and its first one-element all-reduce fails
+             (why raytrain's backend start makes one: `raytrain.worker.network.connect_now`), and
+             `raytrain.rules.network.host_problems` names the variable first; unset, it passes
 
 Exit status: 0 every part passed, 1 a part failed, 2 no CUDA device (without --device cpu), 3
 raytrain's step cannot be imported (a missing module).
@@ -526,6 +530,50 @@ def check_watch(report: Report, device: torch.device, scale: str) -> None:
         figures["ok"] = all(checks) and same_on_cpu and changed
 
 
+def check_connect(report: Report, device: torch.device, scale: str) -> None:
+    import socket
+
+    from raytrain.rules.network import host_problems
+
+    with report.part("connect") as figures:
+        # On a CPU (a rehearsal), gloo: it fails as the group forms, at init.
+        variable = "NCCL_SOCKET_IFNAME" if device.type == "cuda" else "GLOO_SOCKET_IFNAME"
+        names = {name: [] for _, name in socket.if_nameindex()}
+        figures["named_first"] = bool(host_problems({variable: "nosuch0"}, socket.gethostname(), names))
+        figures["unset"] = group_in_child(report.out, device, {})
+        figures["nosuch0"] = bad = group_in_child(report.out, device, {variable: "nosuch0"})
+        lazy = bad.get("failed_at") == ("all_reduce" if device.type == "cuda" else "init")
+        figures["ok"] = figures["named_first"] and figures["unset"].get("sum") == 1.0 and lazy
+
+
+def group_in_child(out: Path, device: torch.device, env: dict) -> dict:
+    """A one-process group and its first one-element all-reduce, in a child process with `env`:
+    where it failed (init or all_reduce), or the sum."""
+    command = [sys.executable, __file__, str(out), "--device", device.type, "--child-group"]
+    env = {**{k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}, **env}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"child_exit": done.returncode, "stderr": done.stderr[-2000:]}
+
+
+def child_group(out: Path, device: torch.device) -> None:
+    import torch.distributed as dist
+
+    result: dict = {"failed_at": "init"}
+    path = out / "connect_store"
+    path.unlink(missing_ok=True)
+    try:
+        store = dist.FileStore(str(path), 1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+        result["failed_at"] = "all_reduce"
+        one = torch.ones(1, dtype=torch.float64, device=device)
+        dist.all_reduce(one)
+        result = {"failed_at": None, "sum": one.item()}
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"[:600]
+    print(json.dumps(result), flush=True)
+
+
 PARTS = {
     "sync": check_sync,
     "compile": check_compile,
@@ -533,6 +581,7 @@ PARTS = {
     "oom": check_oom,
     "speed": check_speed,
     "watch": check_watch,
+    "connect": check_connect,
 }
 
 
@@ -543,11 +592,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="small models and few steps (a rehearsal)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--child-assert", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-group", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     scale = "tiny" if args.tiny else "full"
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     if args.child_assert:
         child_assert(device, scale)
+        return 0
+    if args.child_group:
+        child_group(args.out, device)
         return 0
     report = Report(args.out)
     cuda = torch.cuda.is_available()
