@@ -83,15 +83,24 @@ def corrupt(out: Path) -> dict:
     }
 
 
-def main() -> int:
+CASES = {"straggler": straggler, "corrupt": corrupt}
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--cases", default="straggler,corrupt")
-    args = parser.parse_args()
-    cases = {"straggler": straggler, "corrupt": corrupt}
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.cases.split(",") if name not in CASES]
+    if unknown:
+        parser.error(
+            f"--cases: no case {', '.join(map(repr, unknown))}; choose among {', '.join(CASES)}, comma-separated"
+        )
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"OUT {args.out} is a file; give a directory (made if missing)")
     rows = {}
     for name in args.cases.split(","):
-        rows[name] = cases[name](args.out / name)
+        rows[name] = CASES[name](args.out / name)
         print(json.dumps({name: rows[name]}), flush=True)
     (args.out / "rows.json").write_text(json.dumps(rows, indent=2))
     return 0
