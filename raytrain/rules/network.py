@@ -138,7 +138,6 @@ CONNECT_FAILURES = (
     "Connection timed out",
     "No route to host",
     "Network is unreachable",
-    "Unable to find address for",
     "Socket Timeout",
     "socketStartConnect",
     "ncclRemoteError",
@@ -212,7 +211,7 @@ def connect_failure(error: str, workers: list[WorkerNetwork]) -> ConnectFailure 
         )
     bindings = "; ".join(f"{w.hostname} ({address}) {_binding(w, variable)}" for address, w in sorted(nodes.items()))
     misnamed = any(variable in w.chosen and w.chosen[variable].lstrip("=") != w.interface for w in nodes.values())
-    deterministic = bool(dialled and is_loopback(dialled[0])) or misnamed or "Unable to find address for" in error
+    deterministic = bool(dialled and is_loopback(dialled[0])) or misnamed
     message = (
         f"The workers' process group could not connect across {len(nodes)} hosts: a worker {host} {tried}. "
         f"{variable} per host: {bindings}. "
