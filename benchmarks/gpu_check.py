@@ -24,8 +24,9 @@ so one failure does not stop the rest, and writes its figures to OUT_DIR/gpu_che
              (why raytrain's backend start makes one: `raytrain.worker.network.connect_now`), and
              `raytrain.rules.network.host_problems` names the variable first; unset, it passes
 
-Exit status: 0 every part passed, 1 a part failed, 2 no CUDA device (without --device cpu), 3
-raytrain's step cannot be imported (a missing module).
+Exit status: 0 every part passed, 1 a part failed, 2 no CUDA device (without --device cpu) or an
+argument it cannot take (a part it has not, OUT a file), 3 raytrain's step cannot be imported (a
+missing module).
 Only modules that import no Ray are used (the GPU machine has none); the JSON says whether
 Ray got imported anyway (`ray_imported`).
 """
@@ -594,6 +595,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child-assert", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-group", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = [name for name in args.parts.split(",") if name not in PARTS]
+    if unknown:
+        parser.error(
+            f"--parts: no part {', '.join(map(repr, unknown))}; choose among {', '.join(PARTS)}, comma-separated"
+        )
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"OUT {args.out} is a file; give a directory (made if missing)")
     scale = "tiny" if args.tiny else "full"
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     if args.child_assert:

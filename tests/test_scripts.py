@@ -34,3 +34,13 @@ def test_silent_faults_names_the_cases_it_has_and_wants_a_directory(tmp_path, ca
     said = refused(main, [str(tmp_path / "file")], capsys)
     assert f"error: OUT {tmp_path / 'file'} is a file; give a directory (made if missing)" in said
     assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+def test_gpu_check_names_the_parts_it_has_and_wants_a_directory(tmp_path, capsys):
+    main = script("gpu_check").main
+    said = refused(main, [str(tmp_path / "out"), "--device", "cpu", "--parts", "sync,bogus"], capsys)
+    assert "error: --parts: no part 'bogus'; choose among sync, compile, resume, oom, speed, watch" in said
+    (tmp_path / "file").write_text("")
+    said = refused(main, [str(tmp_path / "file"), "--device", "cpu"], capsys)
+    assert f"error: OUT {tmp_path / 'file'} is a file; give a directory (made if missing)" in said
+    assert not (tmp_path / "out").exists()  # refused before anything ran
