@@ -124,6 +124,60 @@ def test_rank_0_counts_its_flops_and_still_compiles_the_model():
     torch._dynamo.reset()
 
 
+class Events:
+    def __init__(self):
+        self.events = []
+
+    def event(self, kind, message, **extra):
+        self.events.append((kind, message, extra))
+
+
+def test_a_sequential_model_compiles_in_place_and_every_ranks_graphs_are_counted():
+    """nn.Module.compile leaves an nn.Sequential eager (Dynamo skips torch.nn's frames at the top);
+    compile_in_place gives Dynamo a frame to start from, and the count says what was built."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from raytrain.parallel.strategy import compile_in_place, graphs_built
+
+    torch._dynamo.reset()
+    counters.clear()
+    plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    plain.compile(backend="eager")
+    plain(torch.zeros(2, 4))
+    # torch's own behaviour, the reason for compile_in_place: once this builds a graph, it can go.
+    assert graphs_built()[0] == 0
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    keys = list(model.state_dict())
+    compile_in_place(model, backend="eager")
+    runner, table = runner_for(Regression(), model)
+    runner.measures.compiled_from = graphs_built()
+    for _ in range(3):
+        take_a_step(runner, table)
+    graphs, seconds = runner.measures.compiled()
+    assert graphs >= 1 and seconds > 0.0
+    assert list(model.state_dict()) == keys  # compiled in place: the checkpoint's keys are the model's
+    assert runner.measures.telemetry.flops_per_sample == pytest.approx(2 * 40 + 4 * 8 + 2 * 32)  # counted eager
+    files, measures = Events(), runner.measures
+    measures.note_compiled([(graphs, seconds), (0, 0.0)], files, step=1)  # figures kept; said after 2 steps
+    assert measures.telemetry.compile_graphs == [graphs, 0] and files.events == []
+    measures.note_compiled([(graphs, seconds), (0, 0.0)], files, step=2)
+    (kind, line, extra), = files.events  # fmt: skip
+    assert kind == "compile" and extra["graphs"] == [graphs, 0]
+    assert line.startswith("Not compiled on rank 1 by step 2: --compile built no graph there, so it runs eager")
+    measures.note_compiled([(graphs, seconds), (1, 2.0)], files, step=3)
+    assert len(files.events) == 1  # said once an attempt
+    torch._dynamo.reset()
+
+
+def test_the_compile_line_says_each_ranks_graphs_and_seconds():
+    from raytrain.worker.phases import compile_line
+
+    assert compile_line([2, 2], [14.21, 13.9], 2) == (
+        "Compiled by step 2: graphs built by rank: 2, 2, in 14.2, 13.9 s of compiling"
+    )
+
+
 # -- F7: the gradient scaler across precisions ------------------------------------------------
 
 

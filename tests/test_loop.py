@@ -278,6 +278,8 @@ def test_finishing_writes_the_model_the_progress_and_the_last_event(tmp_path):
         "flops_per_sample",
         "device_name",
         "last_loss",
+        "compile_graphs",
+        "compile_s",
         "steady_samples_per_s",
         "status",
         "time",

@@ -43,6 +43,27 @@ def test_summary_of_a_run_without_progress_has_no_steady_figures(tmp_path):
     assert summary.steady_steps is None and summary.status == "failed"
 
 
+def test_under_compile_the_summary_and_the_report_say_the_graphs_and_an_eager_rank(tmp_path):
+    from raytrain.observe.report import _compiled
+
+    progress = {"epoch": 1, "step": 9, "compile_graphs": [2, 0], "compile_s": [14.2, 0.0]}
+    (tmp_path / "progress.json").write_text(json.dumps(progress))
+    cfg = TrainConfig(storage=str(tmp_path), compile=True)
+    summary = write_summary(tmp_path, cfg, None, None, started=0.0)
+    record = json.loads((tmp_path / "summary.json").read_text())["compile"]
+    assert record == {"compiled": False, "graphs": [2, 0], "seconds": [14.2, 0.0]}
+    assert _compiled(summary.compile) == (
+        "Compile: **not compiled** on rank 1, which ran eager (graphs built by rank 2, 0, in 14.2, 0.0 s)."
+    )
+    progress["compile_graphs"] = [2, 1]
+    (tmp_path / "progress.json").write_text(json.dumps(progress))
+    assert write_summary(tmp_path, cfg, None, None, started=0.0).compile["compiled"] is True
+    (tmp_path / "progress.json").unlink()  # no sync counted them: never reported compiled
+    assert write_summary(tmp_path, cfg, None, None, started=0.0).compile["compiled"] is False
+    plain = write_summary(tmp_path, TrainConfig(storage=str(tmp_path)), None, None, started=0.0)
+    assert plain.compile is None and "compile" not in json.loads((tmp_path / "summary.json").read_text())
+
+
 def test_records_round_trip_with_the_keys_design_fixes(tmp_path):
     from raytrain.rundir import Event, Kind, MetricsRow, RunDir, Summary
 

@@ -309,7 +309,7 @@ def test_the_plan_line_says_what_was_sharded_and_held():
     prepared = strategy.Prepared(nn.Linear(1, 1), fsdp, ("blocks.0", "blocks.1"), 1_100_000, 2_200_000, True, True)
     assert prepared.describe() == (
         "fsdp over 2 blocks (blocks.0–blocks.1) and the root, 1.1M of 2.2M parameters on this rank; "
-        "activation checkpointing on 2 blocks (blocks.0–blocks.1); compiled per block"
+        "activation checkpointing on 2 blocks (blocks.0–blocks.1); to compile per block"
     )
     assert strategy.Prepared(nn.Linear(1, 1), holding.Ddp(), (), 10, 10).describe() == ""
 

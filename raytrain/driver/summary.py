@@ -87,6 +87,10 @@ def write_summary(
         earlier=earlier.goodput if earlier else None,
     )
     summary.goodput = goodput.to_json() if goodput is not None else None
+    if cfg.compile:
+        graphs = progress.get("compile_graphs") if progress else None
+        seconds = progress.get("compile_s") if progress else None
+        summary.compile = {"compiled": bool(graphs) and min(graphs) > 0, "graphs": graphs, "seconds": seconds}
     cost = _cost(progress, cfg)
     if cost is not None:
         summary.extra["cost"] = cost

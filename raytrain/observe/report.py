@@ -289,6 +289,8 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
         lines += [f"Cost: {flops.describe_cost(s.get('cost'))}.", ""]
     if s and s.goodput:
         lines += goodput_section(Goodput.from_json(s.goodput))
+    if s and s.compile:
+        lines += [_compiled(s.compile), ""]
     if s and s.final_metrics:
         labelled = [(final_label(key, s), _fmt(value)) for key, value in s.final_metrics.items()]
         lines += [*markdown_table(["final metric", "value"], labelled), ""]
@@ -385,6 +387,18 @@ def _epoch_table(run: RunRecord) -> list[str]:
         *markdown_table(head, [[_fmt(cell, key) for cell, key in zip(line, head)] for line in cells]),
         "",
     ]
+
+
+def _compiled(figures: dict) -> str:
+    """summary.json's `compile` in a sentence: what --compile built, or that the model ran eager."""
+    graphs, seconds = figures.get("graphs"), figures.get("seconds")
+    if not graphs:
+        return "Compile: not counted (no sync after the first steps); not reported compiled."
+    counted = f"graphs built by rank {', '.join(map(str, graphs))}, in {', '.join(f'{t:.1f}' for t in seconds)} s"
+    if figures.get("compiled"):
+        return f"Compile: {counted}."
+    eager = ", ".join(str(rank) for rank, built in enumerate(graphs) if built == 0)
+    return f"Compile: **not compiled** on rank {eager}, which ran eager ({counted})."
 
 
 def final_label(key: str, summary: Summary) -> str:

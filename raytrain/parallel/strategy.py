@@ -2,9 +2,9 @@
 and `--compile` on the pipeline's blocks.
 
 The order is TorchTitan's: activation checkpointing on each block, then `torch.compile` (each
-block under fsdp, the whole model under ddp), then FSDP2's `fully_shard` on each block and on
+block under fsdp, the whole model under ddp: `compile_in_place`), then FSDP2's `fully_shard` on each block and on
 the root, or DistributedDataParallel around the whole. Compiling and checkpointing never rename
-a parameter (`nn.Module.compile` compiles in place; the checkpoint wraps the block's forward),
+a parameter (`compile_in_place` compiles in place; the checkpoint wraps the block's forward),
 so the state a checkpoint or an export holds is keyed the same under every combination.
 
 `Prepared` says what was done: the strategy as an object (`raytrain.parallel.holding`: its
@@ -74,7 +74,7 @@ class Prepared:
     def describe(self) -> str:
         """What the plan line says of the model, when there is more to say than DDP's default:
         `fsdp over 2 blocks (blocks.0–blocks.1) and the root, 1.1M of 2.2M parameters on this
-        rank; activation checkpointing on 2 blocks; compiled per block`; "" otherwise."""
+        rank; activation checkpointing on 2 blocks; to compile per block`; "" otherwise."""
         parts = []
         sharded = not self.strategy.holds_whole_model
         if sharded:
@@ -87,8 +87,8 @@ class Prepared:
         if self.checkpointed:
             where = self._blocks() if self.blocks else "the whole model (no blocks)"
             parts.append(f"activation checkpointing on {where}")
-        if self.compiled:
-            parts.append("compiled per block" if sharded and self.blocks else "compiled")
+        if self.compiled:  # whether Dynamo built a graph is known after the first steps (their event)
+            parts.append("to compile per block" if sharded and self.blocks else "to compile")
         return "; ".join(parts)
 
     def _blocks(self) -> str:
@@ -209,12 +209,12 @@ def prepare(pipeline: "Pipeline", model: nn.Module, cfg: "TrainConfig", runtime:
         check_shard_units(pipeline, model, picked)
         if cfg.compile:
             for block in blocks:
-                block.compile()
+                compile_in_place(block)
         model = shard(model if is_meta(model) else model.to(runtime.device), blocks, cfg)
         strategy: Holding = Fsdp(cfg.precision)
     else:
         if cfg.compile:
-            model.compile()
+            compile_in_place(model)
         model = runtime.prepare_model(model, dataclasses.asdict(cfg.ddp))
         strategy = Ddp(cfg.precision, name="ddp" if runtime.distributed and runtime.world_size > 1 else "local")
     local = sum(local_part(p).numel() for p in model.parameters())
@@ -311,6 +311,32 @@ def is_collective_failure(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__
     return False
+
+
+def compile_in_place(module: nn.Module, **options: Any) -> None:
+    """torch.compile `module` in place (its parameters' names kept; its hooks run eagerly), with
+    a frame of raytrain's around its forward for Dynamo to start from.
+
+    `nn.Module.compile` compiles `Module._call_impl`, and Dynamo skips the frames of torch.nn's own
+    code at the top: with a module whose forward is torch.nn's (an `nn.Sequential`, a bare
+    `nn.Linear`) nothing is left for it to compile, and the model runs eager (torch 2.13; pytorch
+    issue 150915). From this frame Dynamo inlines torch.nn's forwards, as `torch.compile(module)`
+    does; blocks of one class still share their graphs."""
+    forward = module.forward
+
+    def compiled_forward(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    module.forward = compiled_forward
+    module.compile(**options)
+
+
+def graphs_built() -> tuple[int, float]:
+    """Graphs Dynamo has built in this process, and the seconds it spent compiling (frames, and
+    the backward graphs compiled at their first call)."""
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    return int(counters["stats"]["unique_graphs"]), float(calculate_time_spent().get("total_wall_time", 0.0))
 
 
 @contextlib.contextmanager

@@ -89,6 +89,9 @@ class Telemetry:
     flops_per_sample: float = 0.0
     device_name: str = ""
     last_loss: float | None = None  # the mean training loss over all ranks of the last sync's window
+    # --compile: the graphs each rank's Dynamo built in this attempt, and its seconds compiling
+    compile_graphs: list[int] | None = None
+    compile_s: list[float] | None = None
 
     def add_steady(self, samples: int, seconds: float) -> None:
         """A timed step (past --timing-warmup-steps) adds to the steady throughput."""

@@ -51,6 +51,7 @@ class Kind:
     STRAGGLER = "straggler"  # a rank every step waits for (or, `ended`, no longer): raytrain.rules.stragglers
     EVICTED = "evicted"  # --evict-stragglers: a straggler's host taken out of the run
     REPLICA_MISMATCH = "replica_mismatch"  # replicas' weights differ: the run goes back to a checkpoint
+    COMPILE = "compile"  # --compile: the graphs each rank built by its first compiled steps, or that it runs eager
 
     # Events worth a line in the report and a mark on the plots.
     MARKED: ClassVar[tuple[str, ...]] = (RESIZE, RESTORE, QUORUM)
@@ -177,12 +178,16 @@ class Summary(_Record):
     model_path: str | None = None
     goodput: dict[str, Any] | None = None
     """The run's goodput and where the rest of its wall time went (`Goodput`'s keys), across resumes."""
+    compile: dict[str, Any] | None = None
+    """Under --compile (absent otherwise), the last attempt's: `graphs`, built by each rank, `seconds`,
+    each rank's compiling, and `compiled`, whether every rank built a graph (if not, the model ran
+    eager there; null figures: no sync counted them)."""
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         values = super().to_json()
-        for key in ("error", "goodput"):
+        for key in ("error", "goodput", "compile"):
             if values[key] is None:
                 values.pop(key)
         return values

@@ -39,19 +39,26 @@ class Measures:
     throughput: Throughput = field(default_factory=lambda: Throughput(time.perf_counter(), 0))
     memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
     memory_said: bool = False
+    compiled_from: tuple[int, float] | None = None  # --compile: this process's graphs, compile seconds before
+    compile_said: bool = False
+    first_step: int | None = None  # the attempt's first step
     own: "OwnTime" = field(init=False)  # this rank's own time since the last sync
 
     def __post_init__(self) -> None:
         self.own = OwnTime(on_gpu=self.device.type == "cuda")
 
     def restore(self, train_state: dict[str, Any], samples_seen: int) -> None:
-        """A checkpoint's telemetry, and the throughput counted from its position."""
+        """A checkpoint's telemetry, and the throughput counted from its position. Its compile
+        figures were another attempt's processes': this one compiles again and counts its own."""
         self.telemetry = Telemetry.restored(train_state)
+        self.telemetry.compile_graphs = self.telemetry.compile_s = None
         self.throughput = Throughput(time.perf_counter(), samples_seen)
 
     def phases(self, step: int, timed: bool) -> "StepPhases":
         """The instrumentation of the step at `step`; `timed`: a steady step, whose phase times
         add to the telemetry's."""
+        if self.first_step is None:
+            self.first_step = step
         timer = PhaseTimer(self.telemetry.phase_time_s if timed else None, self.sync)
         return StepPhases(self.heartbeat, step, timer, self.own)
 
@@ -86,6 +93,34 @@ class Measures:
         self.telemetry.flops_per_sample = counter.get_total_flops() / rows
         device = self.device
         self.telemetry.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+    def compiled(self) -> tuple[int, float] | None:
+        """Under --compile, the graphs Dynamo built in this attempt and the seconds it compiled."""
+        if self.compiled_from is None:
+            return None
+        from raytrain.parallel.strategy import graphs_built
+
+        graphs, seconds = graphs_built()
+        return graphs - self.compiled_from[0], seconds - self.compiled_from[1]
+
+    def note_compiled(self, every: list[tuple[int, float]], files: Any, step: int) -> None:
+        """Each rank's compile figures as a sync shared them (none without --compile), into the
+        telemetry (summary.json's `compile`); said once, at the first sync after the attempt's
+        second step: by then every rank has run a compiled step (rank 0's first micro-batch, whose
+        FLOPs it counts, runs eager)."""
+        if not every:
+            return
+        self.telemetry.compile_graphs = [graphs for graphs, _ in every]
+        self.telemetry.compile_s = [round(seconds, 3) for _, seconds in every]
+        if self.compile_said or step - (self.first_step or 0) < 2:
+            return
+        from raytrain.rundir.records import Kind
+
+        self.compile_said = True
+        line = compile_line(self.telemetry.compile_graphs, self.telemetry.compile_s, step)
+        files.event(
+            Kind.COMPILE, line, step=step, graphs=self.telemetry.compile_graphs, seconds=self.telemetry.compile_s
+        )
 
     def note_state(self, held: Callable[[], dict[str, int]]) -> None:
         """The bytes of this rank's state (`held()`), once: after the attempt's first step, when
@@ -139,6 +174,19 @@ class Measures:
             f"peak RSS by rank: {rss}" + (f"; peak GPU memory allocated by rank: {gpu}" if gpu else ""),
             **{key: [rank.get(key, 0) for rank in every] for key in mine},
         )
+
+
+def compile_line(graphs: list[int], seconds: list[float], step: int) -> str:
+    """What --compile did by step `step`, `graphs` built and `seconds` compiling by rank; a rank
+    that built no graph runs eager, and is said to."""
+    eager = [str(rank) for rank, count in enumerate(graphs) if count == 0]
+    built = f"graphs built by rank: {', '.join(map(str, graphs))}"
+    if not eager:
+        return f"Compiled by step {step}: {built}, in {', '.join(f'{s:.1f}' for s in seconds)} s of compiling"
+    return (
+        f"Not compiled on rank {', '.join(eager)} by step {step}: --compile built no graph there, so it runs eager "
+        f"({built}); TORCH_LOGS=graph_breaks says which frames Dynamo skipped or broke"
+    )
 
 
 def _nothing() -> None:

@@ -97,7 +97,11 @@ class StepRunner:
             rate=optim.Rate.of(pipeline, run_schedule(cfg, batch_plan, num_train_rows), multipliers),
             window=LossWindow.on(runtime.device),
             measures=Measures(
-                heartbeat, runtime.device, cfg.time_phases, count_flops=runtime.is_rank0 and runtime.counts_flops
+                heartbeat,
+                runtime.device,
+                cfg.time_phases,
+                count_flops=runtime.is_rank0 and runtime.counts_flops,
+                compiled_from=strategy.graphs_built() if cfg.compile else None,
             ),
             prepared=prepared,
             total_steps=total_steps,
