@@ -125,6 +125,36 @@ def test_the_stall_watch_ends_only_a_replica_stuck_in_one_step():
     assert watch.check() and stalled == [(8, 11.0)]
 
 
+def test_a_step_of_a_new_shape_gets_the_first_steps_grace():
+    """An epoch's smaller last step compiles again under --compile: 0.3 s steps' 15 s limit would end it."""
+    now, stalled = [0.0], []
+    watch = StallWatch(lambda step, seconds: stalled.append((step, seconds)), clock=lambda: now[0])
+    usual_s = rules.stall_after_s(5.0, [0.3] * 20)
+    new_shape_s = rules.new_shape_stall_after_s(5.0, 600.0)
+    assert usual_s == 15.0 and new_shape_s == 5.0 + 600.0
+    for step in range(3):  # full steps of 256 rows over 2 replicas; the first is the first step of its shape
+        watch.enter(step, usual_s)
+        watch.shaped((256, 2, 0), new_shape_s)
+        assert watch.limit_s == (new_shape_s if step == 0 else usual_s)
+        watch.leave(committed=True)
+    watch.enter(3, usual_s)
+    watch.shaped((100, 2, 0), new_shape_s)  # the epoch's last step: 100 rows
+    now[0] = 40.0  # compiling again
+    assert not watch.check() and stalled == []
+    watch.leave(committed=True)
+    watch.enter(4, usual_s)
+    watch.shaped((100, 2, 0), new_shape_s)  # the next epoch's last step: seen, compiled
+    now[0] = 56.0
+    assert watch.check() and stalled == [(4, 16.0)]
+    watch.enter(5, usual_s)
+    watch.shaped((256, 2, 1), new_shape_s)  # a new place in the quorum: another share of the rows
+    assert watch.limit_s == new_shape_s
+    watch.leave(committed=False)  # not committed: its shape is not yet compiled for sure
+    watch.enter(6, usual_s)
+    watch.shaped((256, 2, 1), new_shape_s)
+    assert watch.limit_s == new_shape_s
+
+
 def test_a_replica_is_stuck_past_the_others_timeout_and_its_grace_never_in_a_slow_healthy_step():
     timeout_s = 5.0
     first = rules.stall_after_s(timeout_s, [])

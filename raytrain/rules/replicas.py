@@ -22,7 +22,9 @@ against a split brain), so the survivor waits until the stuck one is gone.
 The grace follows the replica's own committed steps, so a slow but healthy step is never taken
 for a hang: four of its usual steps, at least STALL_GRACE_MIN_S. A replica that has not
 committed a step yet (its first, where a compile or a warm-up may run) gets the longer of
-FIRST_STEP_GRACE_S and the collective timeout. Pure: nothing here touches Ray or torch.
+FIRST_STEP_GRACE_S and the collective timeout, and so does a step whose rows have a shape no
+committed step had (an epoch's smaller last step, a new quorum's share), which --compile
+compiles again (`new_shape_stall_after_s`). Pure: nothing here touches Ray or torch.
 """
 
 from __future__ import annotations
@@ -140,6 +142,13 @@ def stall_after_s(peer_wait_s: float, committed_work_s: Sequence[float]) -> floa
     return peer_wait_s + max(STALL_GRACE_MIN_S, STEPS_OF_GRACE * _usual_step_s(committed_work_s))
 
 
+def new_shape_stall_after_s(peer_wait_s: float, collective_timeout_s: float) -> float:
+    """How long a replica may stay in a step whose rows have a shape none of its committed steps
+    had: Dynamo compiles such a step again (on a GPU, seconds to minutes against a step's tenths
+    of a second), so it gets a first step's grace."""
+    return peer_wait_s + max(FIRST_STEP_GRACE_S, collective_timeout_s)
+
+
 def _usual_step_s(committed_work_s: Sequence[float]) -> float:
     """A replica's usual step: the median of its last STEPS_REMEMBERED committed steps."""
     return statistics.median(committed_work_s[-STEPS_REMEMBERED:])
@@ -166,6 +175,7 @@ __all__ = [
     "STARTS_WITH_GROUP",
     "STEPS_OF_GRACE",
     "group_of",
+    "new_shape_stall_after_s",
     "peer_wait_s",
     "quorum_wait_s",
     "stall_after_s",

@@ -151,6 +151,10 @@ class Recovery:
         """The workers of the step at `step`: all of them."""
         return self._every
 
+    def step_rows(self, rows: int) -> None:
+        """The step entered takes `rows` over its workers (what per-step's stall watch allows a
+        step depends on it)."""
+
     def commit(self, runner: Runner) -> bool:
         """Whether to apply the step: always (a failure restarts the group from a checkpoint)."""
         return True

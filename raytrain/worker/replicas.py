@@ -355,6 +355,12 @@ class PerStep(Recovery):
         self.watch.enter(step, rules.stall_after_s(peer_wait_s, work_s))
         return self.quorum
 
+    def step_rows(self, rows: int) -> None:
+        """The step entered takes `rows` over its quorum: this replica's share of a shape no
+        committed step had is compiled again, and gets a first step's grace."""
+        limit_s = rules.new_shape_stall_after_s(self.runtime.peer_wait_s, self.runtime.timeout_s)
+        self.watch.shaped((rows, self.quorum.size, self.quorum.rank), limit_s)
+
     def commit(self, runner: "Runner") -> bool:
         """Whether every participant finished the step (then, and only then, apply it); a step
         not committed counts for nothing (`StepRunner.discard_step`)."""

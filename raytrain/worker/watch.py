@@ -153,16 +153,27 @@ class StallWatch:
         self.step: int | None = None
         self.since, self.limit_s = 0.0, math.inf
         self.work_s: deque[float] = deque(maxlen=replica_rules.STEPS_REMEMBERED)  # committed steps' work
+        self.shapes: set[Any] = set()  # the shapes of the committed steps' rows
+        self.shape: Any = None  # the shape of the step entered
 
     def enter(self, step: int, limit_s: float) -> None:
-        self.since, self.limit_s, self.step = self.clock(), limit_s, step
+        self.since, self.limit_s, self.step, self.shape = self.clock(), limit_s, step, None
+
+    def shaped(self, shape: Any, new_shape_limit_s: float) -> None:
+        """The step entered has rows of `shape`; if no committed step had it, its limit is at least
+        `new_shape_limit_s` (`raytrain.rules.replicas.new_shape_stall_after_s`: it compiles again)."""
+        self.shape = shape
+        if shape not in self.shapes:
+            self.limit_s = max(self.limit_s, new_shape_limit_s)
 
     def leave(self, committed: bool = False) -> float:
-        """Seconds since `enter`; a committed step's are remembered (what a step takes: `stall_after_s`)."""
+        """Seconds since `enter`; a committed step's are remembered (what a step takes: `stall_after_s`),
+        and its shape."""
         self.step = None
         seconds = self.clock() - self.since
         if committed:
             self.work_s.append(seconds)
+            self.shapes.add(self.shape)
         return seconds
 
     def check(self) -> bool:
