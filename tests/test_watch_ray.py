@@ -19,12 +19,15 @@ pytestmark = pytest.mark.ray
 
 def test_a_rank_slower_from_step_5_is_named_a_straggler_and_the_run_finishes(ray_session, tmp_path):
     """The issue's case, shortened for CI (benchmarks/silent_faults.py runs it as given: slower
-    from step 10, the default cadences)."""
+    from step 10, the default cadences). Per-step, elastic, with --evict-stragglers: every worker
+    is on this one host, so evicting the straggler's host would leave none; it is not evicted,
+    and the run ends (it had hung once the survivors finished)."""
     out = tmp_path / "out"
     out.mkdir()
     cfg = raytrain.TrainConfig(
-        workers=3, batch_size_per_worker=8, max_steps=25, storage=str(tmp_path), name="straggler",
-        schedule="constant", log_every_steps=5, straggler_steps=10,
+        workers="2:3", batch_size_per_worker=8, max_steps=25, storage=str(tmp_path), name="straggler",
+        schedule="constant", log_every_steps=5, straggler_steps=10, fault_tolerance="per-step",
+        evict_stragglers=True, straggler_evict_steps=10,
     )  # fmt: skip
     pipeline = StragglingPipeline(str(out), slow_rank=1, from_step=5, extra_s=0.3, step_sleep_s=0.05, num_rows=600)
     result = raytrain.fit(pipeline, cfg)
@@ -39,6 +42,9 @@ def test_a_rank_slower_from_step_5_is_named_a_straggler_and_the_run_finishes(ray
     # Named within --straggler-steps (10) of the log cadence (5) after it became slow at step 5.
     assert straggler["step"] <= 5 + 10 + 5, straggler
     assert "rank 1" in straggler["message"] and "computes slowly" in straggler["message"]
+    decided = [e for e in events if e["kind"] == "evicted"]
+    assert len(decided) == 1 and decided[0]["rank"] == 1 and decided[0]["evicted"] is False, decided
+    assert "0 worker(s) would be left" in decided[0]["message"]
     rows = [row for row in read_jsonl(Path(result.run_dir) / "metrics.jsonl") if "rank_step_s" in row]
     late = rows[-1]["rank_step_s"]
     assert late[1] > 3 * max(late[0], late[2]), late
