@@ -136,3 +136,28 @@ def test_a_ranks_own_compute_time_on_a_gpu_is_the_devices_not_the_hosts_queueing
     assert own.compute_s == 0.0 and len(own.pending) == 1  # nothing read, nothing waited for, in the step
     taken = own.take()  # at the sync: waits for the device, then reads its time
     assert taken.compute_s > 10 * queued and taken.data_s == 0.0
+
+
+def test_a_per_step_replicas_nccl_collective_is_timed_by_torchft_not_torchs_watchdog():
+    """Per-step on NCCL: the peer wait is torchft's own timer (it aborts the communicator), and
+    each collective's own timeout stays unset, so torch's NCCL watchdog does not race it."""
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed import AllreduceOptions
+    from torchft import ProcessGroupNCCL
+    from torchft.process_group import ReconfigureOptions
+
+    from raytrain.worker.groups import replica_process_group
+
+    pg = replica_process_group(ProcessGroupNCCL, "127.0.0.1")(timeout=timedelta(seconds=60))
+    pg.reconfigure(ReconfigureOptions(uuid=1, handles=[pg.get_reconfigure_handle()])).wait()  # a group of one
+    pg.set_peer_wait(timedelta(seconds=5))
+    opts = AllreduceOptions()
+    tensor = torch.ones(4, device="cuda")
+    work = pg.allreduce([tensor], opts)
+    work.wait()
+    assert opts.timeout < timedelta(0)  # cleared by torchft: no watchdog timeout
+    assert pg._timeout == timedelta(seconds=5)
+    assert torch.equal(tensor.cpu(), torch.ones(4))
+    pg.shutdown()

@@ -396,5 +396,27 @@ def test_a_replica_hands_the_others_its_store_by_node_address_and_waits_the_peer
     from torch.distributed import AllreduceOptions
 
     assert pg._opts_hook(AllreduceOptions()).timeout < timedelta(0)  # unset: the group's
-    pg.op_timeout = timedelta(seconds=5)
+    pg.set_peer_wait(timedelta(seconds=5))
     assert pg._opts_hook(AllreduceOptions()).timeout == timedelta(seconds=5)
+
+
+def test_on_nccl_the_peer_wait_is_torchfts_abort_timer_and_torchs_watchdog_stays_off(monkeypatch):
+    """torchft's NCCL group clears each collective's timeout (torch's NCCL watchdog would race its
+    own abort of the communicator) and times the work itself: the peer wait goes there. No GPU
+    needed: the group is only built, not configured."""
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed import AllreduceOptions
+    from torchft import ProcessGroupNCCL
+
+    from raytrain.worker.groups import replica_process_group
+
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 26, 0))  # an NCCL that can abort
+    monkeypatch.setenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", "600")
+    pg = replica_process_group(ProcessGroupNCCL, "10.77.0.2")(timeout=timedelta(seconds=600))
+    pg.set_peer_wait(timedelta(seconds=5))
+    opts = pg._opts_hook(AllreduceOptions())
+    assert opts.timeout < timedelta(0)  # unset: torch's watchdog does not time it
+    timed = pg._wrap_work(object(), opts)  # torchft's timer, which aborts the communicator
+    assert timed._timeout == timedelta(seconds=5)

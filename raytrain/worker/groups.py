@@ -140,10 +140,13 @@ def replica_process_group(pg_class: type, address: str) -> type:
 
     - its reconfigure handle names its rendezvous store by `address` (torchft names it by
       `socket.gethostname()`; the store itself listens on every interface);
-    - each collective waits for a missing peer `op_timeout` (the peer wait, set per step by
+    - each collective waits for a missing peer the peer wait (`set_peer_wait`, per step by
       `ReplicaRuntime.wait_for_peers`), not the group's timeout, which a gloo or NCCL
       collective would otherwise wait out whatever torchft's Manager waits (its `wrap_future`
-      bounds a step's future, but a `Work.wait` blocks in the collective itself)."""
+      bounds a step's future, but a `Work.wait` blocks in the collective itself). On gloo it is
+      each collective's own timeout. torchft's NCCL group (where NCCL can abort) clears that
+      timeout on purpose and aborts the communicator itself after its group timeout: there the
+      peer wait is that timeout (`set_timeout`), and torch's own NCCL watchdog stays off."""
 
     class ReplicaProcessGroup(pg_class):  # type: ignore[valid-type, misc]
         op_timeout: timedelta | None = None
@@ -152,6 +155,12 @@ def replica_process_group(pg_class: type, address: str) -> type:
             handle = json.loads(super().get_reconfigure_handle())
             handle["store"] = network.with_host(handle["store"], address)
             return json.dumps(handle)
+
+        def set_peer_wait(self, timeout: timedelta) -> None:
+            if getattr(self, "_use_abort", False):  # torchft's NCCL: its own abort timer
+                self.set_timeout(timeout)
+            else:
+                self.op_timeout = timeout
 
         def _opts_hook(self, opts: Any) -> Any:
             opts = super()._opts_hook(opts)

@@ -179,13 +179,13 @@ class ReplicaRuntime(Runtime):
     def wait_for_peers(self, seconds: float) -> None:
         """How long this replica's collectives through the Manager (a step's all-reduce, its
         commit) wait for a missing peer from here on: `raytrain.rules.replicas.peer_wait_s`.
-        Each collective of its process group is given that timeout (`raytrain.worker.groups.replica_process_group`),
+        Its process group's collectives wait that long (`raytrain.worker.groups.replica_process_group`),
         and torchft's Manager reads its `_timeout` for each collective's future
         (`Manager.wrap_future`) and has no setter."""
         self.peer_wait_s = seconds
         if self.manager is not None:
             self.manager._timeout = timedelta(seconds=seconds)
-            self.process_group.op_timeout = timedelta(seconds=seconds)
+            self.process_group.set_peer_wait(timedelta(seconds=seconds))
 
     def shutdown(self) -> None:
         self.replica.stop()
