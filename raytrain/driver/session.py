@@ -244,7 +244,7 @@ def ray_logs_dir() -> str | None:
     return None
 
 
-def address_problem(address: str) -> Diagnosis | None:
+def address_problem(address: str, timeout_s: float = 5.0) -> Diagnosis | None:
     """Why `address` cannot be joined, judged in a few seconds (its form, then whether a Ray
     server answers there: ray.init would retry a dead one for minutes), with the fix; None if
     it may be joined."""
@@ -254,11 +254,11 @@ def address_problem(address: str) -> Diagnosis | None:
         return form
     host, port = split_host_port(target)
     try:
-        connection = socket.create_connection((host, int(port)), timeout=5)
+        connection = socket.create_connection((host, int(port)), timeout=timeout_s)
     except OSError as exc:
         return f"nothing answers there ({exc.strerror or type(exc).__name__})", NO_HEAD_FIX
     with connection:
-        if not speaks_grpc(connection):
+        if not speaks_grpc(connection, timeout_s):
             return "something answers there, but not a Ray cluster (Ray's GCS and Ray Client server speak gRPC)", (
                 "give the head's GCS port (6379 unless `ray start --port` chose another), not the dashboard's (8265) "
                 "or another service's"
@@ -268,13 +268,7 @@ def address_problem(address: str) -> Diagnosis | None:
 
 def gcs_answers(address: str, timeout_s: float = 3.0) -> bool:
     """Whether a gRPC server (Ray's GCS, or its Ray Client server) answers at HOST:PORT `address`."""
-    parts = split_host_port(address)
-    try:
-        connection = socket.create_connection((parts[0], int(parts[1])), timeout=timeout_s)
-    except (OSError, ValueError, TypeError, OverflowError):
-        return False
-    with connection:
-        return speaks_grpc(connection, timeout_s)
+    return tried_address(address, "") is not None and address_problem(address, timeout_s) is None
 
 
 def speaks_grpc(connection: socket.socket, timeout_s: float = 5.0) -> bool:
