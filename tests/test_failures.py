@@ -39,7 +39,7 @@ from raytrain.parallel.device import DeviceFailure
 from raytrain.parallel.strategy import is_collective_failure
 from raytrain.rundir import Store
 from raytrain.rundir.faults import StorageUnavailable
-from raytrain.rundir.files import RunLocked
+from raytrain.rundir.files import DriverGone, LockUnreadable, RunLocked
 from raytrain.worker.network import ProcessGroupNetworkError
 from raytrain.worker.window import TrainingDiverged
 
@@ -50,6 +50,7 @@ STATUSES = {  # every error type a command ends with -> its exit status (DESIGN:
     StorageError: 2,
     StorageUnavailable: 2,
     RunLocked: 2,
+    LockUnreadable: 2,  # a lock file that is not a lock's record: the user checks and removes it
     CheckpointError: 2,
     PipelineError: 2,
     PipelineCodeError: 2,
@@ -60,6 +61,7 @@ STATUSES = {  # every error type a command ends with -> its exit status (DESIGN:
     RunFailed: 1,
     BenchError: 1,
     TrainingDiverged: 1,  # a UserError (never retried) and a FloatingPointError, but the run failed
+    DriverGone: 1,  # the run's lock was removed under a live driver: its workers stopped, the run failed
 }
 
 
@@ -68,6 +70,8 @@ def make(kind: type[BaseException]) -> BaseException:
         return ConfigError([("lr", "got -1; give a rate > 0")])
     if kind is RunLocked:
         return RunLocked(Store.of("/tmp/runs/a"), {"pid": 7, "host": "what went wrong"})
+    if kind is LockUnreadable:
+        return LockUnreadable(Store.of("/tmp/runs/a"), "what went wrong")
     if issubclass(kind, StorageError):
         return kind(28, "cannot write /x: what went wrong (ENOSPC); free space")
     return kind("what went wrong")

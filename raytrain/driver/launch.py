@@ -75,9 +75,12 @@ def build_torch_trainer(
     sources: dict[str, Source],
     use_gpu: bool,
     callbacks: Sequence[Any] = (),
+    invocation: str = "",
 ):
     """The TorchTrainer of the run: the worker count (elastic: MIN, MAX), the backend (gloo,
-    NCCL, or torchft's replica groups in per-step mode), the failure and checkpoint policies."""
+    NCCL, or torchft's replica groups in per-step mode), the failure and checkpoint policies.
+    `invocation`: this run of the driver, the owner its lock names (its workers write only while
+    the lock names it: `raytrain.rundir.files.DriverWatch`)."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
     from raytrain.driver.failfast import FailFastTrainer, stall_reporter
@@ -101,7 +104,7 @@ def build_torch_trainer(
         torch_config = torchft_config(use_gpu, cfg.collective_timeout_s, min_groups)
     else:
         torch_config = BoundTorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=cfg.collective_timeout_s)
-    invocation = uuid4().hex  # this run of the driver
+    invocation = invocation or uuid4().hex
     return FailFastTrainer(
         summarize_on_raise(train_loop_per_worker),
         train_loop_config={PAYLOAD: WorkerPayload(cfg, pipe, Store.of(run_dir), sources, invocation=invocation)},

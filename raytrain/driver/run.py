@@ -13,6 +13,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+from uuid import uuid4
 
 from raytrain import hooks
 from raytrain.config import TrainConfig
@@ -26,7 +27,7 @@ from raytrain.observe.tracking import RunTracker
 from raytrain.parallel.strategy import check_compiler
 from raytrain.pipeline import Pipeline, load_pipeline, overrides, set_plan
 from raytrain.rules import batch, resume
-from raytrain.rundir import RunDir, Store, StoredRun, claimed, strict
+from raytrain.rundir import RunDir, Store, StoredRun, checkpoints, claimed, strict
 from raytrain.rundir.checkpoints import forget_missing, model_shapes
 
 
@@ -73,9 +74,10 @@ def fit(
 
         check_embedded_capacity(cfg, echo=echo)
         check_host_interfaces()  # its workers are this host's and inherit this environment
-    with claimed(Store.of(cfg.storage) / cfg.name) as run_dir:
+    invocation = uuid4().hex  # this run of the driver: the lock names it, and its workers check it does
+    with claimed(Store.of(cfg.storage) / cfg.name, owner=invocation, echo=echo) as run_dir:
         stored = check_run_dir(run_dir, cfg, spec, replaced_options(pipe))
-        tracker = RunTracker(cfg, run_dir, spec, echo=echo, progress=progress)
+        tracker = RunTracker(cfg, run_dir, spec, echo=echo, progress=progress, pipeline=pipe)
         with ray_session(cfg), interrupts.stop_on_signals(run_dir, echo) as stop:
             use_gpu, ray_logs = resolve_gpu(cfg), ray_logs_dir()
             if cfg.compile and embedded:  # the workers are this machine: a missing compiler fails now
@@ -86,13 +88,14 @@ def fit(
             if stored is not None:
                 check_resume(pipe, cfg, stored, sources, echo)
             RunDir(run_dir).write_config(config_as_run(pipe, cfg, spec, use_gpu))
-            trainer = build_torch_trainer(pipe, cfg, run_dir, sources, use_gpu, callbacks=callbacks)
+            trainer = build_torch_trainer(pipe, cfg, run_dir, sources, use_gpu, callbacks, invocation)
             echo(
                 f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
                 f"({'GPU, nccl' if use_gpu else 'CPU, gloo'}); run directory {run_dir}"
             )
             started, ends = time.time(), interrupts.EndsWhenDone(echo)
-            with tracker.follow(since=started, train_rows=sources["train"].rows, also=[ends]):
+            example = sources.get("val", sources["train"]).sample  # a tracker's example of the model's input
+            with tracker.follow(since=started, train_rows=sources["train"].rows, also=[ends], example=example):
                 try:
                     result, error = trainer.fit(), None
                 except Exception as exc:  # Ray wraps worker errors; re-raised below
@@ -194,11 +197,20 @@ def check_resume(
     pipe: Pipeline, cfg: TrainConfig, stored: StoredRun, sources: dict[str, Source], echo: Callable[[str], None]
 ) -> None:
     """Before anything is written: the pipeline's model must load the checkpoint, and an
-    epoch half done must continue on the same data; then say what the resume changes. Ray's
-    record of checkpoints that are gone is set aside (`checkpoints.forget_missing`)."""
+    epoch half done must continue on the same data; then say what the resume changes. A
+    checkpoint pruned before it was read (an earlier attempt's workers still writing) is chosen
+    again (`raytrain.rules.resume.read_chosen`). Ray's record of checkpoints that are gone is set
+    aside (`checkpoints.forget_missing`)."""
     if stored.checkpoint is not None:
-        model = hooks.call(pipe, "build_model", cfg)
-        resume.check_model_fits(model_shapes(stored.checkpoint), model, stored.checkpoint.name)
+        stored, shapes = resume.read_chosen(
+            stored,
+            lambda run: model_shapes(run.checkpoint) if run.checkpoint is not None else {},
+            lambda run: run.checkpoint is not None and checkpoints.gone(run.checkpoint),
+            RunDir(stored.run_dir).stored_run,
+        )
+        resume.check_readable(stored)
+    if stored.checkpoint is not None:
+        resume.check_model_fits(shapes, hooks.call(pipe, "build_model", cfg), stored.checkpoint.name)
         train = sources["train"]
         if isinstance(train, StreamSource):  # in memory: checked on the workers, which read the table
             before = stored.position.get("data") or {}

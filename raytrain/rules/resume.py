@@ -24,14 +24,19 @@ Every resume rule lives here; the CLI, the driver and the workers ask.
 
 The latest *complete* checkpoint is found from the run directory itself
 (`raytrain.rundir.RunDir.stored_run`), so a resume never depends on what Ray's snapshot
-managed to record.
+managed to record; one that vanishes before it is read (pruned by a writer still running) is
+chosen again (`read_chosen`), never blamed on the user's input.
+
+An attempt's workers write only while the driver that started them holds the run
+(`driver_gone`): a driver killed outright leaves its workers running, and a resume takes the run
+over with a lock that names another driver.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 from raytrain import fields
 from raytrain.config.tree import TrainConfig
@@ -52,6 +57,13 @@ HOOK_FIELDS = {
     "lr_factor": ("schedule", ("lr_milestones", "lr_gamma")),
 }
 HOOK_MARK = "the pipeline's "
+# How long a driver on another host may leave its lock's beat unchanged (it refreshes it every
+# `raytrain.rundir.files.LOCK_BEAT_S`) before its workers take it for gone: its pid cannot be
+# checked from there.
+DRIVER_SILENT_S = 60.0
+# How many times a checkpoint that vanished before it was read is chosen again.
+CHOOSE_TRIES = 5
+Choice, Read = TypeVar("Choice"), TypeVar("Read")
 
 
 def hook_text(hook: str, detail: str | None = None) -> str:
@@ -204,6 +216,50 @@ def unusable(run_dir: Any, passed_over: list[str]) -> CheckpointError:
         + "; ".join(passed_over)
         + f"). Restore them from a copy, or start over under another --name (or remove {run_dir})"
     )
+
+
+def read_chosen(
+    choice: Choice,
+    read: Callable[[Choice], Read],
+    vanished: Callable[[Choice], bool],
+    choose_again: Callable[[], Choice],
+) -> tuple[Choice, Read]:
+    """(the choice, what `read` made of it): a `choice` whose checkpoint vanished before it was
+    read (`vanished`: pruned by a writer still running, an earlier attempt's workers) is made
+    again (`choose_again`), up to CHOOSE_TRIES reads in all; a CheckpointError of one still
+    there is the checkpoint's."""
+    for tries in range(CHOOSE_TRIES):
+        choice = choice if tries == 0 else choose_again()
+        try:
+            return choice, read(choice)
+        except CheckpointError:
+            if not vanished(choice):
+                raise
+    raise CheckpointError(
+        f"the run's checkpoints were removed faster than they could be read ({CHOOSE_TRIES} tries): another "
+        "process is pruning them. Make sure no earlier run of this name still trains, then --resume again"
+    )
+
+
+def driver_gone(
+    holder: dict[str, Any] | None, owner: str, *, same_host: bool, pid_alive: bool | None, silent_s: float
+) -> str | None:
+    """Why the driver whose lock carries `owner` no longer holds the run, or None while it may.
+    `holder`: the lock's record (None: no lock); `same_host`: the holder runs on this host, where
+    `pid_alive` says whether its process lives; `silent_s`: how long its `beat` has not changed,
+    as this worker saw it. No `owner` (an attempt started without a lock): nothing to compare."""
+    if not owner:
+        return None
+    if holder is None:
+        return "the run's lock is gone: its driver ended, or the lock was removed"
+    pid, host = holder.get("pid", "?"), holder.get("host", "?")
+    if holder.get("owner") != owner:
+        return f"the run is held by another driver now (process {pid} on {host})"
+    if same_host:
+        return None if pid_alive else f"its driver, process {pid} on this host, has ended"
+    if silent_s > DRIVER_SILENT_S:
+        return f"its driver, process {pid} on {host}, has not refreshed the run's lock for {silent_s:.0f} s"
+    return None
 
 
 def check_model_fits(stored: dict[str, tuple[int, ...]], model: Any, checkpoint_name: str) -> None:

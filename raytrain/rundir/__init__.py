@@ -26,13 +26,14 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import yaml
 
 from raytrain.errors import CheckpointError, StorageError
 from raytrain.rundir.faults import storage_error, storage_errors
 from raytrain.rundir.files import (
+    LOCK_BEAT_S,
     LOCK_FILE,
     STOP_FILE,
     RunLock,
@@ -43,6 +44,7 @@ from raytrain.rundir.files import (
     read_json,
     read_jsonl,
     strict,
+    takeover_line,
     write_atomic,
     write_json,
     write_yaml,
@@ -241,18 +243,24 @@ class RunDir:
 
 
 @contextlib.contextmanager
-def claimed(run_dir: "str | os.PathLike | Store") -> Iterator[Store]:
+def claimed(
+    run_dir: "str | os.PathLike | Store", owner: str = "", echo: Callable[[str], None] | None = None
+) -> Iterator[Store]:
     """The run directory, held for one run: checked writable before anything starts (a path
     that cannot hold the run is a StorageError; on an object store: the credentials, the
     bucket and a write, read and delete round trip), locked against a second run of the same
     name, and left clean after (no staging area, no node-local files of an object store's run,
-    no stop request; no empty directory when the run was refused before it began)."""
+    no stop request; no empty directory when the run was refused before it began). `owner`: the
+    driver's id, in the lock for its workers to compare (`files.DriverWatch`), and the lock kept
+    fresh; `echo` hears that the run was taken over from an ended driver, whose workers are fenced."""
     from raytrain.rundir.checkpoints import staging_dir
 
     store = Store.of(run_dir)
     created = store.check()
-    lock = RunLock(store)
+    lock = RunLock(store, owner=owner, beat_s=LOCK_BEAT_S if owner else None)
     lock.acquire()
+    if lock.taken_over is not None and echo is not None:
+        echo(takeover_line(store, lock.taken_over))
     try:
         yield store
     finally:

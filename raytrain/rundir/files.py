@@ -6,7 +6,10 @@
 - JSON is strict: NaN and infinities become null (`strict`);
 - `RunLock`: one run per name at a time, taken over from a dead holder on this host, hosts told
   apart by `raytrain.rundir.host.host_id` (on an object store through a conditional create:
-  `raytrain.rundir.storage`);
+  `raytrain.rundir.storage`); a lock it cannot read whole (`parse_lock`) is named with the fix,
+  never taken over; the driver's lock names it (`owner`) and is refreshed while it runs (`beat`);
+- `DriverWatch`: a worker's look at that lock: a run whose driver is gone, or that another
+  driver now holds, gets no more writes from it (`DriverGone`);
 - every OSError becomes a `StorageError` naming the path and the errno, with what to do.
 """
 
@@ -18,18 +21,23 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from raytrain.errors import StorageError
+from raytrain.errors import EXIT_FAILED, StorageError, UserError
+from raytrain.rules import resume
 from raytrain.rundir.faults import storage_errors
 from raytrain.rundir.host import host_id
 from raytrain.rundir.storage import Store
 
 LOCK_FILE = ".lock"
+LOCK_BEAT_S = 10.0  # how often a driver refreshes its lock, for workers that cannot check its pid
+PID_MAX = 2**31 - 1  # a pid is a C int: os.kill refuses a larger one
+LATEST_TIME_S = 253_402_300_799  # 9999-12-31: the last moment time.localtime can show
 STOP_FILE = ".stop"  # the driver asks the workers to stop (SIGINT/SIGTERM) with this file
 
 
@@ -93,58 +101,98 @@ class RunLock:
     """`RUN_DIR/.lock`, created exclusively (`Store.create_exclusive`: O_EXCL on a file system,
     a conditional write on S3); held by this process until `release`.
 
-    A lock whose holder is gone (a dead process on this host) is taken over. A lock held by
-    a live process, or by a process on another host, is refused with who holds it. "This host"
-    is `host_id`, never the hostname: hosts that share one (containers, cloned images, network
-    namespaces) would each find the other's pid dead and take a live run's lock.
+    A lock whose holder is gone (a dead process on this host) is taken over (`taken_over`: its
+    record). A lock held by a live process, or by a process on another host, is refused with who
+    holds it; one whose record cannot be read whole is refused as such (`LockUnreadable`). "This
+    host" is `host_id`, never the hostname: hosts that share one (containers, cloned images,
+    network namespaces) would each find the other's pid dead and take a live run's lock.
+    `owner`: the driver's id, which its workers compare with the lock's (`DriverWatch`);
+    `beat_s`: refresh the record's `beat` this often while held, for workers on other hosts.
     """
 
-    def __init__(self, run_dir: "str | os.PathLike | Store"):
+    def __init__(self, run_dir: "str | os.PathLike | Store", owner: str = "", beat_s: float | None = None):
         self.store = Store.of(run_dir)
         self.path = self.store / LOCK_FILE
         self.held = False
+        self.owner, self.beat_s = owner, beat_s
+        self.taken_over: dict[str, Any] | None = None
+        self._stop_beating = threading.Event()
+        self._beating: threading.Thread | None = None
 
     def acquire(self) -> None:
         self.store.make_dir()
         for _ in range(3):
-            record = json.dumps(self_record() | {"since": time.time()})
-            if self.store.create_exclusive(LOCK_FILE, record.encode()):
+            record = self_record() | {"since": time.time(), "owner": self.owner}
+            if self.store.create_exclusive(LOCK_FILE, json.dumps(record).encode()):
                 self.held = True
+                if self.beat_s:
+                    self._beating = threading.Thread(target=self._beat, args=(record,), daemon=True)
+                    self._beating.start()
                 return
             holder = self._wait_for_holder()
             if holder is None or self._alive(holder):
                 raise RunLocked(self.store, holder or {})
+            if holder.get("pid", -1) > 0:
+                self.taken_over = holder
             self.store.delete(LOCK_FILE)  # a stale lock: its process is gone
         raise RunLocked(self.store, self.holder() or {})
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            with contextlib.suppress(OSError):
-                if (self.holder() or {}).get("pid") == os.getpid():
+            self._stop_beating.set()
+            if self._beating is not None:
+                self._beating.join()
+            with contextlib.suppress(OSError, LockUnreadable):
+                holder = self.holder() or {}
+                if holder.get("pid") == os.getpid() and holder.get("owner", "") == self.owner:
                     self.store.delete(LOCK_FILE)
+
+    def _beat(self, record: dict[str, Any]) -> None:
+        """Refresh the lock's `beat` while it is this driver's (a lock taken from it is left alone)."""
+        while not self._stop_beating.wait(self.beat_s):
+            with contextlib.suppress(Exception):  # a missed beat is not an error: the next may pass
+                if (self.holder() or {}).get("owner") == self.owner:
+                    self.store.write_text(LOCK_FILE, json.dumps(record | {"beat": time.time()}))
 
     def _wait_for_holder(self, wait_s: float = 2.0) -> dict[str, Any] | None:
         """The holder's record; a lock just created may not be written yet, so wait a moment
-        (a lock that stays empty is held by a process that died writing it: stale, {})."""
+        (a lock that stays empty is held by a process that died writing it: stale, {}). One
+        written but not understood is refused (`LockUnreadable`), never taken over."""
         deadline = time.monotonic() + wait_s
         while True:
-            holder = self.holder()
-            if holder is not None:
-                return holder
+            try:
+                text = self.store.read_text(LOCK_FILE)
+            except FileNotFoundError:
+                return self_record(pid=-1)  # released meanwhile: take it
+            except OSError:
+                text = ""
+            if text.strip():
+                try:
+                    return parse_lock(text)
+                except ValueError as problem:
+                    raise LockUnreadable(self.store, str(problem)) from None
             info = self.store.info(LOCK_FILE)
             if info.type.name == "NotFound":
-                return self_record(pid=-1)  # released meanwhile: take it
+                return self_record(pid=-1)
             age_s = time.time() - info.mtime.timestamp() if info.mtime is not None else 0.0
             if age_s > wait_s or time.monotonic() > deadline:
                 return self_record(pid=-1) if age_s > wait_s else None
             time.sleep(0.05)
 
     def holder(self) -> dict[str, Any] | None:
+        """The lock's record (None: no lock, or one not written yet); LockUnreadable when it
+        holds something that is not a lock's record."""
         try:
-            return json.loads(self.store.read_text(LOCK_FILE))
-        except (OSError, ValueError):
+            text = self.store.read_text(LOCK_FILE)
+        except OSError:
             return None
+        if not text.strip():
+            return None
+        try:
+            return parse_lock(text)
+        except ValueError as problem:
+            raise LockUnreadable(self.store, str(problem)) from None
 
     @staticmethod
     def _alive(holder: dict[str, Any]) -> bool:
@@ -152,16 +200,94 @@ class RunLock:
             # Another host's process (or a lock of an older raytrain, which recorded no host_id):
             # its pid means nothing here.
             return True
-        pid = holder.get("pid")
-        if not isinstance(pid, int) or pid <= 0:
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+        return pid_alive(holder.get("pid", -1))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host lives (a zombie, ended but not yet reaped, does not)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
         return True
+    with contextlib.suppress(OSError, IndexError):
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rpartition(")")[2].split()[0] != "Z"
+    return True
+
+
+def parse_lock(text: str) -> dict[str, Any]:
+    """A lock file's record, every field checked before it is used: `pid` a process id, `since`
+    and `beat` times a clock can show, `host`, `host_id` and `owner` strings. ValueError saying
+    what is wrong otherwise (not JSON, not an object, a field missing or out of range)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"it is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        kinds = {list: "a list", str: "a string", bool: "true or false", type(None): "null"}
+        raise ValueError(f"it holds {kinds.get(type(value), 'a number')}, not an object with the holder's pid")
+    pid = value.get("pid")
+    if pid is None:
+        raise ValueError("it names no process (no pid)")
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= PID_MAX:
+        raise ValueError(f"its pid {json.dumps(pid)[:40]} is not a process id (a whole number from 1 to {PID_MAX})")
+    for key in ("since", "beat"):
+        when = value.get(key)
+        if when is not None and (
+            isinstance(when, bool) or not isinstance(when, (int, float)) or not 0 <= when <= LATEST_TIME_S
+        ):
+            raise ValueError(f"its {key} {json.dumps(when)[:40]} is not a time (seconds since 1970, up to year 9999)")
+    for key in ("host", "host_id", "owner"):
+        if key in value and not isinstance(value[key], str):
+            raise ValueError(f"its {key} {json.dumps(value[key])[:40]} is not a string")
+    return value
+
+
+class DriverGone(UserError):
+    """This attempt's driver no longer holds the run (ended, or another driver took the run
+    over): the attempt ends without writing more, and is not retried (nobody is left to retry
+    it for, and a resume owns the run directory now)."""
+
+    exit_status = EXIT_FAILED
+
+
+class DriverWatch:
+    """A worker's look at the driver that started it (`owner`: the id its lock carries): why it
+    no longer holds the run (`raytrain.rules.resume.driver_gone`), or None. The lock's `beat`
+    is timed on this worker's own clock (hosts' clocks may differ)."""
+
+    def __init__(self, store: Store, owner: str):
+        self.store, self.owner = store, owner
+        self.beat: Any = None
+        self.beat_seen = time.monotonic()  # when this worker last saw the beat change
+
+    def why_gone(self) -> str | None:
+        if not self.owner:
+            return None
+        try:
+            holder = parse_lock(self.store.read_text(LOCK_FILE))
+        except FileNotFoundError:
+            holder = None
+        except OSError:
+            return None  # not read this time: no evidence either way
+        except ValueError as problem:
+            return f"the run's lock {self.store / LOCK_FILE} is no longer its driver's ({problem})"
+        now = time.monotonic()
+        if holder is not None and holder.get("beat") != self.beat:
+            self.beat, self.beat_seen = holder.get("beat"), now
+        here = holder is not None and holder.get("host_id") == host_id()
+        alive = pid_alive(holder["pid"]) if here else None
+        return resume.driver_gone(holder, self.owner, same_host=here, pid_alive=alive, silent_s=now - self.beat_seen)
+
+    def check(self) -> None:
+        """DriverGone, before a write that a run held by another driver must not see."""
+        why = self.why_gone()
+        if why is not None:
+            raise DriverGone(f"{why}; this attempt stops without writing more to {self.store}")
 
 
 def self_record(pid: int | None = None) -> dict[str, Any]:
@@ -185,7 +311,7 @@ def holder_place(holder: dict[str, Any], hostname: str, here: str) -> str:
 
 class RunLocked(StorageError):
     def __init__(self, run_dir: "Store", holder: dict[str, Any]):
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if holder.get("since") else "?"
+        since = when(holder["since"]) if holder.get("since") else "?"
         # A holder on another host cannot be checked from here (a dead one on this host is taken over).
         elsewhere = holder.get("host_id") != host_id()
         remove = f"; a holder that is gone for good leaves {run_dir}/{LOCK_FILE}: delete it" if elsewhere else ""
@@ -195,6 +321,36 @@ class RunLocked(StorageError):
             f"run {run_dir.name!r} in {run_dir.parent} is in use by process {holder.get('pid', '?')} since {since} "
             f"on {place}; wait for it to end, stop it, or choose another --name{remove}",
         )
+
+
+class LockUnreadable(StorageError):
+    """A lock file that is not a lock's record: named with what is wrong and the fix, never
+    taken over (the run it guards may be live)."""
+
+    def __init__(self, run_dir: "Store", problem: str):
+        path = f"{run_dir}/{LOCK_FILE}"
+        super().__init__(
+            errno_codes.EBUSY,
+            f"run {run_dir.name!r} in {run_dir.parent} has a lock file that cannot be read: {path}: {problem}. "
+            f"raytrain neither trusts nor takes over such a lock. Make sure no run of this name is running (no "
+            f"`raytrain train ... --name {run_dir.name}` on any host that uses this storage, e.g. `pgrep -af "
+            f"{run_dir.name}` on each), then delete {path} and run again",
+        )
+
+
+def when(seconds: float) -> str:
+    """A time.time() as local time, in a message."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def takeover_line(run_dir: "Store", holder: dict[str, Any]) -> str:
+    """What a driver says when it took the run over from an ended one, whose workers may still run."""
+    since = f" since {when(holder['since'])}" if holder.get("since") else ""
+    return (
+        f"raytrain: run {run_dir.name!r} was held by process {holder.get('pid', '?')} on {holder.get('host', '?')}"
+        f"{since}, which has ended; its workers, if any still run, are fenced: this run's lock names another "
+        "driver, so they stop at their next sync and publish no checkpoint"
+    )
 
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:

@@ -61,8 +61,10 @@ class Publish:
         rank: int | None,
         coordinator: bool,
         step: int,
+        fence: Callable[[], None] | None = None,
     ):
         self.staging, self.target = Path(staging), target
+        self.fence = fence  # raises when the run's driver is gone: the checkpoint is not published
         self.wait_written, self.rank, self.coordinator, self.step = wait_written, rank, coordinator, step
         self.done = threading.Event()
         self.error: BaseException | None = None
@@ -73,6 +75,7 @@ class Publish:
             self.wait_written()
             if self.target.renames:
                 if self.coordinator:
+                    self._fence()
                     publish_local(self.staging, self.target.path)
             else:
                 self._upload_all()
@@ -89,10 +92,17 @@ class Publish:
         if self.coordinator:
             self._wait_for_shards()
             self._upload([name for name in ckpt.FINAL_FILES if (self.staging / name).is_file()])
+            self._fence()
             self._write_marker()
             shutil.rmtree(self.staging, ignore_errors=True)
         else:
             _remove_if_empty(self.staging)
+
+    def _fence(self) -> None:
+        """Just before the checkpoint becomes visible: a driver that no longer holds the run (a
+        resume may have chosen, and its workers be loading, another checkpoint) publishes none."""
+        if self.fence is not None:
+            self.fence()
 
     def start(self, then: Callable[[], None] | None = None) -> threading.Thread:
         """Publish in a background thread (its error is raised by `wait`); `then` once published."""

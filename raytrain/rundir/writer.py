@@ -20,7 +20,7 @@ import torch
 from raytrain.rundir import RunDir, formats
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.buffered import BufferedLogs
-from raytrain.rundir.files import dumps, storage_errors
+from raytrain.rundir.files import DriverWatch, dumps, storage_errors
 from raytrain.rundir.records import EPOCH_LOSS, EVENTS, LIVE, METRICS, MODEL, Event, Kind, MetricsRow, Progress
 from raytrain.rundir.storage import Store
 
@@ -31,9 +31,10 @@ class RunWriter:
     """The run directory's files written from the workers: by rank 0 only, strict JSON,
     and any OSError as one StorageError naming the path and errno (not retried). On an
     object store the JSONL rows are written in the background (`raytrain.rundir.buffered`)
-    and the stop request is looked for at most every `Store.poll_s`."""
+    and the stop request is looked for at most every `Store.poll_s`. `driver`: the id of the
+    driver that started the attempt, which must still hold the run (`driver`, a DriverWatch)."""
 
-    def __init__(self, run_dir: "str | os.PathLike | Store", enabled: bool):
+    def __init__(self, run_dir: "str | os.PathLike | Store", enabled: bool, driver: str = ""):
         self.store = Store.of(run_dir)
         self.rundir = RunDir(self.store)
         self.enabled = enabled
@@ -41,6 +42,8 @@ class RunWriter:
         self.live_mark: tuple[float, int] | None = None  # (time, samples seen) of the last live row
         self.logs = None if self.store.appends_in_place else BufferedLogs(self.store, keep_last=(LIVE,))
         self.stop_checked = (0.0, False)  # (when, what) the stop request was last looked for
+        self.driver = DriverWatch(self.store, driver)
+        self.driver_checked: tuple[float, str | None] = (0.0, None)  # (when, why gone) it was last looked at
         self.last_row_step = 0  # the step of the last metrics row: a row's loss covers the steps since
         self.window_steps = 0  # the steps the last row's loss covers
 
@@ -85,6 +88,16 @@ class RunWriter:
         if not asked and time.monotonic() - when >= self.store.poll_s:
             self.stop_checked = (time.monotonic(), self.rundir.stop_requested())
         return self.stop_checked[1]
+
+    def driver_gone(self) -> str | None:
+        """Why the driver that started this attempt no longer holds the run (None: it does);
+        rank 0 looks, at most every `Store.poll_s`, and the next sync tells every rank."""
+        if not self.enabled:
+            return None
+        when, why = self.driver_checked
+        if why is None and time.monotonic() - when >= self.store.poll_s:
+            self.driver_checked = (time.monotonic(), self.driver.why_gone())
+        return self.driver_checked[1]
 
     def clear_staging(self) -> None:
         """Checkpoints half-written by an attempt that died: never published, so removed."""

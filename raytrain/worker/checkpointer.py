@@ -216,7 +216,7 @@ class Checkpointer:
 
             publish = self._publish = Publish(
                 staging, self.store / name, wait_written, rank=runtime.world_rank if distributed else None,
-                coordinator=runtime.is_rank0 or not distributed, step=position.step,
+                coordinator=runtime.is_rank0 or not distributed, step=position.step, fence=training.files.driver.check,
             )  # fmt: skip
             recovery.publish(publish, metrics, name, staging, self.cfg.checkpoint_async, self.prune)
         if not self.cfg.checkpoint_async:

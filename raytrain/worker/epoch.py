@@ -172,7 +172,7 @@ class Epochs:
         if position.step % cfg.log_every_steps == 0 or last or checkpoint_now or evaluate_now:
             # Every checkpoint follows a sync: weights are saved only after their loss was seen finite.
             asked = files.stop_requested(anyone=self.recovery.each_reads_stop)
-            loss, count, stop = self.sync_ranks(stop_requested=asked)
+            loss, count, stop = self.sync_ranks(stop_requested=asked, driver_gone=files.driver_gone())
             stop = stop or asked
             if count:
                 position.epoch_loss = position.epoch_loss_so_far()
@@ -195,14 +195,14 @@ class Epochs:
             self.checkpointer.save(self, row.to_json())
         return stop
 
-    def sync_ranks(self, stop_requested: bool = False) -> tuple[float, int, bool]:
+    def sync_ranks(self, stop_requested: bool = False, driver_gone: str | None = None) -> tuple[float, int, bool]:
         """The sync (`raytrain.worker.window.sync`): the mean loss since the last one, the samples
         it covers and whether to stop. A NaN/inf loss on any rank ends the run here
         (TrainingDiverged), before its weights are saved."""
         runner, position = self.runner, self.position
         heartbeat, own, faults = runner.measures.heartbeat, runner.measures.own, self.recovery.faults
         loss, count, stop, diverged, times, hosts = sync(
-            runner.runtime, heartbeat, runner.window, position.step, stop_requested, own, faults.my_host
+            runner.runtime, heartbeat, runner.window, position.step, stop_requested, own, faults.my_host, driver_gone
         )
         if diverged:
             last_good = self.last_good_checkpoint()

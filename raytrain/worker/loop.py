@@ -68,10 +68,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg, run_dir = payload.config, Store.of(payload.run_dir)
     recovery = recovery_for(cfg, run_dir, payload.invocation)
     runtime = recovery.runtime
-    files = RunWriter(run_dir, enabled=runtime.is_rank0)
+    files = RunWriter(run_dir, enabled=runtime.is_rank0, driver=payload.invocation)
     heartbeat = Heartbeat(run_dir.local_dir / HEARTBEATS, runtime.world_rank, enabled=runtime.world_size > 1)
     checkpointer = Checkpointer(cfg, recovery, run_dir, invocation=payload.invocation)
     try:
+        files.driver.check()  # an attempt its ended driver's controller restarted: before it writes a file
         if recovery.open(files, Budget.of(cfg)):
             Training.begin(cfg, payload.pipeline, recovery, files, heartbeat, payload.sources, checkpointer).run()
     except Exception as exc:

@@ -20,6 +20,7 @@ import torch
 from raytrain.errors import EXIT_FAILED, UserError
 from raytrain.rules import agreement
 from raytrain.rules.stragglers import RankTimes
+from raytrain.rundir.files import DriverGone
 from raytrain.text import sci
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -140,11 +141,14 @@ def sync(
     stop_requested: bool = False,
     own: "OwnFigures | None" = None,
     host: int = 0,
+    driver_gone: str | None = None,
 ) -> Synced:
     """One collective at the logging cadence (every rank calls it at the same steps, after the
     step to `step`): the mean loss, whether to stop, the ranks that diverged, every rank's own
     time (`own`: this rank's since the last call, taken) and its host (`host`: this rank's IPv4
-    address as an integer, `raytrain.rules.agreement.ipv4`). The window is cleared."""
+    address as an integer, `raytrain.rules.agreement.ipv4`). The window is cleared. A driver gone
+    (`driver_gone`: why, rank 0's look) ends the attempt on every rank here (DriverGone), before
+    the metrics row or a checkpoint is written."""
     # In the step just taken; from here on a GPU waits for its device, which may wait in the
     # all-reduce for a stalled peer.
     heartbeat.mark(step - 1, "all_reduce")
@@ -158,7 +162,12 @@ def sync(
     hosts = agreement.to_slots(host, rank, world)
     totals = runtime.all_reduce_sum(
         [float(window.loss_sum.item()), float(window.loss_count), float(stop_requested), *slots, *times, *hosts]
+        + [float(driver_gone is not None)]
     )
+    totals, gone = totals[:-1], totals[-1] > 0
+    if gone:
+        why = driver_gone or "rank 0 found this attempt's driver gone"
+        raise DriverGone(f"{why}; this attempt stops without writing more")
     total, count, stop = totals[0], int(totals[1]), totals[2] > 0
     bad_steps, shared = totals[3 : 3 + world], totals[3 + world : 3 + 4 * world]
     window.clear()
