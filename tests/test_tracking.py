@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import raytrain
+from pipelines.digits import DigitsPipeline
 from raytrain.errors import ConfigError
 from raytrain.observe.sinks import Dispatcher, Sink, follow
 from raytrain.observe.trackers import MLflowSink, TensorBoardSink, WandbSink, step_scalars
-from raytrain.observe.tracking import RunTracker, TrackingOptions, check_installed, config_params
+from raytrain.observe.tracking import RunTracker, TrackingOptions, check_installed, config_params, example_io
 from raytrain.rundir import Event, MetricsRow, Summary, Tail
 
 T0 = 1_800_000_000.0
@@ -292,7 +294,9 @@ def test_mlflow_run_holds_params_step_metrics_and_the_model(tmp_path, monkeypatc
     cfg = raytrain.TrainConfig(epochs=2, workers=2, name="mlrun", storage=str(tmp_path))
     uri = mlflow_uri(kind, tmp_path)
     lines = []
-    sink = MLflowSink(uri, "raytrain-tests", cfg, config_params(cfg, "digits", run_dir), run_dir, echo=lines.append)
+    tracker = RunTracker(cfg, run_dir, "digits", pipeline=DigitsPipeline())  # its model cannot load b"weights"
+    params = config_params(cfg, "digits", run_dir)
+    sink = MLflowSink(uri, "raytrain-tests", cfg, params, run_dir, echo=lines.append, model=tracker.final_model)
     for step in (5, 10):
         sink.metrics(metrics_row(step, loss=1.0 / step))
     sink.metrics(metrics_row(12, epoch_end=True, loss=0.3, epoch_loss=0.4, val_loss=0.25, val_accuracy=0.9))
@@ -309,7 +313,10 @@ def test_mlflow_run_holds_params_step_metrics_and_the_model(tmp_path, monkeypatc
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(sink.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "mlrun"
-    assert lines == [f"MLflow: experiment 'raytrain-tests', run {sink.run_id} at {uri}"]
+    assert lines[0] == f"MLflow: experiment 'raytrain-tests', run {sink.run_id} at {uri}"
+    assert lines[1].startswith(  # a model that cannot be logged: said, and the run finishes all the same
+        "MLflow: the model is only the state dict run/model.pt; it could not be logged: CheckpointError: "
+    )
     params = run.data.params
     assert (
         params["epochs"] == "2"
@@ -333,9 +340,82 @@ def test_mlflow_run_holds_params_step_metrics_and_the_model(tmp_path, monkeypatc
         "val_loss",
         "summary/steady_samples_per_s",
     } <= set(run.data.metrics)
-    assert [a.path for a in client.list_artifacts(sink.run_id, "model")] == ["model/model.pt"]
-    assert "run/config.yaml" in [a.path for a in client.list_artifacts(sink.run_id, "run")]
+    assert {"run/model.pt", "run/config.yaml"} <= {a.path for a in client.list_artifacts(sink.run_id, "run")}
+    assert client.list_artifacts(sink.run_id, "model") == []
     assert run.data.tags["raytrain.world_sizes"] == "2"
+
+
+def test_mlflow_gets_the_model_as_a_pytorch_model_with_its_signature(tmp_path, monkeypatch):
+    """runs:/RUN_ID/model loads with mlflow.pytorch.load_model as the pipeline's own class with the
+    run's weights; its signature comes from the example row the driver passes; the plain state
+    dict is run/model.pt."""
+    pytest.importorskip("mlflow")
+    import mlflow.pytorch
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.digits.model import DigitsCNN
+    from pipelines.digits.pipeline import load_arrays
+
+    uri, run_dir = mlflow_uri("file", tmp_path), tmp_path / "run"
+    run_dir.mkdir()
+    cfg = raytrain.TrainConfig(epochs=1, name="signed", storage=str(tmp_path))
+    torch.manual_seed(7)
+    trained = DigitsPipeline().build_model(cfg).eval()
+    torch.save(trained.state_dict(), run_dir / "model.pt")
+    images, labels = load_arrays()
+    lines: list[str] = []
+    options = TrackingOptions(mlflow_uri=uri, report=False)
+    tracker = RunTracker(cfg, run_dir, "digits", echo=lines.append, options=options, pipeline=DigitsPipeline())
+    with tracker.follow(since=T0 - 1, example={"image": images[:1], "label": labels[:1]}):
+        append(run_dir / "metrics.jsonl", metrics_row(23, epoch_end=True, val_loss=0.5))
+    tracker.finish(Summary.from_json({"status": "finished", "steps": 23}))
+
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("raytrain").experiment_id])
+    run_id = run.info.run_id
+    assert run.info.status == "FINISHED"
+    assert lines[-1] == (
+        f"MLflow: the model is runs:/{run_id}/model "
+        "(signature [Tensor('float32', (-1, 1, 8, 8))] -> [Tensor('float32', (-1, 10))])"
+    )
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    loaded = mlflow.pytorch.load_model(f"runs:/{run_id}/model")
+    batch = torch.from_numpy(images[:64])
+    assert type(loaded) is DigitsCNN and torch.equal(loaded(batch), trained(batch))
+    signature = mlflow.models.get_model_info(f"runs:/{run_id}/model").signature
+    assert [(s.type, s.shape) for s in signature.inputs.inputs] == [(np.dtype("float32"), (-1, 1, 8, 8))]
+    assert [s.shape for s in signature.outputs.inputs] == [(-1, 10)]
+    (logged,) = client.search_logged_models([run.info.experiment_id])
+    assert (logged.name, logged.source_run_id, str(logged.status)) == ("model", run_id, "READY")
+    assert "run/model.pt" in {a.path for a in client.list_artifacts(run_id, "run")}
+
+
+def test_example_io_is_the_models_one_tensor_in_and_out_or_says_why_not():
+    import torch
+
+    class Pipe(raytrain.Pipeline):
+        def __init__(self, call):
+            self.call = call
+
+        def compute_loss(self, model, batch):
+            return self.call(model, batch).sum()
+
+    model = torch.nn.Linear(3, 2).eval()  # as final_model gives it
+    rows = {"x": np.ones((1, 3), np.float32), "y": np.zeros(1, np.int64)}
+    inputs, outputs = example_io(Pipe(lambda m, b: m(b["x"])), model, rows)
+    assert inputs.shape == (1, 3) and outputs.shape == (1, 2) and outputs.dtype == np.float32
+    assert example_io(Pipe(lambda m, b: m(b["x"])), model, None) == "the run's data gave no example row"
+    assert example_io(Pipe(lambda m, b: m(input=b["x"])), model, rows) == "the model takes other than one tensor"
+    assert example_io(Pipe(lambda m, b: b["x"]), model, rows) == "compute_loss did not call the model"
+    said = example_io(Pipe(lambda m, b: m(b["y"])), model, rows)  # int64 rows into a float layer
+    assert said.startswith("compute_loss failed on an example row: PipelineCodeError: ")
+
+    class Pair(torch.nn.Module):
+        def forward(self, x):
+            return x, x
+
+    assert example_io(Pipe(lambda m, b: m(b["x"])[0]), Pair().eval(), rows) == "the model returns a tuple, not a tensor"
 
 
 def test_mlflow_resume_continues_the_same_run(tmp_path):
@@ -428,7 +508,7 @@ def test_run_tracker_feeds_tensorboard_mlflow_and_writes_the_report(tmp_path):
 
 
 @pytest.mark.ray
-def test_digits_run_leaves_tensorboard_files_and_a_report(digits_two_worker_run):
+def test_digits_run_leaves_tensorboard_files_and_a_report(digits_two_worker_run, monkeypatch):
     run = digits_two_worker_run  # 4 epochs of 23 steps, --log-every-steps 5 (tests/conftest.py)
     out, run_dir, mlflow_flags = run.out, run.run_dir, run.mlflow_flags
     assert run.code == 0, out
@@ -440,8 +520,17 @@ def test_digits_run_leaves_tensorboard_files_and_a_report(digits_two_worker_run)
         client = MlflowClient(tracking_uri=mlflow_flags[1])
         (mlflow_run,) = client.search_runs([client.get_experiment_by_name("raytrain").experiment_id])
         assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.params["workers"] == "2"
-        assert [a.path for a in client.list_artifacts(mlflow_run.info.run_id, "model")] == ["model/model.pt"]
-        assert len(client.get_metric_history(mlflow_run.info.run_id, "loss")) > 3
+        run_id = mlflow_run.info.run_id
+        assert len(client.get_metric_history(run_id, "loss")) > 3
+        assert "run/model.pt" in {a.path for a in client.list_artifacts(run_id, "run")}
+        import mlflow.pytorch
+        import torch
+
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_flags[1])  # where runs:/ URIs are read
+        loaded = mlflow.pytorch.load_model(f"runs:/{run_id}/model")
+        weights = torch.load(run_dir / "model.pt", weights_only=True)
+        assert all(torch.equal(loaded.state_dict()[key], value) for key, value in weights.items())
+        assert f"MLflow: the model is runs:/{run_id}/model (signature [Tensor('float32', (-1, 1, 8, 8))]" in out
 
     tb = load_tensorboard(run_dir)
     assert {
@@ -465,3 +554,68 @@ def test_digits_run_leaves_tensorboard_files_and_a_report(digits_two_worker_run)
             assert image.format == "PNG" and image.size[0] > 300
     report = (run_dir / "report.md").read_text()
     assert "**finished**" in report and "| 2 | 46 |" in report and "![loss](plots/loss.png)" in report
+
+
+# Scenario stage (docs/testing.md): making the server's venv costs minutes the first time; the
+# logging itself stays in CI through test_mlflow_gets_the_model_as_a_pytorch_model_with_its_signature
+# and the digits run above (a file: store).
+@pytest.mark.ray
+@pytest.mark.scenario
+def test_a_run_against_a_real_mlflow_server_gives_a_model_to_load_and_register(ray_session, tmp_path, monkeypatch):
+    """`raytrain train digits --mlflow-uri http://…` against `mlflow server` (sqlite store,
+    artifacts served by the server, tests/mlflow_server.py), read back with MLflow's client:
+    the finished run, its params, step-indexed metrics and run files; runs:/RUN_ID/model loads
+    with mlflow.pytorch.load_model as the digits CNN with model.pt's weights and its signature,
+    predicts through pyfunc, and registers in the Model Registry as a version that loads."""
+    import contextlib
+    import io
+
+    import mlflow
+    import mlflow.pytorch
+    import torch
+    from mlflow.tracking import MlflowClient
+    from mlflow_server import MlflowServer
+
+    from pipelines.digits.model import DigitsCNN
+    from pipelines.digits.pipeline import load_arrays
+    from raytrain.cli import main
+
+    server = MlflowServer(tmp_path / "mlflow")
+    try:
+        argv = ["train", "digits", "--workers", "1", "--epochs", "2", "--log-every-steps", "10"]
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            code = main([*argv, "--storage", str(tmp_path), "--name", "served", "--mlflow-uri", server.uri])
+        out = stdout.getvalue()
+        assert code == 0, out
+        client = MlflowClient(tracking_uri=server.uri)
+        (run,) = client.search_runs([client.get_experiment_by_name("raytrain").experiment_id])
+        run_id = run.info.run_id
+        assert run.info.status == "FINISHED" and run.data.params["epochs"] == "2" and len(run.data.params) > 50
+        rows = [json.loads(line) for line in (tmp_path / "served" / "metrics.jsonl").read_text().splitlines()]
+        assert [m.step for m in client.get_metric_history(run_id, "loss")] == [row["step"] for row in rows]
+        assert len(client.get_metric_history(run_id, "val_accuracy")) == 2
+        assert {f"run/{name}" for name in ("model.pt", "config.yaml", "summary.json", "metrics.jsonl")} <= {
+            a.path for a in client.list_artifacts(run_id, "run")
+        }
+
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)  # where runs:/ and models:/ URIs are read
+        loaded = mlflow.pytorch.load_model(f"runs:/{run_id}/model")
+        weights = torch.load(tmp_path / "served" / "model.pt", weights_only=True)
+        assert type(loaded) is DigitsCNN
+        assert all(torch.equal(loaded.state_dict()[key], value) for key, value in weights.items())
+        signature = mlflow.models.get_model_info(f"runs:/{run_id}/model").signature
+        assert [s.shape for s in signature.inputs.inputs] == [(-1, 1, 8, 8)]
+        assert [s.shape for s in signature.outputs.inputs] == [(-1, 10)]
+        images = load_arrays()[0][:16]
+        with torch.no_grad():
+            expected = loaded.eval()(torch.from_numpy(images)).numpy()
+        assert np.allclose(mlflow.pyfunc.load_model(f"runs:/{run_id}/model").predict(images), expected)
+
+        version = mlflow.register_model(f"runs:/{run_id}/model", "digits-served")
+        registered = mlflow.pytorch.load_model(f"models:/digits-served/{version.version}")
+        with torch.no_grad():
+            assert torch.equal(registered.eval()(torch.from_numpy(images)), torch.from_numpy(expected))
+        assert (version.version, version.run_id) == ("1", run_id)
+    finally:
+        server.stop()

@@ -46,6 +46,7 @@ class MemorySource:
 
     rows: int
     table: Any  # ray.ObjectRef
+    sample: dict[str, np.ndarray]  # one checked row: an example of the model's input for a tracker
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class StreamSource:
     units: Units
     layout: StreamLayout
     schema: Schema
-    sample: dict[str, np.ndarray]  # one checked row, for a rank with no rows in a step
+    sample: dict[str, np.ndarray]  # one checked row, for a rank with no rows in a step (and a tracker's example)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class SampledSource:
 
     rows: int  # draws per epoch
     spec: Sampled
+    sample: dict[str, np.ndarray]  # one drawn row: an example of the model's input for a tracker
 
 
 Source = Union[MemorySource, StreamSource, SampledSource]
@@ -117,14 +119,14 @@ def prepare_datasets(datasets: dict[str, Any], cfg: "TrainConfig", echo: Callabl
         schema = Schema.of(probe)
         window = cfg.shuffle_window_rows if name == "train" or cfg.shuffle_window_rows == 0 else None
         estimate = schema.row_bytes() * units.num_rows
+        sample = {c: np.nan_to_num(v[:1]) if np.issubdtype(v.dtype, np.floating) else v[:1] for c, v in probe.items()}
         size = f"{units.num_rows:,} rows (~{estimate / 2**20:,.0f} MiB)"
         if window == 0 or (window is None and estimate <= checks.IN_MEMORY_LIMIT_BYTES):
             load = ray.remote(num_cpus=0)(checks.load_table)
-            sources[name] = MemorySource(units.num_rows, load.remote(units, name, schema, cfg.skip_nan_rows))
+            sources[name] = MemorySource(units.num_rows, load.remote(units, name, schema, cfg.skip_nan_rows), sample)
             echo(f"dataset {name!r}: {size} in memory, read once and shared by every worker")
             continue
         layout = StreamLayout(units.rows, window or checks.auto_window_rows(schema.row_bytes()), cfg.data_partitions)
-        sample = {c: np.nan_to_num(v[:1]) if np.issubdtype(v.dtype, np.floating) else v[:1] for c, v in probe.items()}
         sources[name] = StreamSource(units.num_rows, units, layout, schema, sample)
         echo(
             f"dataset {name!r}: {size} in {len(units.rows):,} {_UNIT_WORDS[units.kind]}, streamed in {layout.lanes} "
@@ -144,7 +146,7 @@ def prepare_sampled(name: str, spec: Sampled, echo: Callable[[str], None]) -> Sa
         f"dataset {name!r}: sampled, {spec.num_items:,} items drawn with replacement, fresh rows every step from "
         f"(seed, position); an epoch is {spec.rows_per_epoch:,} draws"
     )
-    return SampledSource(spec.rows_per_epoch, spec)
+    return SampledSource(spec.rows_per_epoch, spec, {column: values[:1] for column, values in probe.items()})
 
 
 _UNIT_WORDS = {"files": "Parquet row groups/files", "tasks": "read tasks", "blocks": "blocks"}

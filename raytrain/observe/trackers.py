@@ -5,7 +5,9 @@ the run."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import math
 import os
 import re
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from raytrain.environ import scoped_env
 from raytrain.observe.render import markdown_table
 from raytrain.observe.sinks import Sink, record_time
 from raytrain.rundir import (
@@ -31,11 +34,14 @@ from raytrain.rundir import (
     Summary,
 )
 from raytrain.rundir.storage import Store
+from raytrain.text import first_line
 
 # Metrics of a row that are series over steps (the rest are identifiers or flags).
 STEP_SERIES = ("loss", "lr", "samples_per_s", "global_batch_size", "world_size")
-# Run files logged next to the model when the run ends (MLflow artifacts).
-RUN_ARTIFACTS = (CONFIG, SUMMARY, METRICS, EVENTS, REPORT)
+# Run files logged under run/ when the run ends (MLflow artifacts): model.pt is the plain state dict.
+RUN_ARTIFACTS = (MODEL, CONFIG, SUMMARY, METRICS, EVENTS, REPORT)
+# The MLflow model's name in its run: runs:/RUN_ID/model.
+MLFLOW_MODEL = "model"
 # A run on an object store: its TensorBoard files are uploaded at most this often (and at the end).
 UPLOAD_INTERVAL_S = 30.0
 
@@ -219,10 +225,13 @@ class TensorBoardSink(Sink):
 
 class MLflowSink(Sink):
     """One MLflow run per raytrain run: params = the resolved config, per-step metrics
-    (the metrics.jsonl names), the final model.pt, report and run files as artifacts.
+    (the metrics.jsonl names), the final model as an MLflow PyTorch model (`_log_model`), the
+    report and run files (model.pt among them) as artifacts under run/.
 
     `--resume` continues the MLflow run of the same run directory (tag "raytrain.run_dir").
     Any MLflow URI works: a server (http://...), sqlite:///mlflow.db, file:./mlruns.
+    `model(weights)` gives the model with the final weights of model.pt, and its input and
+    output on an example (or why there are none): `raytrain.observe.tracking.RunTracker.final_model`.
     """
 
     name = "MLflow"
@@ -235,15 +244,17 @@ class MLflowSink(Sink):
         params: dict[str, str],
         run_dir: Path,
         echo: Callable[[str], None] = print,
+        model: Callable[[Path], tuple[Any, Any]] | None = None,
     ):
         uri = mlflow_store_uri(uri)
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
-        self.uri = uri
+        self.uri, self.echo, self.model = uri, echo, model
         self.run_dir = Store.of(run_dir)
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        self.experiment_id = experiment_id
         self.run_id = self._existing_run(experiment_id) if getattr(cfg, "resume", False) else None
         if self.run_id is None:
             run = self.client.create_run(
@@ -294,16 +305,71 @@ class MLflowSink(Sink):
             if (value := _number(summary.get(key))) is not None:
                 self.client.log_metric(self.run_id, f"summary/{key}", value)
         self.client.set_tag(self.run_id, "raytrain.world_sizes", " → ".join(map(str, summary.world_sizes)))
-        with Store.of(run_dir).local_copy((MODEL, *RUN_ARTIFACTS, PLOTS)) as local:
-            model = local / MODEL
-            if model.exists():
-                self.client.log_artifact(self.run_id, str(model), artifact_path="model")
+        with Store.of(run_dir).local_copy((*RUN_ARTIFACTS, PLOTS)) as local:
             for name in RUN_ARTIFACTS:
                 if (local / name).exists():
                     self.client.log_artifact(self.run_id, str(local / name), artifact_path="run")
             if (local / PLOTS).is_dir():
                 self.client.log_artifacts(self.run_id, str(local / PLOTS), artifact_path="run/plots")
+            if (local / MODEL).exists() and self.model is not None:
+                self._log_model(local / MODEL, int(summary.steps or 0))
         self.client.set_terminated(self.run_id, status="FINISHED" if summary.status == "finished" else "FAILED")
+
+    def _log_model(self, weights: Path, step: int) -> None:
+        """The model as an MLflow PyTorch model named `model` (`mlflow.pytorch.load_model(
+        "runs:/RUN_ID/model")`, ready for the Model Registry), with a signature where the model
+        takes one tensor and returns one. A model that cannot be logged is said once."""
+        import mlflow.pytorch
+        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+        try:
+            model, example = self.model(weights)
+            signature = tensor_signature(*example) if isinstance(example, tuple) else None
+            logged = self.client.create_logged_model(self.experiment_id, MLFLOW_MODEL, source_run_id=self.run_id)
+            # log_model reads the process's tracking URI: this run's for the call, the caller's after it.
+            with scoped_env({"MLFLOW_TRACKING_URI": self.uri}), _use_tracking_uri(self.uri), _quiet("mlflow"):
+                mlflow.pytorch.log_model(
+                    model,
+                    name=MLFLOW_MODEL,
+                    model_id=logged.model_id,
+                    run_id=self.run_id,
+                    step=step,
+                    signature=signature,
+                    input_example=example[0] if signature else None,
+                    serialization_format="pickle",  # any model, loaded back as its own class
+                    pip_requirements=mlflow.pytorch.get_default_pip_requirements(),  # inferring them takes seconds
+                )
+        except Exception as exc:
+            self.echo(
+                f"MLflow: the model is only the state dict run/model.pt; it could not be logged: {first_line(exc)}"
+            )
+            return
+        said = f"signature {signature.inputs} -> {signature.outputs}" if signature else f"no signature: {example}"
+        self.echo(f"MLflow: the model is runs:/{self.run_id}/{MLFLOW_MODEL} ({said})")
+
+
+def tensor_signature(inputs: Any, outputs: Any) -> Any:
+    """A tensor signature, any number of rows (`mlflow.models.infer_signature` needs scipy,
+    which mlflow-skinny lacks)."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    def spec(array: Any) -> Any:
+        return Schema([TensorSpec(array.dtype, (-1, *array.shape[1:]))])
+
+    return ModelSignature(inputs=spec(inputs), outputs=spec(outputs))
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """Only errors from `logger`: MLflow's advice (pickle, a local torch version) is not the user's."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _mlflow_key(tag: str) -> str:

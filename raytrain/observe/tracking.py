@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from raytrain import hooks
 from raytrain.environ import scoped_env
 from raytrain.errors import ConfigError
 from raytrain.observe.sinks import Dispatcher, Sink, follow
@@ -57,13 +58,14 @@ class RunTracker:
     """Everything observability does for one `fit`: sinks opened before training, rows
     fed while it runs, trackers closed and the report written when it ends.
 
-        tracker = RunTracker(cfg, run_dir, pipeline_name, echo=print, progress=True)
-        with tracker.follow(since=time.time(), train_rows=rows):
+        tracker = RunTracker(cfg, run_dir, pipeline_name, echo=print, progress=True, pipeline=pipe)
+        with tracker.follow(since=time.time(), train_rows=rows, example=source.sample):
             trainer.fit()
         tracker.finish(summary)
 
     Construction checks that the asked-for trackers are installed (ConfigError if not),
-    so a missing extra is reported before Ray starts.
+    so a missing extra is reported before Ray starts. `pipeline` (and one `example` row of
+    the run's data) let MLflow log the final model as a model (`final_model`).
     """
 
     def __init__(
@@ -76,8 +78,11 @@ class RunTracker:
         progress: bool = False,
         options: TrackingOptions | None = None,
         stream: Any = None,
+        pipeline: Any = None,
     ):
         self.cfg = cfg
+        self.pipeline = pipeline
+        self.example: dict[str, Any] | None = None
         self.run_dir = Store.of(run_dir)
         self.pipeline_name = pipeline_name
         self.echo = echo or (lambda line: None)
@@ -122,6 +127,7 @@ class RunTracker:
                     params,
                     self.run_dir,
                     echo=self.echo,
+                    model=self.final_model if self.pipeline is not None else None,
                 ),
             )
         if self.options.wandb_project:
@@ -137,9 +143,27 @@ class RunTracker:
         except Exception as exc:
             self.echo(f"raytrain: {tracker} could not start a run, training without it: {first_line(exc)}")
 
+    def final_model(self, weights: Path) -> tuple[Any, "tuple[Any, Any] | str"]:
+        """The pipeline's model with `weights` (the run's model.pt) loaded strictly, in eval mode,
+        and its input and output on the example row (or why there are none: `example_io`)."""
+        from raytrain.rundir.checkpoints import load_model_weights
+
+        model = hooks.call(self.pipeline, "build_model", self.cfg)
+        model.load_state_dict(load_model_weights(str(weights)), strict=True)
+        model.eval()
+        return model, example_io(self.pipeline, model, self.example)
+
     @contextlib.contextmanager
-    def follow(self, since: float, train_rows: int | None = None, also: Sequence[Sink] = ()) -> Iterator[None]:
-        """Send the run's records to the console and trackers (and `also`'s sinks) while the body runs."""
+    def follow(
+        self,
+        since: float,
+        train_rows: int | None = None,
+        also: Sequence[Sink] = (),
+        example: dict[str, Any] | None = None,
+    ) -> Iterator[None]:
+        """Send the run's records to the console and trackers (and `also`'s sinks) while the body
+        runs. `example`: one row of the run's data (`raytrain.data.sources.MemorySource.sample`)."""
+        self.example = example
         self.dispatcher.sinks = [*self.open_sinks(train_rows=train_rows if self.progress else None), *also]
         self.dispatcher.warn = self.dispatcher.sinks[0].write  # the console: above the bar, if any
         try:
@@ -210,6 +234,36 @@ def check_mlflow_uri(uri: str) -> None:
                 )
             ]
         ) from None
+
+
+def example_io(pipeline: Any, model: Any, rows: dict[str, Any] | None) -> "tuple[Any, Any] | str":
+    """(input, output) as arrays of the model's first call in the pipeline's compute_loss on
+    `rows`, when it takes one tensor and returns one (what a tensor signature describes); else
+    why not, in words."""
+    import numpy as np
+    import torch
+
+    if not rows:
+        return "the run's data gave no example row"
+    calls: list[tuple] = []
+    handle = model.register_forward_hook(
+        lambda _, args, kwargs, out: calls.append((args, kwargs, out)), with_kwargs=True
+    )
+    try:
+        with torch.no_grad():
+            hooks.call(pipeline, "compute_loss", model, {k: torch.from_numpy(np.array(v)) for k, v in rows.items()})
+    except Exception as exc:
+        return f"compute_loss failed on an example row: {first_line(exc)}"
+    finally:
+        handle.remove()
+    if not calls:
+        return "compute_loss did not call the model"
+    args, kwargs, output = calls[0]
+    if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        return "the model takes other than one tensor"
+    if not isinstance(output, torch.Tensor):
+        return f"the model returns a {type(output).__name__}, not a tensor"
+    return args[0].numpy(), output.float().numpy() if output.is_floating_point() else output.numpy()
 
 
 def _importable(module: str) -> bool:
