@@ -61,6 +61,9 @@ class Files:
     def stop_requested(self, anyone=False):
         return False
 
+    def driver_gone(self):
+        return None
+
     def metrics(self, row):
         self.rows.append(row)
 
