@@ -8,6 +8,7 @@ command line: tests/conftest.py::digits_two_worker_run).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -389,6 +390,18 @@ def test_mlflow_gets_the_model_as_a_pytorch_model_with_its_signature(tmp_path, m
     (logged,) = client.search_logged_models([run.info.experiment_id])
     assert (logged.name, logged.source_run_id, str(logged.status)) == ("model", run_id, "READY")
     assert "run/model.pt" in {a.path for a in client.list_artifacts(run_id, "run")}
+
+    # Resumed and finished again, with no example row at hand: runs:/ gives the new model, unsigned.
+    retrained = DigitsPipeline().build_model(cfg).eval()
+    torch.save(retrained.state_dict(), run_dir / "model.pt")
+    resumed = dataclasses.replace(cfg, resume=True)
+    again = RunTracker(resumed, run_dir, "digits", echo=lines.append, options=options, pipeline=DigitsPipeline())
+    with again.follow(since=T0 - 1):
+        pass
+    again.finish(Summary.from_json({"status": "finished", "steps": 46}))
+    assert lines[-1] == f"MLflow: the model is runs:/{run_id}/model (no signature: the run's data gave no example row)"
+    assert torch.equal(mlflow.pytorch.load_model(f"runs:/{run_id}/model")(batch), retrained(batch))
+    assert mlflow.models.get_model_info(f"runs:/{run_id}/model").signature is None
 
 
 def test_example_io_is_the_models_one_tensor_in_and_out_or_says_why_not():

@@ -263,7 +263,8 @@ def example_io(pipeline: Any, model: Any, rows: dict[str, Any] | None) -> "tuple
         return "the model takes other than one tensor"
     if not isinstance(output, torch.Tensor):
         return f"the model returns a {type(output).__name__}, not a tensor"
-    return args[0].numpy(), output.float().numpy() if output.is_floating_point() else output.numpy()
+    arrays = [(t.float() if t.dtype == torch.bfloat16 else t).numpy() for t in (args[0], output)]  # numpy has no bf16
+    return arrays[0], arrays[1]
 
 
 def _importable(module: str) -> bool:
