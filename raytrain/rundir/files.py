@@ -333,8 +333,8 @@ class LockUnreadable(StorageError):
             errno_codes.EBUSY,
             f"run {run_dir.name!r} in {run_dir.parent} has a lock file that cannot be read: {path}: {problem}. "
             f"raytrain neither trusts nor takes over such a lock. Make sure no run of this name is running (no "
-            f"`raytrain train ... --name {run_dir.name}` on any host that uses this storage, e.g. `pgrep -af "
-            f"{run_dir.name}` on each), then delete {path} and run again",
+            f"`raytrain train ... --name {run_dir.name}` on any host that uses this storage: `pgrep -af -- "
+            f"'--name {run_dir.name}'` on each), then delete {path} and run again",
         )
 
 
