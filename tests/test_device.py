@@ -170,6 +170,33 @@ def test_a_sequential_model_compiles_in_place_and_every_ranks_graphs_are_counted
     torch._dynamo.reset()
 
 
+def test_the_sync_carries_every_ranks_compile_figures_and_nothing_more_without_compile():
+    from raytrain.worker.window import sync
+
+    vectors = []
+
+    class Rank(OneRank):
+        world_size = 3
+
+        def __init__(self, rank, summed=None):
+            self.world_rank, self.summed = rank, summed
+
+        def all_reduce_sum(self, values):
+            vectors.append(values)
+            return self.summed or values
+
+    def synced(compiled):
+        vectors.clear()
+        for rank in range(3):
+            sync(Rank(rank), Quiet(), LossWindow.on(torch.device("cpu")), 10, compiled=compiled and compiled[rank])
+        summed = [sum(column) for column in zip(*vectors)]
+        return sync(Rank(0, summed), Quiet(), LossWindow.on(torch.device("cpu")), 10, compiled=compiled and compiled[0])
+
+    assert synced([(2, 0.0), (1, 1.5), (0, 3.0)]).compiled == [(2, 0.0), (1, 1.5), (0, 3.0)]
+    width = len(vectors[0])
+    assert synced(None).compiled == [] and len(vectors[0]) == width - 6  # two slots a rank, under --compile only
+
+
 def test_the_compile_line_says_each_ranks_graphs_and_seconds():
     from raytrain.worker.phases import compile_line
 

@@ -67,6 +67,26 @@ def test_parquet_pipeline_streams_written_shards(digits_parquet, tmp_path, capsy
     assert summary["samples_seen"] == 4 * 1438 and summary["final_metrics"]["val_accuracy"] >= 0.9
 
 
+# Scenario stage (docs/testing.md): --compile on Ray is a fit of its own (the ray stage has no room);
+# in CI the count is tests/test_device.py's, the summary and report test_run_files.py's.
+@pytest.mark.scenario
+def test_compile_builds_graphs_for_a_sequential_model_on_every_rank(digits_parquet, tmp_path):
+    """The parquet pipeline's model is an nn.Sequential, which nn.Module.compile would leave eager."""
+    args = ["train", "parquet", "--pipeline-arg", f"path={digits_parquet / 'train'}", "--pipeline-arg", "label=label"]
+    args += ["--workers", "2", "--epochs", "1", "--compile", "--storage", str(tmp_path), "--name", "pqc"]
+    assert main(args) == 0
+    run = tmp_path / "pqc"
+    record = json.loads((run / "summary.json").read_text())["compile"]
+    assert record["compiled"] is True and min(record["graphs"]) >= 1 and len(record["graphs"]) == 2, record
+    assert min(record["seconds"]) > 0.0, record
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    plan = next(e for e in events if e["kind"] == "plan")["message"]
+    assert "to compile" in plan and "compiled" not in plan
+    said = [e for e in events if e["kind"] == "compile"]
+    assert len(said) == 1 and said[0]["message"].startswith("Compiled by step"), said
+    assert "Compile: graphs built by rank" in (run / "report.md").read_text()
+
+
 def bad_run(tmp_path, capsys, *pipeline_args) -> str:
     args = ["train", "parquet", "--workers", "2", "--epochs", "1", "--storage", str(tmp_path)]
     for arg in pipeline_args:

@@ -119,6 +119,7 @@ class Epochs:
             self.steady_clock = SteadyClock(self.runtime.device)
         tick = self.steady_clock.start() if steady else None
         phase = runner.measures.phases(position.step, timed=steady)
+        self.recovery.step_rows(step.size)
         runner.gradients(data, step, phase)
         if not self.recovery.commit(runner):
             return False
@@ -197,13 +198,14 @@ class Epochs:
 
     def sync_ranks(self, stop_requested: bool = False, driver_gone: str | None = None) -> tuple[float, int, bool]:
         """The sync (`raytrain.worker.window.sync`): the mean loss since the last one, the samples
-        it covers and whether to stop. A NaN/inf loss on any rank ends the run here
-        (TrainingDiverged), before its weights are saved."""
+        it covers and whether to stop; every rank's compile figures noted. A NaN/inf loss on any
+        rank ends the run here (TrainingDiverged), before its weights are saved."""
         runner, position = self.runner, self.position
-        heartbeat, own, faults = runner.measures.heartbeat, runner.measures.own, self.recovery.faults
-        loss, count, stop, diverged, times, hosts = sync(
-            runner.runtime, heartbeat, runner.window, position.step, stop_requested, own, faults.my_host, driver_gone
-        )
+        measures, faults = runner.measures, self.recovery.faults
+        loss, count, stop, diverged, times, hosts, compiled = sync(
+            runner.runtime, measures.heartbeat, runner.window, position.step, stop_requested, measures.own,
+            faults.my_host, measures.compiled(), driver_gone,
+        )  # fmt: skip
         if diverged:
             last_good = self.last_good_checkpoint()
             raise TrainingDiverged(
@@ -219,6 +221,7 @@ class Epochs:
         if self.steady_clock is not None:  # the sync waited for the steps' kernels: their times are in
             self.steady_clock.settle(runner.measures.telemetry)
         faults.after_sync(self.recovery, self.files, times, hosts, position.step)
+        measures.note_compiled(compiled, self.files, position.step)
         return loss, count, stop
 
     def last_good_checkpoint(self) -> Any:

@@ -4,7 +4,7 @@ Steps add their loss to a `LossWindow` on the device, without a host sync. Every
 --log-every-steps steps (and at an epoch's end, and before every checkpoint) all ranks
 `sync`: one collective gives the sample-weighted mean loss over all ranks, whether anyone
 was asked to stop, whether any rank saw a NaN/inf loss or gradient norm, and each rank's own
-step time (`raytrain.rules.stragglers`). A non-finite
+step time (`raytrain.rules.stragglers`), and under --compile the graphs each rank built. A non-finite
 loss ends the run there (`TrainingDiverged`), before any checkpoint saves its weights.
 """
 
@@ -125,6 +125,7 @@ class Synced(NamedTuple):
     diverged: dict[int, int]  # {rank: first step whose loss or gradient norm was NaN/inf}; empty when all is well
     times: list[RankTimes]  # each rank's own time over the window's steps (raytrain.rules.stragglers)
     hosts: list[str]  # each rank's node address (IPv4; "?" for another kind)
+    compiled: list[tuple[int, float]]  # --compile: each rank's graphs built and seconds compiling; [] without
 
 
 class OwnFigures(Protocol):
@@ -141,14 +142,16 @@ def sync(
     stop_requested: bool = False,
     own: "OwnFigures | None" = None,
     host: int = 0,
+    compiled: tuple[int, float] | None = None,
     driver_gone: str | None = None,
 ) -> Synced:
     """One collective at the logging cadence (every rank calls it at the same steps, after the
     step to `step`): the mean loss, whether to stop, the ranks that diverged, every rank's own
     time (`own`: this rank's since the last call, taken) and its host (`host`: this rank's IPv4
-    address as an integer, `raytrain.rules.agreement.ipv4`). The window is cleared. A driver gone
-    (`driver_gone`: why, rank 0's look) ends the attempt on every rank here (DriverGone), before
-    the metrics row or a checkpoint is written."""
+    address as an integer, `raytrain.rules.agreement.ipv4`) and, under --compile, its graphs
+    built and seconds compiling (`compiled`: the same on every rank, given or not). The window is
+    cleared. A driver gone (`driver_gone`: why, rank 0's look) ends the attempt on every rank here
+    (DriverGone), before the metrics row or a checkpoint is written."""
     # In the step just taken; from here on a GPU waits for its device, which may wait in the
     # all-reduce for a stalled peer.
     heartbeat.mark(step - 1, "all_reduce")
@@ -160,8 +163,11 @@ def sync(
     times = [0.0] * (3 * world)
     times[3 * rank : 3 * rank + 3] = [mine.compute_s, mine.data_s, float(mine.steps)]
     hosts = agreement.to_slots(host, rank, world)
+    compiles = [0.0] * (2 * world if compiled is not None else 0)
+    compiles[2 * rank : 2 * rank + 2] = compiled or ()
     totals = runtime.all_reduce_sum(
         [float(window.loss_sum.item()), float(window.loss_count), float(stop_requested), *slots, *times, *hosts]
+        + compiles
         + [float(driver_gone is not None)]
     )
     totals, gone = totals[:-1], totals[-1] > 0
@@ -174,7 +180,9 @@ def sync(
     diverged = {r: int(bad) for r, bad in enumerate(bad_steps) if math.isfinite(bad)}
     ranks = [RankTimes(shared[3 * r], shared[3 * r + 1], int(shared[3 * r + 2])) for r in range(world)]
     addresses = [agreement.address(value) for value in agreement.from_slots(totals[3 + 4 * world :], world)]
-    return Synced((total / count if count else float("nan")), count, stop, diverged, ranks, addresses)
+    shared_compiles = totals[len(totals) - len(compiles) :] if compiles else []
+    built = [(int(shared_compiles[2 * r]), shared_compiles[2 * r + 1]) for r in range(world)] if compiles else []
+    return Synced((total / count if count else float("nan")), count, stop, diverged, ranks, addresses, built)
 
 
 def divergence_message(
