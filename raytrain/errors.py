@@ -3,8 +3,10 @@
 `UserError` is the one root of what the user must fix: bad configuration, usage, data,
 pipeline code, a checkpoint or storage, a diverged loss. It is deterministic: running the
 attempt again repeats it, so raytrain's failure policy ends the run at once
-(`raytrain.driver.failfast`). Worker deaths, lost nodes and collective timeouts are not
-UserErrors: they keep --max-failures.
+(`raytrain.driver.failfast`). So does a `DeterministicFault`, a failure of the cluster or the
+code that an attempt met again where an earlier one met it (not the user's input: the run
+failed, exit status 1). Worker deaths, lost nodes and collective timeouts are neither: they
+keep --max-failures.
 
 The command line's exit status is a property of the error's type (`exit_status`): 2 for a
 UserError, 1 for a run that failed (`RunFailed`) or diverged (`TrainingDiverged`, a UserError
@@ -97,6 +99,16 @@ class PipelineCodeError(UserError, RuntimeError):
     """The pipeline's own code raised or returned something raytrain cannot use."""
 
 
+class DeterministicFault(RuntimeError):
+    """A failure of the cluster or the code, not of the user's input, that repeats where it
+    happened when retried (the same replica mismatch at the same step after a rollback): never
+    retried, whatever --max-failures; the run failed (`RunFailed`'s paragraph, exit status 1)."""
+
+
+# What the failure policy never retries: running the attempt again would fail the same way.
+NOT_RETRIED = (UserError, DeterministicFault)
+
+
 class RunFailed(RuntimeError):
     """The run started but did not finish: the cause in one paragraph and where the logs are
     (exit status 1)."""
@@ -112,7 +124,12 @@ def exit_status(error: BaseException) -> int | None:
 
 
 def find_user_error(error: BaseException | None) -> UserError | None:
-    """The UserError inside `error`: itself, its cause chain, a Ray task error's cause, or
+    """The UserError inside `error` (`find_error`)."""
+    return find_error(error, UserError)
+
+
+def find_error(error: BaseException | None, kind: "type[Any] | tuple[type[Any], ...]") -> Any:
+    """The error of `kind` inside `error`: itself, its cause chain, a Ray task error's cause, or
     the first rank's exception of a Ray Train worker-group error."""
     seen: set[int] = set()
     stack = [error]
@@ -122,9 +139,9 @@ def find_user_error(error: BaseException | None) -> UserError | None:
             continue
         seen.add(id(current))
         cause = getattr(current, "cause", None)  # ray.exceptions.RayTaskError: the task's own exception
-        if isinstance(cause, UserError):
+        if isinstance(cause, kind):
             return cause
-        if isinstance(current, UserError):
+        if isinstance(current, kind):
             return current
         stack.append(getattr(current, "_base_exc", None))  # Ray Train's UserExceptionWithTraceback
         stack.append(getattr(current, "controller_failure", None))  # Ray Train's ControllerError

@@ -208,8 +208,8 @@ def test_the_fingerprints_of_every_rank_travel_in_one_sum(monkeypatch):
         world_rank, world_size = 0, 2
 
         def all_reduce_sum(self, values):
-            other = agreement.to_slots(mine ^ 1, 1, 2)
-            return [a + b for a, b in zip(values, other)]
+            other = agreement.to_slots(mine ^ 1, 1, 2) + agreement.to_slots(0, 1, 2)  # its host slots after
+            return [a + b for a, b in zip(values, other, strict=True)]
 
     runner = types.SimpleNamespace(runtime=TwoRanks(), model=model, optimizer=optimizer)
     prints = replica_fingerprints(runner)

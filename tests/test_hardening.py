@@ -47,6 +47,15 @@ def test_summary_is_strict_and_says_diverged_for_a_nan_loss(tmp_path):
     json.loads(text, parse_constant=lambda c: pytest.fail(c))
 
 
+def test_a_deterministic_fault_is_the_summarys_error_not_rays_wrapper(tmp_path):
+    from raytrain.worker.agreement import ReplicaMismatchRecurred
+
+    wrapper = RuntimeError("Training failed due to worker errors:\n...")  # Ray Train's, each rank's inside
+    wrapper.worker_failures = {1: ReplicaMismatchRecurred("Replicas disagree at step 15: the run stops here.")}
+    summary = write_summary(tmp_path, TrainConfig(), None, wrapper, time.time())
+    assert summary.status == "failed" and summary.error == "Replicas disagree at step 15: the run stops here."
+
+
 def test_atomic_write_leaves_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
     target = tmp_path / "summary.json"
     rundir.write_json(target, {"status": "finished"})

@@ -17,6 +17,7 @@ from raytrain.rules.stall import nccl_error_handling, stall_seen_by_heartbeats
 from raytrain.rundir import RunDir
 from raytrain.rundir.heartbeats import read_last_attempt
 from raytrain.rundir.records import HEARTBEATS, Kind
+from raytrain.worker.agreement import ReplicaMismatch, ReplicaMismatchRecurred
 
 
 def beat(rank, step, phase, since, attempt=1000.0, now=2000.0):
@@ -75,10 +76,18 @@ class Inner(FailurePolicy):
         return FailureDecision.RETRY
 
 
-@pytest.mark.parametrize("error, told", [(RuntimeError("worker died"), True), (DataError("bad row 7"), False)])
+@pytest.mark.parametrize(
+    "error, told",
+    [
+        (RuntimeError("worker died"), True),
+        (ReplicaMismatch("replicas disagree at step 15"), True),  # the first time: retried
+        (DataError("bad row 7"), False),
+        (ReplicaMismatchRecurred("the same replica mismatch recurred at step 15"), False),  # deterministic
+    ],
+)
 def test_the_policy_tells_of_worker_failures_but_not_of_the_users_errors(error, told):
     seen = []
-    policy = FailFastPolicy(Inner(), on_worker_failure=seen.append)
+    policy = FailFastPolicy(Inner(), on_worker_failure=seen.append)  # it retries all, as --max-failures -1
     decision = policy.make_decision(error)
     assert decision == (FailureDecision.RETRY if told else FailureDecision.RAISE)
     assert seen == ([error] if told else [])

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import copy
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
 from raytrain.rules import agreement, stragglers
 from raytrain.rules.stragglers import RankTimes, StragglerWatch, step_ratios
+from raytrain.rundir.records import Kind
 from raytrain.worker.agreement import fingerprint, held_tensors, mismatch_line
 from raytrain.worker.phases import OwnTime, PhaseTimer, StepPhases
 
@@ -181,6 +184,104 @@ def test_the_mismatch_line_names_the_ranks_their_hosts_and_where_the_run_goes_ba
     assert "no majority" in two and "rank 1 (host h1)" in two and "goes back to checkpoint_s000000010_x" in two
     three = mismatch_line([2], ["h0", "h1", "h2"], 40, 1, 3, None)
     assert "rank 2 (host h2) differs from the other replicas" in three and "the start" in three
+    again = mismatch_line([1], ["h0", "h1", "h2"], 15, 1, 3, "checkpoint_s000000010_x", recurred=True)
+    assert "recurred at step 15 on rank 1 after a rollback to checkpoint_s000000010_x" in again
+    assert "deterministic" in again and "the run stops here" in again and "goes back to" not in again
+
+
+def test_a_mismatch_recurs_only_at_the_same_step_on_the_same_ranks_after_the_same_rollback():
+    from raytrain.rundir.records import Event
+
+    def met(step=15, ranks=(1,), checkpoint="checkpoint_s10", invocation="a", kind=Kind.REPLICA_MISMATCH):
+        return Event(
+            kind, "", extra={"step": step, "ranks": list(ranks), "checkpoint": checkpoint, "invocation": invocation}
+        )
+
+    assert agreement.recurs([met()], "a", 15, [1], "checkpoint_s10")
+    assert agreement.recurs([met(checkpoint=None)], "a", 15, [1], None)  # no checkpoint yet: back to the start
+    assert not agreement.recurs([], "a", 15, [1], "checkpoint_s10")  # the first time: retried
+    for other in (met(step=20), met(ranks=(0, 1)), met(checkpoint="checkpoint_s15"), met(kind=Kind.STRAGGLER)):
+        assert not agreement.recurs([other], "a", 15, [1], "checkpoint_s10"), other
+    assert not agreement.recurs([met(invocation="b")], "a", 15, [1], "checkpoint_s10")  # a run resumed since
+
+
+class _Ranks:
+    """`world` ranks in threads; each one's all-reduce sums every rank's vector."""
+
+    def __init__(self, world):
+        self.world, self.barrier = world, threading.Barrier(world, timeout=30)
+        self.vectors, self.sums = [None] * world, None
+
+    def recovery(self, rank):
+        ranks = self
+
+        class Runtime:
+            world_size, world_rank = ranks.world, rank
+
+            def all_reduce_sum(self, values):
+                ranks.vectors[rank] = list(values)
+                if ranks.barrier.wait() == 0:
+                    ranks.sums = [sum(column) for column in zip(*ranks.vectors)]
+                ranks.barrier.wait()
+                return list(ranks.sums)
+
+        return type("Recovery", (), {"runtime": Runtime(), "shards_per_replica": 1})()
+
+    def compare(self, models, files, invocation="a", step=15, back="checkpoint_s000000010_x"):
+        """Every rank's `Watch.compare` of one attempt; what each raised."""
+        from raytrain.worker.watch import Watch
+
+        raised = [None] * self.world
+
+        def rank_compares(rank):
+            watch = Watch(TrainConfig(), invocation)
+            watch._my_host = agreement.ipv4(f"10.0.0.{rank + 1}")  # its node's address; no log sync yet
+            try:
+                watch.compare(self.recovery(rank), files[rank], models[rank], None, step, lambda: Path(back))
+            except Exception as exc:
+                raised[rank] = exc
+
+        threads = [threading.Thread(target=rank_compares, args=(rank,)) for rank in range(self.world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return raised
+
+
+def test_the_same_mismatch_after_the_same_rollback_stops_every_rank_and_names_the_hosts_from_the_start(tmp_path):
+    """The issue's case: a replica corrupted at every step from step 12 is caught at step 15, the run goes
+    back to step 10's checkpoint and meets it at step 15 again: deterministic, so every rank raises the
+    error the failure policy never retries (only rank 0 reads the events; the all-reduce tells rank 1)."""
+    from raytrain.errors import DeterministicFault
+    from raytrain.rundir import RunDir
+    from raytrain.rundir.writer import RunWriter
+    from raytrain.worker.agreement import ReplicaMismatch, ReplicaMismatchRecurred
+
+    torch.manual_seed(0)
+    good = torch.nn.Linear(3, 2)
+    odd = copy.deepcopy(good)
+    with torch.no_grad():
+        odd.weight.view(-1)[0] += 1.0
+    ranks = _Ranks(3)
+    files = [RunWriter(tmp_path, enabled=rank == 0) for rank in range(3)]
+    first = ranks.compare([good, odd, good], files)
+    assert all(type(exc) is ReplicaMismatch for exc in first), first  # the first time: retried
+    assert "rank 1 (host 10.0.0.2) differs" in str(first[1]) and "goes back to checkpoint_s000000010_x" in str(first[0])
+    assert ranks.compare([good, good, good], files) == [None] * 3  # the replicas agree: nothing said
+    other = ranks.compare([good, odd, good], files, invocation="b")  # a run resumed since: its own
+    assert all(type(exc) is ReplicaMismatch for exc in other), other
+    again = ranks.compare([good, odd, good], files)
+    assert all(type(exc) is ReplicaMismatchRecurred for exc in again), again  # rank 1 and 2 read no events
+    assert isinstance(again[2], DeterministicFault) and str(again[2]) == str(again[0])
+    assert "recurred at step 15 on rank 1 after a rollback to checkpoint_s000000010_x" in str(again[0])
+    assert "goes back" not in str(again[0]) and "host ?" not in str(again[0])
+    events = [e for e in RunDir(tmp_path).events() if e.kind == Kind.REPLICA_MISMATCH]
+    assert [(e.get("recurred"), e.get("host"), e.get("invocation")) for e in events] == [
+        (False, "10.0.0.2", "a"), (False, "10.0.0.2", "b"), (True, "10.0.0.2", "a"),
+    ]  # fmt: skip
+    moved = ranks.compare([good, odd, good], files, back="checkpoint_s000000015_y")  # a newer rollback
+    assert all(type(exc) is ReplicaMismatch for exc in moved), moved
 
 
 @pytest.mark.parametrize(

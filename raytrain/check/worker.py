@@ -192,7 +192,7 @@ def grad_norm(runner: StepRunner) -> float:
 def replica_fingerprints(runner: StepRunner) -> tuple[int, ...]:
     """Every rank's fingerprint of what it holds (weights and optimizer state), shared as training
     compares its replicas (`raytrain.worker.agreement.shared_fingerprints`)."""
-    return tuple(shared_fingerprints(runner.runtime, unwrap(runner.model), runner.optimizer))
+    return tuple(shared_fingerprints(runner.runtime, unwrap(runner.model), runner.optimizer).fingerprints)
 
 
 def probe(pipeline: Pipeline, payload: CheckPayload, alone: Runtime) -> list[Cause]:

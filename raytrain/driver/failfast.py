@@ -2,8 +2,9 @@
 
 Ray Train retries every worker error up to `FailureConfig(max_failures)`. A `UserError`
 (bad data, configuration, pipeline code, storage; `raytrain.errors`) would fail the same
-way on every attempt, so the policy ends the run at the first one. Worker deaths, lost
-nodes and collective timeouts keep Ray's policy and --max-failures.
+way on every attempt, and a `DeterministicFault` has (a replica mismatch met again at the same
+step), so the policy ends the run at the first one, whatever --max-failures (-1 included).
+Worker deaths, lost nodes and collective timeouts keep Ray's policy and --max-failures.
 
 Under per-step fault tolerance the controller also replaces lost replicas itself, and a
 replica that dies while another is being replaced fails that replacement with a controller
@@ -25,7 +26,7 @@ from ray.train.v2._internal.execution.failure_handling import FailureDecision, F
 from raytrain.driver import interrupts, replacement
 from raytrain.driver.evict import KeepEvictedOut, evicting_policy
 from raytrain.driver.replacement import GroupController, ReplicaGroups, group_scaling_policy, lost_while_replacing
-from raytrain.errors import find_user_error
+from raytrain.errors import NOT_RETRIED, find_error
 
 
 class FailFastPolicy(FailurePolicy):
@@ -44,7 +45,7 @@ class FailFastPolicy(FailurePolicy):
         self.on_worker_failure = on_worker_failure
 
     def make_decision(self, training_failed_error) -> FailureDecision:
-        if find_user_error(training_failed_error) is not None:
+        if find_error(training_failed_error, NOT_RETRIED) is not None:
             return FailureDecision.RAISE
         if self.on_worker_failure is not None:
             self.on_worker_failure(training_failed_error)

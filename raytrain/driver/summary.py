@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from raytrain.config import TrainConfig
-from raytrain.errors import StorageError, explain_worker_errors, find_user_error
+from raytrain.errors import NOT_RETRIED, StorageError, explain_worker_errors, find_error
 from raytrain.rules import flops
 from raytrain.rules.accounting import account
 from raytrain.rules.attempt import tally
@@ -42,7 +42,7 @@ def write_summary(
     last = rows[-1] if rows else None
     final_metrics, window = final_figures(rows)
     earlier = files.summary()  # an earlier invocation's (the run resumed since): its time counts too
-    fault = find_user_error(error)
+    fault = find_error(error, NOT_RETRIED)  # its sentence is the error, not a wrapper's first line
     if status is None:
         # A signal that came after the last epoch's model was written stopped nothing.
         done = (

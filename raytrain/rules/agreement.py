@@ -6,16 +6,19 @@ must hold the same bits: under ddp every rank holds all of the model (a shard of
 per-step replica groups of K (HSDP) rank g·K + i holds shard i of group g's replica. A rank
 whose fingerprint differs from the majority of its shard's is odd; with no majority (two
 replicas that differ) every one of that shard's ranks is named, since either may be the
-corrupted one.
+corrupted one. A mismatch that an earlier attempt met at the same step on the same ranks, after
+going back to the same checkpoint, is deterministic and not retried again (`recurs`).
 
 A fingerprint is a 64-bit integer; it travels in a float all-reduce as four 16-bit pieces
 (exact in float32 and float64), one slot per piece per rank, each rank filling its own. So does
-each rank's host, an IPv4 address, in the log sync (`ipv4`, `address`).
+each rank's host, an IPv4 address, in the log sync and beside the fingerprint (`ipv4`, `address`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+
+from raytrain.rundir.records import Event, Kind
 
 PIECES = 4  # 16-bit pieces of a 64-bit fingerprint
 PIECE = 1 << 16
@@ -88,3 +91,21 @@ def check_due(step: int, every: int | None, checkpoint_now: bool, default_most_s
     if every is not None:
         return step % every == 0 or checkpoint_now
     return checkpoint_now or step % default_most_steps == 0
+
+
+def recurs(earlier: list[Event], invocation: str, step: int, odd: list[int], checkpoint: str | None) -> bool:
+    """Whether a mismatch at `step` naming `odd`, found while the run's last checkpoint is
+    `checkpoint`, repeats one an earlier attempt of this invocation of the driver recorded (a
+    `replica_mismatch` event of `earlier` with its `invocation`): the same ranks differed at the same
+    step after the run went back to the same checkpoint. Retried, a fault that does so is not
+    transient: it repeats (a device that computes wrong every time, an operation that differs
+    between ranks, code that changes one rank's weights). A run resumed since, another invocation,
+    may run on other hosts: its mismatches are not this one's."""
+    return any(
+        event.kind == Kind.REPLICA_MISMATCH
+        and event.get("invocation") == invocation
+        and event.step == step
+        and event.get("ranks") == odd
+        and event.get("checkpoint") == checkpoint
+        for event in earlier
+    )

@@ -50,7 +50,7 @@ class Kind:
     NOTE = "note"  # something about the run's setup worth knowing (an optimizer that leaves parameters out)
     STRAGGLER = "straggler"  # a rank every step waits for (or, `ended`, no longer): raytrain.rules.stragglers
     EVICTED = "evicted"  # --evict-stragglers: a straggler's host taken out of the run
-    REPLICA_MISMATCH = "replica_mismatch"  # replicas' weights differ: the run goes back to a checkpoint
+    REPLICA_MISMATCH = "replica_mismatch"  # replicas' weights differ: back to a checkpoint, or stop (`recurred`)
     COMPILE = "compile"  # --compile: the graphs each rank built by its first compiled steps, or that it runs eager
 
     # Events worth a line in the report and a mark on the plots.

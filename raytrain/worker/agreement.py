@@ -8,15 +8,18 @@ every checkpoint after it would hold the corrupted weights. The check runs befor
 checkpoint (so a published checkpoint's replicas agreed) and every --replica-check-steps
 steps; on a mismatch rank 0 writes a "replica_mismatch" event naming the odd ranks and their
 hosts, and every rank raises `ReplicaMismatch`: a failure like a lost worker's, recovered from
-the last checkpoint, whose replicas agreed.
+the last checkpoint, whose replicas agreed. The same mismatch met again after that rollback
+(`raytrain.rules.agreement.recurs`) is not a transient fault: every rank raises
+`ReplicaMismatchRecurred`, never retried, and the run stops.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from raytrain.errors import DeterministicFault
 from raytrain.rules import agreement
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,6 +33,11 @@ SUM_PIECE = 1 << 24  # elements summed at a time: the int64 copy of a piece is 1
 class ReplicaMismatch(RuntimeError):
     """The replicas' weights or optimizer state differ: the attempt fails and the run goes back to
     the last checkpoint (a fault of the hardware, retried as any worker's failure)."""
+
+
+class ReplicaMismatchRecurred(ReplicaMismatch, DeterministicFault):
+    """The same replicas differed at the same step after the run went back to the same checkpoint:
+    a deterministic fault, which a retry repeats; the run stops (exit status 1)."""
 
 
 def held_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
@@ -65,14 +73,24 @@ def fingerprint(tensors: list[torch.Tensor]) -> int:
     return int(total.item()) or 1  # never MISSING (raytrain.rules.agreement): 0 is a rank that did not answer
 
 
+class Shared(NamedTuple):
+    fingerprints: list[int]  # by rank
+    hosts: list[str]  # by rank: its node address ("?" for one that is not IPv4)
+
+
 def shared_fingerprints(
-    runtime: "Runtime", model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-) -> list[int]:
-    """Every rank's fingerprint of what it holds (`held_tensors`), in rank order: one all-reduce of
-    their 16-bit pieces (`raytrain.rules.agreement.to_slots`), a collective of every rank."""
+    runtime: "Runtime", model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, host: int = 0
+) -> Shared:
+    """Every rank's fingerprint of what it holds (`held_tensors`) and its host (`host`: its node
+    address, `raytrain.rules.agreement.ipv4`), in rank order: one all-reduce of their 16-bit pieces
+    (`raytrain.rules.agreement.to_slots`), a collective of every rank. The hosts ride along so that a
+    mismatch found before an attempt's first log sync names them too."""
+    world, rank = runtime.world_size, runtime.world_rank
     mine = fingerprint(held_tensors(model, optimizer))
-    summed = runtime.all_reduce_sum(agreement.to_slots(mine, runtime.world_rank, runtime.world_size))
-    return agreement.from_slots(summed, runtime.world_size)
+    summed = runtime.all_reduce_sum(agreement.to_slots(mine, rank, world) + agreement.to_slots(host, rank, world))
+    cut = agreement.PIECES * world
+    hosts = [agreement.address(value) for value in agreement.from_slots(summed[cut:], world)]
+    return Shared(agreement.from_slots(summed[:cut], world), hosts)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -82,16 +100,28 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def mismatch_line(
-    odd: list[int], hosts: list[str], step: int, shards_per_replica: int, world_size: int, last_checkpoint: str | None
+    odd: list[int], hosts: list[str], step: int, shards_per_replica: int, world_size: int, last_checkpoint: str | None,
+    recurred: bool = False,
 ) -> str:  # fmt: skip
-    """The sentence of a mismatch: who, where, and what the run does."""
-    named = ", ".join(f"rank {r} (host {hosts[r] if r < len(hosts) else '?'})" for r in odd)
+    """The sentence of a mismatch: who, where, and what the run does: it goes back to the last
+    checkpoint, or, when an earlier attempt met the same mismatch after going back there
+    (`recurred`), it stops."""
+    named = ", ".join(f"rank {r} (host {hosts[r]})" for r in odd)
     replicas = world_size // max(1, shards_per_replica)
     if replicas == 2 and len(odd) > 1:
         who = f"the two replicas differ and there is no majority to say which is wrong: {named}"
     else:
         who = f"{named} differ{'s' if len(odd) == 1 else ''} from the other replicas"
     back = last_checkpoint or "the start (no checkpoint yet)"
+    if recurred:
+        ranks = f"rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))}"
+        return (
+            f"Replicas disagree at step {step}: {who}. The same replica mismatch recurred at step {step} on {ranks} "
+            f"after a rollback to {back}: a deterministic fault, not a transient one (a device that computes wrong "
+            "every time, an operation that is not deterministic across ranks, or code that changes one rank's "
+            "weights); not retried, whatever --max-failures: the run stops here. Take that host out of the cluster, "
+            f"or find what differs between the ranks in that step; --resume then continues from {back}."
+        )
     return (
         f"Replicas disagree at step {step}: {who}. Their weights or optimizer state changed without a gradient "
         f"(silent data corruption on that device or host): the run goes back to {back}, whose replicas agreed. "

@@ -94,7 +94,7 @@ class Recovery:
         this run of the driver (its evictions are its own)."""
         self.runtime = runtime if runtime is not None else Runtime(cfg.gpu)
         self._every = Quorum(self.runtime.world_size, self.runtime.world_rank)
-        self.faults = Watch(cfg)  # slow and silent faults: stragglers, replicas that differ
+        self.faults = Watch(cfg, invocation)  # slow and silent faults: stragglers, replicas that differ
         self._strategy = cfg.strategy
         self.evict_key = run_key(cfg.storage, cfg.name, invocation)  # where a straggler's node is written down
 

@@ -12,6 +12,7 @@ same watch over the same figures, so every rank reaches the same decisions.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -22,7 +23,7 @@ from raytrain.rules import agreement
 from raytrain.rules import replicas as replica_rules
 from raytrain.rules.stragglers import RankTimes, StragglerWatch
 from raytrain.rundir.records import RANK_STEP_S, Kind
-from raytrain.worker.agreement import ReplicaMismatch, mismatch_line, shared_fingerprints
+from raytrain.worker.agreement import ReplicaMismatch, ReplicaMismatchRecurred, mismatch_line, shared_fingerprints
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
@@ -50,11 +51,11 @@ class Watch:
     """Stragglers found at each sync and the replicas compared, on every rank alike (the writing rank
     writes the events)."""
 
-    def __init__(self, cfg: "TrainConfig") -> None:
+    def __init__(self, cfg: "TrainConfig", invocation: str = "") -> None:
         self.cfg = cfg
+        self.invocation = invocation  # this run of the driver: its attempts' mismatches are compared
         evict_after = cfg.straggler_evict_steps if cfg.evict_stragglers else None
         self.stragglers = StragglerWatch(cfg.straggler_factor, cfg.straggler_steps, evict_after)
-        self.hosts: list[str] = []  # by rank, as the last sync said
         self.last: list[RankTimes] = []  # the last sync's figures
         self.quorum: Any = None  # the workers of the figures (`raytrain.worker.recovery.Quorum`)
         self._my_host: int | None = None
@@ -80,7 +81,7 @@ class Watch:
     ) -> None:
         """A sync's figures, the same on every rank: the writing rank says a straggler found, or
         gone; under --evict-stragglers every rank finds the one to evict (`Recovery.evict`)."""
-        self.last, self.hosts = times, hosts
+        self.last = times
         if len(times) < 2:
             return
         for found in self.stragglers.observe(times, hosts):
@@ -122,24 +123,30 @@ class Watch:
     ) -> list[int]:  # fmt: skip
         """Every rank's fingerprint after the step to `step`. On a mismatch the writing rank
         writes the event (naming `last_checkpoint()`, the directory the run goes back to, or None)
-        and every rank raises `ReplicaMismatch`."""
+        and every rank raises `ReplicaMismatch`; `ReplicaMismatchRecurred`, not retried, when an
+        earlier attempt met the same one after going back there (the writing rank reads the events
+        and one more all-reduce tells every rank: they stop together)."""
         runtime, shards = recovery.runtime, recovery.shards_per_replica
-        every = shared_fingerprints(runtime, model, optimizer)
+        every, hosts = shared_fingerprints(runtime, model, optimizer, self.my_host)
         odd = agreement.odd_ranks(every, shards)
         if not odd:
             return every
-        hosts = [self.hosts[r] if r < len(self.hosts) else "?" for r in range(runtime.world_size)]
         latest = last_checkpoint()
         back = latest.name if latest is not None else None
-        line = mismatch_line(odd, hosts, step, shards, runtime.world_size, back)
+        seen = False
+        if files.enabled:
+            with contextlib.suppress(OSError):  # events it cannot read: retried, as any mismatch was
+                seen = agreement.recurs(files.rundir.events(), self.invocation, step, odd, back)
+        recurred = runtime.all_reduce_sum([float(seen)])[0] > 0
+        line = mismatch_line(odd, hosts, step, shards, runtime.world_size, back, recurred)
         named = [hosts[r] for r in odd]
         one = {"rank": odd[0], "host": named[0]} if len(odd) == 1 else {}
         files.event(
             Kind.REPLICA_MISMATCH, line, step=step, ranks=odd, hosts=named, checkpoint=back, **one,
-            fingerprints=[f"{value:016x}" for value in every],
+            fingerprints=[f"{value:016x}" for value in every], invocation=self.invocation, recurred=recurred,
         )  # fmt: skip
         files.flush()
-        raise ReplicaMismatch(line)
+        raise (ReplicaMismatchRecurred if recurred else ReplicaMismatch)(line)
 
 
 class StallWatch:
