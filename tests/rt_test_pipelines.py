@@ -659,16 +659,20 @@ class StragglingPipeline(RecordingPipeline):
 
 class CorruptingPipeline(RecordingPipeline):
     """Silent corruption: at global step `at_step` of the first attempt (a marker file in
-    `out_dir`), one weight of rank `rank`'s replica gains `delta`, with no gradient."""
+    `out_dir`), one weight of rank `rank`'s replica gains `delta`, with no gradient; with
+    `every_step`, at every step from `at_step` of every attempt (a deterministic fault)."""
 
-    def __init__(self, out_dir: str, rank: int = 1, at_step: int = 12, delta: float = 1.0, **kwargs):
+    def __init__(
+        self, out_dir: str, rank: int = 1, at_step: int = 12, delta: float = 1.0, every_step: bool = False, **kwargs
+    ):
         super().__init__(out_dir, **kwargs)
-        self.rank, self.at_step, self.delta = rank, at_step, delta
+        self.rank, self.at_step, self.delta, self.every_step = rank, at_step, delta, every_step
 
     def compute_loss(self, model, batch):
         ctx = raytrain.context()
         marker = Path(self.out_dir) / "corrupted"
-        if model.training and ctx.world_rank == self.rank and ctx.step == self.at_step and not marker.exists():
+        due = ctx.step >= self.at_step if self.every_step else ctx.step == self.at_step and not marker.exists()
+        if model.training and ctx.world_rank == self.rank and due:
             with torch.no_grad():
                 next(getattr(model, "module", model).parameters()).view(-1)[0] += self.delta
             marker.write_text(str(ctx.step))

@@ -1,6 +1,7 @@
 """CPU Ray tier: the faults that announce nothing (`raytrain.worker.watch`): a rank every step
 waits for is named, and a replica whose weights silently changed is caught, rolled back to a
-checkpoint its replicas agreed on, and never published."""
+checkpoint its replicas agreed on, and never published; changed again at the same step after the
+rollback, it stops the run."""
 
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def test_a_corrupted_replica_is_caught_rolled_back_and_never_published(ray_sessi
     assert 1 in mismatch["ranks"] and mismatch["step"] == 15, mismatch  # two replicas: both named
     assert mismatch["checkpoint"].startswith("checkpoint_s000000010_"), mismatch
     assert "no majority" in mismatch["message"]
+    assert mismatch["recurred"] is False and "?" not in mismatch["hosts"], mismatch  # met once: retried
     restores = [e for e in events if e["kind"] == "restore"]
     assert restores and restores[-1]["step"] < 12, restores
     assert result.summary["failures_recovered"] >= 1
@@ -88,3 +90,35 @@ def test_a_corrupted_replica_is_caught_rolled_back_and_never_published(ray_sessi
     model = CorruptingPipeline(str(out)).build_model(cfg)
     model.load_state_dict(torch.load(exported, weights_only=True), strict=True)
     assert json.loads((out / "corrupted").read_text()) == 12
+
+
+# Scenario stage (docs/testing.md): a fit of its own that fails, and the ray stage has no room; in CI
+# a mismatch rolled back is the test above's, the recurrence's decision on every rank test_watch.py's.
+@pytest.mark.scenario
+@pytest.mark.timeout(300)  # retried forever, it would never end (--max-failures -1)
+def test_a_replica_corrupted_at_every_step_stops_the_run_at_the_second_attempt(ray_session, tmp_path):
+    """The issue's case: a replica corrupted at every step from step 12, checked at every step and
+    logged every 50; the second attempt, back at step 10's checkpoint before any log sync, meets the same
+    mismatch at the same step: a deterministic fault, not retried though --max-failures is -1."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = raytrain.TrainConfig(
+        workers=2, batch_size_per_worker=8, epochs=1, checkpoint_every_steps=10, replica_check_steps=1,
+        log_every_steps=50, max_failures=-1, storage=str(tmp_path), name="recurring",
+    )  # fmt: skip
+    with pytest.raises(raytrain.RunFailed) as failure:
+        raytrain.fit(CorruptingPipeline(str(out), rank=1, at_step=12, every_step=True, num_rows=400), cfg)
+    events = read_jsonl(tmp_path / "recurring" / "events.jsonl")
+    mismatches = [e for e in events if e["kind"] == "replica_mismatch"]
+    assert [(e["step"], e["recurred"]) for e in mismatches] == [
+        (mismatches[0]["step"], False),
+        (mismatches[0]["step"], True),
+    ]
+    assert all(e["checkpoint"].startswith("checkpoint_s000000010_") and "?" not in e["hosts"] for e in mismatches)
+    assert "goes back to checkpoint_s000000010_" in mismatches[0]["message"]
+    message = str(failure.value)
+    step = mismatches[0]["step"]
+    assert "ReplicaMismatchRecurred" in message and f"recurred at step {step} on ranks 0, 1 after a rollback" in message
+    assert "the run stops here" in message and "goes back" not in message and "host ?" not in message
+    summary = json.loads((tmp_path / "recurring" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith(f"Replicas disagree at step {step}")
