@@ -110,12 +110,14 @@ class MlflowServer:
 
     def stop(self) -> None:
         """The server's process group (uvicorn and its worker), by the leader's id."""
-        if self.process.poll() is None:
+        try:  # the group may outlive its leader: its workers
             os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
         if not self.log.closed:
             self.log.close()
