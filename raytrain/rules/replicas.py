@@ -22,9 +22,9 @@ against a split brain), so the survivor waits until the stuck one is gone.
 The grace follows the replica's own committed steps, so a slow but healthy step is never taken
 for a hang: four of its usual steps, at least STALL_GRACE_MIN_S. A replica that has not
 committed a step yet (its first, where a compile or a warm-up may run) gets the longer of
-FIRST_STEP_GRACE_S and the collective timeout, and so does a step whose rows have a shape no
-committed step had (an epoch's smaller last step, a new quorum's share), which --compile
-compiles again (`new_shape_stall_after_s`). Pure: nothing here touches Ray or torch.
+FIRST_STEP_GRACE_S and the collective timeout, and so, under --compile, does a step whose rows
+have a shape no committed step had (an epoch's smaller last step, a new quorum's share), which
+Dynamo compiles again (`new_shape_stall_after_s`). Pure: nothing here touches Ray or torch.
 """
 
 from __future__ import annotations

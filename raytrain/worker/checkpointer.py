@@ -141,7 +141,7 @@ class Checkpointer:
             if pruned:
                 return None, True
             if not unusable:
-                runner.measures.restore(train_state, state.position.samples_seen)
+                runner.measures.restore(train_state, state.position.samples_seen, state.position.step)
                 return train_state, False
             if not choice.names or choice.names[-1] != directory.name:  # failed on another rank
                 choice.pass_over(directory, f"checkpoint {directory.name} failed to load on another rank")

@@ -119,7 +119,8 @@ class Epochs:
             self.steady_clock = SteadyClock(self.runtime.device)
         tick = self.steady_clock.start() if steady else None
         phase = runner.measures.phases(position.step, timed=steady)
-        self.recovery.step_rows(step.size)
+        if self.cfg.compile:  # a step of a new shape compiles again: per-step gives it a first step's grace
+            self.recovery.step_rows(step.size)
         runner.gradients(data, step, phase)
         if not self.recovery.commit(runner):
             return False

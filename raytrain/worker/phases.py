@@ -41,24 +41,24 @@ class Measures:
     memory_said: bool = False
     compiled_from: tuple[int, float] | None = None  # --compile: this process's graphs, compile seconds before
     compile_said: bool = False
-    first_step: int | None = None  # the attempt's first step
+    first_step: int = 0  # the attempt's first step: where it was restored
     own: "OwnTime" = field(init=False)  # this rank's own time since the last sync
 
     def __post_init__(self) -> None:
         self.own = OwnTime(on_gpu=self.device.type == "cuda")
 
-    def restore(self, train_state: dict[str, Any], samples_seen: int) -> None:
-        """A checkpoint's telemetry, and the throughput counted from its position. Its compile
-        figures were another attempt's processes': this one compiles again and counts its own."""
+    def restore(self, train_state: dict[str, Any], samples_seen: int, step: int) -> None:
+        """A checkpoint's telemetry, and the throughput counted from its position (`step`,
+        `samples_seen`). Its compile figures were another attempt's processes': this one compiles
+        again and counts its own."""
         self.telemetry = Telemetry.restored(train_state)
         self.telemetry.compile_graphs = self.telemetry.compile_s = None
         self.throughput = Throughput(time.perf_counter(), samples_seen)
+        self.first_step = step
 
     def phases(self, step: int, timed: bool) -> "StepPhases":
         """The instrumentation of the step at `step`; `timed`: a steady step, whose phase times
         add to the telemetry's."""
-        if self.first_step is None:
-            self.first_step = step
         timer = PhaseTimer(self.telemetry.phase_time_s if timed else None, self.sync)
         return StepPhases(self.heartbeat, step, timer, self.own)
 
@@ -100,7 +100,7 @@ class Measures:
             return None
         from raytrain.parallel.strategy import graphs_built
 
-        graphs, seconds = graphs_built()
+        graphs, seconds = graphs_built() or self.compiled_from
         return graphs - self.compiled_from[0], seconds - self.compiled_from[1]
 
     def note_compiled(self, every: list[tuple[int, float]], files: Any, step: int) -> None:
@@ -112,7 +112,7 @@ class Measures:
             return
         self.telemetry.compile_graphs = [graphs for graphs, _ in every]
         self.telemetry.compile_s = [round(seconds, 3) for _, seconds in every]
-        if self.compile_said or step - (self.first_step or 0) < 2:
+        if self.compile_said or step - self.first_step < 2:
             return
         from raytrain.rundir.records import Kind
 

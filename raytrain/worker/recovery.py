@@ -152,8 +152,8 @@ class Recovery:
         return self._every
 
     def step_rows(self, rows: int) -> None:
-        """The step entered takes `rows` over its workers (what per-step's stall watch allows a
-        step depends on it)."""
+        """Under --compile, the step entered takes `rows` over its workers (what per-step's stall
+        watch allows a step depends on it: a new shape compiles again)."""
 
     def commit(self, runner: Runner) -> bool:
         """Whether to apply the step: always (a failure restarts the group from a checkpoint)."""
