@@ -195,6 +195,21 @@ def test_the_sync_carries_every_ranks_compile_figures_and_nothing_more_without_c
     assert synced([(2, 0.0), (1, 1.5), (0, 3.0)]).compiled == [(2, 0.0), (1, 1.5), (0, 3.0)]
     width = len(vectors[0])
     assert synced(None).compiled == [] and len(vectors[0]) == width - 6  # two slots a rank, under --compile only
+    # Per-step, a reduction that failed holds only the rank's own group: the others' figures are
+    # missing, not "no graph", and nothing is said from it (a rank would read as eager).
+    vectors.clear()
+    own = sync(Rank(0), Quiet(), LossWindow.on(torch.device("cpu")), 10, compiled=(2, 0.5))
+    assert own.compiled == []
+
+
+def test_a_torch_without_dynamos_counters_leaves_compile_not_counted_never_failed(monkeypatch):
+    import torch._dynamo.utils
+
+    from raytrain.parallel import strategy
+
+    assert strategy.graphs_built() is not None
+    monkeypatch.delattr(torch._dynamo.utils, "calculate_time_spent")
+    assert strategy.graphs_built() is None
 
 
 def test_the_compile_line_says_each_ranks_graphs_and_seconds():

@@ -331,12 +331,17 @@ def compile_in_place(module: nn.Module, **options: Any) -> None:
     module.compile(**options)
 
 
-def graphs_built() -> tuple[int, float]:
+def graphs_built() -> tuple[int, float] | None:
     """Graphs Dynamo has built in this process, and the seconds it spent compiling (frames, and
-    the backward graphs compiled at their first call)."""
-    from torch._dynamo.utils import calculate_time_spent, counters
+    the backward graphs compiled at their first call); None where this torch keeps no such
+    count (Dynamo's counters are not public: a torch that moved them leaves a run not counted,
+    never failed)."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent, counters
 
-    return int(counters["stats"]["unique_graphs"]), float(calculate_time_spent().get("total_wall_time", 0.0))
+        return int(counters["stats"]["unique_graphs"]), float(calculate_time_spent().get("total_wall_time", 0.0))
+    except Exception:  # noqa: BLE001 - the same torch on every rank: none of them counts
+        return None
 
 
 @contextlib.contextmanager

@@ -125,7 +125,8 @@ class Synced(NamedTuple):
     diverged: dict[int, int]  # {rank: first step whose loss or gradient norm was NaN/inf}; empty when all is well
     times: list[RankTimes]  # each rank's own time over the window's steps (raytrain.rules.stragglers)
     hosts: list[str]  # each rank's node address (IPv4; "?" for another kind)
-    compiled: list[tuple[int, float]]  # --compile: each rank's graphs built and seconds compiling; [] without
+    # --compile: each rank's graphs built and seconds compiling; [] without, or where a reduction lost a rank's
+    compiled: list[tuple[int, float]]
 
 
 class OwnFigures(Protocol):
@@ -164,7 +165,8 @@ def sync(
     times[3 * rank : 3 * rank + 3] = [mine.compute_s, mine.data_s, float(mine.steps)]
     hosts = agreement.to_slots(host, rank, world)
     compiles = [0.0] * (2 * world if compiled is not None else 0)
-    compiles[2 * rank : 2 * rank + 2] = compiled or ()
+    if compiled is not None:  # graphs + 1: a slot left 0 is a rank whose figures a failed reduction lost
+        compiles[2 * rank : 2 * rank + 2] = [compiled[0] + 1.0, compiled[1]]
     totals = runtime.all_reduce_sum(
         [float(window.loss_sum.item()), float(window.loss_count), float(stop_requested), *slots, *times, *hosts]
         + compiles
@@ -181,7 +183,9 @@ def sync(
     ranks = [RankTimes(shared[3 * r], shared[3 * r + 1], int(shared[3 * r + 2])) for r in range(world)]
     addresses = [agreement.address(value) for value in agreement.from_slots(totals[3 + 4 * world :], world)]
     shared_compiles = totals[len(totals) - len(compiles) :] if compiles else []
-    built = [(int(shared_compiles[2 * r]), shared_compiles[2 * r + 1]) for r in range(world)] if compiles else []
+    built = [(int(shared_compiles[2 * r]) - 1, shared_compiles[2 * r + 1]) for r in range(world)] if compiles else []
+    if any(graphs < 0 for graphs, _ in built):  # per-step: some replica's figures missing, none said from this sync
+        built = []
     return Synced((total / count if count else float("nan")), count, stop, diverged, ranks, addresses, built)
 
 
