@@ -24,7 +24,7 @@ from raytrain import hooks
 from raytrain.config import TrainConfig
 from raytrain.config.sections import FAULT_TOLERANCE_MODES
 from raytrain.data.sources import Source, cost_notes, data_digest, open_source
-from raytrain.errors import find_user_error
+from raytrain.errors import NOT_RETRIED, find_error, find_user_error
 from raytrain.parallel.device import device_failure
 from raytrain.pipeline import Pipeline, overrides
 from raytrain.rules import resume
@@ -83,9 +83,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             raise failure from exc
         if runtime.world_size > 1 and looks_like_timeout(exc):
             raise StallError(explain_stall(cfg, runtime, heartbeat, run_dir, exc)) from exc
-        if find_user_error(exc) is not None:
-            # The run ends here (the user's to fix, never retried): the checkpoint being written
-            # holds a good step, so let it complete, and --resume loses nothing more.
+        if find_error(exc, NOT_RETRIED) is not None:
+            # The run ends here (never retried): the checkpoint being written holds a good step
+            # (it passed its replica check), so let it complete, and --resume loses nothing more.
             with contextlib.suppress(Exception):
                 checkpointer.finish(timeout_s=FINISH_ON_ERROR_S)
         raise

@@ -135,7 +135,9 @@ class Watch:
         back = latest.name if latest is not None else None
         seen = False
         if files.enabled:
-            with contextlib.suppress(OSError):  # events it cannot read: retried, as any mismatch was
+            # Whatever the reading raises, the others wait in the all-reduce below: an unreadable
+            # run is retried, as any mismatch was.
+            with contextlib.suppress(Exception):
                 seen = agreement.recurs(files.rundir.events(), self.invocation, step, odd, back)
         recurred = runtime.all_reduce_sum([float(seen)])[0] > 0
         line = mismatch_line(odd, hosts, step, shards, runtime.world_size, back, recurred)
