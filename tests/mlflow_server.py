@@ -11,6 +11,7 @@ skip. The server is stopped by its process group's id.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.metadata
 import os
@@ -114,10 +115,11 @@ class MlflowServer:
             os.killpg(self.process.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(15)
-        except subprocess.TimeoutExpired:
+        # Whatever the leader did, the group's workers may ignore SIGTERM: the group goes with SIGKILL.
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        self.process.wait()
         if not self.log.closed:
             self.log.close()

@@ -403,6 +403,15 @@ def test_mlflow_gets_the_model_as_a_pytorch_model_with_its_signature(tmp_path, m
     assert torch.equal(mlflow.pytorch.load_model(f"runs:/{run_id}/model")(batch), retrained(batch))
     assert mlflow.models.get_model_info(f"runs:/{run_id}/model").signature is None
 
+    # A run that did not finish (its model.pt an earlier invocation's) logs no model.
+    failed = RunTracker(resumed, run_dir, "digits", echo=lines.append, options=options, pipeline=DigitsPipeline())
+    with failed.follow(since=T0 - 1):
+        pass
+    said = len(lines)
+    failed.finish(Summary.from_json({"status": "failed", "steps": 50}))
+    assert not any("the model is" in line for line in lines[said:])
+    assert len(client.search_logged_models([run.info.experiment_id])) == 2  # the finished invocations' only
+
 
 def test_example_io_is_the_models_one_tensor_in_and_out_or_says_why_not():
     import torch

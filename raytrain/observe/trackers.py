@@ -311,7 +311,7 @@ class MLflowSink(Sink):
                     self.client.log_artifact(self.run_id, str(local / name), artifact_path="run")
             if (local / PLOTS).is_dir():
                 self.client.log_artifacts(self.run_id, str(local / PLOTS), artifact_path="run/plots")
-            if (local / MODEL).exists() and self.model is not None:
+            if (local / MODEL).exists() and self.model is not None and summary.status == "finished":
                 self._log_model(local / MODEL, int(summary.steps or 0))
         self.client.set_terminated(self.run_id, status="FINISHED" if summary.status == "finished" else "FAILED")
 
@@ -319,10 +319,10 @@ class MLflowSink(Sink):
         """The model as an MLflow PyTorch model named `model` (`mlflow.pytorch.load_model(
         "runs:/RUN_ID/model")`, ready for the Model Registry), with a signature where the model
         takes one tensor and returns one. A model that cannot be logged is said once."""
-        import mlflow.pytorch
-        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
-
         try:
+            import mlflow.pytorch
+            from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
             model, example = self.model(weights)
             signature = tensor_signature(*example) if isinstance(example, tuple) else None
             logged = self.client.create_logged_model(self.experiment_id, MLFLOW_MODEL, source_run_id=self.run_id)
