@@ -21,11 +21,13 @@ import torch
 
 from raytrain import Pipeline, TrainConfig
 from raytrain.cli import main
-from raytrain.errors import CheckpointError
+from raytrain.errors import CheckpointError, StorageError
 from raytrain.rules import resume
 from raytrain.rules.position import Position
-from raytrain.rundir import RunDir, Store, claimed
+from raytrain.rundir import RunDir, Store, claimed, files
 from raytrain.rundir import checkpoints as ckpt
+from raytrain.rundir.buffered import BufferedLogs
+from raytrain.rundir.faults import DEFAULT_RETRY_S
 from raytrain.rundir.files import (
     LOCK_FILE,
     DriverGone,
@@ -33,12 +35,15 @@ from raytrain.rundir.files import (
     LockUnreadable,
     RunLock,
     RunLocked,
+    beat_name,
     parse_lock,
     pid_alive,
+    read_beat,
     self_record,
 )
 from raytrain.rundir.host import host_id
 from raytrain.rundir.publish import Publish
+from raytrain.rundir.records import EVENTS, LIVE, Kind
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker.state import TrainingState
 from raytrain.worker.window import LossWindow, sync
@@ -64,6 +69,7 @@ MALFORMED = {  # what the lock holds -> what the refusal says is wrong
     "a pid not a number": ({"pid": "12"}, 'its pid "12" is not a process id'),
     "an empty record": ({}, "it names no process (no pid)"),
     "a host not a string": ({"host": ["a"]}, 'its host ["a"] is not a string'),
+    "nested deep": ("[" * 200_000, "it holds more than 1024 bytes, and a lock's record is smaller"),
 }
 
 
@@ -86,6 +92,7 @@ def test_a_lock_that_is_not_a_locks_record_is_named_with_the_fix_and_never_taken
     message = str(refused.value)
     assert f"{tmp_path}/run/.lock: {problem}" in message
     assert "no `raytrain train ... --name run`" in message and f"then delete {tmp_path}/run/.lock" in message
+    assert "`pgrep -af -- '--name[= ]run'`" in message  # --name run and --name=run alike
     assert (tmp_path / "run" / LOCK_FILE).read_text() == text  # never taken over
 
 
@@ -96,6 +103,23 @@ def test_the_command_line_refuses_an_unreadable_lock_with_exit_2_and_no_tracebac
     err = capsys.readouterr().err
     assert status == 2, err
     assert "Traceback" not in err and MALFORMED[case][1] in err and "delete" in err
+
+
+def test_a_lock_nested_too_deep_or_a_directory_is_unreadable_not_a_traceback(tmp_path):
+    with pytest.raises(ValueError, match="it is not JSON .nested too deep to read."):
+        parse_lock("[" * 200_000)
+    (tmp_path / LOCK_FILE).mkdir()
+    with pytest.raises(LockUnreadable, match=f"{tmp_path}/.lock: it is a directory, not a lock's file.*then delete"):
+        RunLock(tmp_path).acquire()
+    assert "is no longer its driver's (" in DriverWatch(Store.of(tmp_path), "driver-a").why_gone()
+
+
+def test_a_lock_that_cannot_be_read_is_a_storage_error_never_taken_over(tmp_path):
+    (tmp_path / LOCK_FILE).symlink_to(LOCK_FILE)  # a link to itself: every read fails (ELOOP)
+    with pytest.raises(StorageError, match=f"cannot read the run's lock {tmp_path}/.lock: .*ELOOP") as refused:
+        RunLock(tmp_path, owner="driver-b").acquire()
+    assert not isinstance(refused.value, (RunLocked, LockUnreadable))
+    assert os.readlink(tmp_path / LOCK_FILE) == LOCK_FILE  # never deleted, never taken
 
 
 def test_a_lock_naming_a_live_process_with_a_bad_time_leaves_the_process_alone(tmp_path):
@@ -112,10 +136,12 @@ def test_a_lock_naming_a_live_process_with_a_bad_time_leaves_the_process_alone(t
 
 def test_parse_lock_takes_what_raytrain_writes_old_and_new():
     assert parse_lock(json.dumps({"pid": 7, "host": "a", "since": 0}))["pid"] == 7  # an older raytrain's
-    record = self_record() | {"since": time.time(), "owner": "abc", "beat": time.time()}
+    record = self_record() | {"since": time.time(), "owner": "abc"}
     assert parse_lock(json.dumps(record)) == record
-    with pytest.raises(ValueError, match="its beat true is not a time"):
-        parse_lock(json.dumps(record | {"beat": True}))
+    with pytest.raises(ValueError, match="its since true is not a time"):
+        parse_lock(json.dumps(record | {"since": True}))
+    with pytest.raises(ValueError, match=r'its owner "../x" is not a driver.s id'):
+        parse_lock(json.dumps(record | {"owner": "../x"}))  # it names the beat file: never a path
 
 
 def test_a_zombie_is_not_alive():
@@ -131,30 +157,60 @@ def test_a_zombie_is_not_alive():
 # -- the driver's lock: its owner, its beat, a takeover ---------------------------------------------
 
 
-def test_the_lock_names_its_owner_and_its_beat_moves_while_held(tmp_path):
+def test_the_lock_names_its_owner_and_its_beat_moves_in_a_file_of_its_own(tmp_path):
     lock = RunLock(tmp_path, owner="driver-a", beat_s=0.05)
     lock.acquire()
     try:
-        first = lock.holder()
-        assert first["owner"] == "driver-a" and "beat" not in first
+        text = (tmp_path / LOCK_FILE).read_text()
+        assert lock.holder()["owner"] == "driver-a" and "beat" not in lock.holder()
         deadline = time.monotonic() + 10
-        while (lock.holder() or {}).get("beat") is None:
+        while read_beat(Store.of(tmp_path), "driver-a") is None:
             assert time.monotonic() < deadline, "the beat never came"
             time.sleep(0.02)
+        first = read_beat(Store.of(tmp_path), "driver-a")
+        while read_beat(Store.of(tmp_path), "driver-a") == first:
+            assert time.monotonic() < deadline, "the beat did not move"
+            time.sleep(0.02)
+        assert (tmp_path / LOCK_FILE).read_text() == text  # the lock itself is never rewritten
     finally:
         lock.release()
-    assert not (tmp_path / LOCK_FILE).exists()
+    assert not (tmp_path / LOCK_FILE).exists() and not (tmp_path / beat_name("driver-a")).exists()
 
 
-def test_a_lock_taken_from_a_driver_is_not_rewritten_by_its_beat(tmp_path):
+def test_a_lock_taken_from_a_driver_is_never_written_or_deleted_by_it(tmp_path):
     lock = RunLock(tmp_path, owner="driver-a", beat_s=0.05)
     lock.acquire()
-    other = json.dumps(self_record() | {"since": 1.0, "owner": "driver-b"})  # this process, another driver
-    (tmp_path / LOCK_FILE).write_text(other)
-    time.sleep(0.3)
-    assert (tmp_path / LOCK_FILE).read_text() == other
+    (tmp_path / LOCK_FILE).unlink()  # removed by hand, then taken by another driver
+    taker = RunLock(tmp_path, owner="driver-b", beat_s=0.05)
+    taker.acquire()
+    try:
+        other = (tmp_path / LOCK_FILE).read_text()
+        time.sleep(0.3)  # the old driver beats on, into its own file only
+        assert (tmp_path / LOCK_FILE).read_text() == other
+        lock.release()
+        assert (tmp_path / LOCK_FILE).read_text() == other  # not deleted either: it is not this driver's
+        assert not (tmp_path / beat_name("driver-a")).exists() and (tmp_path / beat_name("driver-b")).exists()
+    finally:
+        taker.release()
+
+
+def test_beats_that_keep_failing_are_said_once(tmp_path, monkeypatch):
+    real = Store.write_bytes
+
+    def no_beat(store, name, data):
+        if name.startswith(f"{LOCK_FILE}.beat-"):
+            raise OSError(5, "the store does not answer")
+        real(store, name, data)
+
+    monkeypatch.setattr(Store, "write_bytes", no_beat)
+    lines = []
+    lock = RunLock(tmp_path, owner="driver-a", beat_s=0.05, echo=lines.append)
+    lock.acquire()
+    time.sleep(0.6)  # 3 periods are 0.15 s
     lock.release()
-    assert (tmp_path / LOCK_FILE).read_text() == other  # not deleted either: it is not this driver's
+    assert len(lines) == 1, lines
+    assert f"could not refresh its beat {tmp_path}/.lock.beat-driver-a for " in lines[0]
+    assert "the store does not answer" in lines[0] and "stop once it has not moved for 240 s" in lines[0]
 
 
 def test_a_takeover_from_an_ended_driver_says_its_workers_are_fenced(tmp_path):
@@ -168,11 +224,24 @@ def test_a_takeover_from_an_ended_driver_says_its_workers_are_fenced(tmp_path):
     assert "which has ended; its workers, if any still run, are fenced" in lines[0]
 
 
-def test_a_live_holder_is_still_refused(tmp_path):
+def test_a_takeover_of_an_empty_stale_lock_says_so(tmp_path):
+    (tmp_path / LOCK_FILE).write_text("")
+    os.utime(tmp_path / LOCK_FILE, (time.time() - 30, time.time() - 30))
+    lines = []
+    with claimed(Store.of(tmp_path), owner="driver-b", echo=lines.append):
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["owner"] == "driver-b"
+    assert len(lines) == 1 and "had an empty lock, 30 s old, left by a driver that died writing it" in lines[0]
+    assert "are fenced" in lines[0]
+
+
+def test_a_live_holder_is_still_refused_with_its_last_beat(tmp_path):
     first = RunLock(tmp_path, owner="driver-a")
     first.acquire()
     try:
-        with pytest.raises(RunLocked, match=f"in use by process {os.getpid()}"):
+        with pytest.raises(RunLocked, match=rf"in use by process {os.getpid()} .*\(no beat yet; it beats every 10 s\)"):
+            RunLock(tmp_path, owner="driver-b").acquire()
+        (tmp_path / beat_name("driver-a")).write_text(json.dumps(time.time() - 7))
+        with pytest.raises(RunLocked, match=r"\(its last beat 7 s ago; it beats every 10 s\); wait for it"):
             RunLock(tmp_path, owner="driver-b").acquire()
     finally:
         first.release()
@@ -185,8 +254,10 @@ def holder(**fields):
     return {"pid": 41, "host": "head", "host_id": "h1", "since": 1.0, "owner": "driver-a", **fields}
 
 
-def gone(record, owner="driver-a", same_host=True, pid_alive=True, silent_s=0.0):
-    return resume.driver_gone(record, owner, same_host=same_host, pid_alive=pid_alive, silent_s=silent_s)
+def gone(record, owner="driver-a", same_host=True, pid_alive=True, silent_s=0.0, limit_s=240.0):
+    return resume.driver_gone(
+        record, owner, same_host=same_host, pid_alive=pid_alive, silent_s=silent_s, limit_s=limit_s
+    )
 
 
 def test_a_driver_on_this_host_holds_the_run_while_its_process_lives():
@@ -195,9 +266,39 @@ def test_a_driver_on_this_host_holds_the_run_while_its_process_lives():
 
 
 def test_a_driver_on_another_host_holds_the_run_while_its_beat_moves():
-    assert gone(holder(), same_host=False, pid_alive=None, silent_s=resume.DRIVER_SILENT_S) is None
-    why = gone(holder(), same_host=False, pid_alive=None, silent_s=resume.DRIVER_SILENT_S + 1)
-    assert why == "its driver, process 41 on head, has not refreshed the run's lock for 61 s"
+    assert gone(holder(), same_host=False, pid_alive=None, silent_s=240) is None
+    why = gone(holder(), same_host=False, pid_alive=None, silent_s=241)
+    assert why == "its driver, process 41 on head, has not refreshed its beat for 241 s (240 s allowed)"
+
+
+def test_the_silence_allowed_outlasts_the_stores_retries():
+    """A beat held up in the store's retries (DEFAULT_RETRY_S, 120 s) is a driver alive."""
+    assert resume.driver_silent_limit_s(DEFAULT_RETRY_S) == 2 * DEFAULT_RETRY_S > DEFAULT_RETRY_S
+    assert resume.driver_silent_limit_s(5.0) == 180.0
+    assert DriverWatch(Store.of("/tmp/x"), "driver-a").silent_limit_s == 2 * DEFAULT_RETRY_S
+    assert DriverWatch(Store("/tmp/x", retry_s=300.0), "driver-a").silent_limit_s == 600.0
+
+
+def test_a_read_held_up_by_an_outage_does_not_age_the_beat(tmp_path, monkeypatch):
+    """The read starts 100 s after the beat was seen and returns 300 s later (the store's retries,
+    a hard NFS mount): the beat is 100 s old, not 400 s."""
+    store, clock = Store.of(tmp_path), [1000.0]
+    write_malformed(tmp_path, {"host_id": "elsewhere", "owner": "driver-a"})
+    (tmp_path / beat_name("driver-a")).write_text("5.0")
+    monkeypatch.setattr(files.time, "monotonic", lambda: clock[0])
+    watch = DriverWatch(store, "driver-a")
+    assert watch.why_gone() is None and watch.beat == 5.0
+    real = files.lock_text
+
+    def slow_read(store):
+        clock[0] += 300.0
+        return real(store)
+
+    clock[0] += 100.0
+    monkeypatch.setattr(files, "lock_text", slow_read)
+    assert watch.why_gone() is None
+    clock[0] += 150.0  # 550 s since the beat moved, counted from this read's start
+    assert "has not refreshed its beat for 550 s (240 s allowed)" in watch.why_gone()
 
 
 def test_a_run_taken_over_or_released_is_no_longer_the_attempts():
@@ -223,12 +324,13 @@ def test_the_watch_reads_the_real_lock(tmp_path):
 def test_a_beat_is_timed_on_the_workers_own_clock(tmp_path):
     """Another host's driver: its pid means nothing here; a beat that stops moving does."""
     store = Store.of(tmp_path)
-    write_malformed(tmp_path, {"host_id": "elsewhere", "owner": "driver-a", "beat": 5.0})
+    write_malformed(tmp_path, {"host_id": "elsewhere", "owner": "driver-a"})
+    (tmp_path / beat_name("driver-a")).write_text("5.0")
     watch = DriverWatch(store, "driver-a")
     assert watch.why_gone() is None
-    watch.beat_seen -= resume.DRIVER_SILENT_S + 5  # as if the beat had not moved for that long
-    assert "has not refreshed the run's lock" in watch.why_gone()
-    write_malformed(tmp_path, {"host_id": "elsewhere", "owner": "driver-a", "beat": 6.0})
+    watch.beat_seen -= watch.silent_limit_s + 5  # as if the beat had not moved for that long
+    assert "has not refreshed its beat for" in watch.why_gone()
+    (tmp_path / beat_name("driver-a")).write_text("6.0")
     assert watch.why_gone() is None  # it moved: the driver lives
 
 
@@ -258,6 +360,29 @@ def test_only_rank_0_looks_and_the_sync_ends_the_attempt_on_every_rank(tmp_path)
     with pytest.raises(DriverGone, match="rank 0 found"):
         sync(Rank(1, summed), beat, window, 10)  # rank 1 learns it from the sum alone
     assert sync(Rank(1, [0.0] * len(summed)), beat, window, 10).count == 0  # no one gone: the sync goes on
+
+
+def test_a_gone_drivers_queued_rows_are_dropped_never_written(tmp_path):
+    """On an object store rank 0's rows wait in BufferedLogs: once its driver is found gone, a
+    resume may be rewriting the same objects, so the rows are dropped and nothing is rewritten."""
+    write_malformed(tmp_path, {"pid": ended_pid(), "owner": "driver-a"})
+    for found_by in ("sync", "publish"):
+        writer = RunWriter(tmp_path, enabled=True, driver="driver-a")
+        writer.logs = BufferedLogs(writer.store, keep_last=(LIVE,), interval_s=0.05)  # as on a store
+        writer.event(Kind.NOTE, "queued before the driver was found gone")
+        if found_by == "sync":
+            assert "has ended" in writer.driver_gone()
+        else:
+            with pytest.raises(DriverGone):
+                writer.driver.check()  # the publish fence
+        writer.event(Kind.NOTE, "queued after")
+        time.sleep(0.2)  # the background rewrite's period, four times over
+        writer.close()
+        assert not (tmp_path / EVENTS).exists(), found_by
+    logs = BufferedLogs(Store.of(tmp_path), interval_s=0.05)
+    logs.append(EVENTS, "{}\n")
+    logs.flush()  # a driver that holds the run: its rows are written
+    assert (tmp_path / EVENTS).read_text() == "{}\n"
 
 
 def test_a_fenced_publish_makes_nothing_visible(tmp_path):

@@ -57,10 +57,10 @@ HOOK_FIELDS = {
     "lr_factor": ("schedule", ("lr_milestones", "lr_gamma")),
 }
 HOOK_MARK = "the pipeline's "
-# How long a driver on another host may leave its lock's beat unchanged (it refreshes it every
-# `raytrain.rundir.files.LOCK_BEAT_S`) before its workers take it for gone: its pid cannot be
-# checked from there.
-DRIVER_SILENT_S = 60.0
+# How long a driver on another host may leave its beat unchanged (it beats every
+# `raytrain.rundir.files.LOCK_BEAT_S`) before its workers take it for gone (its pid cannot be
+# checked from there): at least this, and twice the store's retry window (`driver_silent_limit_s`).
+DRIVER_SILENT_MIN_S = 180.0
 # How many times a checkpoint that vanished before it was read is chosen again.
 CHOOSE_TRIES = 5
 Choice, Read = TypeVar("Choice"), TypeVar("Read")
@@ -241,13 +241,27 @@ def read_chosen(
     )
 
 
+def driver_silent_limit_s(retry_s: float) -> float:
+    """How long a driver's beat may stay unchanged, for a store whose calls ride out `retry_s` of
+    outage: a beat held up in those retries (or on a hard NFS mount) is a driver alive, and a
+    storage outage the run survives must not stop it for good."""
+    return max(DRIVER_SILENT_MIN_S, 2 * retry_s)
+
+
 def driver_gone(
-    holder: dict[str, Any] | None, owner: str, *, same_host: bool, pid_alive: bool | None, silent_s: float
+    holder: dict[str, Any] | None,
+    owner: str,
+    *,
+    same_host: bool,
+    pid_alive: bool | None,
+    silent_s: float,
+    limit_s: float = DRIVER_SILENT_MIN_S,
 ) -> str | None:
     """Why the driver whose lock carries `owner` no longer holds the run, or None while it may.
     `holder`: the lock's record (None: no lock); `same_host`: the holder runs on this host, where
-    `pid_alive` says whether its process lives; `silent_s`: how long its `beat` has not changed,
-    as this worker saw it. No `owner` (an attempt started without a lock): nothing to compare."""
+    `pid_alive` says whether its process lives; `silent_s`: how long its beat has not changed,
+    as this worker saw it, allowed up to `limit_s` (`driver_silent_limit_s`). No `owner` (an
+    attempt started without a lock): nothing to compare."""
     if not owner:
         return None
     if holder is None:
@@ -257,8 +271,9 @@ def driver_gone(
         return f"the run is held by another driver now (process {pid} on {host})"
     if same_host:
         return None if pid_alive else f"its driver, process {pid} on this host, has ended"
-    if silent_s > DRIVER_SILENT_S:
-        return f"its driver, process {pid} on {host}, has not refreshed the run's lock for {silent_s:.0f} s"
+    if silent_s > limit_s:
+        silence = f"has not refreshed its beat for {silent_s:.0f} s ({limit_s:.0f} s allowed)"
+        return f"its driver, process {pid} on {host}, {silence}"
     return None
 
 

@@ -252,12 +252,13 @@ def claimed(
     name, and left clean after (no staging area, no node-local files of an object store's run,
     no stop request; no empty directory when the run was refused before it began). `owner`: the
     driver's id, in the lock for its workers to compare (`files.DriverWatch`), and the lock kept
-    fresh; `echo` hears that the run was taken over from an ended driver, whose workers are fenced."""
+    fresh; `echo` hears that the run was taken over from an ended driver, whose workers are fenced,
+    and that the lock's beat has failed for a while."""
     from raytrain.rundir.checkpoints import staging_dir
 
     store = Store.of(run_dir)
     created = store.check()
-    lock = RunLock(store, owner=owner, beat_s=LOCK_BEAT_S if owner else None)
+    lock = RunLock(store, owner=owner, beat_s=LOCK_BEAT_S if owner else None, echo=echo)
     lock.acquire()
     if lock.taken_over is not None and echo is not None:
         echo(takeover_line(store, lock.taken_over))

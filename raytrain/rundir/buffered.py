@@ -9,7 +9,8 @@ and less often as a file grows: a rewrite never takes more than a twentieth of t
 (`raytrain.rundir.tail`), so readers see one stream.
 
 An error the store's retries could not ride out is kept and raised by the next call on the
-loop's thread (the run stops once, resumable from its last complete checkpoint).
+loop's thread (the run stops once, resumable from its last complete checkpoint). Rows of an
+attempt whose driver is gone are dropped (`discard`): a resume may be writing the same objects.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class BufferedLogs:
         self.lock = threading.Lock()  # guards `pending`
         self.writing = threading.Lock()  # one rewrite at a time
         self.failed: BaseException | None = None
+        self.discarded = False
         self.wait_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -39,6 +41,8 @@ class BufferedLogs:
         """Queue `line` (with its newline) for `name`; raises a failure of an earlier write."""
         self._raise_if_failed()
         with self.lock:
+            if self.discarded:
+                return
             lines = self.pending.setdefault(name, [])
             if name in self.keep_last:
                 lines.clear()
@@ -59,6 +63,13 @@ class BufferedLogs:
             self._write()
         except BaseException:  # already kept in self.failed
             pass
+
+    def discard(self) -> None:
+        """Drop every queued line and rewrite nothing more: the run is another driver's now, and a
+        rewrite would wipe the rows it wrote since (a rewrite already under way still lands)."""
+        self._stop.set()
+        with self.lock:
+            self.discarded, self.pending = True, {}
 
     def _run(self) -> None:
         while not self._stop.wait(self.wait_s):

@@ -38,6 +38,11 @@ def default_retry_s() -> float:
         return DEFAULT_RETRY_S
 
 
+def retry_window_s(store: Any) -> float:
+    """How long `store`'s calls ride out an outage (its own `retry_s`, else `default_retry_s`)."""
+    return default_retry_s() if store.retry_s is None else store.retry_s
+
+
 # What to do about a local file system's refusal, by errno.
 _FIXES = {
     errno_codes.ENOSPC: "the file system is full: free space there or use another one (--storage)",
@@ -97,7 +102,7 @@ def retried(store: Any, doing: str, name: str, call: Callable[..., T], *args: An
                     errno_codes.EIO, f"cannot {doing} {where}: {reason} ({cause_of(exc)}); {fix}"
                 ) from None
             waited = time.monotonic() - started
-            if waited + delay > (default_retry_s() if store.retry_s is None else store.retry_s):
+            if waited + delay > retry_window_s(store):
                 error = StorageUnavailable(errno_codes.EIO, unavailable(str(store), doing, where, waited, exc))
                 error.cause = f"cannot {doing} {where}: {cause_of(exc)}"
                 raise error from None
@@ -285,6 +290,7 @@ __all__ = [
     "check_store",
     "local_errors",
     "retried",
+    "retry_window_s",
     "without_credentials",
     "classify",
     "cause_of",

@@ -42,7 +42,7 @@ class RunWriter:
         self.live_mark: tuple[float, int] | None = None  # (time, samples seen) of the last live row
         self.logs = None if self.store.appends_in_place else BufferedLogs(self.store, keep_last=(LIVE,))
         self.stop_checked = (0.0, False)  # (when, what) the stop request was last looked for
-        self.driver = DriverWatch(self.store, driver)
+        self.driver = DriverWatch(self.store, driver, on_gone=lambda why: self.logs and self.logs.discard())
         self.driver_checked: tuple[float, str | None] = (0.0, None)  # (when, why gone) it was last looked at
         self.last_row_step = 0  # the step of the last metrics row: a row's loss covers the steps since
         self.window_steps = 0  # the steps the last row's loss covers
@@ -75,7 +75,8 @@ class RunWriter:
             self.logs.flush()
 
     def close(self) -> None:
-        """At the end of the attempt, however it ends: the queued rows written."""
+        """At the end of the attempt, however it ends: the queued rows written (none once the driver
+        was found gone: `self.driver` dropped them, and a resume may own the files)."""
         if self.logs is not None:
             self.logs.close()
 
