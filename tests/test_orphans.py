@@ -504,6 +504,7 @@ def test_a_killed_drivers_workers_stop_writing_and_a_resume_continues(tmp_path):
     print(resumed.stdout[-1500:])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "which has ended; its workers, if any still run, are fenced" in resumed.stdout
+    assert not list(run_dir.glob(".lock*"))  # the killed driver's beat removed with its lock, the resume's released
     assert "does not exist" not in resumed.stdout + resumed.stderr
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
 

@@ -18,6 +18,7 @@ import torch
 from raytrain.errors import StorageError
 from raytrain.rundir import Event, MetricsRow, RunDir, RunLock, RunLocked, StorageUnavailable, Store, formats
 from raytrain.rundir import checkpoints as ckpt
+from raytrain.rundir.files import DriverWatch, LockUnreadable, read_beat
 from raytrain.rundir.publish import Upload
 
 pytestmark = pytest.mark.slow
@@ -73,6 +74,26 @@ def test_one_run_per_name_by_a_conditional_create(s3, bucket):
     assert len(winners) == 1 and len(refused) == 5
     winners[0].release()
     assert "runs/locked/.lock" not in s3.objects(bucket, "runs/")
+
+
+def test_a_drivers_beat_beside_its_lock_and_its_workers_look_on_a_store(s3, bucket):
+    store = Store.of(s3.uri(bucket, "runs/beating"))
+    lock = RunLock(store, owner="driver-a", beat_s=0.05)
+    lock.acquire()
+    try:
+        deadline = time.monotonic() + 30
+        while read_beat(store, "driver-a") is None:  # written beside the lock, never into it
+            assert time.monotonic() < deadline, "the beat never came"
+            time.sleep(0.05)
+        assert DriverWatch(store, "driver-a").why_gone() is None  # the lock read by a ranged GET
+        assert "held by another driver" in DriverWatch(store, "driver-z").why_gone()
+    finally:
+        lock.release()
+    assert not [key for key in s3.objects(bucket, "runs/") if key.startswith("runs/beating/.lock")]
+    assert "lock is gone" in DriverWatch(store, "driver-a").why_gone()  # a missing object: not an error
+    store.write_bytes(".lock", b"[" * 4096)
+    with pytest.raises(LockUnreadable, match="holds more than 1024 bytes"):
+        RunLock(store, owner="driver-b").acquire()
 
 
 def _stage(directory: Path, step: int) -> None:
