@@ -312,9 +312,8 @@ def parse_lock(text: str) -> dict[str, Any]:
 
 
 class DriverGone(UserError):
-    """This attempt's driver no longer holds the run (ended, or another driver took the run
-    over): the attempt ends without writing more, and is not retried (nobody is left to retry
-    it for, and a resume owns the run directory now)."""
+    """This attempt's driver no longer holds the run (ended, or another driver took it over): the
+    attempt ends without writing more, never retried (a resume owns the run directory now)."""
 
     exit_status = EXIT_FAILED
 
@@ -338,12 +337,13 @@ class DriverWatch:
             return None
         started = time.monotonic()
         try:
-            holder = parse_lock(lock_text(self.store))
+            try:
+                holder = parse_lock(lock_text(self.store))
+            except (LockUnreadable, ValueError):  # read half-written, or replaced by hand: the beat decides
+                holder = {"owner": self.owner}
             beat = read_beat(self.store, self.owner) if holder.get("owner") == self.owner else None
         except FileNotFoundError:
             holder, beat = None, None
-        except (LockUnreadable, ValueError) as problem:
-            return self._gone(f"the run's lock {self.store / LOCK_FILE} is no longer its driver's ({problem})")
         except OSError:
             return None  # not read this time: no evidence either way
         if holder is not None and beat != self.beat:
