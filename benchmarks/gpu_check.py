@@ -482,8 +482,8 @@ SPIN_CYCLES = 50_000_000  # torch.cuda._sleep's spin: about 25 ms at 2 GHz
 
 
 def check_watch(report: Report, device: torch.device, scale: str) -> None:
-    from raytrain.worker.agreement import fingerprint, held_tensors
-    from raytrain.worker.phases import PhaseTimer, StepPhases
+    from raytrain.instruments.agreement import fingerprint, held_tensors
+    from raytrain.instruments.phases import PhaseTimer, StepPhases
 
     with report.part("watch") as figures:
         size = SIZES[scale]["mid"]

@@ -22,7 +22,7 @@ Start (each contender a fresh process; the clock runs from just before it starts
 
 The replica check (`fingerprint`, in this process, no Ray): the seed CNN (pipelines/digits'
 DigitsCNN, AdamW, batch 32) timed per training step and per fingerprint of its weights and
-optimizer state (`raytrain.worker.agreement`), medians of interleaved repeats; its cost per step
+optimizer state (`raytrain.instruments.agreement`), medians of interleaved repeats; its cost per step
 at the default interval: before every checkpoint (digits checkpoints at each epoch's end: 23
 steps at 2 workers) and at least every 1,000 steps.
 
@@ -142,7 +142,7 @@ def fingerprint_cost(repeats: int = 200) -> dict[str, float]:
     import torch
 
     from pipelines.digits.model import DigitsCNN
-    from raytrain.worker.agreement import fingerprint, held_tensors
+    from raytrain.instruments.agreement import fingerprint, held_tensors
 
     torch.manual_seed(0)
     model = DigitsCNN()

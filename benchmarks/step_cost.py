@@ -29,6 +29,9 @@ import torch  # noqa: E402
 from raytrain import hooks  # noqa: E402
 from raytrain.config import TrainConfig  # noqa: E402
 from raytrain.data.table import Table  # noqa: E402
+from raytrain.faults.restart import Recovery  # noqa: E402
+from raytrain.instruments.phases import Measures  # noqa: E402
+from raytrain.instruments.window import LossWindow  # noqa: E402
 from raytrain.parallel.strategy import Prepared  # noqa: E402
 from raytrain.pipeline import load_pipeline  # noqa: E402
 from raytrain.rules import steps  # noqa: E402
@@ -38,11 +41,8 @@ from raytrain.rules.schedule import run_schedule  # noqa: E402
 from raytrain.rundir.heartbeats import Heartbeat  # noqa: E402
 from raytrain.worker.loop import Training  # noqa: E402
 from raytrain.worker.optim import Rate  # noqa: E402
-from raytrain.worker.phases import Measures  # noqa: E402
-from raytrain.worker.recovery import Recovery  # noqa: E402
 from raytrain.worker.runtime import Runtime  # noqa: E402
 from raytrain.worker.step import StepRunner  # noqa: E402
-from raytrain.worker.window import LossWindow  # noqa: E402
 
 BATCH, WARMUP = 64, 50
 

@@ -223,7 +223,7 @@ def option_readers(trees: dict[str, ast.Module], option: str) -> list[str]:
 # -- issue 46: the worker's modes and storage kinds named outside their owners, its large classes
 
 # The modules of the per-step implementation, where naming the mode is their business.
-PER_STEP_MODULES = ("worker.replicas", "worker.groups")
+PER_STEP_MODULES = ("faults.per_step", "faults.groups")
 FAULT_TOLERANCE_NAMES = frozenset({"per_step", "via_ray", "ReplicaRuntime", "group_store", "fault_tolerance"})
 CHECKPOINTS_MODULE = "rundir.checkpoints"
 STORAGE_KIND_NAMES = frozenset(

@@ -37,8 +37,8 @@ from raytrain.check.verdict import (
 from raytrain.check.worker import Outcome, replica_fingerprints
 from raytrain.cli import main
 from raytrain.config import TrainConfig
+from raytrain.instruments.agreement import fingerprint, held_tensors
 from raytrain.rules import agreement
-from raytrain.worker.agreement import fingerprint, held_tensors
 
 # -- the verdict -----------------------------------------------------------------------------
 

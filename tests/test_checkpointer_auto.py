@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from raytrain.config import TrainConfig
+from raytrain.faults.restart import Recovery
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.position import Position
 from raytrain.worker.checkpointer import Checkpointer
-from raytrain.worker.recovery import Recovery
 
 
 class FakeRuntime:

@@ -33,9 +33,9 @@ def f(cfg, runtime):
 
 
 def test_the_mode_is_counted_in_code_lines_of_the_worker_outside_the_per_step_modules():
-    texts = {"worker.loop": WORKER, "worker.replicas": WORKER, "driver.run": WORKER}
+    texts = {"worker.loop": WORKER, "faults.per_step": WORKER, "driver.run": WORKER}
     assert code_stats.mode_lines(texts) == ["worker.loop:6", "worker.loop:7"]
-    assert code_stats.worker_name_lines(texts, {"sharded"}) == ["worker.loop:7", "worker.replicas:7"]
+    assert code_stats.worker_name_lines(texts, {"sharded"}) == ["worker.loop:7"]  # faults/ is not the worker
 
 
 def test_a_storage_kind_branch_is_a_test_holding_a_named_call_or_attribute_or_a_name_bound_from_one():
@@ -104,7 +104,7 @@ def test_compare_prints_each_measure_before_and_after_with_the_classes_over_a_li
     after = {"worker.loop": WORKER + wide, "rundir.checkpoints": "if remote(d):\n    pass\n"}
     lines = code_stats.compare(before, after).splitlines()
     assert lines[-6:] == [
-        "Lines of raytrain/worker/ naming the fault-tolerance mode outside worker.replicas, worker.groups: "
+        "Lines of raytrain/worker/ naming the fault-tolerance mode outside faults.per_step, faults.groups: "
         "0 before, 2 (worker.loop:6, worker.loop:7) after",
         "Storage-kind branches in rundir.checkpoints: 0 before, 1 after",
         "Lines of raytrain/worker/ with `sharded`: 0 before, 1 after",

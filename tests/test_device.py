@@ -24,6 +24,8 @@ from raytrain.cli import run_command
 from raytrain.config import TrainConfig
 from raytrain.data.table import Table
 from raytrain.errors import ConfigError, find_user_error
+from raytrain.instruments.phases import Measures
+from raytrain.instruments.window import LossWindow
 from raytrain.parallel.device import DeviceFailure
 from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import Pipeline
@@ -31,10 +33,8 @@ from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
 from raytrain.worker.optim import Rate
-from raytrain.worker.phases import Measures
 from raytrain.worker.state import TrainingState
 from raytrain.worker.step import StepRunner
-from raytrain.worker.window import LossWindow
 
 
 class OneRank:
@@ -171,7 +171,7 @@ def test_a_sequential_model_compiles_in_place_and_every_ranks_graphs_are_counted
 
 
 def test_the_sync_carries_every_ranks_compile_figures_and_nothing_more_without_compile():
-    from raytrain.worker.window import sync
+    from raytrain.instruments.window import sync
 
     vectors = []
 
@@ -213,7 +213,7 @@ def test_a_torch_without_dynamos_counters_leaves_compile_not_counted_never_faile
 
 
 def test_the_compile_line_says_each_ranks_graphs_and_seconds():
-    from raytrain.worker.phases import compile_line
+    from raytrain.instruments.phases import compile_line
 
     assert compile_line([2, 2], [14.21, 13.9], 2) == (
         "Compiled by step 2: graphs built by rank: 2, 2, in 14.2, 13.9 s of compiling"
@@ -388,7 +388,7 @@ def test_local_mode_runs_where_gpu_says(gpu, visible, expected):
 
 
 def test_a_collective_timeout_under_a_second_is_kept_as_given():
-    from raytrain.worker.replicas import torchft_config
+    from raytrain.faults.replacement import torchft_config
 
     assert torchft_config(False, 0.5).timeout_s == 0.5
     from raytrain.driver.launch import build_torch_trainer

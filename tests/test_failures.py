@@ -34,6 +34,7 @@ from raytrain.errors import (
     UsageError,
     UserError,
 )
+from raytrain.instruments.window import TrainingDiverged
 from raytrain.observe.report import ReportError
 from raytrain.parallel.device import DeviceFailure
 from raytrain.parallel.strategy import is_collective_failure
@@ -41,7 +42,6 @@ from raytrain.rundir import Store
 from raytrain.rundir.faults import StorageUnavailable
 from raytrain.rundir.files import DriverGone, LockUnreadable, RunLocked
 from raytrain.worker.network import ProcessGroupNetworkError
-from raytrain.worker.window import TrainingDiverged
 
 STATUSES = {  # every error type a command ends with -> its exit status (DESIGN: Exit status)
     ConfigError: 2,

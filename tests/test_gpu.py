@@ -96,8 +96,8 @@ def test_steady_steps_on_a_gpu_count_the_kernels_time_not_the_hosts_queueing():
 
     import torch
 
+    from raytrain.instruments.phases import SteadyClock
     from raytrain.rules.position import Telemetry
-    from raytrain.worker.phases import SteadyClock
 
     clock, telemetry = SteadyClock(torch.device("cuda")), Telemetry()
     a = torch.randn(8192, 8192, device="cuda")
@@ -120,7 +120,7 @@ def test_a_ranks_own_compute_time_on_a_gpu_is_the_devices_not_the_hosts_queueing
 
     import torch
 
-    from raytrain.worker.phases import OwnTime, PhaseTimer, StepPhases
+    from raytrain.instruments.phases import OwnTime, PhaseTimer, StepPhases
 
     own = OwnTime(on_gpu=True)
     heartbeat = type("Beat", (), {"mark": lambda self, step, phase: None})()
@@ -148,7 +148,7 @@ def test_a_per_step_replicas_nccl_collective_is_timed_by_torchft_not_torchs_watc
     from torchft import ProcessGroupNCCL
     from torchft.process_group import ReconfigureOptions
 
-    from raytrain.worker.groups import replica_process_group
+    from raytrain.faults.groups import replica_process_group
 
     pg = replica_process_group(ProcessGroupNCCL, "127.0.0.1")(timeout=timedelta(seconds=60))
     pg.reconfigure(ReconfigureOptions(uuid=1, handles=[pg.get_reconfigure_handle()])).wait()  # a group of one

@@ -36,7 +36,7 @@ def test_run_files_are_strict_json():
 
 
 def test_summary_is_strict_and_says_diverged_for_a_nan_loss(tmp_path):
-    from raytrain.worker.window import TrainingDiverged
+    from raytrain.instruments.window import TrainingDiverged
 
     (tmp_path / "metrics.jsonl").write_text(
         json.dumps({"epoch": 1, "step": 5, "loss": float("nan"), "world_size": 2, "epoch_end": True}) + "\n"
@@ -48,7 +48,7 @@ def test_summary_is_strict_and_says_diverged_for_a_nan_loss(tmp_path):
 
 
 def test_a_deterministic_fault_is_the_summarys_error_not_rays_wrapper(tmp_path):
-    from raytrain.worker.agreement import ReplicaMismatchRecurred
+    from raytrain.instruments.agreement import ReplicaMismatchRecurred
 
     wrapper = RuntimeError("Training failed due to worker errors:\n...")  # Ray Train's, each rank's inside
     wrapper.worker_failures = {1: ReplicaMismatchRecurred("Replicas disagree at step 15: the run stops here.")}

@@ -23,9 +23,9 @@ from rt_test_pipelines import (
 import raytrain
 from raytrain.cli import main
 from raytrain.errors import PipelineCodeError, StorageError, exit_status
+from raytrain.instruments.window import TrainingDiverged
 from raytrain.rundir.checkpoints import checkpoint_dirs
 from raytrain.rundir.host import host_id
-from raytrain.worker.window import TrainingDiverged
 
 pytestmark = pytest.mark.ray
 

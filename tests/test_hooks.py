@@ -21,6 +21,8 @@ from raytrain.cli import main
 from raytrain.config import TrainConfig
 from raytrain.data.table import Table
 from raytrain.errors import PipelineCodeError, PipelineError, find_user_error
+from raytrain.instruments.phases import Measures
+from raytrain.instruments.window import LossWindow
 from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import Pipeline, parse_pipeline_args
 from raytrain.rules import steps
@@ -28,9 +30,7 @@ from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
 from raytrain.worker.optim import Rate
-from raytrain.worker.phases import Measures
 from raytrain.worker.step import Batch, StepRunner
-from raytrain.worker.window import LossWindow
 
 PACKAGE = Path(raytrain.__file__).resolve().parent
 

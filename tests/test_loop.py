@@ -14,14 +14,14 @@ import torch
 
 from raytrain.data.sources import cost_notes
 from raytrain.data.table import Table
+from raytrain.instruments.phases import PhaseTimer, StepPhases
+from raytrain.instruments.window import FOLD_EVERY, LossWindow
 from raytrain.rules.attempt import Attempt
 from raytrain.rules.position import Position, Telemetry
 from raytrain.rules.position import progress as progress_of
 from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind, MetricsRow
 from raytrain.rundir.writer import RunWriter
-from raytrain.worker.phases import PhaseTimer, StepPhases
-from raytrain.worker.window import FOLD_EVERY, LossWindow
 
 # -- what an attempt is ------------------------------------------------------------------
 
@@ -352,8 +352,8 @@ def test_a_checkpoint_of_the_earlier_position_resumes_its_state_and_keeps_its_fi
 def test_steady_steps_on_the_cpu_are_timed_by_the_host_at_once():
     import torch
 
+    from raytrain.instruments.phases import SteadyClock
     from raytrain.rules.position import Telemetry
-    from raytrain.worker.phases import SteadyClock
 
     clock, telemetry = SteadyClock(torch.device("cpu")), Telemetry()
     clock.stop(clock.start(), 32, telemetry)

@@ -10,14 +10,16 @@ import pytest
 from ray.train import FailureConfig
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
-from raytrain.driver.failfast import FailFastPolicy, stall_reporter
+from raytrain.config import TrainConfig
+from raytrain.driver.failfast import FailFastPolicy
 from raytrain.driver.launch import nccl_env
 from raytrain.errors import DataError
-from raytrain.rules.stall import nccl_error_handling, stall_seen_by_heartbeats
+from raytrain.faults.restart import RestartMode, stall_reporter
+from raytrain.instruments.agreement import ReplicaMismatch, ReplicaMismatchRecurred
+from raytrain.rules.stall import stall_seen_by_heartbeats
 from raytrain.rundir import RunDir
 from raytrain.rundir.heartbeats import read_last_attempt
 from raytrain.rundir.records import HEARTBEATS, Kind
-from raytrain.worker.agreement import ReplicaMismatch, ReplicaMismatchRecurred
 
 
 def beat(rank, step, phase, since, attempt=1000.0, now=2000.0):
@@ -44,12 +46,17 @@ def test_a_worker_killed_seconds_after_the_others_waited_is_no_stall():
 
 
 def test_nccl_error_handling_per_mode_and_a_users_value_wins(monkeypatch):
-    assert nccl_error_handling("restart") == "3"  # the process ends without ncclCommAbort; Ray restarts it
-    assert nccl_error_handling("per-step") == "2"  # the survivor lives on, torchft re-forms the quorum
+    from raytrain.config import TrainConfig
+    from raytrain.faults import mode_of
+
+    restart, per_step = (mode_of(TrainConfig(fault_tolerance=m, max_failures=1)) for m in ("restart", "per-step"))
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
-    assert nccl_env("per-step") == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert nccl_env(restart) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}  # ends without ncclCommAbort; Ray restarts it
+    assert nccl_env(per_step) == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"
+    }  # the survivor lives on, torchft re-forms the quorum
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    assert nccl_env("per-step") == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert nccl_env(per_step) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 
 def write_beats(directory, records):
@@ -87,7 +94,7 @@ class Inner(FailurePolicy):
 )
 def test_the_policy_tells_of_worker_failures_but_not_of_the_users_errors(error, told):
     seen = []
-    policy = FailFastPolicy(Inner(), on_worker_failure=seen.append)  # it retries all, as --max-failures -1
+    policy = FailFastPolicy(Inner(), RestartMode(TrainConfig()), seen.append)  # it retries all, as --max-failures -1
     decision = policy.make_decision(error)
     assert decision == (FailureDecision.RETRY if told else FailureDecision.RAISE)
     assert seen == ([error] if told else [])

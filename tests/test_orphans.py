@@ -22,6 +22,7 @@ import torch
 from raytrain import Pipeline, TrainConfig
 from raytrain.cli import main
 from raytrain.errors import CheckpointError, StorageError
+from raytrain.instruments.window import LossWindow, sync
 from raytrain.rules import resume
 from raytrain.rules.position import Position
 from raytrain.rundir import RunDir, Store, claimed, files
@@ -46,7 +47,6 @@ from raytrain.rundir.publish import Publish
 from raytrain.rundir.records import EVENTS, LIVE, Kind
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker.state import TrainingState
-from raytrain.worker.window import LossWindow, sync
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,6 +16,9 @@ from torch import nn
 from raytrain import hooks
 from raytrain.config import TrainConfig
 from raytrain.data.table import Table
+from raytrain.faults.restart import Recovery
+from raytrain.instruments.phases import Measures
+from raytrain.instruments.window import LossWindow
 from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import Pipeline
 from raytrain.rules.batch import batch_plan_for
@@ -26,10 +29,7 @@ from raytrain.worker import prefetch
 from raytrain.worker.checkpointer import Checkpointer
 from raytrain.worker.loop import Training
 from raytrain.worker.optim import Rate
-from raytrain.worker.phases import Measures
-from raytrain.worker.recovery import Recovery
 from raytrain.worker.step import StepRunner
-from raytrain.worker.window import LossWindow
 
 ROWS = 203  # a partial last step
 CPU = torch.device("cpu")

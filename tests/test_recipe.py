@@ -16,6 +16,8 @@ from raytrain.config import TrainConfig
 from raytrain.data.table import Table
 from raytrain.data.torch_dataset import TorchSamples, sample_columns
 from raytrain.errors import ConfigError, DataError
+from raytrain.instruments.phases import Measures
+from raytrain.instruments.window import LossWindow
 from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import default_optimizer
 from raytrain.rules import steps
@@ -24,9 +26,7 @@ from raytrain.rules.position import Position
 from raytrain.rules.schedule import LRSchedule, run_schedule
 from raytrain.worker import optim
 from raytrain.worker.optim import Rate
-from raytrain.worker.phases import Measures
 from raytrain.worker.step import Batch, StepRunner
-from raytrain.worker.window import LossWindow
 
 N = 1000  # rows per epoch in the schedule tests
 

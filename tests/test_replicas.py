@@ -10,12 +10,12 @@ import pytest
 
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
+from raytrain.faults.per_step import StallWatch
 from raytrain.rules import replicas as rules
 from raytrain.rules import steps
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.schedule import run_schedule
 from raytrain.rundir import Event, Kind
-from raytrain.worker.replicas import StallWatch
 
 
 def split(step: steps.Step, size: int) -> list[tuple[int, int]]:
@@ -218,13 +218,13 @@ class FakeRunner:
 
 def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tmp_path, monkeypatch):
     from raytrain.config import TrainConfig
+    from raytrain.faults.restart import Recovery
+    from raytrain.instruments.watch import Watch
     from raytrain.rules.position import Position
     from raytrain.rundir import RunDir
     from raytrain.rundir.writer import RunWriter
     from raytrain.worker import epoch
     from raytrain.worker.epoch import Epochs
-    from raytrain.worker.recovery import Recovery
-    from raytrain.worker.watch import Watch
 
     monkeypatch.setattr(epoch, "plan_line", lambda runner: runner.describe_plan())
 
@@ -263,9 +263,9 @@ def test_a_replica_holds_no_collective_outside_a_step_and_a_group_member_does():
     import torch
 
     from raytrain.config import TrainConfig
-    from raytrain.worker.groups import Solo
-    from raytrain.worker.recovery import Recovery
-    from raytrain.worker.replicas import PerStep, ReplicaRuntime
+    from raytrain.faults.groups import Solo
+    from raytrain.faults.per_step import PerStep, ReplicaRuntime
+    from raytrain.faults.restart import Recovery
     from raytrain.worker.runtime import Runtime
 
     def runtime(kind: type[Runtime]) -> Runtime:
@@ -285,7 +285,7 @@ def test_a_replica_holds_no_collective_outside_a_step_and_a_group_member_does():
 
 
 def test_workers_taken_out_with_their_group_count_once_and_a_later_failure_of_theirs_counts():
-    from raytrain.driver.replacement import ReplicaGroups
+    from raytrain.faults.replacement import ReplicaGroups
 
     groups = ReplicaGroups(group_size=2)
     groups.generations.start_all(4)
@@ -300,7 +300,7 @@ def test_workers_taken_out_with_their_group_count_once_and_a_later_failure_of_th
 def test_ray_is_asked_for_whole_groups_only():
     from ray.train import ScalingConfig
 
-    from raytrain.driver.replacement import group_scaling_policy
+    from raytrain.faults.replacement import group_scaling_policy
 
     policy = group_scaling_policy(ScalingConfig(num_workers=(2, 6), resources_per_worker={"CPU": 1}), 2)
     assert policy._count_possible_workers({"node-a": {"CPU": 3.0}}) == 2  # 3 workers fit: 1 group
@@ -312,7 +312,7 @@ def test_a_running_per_step_group_is_never_shrunk_by_rays_resource_count():
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
 
-    from raytrain.driver.replacement import group_scaling_policy
+    from raytrain.faults.replacement import group_scaling_policy
 
     policy = group_scaling_policy(ScalingConfig(num_workers=(2, 6), resources_per_worker={"CPU": 1}), 2)
     state = SimpleNamespace(num_workers=4, start_time=0.0)
@@ -332,7 +332,7 @@ def test_survivors_training_below_min_are_polled_while_the_lost_groups_wait_for_
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
 
-    from raytrain.driver import replacement
+    from raytrain.faults import replacement
 
     policy = replacement.group_scaling_policy(ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1}), 1)
     policy._maybe_send_resource_request = lambda: None
@@ -351,15 +351,24 @@ def test_survivors_training_below_min_are_polled_while_the_lost_groups_wait_for_
     assert isinstance(policy.make_decision_for_non_running_worker_group(), NoopDecision)
 
 
-def test_each_fault_tolerance_mode_names_its_recovery_object():
-    """A mode is its module and its line in FAULT_TOLERANCE_MODES: each line names a Recovery."""
+def test_each_fault_tolerance_choice_is_one_mode_with_its_two_halves():
+    """The driver picks the mode once from `MODES`; its worker half rides in the payload."""
+    from raytrain.config import TrainConfig
     from raytrain.config.sections import FAULT_TOLERANCE_MODES
-    from raytrain.worker.loop import recovery_class
-    from raytrain.worker.recovery import Recovery
-    from raytrain.worker.replicas import PerStep
+    from raytrain.faults import MODES, mode_of
+    from raytrain.faults.per_step import PerStep, PerStepMode
+    from raytrain.faults.restart import Recovery, RestartMode
+    from raytrain.worker.network import BoundTorchConfig
 
-    assert all(issubclass(recovery_class(mode), Recovery) for mode in FAULT_TOLERANCE_MODES)
-    assert recovery_class("restart") is Recovery and recovery_class("per-step") is PerStep
+    assert tuple(MODES) == FAULT_TOLERANCE_MODES
+    assert all(issubclass(MODES[m].recovery, Recovery) for m in FAULT_TOLERANCE_MODES)
+    restart = mode_of(TrainConfig(collective_timeout_s=7))
+    assert type(restart) is RestartMode and restart.recovery is Recovery
+    assert isinstance(restart.torch_config(False), BoundTorchConfig) and restart.torch_config(False).timeout_s == 7
+    assert restart.on_worker_failure("/tmp/x") is not None  # the driver names a stalled rank from the heartbeats
+    per_step = mode_of(TrainConfig(fault_tolerance="per-step", max_failures=1, workers="2:4"))
+    assert type(per_step) is PerStepMode and per_step.recovery is PerStep and per_step.on_worker_failure("/x") is None
+    assert per_step.torch_config(False).lighthouse_kwargs["min_replicas"] == 2  # an elastic run's MIN
 
 
 def test_survivors_give_up_on_a_silent_peer_after_a_few_usual_steps_not_the_collective_timeout():
@@ -386,7 +395,7 @@ def test_a_replica_hands_the_others_its_store_by_node_address_and_waits_the_peer
 
     from torchft import ProcessGroupGloo
 
-    from raytrain.worker.groups import replica_process_group
+    from raytrain.faults.groups import replica_process_group
 
     pg = replica_process_group(ProcessGroupGloo, "10.77.0.2")(timeout=timedelta(seconds=5))
     handle = json.loads(pg.get_reconfigure_handle())
@@ -410,7 +419,7 @@ def test_on_nccl_the_peer_wait_is_torchfts_abort_timer_and_torchs_watchdog_stays
     from torch.distributed import AllreduceOptions
     from torchft import ProcessGroupNCCL
 
-    from raytrain.worker.groups import replica_process_group
+    from raytrain.faults.groups import replica_process_group
 
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 26, 0))  # an NCCL that can abort
     monkeypatch.setenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", "600")

@@ -130,7 +130,7 @@ def assert_every_id_once_per_epoch(out: Path, rows: int, epochs: int) -> None:
 
 def test_two_replicas_lost_at_once_rank_0_among_them_are_replaced_while_the_third_trains_on(ray_session, tmp_path):
     """As on a lost node: replicas 0 and 2 die in the same step. Ray Train 2.60's controller
-    failed this with a ControllerError (raytrain.driver.replacement); now the third trains on
+    failed this with a ControllerError (raytrain.faults.replacement); now the third trains on
     alone, both are replaced and rejoin, and nothing restarts from a checkpoint."""
     (tmp_path / "out").mkdir()
     code = train(tmp_path, "two", 3, "kill_at_step=6", "kill_replicas=0,2", extra=("--checkpoint-every-steps", "0"))

@@ -74,7 +74,7 @@ PRIVATE_RAY_NAMES = {
     },
     # --evict-stragglers: the evicted nodes kept out where the controller decides (no hook or option
     # of Ray 2.60 excludes a live node from a run).
-    "raytrain.driver.evict": {
+    "raytrain.faults.evict": {
         "ray._raylet.RAY_NODE_ID_KEY",  # the label every node has: its id (no public name in 2.60)
         # every new worker group's label selector (on_controller_start_worker_group): no public hook
         "ray.train.v2._internal.execution.callback.ControllerCallback",
@@ -82,12 +82,13 @@ PRIVATE_RAY_NAMES = {
         "ray.train.v2._internal.execution.scaling_policy.ElasticScalingPolicy",
     },
     # Ray Train's controller of a per-step run, its callbacks and its elastic policy in whole groups.
-    "raytrain.driver.replacement": {
+    "raytrain.faults.replacement": {
         # ReplicaGroups' hooks (a worker or replica group started, a resize about to run): UserCallback has none
         "ray.train.v2._internal.execution.callback.ControllerCallback",
         "ray.train.v2._internal.execution.callback.ReplicaGroupCallback",
         "ray.train.v2._internal.execution.callback.WorkerGroupCallback",
         "ray.train.v2._internal.execution.controller.TrainController",  # GroupController's base
+        "ray.train.v2._internal.execution.failure_handling.FailureDecision",  # ReplacementRetries' answer
         # GroupController's overrides; no hook, public or _internal, reaches what each changes:
         # a replacement kept in place at the running size (a scaling policy decides without the
         # poll's status, and before_controller_execute_resize_decision cannot change a decision);
@@ -106,6 +107,10 @@ PRIVATE_RAY_NAMES = {
         "ray.train.v2._internal.execution.scaling_policy.elastic.ElasticScalingPolicy._count_possible_workers",
         "ray.train.v2._internal.execution.worker_group.poll.WorkerGroupPollStatus",  # a poll's status, rebuilt
         "ray.train.v2._internal.execution.worker_group.poll.WorkerStatus",  # a waiting worker's: finished
+        # Ray Train's torchft backend, a private class (TorchftConfig.backend_cls), subclassed for a
+        # lighthouse that asks for no CPU: no option or hook sets the lighthouse actor's resources.
+        "ray.train.v2.torch.torchft_config._TorchftBackend",
+        "ray.train.v2.torch.torchft_config._TorchftBackend._maybe_create_lighthouse_actor",
     },
     # An elastic run's view of the cluster refreshed: the coordinator reads the nodes only every 20 s.
     "raytrain.driver.resources": {
@@ -134,17 +139,11 @@ PRIVATE_RAY_NAMES = {
         "ray.train.torch.config._TorchBackend",
     },
     "raytrain.worker.runtime": {
-        # the nodes a run evicted, written by a worker and read by the controller (raytrain.driver.evict):
+        # the nodes a run evicted, written by a worker and read by the controller (raytrain.faults.evict):
         # Ray's key-value store in the GCS, which both reach; Ray 2.60 has no public one
         "ray.experimental.internal_kv._internal_kv_initialized",
         "ray.experimental.internal_kv._internal_kv_list",
         "ray.experimental.internal_kv._internal_kv_put",
-    },
-    "raytrain.worker.replicas": {
-        # Ray Train's torchft backend, a private class (TorchftConfig.backend_cls), subclassed for a
-        # lighthouse that asks for no CPU: no option or hook sets the lighthouse actor's resources.
-        "ray.train.v2.torch.torchft_config._TorchftBackend",
-        "ray.train.v2.torch.torchft_config._TorchftBackend._maybe_create_lighthouse_actor",
     },
 }
 # The Ray release the names above were read from: another one fails

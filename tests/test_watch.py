@@ -1,5 +1,5 @@
 """Pure tier: stragglers named from the ranks' own step times, replicas compared by fingerprint
-(`raytrain.rules.stragglers`, `raytrain.rules.agreement`, `raytrain.worker.agreement`)."""
+(`raytrain.rules.stragglers`, `raytrain.rules.agreement`, `raytrain.instruments.agreement`)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
+from raytrain.instruments.agreement import fingerprint, held_tensors, mismatch_line
+from raytrain.instruments.phases import OwnTime, PhaseTimer, StepPhases
 from raytrain.rules import agreement, stragglers
 from raytrain.rules.stragglers import RankTimes, StragglerWatch, step_ratios
 from raytrain.rundir.records import Kind
-from raytrain.worker.agreement import fingerprint, held_tensors, mismatch_line
-from raytrain.worker.phases import OwnTime, PhaseTimer, StepPhases
 
 
 def window(step_s: list[float], data_s: list[float] | None = None, steps: int = 10) -> list[RankTimes]:
@@ -96,7 +96,7 @@ class Event:
 
 
 def test_on_a_gpu_the_compute_phases_count_the_devices_time_read_at_the_sync(monkeypatch):
-    import raytrain.worker.phases as phases_module
+    import raytrain.instruments.phases as phases_module
 
     device = Device()
     monkeypatch.setattr(phases_module, "recorded_event", device.event)
@@ -229,7 +229,7 @@ class _Ranks:
 
     def compare(self, models, files, invocation="a", step=15, back="checkpoint_s000000010_x"):
         """Every rank's `Watch.compare` of one attempt; what each raised."""
-        from raytrain.worker.watch import Watch
+        from raytrain.instruments.watch import Watch
 
         raised = [None] * self.world
 
@@ -254,9 +254,9 @@ def test_the_same_mismatch_after_the_same_rollback_stops_every_rank_and_names_th
     back to step 10's checkpoint and meets it at step 15 again: deterministic, so every rank raises the
     error the failure policy never retries (only rank 0 reads the events; the all-reduce tells rank 1)."""
     from raytrain.errors import DeterministicFault
+    from raytrain.instruments.agreement import ReplicaMismatch, ReplicaMismatchRecurred
     from raytrain.rundir import RunDir
     from raytrain.rundir.writer import RunWriter
-    from raytrain.worker.agreement import ReplicaMismatch, ReplicaMismatchRecurred
 
     torch.manual_seed(0)
     good = torch.nn.Linear(3, 2)
@@ -313,8 +313,8 @@ def test_a_rank_slow_for_the_evict_steps_is_evicted_only_when_asked():
 def test_the_elastic_policy_counts_no_worker_on_an_evicted_node(monkeypatch):
     from ray.train import ScalingConfig
 
-    from raytrain.driver import evict
-    from raytrain.driver.replacement import group_scaling_policy
+    from raytrain.faults import evict
+    from raytrain.faults.replacement import group_scaling_policy
 
     monkeypatch.setattr(evict, "evicted_nodes", lambda key: {"node-b"} if key == b"run" else set())
     reserved = {"node-a": {"CPU": 2.0}, "node-b": {"CPU": 2.0}, "node-c": {"CPU": 1.0}}
@@ -358,7 +358,7 @@ class _Recovery:
 
 @pytest.mark.parametrize("workers, evicts", [("2:4", True), ("3:4", False)])
 def test_a_straggler_is_evicted_once_and_only_when_enough_workers_are_left(workers, evicts):
-    from raytrain.worker.watch import Watch
+    from raytrain.instruments.watch import Watch
 
     cfg = TrainConfig(workers=workers, evict_stragglers=True, straggler_steps=10, straggler_evict_steps=20)
     watch, files, recovery = Watch(cfg), _Writer(), _Recovery(4)
@@ -391,8 +391,8 @@ def test_an_eviction_leaves_only_the_workers_whose_group_has_none_on_the_evicted
 def test_a_straggler_on_the_only_host_is_not_evicted_in_per_step_mode():
     """The issue's case: every worker on one host, per-step replicas of one worker each; the slow
     rank's host is everyone's, so the run would be left with no worker: it trains on."""
-    from raytrain.worker.replicas import PerStep as Mode
-    from raytrain.worker.watch import Watch
+    from raytrain.faults.per_step import PerStep as Mode
+    from raytrain.instruments.watch import Watch
 
     class PerStep(_Recovery):
         group_size = 1
@@ -409,7 +409,7 @@ def test_a_straggler_on_the_only_host_is_not_evicted_in_per_step_mode():
 
 
 def test_every_new_worker_group_is_placed_off_the_evicted_nodes(monkeypatch):
-    from raytrain.driver import evict
+    from raytrain.faults import evict
 
     monkeypatch.setattr(evict, "evicted_nodes", lambda key: {"b" * 56, "a" * 56} if key == b"run" else set())
     selector = evict.KeepEvictedOut(b"run").on_controller_start_worker_group(scaling_config=None, num_workers=2)
@@ -418,7 +418,7 @@ def test_every_new_worker_group_is_placed_off_the_evicted_nodes(monkeypatch):
 
 
 def test_the_sync_carries_every_ranks_own_time_and_host():
-    from raytrain.worker.window import LossWindow, sync
+    from raytrain.instruments.window import LossWindow, sync
 
     world, vectors = 3, []
 

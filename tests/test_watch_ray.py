@@ -1,4 +1,4 @@
-"""CPU Ray tier: the faults that announce nothing (`raytrain.worker.watch`): a rank every step
+"""CPU Ray tier: the faults that announce nothing (`raytrain.instruments.watch`): a rank every step
 waits for is named, and a replica whose weights silently changed is caught, rolled back to a
 checkpoint its replicas agreed on, and never published; changed again at the same step after the
 rollback, it stops the run."""

@@ -25,7 +25,7 @@ tell a cause from rounding there. Step 1, from identical weights, is always judg
 The N-worker run's replicas are compared too (`Replicas`): under ddp every rank holds the whole
 model, starts from the same weights and applies the same averaged gradients, so after every
 step every rank's weights and optimizer state must have the same fingerprint
-(`raytrain.worker.agreement.fingerprint`, bit for bit, no tolerance). A replica that differs
+(`raytrain.instruments.agreement.fingerprint`, bit for bit, no tolerance). A replica that differs
 fails the check with its own cause. Under fsdp the ranks hold one sharded copy: nothing to
 compare.
 """
@@ -146,7 +146,7 @@ class Cause:
 @dataclass(frozen=True)
 class Replicas:
     """The N-worker run's replicas: every rank's fingerprint of its weights and optimizer state
-    after each step's update (`raytrain.worker.agreement.fingerprint`), and how many ranks hold
+    after each step's update (`raytrain.instruments.agreement.fingerprint`), and how many ranks hold
     one copy of the model between them (1 under ddp, every rank a replica; all of them under
     fsdp, one sharded copy: nothing to compare, nothing fingerprinted)."""
 

@@ -35,13 +35,13 @@ from raytrain.config import TrainConfig
 from raytrain.data.sources import Source, open_source
 from raytrain.data.stream import Stream, StreamEpoch
 from raytrain.data.table import Table, TableEpoch
+from raytrain.instruments.agreement import shared_fingerprints
 from raytrain.parallel.strategy import local_part
 from raytrain.pipeline import Pipeline, overrides
 from raytrain.rules import agreement, steps
 from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.position import Position
 from raytrain.rundir.heartbeats import Heartbeat
-from raytrain.worker.agreement import shared_fingerprints
 from raytrain.worker.epoch import advance
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import unwrap
@@ -191,7 +191,7 @@ def grad_norm(runner: StepRunner) -> float:
 
 def replica_fingerprints(runner: StepRunner) -> tuple[int, ...]:
     """Every rank's fingerprint of what it holds (weights and optimizer state), shared as training
-    compares its replicas (`raytrain.worker.agreement.shared_fingerprints`)."""
+    compares its replicas (`raytrain.instruments.agreement.shared_fingerprints`)."""
     return tuple(shared_fingerprints(runner.runtime, unwrap(runner.model), runner.optimizer).fingerprints)
 
 

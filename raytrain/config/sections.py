@@ -21,13 +21,9 @@ from raytrain.config.checks import EMPTY_NAME, parse_workers, positive_int, resu
 
 Precision = Literal["fp32", "bf16", "fp16"]
 ProgressMode = Literal["auto", "bar", "plain", "off"]
-# The --fault-tolerance modes, each with its recovery object (`raytrain.worker.recovery`), which
-# the worker builds once (`raytrain.worker.loop.recovery_for`): a mode is its module and its line here.
-FAULT_TOLERANCE_MODES = {
-    "restart": "raytrain.worker.recovery:Recovery",
-    "per-step": "raytrain.worker.replicas:PerStep",
-}
-FaultTolerance = Literal[tuple(FAULT_TOLERANCE_MODES)]  # "restart", "per-step"
+# The --fault-tolerance choices: each one's mode object is `raytrain.faults.MODES`.
+FAULT_TOLERANCE_MODES = ("restart", "per-step")
+FaultTolerance = Literal[FAULT_TOLERANCE_MODES]
 Strategy = Literal["ddp", "fsdp"]
 PrefetchMode = Literal["auto", "on", "off"]
 DEFAULT_STORAGE = "~/raytrain_results"

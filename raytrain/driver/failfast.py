@@ -6,40 +6,34 @@ way on every attempt, and a `DeterministicFault` has (a replica mismatch met aga
 step), so the policy ends the run at the first one, whatever --max-failures (-1 included).
 Worker deaths, lost nodes and collective timeouts keep Ray's policy and --max-failures.
 
-Under per-step fault tolerance the controller also replaces lost replicas itself, and a
-replica that dies while another is being replaced fails that replacement with a controller
-error Ray never retries: this policy retries it, within --max-failures, and the trainer adds
-the controller callback that makes the retry succeed (`raytrain.driver.replacement`).
+What else the controller does is the fault-tolerance mode's (`raytrain.faults`): its policies,
+its callbacks, its class, and its decision on a failure before Ray's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
 from typing import Any, Callable
 
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
-from raytrain.driver import interrupts, replacement
-from raytrain.driver.evict import KeepEvictedOut, evicting_policy
-from raytrain.driver.replacement import GroupController, ReplicaGroups, group_scaling_policy, lost_while_replacing
+from raytrain.driver import interrupts
 from raytrain.errors import NOT_RETRIED, find_error
+from raytrain.faults.evict import KeepEvictedOut
 
 
 class FailFastPolicy(FailurePolicy):
     def __init__(
         self,
         inner: FailurePolicy,
-        replica_groups: bool = False,
+        mode: Any,
         on_worker_failure: Callable[[BaseException], None] | None = None,
     ):
         super().__init__(inner.failure_config)
         self.inner = inner
-        self.replica_groups = replica_groups
-        self.replacements_retried = 0
+        self.mode = mode  # the fault-tolerance mode (`raytrain.faults`): its decision comes before Ray's
         # Told of every failure that is not the user's (a worker died, a node was lost): where
         # raytrain says what the dead worker could not (`stall_reporter`).
         self.on_worker_failure = on_worker_failure
@@ -49,16 +43,8 @@ class FailFastPolicy(FailurePolicy):
             return FailureDecision.RAISE
         if self.on_worker_failure is not None:
             self.on_worker_failure(training_failed_error)
-        groups = replacement.running() if self.replica_groups else None  # the callback taking groups out
-        failed = set(getattr(training_failed_error, "worker_failures", None) or {})
-        if groups is not None and groups.counted_already(failed):
-            return FailureDecision.RETRY  # taken out with its group's loss, which counted once
-        if self.replica_groups and lost_while_replacing(training_failed_error):
-            self.replacements_retried += 1
-            limit = self.failure_config.max_failures
-            within = limit == -1 or self.replacements_retried <= limit
-            return FailureDecision.RETRY if within else FailureDecision.RAISE
-        return self.inner.make_decision(training_failed_error)
+        decision = self.mode.failure_decision(training_failed_error, self.failure_config)
+        return decision if decision is not None else self.inner.make_decision(training_failed_error)
 
 
 class _WithoutDatasetManager(DatasetsCallback):
@@ -67,22 +53,15 @@ class _WithoutDatasetManager(DatasetsCallback):
 
 
 class FailFastTrainer(TorchTrainer):
-    """A TorchTrainer whose controller uses FailFastPolicy around Ray's own policy (and, with
-    replica groups, `ReplicaGroups`), and whose signals raytrain handles
-    (`raytrain.driver.interrupts`) instead of Ray's SIGINT handler."""
+    """A TorchTrainer whose controller uses FailFastPolicy around Ray's own policy and the
+    fault-tolerance mode's policies, callbacks and class (`raytrain.faults`), and whose signals
+    raytrain handles (`raytrain.driver.interrupts`) instead of Ray's SIGINT handler."""
 
-    def __init__(
-        self,
-        *args,
-        replica_group_size: int = 1,
-        on_worker_failure: Callable[[BaseException], None] | None = None,
-        evict_key: bytes | None = None,
-        **kwargs,
-    ) -> None:
+    def __init__(self, *args, mode: Any, run_dir: Any = None, evict_key: bytes | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.replica_group_size = replica_group_size  # workers per replica group (per-step)
-        self.on_worker_failure = on_worker_failure
-        self.evict_key = evict_key  # --evict-stragglers: the run's evicted nodes (raytrain.driver.evict)
+        self.mode = mode  # the run's fault-tolerance mode
+        self.on_worker_failure = mode.on_worker_failure(run_dir)
+        self.evict_key = evict_key  # --evict-stragglers: the run's evicted nodes (raytrain.faults.evict)
 
     def _create_default_callbacks(self):
         """Ray's, but with no dataset manager when the trainer has no datasets (raytrain's
@@ -98,28 +77,16 @@ class FailFastTrainer(TorchTrainer):
         ]
 
     def _initialize_and_run_controller(self, **kwargs):
-        replica_groups = bool(getattr(self.backend_config.backend_cls, "has_replica_groups", False))
         if self.scaling_config.elasticity_enabled:
             from raytrain.driver.resources import FreshResources
 
             kwargs["callbacks"] = [*kwargs["callbacks"], FreshResources()]
-        kwargs["failure_policy"] = FailFastPolicy(
-            kwargs["failure_policy"], replica_groups=replica_groups, on_worker_failure=self.on_worker_failure
-        )
+        kwargs["failure_policy"] = FailFastPolicy(kwargs["failure_policy"], self.mode, self.on_worker_failure)
         if self.evict_key is not None:  # an elastic run: keep evicted stragglers' nodes out
             kwargs["callbacks"] = [*kwargs["callbacks"], KeepEvictedOut(self.evict_key)]
-            if not replica_groups:
-                kwargs["scaling_policy"] = evicting_policy(self.scaling_config, self.evict_key)
-        if not replica_groups:
+        controller = self.mode.controller(self.scaling_config, kwargs, self.evict_key)
+        if controller is None:
             return super()._initialize_and_run_controller(**kwargs)
-        kwargs["callbacks"] = [*kwargs["callbacks"], ReplicaGroups(self.replica_group_size)]
-        if self.scaling_config.elasticity_enabled:  # an elastic run starts with whole groups
-            kwargs["scaling_policy"] = group_scaling_policy(
-                self.scaling_config, self.replica_group_size, self.evict_key
-            )
-        controller = GroupController
-        if self.evict_key is not None:
-            controller = type("GroupController", (GroupController,), {"evict_key": self.evict_key})
         return self._run_controller(controller, kwargs)
 
     def _run_controller(self, controller_cls, kwargs):
@@ -149,26 +116,3 @@ class FailFastTrainer(TorchTrainer):
 
     def _register_sigint_handler(self, controller) -> None:
         interrupts.set_controller(controller)
-
-
-def stall_reporter(run_dir: Any, collective_timeout_s: float) -> Callable[[BaseException], None]:
-    """What the controller runs when a worker failed: if the heartbeats show a collective waited
-    out its timeout, an event naming the stalled rank(s) (printed on the console like every
-    event). On NCCL the watchdog ends a timed-out worker before it can say so itself."""
-    from raytrain.rules.stall import stall_seen_by_heartbeats
-    from raytrain.rundir import RunDir
-    from raytrain.rundir.heartbeats import read_last_attempt
-    from raytrain.rundir.records import HEARTBEATS, Event, Kind
-    from raytrain.rundir.storage import Store
-
-    def report(error: BaseException) -> None:
-        if "stalled rank" in str(error):  # the worker said it itself (gloo raises in the worker)
-            return
-        store = Store.of(run_dir)
-        with contextlib.suppress(OSError, ValueError):  # a diagnosis must never fail the policy
-            records = read_last_attempt(store.local_dir / HEARTBEATS)
-            message = stall_seen_by_heartbeats(records, time.time(), collective_timeout_s)
-            if message:
-                RunDir(store).append_event(Event(Kind.STALL, message))
-
-    return report

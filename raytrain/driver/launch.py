@@ -18,6 +18,8 @@ from raytrain.data.sources import Source
 from raytrain.driver.session import WORKER_ENV
 from raytrain.pipeline import Pipeline
 
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # the fault-tolerance mode's `nccl_error_handling`
+
 # Ray checks for a bigger worker group every this many seconds when the run is elastic
 # (Ray's default, 60 s, leaves new nodes idle for a minute).
 ELASTIC_MONITOR_INTERVAL_S = 15.0
@@ -56,12 +58,10 @@ def apply_train_timers(cfg: TrainConfig) -> None:
             _TIMERS_SET_HERE.add(key)
 
 
-def nccl_env(fault_tolerance: str) -> dict[str, str]:
-    """NCCL's error handling for the mode (`raytrain.rules.stall.nccl_error_handling`); a value
+def nccl_env(mode: Any) -> dict[str, str]:
+    """NCCL's error handling for the fault-tolerance mode (its `nccl_error_handling`); a value
     the user exported wins."""
-    from raytrain.rules.stall import NCCL_ERROR_HANDLING_ENV, nccl_error_handling
-
-    return {NCCL_ERROR_HANDLING_ENV: os.environ.get(NCCL_ERROR_HANDLING_ENV) or nccl_error_handling(fault_tolerance)}
+    return {NCCL_ERROR_HANDLING_ENV: os.environ.get(NCCL_ERROR_HANDLING_ENV) or mode.nccl_error_handling}
 
 
 def _passed_on(*names: str) -> dict[str, str]:
@@ -83,33 +83,26 @@ def build_torch_trainer(
     the lock names it: `raytrain.rundir.files.DriverWatch`)."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
-    from raytrain.driver.failfast import FailFastTrainer, stall_reporter
+    from raytrain.driver.failfast import FailFastTrainer
     from raytrain.errors import summarize_on_raise
+    from raytrain.faults import mode_of
     from raytrain.rules.network import INTERFACE_VARIABLES
     from raytrain.rundir.storage import RETRY_ENV, Store
     from raytrain.worker.loop import PAYLOAD, WorkerPayload, train_loop_per_worker
-    from raytrain.worker.network import BoundTorchConfig
-    from raytrain.worker.replicas import torchft_config
     from raytrain.worker.runtime import run_key
 
     workers: int | tuple[int, int] = cfg.max_workers if not cfg.elastic else (cfg.min_workers, cfg.max_workers)
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
     apply_train_timers(cfg)
-    # A stalled collective on NCCL ends its worker before it can say which rank stalled: the
-    # driver says it from the heartbeats. Per-step, a stuck replica says so itself (its StallWatch).
-    restart = cfg.fault_tolerance == "restart"
+    mode = mode_of(cfg)  # the fault-tolerance mode, picked once: its worker half rides in the payload
     elastic = {"elastic_resize_monitor_interval_s": ELASTIC_MONITOR_INTERVAL_S} if cfg.elastic else {}
-    if cfg.fault_tolerance == "per-step":
-        min_groups = cfg.min_workers // cfg.replica_group_size if cfg.elastic else 1
-        torch_config = torchft_config(use_gpu, cfg.collective_timeout_s, min_groups)
-    else:
-        torch_config = BoundTorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=cfg.collective_timeout_s)
     invocation = invocation or uuid4().hex
+    payload = WorkerPayload(cfg, pipe, Store.of(run_dir), sources, mode.recovery, invocation=invocation)
     return FailFastTrainer(
         summarize_on_raise(train_loop_per_worker),
-        train_loop_config={PAYLOAD: WorkerPayload(cfg, pipe, Store.of(run_dir), sources, invocation=invocation)},
+        train_loop_config={PAYLOAD: payload},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources, **elastic),
-        torch_config=torch_config,
+        torch_config=mode.torch_config(use_gpu),
         # No `datasets=`: Ray's equal split drops tail rows and keeps no position. The
         # datasets travel in the payload as sources (`raytrain.data.sources`), and each rank
         # reads its own units of a stream.
@@ -127,13 +120,13 @@ def build_torch_trainer(
             worker_runtime_env={
                 "env_vars": {
                     **WORKER_ENV,
-                    **nccl_env(cfg.fault_tolerance),
+                    **nccl_env(mode),
                     **_passed_on(RETRY_ENV, *INTERFACE_VARIABLES),
                 }
             },
             callbacks=list(callbacks),
         ),
-        replica_group_size=cfg.replica_group_size,
-        on_worker_failure=stall_reporter(run_dir, cfg.collective_timeout_s) if restart else None,
+        mode=mode,
+        run_dir=run_dir,
         evict_key=run_key(cfg.storage, cfg.name, invocation) if cfg.evict_stragglers else None,
     )

@@ -1,6 +1,6 @@
 """Whether the replicas of the model agree: which ranks' fingerprints differ from the majority.
 
-Every rank fingerprints what it holds (`raytrain.worker.agreement.fingerprint`: its weights and
+Every rank fingerprints what it holds (`raytrain.instruments.agreement.fingerprint`: its weights and
 optimizer state, or its shard of them). Ranks that hold the same shard of different replicas
 must hold the same bits: under ddp every rank holds all of the model (a shard of one); under
 per-step replica groups of K (HSDP) rank g·K + i holds shard i of group g's replica. A rank

@@ -32,7 +32,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
-# Set on every per-step worker before its training function runs (raytrain.driver.replacement).
+# Set on every per-step worker before its training function runs (raytrain.faults.replacement).
 START_ENV = "RAYTRAIN_REPLICA_START"
 # With replica groups of several workers: "HOST:PORT:GENERATION" of the worker's group's store.
 GROUP_STORE_ENV = "RAYTRAIN_GROUP_STORE"

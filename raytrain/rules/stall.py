@@ -61,17 +61,3 @@ def stall_seen_by_heartbeats(records: dict[int, dict], now: float, collective_ti
         f"A collective waited out --collective-timeout-s {collective_timeout_s:g} and a worker was ended (on NCCL, "
         f"by its watchdog); from the heartbeats: {diagnose(records, world_size, now)}"
     )
-
-
-NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-
-
-def nccl_error_handling(fault_tolerance: str) -> str:
-    """TORCH_NCCL_ASYNC_ERROR_HANDLING for a run's workers (Ray Train sets 1 when unset).
-    - restart: 3 (SkipCleanUp), as torchtitan sets it: on a timeout the watchdog ends the process
-      without ncclCommAbort, which can itself hang; Ray Train then restarts the group, and the
-      driver names the stalled rank from the heartbeats (`stall_seen_by_heartbeats`).
-    - per-step: 2 (CleanUpOnly): the watchdog aborts the communicator but leaves the process
-      alive, so a survivor whose peer died is not ended with it; torchft's Manager sees the
-      error and the survivors form their next quorum."""
-    return "2" if fault_tolerance == "per-step" else "3"

@@ -14,7 +14,7 @@ staged, published and pruned, and where an attempt continues from.
   staging directory (`Store.local_dir`), in the background; the checkpoint becomes visible
   once complete (`raytrain.rundir.publish.Publish`: renamed into place, or uploaded with its
   marker last). Who writes and how it is published is the recovery object's
-  (`raytrain.worker.recovery`): with a restarting worker group, Ray Train registers it (rank 0
+  (`raytrain.faults.restart`): with a restarting worker group, Ray Train registers it (rank 0
   hands Ray the publish step as its upload function: Ray lists, and prunes, only complete
   checkpoints); per-step, the quorum's rank 0 writes all of it and publishes and prunes it by
   itself: Ray's report is a barrier over every worker, which a lost replica would hold up.
@@ -43,7 +43,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
     from raytrain.rules.position import Position
     from raytrain.rundir.writer import RunWriter
-    from raytrain.worker.recovery import Recovery
     from raytrain.worker.runtime import Runtime
     from raytrain.worker.state import Save
     from raytrain.worker.step import StepRunner
@@ -64,7 +63,7 @@ class Checkpointed(Protocol):
 class Checkpointer:
     """A worker's checkpoints (see the module's docstring)."""
 
-    def __init__(self, cfg: "TrainConfig", recovery: "Recovery", store: Store, *, invocation: str = "") -> None:
+    def __init__(self, cfg: "TrainConfig", recovery: Any, store: Store, *, invocation: str = "") -> None:
         self.cfg, self.invocation = cfg, invocation  # invocation: this driver's run of the job
         self.auto: AutoInterval | None = None  # --checkpoint-every auto, once restored
         self.saved_step, self.tick = 0, None  # the last checkpoint's step; when the last step ended

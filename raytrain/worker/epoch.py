@@ -3,7 +3,7 @@ step (the sync, the metrics row, the checkpoint), and the epoch's end (validatio
 the reported checkpoint).
 
 One way through an epoch, `train_epoch`, whatever the fault tolerance: the recovery object's
-policy of the step (`Recovery.start_step`, `Recovery.commit`: `raytrain.worker.recovery`) is
+policy of the step (`Recovery.start_step`, `Recovery.commit`: `raytrain.faults.restart`) is
 every rank, always, for a worker group that restarts on a failure, and the quorum of live
 replicas for per-step fault tolerance.
 """
@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from raytrain.data.draws import Draws
 from raytrain.data.stream import Stream, StreamEpoch
 from raytrain.data.table import Table
+from raytrain.instruments.phases import SteadyClock
+from raytrain.instruments.window import TrainingDiverged, divergence_message, sync
 from raytrain.rules import steps
 from raytrain.rules.budget import Budget, evaluation_due
 from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints
 from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
 from raytrain.worker import prefetch
-from raytrain.worker.phases import SteadyClock
 from raytrain.worker.step import plan_line
-from raytrain.worker.window import TrainingDiverged, divergence_message, sync
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
@@ -51,7 +51,7 @@ class Epochs:
     epoch's end. `raytrain.worker.loop.Training` holds what they use."""
 
     cfg: "TrainConfig"
-    recovery: Any  # raytrain.worker.recovery.Recovery
+    recovery: Any  # raytrain.faults.restart.Recovery
     runtime: "Runtime"
     files: "RunWriter"
     runner: "StepRunner"
@@ -198,7 +198,7 @@ class Epochs:
         return stop
 
     def sync_ranks(self, stop_requested: bool = False, driver_gone: str | None = None) -> tuple[float, int, bool]:
-        """The sync (`raytrain.worker.window.sync`): the mean loss since the last one, the samples
+        """The sync (`raytrain.instruments.window.sync`): the mean loss since the last one, the samples
         it covers and whether to stop; every rank's compile figures noted. A NaN/inf loss on any
         rank ends the run here (TrainingDiverged), before its weights are saved."""
         runner, position = self.runner, self.position
@@ -234,7 +234,7 @@ class Epochs:
         return checkpoints.latest_complete(self.checkpointer.store)
 
     def compare_replicas(self) -> None:
-        """The replicas' fingerprints compared (`raytrain.worker.watch.Watch.compare`); on a
+        """The replicas' fingerprints compared (`raytrain.instruments.watch.Watch.compare`); on a
         mismatch the run goes back to the last checkpoint, whose replicas agreed."""
         runner = self.runner
         self.recovery.faults.compare(

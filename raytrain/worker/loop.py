@@ -5,7 +5,7 @@ failure and after every resize. Resume is the only way in: a fresh run is "no
 checkpoint". The batch plan and the learning rate are re-derived from the rules
 (`raytrain.rules`) at every attempt, for the world size this attempt has.
 
-`Training` owns one attempt: its recovery object (`raytrain.worker.recovery`: the
+`Training` owns one attempt: its recovery object (`raytrain.faults.restart`: the
 fault-tolerance mode, and the runtime), run files, data, position, the step machinery
 (`raytrain.worker.step`) and the checkpoints (`raytrain.worker.checkpointer`). Its one loop
 runs epochs (`raytrain.worker.epoch`), whatever the mode.
@@ -14,17 +14,16 @@ runs epochs (`raytrain.worker.epoch`), whatever the mode.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from raytrain import hooks
 from raytrain.config import TrainConfig
-from raytrain.config.sections import FAULT_TOLERANCE_MODES
 from raytrain.data.sources import Source, cost_notes, data_digest, open_source
 from raytrain.errors import NOT_RETRIED, find_error, find_user_error
+from raytrain.instruments.phases import SteadyClock
 from raytrain.parallel.device import device_failure
 from raytrain.pipeline import Pipeline, overrides
 from raytrain.rules import resume
@@ -40,8 +39,6 @@ from raytrain.rundir.writer import RunWriter
 from raytrain.worker.checkpointer import Checkpointer
 from raytrain.worker.epoch import Data, Epochs
 from raytrain.worker.optim import describe_optimizer
-from raytrain.worker.phases import SteadyClock
-from raytrain.worker.recovery import Recovery
 from raytrain.worker.runtime import Runtime
 from raytrain.worker.state import unwrap
 from raytrain.worker.step import StepRunner, plan_line
@@ -55,6 +52,9 @@ class WorkerPayload:
     pipeline: Pipeline
     run_dir: Store  # a local directory or an object store's prefix
     sources: dict[str, Source]  # "train", optional "val"
+    # The fault-tolerance mode's worker half (`raytrain.faults`): its recovery class, called
+    # (cfg, run_dir, invocation=...) where the worker starts, as Ray passes `backend_cls`.
+    recovery: Callable[..., Any]
     invocation: str = ""  # this run of the driver: an attempt that restores its own checkpoint follows a failure
 
 
@@ -66,7 +66,7 @@ FINISH_ON_ERROR_S = 60.0
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     payload: WorkerPayload = loop_config[PAYLOAD]
     cfg, run_dir = payload.config, Store.of(payload.run_dir)
-    recovery = recovery_for(cfg, run_dir, payload.invocation)
+    recovery = payload.recovery(cfg, run_dir, invocation=payload.invocation)
     runtime = recovery.runtime
     files = RunWriter(run_dir, enabled=runtime.is_rank0, driver=payload.invocation)
     heartbeat = Heartbeat(run_dir.local_dir / HEARTBEATS, runtime.world_rank, enabled=runtime.world_size > 1)
@@ -99,10 +99,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 class Training(Epochs):
     """One attempt of this worker: what it trains with and where it is. `run` is its one loop
     over epochs (`Epochs.train_epoch` over each one's steps); how a failure is recovered from
-    is the recovery object's (`raytrain.worker.recovery`)."""
+    is the recovery object's (`raytrain.faults.restart`)."""
 
     cfg: TrainConfig
-    recovery: Recovery
+    recovery: Any  # the mode's worker half (`raytrain.faults.restart.Recovery` or a subclass)
     files: RunWriter
     runner: StepRunner  # the model, optimizer and rules of the current quorum
     checkpointer: Checkpointer
@@ -123,7 +123,7 @@ class Training(Epochs):
         cls,
         cfg: TrainConfig,
         pipeline: Pipeline,
-        recovery: Recovery,
+        recovery: Any,
         files: RunWriter,
         heartbeat: Heartbeat,
         sources: dict[str, Source],
@@ -187,18 +187,6 @@ class Training(Epochs):
         if overrides(runner.pipeline, "build_optimizer"):  # config.yaml says what the pipeline's optimizer is
             details = {"build_optimizer": describe_optimizer(runner.optimizer)}
             files.update_config(resume.recorded_config(files.rundir.config(), ["build_optimizer"], details))
-
-
-def recovery_for(cfg: TrainConfig, run_dir: Store, invocation: str = "") -> Recovery:
-    """This worker's recovery object: the one of cfg's --fault-tolerance mode, built once where
-    the worker starts (`invocation`: this run of the driver)."""
-    return recovery_class(cfg.fault_tolerance)(cfg, run_dir, invocation=invocation)
-
-
-def recovery_class(mode: str) -> type[Recovery]:
-    """The recovery class of --fault-tolerance `mode` (`raytrain.config.sections.FAULT_TOLERANCE_MODES`)."""
-    module, name = FAULT_TOLERANCE_MODES[mode].split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 class StallError(RuntimeError):

@@ -25,8 +25,8 @@ from raytrain.rundir.storage import Store
 class Runtime:
     """Rank, world size, device and the collectives of the current worker over its process
     group: Ray Train's worker group, every rank of which takes every step. How a failure is
-    recovered from is the recovery object's (`raytrain.worker.recovery`); per-step fault
-    tolerance's replica sees its quorum through `raytrain.worker.replicas.ReplicaRuntime`."""
+    recovered from is the recovery object's (`raytrain.faults.restart`); per-step fault
+    tolerance's replica sees its quorum through `raytrain.faults.per_step.ReplicaRuntime`."""
 
     counts_flops = True  # rank 0 measures a micro-batch's FLOPs (the goodput's MFU)
 
@@ -203,7 +203,7 @@ EVICTED_NAMESPACE = "raytrain"  # Ray's internal key-value store: the nodes evic
 
 def run_key(storage: str, name: str | None, invocation: str) -> bytes:
     """The key of the nodes one invocation of a run evicted, in Ray's internal key-value store
-    (`raytrain.driver.evict`): a `--resume` starts with none."""
+    (`raytrain.faults.evict`): a `--resume` starts with none."""
     return f"evicted:{storage.rstrip('/')}/{name}/{invocation}".encode()
 
 
@@ -218,7 +218,7 @@ def evicted_nodes(key: bytes) -> set[str]:
 
 
 def hold_out_this_node(key: bytes) -> str:
-    """Add this worker's Ray node to the run's evicted nodes (`raytrain.driver.evict` keeps the run
+    """Add this worker's Ray node to the run's evicted nodes (`raytrain.faults.evict` keeps the run
     off it); returns its id."""
     from ray.experimental.internal_kv import _internal_kv_put
 

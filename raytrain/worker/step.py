@@ -20,6 +20,8 @@ from raytrain import hooks
 from raytrain.config import TrainConfig
 from raytrain.data.stream import StreamEpoch
 from raytrain.data.table import TableEpoch
+from raytrain.instruments.phases import Measures, StepPhases
+from raytrain.instruments.window import LossWindow
 from raytrain.parallel import device, strategy
 from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import _CONTEXT, Pipeline, overrides, set_plan
@@ -31,9 +33,7 @@ from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
 from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.worker import optim
-from raytrain.worker.phases import Measures, StepPhases
 from raytrain.worker.state import TrainingState, restore_rank_rng, seed_everything, unwrap
-from raytrain.worker.window import LossWindow
 
 if TYPE_CHECKING:  # pragma: no cover  (Ray's module: a step builds and runs without Ray)
     from raytrain.worker.runtime import Runtime

@@ -130,7 +130,7 @@ class Synced(NamedTuple):
 
 
 class OwnFigures(Protocol):
-    """A rank's own time since the last sync (`raytrain.worker.phases.OwnTime`)."""
+    """A rank's own time since the last sync (`raytrain.instruments.phases.OwnTime`)."""
 
     def take(self) -> RankTimes: ...
 

@@ -1,6 +1,6 @@
 """Hosts evicted for being stragglers (`--evict-stragglers`), kept out of the run to its end.
 
-A worker decides (`raytrain.worker.watch`): every rank holds the same figures after the log
+A worker decides (`raytrain.instruments.watch`): every rank holds the same figures after the log
 sync, so every rank finds the same straggler at the same step. The straggler's worker writes
 its Ray node id under the run's key (one per invocation of the driver) in Ray's internal
 key-value store (`raytrain.worker.runtime.hold_out_this_node`), then the attempt ends (restart
@@ -13,7 +13,7 @@ The controller reads the key (`raytrain.worker.runtime.evicted_nodes`) where it 
   node: the group restarts at the size the other nodes hold;
 - `KeepEvictedOut`, a controller callback, gives every new worker group a label selector
   that excludes the evicted nodes (`ray.io/node-id` not in them): no worker is placed there;
-- per-step, `raytrain.driver.replacement.GroupController` leaves a replica group whose slots
+- per-step, `raytrain.faults.replacement.GroupController` leaves a replica group whose slots
   are on an evicted node waiting, as one whose node is gone.
 """
 

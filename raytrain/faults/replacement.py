@@ -48,9 +48,12 @@ from ray.exceptions import RayActorError
 from ray.train import ControllerError
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.controller import TrainController
+from ray.train.v2._internal.execution.failure_handling import FailureDecision
 from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
+from ray.train.v2.torch import torchft_config as ray_torchft
 
+from raytrain.rules import network
 from raytrain.rules.replicas import (
     GROUP_STORE_ENV,
     REPLACES_ONE,
@@ -59,6 +62,7 @@ from raytrain.rules.replicas import (
     GroupGenerations,
     whole_groups,
 )
+from raytrain.worker.network import BindsInterfaces
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +193,7 @@ class GroupController(TrainController):
     its size is the most workers the run started with, and the quorum holds those that are
     alive (`--workers MIN:MAX` sets how many it starts with)."""
 
-    evict_key: bytes | None = None  # --evict-stragglers: a group on an evicted node has no room (raytrain.driver.evict)
+    evict_key: bytes | None = None  # --evict-stragglers: a group on an evicted node has no room (raytrain.faults.evict)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -246,7 +250,7 @@ class GroupController(TrainController):
 
     def _has_room(self, index: int) -> bool:
         """Whether every slot of replica group `index` is placed on a node, and none of them on an
-        evicted one (`raytrain.driver.evict`: kept out to the run's end)."""
+        evicted one (`raytrain.faults.evict`: kept out to the run's end)."""
         from ray.util.placement_group import placement_group_table
 
         from raytrain.worker.runtime import evicted_nodes
@@ -270,7 +274,7 @@ def group_scaling_policy(scaling_config, group_size: int, evict_key: bytes | Non
     past the size the run started with."""
     from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 
-    from raytrain.driver.evict import evicting_policy
+    from raytrain.faults.evict import evicting_policy
 
     class GroupScalingPolicy(ElasticScalingPolicy):
         def _count_possible_workers(self, reserved_resources) -> int:
@@ -302,6 +306,83 @@ def group_scaling_policy(scaling_config, group_size: int, evict_key: bytes | Non
     return GroupScalingPolicy(scaling_config=scaling_config)
 
 
+# The lighthouse waits up to join_timeout_ms for every live (heartbeating) replica before it
+# forms a quorum: torchft's 100 ms default is shorter than a step, so the replicas would never
+# all meet; 30 s covers a replica still writing a checkpoint at an epoch's end. A replica is
+# gone after heartbeat_timeout_ms without a heartbeat: what the survivors wait when one dies
+# (measured here: about 1 s lost per failure at 1000 ms).
+JOIN_TIMEOUT_S = 30.0
+HEARTBEAT_TIMEOUT_S = 1.0
+LIGHTHOUSE_KWARGS = {
+    "min_replicas": 1,
+    "join_timeout_ms": int(JOIN_TIMEOUT_S * 1000),
+    "heartbeat_timeout_ms": int(HEARTBEAT_TIMEOUT_S * 1000),
+}
+
+
+class _Backend(BindsInterfaces, ray_torchft._TorchftBackend):
+    """Ray Train's torchft backend, bound to each node's interface (`raytrain.worker.network`),
+    with a lighthouse that asks for no CPU. Ray 2.60 pins the
+    lighthouse to the controller's node as an actor with the default request of 1 CPU for
+    scheduling: on a cluster whose head has none (`ray start --head --num-cpus=0`, where the
+    driver and the controller run), it can never be placed and the run never starts. It
+    answers a few small requests per step: it needs no CPU of its own."""
+
+    def _maybe_create_lighthouse_actor(self, backend_config) -> str:
+        import ray
+
+        if self.lighthouse_actor is None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+            self.lighthouse_actor = ray_torchft.LighthouseServerActor.options(
+                num_cpus=0, scheduling_strategy=here
+            ).remote(lighthouse_kwargs={"bind": "[::]:0", **backend_config.lighthouse_kwargs})
+        # The lighthouse says its address by the hostname, which often resolves to loopback
+        # (`raytrain.rules.network`): replicas on other hosts would dial themselves. It runs on
+        # this node, so this node's Ray address reaches it.
+        address = super()._maybe_create_lighthouse_actor(backend_config)  # its address, from the actor
+        return network.with_host(address, ray.util.get_node_ip_address())
+
+
+class _TorchftConfig(ray_torchft.TorchftConfig):
+    @property
+    def backend_cls(self):
+        return _Backend
+
+
+def torchft_config(use_gpu: bool, timeout_s: float, min_groups: int = 1):
+    """The TorchTrainer's torch_config in per-step mode. `min_groups`: the fewest replica
+    groups a quorum takes a step with (an elastic run's MIN, in groups; a fixed run's
+    survivors go on whatever is lost)."""
+    return _TorchftConfig(
+        lighthouse_kwargs={**LIGHTHOUSE_KWARGS, "min_replicas": min_groups},
+        backend="nccl" if use_gpu else "gloo",
+        timeout_s=timeout_s,  # seconds as given: Ray makes a timedelta of them (0.5 stays 0.5)
+    )
+
+
+class ReplacementRetries:
+    """Per-step's decision on a failure, before Ray's policy: a worker taken out with its group's
+    loss is retried (the loss counted once); a replica lost while another was being replaced
+    fails that replacement with a controller error Ray never retries: retried here, within
+    --max-failures (the retry's fresh poll finds both)."""
+
+    def __init__(self) -> None:
+        self.retried = 0
+
+    def decide(self, error: BaseException, max_failures: int) -> FailureDecision | None:
+        groups = running()  # the callback taking groups out
+        if groups is not None and groups.counted_already(set(getattr(error, "worker_failures", None) or {})):
+            return FailureDecision.RETRY
+        if lost_while_replacing(error):
+            self.retried += 1
+            return (
+                FailureDecision.RETRY if max_failures == -1 or self.retried <= max_failures else FailureDecision.RAISE
+            )
+        return None
+
+
 def running() -> "ReplicaGroups | None":
     """The callback of the controller running in this process (None before its group starts)."""
     return _RUNNING
@@ -309,10 +390,12 @@ def running() -> "ReplicaGroups | None":
 
 __all__ = [
     "GroupController",
+    "ReplacementRetries",
     "ReplicaGroups",
     "group_scaling_policy",
     "lost_while_replacing",
     "mark_group",
     "mark_start",
     "running",
+    "torchft_config",
 ]

@@ -1,8 +1,8 @@
 """The faults that announce nothing, watched by every attempt: a rank every step waits for
 (`raytrain.rules.stragglers`), a replica whose weights silently differ
-(`raytrain.worker.agreement`) and, per-step, a replica stuck in its step (`StallWatch`).
+(`raytrain.instruments.agreement`) and, per-step, a replica stuck in its step (`StallWatch`).
 
-The recovery object holds one `Watch` (`raytrain.worker.recovery.Recovery.faults`): its mode
+The recovery object holds one `Watch` (`raytrain.faults.restart.Recovery.faults`): its mode
 says which ranks hold the same shard (`Recovery.shards_per_replica`), how many workers an
 eviction leaves (`Recovery.workers_left`) and what an eviction does (`Recovery.evict`). The
 loop hands it each sync's figures, every rank's own time and host (`after_sync`), and asks it
@@ -19,11 +19,11 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from raytrain.instruments.agreement import ReplicaMismatch, ReplicaMismatchRecurred, mismatch_line, shared_fingerprints
 from raytrain.rules import agreement
 from raytrain.rules import replicas as replica_rules
 from raytrain.rules.stragglers import RankTimes, StragglerWatch
 from raytrain.rundir.records import RANK_STEP_S, Kind
-from raytrain.worker.agreement import ReplicaMismatch, ReplicaMismatchRecurred, mismatch_line, shared_fingerprints
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class Recovery(Protocol):
-    """What the watch asks of the recovery object (`raytrain.worker.recovery.Recovery`)."""
+    """What the watch asks of the recovery object (`raytrain.faults.restart.Recovery`)."""
 
     runtime: "Runtime"
     shards_per_replica: int
@@ -57,7 +57,7 @@ class Watch:
         evict_after = cfg.straggler_evict_steps if cfg.evict_stragglers else None
         self.stragglers = StragglerWatch(cfg.straggler_factor, cfg.straggler_steps, evict_after)
         self.last: list[RankTimes] = []  # the last sync's figures
-        self.quorum: Any = None  # the workers of the figures (`raytrain.worker.recovery.Quorum`)
+        self.quorum: Any = None  # the workers of the figures (`raytrain.faults.restart.Quorum`)
         self._my_host: int | None = None
 
     def follow(self, quorum: Any) -> None:

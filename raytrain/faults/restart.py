@@ -15,35 +15,42 @@ The loop (`raytrain.worker.loop`, `raytrain.worker.epoch`) and the checkpoints
   (`raytrain.worker.runtime.Runtime`, or per-step's `ReplicaRuntime`);
 - which ranks hold the same shard of different replicas (`shards_per_replica`), and what
   evicting a straggler leaves (`workers_left`) and does (`evict`), for its watch of slow and
-  silent faults (`raytrain.worker.watch`).
+  silent faults (`raytrain.instruments.watch`).
 
 `Recovery` is restart mode's (`--fault-tolerance restart`): a failure restarts the whole
 worker group from the last checkpoint, so every rank takes and commits every step, and Ray
 Train registers (and prunes) the checkpoints. Per-step fault tolerance is
-`raytrain.worker.replicas.PerStep`. A mode of its own is a module with a subclass, and its
-line in `raytrain.config.sections.FAULT_TOLERANCE_MODES`.
+`raytrain.faults.per_step.PerStep`.
+
+`RestartMode` is the mode itself, and the base of every mode: its worker half is `Recovery`,
+handed to each worker in the payload; its driver half is the torch backend, NCCL's error
+handling, what the driver says of a dead worker, and the controller's policies.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from raytrain.faults.evict import evicting_policy
+from raytrain.instruments.watch import StragglerEvicted, Watch
 from raytrain.rules import agreement, stragglers
 from raytrain.rundir.storage import Store
 from raytrain.text import sci
+from raytrain.worker.network import BoundTorchConfig
 from raytrain.worker.runtime import Runtime, hold_out_this_node, run_key
-from raytrain.worker.watch import StragglerEvicted, Watch
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
 
     from raytrain.config import TrainConfig
+    from raytrain.instruments.window import LossWindow
     from raytrain.rules.budget import Budget
     from raytrain.rules.position import Position
     from raytrain.rundir.publish import Publish
     from raytrain.rundir.writer import RunWriter
-    from raytrain.worker.window import LossWindow
 
 # How long rank 0 waits at the end of a run for Ray's upload step to publish its last checkpoint.
 PUBLISH_WAIT_S = 60.0
@@ -109,7 +116,7 @@ class Recovery:
 
     def evict(self, rank: int, line: str) -> None:
         """--evict-stragglers, every rank at once: the straggler's worker writes its node down for the
-        controller (`raytrain.driver.evict` keeps the run off it), then the attempt ends on every
+        controller (`raytrain.faults.evict` keeps the run off it), then the attempt ends on every
         rank; Ray Train restarts the group at the size the other nodes hold."""
         try:
             if self.runtime.world_rank == rank:
@@ -212,4 +219,59 @@ class Recovery:
         return timeout_s
 
 
-__all__ = ["PUBLISH_WAIT_S", "Quorum", "Recovery", "Restored", "Runner"]
+class RestartMode:
+    """--fault-tolerance restart, and the base of every mode: its worker half (`recovery`) and
+    its driver half, asked once by the driver (`raytrain.driver.launch`, `raytrain.driver.failfast`)."""
+
+    recovery: type[Recovery] = Recovery  # the worker half, handed to every worker in the payload
+    # TORCH_NCCL_ASYNC_ERROR_HANDLING (Ray Train sets 1 when unset): 3 (SkipCleanUp), as torchtitan
+    # sets it: on a timeout the watchdog ends the process without ncclCommAbort, which can itself
+    # hang; Ray Train restarts the group, and the driver names the stalled rank from the heartbeats.
+    nccl_error_handling = "3"
+
+    def __init__(self, cfg: "TrainConfig") -> None:
+        self.cfg = cfg
+
+    def torch_config(self, use_gpu: bool) -> Any:
+        """The TorchTrainer's torch_config: gloo or NCCL, bound to each node's interface."""
+        return BoundTorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=self.cfg.collective_timeout_s)
+
+    def on_worker_failure(self, run_dir: Any) -> Callable[[BaseException], None] | None:
+        """What the controller runs when a worker failed (None: nothing): on NCCL the watchdog ends a
+        timed-out worker before it can say which rank stalled, so the driver says it from the heartbeats."""
+        return stall_reporter(run_dir, self.cfg.collective_timeout_s)
+
+    def controller(self, scaling_config: Any, kwargs: dict[str, Any], evict_key: bytes | None) -> type | None:
+        """Sets the controller's policies and callbacks in `kwargs`; returns its class (None: Ray's)."""
+        if evict_key is not None:  # an elastic run: no worker counted on an evicted straggler's node
+            kwargs["scaling_policy"] = evicting_policy(scaling_config, evict_key)
+        return None
+
+    def failure_decision(self, error: BaseException, failure_config: Any) -> Any:
+        """The controller's decision on a failure that is not the user's (None: Ray's policy decides)."""
+        return None
+
+
+def stall_reporter(run_dir: Any, collective_timeout_s: float) -> Callable[[BaseException], None]:
+    """What the controller runs when a worker failed: if the heartbeats show a collective waited
+    out its timeout, an event naming the stalled rank(s) (printed on the console like every
+    event). On NCCL the watchdog ends a timed-out worker before it can say so itself."""
+    from raytrain.rules.stall import stall_seen_by_heartbeats
+    from raytrain.rundir import RunDir
+    from raytrain.rundir.heartbeats import read_last_attempt
+    from raytrain.rundir.records import HEARTBEATS, Event, Kind
+
+    def report(error: BaseException) -> None:
+        if "stalled rank" in str(error):  # the worker said it itself (gloo raises in the worker)
+            return
+        store = Store.of(run_dir)
+        with contextlib.suppress(OSError, ValueError):  # a diagnosis must never fail the policy
+            records = read_last_attempt(store.local_dir / HEARTBEATS)
+            message = stall_seen_by_heartbeats(records, time.time(), collective_timeout_s)
+            if message:
+                RunDir(store).append_event(Event(Kind.STALL, message))
+
+    return report
+
+
+__all__ = ["PUBLISH_WAIT_S", "Quorum", "Recovery", "RestartMode", "Restored", "Runner", "stall_reporter"]

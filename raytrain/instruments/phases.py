@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from raytrain.instruments.window import Throughput
 from raytrain.rules.position import Telemetry
 from raytrain.rules.stragglers import RankTimes
 from raytrain.rundir.heartbeats import Heartbeat
-from raytrain.worker.window import Throughput
 
 if TYPE_CHECKING:
     import torch

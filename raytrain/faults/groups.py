@@ -28,7 +28,7 @@ from raytrain.worker.runtime import gather_over_default_group, sum_over_default_
 
 # A worker of a replica group of several leaves once a member of its group has not beaten for
 # this long (`raytrain.parallel.hsdp.GroupWatch`). The controller takes a lost worker's group
-# out first, within its poll (`raytrain.driver.replacement`); the watch is for a loss the
+# out first, within its poll (`raytrain.faults.replacement`); the watch is for a loss the
 # controller does not see. Long enough that a loaded machine, where a process can go a few
 # seconds unscheduled, is not taken for a loss (2.5 s seen with 4 workers on 2 cores).
 GROUP_LOST_AFTER_S = 15.0
@@ -70,7 +70,7 @@ class ReplicaGroup:
 
     def __init__(self, replica_rank: int, size: int, timeout_s: float, device: torch.device, run_dir: Store) -> None:
         """Form the group's process group (its workers' default group, in place of Ray Train's
-        group of one) on the store the controller hosts for it (`raytrain.driver.replacement`),
+        group of one) on the store the controller hosts for it (`raytrain.faults.replacement`),
         and start the watch that ends this worker once a member is gone."""
         import torch.distributed as dist
 

@@ -9,7 +9,7 @@ are averaged over the step's participants, and a step is applied only if every p
 commits it; one that is not committed (a peer died inside it) is taken again from the same
 position over the next quorum.
 
-`PerStep` is this mode's recovery object (`raytrain.worker.recovery`): the quorum, the commit,
+`PerStep` is this mode's recovery object (`raytrain.faults.restart`): the quorum, the commit,
 healing, a replacement's first quorum, and checkpoints the quorum's rank 0 writes straight to
 the run directory (Ray's report is a barrier over every worker, which a lost replica would hold
 up). `ReplicaRuntime`, the runtime the loop sees here, ranks this replica by its place in the
@@ -18,7 +18,7 @@ current quorum; its collectives go through the Manager.
 Replicas that start together (a fresh start, a resume, a restart of every replica) start their
 Managers before they restore and meet at a barrier once restored, so the first quorum holds
 all of them; a replacement starts its Manager once it is built, so its restore holds up no
-live quorum (`raytrain.driver.replacement` tells each worker which it is).
+live quorum (`raytrain.faults.replacement` tells each worker which it is).
 
 With `--replica-group-size K` (and `--strategy fsdp`) a replica is a group of K workers that
 shard one copy of the model (`raytrain.parallel.hsdp`): the group's K workers form their own
@@ -27,7 +27,7 @@ rank r of the others through the Manager, a worker's share of a step's rows is i
 share split by rank (`raytrain.rules.replicas.step_share`), and the quorum's first group
 writes checkpoints together (DCP over the group). A group loses all its workers or none: the
 controller takes a lost worker's group out, and a worker that sees a member of its group gone
-leaves (`raytrain.worker.groups`).
+leaves (`raytrain.faults.groups`).
 """
 
 from __future__ import annotations
@@ -40,92 +40,44 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from ray.train.v2.torch import torchft_config as ray_torchft
 
-from raytrain.rules import network, stragglers
+from raytrain.faults.groups import replica_of, replica_process_group
+from raytrain.faults.replacement import (
+    HEARTBEAT_TIMEOUT_S,
+    JOIN_TIMEOUT_S,
+    GroupController,
+    ReplacementRetries,
+    ReplicaGroups,
+    group_scaling_policy,
+    torchft_config,
+)
+from raytrain.faults.restart import Quorum, Recovery, RestartMode
+from raytrain.instruments.watch import StallWatch
 from raytrain.rules import replicas as rules
+from raytrain.rules import stragglers
 from raytrain.rules.budget import Budget
 from raytrain.rules.replicas import partial_start_line
 from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind
 from raytrain.rundir.storage import Store
 from raytrain.text import first_line
-from raytrain.worker.groups import replica_of, replica_process_group
-from raytrain.worker.network import BindsInterfaces
-from raytrain.worker.recovery import Quorum, Recovery
 from raytrain.worker.runtime import Runtime, group_barrier, hold_out_this_node
-from raytrain.worker.watch import StallWatch
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
 
     from raytrain.config import TrainConfig
+    from raytrain.faults.restart import Restored, Runner
+    from raytrain.instruments.window import LossWindow
     from raytrain.rundir.publish import Publish
     from raytrain.rundir.writer import RunWriter
-    from raytrain.worker.recovery import Restored, Runner
     from raytrain.worker.state import TrainingState
-    from raytrain.worker.window import LossWindow
-
-# The lighthouse waits up to join_timeout_ms for every live (heartbeating) replica before it
-# forms a quorum: torchft's 100 ms default is shorter than a step, so the replicas would never
-# all meet; 30 s covers a replica still writing a checkpoint at an epoch's end. A replica is
-# gone after heartbeat_timeout_ms without a heartbeat: what the survivors wait when one dies
-# (measured here: about 1 s lost per failure at 1000 ms).
-JOIN_TIMEOUT_S = 30.0
-HEARTBEAT_TIMEOUT_S = 1.0
-LIGHTHOUSE_KWARGS = {
-    "min_replicas": 1,
-    "join_timeout_ms": int(JOIN_TIMEOUT_S * 1000),
-    "heartbeat_timeout_ms": int(HEARTBEAT_TIMEOUT_S * 1000),
-}
-
-
-class _Backend(BindsInterfaces, ray_torchft._TorchftBackend):
-    """Ray Train's torchft backend, bound to each node's interface (`raytrain.worker.network`),
-    with a lighthouse that asks for no CPU. Ray 2.60 pins the
-    lighthouse to the controller's node as an actor with the default request of 1 CPU for
-    scheduling: on a cluster whose head has none (`ray start --head --num-cpus=0`, where the
-    driver and the controller run), it can never be placed and the run never starts. It
-    answers a few small requests per step: it needs no CPU of its own."""
-
-    def _maybe_create_lighthouse_actor(self, backend_config) -> str:
-        import ray
-
-        if self.lighthouse_actor is None:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-            self.lighthouse_actor = ray_torchft.LighthouseServerActor.options(
-                num_cpus=0, scheduling_strategy=here
-            ).remote(lighthouse_kwargs={"bind": "[::]:0", **backend_config.lighthouse_kwargs})
-        # The lighthouse says its address by the hostname, which often resolves to loopback
-        # (`raytrain.rules.network`): replicas on other hosts would dial themselves. It runs on
-        # this node, so this node's Ray address reaches it.
-        address = super()._maybe_create_lighthouse_actor(backend_config)  # its address, from the actor
-        return network.with_host(address, ray.util.get_node_ip_address())
-
-
-class _TorchftConfig(ray_torchft.TorchftConfig):
-    @property
-    def backend_cls(self):
-        return _Backend
-
-
-def torchft_config(use_gpu: bool, timeout_s: float, min_groups: int = 1):
-    """The TorchTrainer's torch_config in per-step mode. `min_groups`: the fewest replica
-    groups a quorum takes a step with (an elastic run's MIN, in groups; a fixed run's
-    survivors go on whatever is lost)."""
-    return _TorchftConfig(
-        lighthouse_kwargs={**LIGHTHOUSE_KWARGS, "min_replicas": min_groups},
-        backend="nccl" if use_gpu else "gloo",
-        timeout_s=timeout_s,  # seconds as given: Ray makes a timedelta of them (0.5 stays 0.5)
-    )
 
 
 class ReplicaRuntime(Runtime):
     """The runtime a per-step replica's loop sees: its rank and world size are its place in the
     current quorum (`PerStep.start_step` sets them), its collectives go through torchft's
-    Manager across replicas and through its group within one (`raytrain.worker.groups`), and
+    Manager across replicas and through its group within one (`raytrain.faults.groups`), and
     there is none outside a step, where no quorum would guard it against a lost peer: each
     replica validates on all of the (small) validation set by itself and gathers only its own
     (group's) values, and its model is wrapped by torchft when the replica joins, not by Ray's."""
@@ -179,7 +131,7 @@ class ReplicaRuntime(Runtime):
     def wait_for_peers(self, seconds: float) -> None:
         """How long this replica's collectives through the Manager (a step's all-reduce, its
         commit) wait for a missing peer from here on: `raytrain.rules.replicas.peer_wait_s`.
-        Its process group's collectives wait that long (`raytrain.worker.groups.replica_process_group`),
+        Its process group's collectives wait that long (`raytrain.faults.groups.replica_process_group`),
         and torchft's Manager reads its `_timeout` for each collective's future
         (`Manager.wrap_future`) and has no setter."""
         self.peer_wait_s = seconds
@@ -263,7 +215,7 @@ class PerStep(Recovery):
 
     def leave_if_evicted(self) -> None:
         """The straggler writes its node down (the controller leaves its group waiting for room:
-        `raytrain.driver.replacement.GroupController`), and its group leaves."""
+        `raytrain.faults.replacement.GroupController`), and its group leaves."""
         rank, runtime, self.evicting = self.evicting, self.runtime, None  # ranks change with the next quorum
         if rank is None or runtime.world_rank // self.group_size != rank // self.group_size:
             return
@@ -288,7 +240,7 @@ class PerStep(Recovery):
         return True
 
     def after_restore(self, training: "Restored") -> None:
-        """Ready to step: the model joins torchft's step (`raytrain.worker.groups`), and replicas
+        """Ready to step: the model joins torchft's step (`raytrain.faults.groups`), and replicas
         that start together meet here once restored, so that the first quorum holds every one
         of them (or says why it could not wait: a replica lost while the group started, or one
         slower than --collective-timeout-s)."""
@@ -424,12 +376,38 @@ def _leave_stalled(runtime: ReplicaRuntime, watch: StallWatch, step: int, second
     os._exit(1)
 
 
-__all__ = [
-    "HEARTBEAT_TIMEOUT_S",
-    "JOIN_TIMEOUT_S",
-    "LIGHTHOUSE_KWARGS",
-    "PerStep",
-    "ReplicaRuntime",
-    "StallWatch",
-    "torchft_config",
-]
+class PerStepMode(RestartMode):
+    """--fault-tolerance per-step: the worker half is `PerStep`; the driver half runs torchft's
+    lighthouse and replaces lost replica groups in place (`raytrain.faults.replacement`)."""
+
+    recovery = PerStep
+    # 2 (CleanUpOnly): the watchdog aborts the communicator but leaves the process alive, so a
+    # survivor whose peer died is not ended with it; torchft's Manager sees the error and the
+    # survivors form their next quorum.
+    nccl_error_handling = "2"
+
+    def __init__(self, cfg: "TrainConfig") -> None:
+        super().__init__(cfg)
+        self.retries = ReplacementRetries()
+
+    def torch_config(self, use_gpu: bool) -> Any:
+        cfg = self.cfg  # a quorum's fewest groups: an elastic run's MIN; a fixed run's survivors go on
+        return torchft_config(
+            use_gpu, cfg.collective_timeout_s, cfg.min_workers // cfg.replica_group_size if cfg.elastic else 1
+        )
+
+    def on_worker_failure(self, run_dir: Any) -> None:
+        return None  # a stuck replica says so itself (`StallWatch`)
+
+    def controller(self, scaling_config: Any, kwargs: dict[str, Any], evict_key: bytes | None) -> type:
+        k = self.cfg.replica_group_size
+        kwargs["callbacks"] = [*kwargs["callbacks"], ReplicaGroups(k)]
+        if scaling_config.elasticity_enabled:  # an elastic run starts with whole groups
+            kwargs["scaling_policy"] = group_scaling_policy(scaling_config, k, evict_key)
+        return type("GroupController", (GroupController,), {"evict_key": evict_key})
+
+    def failure_decision(self, error: BaseException, failure_config: Any) -> Any:
+        return self.retries.decide(error, failure_config.max_failures)
+
+
+__all__ = ["PerStep", "PerStepMode", "ReplicaRuntime", "StallWatch"]
