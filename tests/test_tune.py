@@ -22,30 +22,32 @@ import yaml
 from raytrain.cli import main
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
-from raytrain.tune import (
+from raytrain.tune import tune
+from raytrain.tune.options import SearchSpace, TuneOptions, parse_search_space
+from raytrain.tune.resources import embedded_cpus, max_concurrent_trials, trial_cpus, trial_driver_resources
+from raytrain.tune.results import (
     SUBSTITUTED,
     TrialRun,
     best_config,
     best_per_worker_count,
-    check_trials,
     closing_table,
-    grace_period,
-    grid_points,
     mark_stopped,
-    plan_sweep,
     plot_trials,
     ranked_trials,
-    resolved_run,
-    sweep_base_config,
     sweep_rows,
     tied_rules,
-    trial_config,
-    trial_name,
-    tune,
     write_csv,
 )
-from raytrain.tune.options import SearchSpace, TuneOptions, parse_search_space
-from raytrain.tune.resources import embedded_cpus, max_concurrent_trials, trial_cpus, trial_driver_resources
+from raytrain.tune.space import (
+    check_trials,
+    grace_period,
+    grid_points,
+    plan_sweep,
+    resolved_run,
+    sweep_base_config,
+    trial_config,
+    trial_name,
+)
 from raytrain.tune.trials import trial_error
 
 

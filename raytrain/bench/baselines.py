@@ -36,39 +36,13 @@ def run_template(
     name = f"{mode}-w{workers}" + (f"-{tag}" if tag else "")
     config_path = folder / f"{name}.config.json"
     config_path.write_text(json.dumps(run.cfg.to_dict()))
-    args = [
-        "-m",
-        TEMPLATE_MODULE,
-        "--pipeline",
-        pipeline,
-        "--data",
-        str(folder / "train.npz"),
-        "--config",
-        str(config_path),
-        "--epochs",
-        str(run.epochs),
-        "--warmup-steps",
-        str(opts.warmup_steps),
-        "--out",
-        str(folder / f"{name}.json"),
-    ]
-    if mode == "plain":
-        command = [sys.executable, *args]
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1",
-            "--nproc_per_node",
-            str(workers),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            *args,
-        ]
+    args = ["-m", TEMPLATE_MODULE, "--pipeline", pipeline, "--data", str(folder / "train.npz")]
+    args += ["--config", str(config_path), "--epochs", str(run.epochs), "--warmup-steps", str(opts.warmup_steps)]
+    args += ["--out", str(folder / f"{name}.json")]
+    command = [sys.executable, *args]
+    if mode != "plain":
+        torchrun = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(workers)]
+        command = [sys.executable, *torchrun, "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
     # Ray gives each worker OMP_NUM_THREADS = its whole CPUs; the template gets the same.
     threads = max(1, int(run.cfg.cpus_per_worker))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": driver_pythonpath()}

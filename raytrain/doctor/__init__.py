@@ -92,10 +92,8 @@ def run_doctor(
         report.problems += network.problems
         report.notes += network.notes
         total_gpus = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in nodes)
-        echo(
-            "Backend a run will use: "
-            f"{'nccl (GPU workers, --gpu auto)' if total_gpus else 'gloo (CPU workers; the cluster has no GPU)'}"
-        )
+        backend = "nccl (GPU workers, --gpu auto)" if total_gpus else "gloo (CPU workers; the cluster has no GPU)"
+        echo(f"Backend a run will use: {backend}")
         echo(describe_storage(state, multi_node=len(nodes) > 1))
     finally:
         remove_marker(state)
@@ -126,11 +124,8 @@ def describe_node(node: dict, facts: dict[str, Any] | None) -> str:
         gpu_text = f"{gpus} GPU" + ("s" if gpus > 1 else "")
         if models:
             names = sorted(set(models))
-            gpu_text += (
-                " ("
-                + ", ".join(f"{name} ×{models.count(name)}" if models.count(name) > 1 else name for name in names)
-                + ")"
-            )
+            counted = (f"{name} ×{models.count(name)}" if models.count(name) > 1 else name for name in names)
+            gpu_text += f" ({', '.join(counted)})"
     ram = f"{facts['ram_gib']:.1f} GiB RAM, " if "ram_gib" in facts else ""
     memory = f"{ram}{res.get('memory', 0) / 2**30:.1f} GiB for Ray tasks"
     head = ", head" if "node:__internal_head__" in res else ""
@@ -223,8 +218,7 @@ def assess(nodes: list[dict], probes: dict[str, dict[str, Any]], state: StorageS
             if not facts.get("cuda"):
                 report.problems.append(
                     f"node {name} has {gpus} GPU(s) but a CPU-only torch ({facts.get('torch')}); install a CUDA "
-                    "build of torch there "
-                    "(scripts/install.sh on the GPU machine), or train on CPUs with --no-gpu"
+                    "build of torch there (scripts/install.sh on the GPU machine), or train on CPUs with --no-gpu"
                 )
             elif not facts.get("nccl"):
                 report.problems.append(
@@ -234,8 +228,8 @@ def assess(nodes: list[dict], probes: dict[str, dict[str, Any]], state: StorageS
             elif facts.get("cuda_usable") is False:
                 report.problems.append(
                     f"node {name}: Ray counts {gpus} GPU(s) there but torch cannot use CUDA (driver too old for CUDA "
-                    f"{facts.get('cuda')}, "
-                    "or no driver); check nvidia-smi on that node and install a torch build matching its driver"
+                    f"{facts.get('cuda')}, or no driver); check nvidia-smi on that node and install a torch build "
+                    "matching its driver"
                 )
         if state.remote and state.marker and "sees_marker" in facts:
             if not facts["sees_marker"] or not facts.get("storage_writable", True):
@@ -248,11 +242,9 @@ def assess(nodes: list[dict], probes: dict[str, dict[str, Any]], state: StorageS
         elif multi_node and state.marker and "sees_marker" in facts:
             if not facts["sees_marker"]:
                 report.problems.append(
-                    f"storage {state.path} is not shared: node {name} ({facts.get('hostname', '?')}) does not see "
-                    "the file written "
-                    "here, so checkpoints written on one node cannot be restored on another; mount one shared file "
-                    "system "
-                    "(NFS, EFS, Lustre...) at the same path on every node and pass it as --storage"
+                    f"storage {state.path} is not shared: node {name} ({facts.get('hostname', '?')}) does not see the "
+                    "file written here, so checkpoints written on one node cannot be restored on another; mount one "
+                    "shared file system (NFS, EFS, Lustre...) at the same path on every node and pass it as --storage"
                 )
             elif not facts.get("storage_writable", True):
                 report.problems.append(
@@ -278,8 +270,7 @@ def assess(nodes: list[dict], probes: dict[str, dict[str, Any]], state: StorageS
         elif multi_node:
             report.problems.append(
                 f"the default storage {state.path} does not exist here and a multi-node cluster needs storage every "
-                "node shares; "
-                "mount a shared file system (NFS/EFS) on every node and pass it as --storage"
+                "node shares; mount a shared file system (NFS/EFS) on every node and pass it as --storage"
             )
         else:
             parent = next((p for p in Path(state.path).parents if p.exists()), Path("/"))

@@ -18,9 +18,6 @@ FALLBACK_DRIVER_MEMORY = 256 * 2**20
 LOCAL_OVERSUBSCRIPTION = 2
 
 
-# -- resources -------------------------------------------------------------------------------
-
-
 def trial_cpus(workers: int, cpus_per_worker: float) -> float:
     return workers * cpus_per_worker
 
@@ -57,10 +54,8 @@ def max_concurrent_trials(
             (
                 "workers",
                 f"got {largest} in {','.join(map(str, worker_counts))}: a trial of {largest} workers × "
-                f"{cpus_per_worker:g} CPU "
-                f"needs {need_cpus:g} CPUs, but {where} has {cluster_cpus:g}; drop worker counts above {most} from "
-                "--workers, "
-                "lower --cpus-per-worker, or run on a bigger cluster (--address)",
+                f"{cpus_per_worker:g} CPU needs {need_cpus:g} CPUs, but {where} has {cluster_cpus:g}; drop worker "
+                f"counts above {most} from --workers, lower --cpus-per-worker, or run on a bigger cluster (--address)",
             )
         )
     if use_gpu:
@@ -70,10 +65,8 @@ def max_concurrent_trials(
                 (
                     "workers",
                     f"got {largest} in {','.join(map(str, worker_counts))}: a trial of {largest} GPU workers needs "
-                    f"{largest} GPUs, "
-                    f"but {where} has {cluster_gpus:g}; drop worker counts above {int(cluster_gpus)} from --workers, "
-                    "or run on "
-                    "a bigger cluster (--address)",
+                    f"{largest} GPUs, but {where} has {cluster_gpus:g}; drop worker counts above {int(cluster_gpus)} "
+                    "from --workers, or run on a bigger cluster (--address)",
                 )
             )
         fits = min(fits, gpu_fits)

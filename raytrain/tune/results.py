@@ -424,22 +424,3 @@ def _curve(
         for m in RunDir(row["run_dir"]).epoch_rows()
         if m.epoch <= horizon and is_number(m.get(options.metric))
     ]
-
-
-__all__ = [
-    "SUBSTITUTED",
-    "SweepResult",
-    "TrialRun",
-    "best_config",
-    "best_per_worker_count",
-    "closing_table",
-    "mark_stopped",
-    "plot_trials",
-    "ranked_trials",
-    "sweep_rows",
-    "tied_rules",
-    "trial_epoch_rows",
-    "trial_results",
-    "write_csv",
-    "write_sweep_files",
-]

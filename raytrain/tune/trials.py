@@ -10,15 +10,7 @@ from typing import Any, Callable
 from raytrain.text import first_line, sci
 from raytrain.tune.options import TuneOptions
 from raytrain.tune.results import TrialRun
-from raytrain.tune.space import (
-    SweepRun,
-    point_key,
-    runs_by_point,
-    trial_name,
-)
-
-# Train's cleaner frees a stopped trial's workers within seconds, slower on a loaded machine:
-# wait up to this long for it before removing what is left (the wait ends as soon as none is).
+from raytrain.tune.space import SweepRun, point_key, runs_by_point, trial_name
 
 
 def console_callback(total: int, epochs: int, options: TuneOptions, runs: list[SweepRun], echo: Callable[[str], None]):
