@@ -137,6 +137,15 @@ def ray_session():
 
 
 @pytest.fixture
+def make_config(tmp_path):
+    """`make_config(**options)`: the TrainConfig of a test's run, stored in its tmp_path and named
+    "run" unless the options say otherwise."""
+    from raytrain import TrainConfig
+
+    return lambda **options: TrainConfig(**{"storage": str(tmp_path), "name": "run", **options})
+
+
+@pytest.fixture
 def one_rank_group():
     """A gloo process group of one rank in this process: FSDP2's own checks, no ports."""
     import torch.distributed as dist

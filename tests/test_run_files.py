@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from hosts import skip_reason
 
-from raytrain.config import TrainConfig
 from raytrain.driver.summary import write_summary
 from raytrain.rundir.files import RunLock, RunLocked
 from raytrain.rundir.heartbeats import Heartbeat
@@ -23,7 +22,7 @@ from raytrain.rundir.host import host_id, identity
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_summary_carries_the_steady_step_count(tmp_path):
+def test_summary_carries_the_steady_step_count(tmp_path, make_config):
     progress = {
         "epoch": 2,
         "step": 90,
@@ -33,22 +32,22 @@ def test_summary_carries_the_steady_step_count(tmp_path):
         "steady_samples_per_s": 2500.0,
     }
     (tmp_path / "progress.json").write_text(json.dumps(progress))
-    summary = write_summary(tmp_path, TrainConfig(storage=str(tmp_path)), None, None, started=0.0)
+    summary = write_summary(tmp_path, make_config(), None, None, started=0.0)
     assert (summary.steady_steps, summary.steady_samples_per_s) == (84, 2500.0)
     assert json.loads((tmp_path / "summary.json").read_text())["steady_steps"] == 84
 
 
-def test_summary_of_a_run_without_progress_has_no_steady_figures(tmp_path):
-    summary = write_summary(tmp_path, TrainConfig(storage=str(tmp_path)), None, RuntimeError("boom"), started=0.0)
+def test_summary_of_a_run_without_progress_has_no_steady_figures(tmp_path, make_config):
+    summary = write_summary(tmp_path, make_config(), None, RuntimeError("boom"), started=0.0)
     assert summary.steady_steps is None and summary.status == "failed"
 
 
-def test_under_compile_the_summary_and_the_report_say_the_graphs_and_an_eager_rank(tmp_path):
+def test_under_compile_the_summary_and_the_report_say_the_graphs_and_an_eager_rank(tmp_path, make_config):
     from raytrain.observe.report import _compiled
 
     progress = {"epoch": 1, "step": 9, "compile_graphs": [2, 0], "compile_s": [14.2, 0.0]}
     (tmp_path / "progress.json").write_text(json.dumps(progress))
-    cfg = TrainConfig(storage=str(tmp_path), compile=True)
+    cfg = make_config(compile=True)
     summary = write_summary(tmp_path, cfg, None, None, started=0.0)
     record = json.loads((tmp_path / "summary.json").read_text())["compile"]
     assert record == {"compiled": False, "graphs": [2, 0], "seconds": [14.2, 0.0]}
@@ -60,7 +59,7 @@ def test_under_compile_the_summary_and_the_report_say_the_graphs_and_an_eager_ra
     assert write_summary(tmp_path, cfg, None, None, started=0.0).compile["compiled"] is True
     (tmp_path / "progress.json").unlink()  # no sync counted them: never reported compiled
     assert write_summary(tmp_path, cfg, None, None, started=0.0).compile["compiled"] is False
-    plain = write_summary(tmp_path, TrainConfig(storage=str(tmp_path)), None, None, started=0.0)
+    plain = write_summary(tmp_path, make_config(), None, None, started=0.0)
     assert plain.compile is None and "compile" not in json.loads((tmp_path / "summary.json").read_text())
 
 
@@ -160,14 +159,14 @@ def test_an_interruption_and_what_follows_the_stop_request_are_not_failures():
     assert tally(skipped) == Tally(failures_recovered=1, resumes=1, checkpoints_skipped=1)
 
 
-def test_summary_json_keeps_designs_keys_and_adds_the_counts(tmp_path):
+def test_summary_json_keeps_designs_keys_and_adds_the_counts(tmp_path, make_config):
     from raytrain.rundir import RunDir
     from raytrain.rundir.records import Kind
 
     run = RunDir(tmp_path)
     for event in attempt_events((Kind.RESTORE, 2, None), start=10.0):
         run.append_event(event)
-    write_summary(tmp_path, TrainConfig(storage=str(tmp_path)), None, None, started=10.5, interrupted=2)
+    write_summary(tmp_path, make_config(), None, None, started=10.5, interrupted=2)
     written = json.loads((tmp_path / "summary.json").read_text())
     design = {"status", "epochs", "steps", "samples_seen", "wall_time_s", "steady_samples_per_s", "world_sizes"}
     design |= {"failures_recovered", "final_metrics", "best_checkpoint", "model_path"}
@@ -177,10 +176,10 @@ def test_summary_json_keeps_designs_keys_and_adds_the_counts(tmp_path):
     assert written["status"] == "interrupted"
 
 
-def test_a_signal_after_the_last_epoch_leaves_the_run_finished(tmp_path):
+def test_a_signal_after_the_last_epoch_leaves_the_run_finished(tmp_path, make_config):
     progress = {"epoch": 2, "step": 90, "samples_seen": 2876, "status": "finished", "time": 20.0}
     (tmp_path / "progress.json").write_text(json.dumps(progress))
-    cfg = TrainConfig(storage=str(tmp_path), epochs=2)
+    cfg = make_config(epochs=2)
     summary = write_summary(tmp_path, cfg, None, None, started=10.0, interrupted=2, stop_requested_at=30.0)
     assert (summary.status, summary.interruptions) == ("finished", 1)
     (tmp_path / "progress.json").write_text(json.dumps({**progress, "epoch": 1, "status": "interrupted"}))
