@@ -354,13 +354,13 @@ def test_survivors_training_below_min_are_polled_while_the_lost_groups_wait_for_
 def test_each_fault_tolerance_choice_is_one_mode_with_its_two_halves():
     """The driver picks the mode once from `MODES`; its worker half rides in the payload."""
     from raytrain.config import TrainConfig
-    from raytrain.config.sections import FAULT_TOLERANCE_MODES
+    from raytrain.config.checks import FAULT_TOLERANCE_MODES
     from raytrain.faults import MODES, mode_of
     from raytrain.faults.per_step import PerStep, PerStepMode
     from raytrain.faults.restart import Recovery, RestartMode
     from raytrain.worker.network import BoundTorchConfig
 
-    assert tuple(MODES) == FAULT_TOLERANCE_MODES
+    assert list(MODES) == list(FAULT_TOLERANCE_MODES)  # each choice has its mode and its config rules
     assert all(issubclass(MODES[m].recovery, Recovery) for m in FAULT_TOLERANCE_MODES)
     restart = mode_of(TrainConfig(collective_timeout_s=7))
     assert type(restart) is RestartMode and restart.recovery is Recovery

@@ -89,7 +89,7 @@ def inputs(opts: PlanOptions) -> tuple[dict[str, float], str]:
         measured, mode = _measured(opts.run)
     recovery = dict(goodput.RECOVERY_S)
     if "recovery_s" in measured:
-        recovery["restart" if mode == "restart" else "per-step"] = measured["recovery_s"]
+        recovery[mode] = measured["recovery_s"]  # the run's mode: restart or per-step
     given = {
         "step_s": opts.step_time_s if opts.step_time_s is not None else measured.get("step_s", 1.0),
         "stall_s": opts.checkpoint_stall_s if opts.checkpoint_stall_s is not None else measured.get("stall_s", 1.0),

@@ -10,6 +10,7 @@ import tempfile
 import time
 from typing import Callable
 
+from raytrain import fields
 from raytrain.check.options import CheckOptions
 from raytrain.check.verdict import Comparison, Verdict, compare, horizon_of, table_rows, tolerance_for
 from raytrain.check.worker import PAYLOAD, CheckPayload, Outcome, check_loop_per_worker
@@ -41,7 +42,7 @@ def check_configs(pipe: Pipeline, cfg: TrainConfig, spec: str) -> tuple[TrainCon
                 )
             ]
         )
-    if cfg.fault_tolerance != "restart":
+    if cfg.fault_tolerance != fields.option(TrainConfig, "fault_tolerance").default:
         raise ConfigError(
             [("fault_tolerance", "raytrain check compares the default DDP run; leave --fault-tolerance out")]
         )

@@ -89,39 +89,20 @@ def _check_choices(cfg: Any) -> Iterable[tuple[str, str]]:
 
 
 def across_sections(c: Any) -> Iterable[tuple[str, str]]:
-    """The rules that read more than one section: what per-step fault tolerance needs (Ray
-    workers, torchft installed, no BatchNorm sync, replica groups that fit the worker count),
-    fsdp's workers, the global batch against the worker count, and evicting stragglers (an
-    elastic run)."""
+    """The rules that read more than one section: what the fault-tolerance mode asks of the
+    others (`FAULT_TOLERANCE_MODES`), fsdp's workers, the global batch against the worker count,
+    and evicting stragglers (an elastic run)."""
     try:
         min_workers, max_workers = parse_workers(c.workers)
     except ValueError:  # said by the cluster section's own checks
         min_workers = max_workers = None
-    if c.fault_tolerance == "per-step" and max_workers is not None:
-        if max_workers == 0:
-            yield (
-                "fault_tolerance",
-                "got per-step with --workers 0 (the loop in this process): it needs Ray workers; give --workers N",
-            )
-    if c.fault_tolerance == "per-step" and importlib.util.find_spec("torchft") is None:
-        yield (
-            "fault_tolerance",
-            "got per-step, but torchft is not installed; install it with pip install 'raytrain[ft]' (torchft-nightly), "
-            "or use --fault-tolerance restart",
-        )
-    if c.fault_tolerance == "per-step" and c.sync_batchnorm:
-        yield (
-            "sync_batchnorm",
-            "cannot sync BatchNorm across per-step replicas, which step in quorums of their own; drop --sync-batchnorm "
-            "or use --fault-tolerance restart",
-        )
+    yield from FAULT_TOLERANCE_MODES.get(c.fault_tolerance, restart_problems)(c, min_workers, max_workers)
     if c.strategy == "fsdp" and max_workers == 0:
         yield (
             "strategy",
             "got fsdp with --workers 0: local mode runs the loop in this process without a process group, so there "
             "is nothing to shard the model over; give --workers N (N >= 1), or use --strategy ddp in local mode",
         )
-    yield from _replica_group_problems(c, min_workers, max_workers)
     if c.evict_stragglers and min_workers is not None and not 1 <= min_workers < max_workers:
         yield (
             "evict_stragglers",
@@ -140,11 +121,56 @@ def across_sections(c: Any) -> Iterable[tuple[str, str]]:
         )
 
 
+def restart_problems(c: Any, min_workers: int | None, max_workers: int | None) -> Iterable[tuple[str, str]]:
+    """--fault-tolerance restart asks nothing of the other sections; replica groups are per-step's."""
+    if c.replica_group_size > 1:
+        yield (
+            "replica_group_size",
+            f"got {c.replica_group_size} with --fault-tolerance {c.fault_tolerance}: replica groups are per-step "
+            "fault tolerance's; add --fault-tolerance per-step, or drop --replica-group-size",
+        )
+
+
+def per_step_problems(c: Any, min_workers: int | None, max_workers: int | None) -> Iterable[tuple[str, str]]:
+    """What per-step fault tolerance needs: failures to recover, Ray workers, torchft installed, no
+    BatchNorm sync, a fixed checkpoint interval, and replica groups that fit the worker count."""
+    if c.max_failures == 0:
+        yield (
+            "max_failures",
+            f"got {c.max_failures} with --fault-tolerance per-step: a replacement is a recovered failure; give "
+            "--max-failures 3",
+        )
+    if max_workers == 0:
+        yield (
+            "fault_tolerance",
+            "got per-step with --workers 0 (the loop in this process): it needs Ray workers; give --workers N",
+        )
+    if importlib.util.find_spec("torchft") is None:
+        yield (
+            "fault_tolerance",
+            "got per-step, but torchft is not installed; install it with pip install 'raytrain[ft]' (torchft-nightly), "
+            "or use --fault-tolerance restart",
+        )
+    if c.sync_batchnorm:
+        yield (
+            "sync_batchnorm",
+            "cannot sync BatchNorm across per-step replicas, which step in quorums of their own; drop --sync-batchnorm "
+            "or use --fault-tolerance restart",
+        )
+    if c.checkpoint_every == "auto":
+        # Per-step replicas share no collective outside a step to agree on auto's measured figures.
+        yield (
+            "checkpoint_every",
+            "got auto with --fault-tolerance per-step, which does not take it yet; give --checkpoint-every-steps "
+            "N (raytrain plan --run RUN_DIR suggests N from a run's measured costs), or --fault-tolerance restart",
+        )
+    yield from _replica_group_problems(c, min_workers, max_workers)
+
+
 def _replica_group_problems(c: Any, min_workers: int, max_workers: int) -> Iterable[tuple[str, str]]:
-    """--replica-group-size K against the strategy and the worker count (per-step's own checks
-    are the fault-tolerance section's)."""
+    """--replica-group-size K against the strategy and the worker count, under per-step."""
     k = c.replica_group_size
-    if c.fault_tolerance != "per-step" or k < 1:
+    if k < 1:
         return
     if c.strategy == "fsdp" and k == 1:
         yield (
@@ -176,6 +202,11 @@ def _replica_group_problems(c: Any, min_workers: int, max_workers: int) -> Itera
             f"got {k} with {got}, which is not a whole number of groups; give {give}, or a "
             f"--replica-group-size that divides {divides}",
         )
+
+
+# The --fault-tolerance choices and what each asks of the other sections; each one's driver and
+# worker halves are `raytrain.faults.MODES`' under the same name.
+FAULT_TOLERANCE_MODES = {"restart": restart_problems, "per-step": per_step_problems}
 
 
 def did_you_mean(value: Any, choices: Iterable[str]) -> str:

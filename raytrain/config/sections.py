@@ -17,13 +17,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
-from raytrain.config.checks import EMPTY_NAME, parse_workers, positive_int, resume_problems
+from raytrain.config.checks import EMPTY_NAME, FAULT_TOLERANCE_MODES, parse_workers, positive_int, resume_problems
 
 Precision = Literal["fp32", "bf16", "fp16"]
 ProgressMode = Literal["auto", "bar", "plain", "off"]
-# The --fault-tolerance choices: each one's mode object is `raytrain.faults.MODES`.
-FAULT_TOLERANCE_MODES = ("restart", "per-step")
-FaultTolerance = Literal[FAULT_TOLERANCE_MODES]
+FaultTolerance = Literal[tuple(FAULT_TOLERANCE_MODES)]  # "restart", "per-step"
 Strategy = Literal["ddp", "fsdp"]
 PrefetchMode = Literal["auto", "on", "off"]
 DEFAULT_STORAGE = "~/raytrain_results"
@@ -173,18 +171,6 @@ class FaultToleranceSection:
         if self.max_failures < -1:
             yield "max_failures", f"got {self.max_failures}; must be 0 or more (-1 retries forever)"
         yield from positive_int("replica_group_size", self.replica_group_size, 2)
-        if self.replica_group_size > 1 and self.fault_tolerance != "per-step":
-            yield (
-                "replica_group_size",
-                f"got {self.replica_group_size} with --fault-tolerance {self.fault_tolerance}: replica groups are "
-                "per-step fault tolerance's; add --fault-tolerance per-step, or drop --replica-group-size",
-            )
-        if self.fault_tolerance == "per-step" and self.max_failures == 0:
-            yield (
-                "max_failures",
-                f"got {self.max_failures} with --fault-tolerance per-step: a replacement is a recovered failure; give "
-                "--max-failures 3",
-            )
         if not 0 < self.collective_timeout_s < math.inf:
             yield (
                 "collective_timeout_s",
@@ -199,13 +185,6 @@ class FaultToleranceSection:
                 f"got auto together with --checkpoint-every-steps {self.checkpoint_every_steps}; give one: "
                 "--checkpoint-every auto chooses the interval from the measured costs, --checkpoint-every-steps N "
                 "fixes it",
-            )
-        if self.checkpoint_every == "auto" and self.fault_tolerance == "per-step":
-            # Per-step replicas share no collective outside a step to agree on auto's measured figures.
-            yield (
-                "checkpoint_every",
-                "got auto with --fault-tolerance per-step, which does not take it yet; give --checkpoint-every-steps "
-                "N (raytrain plan --run RUN_DIR suggests N from a run's measured costs), or --fault-tolerance restart",
             )
         if not 0 < self.mtbf_hours < math.inf:
             yield (

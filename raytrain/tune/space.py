@@ -89,6 +89,8 @@ def trial_config(
 def check_trials(base: TrainConfig, space: SearchSpace, options: TuneOptions) -> list[dict[str, Any]]:
     """Build every trial's configuration before anything starts; one ConfigError with every
     distinct problem (e.g. a warmup longer than the run). Returns the grid points."""
+    from raytrain.faults import MODES
+
     points = grid_points(space, base)
     lrs = list(space.lr_range) if space.lr_range else [None]
     problems: list[tuple[str, str]] = []
@@ -97,7 +99,7 @@ def check_trials(base: TrainConfig, space: SearchSpace, options: TuneOptions) ->
             trial_config(base, {**point, **({"lr": lr} if lr is not None else {})})
         except ConfigError as exc:
             problems += [p for p in exc.problems if p not in problems]
-    if base.fault_tolerance == "per-step":
+    if not MODES[base.fault_tolerance].reports_each_epoch:
         problems.append(
             (
                 "fault_tolerance",
