@@ -385,6 +385,8 @@ class PerStepMode(RestartMode):
     # survivor whose peer died is not ended with it; torchft's Manager sees the error and the
     # survivors form their next quorum.
     nccl_error_handling = "2"
+    min_failures = 1  # a replacement is a recovered failure
+    reports_each_epoch = False  # the writer publishes by itself: Ray's report is a barrier a lost replica holds up
 
     def __init__(self, cfg: "TrainConfig") -> None:
         super().__init__(cfg)

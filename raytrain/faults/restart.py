@@ -228,6 +228,8 @@ class RestartMode:
     # sets it: on a timeout the watchdog ends the process without ncclCommAbort, which can itself
     # hang; Ray Train restarts the group, and the driver names the stalled rank from the heartbeats.
     nccl_error_handling = "3"
+    reports_each_epoch = True  # every worker reports each epoch's metrics to Ray (what a Tune trial reads)
+    min_failures = 0  # the --max-failures it needs
 
     def __init__(self, cfg: "TrainConfig") -> None:
         self.cfg = cfg
