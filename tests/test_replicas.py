@@ -429,3 +429,28 @@ def test_on_nccl_the_peer_wait_is_torchfts_abort_timer_and_torchs_watchdog_stays
     assert opts.timeout < timedelta(0)  # unset: torch's watchdog does not time it
     timed = pg._wrap_work(object(), opts)  # torchft's timer, which aborts the communicator
     assert timed._timeout == timedelta(seconds=5)
+
+
+def test_per_step_retries_a_replacement_a_second_loss_failed_within_max_failures_and_says_what_its_runs_need():
+    """A replica lost while another was being replaced fails that replacement with a controller
+    error Ray never retries: the per-step mode retries it, --max-failures times; anything else is
+    Ray's policy's to decide (None)."""
+    from ray.exceptions import RayActorError
+    from ray.train import ControllerError
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+
+    from raytrain.config import TrainConfig
+    from raytrain.faults import mode_class, mode_of
+
+    mode = mode_of(TrainConfig(fault_tolerance="per-step", max_failures=2, workers=2))
+    lost = ControllerError(RayActorError())
+    limit = SimpleNamespace(max_failures=2)
+    assert [mode.failure_decision(lost, limit) for _ in range(3)] == [
+        FailureDecision.RETRY,
+        FailureDecision.RETRY,
+        FailureDecision.RAISE,
+    ]
+    assert mode.failure_decision(RuntimeError("worker died"), limit) is None
+    assert mode_of(TrainConfig()).failure_decision(lost, limit) is None  # restart: Ray's policy decides
+    assert (mode_class("per-step").min_failures, mode_class(None).min_failures) == (1, 0)
+    assert not mode_class("per-step").reports_each_epoch and mode_class("restart").reports_each_epoch
