@@ -549,12 +549,12 @@ def test_export_prefers_the_latest_checkpoint(capsys, tmp_path):
     assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True)["weight"], new.weight.detach())
 
 
-def test_export_checks_a_runs_weights_against_its_pipeline(capsys, tmp_path):
+def test_export_checks_a_runs_weights_against_its_pipeline(capsys, tmp_path, make_config):
     from pipelines.digits.model import DigitsCNN
 
     run = tmp_path / "run"
     run.mkdir()
-    config = {**TrainConfig(name="run", storage=str(tmp_path)).to_dict(), "pipeline": "digits", "gpu": False}
+    config = {**make_config().to_dict(), "pipeline": "digits", "gpu": False}
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     torch.save({"module." + k: v for k, v in DigitsCNN().state_dict().items()}, run / "model.pt")
     code, out, err = cli(capsys, "export", str(run), "-o", str(tmp_path / "digits.pt"), "--pipeline", "digits")
@@ -563,10 +563,10 @@ def test_export_checks_a_runs_weights_against_its_pipeline(capsys, tmp_path):
     DigitsCNN().load_state_dict(torch.load(tmp_path / "digits.pt", weights_only=True), strict=True)
 
 
-def test_export_rejects_weights_of_another_model(capsys, tmp_path):
+def test_export_rejects_weights_of_another_model(capsys, tmp_path, make_config):
     run = tmp_path / "run"
     run.mkdir()
-    config = {**TrainConfig(name="run", storage=str(tmp_path)).to_dict(), "pipeline": "digits", "gpu": False}
+    config = {**make_config().to_dict(), "pipeline": "digits", "gpu": False}
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     torch.save(small_model().state_dict(), run / "model.pt")
     code, out, err = cli(capsys, "export", str(run), "-o", str(tmp_path / "out.pt"), "--pipeline", "digits")
@@ -574,12 +574,12 @@ def test_export_rejects_weights_of_another_model(capsys, tmp_path):
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_export_reads_weights_without_importing_the_code_a_run_names(capsys, tmp_path):
+def test_export_reads_weights_without_importing_the_code_a_run_names(capsys, tmp_path, make_config):
     run = tmp_path / "run"
     run.mkdir()
     planted = tmp_path / "planted.py"
     planted.write_text("raise SystemExit('imported!')\n")
-    config = {**TrainConfig(name="run", storage=str(tmp_path)).to_dict(), "pipeline": "planted:Anything", "gpu": False}
+    config = {**make_config().to_dict(), "pipeline": "planted:Anything", "gpu": False}
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     torch.save(small_model().state_dict(), run / "model.pt")
     sys.path.insert(0, str(tmp_path))

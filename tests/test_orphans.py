@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain import Pipeline, TrainConfig
+from raytrain import Pipeline
 from raytrain.cli import main
 from raytrain.errors import CheckpointError, StorageError
 from raytrain.instruments.window import LossWindow, sync
@@ -437,12 +437,12 @@ def save_checkpoint(run_dir: Path, step: int) -> None:
     state.save(run_dir / ckpt.checkpoint_name(step), runtime, {}, distributed=False).wait(30)
 
 
-def test_a_resume_whose_checkpoint_is_pruned_before_it_is_read_chooses_again(tmp_path):
+def test_a_resume_whose_checkpoint_is_pruned_before_it_is_read_chooses_again(tmp_path, make_config):
     """A pruning writer (the earlier attempt's workers) removes the checkpoint the driver chose:
     the driver chooses the furthest one left, instead of saying it 'does not exist'."""
     from raytrain.driver.run import check_resume, check_run_dir
 
-    cfg = TrainConfig(name="run", storage=str(tmp_path), resume=True, epochs=1)
+    cfg = make_config(resume=True, epochs=1)
     run_dir = Store.of(tmp_path) / "run"
     run_dir.make_dir()
     RunDir(run_dir).write_config({**cfg.to_dict(), "pipeline": "Linear"})

@@ -283,10 +283,10 @@ def rows_file(run_dir, rows: list[dict]) -> None:
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def test_the_summary_after_a_resume_covers_the_whole_run(tmp_path):
+def test_the_summary_after_a_resume_covers_the_whole_run(tmp_path, make_config):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    cfg = TrainConfig(epochs=2, storage=str(tmp_path), name="run")
+    cfg = make_config(epochs=2)
     rows_file(run_dir, [{"epoch": 1, "step": 10, "loss": 0.9}, {"epoch": 1, "step": 20, "loss": 0.8}])
     first = write_summary(run_dir, cfg, None, None, time.time() - 30.0, interrupted=2)
     assert first.wall_time_s == pytest.approx(30.0, abs=1) and first.starts == 1

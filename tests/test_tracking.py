@@ -193,9 +193,9 @@ def test_missing_trackers_are_configuration_errors_naming_the_fix():
 
 
 @pytest.mark.parametrize("bad", ["http://127.0.0.1:1", "nosuchstore://x"])
-def test_an_mlflow_uri_that_cannot_work_is_a_configuration_error_before_anything_starts(tmp_path, bad):
+def test_an_mlflow_uri_that_cannot_work_is_a_configuration_error_before_anything_starts(tmp_path, bad, make_config):
     pytest.importorskip("mlflow")
-    cfg = raytrain.TrainConfig(epochs=1, name="x", storage=str(tmp_path))
+    cfg = make_config(epochs=1, name="x")
     with pytest.raises(ConfigError, match=rf"mlflow_uri: got '{bad}', but MLflow cannot use it: .*give a server"):
         RunTracker(cfg, tmp_path / "x", "digits", options=TrackingOptions(mlflow_uri=bad))
 
@@ -285,14 +285,14 @@ def mlflow_uri(kind: str, tmp_path: Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["file", "sqlite"])
-def test_mlflow_run_holds_params_step_metrics_and_the_model(tmp_path, monkeypatch, kind):
+def test_mlflow_run_holds_params_step_metrics_and_the_model(tmp_path, monkeypatch, kind, make_config):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     monkeypatch.chdir(tmp_path)  # a sqlite store keeps artifacts in ./mlruns
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    cfg = raytrain.TrainConfig(epochs=2, workers=2, name="mlrun", storage=str(tmp_path))
+    cfg = make_config(epochs=2, workers=2, name="mlrun")
     uri = mlflow_uri(kind, tmp_path)
     lines = []
     tracker = RunTracker(cfg, run_dir, "digits", pipeline=DigitsPipeline())  # its model cannot load b"weights"
@@ -346,7 +346,7 @@ def test_mlflow_run_holds_params_step_metrics_and_the_model(tmp_path, monkeypatc
     assert run.data.tags["raytrain.world_sizes"] == "2"
 
 
-def test_mlflow_gets_the_model_as_a_pytorch_model_with_its_signature(tmp_path, monkeypatch):
+def test_mlflow_gets_the_model_as_a_pytorch_model_with_its_signature(tmp_path, monkeypatch, make_config):
     """runs:/RUN_ID/model loads with mlflow.pytorch.load_model as the pipeline's own class with the
     run's weights; its signature comes from the example row the driver passes; the plain state
     dict is run/model.pt."""
@@ -360,7 +360,7 @@ def test_mlflow_gets_the_model_as_a_pytorch_model_with_its_signature(tmp_path, m
 
     uri, run_dir = mlflow_uri("file", tmp_path), tmp_path / "run"
     run_dir.mkdir()
-    cfg = raytrain.TrainConfig(epochs=1, name="signed", storage=str(tmp_path))
+    cfg = make_config(epochs=1, name="signed")
     torch.manual_seed(7)
     trained = DigitsPipeline().build_model(cfg).eval()
     torch.save(trained.state_dict(), run_dir / "model.pt")
@@ -440,18 +440,18 @@ def test_example_io_is_the_models_one_tensor_in_and_out_or_says_why_not():
     assert example_io(Pipe(lambda m, b: m(b["x"])[0]), Pair().eval(), rows) == "the model returns a tuple, not a tensor"
 
 
-def test_mlflow_resume_continues_the_same_run(tmp_path):
+def test_mlflow_resume_continues_the_same_run(tmp_path, make_config):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     uri, run_dir = mlflow_uri("file", tmp_path), tmp_path / "run"
-    first_cfg = raytrain.TrainConfig(epochs=1, name="again", storage=str(tmp_path))
+    first_cfg = make_config(epochs=1, name="again")
     first = MLflowSink(
         uri, "raytrain", first_cfg, config_params(first_cfg, "digits", run_dir), run_dir, echo=lambda line: None
     )
     first.metrics(metrics_row(1))
     first.finish(None, run_dir)  # the driver was interrupted
-    again_cfg = raytrain.TrainConfig(epochs=2, name="again", storage=str(tmp_path), resume=True)
+    again_cfg = make_config(epochs=2, name="again", resume=True)
     again = MLflowSink(
         uri, "raytrain", again_cfg, config_params(again_cfg, "digits", run_dir), run_dir, echo=lambda line: None
     )
@@ -466,11 +466,11 @@ def test_mlflow_resume_continues_the_same_run(tmp_path):
 # -- Weights & Biases ------------------------------------------------------------------------
 
 
-def test_wandb_offline_run_gets_the_metrics(tmp_path, monkeypatch):
+def test_wandb_offline_run_gets_the_metrics(tmp_path, monkeypatch, make_config):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = raytrain.TrainConfig(epochs=1, name="wb", storage=str(tmp_path))
+    cfg = make_config(epochs=1, name="wb")
     sink = WandbSink("raytrain-tests", cfg, config_params(cfg, "digits", tmp_path), tmp_path)
     sink.metrics(metrics_row(5))
     sink.metrics(metrics_row(3))  # a step redone after a restart: W&B needs increasing steps
@@ -487,11 +487,11 @@ def test_wandb_offline_run_gets_the_metrics(tmp_path, monkeypatch):
 # -- one run's tracker, without Ray ----------------------------------------------------------
 
 
-def test_run_tracker_feeds_tensorboard_mlflow_and_writes_the_report(tmp_path):
+def test_run_tracker_feeds_tensorboard_mlflow_and_writes_the_report(tmp_path, make_config):
     pytest.importorskip("mlflow")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    cfg = raytrain.TrainConfig(epochs=2, workers=2, name="run", storage=str(tmp_path))
+    cfg = make_config(epochs=2, workers=2)
     lines: list[str] = []
     options = TrackingOptions(mlflow_uri=mlflow_uri("file", tmp_path))
     tracker = RunTracker(cfg, run_dir, "digits", echo=lines.append, progress=True, options=options)
