@@ -46,8 +46,8 @@ def test_workers_2_to_3_shrinks_on_node_loss_and_grows_back(tmp_path):
     steps = [row["step"] for row in rows]
     assert steps == sorted(steps) and len(steps) == len(set(steps))  # the curve continues, no replays
     for row in rows:  # the lr is the same function of samples seen at every size
-        expected = schedule.lr_at(
-            row["samples_seen"], base_lr=1e-2, peak_lr=3e-2, warmup_samples=960, total_samples=12 * 960
+        expected = schedule.LRSchedule("cosine", 3e-2, 1e-2, warmup_samples=960, total_samples=12 * 960).lr(
+            row["samples_seen"]
         )
         assert row["lr"] == pytest.approx(expected, rel=1e-9)
     messages = result["events"]

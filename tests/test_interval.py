@@ -17,11 +17,11 @@ def auto(**changes) -> AutoInterval:
 
 def test_min_steps_until_a_save_is_measured():
     interval = auto()
-    assert interval.interval_steps() == 10
+    assert interval.held == 10
     assert interval.due(10) and not interval.due(9)
     assert "the first save measures its stall" in interval.describe()
     interval.on_steps(10, 1.0)
-    assert interval.interval_steps() == 10  # a step time, but no stall yet
+    assert interval.held == 10  # a step time, but no stall yet
 
 
 def test_daly_interval_from_the_measured_costs():
@@ -31,7 +31,7 @@ def test_daly_interval_from_the_measured_costs():
     # prior: one failure per 1000 node-hours (plus the few seconds trained), over 10 nodes
     mtbf = (1000.0 + 12.0 * 10 / HOUR_S) * HOUR_S / 10
     expected = round(goodput.daly_interval_s(2.0, mtbf) / 0.1)
-    assert interval.interval_steps() == expected
+    assert interval.held == expected
     assert change is not None and (change.before, change.after, change.cause) == (10, expected, "save")
     assert f"10 → {expected:,} steps" in change.line and "a save stalls 2.00 s" in change.line
     assert "0 failures" in change.line and "prior 1,000 h per node" in change.line
@@ -52,14 +52,14 @@ def test_failures_shorten_the_interval_and_training_without_them_lengthens_it():
     interval = auto()
     interval.on_steps(100, 10.0)
     interval.on_save(2.0)
-    first = interval.interval_steps()
+    first = interval.held
     change = interval.on_failure()
     # one failure in ~0 node-hours beyond the prior: the rate doubles, the interval shrinks by about √2
     assert change is not None and change.cause == "failure" and "1 failure in" in change.line
-    assert interval.interval_steps() == pytest.approx(first / 2**0.5, rel=0.02)
+    assert interval.held == pytest.approx(first / 2**0.5, rel=0.02)
     interval.on_steps(360_000_000, 36_000_000.0)  # 100,000 node-hours more without a failure
     interval.on_save(2.0)
-    assert interval.interval_steps() > first
+    assert interval.held > first
     assert interval.node_mtbf_s == pytest.approx((1000.0 + interval.node_hours) / 2 * HOUR_S)
 
 
@@ -69,7 +69,7 @@ def test_per_step_rolls_back_on_the_head_node_only():
         interval.on_steps(100, 10.0)
         interval.on_save(2.0)
     assert per_step.rollback_mtbf_s == pytest.approx(10 * restart.rollback_mtbf_s)
-    assert per_step.interval_steps() == pytest.approx(restart.interval_steps() * 10**0.5, rel=0.05)
+    assert per_step.held == pytest.approx(restart.held * 10**0.5, rel=0.05)
     assert "per-step" in per_step.describe()
 
 
@@ -77,23 +77,23 @@ def test_bounds_and_their_line():
     low = auto(max_steps=50)
     low.on_steps(100, 10.0)
     change = low.on_save(2.0)
-    assert low.interval_steps() == 50 and "(at --checkpoint-max-steps)" in change.line
+    assert low.held == 50 and "(at --checkpoint-max-steps)" in change.line
     high = auto(min_steps=50_000)  # Daly says about 12,000: the minimum holds
     high.on_steps(100, 10.0)
     assert high.on_save(2.0) is None  # held at the minimum: nothing changed
-    assert high.interval_steps() == 50_000 and "(at --checkpoint-min-steps)" in high.describe()
+    assert high.held == 50_000 and "(at --checkpoint-min-steps)" in high.describe()
 
 
 def test_small_moves_are_not_changes():
     interval = auto()
     interval.on_steps(100, 10.0)
     interval.on_save(2.0)
-    held = interval.interval_steps()
+    held = interval.held
     assert interval.on_save(2.1) is None  # the median moves 2.5 %: the interval stays
-    assert interval.interval_steps() == held
+    assert interval.held == held
     for _ in range(3):
         last = interval.on_save(8.0)  # the stall quadruples: the interval doubles
-    assert last is not None and interval.interval_steps() > 1.5 * held
+    assert last is not None and interval.held > 1.5 * held
 
 
 def test_step_time_is_the_median_of_the_recent_steps():
@@ -107,15 +107,6 @@ def test_step_time_is_the_median_of_the_recent_steps():
         interval.on_steps(1, 0.1)
     interval.on_steps(1, 3.0)  # one slow step (a loaded machine) does not move it
     assert interval.step_s == pytest.approx(0.1)
-
-
-def test_resize_counts_more_nodes():
-    interval = auto()
-    interval.on_steps(100, 10.0)
-    interval.on_save(2.0)
-    change = interval.resized(40)
-    assert interval.rollback_mtbf_s == pytest.approx(interval.node_mtbf_s / 40)
-    assert change is not None and change.after == 10  # the step time is measured afresh at the new size
 
 
 def test_state_round_trip_across_a_restart():
@@ -135,7 +126,7 @@ def test_state_round_trip_across_a_restart():
     bounded = AutoInterval.from_state(
         interval.state(), mtbf_hours=1000.0, nodes=10, min_steps=10, max_steps=20, per_step=False
     )
-    assert bounded.interval_steps() == 20
+    assert bounded.held == 20
 
 
 def test_refuses_nonsense():

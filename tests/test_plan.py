@@ -14,22 +14,27 @@ import numpy as np
 import pytest
 
 from raytrain.rules.batch import BatchPlan, default_reference_batch_size, lr_scale, resolve_batch_plan
-from raytrain.rules.schedule import lr_at
+from raytrain.rules.schedule import LRSchedule
 from raytrain.rules.steps import Step, epoch_order, epoch_steps, micro_batches, rank_rows, split_range
 
 # -- batch plan ------------------------------------------------------------------------------
 
 
+def shares(plan: BatchPlan, rows_in_step: int | None = None) -> list[int]:
+    """The samples each rank trains in a step of `rows_in_step` samples (default: a full one)."""
+    return [hi - lo for lo, hi in split_range(rows_in_step or plan.global_batch_size, plan.world_size)]
+
+
 def test_global_batch_divisible():
     p = resolve_batch_plan(8, global_batch_size=256)
     assert p == BatchPlan(global_batch_size=256, world_size=8, accumulation_steps=1)
-    assert [p.rank_share(r) for r in range(8)] == [32] * 8
+    assert shares(p) == [32] * 8
     assert p.describe() == "global 256 = 8 workers × 32 per worker × 1 accumulation step"
 
 
 def test_global_batch_not_divisible():
     p = resolve_batch_plan(3, global_batch_size=64)
-    assert [p.rank_share(r) for r in range(3)] == [22, 21, 21]
+    assert shares(p) == [22, 21, 21]
     assert (p.per_worker_min, p.per_worker_max) == (21, 22)
     assert p.describe() == "global 64 = 3 workers × 21–22 per worker × 1 accumulation step"
 
@@ -38,7 +43,7 @@ def test_global_batch_is_fixed_whatever_the_worker_count():
     for world_size in range(1, 17):
         p = resolve_batch_plan(world_size, global_batch_size=256)
         assert p.global_batch_size == 256
-        assert sum(p.rank_share(r) for r in range(world_size)) == 256
+        assert sum(shares(p)) == 256
 
 
 def test_single_worker_wording():
@@ -52,7 +57,7 @@ def test_per_worker_mode_grows_with_the_workers():
     for world_size in (1, 2, 3, 8):
         p = resolve_batch_plan(world_size, batch_size_per_worker=32)
         assert p.global_batch_size == 32 * world_size
-        assert [p.rank_share(r) for r in range(world_size)] == [32] * world_size
+        assert shares(p) == [32] * world_size
     assert (
         resolve_batch_plan(4, batch_size_per_worker=32).describe()
         == "global 128 = 4 workers × 32 per worker × 1 accumulation step"
@@ -87,7 +92,7 @@ def test_micro_batch_size_sets_accumulation(world_size, global_batch, micro, ste
     assert p.accumulation_steps == steps
     assert p.global_batch_size == global_batch  # accumulation never changes what the optimizer sees
     for rank in range(world_size):
-        parts = one_range(0, p.rank_share(rank), p.accumulation_steps)
+        parts = one_range(0, shares(p)[rank], p.accumulation_steps)
         assert max(b - a for a, b in parts) <= micro
 
 
@@ -111,10 +116,10 @@ def test_batch_plan_rejects_internal_misuse(kwargs, match):
         resolve_batch_plan(world_size, **kwargs)
 
 
-def test_rank_share_of_a_partial_step():
+def test_rank_shares_of_a_partial_step():
     p = resolve_batch_plan(4, global_batch_size=64)
-    assert [p.rank_share(r, rows_in_step=6) for r in range(4)] == [2, 2, 1, 1]
-    assert [p.rank_share(r, rows_in_step=2) for r in range(4)] == [1, 1, 0, 0]
+    assert shares(p, 6) == [2, 2, 1, 1]
+    assert shares(p, 2) == [1, 1, 0, 0]
 
 
 # -- learning rate ---------------------------------------------------------------------------
@@ -143,40 +148,40 @@ def test_lr_scale_unknown_rule():
 
 
 @pytest.mark.parametrize("rule", ["linear", "sqrt", "none"])
-def test_lr_at_cosine_with_warmup(rule):
+def test_schedule_cosine_with_warmup(rule):
     base = 1e-3
     peak = base * lr_scale(rule, 256, 32)
-    kw = dict(base_lr=base, peak_lr=peak, warmup_samples=1000, total_samples=5000)
-    assert lr_at(0, **kw) == pytest.approx(base)
-    assert lr_at(500, **kw) == pytest.approx((base + peak) / 2)
-    assert lr_at(1000, **kw) == pytest.approx(peak)
-    assert lr_at(3000, **kw) == pytest.approx(peak / 2)  # cosine midpoint
-    assert lr_at(5000, **kw) == pytest.approx(0.0, abs=1e-15)
-    assert lr_at(6000, **kw) == pytest.approx(0.0, abs=1e-15)  # past the end it stays at 0
+    lr = LRSchedule("cosine", peak, base, warmup_samples=1000, total_samples=5000).lr
+    assert lr(0) == pytest.approx(base)
+    assert lr(500) == pytest.approx((base + peak) / 2)
+    assert lr(1000) == pytest.approx(peak)
+    assert lr(3000) == pytest.approx(peak / 2)  # cosine midpoint
+    assert lr(5000) == pytest.approx(0.0, abs=1e-15)
+    assert lr(6000) == pytest.approx(0.0, abs=1e-15)  # past the end it stays at 0
 
 
 @pytest.mark.parametrize("rule", ["linear", "sqrt", "none"])
-def test_lr_at_constant_with_warmup(rule):
+def test_schedule_constant_with_warmup(rule):
     base = 2e-3
     peak = base * lr_scale(rule, 512, 64)
-    kw = dict(base_lr=base, peak_lr=peak, warmup_samples=640, total_samples=6400, schedule="constant")
-    assert lr_at(0, **kw) == pytest.approx(base)
-    assert lr_at(320, **kw) == pytest.approx((base + peak) / 2)
-    assert lr_at(640, **kw) == pytest.approx(peak)
-    assert lr_at(3200, **kw) == pytest.approx(peak)
-    assert lr_at(6400, **kw) == pytest.approx(peak)
+    lr = LRSchedule("constant", peak, base, warmup_samples=640, total_samples=6400).lr
+    assert lr(0) == pytest.approx(base)
+    assert lr(320) == pytest.approx((base + peak) / 2)
+    assert lr(640) == pytest.approx(peak)
+    assert lr(3200) == pytest.approx(peak)
+    assert lr(6400) == pytest.approx(peak)
 
 
-def test_lr_at_without_warmup_starts_at_peak():
-    kw = dict(base_lr=1e-3, peak_lr=8e-3, warmup_samples=0, total_samples=1000)
-    assert lr_at(0, **kw) == pytest.approx(8e-3)
-    assert lr_at(500, **kw) == pytest.approx(4e-3)
-    assert lr_at(1000, **kw) == pytest.approx(0.0, abs=1e-15)
+def test_schedule_without_warmup_starts_at_peak():
+    lr = LRSchedule("cosine", 8e-3, 1e-3, warmup_samples=0, total_samples=1000).lr
+    assert lr(0) == pytest.approx(8e-3)
+    assert lr(500) == pytest.approx(4e-3)
+    assert lr(1000) == pytest.approx(0.0, abs=1e-15)
 
 
 def test_lr_is_monotone_in_warmup_then_decay():
-    kw = dict(base_lr=1e-3, peak_lr=4e-3, warmup_samples=1000, total_samples=4000)
-    values = [lr_at(s, **kw) for s in range(0, 4001, 50)]
+    lr = LRSchedule("cosine", 4e-3, 1e-3, warmup_samples=1000, total_samples=4000).lr
+    values = [lr(s) for s in range(0, 4001, 50)]
     warm, decay = values[:21], values[20:]
     assert all(a <= b for a, b in zip(warm, warm[1:]))
     assert all(a >= b for a, b in zip(decay, decay[1:]))
@@ -184,15 +189,15 @@ def test_lr_is_monotone_in_warmup_then_decay():
 
 def test_warmup_is_keyed_to_samples_not_steps():
     """Stepping with global batch 32 or 128 gives the same lr at the same samples_seen."""
-    kw = dict(base_lr=1e-3, peak_lr=8e-3, warmup_samples=1437, total_samples=1437 * 5)
-    small = {s: lr_at(s, **kw) for s in range(0, kw["total_samples"], 32)}
-    large = {s: lr_at(s, **kw) for s in range(0, kw["total_samples"], 128)}
+    lr = LRSchedule("cosine", 8e-3, 1e-3, warmup_samples=1437, total_samples=1437 * 5).lr
+    small = {s: lr(s) for s in range(0, 1437 * 5, 32)}
+    large = {s: lr(s) for s in range(0, 1437 * 5, 128)}
     common = sorted(set(small) & set(large))
     assert len(common) > 10
     assert [small[s] for s in common] == [large[s] for s in common]
     # and the warmup ends at the same sample count, not after a fixed number of steps
-    assert lr_at(1437, **kw) == pytest.approx(8e-3)
-    assert lr_at(1436, **kw) < 8e-3
+    assert lr(1437) == pytest.approx(8e-3)
+    assert lr(1436) < 8e-3
 
 
 def test_default_reference_batch_size():

@@ -147,7 +147,7 @@ def test_local_mode_runs_the_loop_in_process(ray_session, tmp_path):
     assert orders[0] != orders[1]  # reshuffled every epoch
     assert result.summary["steps"] == 2 * 3  # ceil(37 / 16) steps per epoch, tail kept
     assert result.summary["steady_steps"] == 2 * (3 - 1)  # the first step of every epoch is warm-up
-    expected_lr = schedule.lr_at(0, base_lr=1e-3, peak_lr=1e-3, warmup_samples=37, total_samples=74)
+    expected_lr = schedule.LRSchedule("cosine", 1e-3, 1e-3, warmup_samples=37, total_samples=74).lr(0)
     assert rows[0]["lr"] == pytest.approx(expected_lr)
 
 

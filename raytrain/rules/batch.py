@@ -11,8 +11,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from raytrain.rules.steps import split_range
-
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config.optimization import OptimizationSection
 
@@ -24,13 +22,6 @@ class BatchPlan:
     global_batch_size: int
     world_size: int
     accumulation_steps: int
-
-    def rank_share(self, rank: int, rows_in_step: int | None = None) -> int:
-        """Samples rank `rank` trains on in a step holding `rows_in_step` samples (default: full)."""
-        start, end = split_range(self.global_batch_size if rows_in_step is None else rows_in_step, self.world_size)[
-            rank
-        ]
-        return end - start
 
     @property
     def per_worker_min(self) -> int:

@@ -80,10 +80,6 @@ class Prediction:
     speedup: float
     efficiency: float
 
-    @property
-    def exposed_s(self) -> float:
-        return self.comm_s - self.hidden_s
-
 
 class CostModelError(ValueError):
     """Inputs the model cannot use; the message names the input and the fix."""

@@ -38,13 +38,6 @@ class GoodputError(ValueError):
     """Inputs the model cannot use (a negative time, no workers): the caller names the option."""
 
 
-def job_mtbf_s(node_mtbf_s: float, nodes: int) -> float:
-    """The mean time between failures of a job on `nodes` nodes failing independently."""
-    if nodes < 1 or not node_mtbf_s > 0:
-        raise GoodputError(f"need nodes >= 1 and a positive MTBF, got {nodes} nodes and {node_mtbf_s} s")
-    return node_mtbf_s / nodes
-
-
 def young_interval_s(stall_s: float, mtbf_s: float) -> float:
     """Young's interval: compute between saves √(2·C·M)."""
     return math.sqrt(2.0 * stall_s * mtbf_s)
@@ -58,8 +51,7 @@ def daly_interval_s(stall_s: float, mtbf_s: float) -> float:
     if stall_s >= 2.0 * mtbf_s:
         return mtbf_s
     ratio = stall_s / (2.0 * mtbf_s)
-    young = math.sqrt(2.0 * stall_s * mtbf_s)
-    return young * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - stall_s
+    return young_interval_s(stall_s, mtbf_s) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - stall_s
 
 
 def restart_goodput(interval_s: float, stall_s: float, mtbf_s: float, recovery_s: float) -> float:
@@ -77,17 +69,6 @@ def restart_goodput(interval_s: float, stall_s: float, mtbf_s: float, recovery_s
     log_expm1 = x if x > 30.0 else math.log(math.expm1(x))
     log_wall = math.log(mtbf_s) + recovery_s / mtbf_s + log_expm1
     return math.exp(min(0.0, math.log(interval_s) - log_wall))
-
-
-def expected_lost_s(segment_s: float, mtbf_s: float) -> float:
-    """The work a failure throws away on average when it strikes a segment of `segment_s`
-    (interval and save): M − L/(e^(L/M) − 1), about half the segment while it is short of M."""
-    if segment_s <= 0:
-        return 0.0
-    x = segment_s / mtbf_s
-    if x < 1e-6:
-        return segment_s / 2.0
-    return mtbf_s - segment_s / math.expm1(x)
 
 
 @dataclass(frozen=True)
@@ -189,33 +170,16 @@ def predict_mode(s: Scenario, mode: str, interval_steps: int) -> ModeGoodput:
     recovery = s.recovery_s.get("restart", 0.0) + s.write_s
     tau = interval_steps * s.step_s
     kept = restart_goodput(tau, s.stall_s, mtbf, recovery) * (1.0 - ridden)
+    per_day = (restart_rate + ride_rate) * 86400.0
     if kept <= 0.0:  # no segment ever completes: the wall time goes to recovering and redoing
-        return ModeGoodput(
-            mode=mode,
-            workers=s.workers,
-            interval_steps=interval_steps,
-            goodput=0.0,
-            stalls=0.0,
-            recovery=1.0,
-            redone=0.0,
-            failures_per_day=(restart_rate + ride_rate) * 86400.0,
-        )
+        return ModeGoodput(mode, s.workers, interval_steps, 0.0, 0.0, 1.0, 0.0, per_day)
     segment_wall = tau / kept  # wall time per kept segment
     restarts = segment_wall * restart_rate
     rides = segment_wall * ride_rate
     stalls = s.stall_s / segment_wall
     recovery_share = (restarts * s.recovery_s.get("restart", 0.0) + rides * recover_s) / segment_wall
     redone = max(0.0, 1.0 - kept - stalls - recovery_share)
-    return ModeGoodput(
-        mode=mode,
-        workers=s.workers,
-        interval_steps=interval_steps,
-        goodput=kept,
-        stalls=stalls,
-        recovery=recovery_share,
-        redone=redone,
-        failures_per_day=(restart_rate + ride_rate) * 86400.0,
-    )
+    return ModeGoodput(mode, s.workers, interval_steps, kept, stalls, recovery_share, redone, per_day)
 
 
 def best_interval_steps(s: Scenario, mode: str, min_steps: int = 1, max_steps: int | None = None) -> int:
@@ -232,25 +196,3 @@ def bound_steps(steps: float, min_steps: int, max_steps: int | None) -> int:
 def best(s: Scenario, mode: str) -> ModeGoodput:
     """`mode`'s prediction at its best interval."""
     return predict_mode(s, mode, best_interval_steps(s, mode))
-
-
-__all__ = [
-    "DEFAULT_NODE_MTBF_H",
-    "HOUR_S",
-    "LLAMA3_NODE_MTBF_H",
-    "MODES",
-    "RECOVERY_S",
-    "GoodputError",
-    "ModeGoodput",
-    "Scenario",
-    "best",
-    "best_interval_steps",
-    "bound_steps",
-    "daly_interval_s",
-    "expected_lost_s",
-    "job_mtbf_s",
-    "predict_mode",
-    "restart_goodput",
-    "restart_mtbf_s",
-    "young_interval_s",
-]

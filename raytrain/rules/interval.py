@@ -43,7 +43,7 @@ class IntervalChange:
 class AutoInterval:
     """The checkpoint interval of `--checkpoint-every auto`. Call `on_steps` as steps are taken
     (their count and time), `on_save` after every save with the loop's stall, `on_failure` when
-    the attempt starts after a failure; ask `interval_steps()` or `due(steps_since_save)`."""
+    the attempt starts after a failure; ask `due(steps_since_save)`; `held` is the interval in steps."""
 
     mtbf_hours: float
     """The prior MTBF of one node (--mtbf-hours)."""
@@ -91,16 +91,7 @@ class AutoInterval:
         self.failures += 1
         return self._rederive("failure")
 
-    def resized(self, nodes: int) -> IntervalChange | None:
-        """The job now spans `nodes` nodes (an elastic resize): more nodes, more failures."""
-        self.nodes = max(1, nodes)
-        self.step_s, self.recent_step_s = None, []  # another worker count, another step time
-        return self._rederive("resize")
-
     # -- what it says --------------------------------------------------------------------------
-    def interval_steps(self) -> int:
-        return self.held
-
     def due(self, steps_since_save: int) -> bool:
         return steps_since_save >= self.held
 

@@ -76,19 +76,6 @@ class LRSchedule:
         raise ValueError(f"unknown schedule {self.kind!r}")
 
 
-def lr_at(
-    samples_seen: int,
-    *,
-    base_lr: float,
-    peak_lr: float,
-    warmup_samples: int,
-    total_samples: int,
-    schedule: str = "cosine",
-) -> float:
-    """Learning rate after `samples_seen` training samples, warmup from `base_lr` (see LRSchedule)."""
-    return LRSchedule(schedule, peak_lr, base_lr, warmup_samples, total_samples).lr(samples_seen)
-
-
 @dataclass(frozen=True)
 class Warmup:
     """The run's warmup in samples, and the plan line's words for it: `length` (`warmup 1 epoch`)

@@ -185,9 +185,6 @@ class RunDir:
     def append_event(self, event: Event) -> None:
         self.store.append_text(EVENTS, dumps(event.to_json()) + "\n")
 
-    def append_live(self, values: dict[str, Any]) -> None:
-        self.store.append_text(LIVE, dumps(values) + "\n")
-
     def write_progress(self, progress: Progress) -> None:
         self.store.write_text(PROGRESS, dumps(progress.to_json(), indent=2) + "\n")
 
