@@ -190,20 +190,25 @@ class ErrorSummary:
             chain[-1].__context__ is not None and not chain[-1].__suppress_context__
         ):
             chain.append(chain[-1].__cause__ or chain[-1].__context__)
-        frames = [_frame(f) for f in chain[0].stack]
-        user = [f for f in frames if f.is_user_code]
-        for cause in chain[1:]:
-            if user:
-                break
-            user = [frame for frame in map(_frame, cause.stack) if frame.is_user_code]
         message = [
             line.rstrip() for part in chain[0].format_exception_only() for line in part.splitlines() if line.strip()
         ]
-        return cls(exception=message, frames=user or frames[-2:])
+        return cls(exception=message, frames=_blamed([list(map(_frame, cause.stack)) for cause in chain]))
 
 
 def _frame(summary: traceback.FrameSummary) -> Frame:
     return Frame(summary.filename, summary.lineno or 0, summary.name, (summary.line or "").strip())
+
+
+def _blamed(chain: list[list[Frame]]) -> list[Frame]:
+    """The user's frames of the error (`chain[0]`), else of its nearest cause that has any (the
+    error surfaced in a library, the user's call that led there is in a cause); else the error's
+    innermost two frames."""
+    for frames in chain:
+        user = [frame for frame in frames if frame.is_user_code]
+        if user:
+            return user
+    return chain[0][-2:]
 
 
 SUMMARY_ATTRIBUTE = "raytrain_error_summary"
@@ -318,16 +323,7 @@ def summarize_traceback(text: str) -> ErrorSummary:
     """Exception type and message, and the innermost frames of user code (else the
     innermost frames of all), from a formatted Python traceback."""
     segments = _CHAINED.split(text)
-    last = segments[-1]
-    frames = _frames(last)
-    exception = _exception_lines(last, frames)
-    user = [frame for frame in frames if frame.is_user_code]
-    if not user:  # the error surfaced in a library; the user's call may be in a chained cause
-        for segment in reversed(segments[:-1]):
-            user = [frame for frame in _frames(segment) if frame.is_user_code]
-            if user:
-                break
-    return ErrorSummary(exception=exception, frames=user or frames[-2:])
+    return ErrorSummary(_exception_lines(segments[-1]), _blamed([_frames(segment) for segment in reversed(segments)]))
 
 
 def _frames(text: str) -> list[Frame]:
@@ -344,7 +340,7 @@ def _frames(text: str) -> list[Frame]:
     return frames
 
 
-def _exception_lines(text: str, frames: list[Frame]) -> list[str]:
+def _exception_lines(text: str) -> list[str]:
     lines = [line.rstrip() for line in text.splitlines()]
     start = 0
     for index, line in enumerate(lines):
@@ -353,9 +349,11 @@ def _exception_lines(text: str, frames: list[Frame]) -> list[str]:
             # skip the frame's code and caret lines (indented)
             while start < len(lines) and lines[start].startswith("    "):
                 start += 1
-    body = [line for line in lines[start:] if line.strip() and not line.startswith("Traceback (most recent call last)")]
-    body = [line for line in body if not _SNIPPET.match(line)]
-    return body
+    return [
+        line
+        for line in lines[start:]
+        if line.strip() and not line.startswith("Traceback (most recent call last)") and not _SNIPPET.match(line)
+    ]
 
 
 def _attached_summaries(failures: dict[int, BaseException]) -> list[tuple[list[int], ErrorSummary]]:
@@ -413,14 +411,12 @@ def explain_worker_errors(error: BaseException) -> list[str]:
         snippet = text[match.end() : end]
         failed.append((ranks, worker_death(snippet) or summarize_traceback(snippet)))
     if not failed:
-        for rank, exc in sorted((getattr(error, "worker_failures", None) or {}).items()):
-            death = worker_death(str(exc))
-            failed.append(([rank], death or summarize_traceback(f"{type(exc).__name__}: {exc}")))
+        for rank, exc in sorted(failures.items()):
+            failed.append(([rank], worker_death(str(exc)) or summarize_traceback(f"{type(exc).__name__}: {exc}")))
     if not failed:
         summary = summarize_traceback(text)
         if "Traceback (most recent call last)" not in text:
-            summary.exception = [f"{type(error).__name__}: {text.strip()}".strip().rstrip(":")]
-            summary.exception = summary.exception[0].splitlines()
+            summary.exception = f"{type(error).__name__}: {text.strip()}".strip().rstrip(":").splitlines()
         return summary.lines()
     failed.sort(key=lambda item: (not item[1].died, item[0]))  # a lost process first: the others' errors follow it
     out = []

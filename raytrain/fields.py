@@ -158,18 +158,11 @@ def _convert(value: Any, kind: type) -> Any:
             return value
         text = str(value).strip().lower()
         return True if text in _TRUE else False if text in _FALSE else _NO
-    if isinstance(value, bool) and kind in (int, float):
-        return _NO
-    if kind is int:
-        if isinstance(value, float) and not value.is_integer():
+    if kind in (int, float):
+        if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
             return _NO
         try:
-            return int(value)
-        except (TypeError, ValueError):
-            return _NO
-    if kind is float:
-        try:
-            return float(value)
+            return kind(value)
         except (TypeError, ValueError):
             return _NO
     if kind is str:

@@ -17,6 +17,7 @@ the foundation layer, under the data layer and the worker.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -98,11 +99,7 @@ def _file_in_traceback(exc: BaseException) -> str | None:
 
 def bound(pipeline: Any, hook: str) -> Callable[..., Any]:
     """`call(pipeline, hook, ...)` as a function of the hook's arguments."""
-
-    def run(*args: Any) -> Any:
-        return call(pipeline, hook, *args)
-
-    return run
+    return functools.partial(call, pipeline, hook)
 
 
 def where(pipeline: Any, hook: str) -> str:
@@ -253,11 +250,8 @@ def optimizer_note(model: Any, optimizer: Any) -> str | None:
 
 def _batch_shape(batch: Any) -> tuple[list[str], int | None]:
     """A batch's keys and its row count, before transform_batch sees it."""
-    rows = None
-    for value in batch.values():
-        rows = int(value.shape[0]) if getattr(value, "shape", None) else rows
-        break
-    return list(batch), rows
+    first = next(iter(batch.values()), None)
+    return list(batch), int(first.shape[0]) if getattr(first, "shape", None) else None
 
 
 def _transformed(value: Any, before: Any) -> str | None:
@@ -359,9 +353,11 @@ def _shard_modules(value: Any, before: Any) -> str | None:
 
 def _filled(value: Any, before: Any) -> str | None:
     """Nothing: materialize fills the model in place."""
-    if value is None:
-        return None
-    return f"returned a {type(value).__name__}; it must fill the model it was given in place and return None"
+    return (
+        None
+        if value is None
+        else f"returned a {type(value).__name__}; it must fill the model it was given in place and return None"
+    )
 
 
 def _args_class(value: Any, before: Any) -> str | None:

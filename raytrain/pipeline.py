@@ -264,16 +264,13 @@ def build_pipeline(spec: str, cls: type) -> "Pipeline":
     """An instance of the pipeline class `cls`, which raytrain builds without arguments."""
     try:
         return cls()
-    except TypeError as exc:
-        if "required" not in str(exc) or "__init__" not in str(exc):
-            with pipeline_code(repr(spec), f"{cls.__name__}()"):
-                raise
-        raise PipelineError(
-            f"pipeline {spec!r}: {cls.__name__}() raised TypeError: {exc}; raytrain builds a pipeline class without "
-            "arguments: take its options from --pipeline-arg (a dataclass Args on the class), or point at an "
-            "instance built in the module, module:INSTANCE"
-        ) from None
-    except Exception:
+    except Exception as exc:
+        if isinstance(exc, TypeError) and "required" in str(exc) and "__init__" in str(exc):
+            raise PipelineError(
+                f"pipeline {spec!r}: {cls.__name__}() raised TypeError: {exc}; raytrain builds a pipeline class "
+                "without arguments: take its options from --pipeline-arg (a dataclass Args on the class), or point "
+                "at an instance built in the module, module:INSTANCE"
+            ) from None
         with pipeline_code(repr(spec), f"{cls.__name__}()"):
             raise
 

@@ -3,15 +3,9 @@ pipeline's defaults layer), its sections (`sections`, `optimization`: the fields
 per concern, `DDPConfig` among them) and its checks (`checks`). Nothing here imports Ray."""
 
 from raytrain.config.checks import parse_workers
-from raytrain.config.tree import (
-    DEFAULT_STORAGE,
-    LR_RULES,
-    DDPConfig,
-    TrainConfig,
-    comma_numbers,
-    key_value,
-    merge_layers,
-)
+from raytrain.config.optimization import LR_RULES, comma_numbers
+from raytrain.config.sections import DEFAULT_STORAGE, DDPConfig, key_value
+from raytrain.config.tree import TrainConfig, merge_layers
 
 __all__ = [
     "DEFAULT_STORAGE",

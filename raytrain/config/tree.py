@@ -15,9 +15,8 @@ from typing import Any, Iterable, Mapping
 
 from raytrain import fields
 from raytrain.config.checks import did_you_mean, problems_of
-from raytrain.config.optimization import LR_RULES, OptimizationSection, comma_numbers
+from raytrain.config.optimization import OptimizationSection
 from raytrain.config.sections import (
-    DEFAULT_STORAGE,
     ClusterSection,
     DataSection,
     DDPConfig,
@@ -27,7 +26,6 @@ from raytrain.config.sections import (
     StorageSection,
     StrategySection,
     WatchSection,
-    key_value,
 )
 from raytrain.errors import ConfigError
 
@@ -67,15 +65,8 @@ class TrainConfig(
         if isinstance(self.ddp, Mapping):
             self.ddp = _build(DDPConfig, dict(self.ddp), prefix="ddp.")
         if not isinstance(self.ddp, DDPConfig):
-            raise ConfigError(
-                [
-                    (
-                        "ddp",
-                        f"got {self.ddp!r} ({type(self.ddp).__name__}); expected a mapping of DDP flags, e.g. ddp: "
-                        f"{{bucket_cap_mb: 25}}",
-                    )
-                ]
-            )
+            why = f"got {self.ddp!r} ({type(self.ddp).__name__}); expected a mapping of DDP flags, e.g. ddp: "
+            raise ConfigError([("ddp", why + "{bucket_cap_mb: 25}")])
         self.fill_defaults()
         problems = problems_of(self, SECTIONS)
         if problems:
@@ -147,22 +138,6 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     if unknown:
         known = ", ".join(names)
         raise ConfigError(
-            [
-                (prefix + key, f"unknown option{did_you_mean(key.replace('-', '_'), names)}; known: {known}")
-                for key in unknown
-            ]
+            [(prefix + k, f"unknown option{did_you_mean(k.replace('-', '_'), names)}; known: {known}") for k in unknown]
         )
     return cls(**{key.replace("-", "_"): value for key, value in values.items()})
-
-
-__all__ = [
-    "DEFAULT_STORAGE",
-    "LR_RULES",
-    "SECTIONS",
-    "DDPConfig",
-    "TrainConfig",
-    "comma_numbers",
-    "exclusive_pairs",
-    "key_value",
-    "merge_layers",
-]

@@ -107,10 +107,6 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
     os.replace(partial, path)
 
 
-def clear_record(path: Path) -> None:
-    path.unlink(missing_ok=True)
-
-
 def ray_version() -> str:
     from importlib.metadata import version
 
@@ -178,10 +174,7 @@ def join_recorded_head(address: str | None, echo: Callable[[str], None]) -> dict
     if found.kind == REFUSE:
         raise UsageError(found.reason)
     if found.kind == STALE:
-        stop_processes(record)  # what is left of it, if anything: provably that head's
-        left = remove_temp_dir(record)
-        clear_record(path)
-        echo(f"raytrain: {found.reason}{left}")
+        _clear_stale(record, path, found.reason, echo)
         return None
     os.environ["RAY_ADDRESS"] = record["address"]
     # `ray start` turned token auth on; the driver must send the token (RAY_NOTES).
@@ -191,6 +184,14 @@ def join_recorded_head(address: str | None, echo: Callable[[str], None]) -> dict
         os.environ.setdefault("RAY_AUTH_TOKEN_PATH", record["auth_token_path"])
     echo(found.reason)
     return record
+
+
+def _clear_stale(record: dict[str, Any], path: Path, reason: str, echo: Callable[[str], None]) -> None:
+    """End what is left of a stale head, if anything (provably that head's), and clear its record."""
+    stop_processes(record)
+    left = remove_temp_dir(record)
+    path.unlink(missing_ok=True)
+    echo(f"raytrain: {reason}{left}")
 
 
 def default_num_cpus() -> int:
@@ -228,10 +229,7 @@ def start_head(num_cpus: int | None, echo: Callable[[str], None]) -> dict[str, A
             return record
         if found.kind == REFUSE:
             raise UsageError(found.reason)
-        stop_processes(record)
-        left = remove_temp_dir(record)
-        clear_record(path)
-        echo(f"raytrain: {found.reason}{left}")
+        _clear_stale(record, path, found.reason, echo)
     num_cpus = num_cpus or default_num_cpus()
     gcs, dashboard, agent, client = _free_ports(4)
     marker = uuid.uuid4().hex
@@ -424,7 +422,7 @@ def stop_head(echo: Callable[[str], None]) -> int:
             f"the record {path} is kept so that `raytrain down` can try again"
         )
     left_dir = remove_temp_dir(record)
-    clear_record(path)
+    path.unlink(missing_ok=True)
     if not found:
         echo(
             f"raytrain: the local Ray head recorded in {path} ({record['address']}) was already gone; "

@@ -116,34 +116,22 @@ def check_model(pipeline: "Pipeline", model: Any) -> None:
 def check_compiler(device_type: str) -> None:
     """`--compile` needs a C++ compiler on CPU (TorchInductor's C++ backend) and Triton on a GPU:
     a ConfigError naming what is missing, before anything is compiled."""
-    if device_type == "cuda":
-        if importlib.util.find_spec("triton") is None:
-            raise ConfigError(
-                [("compile", "needs Triton on a GPU (pip install triton), which is not installed; drop --compile")]
-            )
-        if not any(shutil.which(cc) for cc in (os.environ.get("CC") or "cc", "gcc", "clang")):
-            raise ConfigError(
-                [
-                    (
-                        "compile",
-                        "needs a C compiler on GPU workers (Triton builds its launcher with one; none of cc, gcc, "
-                        "clang is on PATH): install one (apt-get install gcc), set CC, or drop --compile",
-                    )
-                ]
-            )
-        return
-    compiler = os.environ.get("CXX") or "g++"
-    if shutil.which(compiler) is None and shutil.which("c++") is None:
-        raise ConfigError(
-            [
-                (
-                    "compile",
-                    f"needs a C++ compiler on CPU workers ({compiler} is not on PATH): install one (apt-get install "
-                    "g++), "
-                    "set CXX, or drop --compile",
-                )
-            ]
+    cuda, compiler = device_type == "cuda", os.environ.get("CXX") or "g++"
+    if cuda and importlib.util.find_spec("triton") is None:
+        problem = "needs Triton on a GPU (pip install triton), which is not installed; drop --compile"
+    elif cuda and not any(shutil.which(cc) for cc in (os.environ.get("CC") or "cc", "gcc", "clang")):
+        problem = (
+            "needs a C compiler on GPU workers (Triton builds its launcher with one; none of cc, gcc, clang is on "
+            "PATH): install one (apt-get install gcc), set CC, or drop --compile"
         )
+    elif not cuda and shutil.which(compiler) is None and shutil.which("c++") is None:
+        problem = (
+            f"needs a C++ compiler on CPU workers ({compiler} is not on PATH): install one (apt-get install g++), "
+            "set CXX, or drop --compile"
+        )
+    else:
+        return
+    raise ConfigError([("compile", problem)])
 
 
 def build_and_prepare(pipeline: "Pipeline", cfg: "TrainConfig", runtime: Placement) -> Prepared:
