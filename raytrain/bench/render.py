@@ -40,21 +40,8 @@ def write_bench_files(out: Path, report: dict[str, Any]) -> None:
 
 def table_lines(report: dict[str, Any]) -> list[list[str]]:
     predicted = report.get("link") is not None
-    header = [
-        "workers",
-        "global batch",
-        "samples/s",
-        "speedup",
-        "efficiency",
-        "step ms",
-        "data wait",
-        "compute",
-        "comm",
-        "optimizer",
-        "other",
-        "TFLOP/s/worker",
-        "MFU",
-    ]
+    header = ["workers", "global batch", "samples/s", "speedup", "efficiency", "step ms", "data wait", "compute"]
+    header += ["comm", "optimizer", "other", "TFLOP/s/worker", "MFU"]
     if predicted:
         header.append(f"predicted ({report['link']})")
     lines = [header]
@@ -66,12 +53,7 @@ def table_lines(report: dict[str, Any]) -> list[list[str]]:
             f"{row['steady_samples_per_s']:,.0f}",
             f"{row['speedup']:.2f}×",
             f"{row['efficiency']:.0%}",
-            f"{s['step']:.2f}",
-            f"{s['data_wait']:.2f}",
-            f"{s['compute']:.2f}",
-            f"{s['communication']:.2f}",
-            f"{s['optimizer']:.2f}",
-            f"{s['other']:.2f}",
+            *(f"{s[part]:.2f}" for part in ("step", "data_wait", "compute", "communication", "optimizer", "other")),
             *_cost_cells(row.get("cost")),
         ]
         if predicted:
@@ -105,21 +87,12 @@ def cost_sentence(report: dict[str, Any]) -> str | None:
 
 
 def baseline_lines(report: dict[str, Any]) -> list[list[str]]:
-    lines = [
-        ["baseline", "workers", "baseline samples/s", "raytrain samples/s", "raytrain / baseline", "Ray meanwhile"]
+    header = ["baseline", "workers", "baseline samples/s", "raytrain samples/s", "raytrain / baseline", "Ray meanwhile"]
+    return [header] + [
+        [b["baseline"], str(b["workers"]), f"{b['baseline_samples_per_s']:,.0f}", f"{b['raytrain_samples_per_s']:,.0f}"]
+        + [f"{b['ratio']:.3f}", _ray_beside(b)]
+        for b in report["baselines"]
     ]
-    for b in report["baselines"]:
-        lines.append(
-            [
-                b["baseline"],
-                str(b["workers"]),
-                f"{b['baseline_samples_per_s']:,.0f}",
-                f"{b['raytrain_samples_per_s']:,.0f}",
-                f"{b['ratio']:.3f}",
-                _ray_beside(b),
-            ]
-        )
-    return lines
 
 
 def _ray_beside(b: dict[str, Any]) -> str:
@@ -158,8 +131,8 @@ def bench_markdown(report: dict[str, Any]) -> str:
         f"Command: `{report['command']}`" if report["command"] else "Command: (Python API)",
         "",
         f"Machine: {report['machine']['cpus']} CPUs, GPU {report['machine']['gpu'] or 'none'}, torch "
-        f"{report['machine']['torch']}, "
-        f"ray {report['machine']['ray']}; load average at the end {report['machine']['load_average_at_end']}.",
+        f"{report['machine']['torch']}, ray {report['machine']['ray']}; load average at the end "
+        f"{report['machine']['load_average_at_end']}.",
         f"Model: {report['params']:,} trainable parameters, {report['grad_bytes'] / 1e6:.2f} MB of gradients. "
         f"Precision {opts['precision']}; DDP {ddp}. {report['num_train_rows']:,} training rows; "
         f"at least {report['steps']} steady steps per worker count.",
@@ -179,18 +152,11 @@ def bench_markdown(report: dict[str, Any]) -> str:
             "",
         ]
     if report.get("repeat", 1) > 1:
-        parts += [
-            f"## Rounds (steady samples/s; each figure above is the {report.get('statistic', 'median')} round of "
-            f"{report['repeat']})",
-            "",
-        ]
+        statistic = report.get("statistic", "median")
+        parts += [f"## Rounds (steady samples/s; each figure above is the {statistic} round of {report['repeat']})", ""]
         for mode, by_n in report["rounds"].items():
-            parts += [
-                f"- {mode}: "
-                + "; ".join(
-                    f"{plural(int(n), 'worker')}: " + ", ".join(f"{x:,.0f}" for x in xs) for n, xs in by_n.items()
-                )
-            ]
+            rounds = (f"{plural(int(n), 'worker')}: " + ", ".join(f"{x:,.0f}" for x in xs) for n, xs in by_n.items())
+            parts.append(f"- {mode}: " + "; ".join(rounds))
         parts += [""]
     implied = [
         f"{r['workers']} workers: {r['implied_bandwidth_GBps']:.2f} GB/s"
@@ -203,8 +169,7 @@ def bench_markdown(report: dict[str, Any]) -> str:
     if report.get("link"):
         parts += [
             f"Predicted speedup: `raytrain.rules.costmodel` on link {report['link']} from the 1-worker step time and "
-            "the gradient size "
-            "(ring all-reduce 2(N−1)/N × bytes / bandwidth, minus the part hidden under backward).",
+            "the gradient size (ring all-reduce 2(N−1)/N × bytes / bandwidth, minus the part hidden under backward).",
             "",
         ]
     return "\n".join(parts)
@@ -225,26 +190,13 @@ def plot_scaling(report: dict[str, Any], path: Path) -> None:
             xs, [torchrun[n] / torchrun[1] for n in xs], "s:", color="tab:orange", label="torchrun template (measured)"
         )
     if report.get("link"):
-        ax.plot(
-            workers,
-            [r["predicted_speedup"] for r in report["results"]],
-            "^-.",
-            color="tab:green",
-            label=f"cost model ({report['link']})",
-        )
+        predicted = [r["predicted_speedup"] for r in report["results"]]
+        ax.plot(workers, predicted, "^-.", color="tab:green", label=f"cost model ({report['link']})")
     for r in report["results"]:
-        ax.annotate(
-            f"{r['efficiency']:.0%}",
-            (r["workers"], r["speedup"]),
-            textcoords="offset points",
-            xytext=(6, -12),
-            fontsize=8,
-        )
-    ax.set_xlabel("workers")
-    ax.set_ylabel("speedup vs 1 worker")
+        point = (r["workers"], r["speedup"])
+        ax.annotate(f"{r['efficiency']:.0%}", point, textcoords="offset points", xytext=(6, -12), fontsize=8)
     ax.set_xticks(workers)
-    ax.set_xlim(0.8, top + 0.2)
-    ax.set_ylim(0, top * 1.1)
+    ax.set(xlabel="workers", ylabel="speedup vs 1 worker", xlim=(0.8, top + 0.2), ylim=(0, top * 1.1))
     ax.set_title(f"raytrain bench: {report['pipeline']} ({report['date']})")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)

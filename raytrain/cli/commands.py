@@ -9,9 +9,10 @@ import dataclasses
 from typing import Any
 
 from raytrain import fields
-from raytrain.cli.options import check_pipeline_args, read_run_options, resumed_options
+from raytrain.cli.options import read_run_options, resumed_options
 from raytrain.config import TrainConfig, merge_layers
 from raytrain.errors import ConfigError, UsageError
+from raytrain.pipeline import parse_pipeline_args
 from raytrain.rules.accounting import goodput_phrase
 from raytrain.rundir import RunDir, Store
 from raytrain.rundir.records import PLOTS, REPORT
@@ -28,7 +29,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         values = merge_layers(load_pipeline(spec).default_config, file_values, flags)
     cfg = TrainConfig.from_dict(values)
-    check_pipeline_args(load_pipeline(spec), cfg)
+    parse_pipeline_args(load_pipeline(spec), cfg.pipeline_args)  # keys it does not declare refused
     with on_local_head(cfg.address):
         result = fit(spec, cfg, echo=lambda line: print(line, flush=True), progress=True)
     # The run's files through the storage as given (its credentials, if the URI holds them).
@@ -84,7 +85,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     sweep = TuneOptions(**options)
     pipe = load_pipeline(spec)
     cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, file_values, fixed))
-    check_pipeline_args(pipe, cfg)
+    parse_pipeline_args(pipe, cfg.pipeline_args)
     with on_local_head(cfg.address):
         result = tune(spec, cfg, space, sweep, echo=lambda line: print(line, flush=True))
     return 0 if result.best is not None else EXIT_FAILED
@@ -108,13 +109,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{'it' if one else 'them'} to run the bench"
         )
     if args.predict:
-        predict_speedups(
-            PredictOptions(
-                **{option.name: given[option.name] for option in fields.options(PredictOptions) if option.name in given}
-            )
-        )
+        predict_speedups(PredictOptions(**_given(args, PredictOptions)))
         return 0
-    values = {option.name: given[option.name] for option in fields.options(BenchOptions) if option.name in given}
+    values = _given(args, BenchOptions)
     values["workers"] = worker_counts(args.workers)
     values["baselines"] = [name for names in values.get("baselines", []) for name in names]
     opts = BenchOptions(**values)
@@ -132,13 +129,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     from raytrain.check.options import CheckOptions
     from raytrain.pipeline import load_pipeline
 
-    given = vars(args)
     own = {option.name for option in fields.options(CheckOptions)}
-    opts = CheckOptions(**{name: given[name] for name in own if name in given})
+    opts = CheckOptions(**_given(args, CheckOptions))
     spec, file_values, flags = read_run_options(args, exclude=own, example="digits --workers 2")
     pipe = load_pipeline(spec)
     cfg = TrainConfig.from_dict(merge_layers(pipe.default_config, file_values, flags))
-    check_pipeline_args(pipe, cfg)
+    parse_pipeline_args(pipe, cfg.pipeline_args)
     with on_local_head(cfg.address):
         verdict = run_check(spec, cfg, opts, echo=lambda line: print(line, flush=True))
     return verdict.exit_status
@@ -219,6 +215,11 @@ def on_local_head(address: str | None):
 def cmd_plan(args: argparse.Namespace) -> int:
     from raytrain.bench.plan import PlanOptions, run_plan
 
-    given = vars(args)
-    run_plan(PlanOptions(**{o.name: given[o.name] for o in fields.options(PlanOptions) if o.name in given}))
+    run_plan(PlanOptions(**_given(args, PlanOptions)))
     return 0
+
+
+def _given(args: argparse.Namespace, options: type) -> dict[str, Any]:
+    """The flags given of the fields of the dataclass `options`."""
+    given = vars(args)
+    return {option.name: given[option.name] for option in fields.options(options) if option.name in given}

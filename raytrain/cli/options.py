@@ -94,13 +94,6 @@ def spelling(
     return spell
 
 
-def check_pipeline_args(pipe, cfg: TrainConfig) -> None:
-    """--pipeline-arg keys the pipeline does not declare are refused, listing those it does."""
-    from raytrain.pipeline import parse_pipeline_args
-
-    parse_pipeline_args(pipe, cfg.pipeline_args)
-
-
 def resumed_options(spec: str | None, file_values: dict[str, Any], flags: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """A resumed run's pipeline and options (`raytrain.rules.resume.resumed_pipeline`, then
     `raytrain.config.merge_layers`): the run named by the flags or the file, in their storage."""

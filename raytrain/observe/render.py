@@ -40,6 +40,17 @@ def text_table(
     ]
 
 
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested options as one level: `{"ddp": {"bucket_cap_mb": 25}}` -> `{"ddp.bucket_cap_mb": 25}`."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def figure(width_in: float, height_in: float, **kwargs: Any):
     """A matplotlib Figure on its own Agg canvas: no pyplot, no display, no global backend
     change, safe in a worker or a server."""
@@ -49,9 +60,6 @@ def figure(width_in: float, height_in: float, **kwargs: Any):
     fig = Figure(figsize=(width_in, height_in), **kwargs)
     FigureCanvasAgg(fig)
     return fig
-
-
-__all__ = ["figure", "markdown_table", "text_table"]
 
 
 def event_line(event: Any, start: float) -> str:

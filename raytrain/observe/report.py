@@ -25,7 +25,7 @@ from typing import Any
 from raytrain.errors import UserError
 from raytrain.observe.goodput import goodput_section
 from raytrain.observe.ranks import plot_rank_times, rank_section
-from raytrain.observe.render import event_line, figure, markdown_table
+from raytrain.observe.render import event_line, figure, flatten, markdown_table
 from raytrain.rules import flops
 from raytrain.rundir import EPOCH_LOSS, PLOTS, REPORT, Event, Kind, MetricsRow, RunDir, Store, Summary
 from raytrain.rundir.records import Goodput
@@ -148,26 +148,34 @@ def _mark_epochs_and_events(axes, run: RunRecord) -> None:
         axes.axvline(event.step, color="tab:red", linewidth=1, linestyle="--", alpha=0.6, zorder=0, label=label)
 
 
+def _line(axes, rows: list[MetricsRow], y: str, *style: str, **options: Any) -> None:
+    """`y` against the step over `rows`, where any row has both."""
+    x, values = _series(rows, "step", y)
+    if x:
+        axes.plot(x, values, *style, **options)
+
+
+def _by_step(axes, run: RunRecord, title: str, ylabel: str) -> bool:
+    """A plot against the optimizer step finished: epoch ends and events marked, titled, legend, grid."""
+    _mark_epochs_and_events(axes, run)
+    axes.set(title=title, xlabel="optimizer step", ylabel=ylabel)
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize="small")
+    axes.grid(alpha=0.3)
+    return True
+
+
 def _plot_loss(run: RunRecord, figure) -> bool:
     axes = figure.add_subplot()
-    x, y = _series(run.rows, "step", "loss")  # every row's loss is its window's, an epoch's row's too
-    if x:
-        axes.plot(x, y, color="tab:blue", linewidth=1, alpha=0.7, label="train (per logged window)")
-    x, y = _series(run.epoch_rows, "step", EPOCH_LOSS)
-    if x:
-        axes.plot(x, y, "o-", color="tab:blue", label="train (epoch mean)")
-    x, y = _series(run.validated_rows, "step", "val_loss")
-    if x:
-        axes.plot(x, y, "s-", color="tab:orange", label="validation")
+    # every row's loss is its window's, an epoch's row's too
+    _line(axes, run.rows, "loss", color="tab:blue", linewidth=1, alpha=0.7, label="train (per logged window)")
+    _line(axes, run.epoch_rows, EPOCH_LOSS, "o-", color="tab:blue", label="train (epoch mean)")
+    _line(axes, run.validated_rows, "val_loss", "s-", color="tab:orange", label="validation")
     if not axes.lines:
         return False
     if all(v > 0 for line in axes.lines for v in line.get_ydata()) and _spread(axes) > 20:
         axes.set_yscale("log")  # losses spanning orders of magnitude
-    _mark_epochs_and_events(axes, run)
-    axes.set(title="Loss", xlabel="optimizer step", ylabel="loss")
-    axes.legend(fontsize="small")
-    axes.grid(alpha=0.3)
-    return True
+    return _by_step(axes, run, "Loss", "loss")
 
 
 def _plot_val(run: RunRecord, figure) -> bool:
@@ -178,11 +186,7 @@ def _plot_val(run: RunRecord, figure) -> bool:
     for name in names:
         x, y = _series(run.validated_rows, "step", name)
         axes.plot(x, y, "o-", label=name[4:])
-    _mark_epochs_and_events(axes, run)
-    axes.set(title="Validation metrics", xlabel="optimizer step", ylabel="value")
-    axes.legend(fontsize="small")
-    axes.grid(alpha=0.3)
-    return True
+    return _by_step(axes, run, "Validation metrics", "value")
 
 
 def _plot_lr(run: RunRecord, figure) -> bool:
@@ -191,13 +195,8 @@ def _plot_lr(run: RunRecord, figure) -> bool:
         return False
     axes = figure.add_subplot()
     axes.plot(x, y, ".-", color="tab:green", markersize=3)
-    _mark_epochs_and_events(axes, run)
-    axes.set(title="Learning rate", xlabel="optimizer step", ylabel="lr")
     axes.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    if axes.get_legend_handles_labels()[0]:
-        axes.legend(fontsize="small")
-    axes.grid(alpha=0.3)
-    return True
+    return _by_step(axes, run, "Learning rate", "lr")
 
 
 def _plot_workers(run: RunRecord, figure) -> bool:
@@ -245,23 +244,15 @@ def _plot_workers(run: RunRecord, figure) -> bool:
 
 def _plot_throughput(run: RunRecord, figure) -> bool:
     axes = figure.add_subplot()
-    x, y = _series(run.step_rows, "step", "samples_per_s")
-    if x:
-        axes.plot(x, y, color="tab:cyan", linewidth=1, label="per logged window")
-    x, y = _series(run.epoch_rows, "step", "samples_per_s")
-    if x:
-        axes.plot(x, y, "o-", color="tab:blue", label="epoch mean")
+    _line(axes, run.step_rows, "samples_per_s", color="tab:cyan", linewidth=1, label="per logged window")
+    _line(axes, run.epoch_rows, "samples_per_s", "o-", color="tab:blue", label="epoch mean")
     if not axes.lines:
         return False
     steady = run.summary.steady_samples_per_s if run.summary else None
     if is_number(steady):
         axes.axhline(steady, color="tab:green", linestyle="--", label=f"steady {steady:,.0f}/s")
-    _mark_epochs_and_events(axes, run)
-    axes.set(title="Throughput", xlabel="optimizer step", ylabel="samples/s")
     axes.set_ylim(bottom=0)
-    axes.legend(fontsize="small")
-    axes.grid(alpha=0.3)
-    return True
+    return _by_step(axes, run, "Throughput", "samples/s")
 
 
 def _time_unit(span_s: float) -> tuple[float, str]:
@@ -309,9 +300,7 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
         lines += [
             "## Configuration",
             "",
-            *markdown_table(
-                ["option", "value"], [(key, _fmt(value, "option")) for key, value in _flatten(cfg).items()]
-            ),
+            *markdown_table(["option", "value"], [(key, _fmt(value, "option")) for key, value in flatten(cfg).items()]),
             "",
         ]
     plan = next((e.message for e in run.events if e.kind == Kind.PLAN), None)
@@ -423,16 +412,6 @@ def _fmt(value: Any, key: str = "") -> str:
     if isinstance(value, int) and not isinstance(value, bool) and key not in ("epoch", "option"):
         return f"{value:,}"
     return "" if value is None else str(value)
-
-
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _distinct(values: list[Any]) -> list[Any]:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 from raytrain import hooks
 from raytrain.environ import scoped_env
 from raytrain.errors import ConfigError
+from raytrain.observe.render import flatten
 from raytrain.observe.sinks import Dispatcher, Sink, follow
 from raytrain.observe.trackers import MLflowSink, TensorBoardSink, WandbSink, mlflow_store_uri
 from raytrain.rundir import RunDir, Store, Summary
@@ -276,14 +277,5 @@ def _importable(module: str) -> bool:
 def config_params(cfg: Any, pipeline_name: str, run_dir: Path) -> dict[str, str]:
     """The resolved configuration, flattened (`ddp.bucket_cap_mb`), as tracker params."""
     values = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-    flat: dict[str, str] = {"pipeline": str(pipeline_name), "run_dir": str(run_dir)}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, inner in value.items():
-                walk(f"{prefix}{key}.", inner)
-        else:
-            flat[prefix[:-1]] = "" if value is None else str(value)
-
-    walk("", values)
-    return flat
+    flat = {key: "" if value is None else str(value) for key, value in flatten(values).items()}
+    return {"pipeline": str(pipeline_name), "run_dir": str(run_dir), **flat}
