@@ -70,14 +70,8 @@ def planned_counts(text: str) -> list[int]:
     except ConfigError:
         counts = []
     if not counts or not all(1 <= n <= MAX_WORKERS for n in counts):
-        raise ConfigError(
-            [
-                (
-                    "workers",
-                    f"got {text!r}; give worker counts from 1 to {MAX_WORKERS:,}, comma-separated, e.g. 8,512,16384",
-                )
-            ]
-        )
+        why = f"got {text!r}; give worker counts from 1 to {MAX_WORKERS:,}, comma-separated, e.g. 8,512,16384"
+        raise ConfigError([("workers", why)])
     return counts
 
 
@@ -110,18 +104,11 @@ def _measured(run: str) -> tuple[dict[str, float], str]:
         try:
             files.store.read_text("summary.json")
         except (FileNotFoundError, NotADirectoryError):
-            raise ConfigError(
-                [("run", f"no summary.json in {run}; give the directory of a finished raytrain train run")]
-            ) from None
-        raise ConfigError(
-            [
-                (
-                    "run",
-                    f"{run}/summary.json is not a raytrain summary (not JSON, or no status in it); `raytrain report "
-                    f"{run}` shows the run, or give the directory of another finished run",
-                )
-            ]
-        )
+            why = f"no summary.json in {run}; give the directory of a finished raytrain train run"
+            raise ConfigError([("run", why)]) from None
+        why = f"{run}/summary.json is not a raytrain summary (not JSON, or no status in it)"
+        fix = f"`raytrain report {run}` shows the run, or give the directory of another finished run"
+        raise ConfigError([("run", f"{why}; {fix}")])
     mode = str((files.config() or {}).get("fault_tolerance") or "restart")
     return measured_costs(summary.goodput, summary.get("checkpoint_wait_s")), mode
 

@@ -35,11 +35,8 @@ def run_bench(
     from raytrain.pipeline import load_pipeline
 
     pipe = load_pipeline(pipeline)
-    name = (
-        opts.name
-        if opts.name is not None
-        else f"bench-{pipeline.split(':')[-1].split('.')[-1].lower()}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    stem = pipeline.split(":")[-1].split(".")[-1].lower()
+    name = opts.name if opts.name is not None else f"bench-{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     where = Store.of(opts.storage) / name
     if where.exists("bench.json"):
         raise ConfigError([("name", f"bench {name!r} already exists in {where.parent}; choose another --name")])
@@ -95,14 +92,8 @@ def _study(pipe, pipeline: str, name: str, train_values, opts: BenchOptions, whe
         for mode, by_n in measured.items()
         if mode != "raytrain"
     }
-    rows = scaling_rows(
-        runs,
-        grad_bytes,
-        opts.link,
-        base_cfg.ddp.bucket_cap_mb,
-        precision=base_cfg.precision,
-        peak_tflops=base_cfg.peak_tflops,
-    )
+    cost = {"precision": base_cfg.precision, "peak_tflops": base_cfg.peak_tflops}
+    rows = scaling_rows(runs, grad_bytes, opts.link, base_cfg.ddp.bucket_cap_mb, **cost)
     report = {
         "pipeline": pipeline,
         "name": name,
@@ -187,24 +178,15 @@ def prepare_data(pipe, cfg: TrainConfig, out: Path | None, verbose: bool = False
     from raytrain.data import shards
     from raytrain.data.checks import Schema, load_table
     from raytrain.data.sources import build_datasets, read_probe
+    from raytrain.observe.trackers import log_level
     from raytrain.sampled import Sampled
 
-    data_logger = logging.getLogger("ray.data")
-    level = data_logger.level
-    data_logger.setLevel(logging.INFO if verbose else logging.ERROR)
-    try:
+    with log_level("ray.data", logging.INFO if verbose else logging.ERROR):
         dataset = build_datasets(pipe, cfg)["train"]
         if isinstance(dataset, Sampled):
             if out is not None:
-                raise ConfigError(
-                    [
-                        (
-                            "baseline",
-                            "the pipeline's training set is sampled (raytrain.Sampled): the baselines walk a "
-                            "table of rows; bench it without --baseline",
-                        )
-                    ]
-                )
+                why = "the pipeline's training set is sampled (raytrain.Sampled): the baselines walk a table of rows"
+                raise ConfigError([("baseline", f"{why}; bench it without --baseline")])
             return dataset.rows_per_epoch  # an epoch of draws
         if out is None:
             return dataset.count()
@@ -212,8 +194,6 @@ def prepare_data(pipe, cfg: TrainConfig, out: Path | None, verbose: bool = False
         units = units if not isinstance(units, str) else shards.split(dataset.materialize())
         schema = Schema.of(read_probe(units, "train", skip_nan_rows=False))
         columns = load_table(units, "train", schema, skip_nan_rows=False)["columns"]
-    finally:
-        data_logger.setLevel(level)
     (out / "baselines").mkdir(parents=True, exist_ok=True)
     np.savez(out / "baselines" / "train.npz", **columns)
     return len(next(iter(columns.values())))

@@ -327,7 +327,7 @@ class MLflowSink(Sink):
             signature = tensor_signature(*example) if isinstance(example, tuple) else None
             logged = self.client.create_logged_model(self.experiment_id, MLFLOW_MODEL, source_run_id=self.run_id)
             # log_model reads the process's tracking URI: this run's for the call, the caller's after it.
-            with scoped_env({"MLFLOW_TRACKING_URI": self.uri}), _use_tracking_uri(self.uri), _quiet("mlflow"):
+            with scoped_env({"MLFLOW_TRACKING_URI": self.uri}), _use_tracking_uri(self.uri), log_level("mlflow"):
                 mlflow.pytorch.log_model(
                     model,
                     name=MLFLOW_MODEL,
@@ -361,15 +361,16 @@ def tensor_signature(inputs: Any, outputs: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _quiet(logger: str):
-    """Only errors from `logger`: MLflow's advice (pickle, a local torch version) is not the user's."""
+def log_level(logger: str, level: int = logging.ERROR):
+    """`logger` at `level` for a block, then as it was: MLflow's advice (pickle, a local torch
+    version) and Ray Data's progress are not the user's."""
     log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.ERROR)
+    before = log.level
+    log.setLevel(level)
     try:
         yield
     finally:
-        log.setLevel(level)
+        log.setLevel(before)
 
 
 def _mlflow_key(tag: str) -> str:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 from raytrain import hooks
 from raytrain.environ import scoped_env
 from raytrain.errors import ConfigError
+from raytrain.fields import flag_name
 from raytrain.observe.render import flatten
 from raytrain.observe.sinks import Dispatcher, Sink, follow
 from raytrain.observe.trackers import MLflowSink, TensorBoardSink, WandbSink, mlflow_store_uri
@@ -194,23 +195,15 @@ class RunTracker:
 def check_installed(options: TrackingOptions, importable: Callable[[str], bool] | None = None) -> None:
     """ConfigError naming the fix when a tracker is asked for but not installed."""
     importable = importable or _importable
-    problems = []
-    if options.mlflow_uri and not importable("mlflow"):
-        problems.append(
-            (
-                "mlflow_uri",
-                f"got {options.mlflow_uri!r}, but MLflow is not installed; install it with "
-                "pip install 'raytrain[mlflow]' (or pip install mlflow), or drop --mlflow-uri",
-            )
-        )
-    if options.wandb_project and not importable("wandb"):
-        problems.append(
-            (
-                "wandb_project",
-                f"got {options.wandb_project!r}, but Weights & Biases is not installed; install it with "
-                "pip install wandb (then wandb login), or drop --wandb-project",
-            )
-        )
+    missing = {  # option: (its package, what it is, how to install it)
+        "mlflow_uri": ("mlflow", "MLflow", "pip install 'raytrain[mlflow]' (or pip install mlflow)"),
+        "wandb_project": ("wandb", "Weights & Biases", "pip install wandb (then wandb login)"),
+    }
+    problems = [
+        (name, f"got {value!r}, but {what} is not installed; install it with {how}, or drop {flag_name(name)}")
+        for name, (package, what, how) in missing.items()
+        if (value := getattr(options, name)) and not importable(package)
+    ]
     if options.progress not in ("auto", "bar", "plain", "off"):
         problems.append(("progress", f"got {options.progress!r}; choose one of auto, bar, plain, off"))
     if problems:
@@ -226,15 +219,9 @@ def check_mlflow_uri(uri: str) -> None:
         with scoped_env(quick):
             MlflowClient(tracking_uri=mlflow_store_uri(uri)).search_experiments(max_results=1)
     except Exception as exc:
-        raise ConfigError(
-            [
-                (
-                    "mlflow_uri",
-                    f"got {uri!r}, but MLflow cannot use it: {first_line(exc)}; "
-                    "give a server (http://HOST:5000), sqlite:///mlflow.db or a directory",
-                )
-            ]
-        ) from None
+        why = f"got {uri!r}, but MLflow cannot use it: {first_line(exc)}"
+        fix = "give a server (http://HOST:5000), sqlite:///mlflow.db or a directory"
+        raise ConfigError([("mlflow_uri", f"{why}; {fix}")]) from None
 
 
 def example_io(pipeline: Any, model: Any, rows: dict[str, Any] | None) -> "tuple[Any, Any] | str":
