@@ -12,18 +12,9 @@ from examples.sgd_recipe.pipeline import SGDRecipe
 pytestmark = pytest.mark.ray
 
 
-def test_the_sgd_recipe_port_trains_with_its_schedule_and_augmentation(ray_session, tmp_path):
+def test_the_sgd_recipe_port_trains_with_its_schedule_and_augmentation(ray_session, tmp_path, make_config):
     pipeline = SGDRecipe()
-    cfg = raytrain.TrainConfig(
-        **{
-            **pipeline.default_config,
-            "epochs": 3,
-            "lr_milestones": [2],
-            "workers": 2,
-            "storage": str(tmp_path),
-            "name": "sgd",
-        }
-    )
+    cfg = make_config(**{**pipeline.default_config, "epochs": 3, "lr_milestones": [2], "workers": 2, "name": "sgd"})
     result = raytrain.fit(pipeline, cfg)
     assert result.summary["status"] == "finished" and result.summary["samples_seen"] == 3 * 1438
     events = [e["message"] for e in raytrain.rundir.read_jsonl(tmp_path / "sgd" / "events.jsonl")]
@@ -32,18 +23,16 @@ def test_the_sgd_recipe_port_trains_with_its_schedule_and_augmentation(ray_sessi
     assert rows[-1]["lr"] == pytest.approx(0.01) and rows[-1]["val_accuracy"] > 0.5
 
 
-def test_the_ddp_tutorial_port_trains_on_its_torch_dataset(ray_session, tmp_path):
+def test_the_ddp_tutorial_port_trains_on_its_torch_dataset(ray_session, tmp_path, make_config):
     pipeline = TutorialRegression()
-    cfg = raytrain.TrainConfig(
-        **{**pipeline.default_config, "epochs": 3, "lr": 0.05, "workers": 2, "storage": str(tmp_path), "name": "tut"}
-    )
+    cfg = make_config(**{**pipeline.default_config, "epochs": 3, "lr": 0.05, "workers": 2, "name": "tut"})
     result = raytrain.fit(pipeline, cfg)
     assert result.summary["status"] == "finished" and result.summary["samples_seen"] == 3 * 2048
     rows = [r for r in raytrain.rundir.read_jsonl(tmp_path / "tut" / "metrics.jsonl") if r.get("epoch_end")]
     assert rows[-1]["val_loss"] < rows[0]["val_loss"]
 
 
-def test_the_nanogpt_style_port_trains_in_steps_on_sampled_windows(ray_session, tmp_path):
+def test_the_nanogpt_style_port_trains_in_steps_on_sampled_windows(ray_session, tmp_path, make_config):
     import torch
 
     from examples.nanogpt_style.data import prepare
@@ -52,9 +41,7 @@ def test_the_nanogpt_style_port_trains_in_steps_on_sampled_windows(ray_session, 
     data = prepare(tmp_path / "data", megabytes=0.2)
     pipeline = NanoGPTStyle()
     recipe = {**pipeline.default_config, "max_steps": 12, "warmup_steps": 4, "eval_every_steps": 5, "eval_batches": 2}
-    cfg = raytrain.TrainConfig(
-        **{**recipe, "workers": 2, "storage": str(tmp_path), "name": "nano", "pipeline_args": {"data": str(data)}}
-    )
+    cfg = make_config(**{**recipe, "workers": 2, "name": "nano", "pipeline_args": {"data": str(data)}})
     result = raytrain.fit(pipeline, cfg)
     assert (result.summary["status"], result.summary["steps"], result.summary["samples_seen"]) == ("finished", 12, 192)
     events = [e["message"] for e in raytrain.rundir.read_jsonl(tmp_path / "nano" / "events.jsonl")]

@@ -15,16 +15,10 @@ import raytrain
 pytestmark = pytest.mark.ray
 
 
-def test_stalled_rank_fails_the_attempt_naming_it_within_the_timeout(ray_session, tmp_path):
+def test_stalled_rank_fails_the_attempt_naming_it_within_the_timeout(ray_session, tmp_path, make_config):
     timeout_s = 10
-    cfg = raytrain.TrainConfig(
-        workers=2,
-        epochs=1,
-        batch_size_per_worker=8,
-        max_failures=0,
-        collective_timeout_s=timeout_s,
-        storage=str(tmp_path),
-        name="stall",
+    cfg = make_config(
+        workers=2, epochs=1, batch_size_per_worker=8, max_failures=0, collective_timeout_s=timeout_s, name="stall"
     )
     with pytest.raises(raytrain.RunFailed) as failure:
         raytrain.fit(StallingPipeline(str(tmp_path), stall_rank=1, stall_at_step=3), cfg)

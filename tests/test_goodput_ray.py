@@ -35,7 +35,7 @@ def test_a_crash_shows_as_recovery_and_steps_redone(crash_recovered_run):
     assert "## Goodput" in report
 
 
-def test_checkpoint_every_auto_measures_saves_and_counts_the_failure(ray_session, tmp_path):
+def test_checkpoint_every_auto_measures_saves_and_counts_the_failure(ray_session, tmp_path, make_config):
     """--checkpoint-every auto on a real run with a crash: the interval is said at the start, moves
     once the first save is measured, the run recovers from its checkpoint and trains every row
     exactly once, and summary.json counts the failure."""
@@ -44,7 +44,7 @@ def test_checkpoint_every_auto_measures_saves_and_counts_the_failure(ray_session
     out = tmp_path / "records"
     out.mkdir()
     pipeline = RecordingPipeline(str(out), num_rows=400, crash_at_step=14, step_sleep_s=0.02)
-    cfg = raytrain.TrainConfig(
+    cfg = make_config(
         workers=2,
         epochs=1,
         batch_size_per_worker=8,
@@ -54,7 +54,6 @@ def test_checkpoint_every_auto_measures_saves_and_counts_the_failure(ray_session
         checkpoint_max_steps=8,
         mtbf_hours=0.01,  # a failure every 36 s per node: Daly's interval is short, held within 3..8 steps
         checkpoint_async=False,
-        storage=str(tmp_path),
         name="auto",
     )
     result = raytrain.fit(pipeline, cfg)

@@ -35,16 +35,8 @@ def ours(err: str, command: str = "train") -> list[str]:
     return [line for line in err.splitlines() if line.startswith(f"raytrain {command}:")]
 
 
-def test_a_nan_loss_stops_the_run_as_diverged_without_saving_bad_weights(ray_session, tmp_path):
-    cfg = raytrain.TrainConfig(
-        workers=2,
-        epochs=3,
-        batch_size_per_worker=8,
-        storage=str(tmp_path),
-        name="nan",
-        max_failures=3,
-        log_every_steps=5,
-    )
+def test_a_nan_loss_stops_the_run_as_diverged_without_saving_bad_weights(ray_session, tmp_path, make_config):
+    cfg = make_config(workers=2, epochs=3, batch_size_per_worker=8, name="nan", max_failures=3, log_every_steps=5)
     with pytest.raises(TrainingDiverged) as failure:
         raytrain.fit(DivergingPipeline(str(tmp_path), nan_at_step=30, nan_rank=1), cfg)
     message = str(failure.value)
@@ -73,10 +65,10 @@ def test_a_nan_loss_stops_the_run_as_diverged_without_saving_bad_weights(ray_ses
         ("vector", ["compute_loss must return a scalar loss tensor", "its loss has shape (8,)", "reduction='mean'"]),
     ],
 )
-def test_errors_in_the_pipelines_code_are_not_retried_and_name_the_method(ray_session, tmp_path, where, expected):
-    cfg = raytrain.TrainConfig(
-        workers=2, epochs=1, batch_size_per_worker=8, storage=str(tmp_path), name=where, max_failures=3
-    )
+def test_errors_in_the_pipelines_code_are_not_retried_and_name_the_method(
+    ray_session, tmp_path, where, expected, make_config
+):
+    cfg = make_config(workers=2, epochs=1, batch_size_per_worker=8, name=where, max_failures=3)
     with pytest.raises(PipelineCodeError) as failure:
         raytrain.fit(BrokenPipeline(str(tmp_path), where=where), cfg)
     for text in expected:
@@ -93,17 +85,9 @@ def test_errors_in_the_pipelines_code_are_not_retried_and_name_the_method(ray_se
     ],
 )
 def test_a_wrong_return_from_a_newer_hook_is_the_pipelines_error_never_retried(
-    ray_session, tmp_path, pipeline, expected
+    ray_session, tmp_path, pipeline, expected, make_config
 ):
-    cfg = raytrain.TrainConfig(
-        workers=2,
-        epochs=1,
-        batch_size_per_worker=8,
-        storage=str(tmp_path),
-        name="hook",
-        max_failures=3,
-        warmup_epochs=0,
-    )
+    cfg = make_config(workers=2, epochs=1, batch_size_per_worker=8, name="hook", max_failures=3, warmup_epochs=0)
     with pytest.raises(PipelineCodeError) as failure:
         raytrain.fit(pipeline(str(tmp_path), where="none"), cfg)
     assert str(failure.value).startswith(expected) and "rt_test_pipelines.py" in str(failure.value)
@@ -255,7 +239,9 @@ def test_a_full_disk_stops_the_run_once_naming_the_path_and_resume_continues_aft
 # Scenario stage (docs/testing.md): Ray's record naming a deleted checkpoint set aside is
 # tests/test_hardening.py's; resumes on Ray stay in CI through the tests above.
 @pytest.mark.scenario
-def test_resuming_a_run_whose_only_checkpoint_was_deleted_starts_over_and_says_so_every_time(ray_session, tmp_path):
+def test_resuming_a_run_whose_only_checkpoint_was_deleted_starts_over_and_says_so_every_time(
+    ray_session, tmp_path, make_config
+):
     """--num-checkpoints-to-keep 1, the one checkpoint deleted, then --resume: Ray Train's own
     record still names it (CheckpointManagerInitializationError if it reads that); every time,
     the run starts over from the start and says so."""
@@ -263,8 +249,8 @@ def test_resuming_a_run_whose_only_checkpoint_was_deleted_starts_over_and_says_s
 
     out = tmp_path / "records"
     out.mkdir()
-    base = dict(workers=1, epochs=1, batch_size_per_worker=16, storage=str(tmp_path), name="kept1")
-    raytrain.fit(RecordingPipeline(str(out), num_rows=64), raytrain.TrainConfig(**base, num_checkpoints_to_keep=1))
+    base = dict(workers=1, epochs=1, batch_size_per_worker=16, name="kept1")
+    raytrain.fit(RecordingPipeline(str(out), num_rows=64), make_config(**base, num_checkpoints_to_keep=1))
     run = tmp_path / "kept1"
     for _ in range(2):
         (only,) = checkpoint_dirs(run)
@@ -272,7 +258,7 @@ def test_resuming_a_run_whose_only_checkpoint_was_deleted_starts_over_and_says_s
         shutil.rmtree(only)
         lines: list[str] = []
         result = raytrain.fit(
-            RecordingPipeline(str(out), num_rows=64), raytrain.TrainConfig(**base, resume=True), echo=lines.append
+            RecordingPipeline(str(out), num_rows=64), make_config(**base, resume=True), echo=lines.append
         )
         assert any("Resuming kept1 from the start (it has no checkpoint yet)" in line for line in lines)
         assert any(f"names 1 that are gone ({only.name})" in line for line in lines), lines

@@ -53,14 +53,15 @@ def exported_strict(export_args: list[str], trained: dict):
     return model
 
 
-def test_a_causal_lm_from_a_config_trains_under_fsdp_and_exports_a_pretrained_directory(ray_session, hf_dir, tmp_path):
+def test_a_causal_lm_from_a_config_trains_under_fsdp_and_exports_a_pretrained_directory(
+    ray_session, hf_dir, tmp_path, make_config
+):
     from transformers import AutoTokenizer
 
-    cfg = raytrain.TrainConfig(
+    cfg = make_config(
         workers=2,
         max_steps=4,
         strategy="fsdp",
-        storage=str(tmp_path),
         name="clm",
         pipeline_args={
             "model": str(hf_dir / "gpt2-config"),
@@ -84,7 +85,7 @@ def test_a_causal_lm_from_a_config_trains_under_fsdp_and_exports_a_pretrained_di
 
 
 def test_a_classifier_trains_on_a_saved_dataset_and_build_datasets_may_return_a_dataset_dict(
-    ray_session, hf_dir, tmp_path
+    ray_session, hf_dir, tmp_path, make_config
 ):
     import datasets
 
@@ -94,10 +95,9 @@ def test_a_classifier_trains_on_a_saved_dataset_and_build_datasets_may_return_a_
     rows = {"text": lines, "label": [int(line.lstrip().startswith(("def ", "class "))) for line in lines]}
     datasets.Dataset.from_dict(rows).save_to_disk(str(hf_dir / "saved"))
     datasets.Dataset.from_dict({k: v[:100] for k, v in rows.items()}).to_parquet(str(hf_dir / "val.parquet"))
-    cfg = raytrain.TrainConfig(
+    cfg = make_config(
         workers=2,
         max_steps=4,
-        storage=str(tmp_path),
         name="cls",
         pipeline_args={
             "model": str(hf_dir / "bert"),
@@ -180,7 +180,7 @@ def test_packed_blocks_each_trained_once_with_a_rank_killed_then_exported_from_t
 
 
 def test_fsdp_fills_each_ranks_shards_from_the_weights_resumes_at_three_workers_and_at_one_and_exports(
-    ray_session, hf_dir, tmp_path
+    ray_session, hf_dir, tmp_path, make_config
 ):
     """Built on the meta device, each of 2 ranks reads its rows of the saved weights (marked
     with values no fresh init gives); resumed at 3 workers, then at 1, on the same packed
@@ -203,7 +203,6 @@ def test_fsdp_fills_each_ranks_shards_from_the_weights_resumes_at_three_workers_
         "max_steps": 2,
         "strategy": "fsdp",
         "lr": 1e-4,
-        "storage": str(tmp_path),
         "name": "meta",
         "pipeline_args": {
             "model": str(tmp_path / "weights"),
@@ -212,7 +211,7 @@ def test_fsdp_fills_each_ranks_shards_from_the_weights_resumes_at_three_workers_
             "block_size": 32,
         },
     }
-    first = raytrain.fit(pipeline, raytrain.TrainConfig(workers=2, **base))
+    first = raytrain.fit(pipeline, make_config(workers=2, **base))
     assert (first.summary["status"], first.summary["steps"]) == ("finished", 2)
     plan = read_jsonl(tmp_path / "meta" / "events.jsonl")[0]["message"]
     assert "built on the meta device" in plan
@@ -223,9 +222,7 @@ def test_fsdp_fills_each_ranks_shards_from_the_weights_resumes_at_three_workers_
     assert torch.equal(trained["lm_head.weight"], trained["transformer.wte.weight"])  # still tied
 
     for workers, steps in ((3, 4), (1, 6)):
-        resumed = raytrain.fit(
-            pipeline, raytrain.TrainConfig(workers=workers, resume=True, **{**base, "max_steps": steps})
-        )
+        resumed = raytrain.fit(pipeline, make_config(workers=workers, resume=True, **{**base, "max_steps": steps}))
         assert (resumed.summary["status"], resumed.summary["steps"]) == ("finished", steps)
     assert resumed.summary["world_sizes"] == [2, 3, 1]
     builds = [json.loads(line) for line in (records / "blocks.jsonl").read_text().splitlines()]

@@ -19,19 +19,19 @@ pytest.importorskip("torchft")
 from rt_test_pipelines import ReplicaRecordingPipeline, read_jsonl  # noqa: E402
 from test_replicas_ray import committed_ids, processes  # noqa: E402
 
-from raytrain import TrainConfig, fit  # noqa: E402
+from raytrain import fit  # noqa: E402
 from raytrain.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
 
 def test_a_worker_lost_takes_its_group_out_and_the_other_group_trains_on_then_the_group_heals_back(
-    ray_session, tmp_path
+    ray_session, tmp_path, make_config
 ):
     out = tmp_path / "out"
     out.mkdir()
     rows = 900
-    cfg = TrainConfig(
+    cfg = make_config(
         workers="4",
         epochs=3,
         batch_size_per_worker=10,
@@ -40,7 +40,6 @@ def test_a_worker_lost_takes_its_group_out_and_the_other_group_trains_on_then_th
         fault_tolerance="per-step",
         strategy="fsdp",
         replica_group_size=2,
-        storage=str(tmp_path),
         name="hsdp",
         log_every_steps=4,
         progress="off",
@@ -83,7 +82,7 @@ def test_a_worker_lost_takes_its_group_out_and_the_other_group_trains_on_then_th
 # strategy tests/test_fsdp_ray.py's.
 @pytest.mark.scenario
 def test_groups_train_as_a_restarting_fsdp_run_and_their_checkpoint_resumes_under_ddp_at_another_count(
-    ray_session, tmp_path
+    ray_session, tmp_path, make_config
 ):
     """Without a failure, 2 groups of 2 take the steps 4 fsdp workers take (fp32); the groups'
     checkpoint (DCP shards of the writing group) resumes at 2 workers under ddp and restart."""
@@ -95,14 +94,13 @@ def test_groups_train_as_a_restarting_fsdp_run_and_their_checkpoint_resumes_unde
         lr=0.05,
         warmup_epochs=0,
         strategy="fsdp",
-        storage=str(tmp_path),
         log_every_steps=1,
         progress="off",
         max_steps=20,  # 15 steps an epoch: across its end
     )
     pipeline = ReplicaRecordingPipeline(str(out), num_rows=600)
-    restart = fit(pipeline, TrainConfig(**common, name="restart"))
-    groups = fit(pipeline, TrainConfig(**common, name="groups", fault_tolerance="per-step", replica_group_size=2))
+    restart = fit(pipeline, make_config(**common, name="restart"))
+    groups = fit(pipeline, make_config(**common, name="groups", fault_tolerance="per-step", replica_group_size=2))
 
     def losses(run_dir: str) -> dict[int, float]:
         rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
@@ -115,7 +113,7 @@ def test_groups_train_as_a_restarting_fsdp_run_and_their_checkpoint_resumes_unde
     assert max(abs(a[s] - b[s]) / abs(a[s]) for s in a) <= 1e-4, (a, b)
 
     more = {**common, "workers": "2", "strategy": "ddp", "max_steps": 24}
-    resumed = fit(pipeline, TrainConfig(**more, name="groups", resume=True))
+    resumed = fit(pipeline, make_config(**more, name="groups", resume=True))
     summary = json.loads((Path(resumed.run_dir) / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 24 and summary["world_sizes"][-1] == 2
     events = read_jsonl(Path(resumed.run_dir) / "events.jsonl")

@@ -14,7 +14,7 @@ pytest.importorskip("torchft")
 
 from rt_test_pipelines import ReplicaRecordingPipeline, read_jsonl  # noqa: E402
 
-from raytrain import TrainConfig, fit  # noqa: E402
+from raytrain import fit  # noqa: E402
 from raytrain.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -44,20 +44,19 @@ def committed_ids(out: Path) -> dict[int, list[int]]:
 # Streamed, in the scenario stage (docs/testing.md): the memory case keeps the kill in CI, and the
 # streamed rows of a changing quorum are tests/test_replicas.py's and tests/test_data.py's.
 @pytest.mark.parametrize("data", ["memory", pytest.param("stream", marks=pytest.mark.scenario)])
-def test_a_killed_replica_is_replaced_while_the_survivors_keep_training(ray_session, tmp_path, data):
+def test_a_killed_replica_is_replaced_while_the_survivors_keep_training(ray_session, tmp_path, data, make_config):
     """In memory every replica maps the same table; streamed, each reads the blocks it owns in
     the current quorum and re-opens its share when the quorum changes."""
     out = tmp_path / "out"
     out.mkdir()
     rows = 900
-    cfg = TrainConfig(
+    cfg = make_config(
         workers="3",
         epochs=3,
         batch_size_per_worker=10,
         lr=0.05,
         warmup_epochs=0,
         fault_tolerance="per-step",
-        storage=str(tmp_path),
         name="ft",
         log_every_steps=4,
         checkpoint_every_steps=0,

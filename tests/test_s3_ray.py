@@ -190,7 +190,7 @@ def test_driver_sigkill_then_store_frozen_mid_run_each_resumed_from_the_uri(s3, 
     DigitsCNN().load_state_dict(ckpt.load_model_weights(run), strict=True)
 
 
-def test_streamed_parquet_from_the_bucket_is_read_about_once_per_epoch(ray_session, s3, bucket, tmp_path):
+def test_streamed_parquet_from_the_bucket_is_read_about_once_per_epoch(ray_session, s3, bucket, tmp_path, make_config):
     """Row groups are the units; each is read by the worker that owns it (≤ 1.1 passes)."""
     from rt_test_pipelines import write_id_parquet
 
@@ -201,15 +201,7 @@ def test_streamed_parquet_from_the_bucket_is_read_about_once_per_epoch(ray_sessi
     out = tmp_path / "records"
     out.mkdir()
     pipeline = ShardedRecordingPipeline(str(out), path=s3.uri(bucket, "data"))
-    cfg = raytrain.TrainConfig(
-        workers=2,
-        epochs=2,
-        global_batch_size=48,
-        shuffle_window_rows=120,
-        log_every_steps=5,
-        storage=str(tmp_path),
-        name="pq",
-    )
+    cfg = make_config(workers=2, epochs=2, global_batch_size=48, shuffle_window_rows=120, log_every_steps=5, name="pq")
     summary = raytrain.fit(pipeline, cfg).summary
     assert summary["status"] == "finished" and summary["samples_seen"] == 2 * 1003
     for epoch in range(2):

@@ -30,16 +30,17 @@ def trained_ids(out: Path, world_sizes: range) -> dict[int, list[int]]:
     return {step: sorted(ids) for step, ids in sorted(steps.items())}
 
 
-def test_max_steps_stops_inside_an_epoch_with_evaluations_every_n_steps_and_records_what_ran(ray_session, tmp_path):
+def test_max_steps_stops_inside_an_epoch_with_evaluations_every_n_steps_and_records_what_ran(
+    ray_session, tmp_path, make_config
+):
     out = tmp_path / "records"
     out.mkdir()
-    cfg = raytrain.TrainConfig(
+    cfg = make_config(
         workers=2,
         max_steps=6,  # 64 rows of 16: 4 steps an epoch, so the run ends 2 steps into the second
         global_batch_size=16,
         eval_every_steps=2,
         eval_batches=1,
-        storage=str(tmp_path),
         name="steps",
     )
     result = raytrain.fit(StepsPipeline(str(out), num_rows=64), cfg)
@@ -95,7 +96,7 @@ def test_max_steps_stops_inside_an_epoch_with_evaluations_every_n_steps_and_reco
 @pytest.mark.scenario
 @pytest.mark.parametrize("sampled", [False, True], ids=["walked", "sampled"])
 def test_max_steps_with_a_kill_and_a_resume_at_another_worker_count_is_exact_and_stops_at_n(
-    ray_session, tmp_path, sampled
+    ray_session, tmp_path, sampled, make_config
 ):
     out = tmp_path / "records"
     out.mkdir()
@@ -105,15 +106,14 @@ def test_max_steps_with_a_kill_and_a_resume_at_another_worker_count_is_exact_and
         reference_batch_size=6,  # as config.yaml froze it at the first start (the Python API resumes what it is given)
         checkpoint_every_steps=2,
         log_every_steps=1,
-        storage=str(tmp_path),
         name="killed",
     )
     pipeline = StepsPipeline(str(out), num_rows=60, sampled=sampled, crash_at_step=5)
     with pytest.raises(raytrain.RunFailed):  # rank 0's process dies at step 5, and no restart is allowed
-        raytrain.fit(pipeline, raytrain.TrainConfig(workers=2, max_failures=0, **base))
+        raytrain.fit(pipeline, make_config(workers=2, max_failures=0, **base))
     first = json.loads((tmp_path / "killed" / "summary.json").read_text())
 
-    result = raytrain.fit(pipeline, raytrain.TrainConfig(workers=1, resume=True, **base))
+    result = raytrain.fit(pipeline, make_config(workers=1, resume=True, **base))
     summary = result.summary
     assert (summary["status"], summary["steps"], summary["samples_seen"]) == ("finished", 8, 96)
     assert summary["world_sizes"] == [2, 1]

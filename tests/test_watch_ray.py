@@ -29,15 +29,15 @@ pytestmark = pytest.mark.ray
         pytest.param("per-step", marks=pytest.mark.scenario),
     ],
 )
-def test_a_rank_slower_from_step_5_is_named_a_straggler_and_the_run_finishes(ray_session, tmp_path, mode):
+def test_a_rank_slower_from_step_5_is_named_a_straggler_and_the_run_finishes(ray_session, tmp_path, mode, make_config):
     """The issue's case, shortened for CI (benchmarks/silent_faults.py runs it as given: slower
     from step 10, the default cadences)."""
     out = tmp_path / "out"
     out.mkdir()
     per_step = mode == "per-step"
-    cfg = raytrain.TrainConfig(
-        workers="2:3" if per_step else 3, batch_size_per_worker=8, max_steps=25, storage=str(tmp_path),
-        name="straggler", schedule="constant", log_every_steps=5, straggler_steps=10, fault_tolerance=mode,
+    cfg = make_config(
+        workers="2:3" if per_step else 3, batch_size_per_worker=8, max_steps=25, name="straggler",
+        schedule="constant", log_every_steps=5, straggler_steps=10, fault_tolerance=mode,
         **({"evict_stragglers": True, "straggler_evict_steps": 10} if per_step else {}),
     )  # fmt: skip
     pipeline = StragglingPipeline(str(out), slow_rank=1, from_step=5, extra_s=0.3, step_sleep_s=0.05, num_rows=600)
@@ -66,16 +66,15 @@ def test_a_rank_slower_from_step_5_is_named_a_straggler_and_the_run_finishes(ray
 
 
 @pytest.mark.parametrize("mode", ["restart", "per-step"])
-def test_a_corrupted_replica_is_caught_rolled_back_and_never_published(ray_session, tmp_path, mode):
+def test_a_corrupted_replica_is_caught_rolled_back_and_never_published(ray_session, tmp_path, mode, make_config):
     out = tmp_path / "out"
     out.mkdir()
-    cfg = raytrain.TrainConfig(
+    cfg = make_config(
         workers=2,
         batch_size_per_worker=8,
         epochs=1,
         checkpoint_every_steps=5,
         num_checkpoints_to_keep=10,
-        storage=str(tmp_path),
         name="corrupt",
         fault_tolerance=mode,
     )
@@ -108,15 +107,15 @@ def test_a_corrupted_replica_is_caught_rolled_back_and_never_published(ray_sessi
 # a mismatch rolled back is the test above's, the recurrence's decision on every rank test_watch.py's.
 @pytest.mark.scenario
 @pytest.mark.timeout(300)  # retried forever, it would never end (--max-failures -1)
-def test_a_replica_corrupted_at_every_step_stops_the_run_at_the_second_attempt(ray_session, tmp_path):
+def test_a_replica_corrupted_at_every_step_stops_the_run_at_the_second_attempt(ray_session, tmp_path, make_config):
     """The issue's case: a replica corrupted at every step from step 12, checked at every step and
     logged every 50; the second attempt, back at step 10's checkpoint before any log sync, meets the same
     mismatch at the same step: a deterministic fault, not retried though --max-failures is -1."""
     out = tmp_path / "out"
     out.mkdir()
-    cfg = raytrain.TrainConfig(
+    cfg = make_config(
         workers=2, batch_size_per_worker=8, epochs=1, checkpoint_every_steps=10, replica_check_steps=1,
-        log_every_steps=50, max_failures=-1, storage=str(tmp_path), name="recurring",
+        log_every_steps=50, max_failures=-1, name="recurring",
     )  # fmt: skip
     with pytest.raises(raytrain.RunFailed) as failure:
         raytrain.fit(CorruptingPipeline(str(out), rank=1, at_step=12, every_step=True, num_rows=400), cfg)
