@@ -733,7 +733,7 @@ def test_sweep_writes_trials_csv_best_yaml_and_plot_and_best_yaml_trains(ray_ses
 
 
 @pytest.mark.ray
-def test_asha_stops_a_diverging_trial_early(ray_session, tmp_path):
+def test_asha_stops_a_diverging_trial_early(ray_session, make_config):
     held_before = set(held_placement_groups())
     from rt_test_pipelines import SlowDigitsPipeline
 
@@ -743,7 +743,7 @@ def test_asha_stops_a_diverging_trial_early(ray_session, tmp_path):
     # in that moment on a quiet machine.
     result = tune(
         SlowDigitsPipeline(step_sleep_s=0.04),
-        TrainConfig(epochs=4, storage=str(tmp_path), name="asha"),
+        make_config(epochs=4, name="asha"),
         SearchSpace(workers=[1], lr_scaling=["none"], warmup_epochs=[0], lr=[1e-3, 10.0]),
         TuneOptions(max_concurrent_trials=1),
     )
