@@ -1,23 +1,10 @@
 """`raytrain bench`: the scaling study. Throughput, speedup and where the step time goes.
 
-For each worker count the same pipeline and options run through `raytrain.fit` for just
-enough epochs to measure `--steps` steady steps; the loop leaves the first steps of every
-epoch out (warm-up) and rank 0 splits each steady step into data wait, forward+backward
-and optimizer. From those figures:
-
-- speedup(N) = samples/s at N workers / samples/s at 1 worker (so exactly 1 at 1 worker),
-  efficiency = speedup / N;
-- communication(N) = forward_backward(N) - forward_backward(1) per step, clipped at 0
-  (DDP's all-reduce runs inside backward; at 1 worker there is none). The 1-worker figure
-  is scaled by the per-worker batch when that changes with N (fixed global batch).
-  compute = forward_backward - communication.
-
-Baselines, in the same study: `torchrun` (the classic template, `raytrain.baselines.classic_ddp`,
-under `python -m torch.distributed.run` at each worker count) and `plain` (the same script
-as one process without torch.distributed), measured the same way; reported as ratios.
-
-The command line (`raytrain bench`) is in `raytrain.cli`; `--predict`, which runs nothing,
-in `raytrain.bench.predict`.
+Each worker count runs through `raytrain.fit` for just enough epochs to measure `--steps`
+steady steps, and the baselines (the torchrun template, `raytrain.baselines.classic_ddp`, and
+the same script as one plain process) run and are timed the same way. How every figure is
+computed is `raytrain.bench.render.METHOD`, which bench.md prints; `--predict`, which runs
+nothing, is `raytrain.bench.predict`.
 """
 
 from raytrain.bench.figures import (

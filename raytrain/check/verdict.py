@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 
 from raytrain.rules.agreement import odd_ranks
+from raytrain.text import plural
 
 # Relative difference allowed per step, loss and gradient norm alike, by precision.
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}
@@ -155,9 +156,14 @@ class Replicas:
     fingerprints: tuple[tuple[int, ...], ...] = ()  # [step - 1][rank], unsigned 64-bit
 
     @property
+    def count(self) -> int:
+        """How many copies of the model the workers hold."""
+        return self.workers // max(1, self.shards_per_replica)
+
+    @property
     def compared(self) -> bool:
         """Whether there are replicas to compare, and their fingerprints."""
-        return self.workers // max(1, self.shards_per_replica) > 1 and bool(self.fingerprints)
+        return self.count > 1 and bool(self.fingerprints)
 
     def odd(self, step: int) -> list[int]:
         """The ranks whose fingerprint after `step` differs from their shard's majority (`odd_ranks`)."""
@@ -172,7 +178,7 @@ class Replicas:
 
     def line(self) -> str:
         """What the check says of the replicas: that they agree, where they part, or that there are none."""
-        if self.workers // max(1, self.shards_per_replica) <= 1:
+        if self.count <= 1:
             return (
                 f"Replicas: one sharded copy: no replicas to compare (each of the {self.workers} workers holds a "
                 "distinct shard of the weights and optimizer state)."
@@ -195,7 +201,7 @@ class Replicas:
         named = ", ".join(f"rank {rank} ({_hex(prints[rank])})" for rank in odd)
         others = sorted({_hex(value) for rank, value in enumerate(prints) if rank not in odd})
         if not others:  # no majority
-            two = " with two replicas" if self.workers // max(1, self.shards_per_replica) == 2 else ""
+            two = " with two replicas" if self.count == 2 else ""
             return f"{named} differ, and{two} there is no majority to say which is wrong"
         verb = "differs" if len(odd) == 1 else "differ"
         return f"{named} {verb} from the other replicas' {', '.join(others)}"
@@ -266,11 +272,11 @@ class Verdict:
             f"{c.tolerance:.0e}"
         )
         if self.equivalent:
-            lines = [f"Equivalent: {c.workers} workers train like 1 over {plural_steps(judged)}; {within}."]
+            lines = [f"Equivalent: {c.workers} workers train like 1 over {plural(judged, 'step')}; {within}."]
         elif c.equivalent:  # the replicas differ
             lines = [
                 f"Not equivalent: the {c.workers} workers' replicas differ from step {self.replicas.first_difference}, "
-                f"though their loss and gradient norm agree with 1 worker's over {plural_steps(judged)}; {within}."
+                f"though their loss and gradient norm agree with 1 worker's over {plural(judged, 'step')}; {within}."
             ]
         else:
             first = c.rows[c.first_difference - 1]
@@ -294,10 +300,6 @@ class Verdict:
         if not c.equivalent and not causes:
             lines.append(NO_CAUSE)
         return lines
-
-
-def plural_steps(count: int) -> str:
-    return f"{count} step{'s' if count != 1 else ''}"
 
 
 NO_CAUSE = (

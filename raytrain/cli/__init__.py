@@ -1,14 +1,7 @@
 """`raytrain` command line: train, tune, bench, check, report, export, data, doctor, up, down.
 
-- `parser`: every command's flags, built from the typed options (`raytrain.fields`);
-- `options`: the layers of a run's options (the pipeline's defaults, a --config file, the
-  flags) and how a message names each (as the user wrote it);
-- `commands`: each command's handler, calling into the library.
-
-Exit status: 0 success; 2 what the user must fix (usage, configuration, data, pipeline code,
-checkpoint, storage: one message naming what is wrong and the fix); 1 a run that failed or
-diverged (the cause, then where the logs are); 130/143 stopped by SIGINT/SIGTERM.
-"""
+Flags in `parser`, a run's layered options in `options`, handlers in `commands`; every exit
+status is decided in `run_command`."""
 
 from __future__ import annotations
 
@@ -35,10 +28,11 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(args: argparse.Namespace) -> int:
     """Run a command's handler; every error becomes one message and an exit status, here
     and nowhere else, the status decided by the error's type (`raytrain.errors.exit_status`):
-    2 for what the user must fix (configuration, data, pipeline code, checkpoint, storage),
-    1 for a run that failed or diverged, 130/143 for SIGINT/SIGTERM. No traceback, except for
-    an error raytrain does not anticipate (a bug). A ConfigError names each option as the
-    user wrote it (`args.spell`, set by `read_run_options`; else as a flag)."""
+    0 success; 2 what the user must fix (usage, configuration, data, pipeline code, checkpoint,
+    storage: one message naming what is wrong and the fix); 1 a run that failed or diverged;
+    130/143 SIGINT/SIGTERM. No traceback, except for an error raytrain does not anticipate (a
+    bug). A ConfigError names each option as the user wrote it (`args.spell`, set by
+    `read_run_options`; else as a flag)."""
     from raytrain.errors import exit_status
     from raytrain.rundir import storage_error
 

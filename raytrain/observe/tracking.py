@@ -1,16 +1,7 @@
-"""Driver-side observability: tail the files rank 0 writes and feed their rows to sinks.
-
-Rank 0 appends rows to the run directory; the driver (which may sit on another machine,
-reading the same storage) tails them and dispatches every new row, in time order, to a
-list of sinks:
-
-- `events.jsonl`  -> `Sink.event`    plan, epoch, restore, resize and done messages
-- `metrics.jsonl` -> `Sink.metrics`  every `log_every_steps` and at every epoch end
-- `live.jsonl`    -> `Sink.progress` optional rows rank 0 writes about once a second
-
-The sinks are the console (`raytrain.observe.console`), TensorBoard event files in the run
-directory (always), MLflow (`--mlflow-uri`) and Weights & Biases (`--wandb-project`).
-Tracking never fails a run: a sink that raises is dropped with one warning.
+"""Driver-side observability of one run (`RunTracker`): the console and the trackers
+(TensorBoard always, MLflow with --mlflow-uri, Weights & Biases with --wandb-project) fed by
+the follower of `raytrain.observe.sinks`, then closed and the report written. Tracking never
+fails a run: a sink that raises is dropped with one warning.
 """
 
 from __future__ import annotations
