@@ -16,43 +16,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_hooks import take_a_step
+from one_rank import OneRank, Quiet, step_runner, take_a_step
 from torch import nn
 
-from raytrain import hooks
 from raytrain.cli import run_command
 from raytrain.config import TrainConfig
 from raytrain.data.table import Table
 from raytrain.errors import ConfigError, find_user_error
-from raytrain.instruments.phases import Measures
 from raytrain.instruments.window import LossWindow
 from raytrain.parallel.device import DeviceFailure
-from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import Pipeline
-from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rules.position import Position
-from raytrain.rules.schedule import run_schedule
-from raytrain.worker.optim import Rate
 from raytrain.worker.state import TrainingState
 from raytrain.worker.step import StepRunner
-
-
-class OneRank:
-    """What a StepRunner and a TrainingState ask of a runtime: rank 0 of 1, on the CPU."""
-
-    world_rank, world_size, is_rank0, backend = 0, 1, True, "none"
-    device = torch.device("cpu")
-
-    def all_gather_object(self, value):
-        return [value]
-
-    def evaluation_share(self):
-        return 0, 1
-
-
-class Quiet:
-    def mark(self, *args):
-        pass
 
 
 class TwoLayers(nn.Module):
@@ -74,30 +50,10 @@ class Regression(Pipeline):
         return ((model(batch["x"]) - batch["y"]) ** 2).mean()
 
 
-def runner_for(
-    pipeline: Pipeline, model: nn.Module | None = None, rows: int = 8, **options
-) -> tuple[StepRunner, Table]:
-    torch.manual_seed(0)
-    cfg = TrainConfig(warmup_epochs=0, batch_size_per_worker=rows, reference_batch_size=rows, epochs=1, **options)
-    plan = resolve_batch_plan(1, batch_size_per_worker=rows)
-    model = model if model is not None else pipeline.build_model(cfg)
-    optimizer = hooks.call(pipeline, "build_optimizer", model, cfg)
-    runner = StepRunner(
-        pipeline=pipeline,
-        cfg=cfg,
-        runtime=OneRank(),
-        batch_plan=plan,
-        model=model,
-        optimizer=optimizer,
-        scaler=torch.amp.GradScaler("cpu", enabled=cfg.precision == "fp16"),
-        rate=Rate.of(pipeline, run_schedule(cfg, plan, rows), [1.0] * len(optimizer.param_groups)),
-        window=LossWindow.on(torch.device("cpu")),
-        measures=Measures(Quiet(), torch.device("cpu"), count_flops=True),
-        prepared=Prepared.plain(model, cfg.precision),
-    )
-    x = np.random.default_rng(0).normal(size=(rows, 4)).astype(np.float32)
-    table = Table({"x": x, "y": x.sum(axis=1, keepdims=True)})
-    return runner, table
+def runner_for(pipeline: Pipeline, model: nn.Module | None = None) -> tuple[StepRunner, Table]:
+    """Rank 0's runner, counting its FLOPs, and 8 rows of a regression."""
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    return step_runner(pipeline, model, count_flops=True), Table({"x": x, "y": x.sum(axis=1, keepdims=True)})
 
 
 # -- F1: the FLOP count and --compile ---------------------------------------------------------

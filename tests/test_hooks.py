@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from one_rank import step_runner, take_a_step
 from torch import nn
 
 import raytrain
@@ -21,15 +22,7 @@ from raytrain.cli import main
 from raytrain.config import TrainConfig
 from raytrain.data.table import Table
 from raytrain.errors import PipelineCodeError, PipelineError, find_user_error
-from raytrain.instruments.phases import Measures
-from raytrain.instruments.window import LossWindow
-from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import Pipeline, parse_pipeline_args
-from raytrain.rules import steps
-from raytrain.rules.batch import resolve_batch_plan
-from raytrain.rules.position import Position
-from raytrain.rules.schedule import run_schedule
-from raytrain.worker.optim import Rate
 from raytrain.worker.step import Batch, StepRunner
 
 PACKAGE = Path(raytrain.__file__).resolve().parent
@@ -117,16 +110,6 @@ def test_an_exception_from_lr_factor_names_it_and_where():
 # -- the step runner goes through the rule ---------------------------------------------------------------
 
 
-class FakeRuntime:
-    world_rank, world_size, is_rank0, backend = 0, 1, True, "none"
-    device = torch.device("cpu")
-
-
-class Quiet:
-    def mark(self, *args):
-        pass
-
-
 class Regression(Pipeline):
     def build_model(self, cfg):
         return nn.Linear(4, 1)
@@ -135,34 +118,9 @@ class Regression(Pipeline):
         return ((model(batch["x"]) - batch["y"]) ** 2).mean()
 
 
-def runner_for(pipeline: Pipeline, rows: int = 8) -> tuple[StepRunner, Table]:
-    torch.manual_seed(0)
-    cfg = TrainConfig(warmup_epochs=0, batch_size_per_worker=rows, reference_batch_size=rows, epochs=1)
-    plan = resolve_batch_plan(1, batch_size_per_worker=rows)
-    model = pipeline.build_model(cfg)
-    optimizer = hooks.call(pipeline, "build_optimizer", model, cfg)
-    runner = StepRunner(
-        pipeline=pipeline,
-        cfg=cfg,
-        runtime=FakeRuntime(),
-        batch_plan=plan,
-        model=model,
-        optimizer=optimizer,
-        scaler=torch.amp.GradScaler("cpu", enabled=False),
-        rate=Rate.of(pipeline, run_schedule(cfg, plan, rows), [1.0] * len(optimizer.param_groups)),
-        window=LossWindow.on(torch.device("cpu")),
-        measures=Measures(Quiet(), torch.device("cpu")),
-        prepared=Prepared.plain(model, cfg.precision),
-    )
-    table = Table({"x": np.ones((rows, 4), dtype=np.float32), "y": np.zeros((rows, 1), dtype=np.float32)})
-    return runner, table
-
-
-def take_a_step(runner: StepRunner, table: Table) -> None:
-    step = steps.epoch_steps(len(table), len(table))[0]
-    phase = runner.measures.phases(0, timed=False)
-    runner.gradients(table.epoch(0, 0, 0, 0, 1), step, phase)
-    runner.apply_gradients(Position(), phase)
+def runner_for(pipeline: Pipeline) -> tuple[StepRunner, Table]:
+    table = Table({"x": np.ones((8, 4), dtype=np.float32), "y": np.zeros((8, 1), dtype=np.float32)})
+    return step_runner(pipeline), table
 
 
 def test_a_negative_lr_factor_stops_the_step_instead_of_climbing_the_loss():

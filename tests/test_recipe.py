@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from one_rank import step_runner, take_a_step
 from torch import nn
 
 import raytrain
@@ -16,17 +17,11 @@ from raytrain.config import TrainConfig
 from raytrain.data.table import Table
 from raytrain.data.torch_dataset import TorchSamples, sample_columns
 from raytrain.errors import ConfigError, DataError
-from raytrain.instruments.phases import Measures
-from raytrain.instruments.window import LossWindow
-from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import default_optimizer
-from raytrain.rules import steps
 from raytrain.rules.batch import resolve_batch_plan
-from raytrain.rules.position import Position
 from raytrain.rules.schedule import LRSchedule, run_schedule
 from raytrain.worker import optim
-from raytrain.worker.optim import Rate
-from raytrain.worker.step import Batch, StepRunner
+from raytrain.worker.step import Batch
 
 N = 1000  # rows per epoch in the schedule tests
 
@@ -130,57 +125,21 @@ def test_default_optimizers_and_no_decay_on_norms_and_biases():
     assert type(lamb).__name__ == "Lamb" and type(lamb).__module__.startswith("pytorch_optimizer")
 
 
-class FakeRuntime:
-    world_rank, world_size, is_rank0, backend = 0, 1, True, "none"
-    device = torch.device("cpu")
-
-
-class Quiet:
-    def mark(self, *args):
-        pass
-
-
 def one_step(precision: str, clip: float | None) -> float:
     """The norm of one SGD update (lr 1, no momentum, no decay) of a model whose gradient norm is 0.18."""
-    torch.manual_seed(0)
-    cfg = TrainConfig(
-        precision=precision,
-        grad_clip_norm=clip,
-        optimizer="sgd",
-        momentum=0.0,
-        weight_decay=0.0,
-        lr=1.0,
-        warmup_epochs=0,
-        schedule="constant",
-        batch_size_per_worker=8,
-        reference_batch_size=8,
-    )
 
     class Big(raytrain.Pipeline):
+        def build_model(self, cfg):
+            return nn.Linear(4, 1)
+
         def compute_loss(self, model, batch):
             return model(batch["x"]).float().sum() * 0.01
 
-    model = nn.Linear(4, 1)
+    options = dict(optimizer="sgd", momentum=0.0, weight_decay=0.0, lr=1.0, schedule="constant")
+    runner = step_runner(Big(), precision=precision, grad_clip_norm=clip, **options)
+    model = runner.model
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    pipeline = Big()
-    runner = StepRunner(
-        pipeline=pipeline,
-        cfg=cfg,
-        runtime=FakeRuntime(),
-        batch_plan=resolve_batch_plan(1, batch_size_per_worker=8),
-        model=model,
-        optimizer=pipeline.build_optimizer(model, cfg),
-        scaler=torch.amp.GradScaler("cpu", enabled=precision == "fp16"),
-        rate=Rate.of(pipeline, run_schedule(cfg, resolve_batch_plan(1, batch_size_per_worker=8), 8), [1.0]),
-        window=LossWindow.on(torch.device("cpu")),
-        measures=Measures(Quiet(), torch.device("cpu")),
-        prepared=Prepared.plain(model, cfg.precision),
-    )
-    table = Table({"x": np.ones((8, 4), dtype=np.float32)})
-    step = steps.epoch_steps(8, 8)[0]
-    phase = runner.measures.phases(0, timed=False)
-    runner.gradients(table.epoch(0, 0, 0, 0, 1), step, phase)
-    runner.apply_gradients(Position(), phase)
+    take_a_step(runner, Table({"x": np.ones((8, 4), dtype=np.float32)}))
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     return float((after - before).norm())
 
