@@ -126,18 +126,10 @@ def test_worker_failure_resumes_at_checkpoint_step_with_same_lr_and_exactly_once
     print(f"recovery: {recovery_s:.1f} s from the failure to the first step after restart; {lost_steps} step(s) redone")
 
 
-def test_local_mode_runs_the_loop_in_process(ray_session, tmp_path):
+def test_local_mode_runs_the_loop_in_process(ray_session, tmp_path, make_config):
     out = tmp_path / "records"
     out.mkdir()
-    cfg = raytrain.TrainConfig(
-        workers=0,
-        epochs=2,
-        global_batch_size=16,
-        storage=str(tmp_path),
-        name="local",
-        log_every_steps=1,
-        timing_warmup_steps=1,
-    )
+    cfg = make_config(workers=0, epochs=2, global_batch_size=16, name="local", log_every_steps=1, timing_warmup_steps=1)
     result = raytrain.fit(RecordingPipeline(str(out), num_rows=37), cfg)
     rows = read_jsonl(out / "ids-rank0.jsonl")
     for epoch in (0, 1):
