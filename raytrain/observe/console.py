@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from raytrain.observe.sinks import Sink
+from raytrain.observe.sinks import Sink, number
 from raytrain.rundir import Event, Kind, MetricsRow
 
 BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]"
@@ -116,16 +116,8 @@ class EpochProgress:
             eta = left / rate if isinstance(rate, (int, float)) and rate > 0 else None
         elif epoch_step is None and self.epoch_start_step is not None:
             epoch_step = step - self.epoch_start_step
-        return Snapshot(
-            epoch,
-            self.epochs,
-            epoch_step,
-            epoch_steps,
-            _float(row.loss),
-            _float(row.samples_per_s),
-            eta,
-            row.world_size,
-        )
+        loss, speed = number(row.loss), number(row.samples_per_s)
+        return Snapshot(epoch, self.epochs, epoch_step, epoch_steps, loss, speed, eta, row.world_size)
 
     def _run_steps(self, row: MetricsRow, epoch: int, step: int) -> Snapshot:
         """The run's steps against its budget: --max-steps, or fewer when its epochs end first."""
@@ -135,7 +127,7 @@ class EpochProgress:
         eta = (total - step) * batch / rate if isinstance(rate, (int, float)) and rate > 0 and batch else None
         if row.epoch_end and epoch >= 1:
             epoch = epoch + 1 if step < total else epoch  # the epoch being trained now
-        loss, speed = _float(row.loss), _float(row.samples_per_s)
+        loss, speed = number(row.loss), number(row.samples_per_s)
         return Snapshot(epoch, self.epochs, step, total, loss, speed, eta, row.world_size, by_steps=True)
 
     def _epoch_end(self, row: MetricsRow, epoch: int, step: int, seen: Any) -> Snapshot:
@@ -143,9 +135,8 @@ class EpochProgress:
             self.train_rows = self.train_rows or seen // epoch
         steps = step - self.epoch_start_step if self.epoch_start_step is not None else None
         self.epoch_start_step = step
-        return Snapshot(
-            epoch, self.epochs, steps, steps, _float(row.loss), _float(row.samples_per_s), 0.0, row.world_size
-        )
+        loss, speed = number(row.loss), number(row.samples_per_s)
+        return Snapshot(epoch, self.epochs, steps, steps, loss, speed, 0.0, row.world_size)
 
     def restarted(self) -> None:
         """After a restore or resize, the epoch's first step is no longer known from rows."""
@@ -158,10 +149,6 @@ class EpochProgress:
             return None
         steps = math.ceil(self.train_rows / global_batch_size) if self.train_rows and global_batch_size else None
         return Snapshot(snapshot.epoch + 1, self.epochs, 0, steps, None, None, None, snapshot.world_size)
-
-
-def _float(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def format_duration(seconds: float) -> str:

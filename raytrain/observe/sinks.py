@@ -68,6 +68,11 @@ _FOLLOWED: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
 }
 
 
+def number(value: Any) -> float | None:
+    """A figure of a record as a float (NaN and inf included); None for anything else, a bool too."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def record_time(record: Any) -> float:
     value = record.get("time", record.get("time_s"))
     return float(value) if isinstance(value, (int, float)) else math.inf
@@ -121,6 +126,3 @@ def follow(
         stop.set()
         thread.join()
         pump()
-
-
-__all__ = ["Dispatcher", "Sink", "follow", "record_time"]

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from raytrain.environ import scoped_env
 from raytrain.observe.render import markdown_table
-from raytrain.observe.sinks import Sink, record_time
+from raytrain.observe.sinks import Sink, number, record_time
 from raytrain.rundir import (
     CONFIG,
     EPOCH_LOSS,
@@ -82,10 +82,6 @@ def mlflow_store_uri(uri: str) -> str:
     return uri
 
 
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 def step_scalars(row: MetricsRow) -> dict[str, float]:
     """The scalars of a metrics row, by tracker tag.
 
@@ -97,7 +93,7 @@ def step_scalars(row: MetricsRow) -> dict[str, float]:
     epoch_end = row.epoch_end
     scalars: dict[str, float] = {}
     for key in STEP_SERIES:
-        value = _number(row.get(key))
+        value = number(row.get(key))
         if value is None:
             continue
         if epoch_end and key == "samples_per_s":
@@ -105,13 +101,13 @@ def step_scalars(row: MetricsRow) -> dict[str, float]:
         else:
             scalars[f"train/{key}"] = value
     if epoch_end:
-        if (epoch := _number(row.epoch)) is not None:
+        if (epoch := number(row.epoch)) is not None:
             scalars["epoch/epoch"] = epoch
-        if (epoch_loss := _number(row.get(EPOCH_LOSS))) is not None:
+        if (epoch_loss := number(row.get(EPOCH_LOSS))) is not None:
             scalars["epoch/train_loss"] = epoch_loss
     for key, value in row.validation.items():
-        if (number := _number(value)) is not None:
-            scalars[f"val/{key[4:]}"] = number
+        if (figure := number(value)) is not None:
+            scalars[f"val/{key[4:]}"] = figure
     return scalars
 
 
@@ -302,7 +298,7 @@ class MLflowSink(Sink):
             self.client.set_terminated(self.run_id, status="KILLED")
             return
         for key in ("steady_samples_per_s", "wall_time_s", "failures_recovered", "checkpoints_skipped", "samples_seen"):
-            if (value := _number(summary.get(key))) is not None:
+            if (value := number(summary.get(key))) is not None:
                 self.client.log_metric(self.run_id, f"summary/{key}", value)
         self.client.set_tag(self.run_id, "raytrain.world_sizes", " → ".join(map(str, summary.world_sizes)))
         with Store.of(run_dir).local_copy((*RUN_ARTIFACTS, PLOTS)) as local:

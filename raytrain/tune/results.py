@@ -248,11 +248,7 @@ def write_sweep_files(
     (`shown_as`: where the files end up, when `sweep_dir` is only where they are written)."""
     write_csv(sweep_dir / "trials.csv", rows)
     ranked = ranked_trials(rows, options)
-    best = (
-        min(ranked, key=lambda r: (1 if options.mode == "min" else -1) * r[f"final_{options.metric}"])
-        if ranked
-        else None
-    )
+    best = min(ranked, key=lambda r: (1 if options.mode == "min" else -1) * r[f"final_{options.metric}"], default=None)
     best_path = None
     if best is not None:
         best_path = sweep_dir / "best.yaml"
@@ -295,12 +291,10 @@ def closing_table(rows, per_workers, best, options, wall, sweep_dir, best_path) 
     """The console's last lines: per worker count, the best (rule, warmup) and its time to target."""
     metric = options.metric
     counts = {s: sum(r["status"] == s for r in rows) for s in ("finished", "stopped", "failed")}
-    target = (
-        f"; target {metric} {'≤' if options.mode == 'min' else '≥'} {options.target:g}"
-        if options.target is not None
-        else ""
-    )
-    ranking = "fewest epochs to target, then " if options.target is not None else ""
+    target, ranking = "", ""
+    if options.target is not None:
+        target = f"; target {metric} {'≤' if options.mode == 'min' else '≥'} {options.target:g}"
+        ranking = "fewest epochs to target, then "
     table = []
     for workers in sorted({r["workers"] for r in rows}):
         row = per_workers.get(workers)
@@ -326,15 +320,13 @@ def closing_table(rows, per_workers, best, options, wall, sweep_dir, best_path) 
             ["workers", "lr_scaling", "warmup", "lr", metric, "time to target"], table, left=(1, 5), indent="  "
         ),
         f"{len(rows)} trials{shared} in {wall:.0f} s: {counts['finished']} finished, {counts['stopped']} stopped "
-        "early by ASHA, "
-        f"{counts['failed']} failed. Files in {sweep_dir}: trials.csv, trials.png"
+        f"early by ASHA, {counts['failed']} failed. Files in {sweep_dir}: trials.csv, trials.png"
         + (", best.yaml" if best_path else ""),
     ]
     if best is not None:
         lines.append(
             f"Best: {plural(best['workers'], 'worker')}, {best['lr_scaling']}, warmup {best['warmup_epochs']:g}, lr "
-            f"{sci(best['lr'])} "
-            f"({metric} {best[f'final_{metric}']:.4f}); train it: raytrain train --config {best_path}"
+            f"{sci(best['lr'])} ({metric} {best[f'final_{metric}']:.4f}); train it: raytrain train --config {best_path}"
         )
     else:
         lines.append("No trial finished: no best.yaml. See trials.csv (status, error) and the trials/ run directories.")

@@ -44,11 +44,8 @@ def console_callback(total: int, epochs: int, options: TuneOptions, runs: list[S
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             self.reported.setdefault(trial.trial_id, []).append(dict(result))
-            metrics = "  ".join(
-                f"{k} {result[k]:.4f}"
-                for k in sorted(result)
-                if k.startswith("val_") and isinstance(result[k], (int, float))
-            )
+            shown = (k for k in sorted(result) if k.startswith("val_") and isinstance(result[k], (int, float)))
+            metrics = "  ".join(f"{k} {result[k]:.4f}" for k in shown)
             echo(f"{self._label(trial)} epoch {result.get('epoch')}/{epochs}  {metrics}")
 
         def on_trial_complete(self, iteration, trials, trial, **info):
