@@ -21,7 +21,9 @@ pytestmark = pytest.mark.ray
 ROWS, BATCH = 96, 16  # 6 steps per epoch
 
 
-def config(tmp_path: Path, **values) -> raytrain.TrainConfig:
+@pytest.fixture
+def config(make_config):
+    """make_config with the settings every run here shares; keywords override them."""
     base = dict(
         strategy="fsdp",
         workers=2,
@@ -32,10 +34,9 @@ def config(tmp_path: Path, **values) -> raytrain.TrainConfig:
         checkpoint_every_steps=2,
         log_every_steps=1,
         num_checkpoints_to_keep=20,
-        storage=str(tmp_path),
         name="fsdp",
     )
-    return raytrain.TrainConfig(**{**base, **values})
+    return lambda **values: make_config(**{**base, **values})
 
 
 def ids_by_epoch(records: list[dict], epoch: int, steps: range | None = None) -> list[int]:
@@ -48,11 +49,11 @@ def records_of(out: Path) -> list[dict]:
     return [row for path in sorted(out.glob("ids-rank*.jsonl")) for row in read_jsonl(path)]
 
 
-def test_fsdp_recovers_a_killed_rank_then_resumes_at_three_workers_exactly(ray_session, tmp_path):
+def test_fsdp_recovers_a_killed_rank_then_resumes_at_three_workers_exactly(ray_session, tmp_path, config):
     first_out, second_out = tmp_path / "first", tmp_path / "second"
     first_out.mkdir()
     second_out.mkdir()
-    cfg = config(tmp_path, epochs=2, max_failures=1)
+    cfg = config(epochs=2, max_failures=1)
     result = raytrain.fit(RecordingPipeline(str(first_out), num_rows=ROWS, crash_at_step=5), cfg)
     summary, run_dir = result.summary, Path(result.run_dir)
     assert summary["status"] == "finished" and summary["failures_recovered"] == 1
@@ -87,14 +88,14 @@ def test_fsdp_recovers_a_killed_rank_then_resumes_at_three_workers_exactly(ray_s
     assert all(torch.equal(weights[k], final[k]) for k in final)  # the last checkpoint is the end of training
 
 
-def test_a_two_worker_sharded_checkpoint_resumes_at_three_workers_mid_epoch_exactly(ray_session, tmp_path):
+def test_a_two_worker_sharded_checkpoint_resumes_at_three_workers_mid_epoch_exactly(ray_session, tmp_path, config):
     first_out, second_out = tmp_path / "first", tmp_path / "second"
     first_out.mkdir()
     second_out.mkdir()
     # The pipeline's own error at step 11 (epoch 2) ends the run (exit 2, never retried) with the
     # step-10 checkpoint: the one being written is let complete.
     with pytest.raises(PipelineCodeError, match="a bug in compute_loss at step 11"):
-        raytrain.fit(RecordingPipeline(str(first_out), num_rows=ROWS, fail_at_step=11), config(tmp_path, epochs=2))
+        raytrain.fit(RecordingPipeline(str(first_out), num_rows=ROWS, fail_at_step=11), config(epochs=2))
     run_dir = tmp_path / "fsdp"
     assert stored_step(checkpoint_dirs(run_dir)[-1]) == 10
     before = {row["step"]: row["loss"] for row in read_jsonl(run_dir / "metrics.jsonl") if not row.get("epoch_end")}
@@ -102,9 +103,7 @@ def test_a_two_worker_sharded_checkpoint_resumes_at_three_workers_mid_epoch_exac
     # Fixed, it resumes at 3 workers: the shards of 2 are resharded over 3, the rows of epoch 2
     # not yet trained are trained once, and step 11's loss is what 2 workers computed (the
     # same rows and weights; only the reduction order differs).
-    resumed = raytrain.fit(
-        RecordingPipeline(str(second_out), num_rows=ROWS), config(tmp_path, epochs=2, workers=3, resume=True)
-    )
+    resumed = raytrain.fit(RecordingPipeline(str(second_out), num_rows=ROWS), config(epochs=2, workers=3, resume=True))
     assert resumed.summary["status"] == "finished"
     first, again = records_of(first_out), records_of(second_out)
     assert {row["world_size"] for row in again} == {3} and min(row["step"] for row in again) == 10
@@ -116,17 +115,15 @@ def test_a_two_worker_sharded_checkpoint_resumes_at_three_workers_mid_epoch_exac
     assert resize and resize[-1].startswith("Resized 2 → 3 workers at step 10")
 
 
-def test_a_ddp_checkpoint_resumes_under_fsdp_and_back(ray_session, tmp_path):
+def test_a_ddp_checkpoint_resumes_under_fsdp_and_back(ray_session, tmp_path, config):
     outs = [tmp_path / name for name in ("ddp", "fsdp", "ddp-again")]
     for out in outs:
         out.mkdir()
-    raytrain.fit(RecordingPipeline(str(outs[0]), num_rows=ROWS), config(tmp_path, strategy="ddp", epochs=1))
+    raytrain.fit(RecordingPipeline(str(outs[0]), num_rows=ROWS), config(strategy="ddp", epochs=1))
     run_dir = tmp_path / "fsdp"
     assert (checkpoint_dirs(run_dir)[-1] / "model.pt").exists()  # unsharded: the plain model too
-    raytrain.fit(RecordingPipeline(str(outs[1]), num_rows=ROWS), config(tmp_path, epochs=2, resume=True))
-    raytrain.fit(
-        RecordingPipeline(str(outs[2]), num_rows=ROWS), config(tmp_path, strategy="ddp", epochs=3, resume=True)
-    )
+    raytrain.fit(RecordingPipeline(str(outs[1]), num_rows=ROWS), config(epochs=2, resume=True))
+    raytrain.fit(RecordingPipeline(str(outs[2]), num_rows=ROWS), config(strategy="ddp", epochs=3, resume=True))
     for epoch, out in enumerate(outs):
         assert ids_by_epoch(records_of(out), epoch) == list(range(ROWS))
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -135,9 +132,9 @@ def test_a_ddp_checkpoint_resumes_under_fsdp_and_back(ray_session, tmp_path):
     assert ["fsdp over the root" in line for line in lines] == [False, True, False]
 
 
-def test_tied_weights_split_over_two_units_are_shard_modules_error_before_any_step(ray_session, tmp_path):
+def test_tied_weights_split_over_two_units_are_shard_modules_error_before_any_step(ray_session, tmp_path, config):
     with pytest.raises(PipelineCodeError) as failure:
-        raytrain.fit(TiedPipeline(str(tmp_path), num_rows=ROWS), config(tmp_path, epochs=1))
+        raytrain.fit(TiedPipeline(str(tmp_path), num_rows=ROWS), config(epochs=1))
     message = str(failure.value)
     assert message.startswith("pipeline TiedPipeline: shard_modules puts one parameter in two FSDP units")
     assert "0.weight (block 0) and 2.weight (block 2) are one tied parameter" in message

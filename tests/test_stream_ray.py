@@ -40,19 +40,20 @@ def steps_by_epoch(rows: list[dict]) -> dict[int, dict[int, list[int]]]:
     return {epoch: {step: sorted(ids) for step, ids in steps.items()} for epoch, steps in out.items()}
 
 
-def run(pipeline, tmp_path, name, **overrides):
+@pytest.fixture
+def run(make_config):
+    """`run(pipeline, name, **overrides)`: the run of `pipeline` with the settings every run here
+    shares; keywords override them."""
     cfg = dict(
         epochs=EPOCHS,
         global_batch_size=GLOBAL_BATCH,
         shuffle_window_rows=WINDOW,
         seed=SEED,
         log_every_steps=5,
-        storage=str(tmp_path),
-        name=name,
         max_failures=0,
         schedule="constant",
     )
-    return raytrain.fit(pipeline, raytrain.TrainConfig(**{**cfg, **overrides}))
+    return lambda pipeline, name, **overrides: raytrain.fit(pipeline, make_config(**{**cfg, "name": name, **overrides}))
 
 
 def test_units_of_multi_file_parquet_and_multi_block_items(ray_session, parquet_dir, tmp_path):
@@ -88,12 +89,12 @@ def test_a_dataset_that_cannot_be_cut_is_materialized_in_the_order_of_its_rows(r
 # world of one rank, without the start of a Ray Train worker group.
 @pytest.mark.parametrize("workers, source", [(0, "parquet"), (2, "items"), (3, "parquet")])
 def test_every_row_once_per_epoch_the_same_steps_at_any_worker_count_read_once(
-    ray_session, parquet_dir, tmp_path, workers, source
+    ray_session, parquet_dir, tmp_path, workers, source, run
 ):
     out = tmp_path / "records"
     out.mkdir()
     pipeline = ShardedRecordingPipeline(str(out), path=str(parquet_dir) if source == "parquet" else None, num_blocks=6)
-    result = run(pipeline, tmp_path, "sharded", workers=workers)
+    result = run(pipeline, "sharded", workers=workers)
     assert result.summary["status"] == "finished" and result.summary["samples_seen"] == EPOCHS * ROWS
 
     rows = records(out)
@@ -119,7 +120,7 @@ def test_every_row_once_per_epoch_the_same_steps_at_any_worker_count_read_once(
     assert passes <= 1.1, passes
 
 
-def test_rank_killed_mid_epoch_then_resumed_at_another_worker_count(ray_session, tmp_path):
+def test_rank_killed_mid_epoch_then_resumed_at_another_worker_count(ray_session, tmp_path, run):
     # 7 files of 4 row groups (36 rows) each: 28 units in 4 partitions of 7 units.
     data = write_id_parquet(tmp_path / "train", ROWS, num_files=7, row_group_rows=36)
     out = tmp_path / "records"
@@ -129,11 +130,9 @@ def test_rank_killed_mid_epoch_then_resumed_at_another_worker_count(ray_session,
     # step-12 checkpoint in storage, then continues on 3 workers instead of 2.
     # Synchronous checkpoints: the step-12 one is whole before step 13 begins.
     with pytest.raises(raytrain.RunFailed):
-        run(
-            pipeline, tmp_path, "killed", workers=2, checkpoint_every_steps=4, data_partitions=4, checkpoint_async=False
-        )
+        run(pipeline, "killed", workers=2, checkpoint_every_steps=4, data_partitions=4, checkpoint_async=False)
     before = preprocessed_rows(out)
-    result = run(pipeline, tmp_path, "killed", workers=3, checkpoint_every_steps=4, data_partitions=4, resume=True)
+    result = run(pipeline, "killed", workers=3, checkpoint_every_steps=4, data_partitions=4, resume=True)
     assert result.summary["status"] == "finished" and result.summary["samples_seen"] == EPOCHS * ROWS
 
     rows = records(out)
