@@ -7,8 +7,6 @@ from typing import Any
 
 from raytrain.rules import costmodel, flops, steps
 
-# -- pure: epochs, step split, ratios ------------------------------------------------------
-
 
 def steady_steps_per_epoch(num_rows: int, global_batch_size: int, warmup_steps: int) -> int:
     return max(0, len(steps.epoch_steps(num_rows, global_batch_size)) - warmup_steps)

@@ -27,9 +27,6 @@ METHOD = (
 )
 
 
-# -- outputs ----------------------------------------------------------------------------
-
-
 def write_bench_files(out: Path, report: dict[str, Any]) -> None:
     """OUT/bench.json, bench.md and scaling.png."""
     out.mkdir(parents=True, exist_ok=True)

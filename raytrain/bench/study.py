@@ -20,8 +20,6 @@ from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rundir import PROGRESS, RunDir, Store
 from raytrain.text import plural
 
-# -- the study -------------------------------------------------------------------------
-
 
 def run_bench(
     pipeline: str, train_values: dict[str, Any], opts: BenchOptions, echo: Callable[[str], None] = print

@@ -34,18 +34,11 @@ def check_configs(pipe: Pipeline, cfg: TrainConfig, spec: str) -> tuple[TrainCon
 
     low, high = parse_workers(cfg.workers)
     if low != high or high < 2:
-        raise ConfigError(
-            [
-                (
-                    "workers",
-                    f"got {cfg.workers!r}; raytrain check compares N workers with 1: give N ≥ 2, e.g. --workers 2",
-                )
-            ]
-        )
+        why = f"got {cfg.workers!r}; raytrain check compares N workers with 1: give N ≥ 2, e.g. --workers 2"
+        raise ConfigError([("workers", why)])
     if cfg.fault_tolerance != fields.option(TrainConfig, "fault_tolerance").default:
-        raise ConfigError(
-            [("fault_tolerance", "raytrain check compares the default DDP run; leave --fault-tolerance out")]
-        )
+        why = "raytrain check compares the default DDP run; leave --fault-tolerance out"
+        raise ConfigError([("fault_tolerance", why)])
     if cfg.global_batch_size is None:
         global_batch = batch_plan_for(cfg, high).global_batch_size
         cfg = dataclasses.replace(cfg, global_batch_size=global_batch, batch_size_per_worker=None)
@@ -87,7 +80,7 @@ def plan_lines(
 ) -> list[str]:
     n = run.max_workers
     plan = batch_plan_for(run, n)
-    lines = [
+    return [
         f"raytrain check: {pipe.name}, 1 worker against {n} ({'GPU, nccl' if use_gpu else 'CPU, gloo'}): "
         f"{plural(opts.steps, 'step')} from the same initial weights over the same rows (seed {run.seed})",
         f"{n} workers: {describe_plan(run, pipe, plan, run_schedule(run, plan, rows), 'nccl' if use_gpu else 'gloo')}",
@@ -95,7 +88,6 @@ def plan_lines(
         f"{run.precision}, tolerance {tolerance:.0e} relative per step"
         + (" (TF32 off)" if use_gpu and run.precision == "fp32" else ""),
     ]
-    return lines
 
 
 def fit_check(
@@ -174,6 +166,12 @@ def judge(outcome: Outcome, tolerance: float, workers: int) -> Verdict:
     return verdict
 
 
+ROW_BY_ROW = (
+    "transform_batch runs one row at a time on both sides, each row's draws seeded by its place in the epoch: "
+    "the augmentation does not depend on how the rows are split."
+)
+
+
 def report_lines(outcome: Outcome, verdict: Verdict) -> list[str]:
     """What was neutralized, the side-by-side table (with the replicas' fingerprints), then the verdict."""
     c: Comparison = verdict.comparison
@@ -185,24 +183,15 @@ def report_lines(outcome: Outcome, verdict: Verdict) -> list[str]:
         "worker count)"
     )
     header, rows = table_rows(c, outcome.reordered, verdict.replicas)
-    augmented = (
-        [
-            "transform_batch runs one row at a time on both sides, each row's draws seeded by its place in the epoch: "
-            "the augmentation does not depend on how the rows are split."
-        ]
-        if outcome.augmented_row_by_row
-        else []
-    )
+    augmented = [ROW_BY_ROW] if outcome.augmented_row_by_row else []
     legend = (
         "1 vs 1 reordered: the 1-worker run against itself with each step's rows rotated by half (the same math, "
         "summed in another order): how far this pipeline's training amplifies rounding."
     )
-    fingerprints = (
-        [
+    fingerprints = []
+    if verdict.replicas is not None and verdict.replicas.compared:
+        fingerprints.append(
             f"replica fingerprint: the first 8 hex digits of the fingerprint every one of the {c.workers} workers' "
             "weights and optimizer state had after the step (or the ranks that differ)."
-        ]
-        if verdict.replicas is not None and verdict.replicas.compared
-        else []
-    )
+        )
     return [dropout + ".", *augmented, legend, *fingerprints, *text_table(header, rows), *verdict.lines()]

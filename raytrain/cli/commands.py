@@ -209,9 +209,6 @@ def on_local_head(address: str | None):
     return joined(address, echo=lambda line: print(line, flush=True))
 
 
-# -- raytrain plan -----------------------------------------------------------------------------
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from raytrain.bench.plan import PlanOptions, run_plan
 

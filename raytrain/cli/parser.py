@@ -308,9 +308,6 @@ def add_check_parser(commands) -> None:
     check.set_defaults(handler=handlers.cmd_check)
 
 
-# -- raytrain plan -----------------------------------------------------------------------------
-
-
 def add_plan_parser(commands) -> None:
     """`raytrain plan`: the goodput model on paper (PlanOptions)."""
     from raytrain.bench.plan import PlanOptions

@@ -111,9 +111,6 @@ def run_doctor(
 _LOCAL_FIX = "is the machine overloaded, or /tmp full? Or give --address to check a running cluster"
 
 
-# -- the verdict ---------------------------------------------------------------------------
-
-
 def describe_node(node: dict, facts: dict[str, Any] | None) -> str:
     res = node.get("Resources", {})
     facts = facts or {}

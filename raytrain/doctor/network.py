@@ -69,12 +69,8 @@ def check_reachability(nodes: list[dict]) -> tuple[list[Unreachable], dict[str, 
         return [], {}
     listener = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(_make_listener())
     addresses = {node["NodeID"]: node.get("NodeManagerAddress", node["NodeID"]) for node in nodes}
-    actors = {
-        node_id: listener.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-        ).remote()
-        for node_id in addresses
-    }
+    pinned = {node_id: NodeAffinitySchedulingStrategy(node_id=node_id, soft=False) for node_id in addresses}
+    actors = {node_id: listener.options(scheduling_strategy=strategy).remote() for node_id, strategy in pinned.items()}
     try:
         endpoints, unchecked = _endpoints(actors)
         unreachable, silent = _dial(actors, endpoints, addresses)

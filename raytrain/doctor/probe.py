@@ -11,9 +11,6 @@ from raytrain.doctor.storage import StorageState
 PROBE_TIMEOUT_S = 90.0
 
 
-# -- per-node probe ------------------------------------------------------------------------
-
-
 def _make_probe() -> Callable[..., dict[str, Any]]:
     """A self-contained function for a task on each node (pickled by value, so it runs
     even where raytrain does not import — which it then reports)."""
@@ -79,12 +76,8 @@ def _make_probe() -> Callable[..., dict[str, Any]]:
             facts["torch_error"] = f"{type(exc).__name__}: {exc}"
         if not facts.get("gpu_models") and shutil.which("nvidia-smi"):
             try:
-                out = subprocess.run(
-                    ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                    capture_output=True,
-                    text=True,
-                    timeout=20,
-                ).stdout
+                query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+                out = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout
                 facts["gpu_models"] = [line.strip() for line in out.splitlines() if line.strip()]
             except (OSError, subprocess.SubprocessError):
                 pass

@@ -39,9 +39,6 @@ class StorageState:
     uri: str = ""  # what the nodes open (the URI as given)
 
 
-# -- storage -------------------------------------------------------------------------------
-
-
 def inspect_storage(storage: str | None) -> StorageState:
     """Check the path from this process; when it is a writable directory, leave a marker file
     in it for the nodes to read back (removed by `remove_marker`)."""

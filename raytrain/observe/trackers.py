@@ -45,9 +45,6 @@ MLFLOW_MODEL = "model"
 # A run on an object store: its TensorBoard files are uploaded at most this often (and at the end).
 UPLOAD_INTERVAL_S = 30.0
 
-# -- tailing ---------------------------------------------------------------------------------
-
-
 _WATCHED: list = []  # TensorBoard sinks whose writer threads report to them
 
 
@@ -109,9 +106,6 @@ def step_scalars(row: MetricsRow) -> dict[str, float]:
         if (figure := number(value)) is not None:
             scalars[f"val/{key[4:]}"] = figure
     return scalars
-
-
-# -- TensorBoard -----------------------------------------------------------------------------
 
 
 class TensorBoardSink(Sink):
@@ -214,9 +208,6 @@ class TensorBoardSink(Sink):
             self.writer.close()
             self.writer = None
         self._upload()
-
-
-# -- MLflow ----------------------------------------------------------------------------------
 
 
 class MLflowSink(Sink):
@@ -373,9 +364,6 @@ def _mlflow_key(tag: str) -> str:
     """MLflow keys as in metrics.jsonl: train/loss -> loss, val/accuracy -> val_accuracy."""
     group, name = tag.split("/", 1)
     return {"train": name, "val": f"val_{name}", "epoch": f"epoch_{name}" if name != "epoch" else "epoch"}[group]
-
-
-# -- Weights & Biases ------------------------------------------------------------------------
 
 
 class WandbSink(Sink):

@@ -44,9 +44,6 @@ class TrackingOptions:
         )
 
 
-# -- the tracker of one run ------------------------------------------------------------------
-
-
 class RunTracker:
     """Everything observability does for one `fit`: sinks opened before training, rows
     fed while it runs, trackers closed and the report written when it ends.

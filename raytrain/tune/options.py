@@ -14,9 +14,6 @@ SWEPT = ("workers", "lr_scaling", "warmup_epochs", "lr")
 MODES = ("min", "max")
 
 
-# -- what to sweep ---------------------------------------------------------------------------
-
-
 @dataclass(kw_only=True)
 class SearchSpace:
     """The swept axes; the grid is their product. None: the run configuration's value.
@@ -120,10 +117,8 @@ def _check_space(s: SearchSpace) -> Iterable[tuple[str, str]]:
     if s.warmup_epochs is not None and not s.warmup_epochs:
         yield "warmup_epochs", "is empty; give warmup lengths, e.g. --warmup-epochs 0,1"
     if s.lr is not None and s.lr_range is not None:
-        yield (
-            "lr_range",
-            "cannot be combined with --lr; give a grid (--lr 1e-4,3e-4) or a range (--lr-range 1e-4:1e-2 --samples 4)",
-        )
+        fix = "give a grid (--lr 1e-4,3e-4) or a range (--lr-range 1e-4:1e-2 --samples 4)"
+        yield "lr_range", f"cannot be combined with --lr; {fix}"
     for lr in s.lr or []:
         if not (isinstance(lr, (int, float)) and 0 < lr < math.inf):
             yield "lr", f"got {lr!r}; each learning rate must be a positive number, e.g. --lr 1e-4,3e-4"
@@ -136,10 +131,8 @@ def _check_space(s: SearchSpace) -> Iterable[tuple[str, str]]:
     if isinstance(s.samples, bool) or not isinstance(s.samples, int) or s.samples < 1:
         yield "samples", f"got {s.samples!r}; must be a whole number of at least 1"
     elif s.samples > 1 and s.lr_range is None:
-        yield (
-            "samples",
-            f"got {s.samples} without --lr-range; a grid has nothing to draw: add --lr-range LO:HI or drop --samples",
-        )
+        fix = "add --lr-range LO:HI or drop --samples"
+        yield "samples", f"got {s.samples} without --lr-range; a grid has nothing to draw: {fix}"
 
 
 def parse_list(text: Any, kind: str, option: str) -> list[Any]:
@@ -204,13 +197,8 @@ def parse_search_space(
         if raw is None:
             continue
         if name == "workers" and any(":" in str(item) for item in (raw if isinstance(raw, (list, tuple)) else [raw])):
-            problems.append(
-                (
-                    "workers",
-                    f"got {_show(raw)}; a sweep compares fixed worker counts, not elastic MIN:MAX ranges: give "
-                    "counts, e.g. --workers 1,2,4",
-                )
-            )
+            why = f"got {_show(raw)}; a sweep compares fixed worker counts, not elastic MIN:MAX ranges"
+            problems.append(("workers", f"{why}: give counts, e.g. --workers 1,2,4"))
             continue
         try:
             values[name] = parse_list(raw, kind, name)
