@@ -51,17 +51,15 @@ def check_columns(batch: dict, name: str, where: str, schema: Schema | None = No
         values = np.asarray(values)
         if values.dtype == object and len(values) and isinstance(values[0], (tuple, list)):
             raise DataError(
-                f"dataset {name!r}, column {column!r} ({where}) holds tuples ({_preview(values)}): "
-                "ray.data.from_torch gives "
-                "one 'item' column of (input, target) samples. Return the torch Dataset itself from build_datasets — "
-                "raytrain "
-                "makes each field a column, '0', '1', ... (or the keys of dict samples) — or split it in map_batches"
+                f"dataset {name!r}, column {column!r} ({where}) holds tuples ({_preview(values)}): ray.data.from_torch "
+                "gives one 'item' column of (input, target) samples. Return the torch Dataset itself from "
+                "build_datasets — raytrain makes each field a column, '0', '1', ... (or the keys of dict samples) — or "
+                "split it in map_batches"
             )
         if values.dtype == object or not (np.issubdtype(values.dtype, np.number) or values.dtype == np.bool_):
             raise DataError(
                 f"dataset {name!r}, column {column!r} ({where}): dtype {values.dtype} is not numeric "
-                f"({_preview(values)}); "
-                "convert it in the pipeline (e.g. map_batches) to numbers of one shape per row"
+                f"({_preview(values)}); convert it in the pipeline (e.g. map_batches) to numbers of one shape per row"
             )
         columns[column] = values
     if schema is None:
@@ -75,8 +73,7 @@ def check_columns(batch: dict, name: str, where: str, schema: Schema | None = No
         if tuple(columns[column].shape[1:]) != shape:
             raise DataError(
                 f"dataset {name!r}, column {column!r} ({where}): rows of shape {tuple(columns[column].shape[1:])} "
-                "where the "
-                f"first batch had {shape}; every row must have one shape"
+                f"where the first batch had {shape}; every row must have one shape"
             )
     return columns
 
@@ -98,8 +95,7 @@ def nan_error(name: str, where: str, batch: dict[str, np.ndarray], bad: np.ndarr
     )
     return DataError(
         f"dataset {name!r}: row {index} of {where} holds NaN or inf in column {column!r} ({int(bad.sum())} such "
-        "row(s) there); "
-        "clean the data, or pass --skip-nan-rows to drop such rows (they are counted and reported); "
+        "row(s) there); clean the data, or pass --skip-nan-rows to drop such rows (they are counted and reported); "
         "then --resume continues from the last checkpoint"
     )
 
@@ -165,8 +161,7 @@ def _count_error(units, ids, name, expected, *, got: int = 0, extra: bool = Fals
     if extra:
         what = f"its preprocessing yielded more rows than the {sum(expected):,} its metadata counts"
     else:
-        short = sum(expected) - got
-        ended = units.labels[ids[0]]
+        short, ended = sum(expected) - got, units.labels[ids[0]]
         what = (
             f"its preprocessing yielded {short:,} row(s) fewer than its metadata counts (the stream ended in {ended})"
         )
@@ -201,10 +196,9 @@ def read_error(units, ids: Sequence[int], name: str, exc: BaseException) -> Data
     fault = data_error_in(exc)
     if fault is not None:
         return fault
-    text = first_error_line(exc)
     return explain_read_error(units, ids, name) or DataError(
-        f"dataset {name!r} cannot be read: {text} (while reading {units.labels[ids[0]]} or the units after it); "
-        "check those files, or the pipeline's own steps over them (map_batches)"
+        f"dataset {name!r} cannot be read: {innermost_error(exc)} (while reading {units.labels[ids[0]]} or the units "
+        "after it); check those files, or the pipeline's own steps over them (map_batches)"
     )
 
 
@@ -214,7 +208,7 @@ _DATA_ERROR = f"{DataError.__module__}.{DataError.__name__}: "
 def data_error_in(exc: BaseException) -> DataError | None:
     """The DataError a pipeline's step raised in Ray Data's tasks, inside `exc`: the exception
     itself, or only its text when Ray's wrappers (UserCodeException) kept no more."""
-    fault, text = find_user_error(exc), first_error_line(exc)
+    fault, text = find_user_error(exc), innermost_error(exc)
     if isinstance(fault, DataError):
         return fault
     return DataError(text[len(_DATA_ERROR) :]) if text.startswith(_DATA_ERROR) else None
@@ -228,11 +222,6 @@ def with_file_cause(units, name: str, error: DataError) -> DataError:
 
     cause = odd_columns(units, name)
     return error if cause is None else DataError(f"{cause}. (Seen as: {error})")
-
-
-def first_error_line(exc: BaseException) -> str:
-    """The innermost `Type: message` line of a (possibly Ray-wrapped) exception."""
-    return innermost_error(exc)
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -250,10 +239,9 @@ def concat(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 def to_device(columns: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    non_blocking = device.type == "cuda"
+    cuda = device.type == "cuda"
     return {
-        name: torch.from_numpy(np.ascontiguousarray(col)).to(device, non_blocking=non_blocking)
-        for name, col in columns.items()
+        name: torch.from_numpy(np.ascontiguousarray(col)).to(device, non_blocking=cuda) for name, col in columns.items()
     }
 
 

@@ -132,13 +132,11 @@ def changes(
     stored = dataclasses.replace(stored, config=before_config)
     refused: list[tuple[str, str]] = []
     if stored.pipeline and new_pipeline != stored.pipeline:
-        refused.append(
-            (
-                "pipeline",
-                f"the run {stored.run_dir.name!r} trains {stored.pipeline!r}, not {new_pipeline!r}; resume it with "
-                f"{stored.pipeline!r} (or leave the pipeline out), or start a new run with another --name",
-            )
+        why = (
+            f"the run {stored.run_dir.name!r} trains {stored.pipeline!r}, not {new_pipeline!r}; resume it with "
+            f"{stored.pipeline!r} (or leave the pipeline out), or start a new run with another --name"
         )
+        refused.append(("pipeline", why))
     changed = []
     # A field the run's config.yaml does not name came after the run was written: the run ran
     # as its default says.
@@ -150,25 +148,17 @@ def changes(
         if before == now:
             continue
         if name in STATE_FIELDS and stored.checkpoint is not None:
-            refused.append(
-                (
-                    name,
-                    f"got {now!r}, but the run's checkpoint holds the state of its optimizer with {before!r}; "
-                    f"resume with {before!r}, or start a new run with another --name",
-                )
-            )
+            why = f"got {now!r}, but the run's checkpoint holds the state of its optimizer with {before!r}; "
+            refused.append((name, why + f"resume with {before!r}, or start a new run with another --name"))
             continue
         if name in ORDER_FIELDS and stored.mid_epoch:
             epoch = int(stored.position.get("epoch", 0)) + 1
-            refused.append(
-                (
-                    name,
-                    f"got {now!r}, but the run is {stored.position.get('epoch_offset'):,} samples into epoch {epoch} "
-                    "with "
-                    f"{before!r}; another value changes that epoch's order, so the rest of it would skip and repeat "
-                    "samples. Resume without it, or change it at an epoch boundary",
-                )
+            why = (
+                f"got {now!r}, but the run is {stored.position.get('epoch_offset'):,} samples into epoch {epoch} with "
+                f"{before!r}; another value changes that epoch's order, so the rest of it would skip and repeat "
+                "samples. Resume without it, or change it at an epoch boundary"
             )
+            refused.append((name, why))
             continue
         changed.append((name, before, now))
     return changed, refused

@@ -15,6 +15,7 @@ attempt whose driver is gone are dropped (`discard`): a resume may be writing th
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -59,10 +60,8 @@ class BufferedLogs:
     def close(self) -> None:
         """Flush and stop the background thread (errors are kept, not raised)."""
         self._stop.set()
-        try:
+        with contextlib.suppress(BaseException):  # already kept in self.failed
             self._write()
-        except BaseException:  # already kept in self.failed
-            pass
 
     def discard(self) -> None:
         """Drop every queued line and rewrite nothing more: the run is another driver's now, and a
@@ -98,6 +97,3 @@ class BufferedLogs:
     def _raise_if_failed(self) -> None:
         if self.failed is not None:
             raise self.failed
-
-
-__all__ = ["BufferedLogs", "FLUSH_INTERVAL_S"]

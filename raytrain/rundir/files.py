@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
 
@@ -87,10 +87,10 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return parse_jsonl(path.read_text(errors="replace"))
 
 
-def parse_jsonl(text: str) -> list[dict[str, Any]]:
-    """Every complete JSON object of JSONL `text` (a torn or foreign line is skipped)."""
+def parse_jsonl(text: str | Iterable[bytes]) -> list[dict[str, Any]]:
+    """Every complete JSON object of JSONL `text`, or of its lines (a torn or foreign line is skipped)."""
     rows = []
-    for line in text.splitlines():
+    for line in text.splitlines() if isinstance(text, str) else text:
         with contextlib.suppress(ValueError):
             row = json.loads(line)
             if isinstance(row, dict):

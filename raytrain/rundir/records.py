@@ -253,25 +253,3 @@ class StoredRun:
     @property
     def mid_epoch(self) -> bool:
         return bool(self.position.get("epoch_offset"))
-
-
-__all__ = [
-    "CONFIG",
-    "EPOCH_LOSS",
-    "EVENTS",
-    "HEARTBEATS",
-    "LIVE",
-    "METRICS",
-    "MODEL",
-    "PLOTS",
-    "PROGRESS",
-    "REPORT",
-    "SUMMARY",
-    "StoredRun",
-    "Event",
-    "Goodput",
-    "Kind",
-    "MetricsRow",
-    "Progress",
-    "Summary",
-]

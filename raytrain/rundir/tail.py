@@ -3,12 +3,11 @@ system or an object store."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
+from raytrain.rundir.files import parse_jsonl
 from raytrain.rundir.storage import Store
 
 
@@ -42,11 +41,11 @@ class Tail:
         if size is None:
             return []
         if size < self.offset or not self._last_line_in_place():
-            return self._parse(self._resync())
+            return parse_jsonl(self._resync())
         chunk = self._bytes(self.offset, size - self.offset)
         lines = chunk.split(b"\n")[:-1]  # the part after the last newline is incomplete
         self._consume(lines)
-        return self._parse(lines)
+        return parse_jsonl(lines)
 
     def _size(self) -> int | None:
         return self.store.size(self.name)
@@ -86,19 +85,6 @@ class Tail:
         if lines:
             self.last_line = lines[-1]
 
-    @staticmethod
-    def _parse(lines: Iterable[bytes]) -> list[dict[str, Any]]:
-        rows = []
-        for line in lines:
-            with contextlib.suppress(ValueError):
-                row = json.loads(line)
-                if isinstance(row, dict):
-                    rows.append(row)
-        return rows
-
 
 def _digest(line: bytes) -> bytes:
     return hashlib.blake2b(line, digest_size=8).digest()
-
-
-__all__ = ["Tail"]

@@ -148,20 +148,9 @@ class RunWriter:
         previous, self.live_mark = self.live_mark, (now, samples_seen)
         rate = (samples_seen - previous[1]) / (now - previous[0]) if previous and now > previous[0] else None
         self.last_live = now
-        self._append(
-            LIVE,
-            {
-                "time": now,
-                "epoch": epoch,
-                "step": step,
-                "samples_seen": samples_seen,
-                "epoch_rows": epoch_rows,
-                "global_batch_size": global_batch_size,
-                "world_size": world_size,
-                "loss": loss,
-                "samples_per_s": rate,
-            },
-        )
+        row = dict(time=now, epoch=epoch, step=step, samples_seen=samples_seen, epoch_rows=epoch_rows)
+        row.update(global_batch_size=global_batch_size, world_size=world_size, loss=loss, samples_per_s=rate)
+        self._append(LIVE, row)
 
     def epoch_end(self, row: MetricsRow, epochs: int | None) -> None:
         """The epoch's metrics row and its line for the console: the epoch's mean loss, then the
