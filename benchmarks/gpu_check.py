@@ -504,7 +504,7 @@ def check_watch(report: Report, device: torch.device, scale: str) -> None:
             spin_s = time.perf_counter() - started
             phases = StepPhases(Quiet(), 0, PhaseTimer(None, lambda: None), own)
             started = time.perf_counter()
-            with phases("forward"):
+            with phases.forward:
                 torch.cuda._sleep(SPIN_CYCLES)
             host_s = time.perf_counter() - started
             counted_s = own.take().compute_s

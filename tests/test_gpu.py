@@ -129,7 +129,7 @@ def test_a_ranks_own_compute_time_on_a_gpu_is_the_devices_not_the_hosts_queueing
     a = a @ a / 8192.0  # cuBLAS's start, on the host, before the timed block
     torch.cuda.synchronize()
     queued = time.perf_counter()
-    with phases("forward"):  # a slow device's forward: the host returns long before it is done
+    with phases.forward:  # a slow device's forward: the host returns long before it is done
         for _ in range(20):
             a = a @ a / 8192.0
     queued = time.perf_counter() - queued

@@ -60,9 +60,9 @@ def test_a_step_counts_its_own_phases_and_leaves_the_backward_out():
     heartbeat = type("Beat", (), {"mark": lambda self, step, phase: None})()
     phases = StepPhases(heartbeat, 0, PhaseTimer(None, lambda: None), own)
     for phase, seconds in (("data", 0.02), ("forward", 0.03), ("backward", 0.2), ("optimizer", 0.01)):
-        with phases(phase):
+        with getattr(phases, phase):
             time.sleep(seconds)
-    with pytest.raises(RuntimeError), phases("forward"):  # a phase that raised counts nothing
+    with pytest.raises(RuntimeError), phases.forward:  # a phase that raised counts nothing
         raise RuntimeError
     own.steps += 1
     taken = own.take()
@@ -111,7 +111,7 @@ def test_on_a_gpu_the_compute_phases_count_the_devices_time_read_at_the_sync(mon
         ("backward", 900, 0),
         ("optimizer", 100, 0),
     ):
-        with phases(phase):
+        with getattr(phases, phase):
             device.now_ms += device_ms
             time.sleep(host_s)
     own.steps += 1
@@ -121,11 +121,11 @@ def test_on_a_gpu_the_compute_phases_count_the_devices_time_read_at_the_sync(mon
     assert device.waits == 2 and own.pending == []  # the two compute blocks, at the sync
     # Between syncs the blocks the device has done are read without waiting, so few stay held.
     for _ in range(phases_module.EVENTS_HELD):
-        with phases("forward"):
+        with phases.forward:
             device.now_ms += 1
     assert len(own.pending) == phases_module.EVENTS_HELD  # the device has not caught up: kept
     device.done = True
-    with phases("forward"):
+    with phases.forward:
         device.now_ms += 1
     assert own.pending == [] and own.compute_s == pytest.approx((phases_module.EVENTS_HELD + 1) / 1e3)
     assert device.waits == 2

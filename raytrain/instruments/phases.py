@@ -43,9 +43,11 @@ class Measures:
     compile_said: bool = False
     first_step: int = 0  # the attempt's first step: where it was restored
     own: "OwnTime" = field(init=False)  # this rank's own time since the last sync
+    step_phases: "StepPhases" = field(init=False)  # the attempt's, moved to each step (`phases`)
 
     def __post_init__(self) -> None:
         self.own = OwnTime(on_gpu=self.device.type == "cuda")
+        self.step_phases = StepPhases(self.heartbeat, 0, PhaseTimer(None, self.sync), self.own)
 
     def restore(self, train_state: dict[str, Any], samples_seen: int, step: int) -> None:
         """A checkpoint's telemetry, and the throughput counted from its position (`step`,
@@ -57,21 +59,24 @@ class Measures:
         self.first_step = step
 
     def phases(self, step: int, timed: bool) -> "StepPhases":
-        """The instrumentation of the step at `step`; `timed`: a steady step, whose phase times
+        """The instrumentation of the step at `step`: the attempt's, its blocks made once (a step
+        that syncs nothing allocates nothing for it); `timed`: a steady step, whose phase times
         add to the telemetry's."""
-        timer = PhaseTimer(self.telemetry.phase_time_s if timed else None, self.sync)
-        return StepPhases(self.heartbeat, step, timer, self.own)
+        phases, timer = self.step_phases, self.step_phases.timer
+        phases.step_index, phases.current = step, "data"
+        timer.totals, timer.last = self.telemetry.phase_time_s if timed else None, time.perf_counter()
+        return phases
 
     @property
-    def sync(self) -> Callable[[], None]:
+    def sync(self) -> Callable[[], None] | None:
         """What the phase timer calls at each lap: a GPU sync under --time-phases (GPU kernels run
         asynchronously: without it, phase times land on whatever waits next; it costs overlap),
-        else nothing."""
+        else None."""
         if self.time_phases and self.device.type == "cuda":
             import torch
 
             return lambda: torch.cuda.synchronize(self.device)
-        return _nothing
+        return None
 
     @contextlib.contextmanager
     def counting_flops(self, rows: int, eager: Callable[[], Any]):
@@ -189,10 +194,6 @@ def compile_line(graphs: list[int], seconds: list[float], step: int) -> str:
     )
 
 
-def _nothing() -> None:
-    pass
-
-
 def _peak_rss_bytes(process) -> int:
     import resource
 
@@ -205,16 +206,17 @@ def _mib(n: int) -> str:
 
 class PhaseTimer:
     """Splits a step's time into phases (data wait, forward+backward, optimizer); `totals`
-    None: not timed (a warm-up step)."""
+    None: not timed (a warm-up step). `sync`: called at each lap first (None: nothing)."""
 
-    def __init__(self, totals: dict[str, float] | None, sync: Callable[[], None]):
+    def __init__(self, totals: dict[str, float] | None, sync: Callable[[], None] | None):
         self.totals, self.sync = totals, sync
         self.last = time.perf_counter()
 
     def lap(self, phase: str) -> None:
         if self.totals is None:
             return
-        self.sync()
+        if self.sync is not None:
+            self.sync()
         now = time.perf_counter()
         self.totals[phase] = self.totals.get(phase, 0.0) + now - self.last
         self.last = now
@@ -243,18 +245,9 @@ class OwnTime:
     on_gpu: bool = False
     pending: list[tuple[Any, Any]] = field(default_factory=list)  # (start, end) events not yet read
 
-    def begin(self, mark: str) -> Any:
-        """What `end` needs to time the block of phase `mark` (one of OWN_PHASES)."""
-        if self.on_gpu and OWN_PHASES[mark] == "compute_s":
-            return recorded_event()
-        return time.perf_counter()
-
-    def end(self, mark: str, started: Any) -> None:
-        """The block of phase `mark`, begun at `started`, ended well."""
-        if isinstance(started, float):
-            name = OWN_PHASES[mark]
-            setattr(self, name, getattr(self, name) + time.perf_counter() - started)
-            return
+    def held(self, started: Any) -> None:
+        """A compute block timed on the device, begun at the event `started`, ended well: read at
+        the sync, or sooner once many wait."""
         self.pending.append((started, recorded_event()))
         if len(self.pending) >= EVENTS_HELD:
             self._read(wait=False)
@@ -293,40 +286,50 @@ def recorded_event() -> Any:
 class StepPhases:
     """Where one optimizer step is, told to what watches it: the heartbeat (a stalled
     collective names the phase each rank was in), the phase timer (raytrain bench's split of
-    the step time) and the rank's own time (`OwnTime`). `with phases("backward"):` marks the
-    heartbeat as the phase begins; `timed="optimizer"` laps the timer as the block ends, so the
-    timed blocks tile the step. A block that raises laps nothing."""
+    the step time) and the rank's own time (`OwnTime`). Its blocks are the step's phases:
+    `with phases.backward:` marks the heartbeat as the phase begins, and a timed block laps the
+    timer as it ends (data: data_wait; backward: forward_backward, since the data's lap;
+    optimizer), so the timed blocks tile the step. A block that raises laps nothing."""
 
     def __init__(self, heartbeat: Heartbeat, step_index: int, timer: PhaseTimer, own: OwnTime | None = None):
         self.heartbeat, self.step_index, self.timer = heartbeat, step_index, timer
         self.own = own if own is not None else OwnTime()
         self.current = "data"  # the last phase marked: where a failure happened
-
-    def __call__(self, mark: str | None = None, *, timed: str | None = None) -> "_Block":
-        return _Block(self, mark, timed)
+        self.data, self.forward = _Block(self, "data", "data_wait"), _Block(self, "forward", None)
+        self.backward, self.optimizer = (
+            _Block(self, "backward", "forward_backward"),
+            _Block(self, "optimizer", "optimizer"),
+        )
 
 
 class _Block:
-    """One `with phases(...)` block: a plain class, not a generator context manager, as
-    several run every step."""
+    """One phase of a step (`StepPhases.data`, ...): a plain class, not a generator context
+    manager, made once, as several run every step."""
 
-    __slots__ = ("phases", "mark", "timed", "started")
+    __slots__ = ("phases", "mark", "timed", "own", "on_device", "started")
 
-    def __init__(self, phases: StepPhases, mark: str | None, timed: str | None):
+    def __init__(self, phases: StepPhases, mark: str, timed: str | None):
         self.phases, self.mark, self.timed = phases, mark, timed
+        self.own = OWN_PHASES.get(mark)  # the rank's own time it adds to (None: the backward's)
+        self.on_device = phases.own.on_gpu and self.own == "compute_s"  # timed by CUDA events (`OwnTime`)
         self.started: Any = 0.0
 
     def __enter__(self) -> None:
-        if self.mark is not None:
-            self.phases.current = self.mark
-            self.phases.heartbeat.mark(self.phases.step_index, self.mark)
-            if self.mark in OWN_PHASES:
-                self.started = self.phases.own.begin(self.mark)
+        phases = self.phases
+        phases.current = self.mark
+        phases.heartbeat.mark(phases.step_index, self.mark)
+        if self.own is not None:
+            self.started = recorded_event() if self.on_device else time.perf_counter()
 
     def __exit__(self, kind, value, traceback) -> None:
-        if kind is None and self.mark in OWN_PHASES:
-            self.phases.own.end(self.mark, self.started)
-        if kind is None and self.timed is not None:
+        if kind is not None:
+            return
+        if self.on_device:
+            self.phases.own.held(self.started)
+        elif self.own is not None:
+            own = self.phases.own
+            setattr(own, self.own, getattr(own, self.own) + time.perf_counter() - self.started)
+        if self.timed is not None:
             self.phases.timer.lap(self.timed)
 
 

@@ -63,14 +63,13 @@ class LossWindow:
 
     def add(self, loss: torch.Tensor, count: int, step_index: int) -> None:
         """A micro-batch's loss over `count` samples (a non-finite one is noted, not summed)."""
-        self.pending.append((loss.detach(), count, step_index))
         self.loss_count += count
-        if len(self.pending) >= FOLD_EVERY:
-            self._fold()
+        self.note_if_bad(loss, step_index, count)
 
-    def note_if_bad(self, value: torch.Tensor, step_index: int) -> None:
-        """Note the step if `value` (a loss, a gradient norm) is NaN/inf."""
-        self.pending.append((value.detach(), 0, step_index))
+    def note_if_bad(self, value: torch.Tensor, step_index: int, count: int = 0) -> None:
+        """Note the step if `value` (a loss, a gradient norm; one element) is NaN/inf."""
+        value = value.detach()
+        self.pending.append((value.reshape(()) if value.dim() else value, count, step_index))
         if len(self.pending) >= FOLD_EVERY:
             self._fold()
 
@@ -79,7 +78,7 @@ class LossWindow:
         steps reach the device by an asynchronous copy). New tensors, so a snapshot stays valid."""
         if not self.pending:
             return
-        values = torch.stack([v.reshape(()).float() for v, _, _ in self.pending])
+        values = torch.stack([v for v, _, _ in self.pending]).float()  # stack promotes mixed dtypes
         counts = torch.tensor([c for _, c, _ in self.pending], dtype=torch.float32)
         at = torch.tensor([s for _, _, s in self.pending], dtype=torch.float64)
         counts, at = counts.to(self.device, non_blocking=True), at.to(self.device, non_blocking=True)

@@ -47,7 +47,7 @@ class Rate:
 
     def set_on(self, optimizer: torch.optim.Optimizer, samples_seen: int) -> float:
         """Every group's rate at `samples_seen`; returns the run's."""
-        lr = self.at(samples_seen)
+        lr = self.schedule.lr(samples_seen, self.factor)
         set_rates(optimizer, lr, self.multipliers)
         return lr
 

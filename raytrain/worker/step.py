@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -134,43 +135,55 @@ class StepRunner:
 
     def gradients(self, data: TableEpoch | StreamEpoch, step: steps.Step, phase: StepPhases) -> None:
         """Forward and backward over this rank's rows of `step` (gradients averaged over ranks)."""
-        with self.device_failures(phase):
-            self._micro_batches(data, step, phase)
-
-    def _micro_batches(self, data: TableEpoch | StreamEpoch, step: steps.Step, phase: StepPhases) -> None:
-        step_index, measures = phase.step_index, self.measures
-        for index, piece in enumerate(steps.micro_batches(data.rows(step), self.batch_plan.accumulation_steps)):
-            # A rank with no rows in a (micro-)step still runs forward and backward (the data
-            # gives one row for an empty piece; weight 0 below) so that it joins the
-            # gradient all-reduce.
-            with phase("data", timed="data_wait"):
-                batch, count = data.batch(piece, self.runtime.device)
-                batch = self.augment(batch, index, step_index)
-            with phase(timed="forward_backward"):  # includes DDP's all-reduce, overlapped with backward
+        step_index, measures, parts = phase.step_index, self.measures, self.batch_plan.accumulation_steps
+        cfg, rank, transforms = self.cfg, self.runtime.world_rank, overrides(self.pipeline, "transform_batch")
+        try:
+            for index, piece in enumerate(steps.micro_batches(data.rows(step), parts)):
+                # A rank with no rows in a (micro-)step still runs forward and backward (the data
+                # gives one row for an empty piece; weight 0 below) so that it joins the
+                # gradient all-reduce.
+                with phase.data:
+                    batch, count = data.batch(piece, self.runtime.device)
+                    if transforms:  # seeded from (seed, epoch, step, rank, micro-batch): the same after a resume
+                        batch = self.transform(batch, [cfg.seed, _CONTEXT.epoch, step_index, rank, index])
                 # DDP averages gradients over ranks; this weight turns that into the mean
                 # over the samples actually present in the step (tail steps are smaller).
                 weight = steps.gradient_weight(count, self.runtime.world_size, step.size)
-                # The gradient reduction over ranks skipped on all micro-batches of a step but the last.
-                last = index == self.batch_plan.accumulation_steps - 1
-                with contextlib.nullcontext() if last else strategy.no_gradient_sync(self.model):
-                    with measures.counting_flops(count, lambda: strategy.eager(self.model)):
-                        with phase("forward"):
-                            loss, _ = self.compute_loss(batch)
-                        with phase("backward"):
-                            # A full step's weight is 1: no extra multiply in the graph.
-                            self.scaler.scale(loss if weight == 1.0 else loss * weight).backward()
+                if index == parts - 1 and not measures.count_flops:  # the common case: no block to enter
+                    loss = self.forward_backward(batch, weight, phase)
+                else:  # no gradient reduction over ranks but in a step's last; rank 0's FLOPs counted once
+                    with contextlib.nullcontext() if index == parts - 1 else strategy.no_gradient_sync(self.model):
+                        with measures.counting_flops(count, lambda: strategy.eager(self.model)):
+                            loss = self.forward_backward(batch, weight, phase)
                 self.window.add(loss, count, step_index)
+        except Exception as exc:
+            self.raise_device_failure(exc, phase)
+            raise
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], weight: float, phase: StepPhases) -> torch.Tensor:
+        """A micro-batch's loss, and its gradients times `weight` (the backward includes DDP's
+        all-reduce, overlapped with it)."""
+        with phase.forward:
+            loss, _ = self.compute_loss(batch)
+        with phase.backward:  # a full step's weight is 1: no extra multiply in the graph
+            self.scaler.scale(loss if weight == 1.0 else loss * weight).backward()
+        return loss
 
     def apply_gradients(self, position: Position, phase: StepPhases) -> float:
         """The optimizer's step at the rate of `position`; returns that rate."""
         lr = self.rate.set_on(self.optimizer, position.samples_seen)
-        with self.device_failures(phase), phase("optimizer", timed="optimizer"):
-            self.clip_gradients(position.step)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            if self.measures.memory is None:  # once: the gradients and the optimizer's state all exist now
-                self.measures.note_state(lambda: strategy.state_bytes(self.model, self.optimizer))
-            self.optimizer.zero_grad(set_to_none=True)
+        try:
+            with phase.optimizer:
+                if self.cfg.grad_clip_norm is not None:
+                    self.clip_gradients(position.step)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                if self.measures.memory is None:  # once: the gradients and the optimizer's state all exist now
+                    self.measures.note_state(lambda: strategy.state_bytes(self.model, self.optimizer))
+                self.optimizer.zero_grad(set_to_none=True)
+        except Exception as exc:
+            self.raise_device_failure(exc, phase)
+            raise
         return lr
 
     def discard_step(self, window_before: Any) -> None:
@@ -179,66 +192,59 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         self.window.restore(window_before)
 
-    @contextlib.contextmanager
-    def device_failures(self, phase: StepPhases | str):
-        """The device's out-of-memory and device-side assert errors in this block as the user's
-        (`raytrain.parallel.device`: never retried), named with this rank and the phase."""
-        try:
-            yield
-        except Exception as exc:
-            where = phase if isinstance(phase, str) else PHASE_WORDS.get(phase.current, phase.current)
-            failure = device.device_failure(exc, self.runtime.world_rank, where, self.runtime.device)
-            if failure is None:
-                raise
+    def raise_device_failure(self, exc: Exception, phase: StepPhases | str) -> None:
+        """`exc`, when it is the device's out-of-memory or device-side assert error, raised as the
+        user's (`raytrain.parallel.device`: never retried), named with this rank and the phase (a
+        try block, not a context manager: the step enters none)."""
+        where = phase if isinstance(phase, str) else PHASE_WORDS.get(phase.current, phase.current)
+        failure = device.device_failure(exc, self.runtime.world_rank, where, self.runtime.device)
+        if failure is not None:
             raise failure from exc
 
     def clip_gradients(self, step_index: int) -> None:
-        if self.cfg.grad_clip_norm is None:
-            return
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16's scaled ones
         norm = strategy.full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm))
         if not self.scaler.is_enabled():  # under fp16 an inf norm is an overflow the scaler skips, not divergence
             self.window.note_if_bad(norm, step_index)
 
-    def autocast(self):
-        """The forward's precision: the strategy's policy (`holding.Holding.autocast`)."""
+    @functools.cached_property
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's precision: the strategy's policy (`holding.Holding.autocast`), one context
+        entered at every forward (autocast's and nullcontext's may be entered again once left)."""
         return self.prepared.strategy.autocast(self.runtime.device.type)
 
     def evaluate(self, source: Any) -> dict[str, float]:
         """Validation loss and metrics, averaged over all validation samples of all ranks (over the
         same --eval-batches global batches every pass, when given)."""
         runtime, cfg, model = self.runtime, self.cfg, self.model
-        with self.device_failures("evaluation"), torch.no_grad():
-            model.eval()
-            batch_size = max(1, self.batch_plan.per_worker_max if not cfg.micro_batch_size else cfg.micro_batch_size)
-            sums: dict[str, float] = {}
-            count = 0
-            # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
-            # rank learns the metric names and joins the reduction below.
-            rank, world = runtime.evaluation_share()
-            limit = evaluation_rows(cfg)
-            batches = source.eval_batches(rank, world, batch_size, runtime.device, limit=limit, seed=cfg.seed)
-            if self.prepared.strategy.forward_is_collective and world > 1:
-                batches = _in_step(batches, runtime)
-            for n, batch in batches:
-                loss, metrics = self.compute_loss(batch)
-                for name, value in {"loss": loss, **metrics}.items():
-                    sums[name] = sums.get(name, 0.0) + float(value) * n
-                count += n
-            names = sorted(sums)
-            values = [sums[name] for name in names] + [float(count)]
-            totals = runtime.all_reduce_sum(values) if world > 1 else values
-            model.train()
+        try:
+            with torch.no_grad():
+                model.eval()
+                batch_size = max(1, cfg.micro_batch_size or self.batch_plan.per_worker_max)
+                sums: dict[str, float] = {}
+                count = 0
+                # A rank without validation rows evaluates one row with weight 0 (n == 0), so every
+                # rank learns the metric names and joins the reduction below.
+                rank, world = runtime.evaluation_share()
+                limit = evaluation_rows(cfg)
+                batches = source.eval_batches(rank, world, batch_size, runtime.device, limit=limit, seed=cfg.seed)
+                if self.prepared.strategy.forward_is_collective and world > 1:
+                    batches = _in_step(batches, runtime)
+                for n, batch in batches:
+                    loss, metrics = self.compute_loss(batch)
+                    for name, value in {"loss": loss, **metrics}.items():
+                        sums[name] = sums.get(name, 0.0) + float(value) * n
+                    count += n
+                names = sorted(sums)
+                values = [sums[name] for name in names] + [float(count)]
+                totals = runtime.all_reduce_sum(values) if world > 1 else values
+                model.train()
+        except Exception as exc:
+            self.raise_device_failure(exc, "evaluation")
+            raise
         return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals[:-1])}
 
     # -- the pipeline's hooks ------------------------------------------------------------------
-
-    def augment(self, batch: dict[str, torch.Tensor], micro_index: int, step_index: int) -> dict[str, torch.Tensor]:
-        """The pipeline's transform_batch under generators seeded from (seed, epoch, step, rank,
-        micro-batch): new every epoch, the same after a resume; the run's own streams untouched."""
-        if not overrides(self.pipeline, "transform_batch"):
-            return batch
-        return self.transform(batch, [self.cfg.seed, _CONTEXT.epoch, step_index, self.runtime.world_rank, micro_index])
 
     def transform(self, batch: dict[str, torch.Tensor], key: list[int]) -> dict[str, torch.Tensor]:
         """transform_batch under torch's and numpy's generators seeded from `key`."""
@@ -257,7 +263,7 @@ class StepRunner:
         """The pipeline's compute_loss under autocast, its result checked (`raytrain.hooks`); an
         exception from it is the pipeline's (not retried), unless a collective failed in it (a
         peer died or stalled inside DDP's forward: a worker fault, retried)."""
-        with self.autocast():
+        with self.autocast:
             output = hooks.call(
                 self.pipeline, "compute_loss", self.model, Batch(batch), passthrough=strategy.is_collective_failure
             )
