@@ -68,12 +68,9 @@ def scaling_rows(
     for run in runs:
         n = run["workers"]
         speedup = run["steady_samples_per_s"] / base["steady_samples_per_s"]
+        ratio = run["per_worker_batch"] / base["per_worker_batch"]
         split = step_split(
-            run["phase_time_s"],
-            run["steady_time_s"],
-            run["steady_steps"],
-            None if n == 1 else fb_1,
-            run["per_worker_batch"] / base["per_worker_batch"],
+            run["phase_time_s"], run["steady_time_s"], run["steady_steps"], None if n == 1 else fb_1, ratio
         )
         row = {
             "workers": n,

@@ -99,15 +99,8 @@ def predict_speedups(opts: PredictOptions, echo: Callable[[str], None] = print) 
     echo(costmodel.describe(predictions[-1], grad_bytes))
     header = ["GPUs", "nodes", "all-reduce ms", "hidden ms", "step ms", "speedup", "efficiency"]
     rows = [
-        [
-            p.gpus,
-            p.nodes,
-            f"{p.comm_s * 1e3:.2f}",
-            f"{p.hidden_s * 1e3:.2f}",
-            f"{p.step_time_n_s * 1e3:.2f}",
-            f"{p.speedup:.2f}×",
-            f"{p.efficiency:.1%}",
-        ]
+        [p.gpus, p.nodes, *(f"{s * 1e3:.2f}" for s in (p.comm_s, p.hidden_s, p.step_time_n_s))]
+        + [f"{p.speedup:.2f}×", f"{p.efficiency:.1%}"]
         for p in predictions
     ]
     echo("\n".join(text_table(header, rows)))

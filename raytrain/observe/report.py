@@ -213,29 +213,16 @@ def _plot_workers(run: RunRecord, figure) -> bool:
     axes.set_ylim(0, max(row.world_size for row in rows) + 1)
     axes.yaxis.get_major_locator().set_params(integer=True)
     batch = axes.twinx()
-    batch.step(
-        times,
-        [row.global_batch_size or math.nan for row in rows],
-        where="post",
-        color="tab:gray",
-        linestyle="--",
-        label="global batch",
-    )
+    sizes = [row.global_batch_size or math.nan for row in rows]
+    batch.step(times, sizes, where="post", color="tab:gray", linestyle="--", label="global batch")
     batch.set_ylabel("global batch")
     batch.set_ylim(0, max((row.global_batch_size or 0) for row in rows) * 1.2 + 1)
     for event in run.marked_events:
         if is_number(event.time):
             at = (event.time - start) / scale
             axes.axvline(at, color="tab:red", linewidth=1, linestyle="--", alpha=0.6)
-            axes.annotate(
-                event.kind,
-                (at, axes.get_ylim()[1] * 0.95),
-                fontsize="x-small",
-                color="tab:red",
-                rotation=90,
-                va="top",
-                ha="right",
-            )
+            style = {"fontsize": "x-small", "color": "tab:red", "rotation": 90, "va": "top", "ha": "right"}
+            axes.annotate(event.kind, (at, axes.get_ylim()[1] * 0.95), **style)
     handles = axes.get_legend_handles_labels()[0] + batch.get_legend_handles_labels()[0]
     axes.legend(handles, [h.get_label() for h in handles], fontsize="small", loc="lower right")
     axes.grid(alpha=0.3)
@@ -357,17 +344,8 @@ def _epoch_table(run: RunRecord) -> list[str]:
     names = sorted({key for row in run.epoch_rows for key in row.validation})
     head = ["epoch", "step", "epoch_loss", "loss (last window)", *names, "lr", "samples/s", "workers", "global batch"]
     cells = [
-        [
-            row.epoch,
-            row.step,
-            row.get(EPOCH_LOSS),
-            row.loss,
-            *[row.get(n) for n in names],
-            row.lr,
-            row.samples_per_s,
-            row.world_size,
-            row.global_batch_size,
-        ]
+        [row.epoch, row.step, row.get(EPOCH_LOSS), row.loss, *[row.get(n) for n in names], row.lr]
+        + [row.samples_per_s, row.world_size, row.global_batch_size]
         for row in run.epoch_rows
     ]
     return [

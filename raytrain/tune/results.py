@@ -377,15 +377,8 @@ def plot_trials(
             label = f"{tied_rules(row)}, warmup {row['warmup_epochs']:g}" + (
                 f", lr {sci(row['lr'])}" if len(lrs) > 1 else ""
             )
-            ax.plot(
-                xs,
-                ys,
-                styles[row["warmup_epochs"]],
-                color=colors.get(row["lr_scaling"]),
-                marker=markers[row["lr"]],
-                markersize=4,
-                label=label,
-            )
+            style = {"color": colors.get(row["lr_scaling"]), "marker": markers[row["lr"]], "markersize": 4}
+            ax.plot(xs, ys, styles[row["warmup_epochs"]], label=label, **style)
             if row["status"] == "stopped":
                 ax.plot(xs[-1:], ys[-1:], "x", color="black", markersize=8)
         if options.target is not None:
