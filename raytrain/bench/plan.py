@@ -182,17 +182,9 @@ def run_plan(opts: PlanOptions, echo: Callable[[str], None] = print) -> list[Mod
     )
     header = ["workers", "nodes", "failures/day", "mode", "interval", "goodput", "stalls", "recovery", "redone"]
     rows = [
-        [
-            p.workers,
-            -(-p.workers // opts.gpus_per_node),
-            f"{p.failures_per_day:.2f}",
-            p.mode,
-            f"{p.interval_steps:,} steps ({_duration(p.interval_steps * costs['step_s'])})",
-            f"{p.goodput:.1%}",
-            f"{p.stalls:.1%}",
-            f"{p.recovery:.1%}",
-            f"{p.redone:.1%}",
-        ]
+        [p.workers, -(-p.workers // opts.gpus_per_node), f"{p.failures_per_day:.2f}", p.mode]
+        + [f"{p.interval_steps:,} steps ({_duration(p.interval_steps * costs['step_s'])})"]
+        + [f"{share:.1%}" for share in (p.goodput, p.stalls, p.recovery, p.redone)]
         for p in predictions
     ]
     echo("\n".join(text_table(header, rows, left=(3, 4))))

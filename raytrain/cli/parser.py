@@ -62,8 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline",
         metavar="PIPELINE",
         help="also check that the weights load into this pipeline's model with strict=True (imports the pipeline's "
-        "code; "
-        "without it, export reads only the weights)",
+        "code; without it, export reads only the weights)",
     )
     # Over the run's own (config.yaml): where its model or tokenizer directory is now, when moved.
     add_flags(export, TrainConfig, only=("pipeline_args",))

@@ -107,19 +107,9 @@ class RunTracker:
             TensorBoardSink(self.run_dir, params),
         ]
         if self.options.mlflow_uri:
-            self._start(
-                sinks,
-                "MLflow",
-                lambda: MLflowSink(
-                    self.options.mlflow_uri,
-                    self.options.mlflow_experiment,
-                    self.cfg,
-                    params,
-                    self.run_dir,
-                    echo=self.echo,
-                    model=self.final_model if self.pipeline is not None else None,
-                ),
-            )
+            model = self.final_model if self.pipeline is not None else None
+            mlflow = (self.options.mlflow_uri, self.options.mlflow_experiment, self.cfg, params, self.run_dir)
+            self._start(sinks, "MLflow", lambda: MLflowSink(*mlflow, echo=self.echo, model=model))
         if self.options.wandb_project:
             self._start(
                 sinks, "Weights & Biases", lambda: WandbSink(self.options.wandb_project, self.cfg, params, self.run_dir)
