@@ -39,7 +39,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from raytrain.rules.position import Position  # noqa: E402
 from raytrain.rundir import checkpoints as ckpt  # noqa: E402
-from raytrain.rundir.publish import Upload, publish_local  # noqa: E402
+from raytrain.rundir.publish import Publish  # noqa: E402
 from raytrain.rundir.storage import Store  # noqa: E402
 from raytrain.worker.state import TrainingState  # noqa: E402
 
@@ -74,14 +74,7 @@ def checkpoint(state: TrainingState, store: Store, staging_root: Path, name: str
     """The loop's side of a checkpoint; returns the background thread (None when sync)."""
     staging = staging_root / name
     save = state.save(staging, OneProcess(), {}, distributed=False)
-    if store.local:
-
-        def publish() -> None:
-            save.wait()
-            publish_local(staging, store.path / name)
-
-    else:
-        publish = Upload(staging, store / name, save.wait, rank=None, coordinator=True, step=1).run
+    publish = Publish(staging, store / name, save.wait, rank=None, coordinator=True, step=1).run
     if sync:
         publish()
         return None

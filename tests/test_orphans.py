@@ -45,6 +45,7 @@ from raytrain.rundir.files import (
 from raytrain.rundir.host import host_id
 from raytrain.rundir.publish import Publish
 from raytrain.rundir.records import EVENTS, LIVE, Kind
+from raytrain.rundir.storage import LocalStore
 from raytrain.rundir.writer import RunWriter
 from raytrain.worker.state import TrainingState
 
@@ -200,14 +201,14 @@ def test_a_lock_taken_from_a_driver_is_never_written_or_deleted_by_it(tmp_path):
 
 
 def test_beats_that_keep_failing_are_said_once(tmp_path, monkeypatch):
-    real = Store.write_bytes
+    real = LocalStore.write_bytes
 
     def no_beat(store, name, data):
         if name.startswith(f"{LOCK_FILE}.beat-"):
             raise OSError(5, "the store does not answer")
         real(store, name, data)
 
-    monkeypatch.setattr(Store, "write_bytes", no_beat)
+    monkeypatch.setattr(LocalStore, "write_bytes", no_beat)
     lines = []
     lock = RunLock(tmp_path, owner="driver-a", beat_s=0.05, echo=lines.append)
     lock.acquire()

@@ -212,10 +212,10 @@ class Recovery:
             self.runtime.report(metrics, asynchronous=asynchronous)
 
     def publish_wait_s(self, publish: "Publish", store: Store, timeout_s: float | None) -> float | None:
-        """How long the run's end waits for `publish`: Ray's upload step renames the
-        coordinator's, briefly waited for, so that the run's end sees it."""
-        if publish.coordinator and self.runtime.distributed and store.renames:
-            return min(PUBLISH_WAIT_S, timeout_s or PUBLISH_WAIT_S)
+        """How long the run's end waits for `publish`: Ray's upload step publishes the coordinator's,
+        a rename briefly waited for so that the run's end sees it (`Store.publish_wait_s`)."""
+        if publish.coordinator and self.runtime.distributed:
+            return store.publish_wait_s(timeout_s, PUBLISH_WAIT_S)
         return timeout_s
 
 

@@ -48,7 +48,7 @@ from raytrain.rundir.formats import (
     unreadable,
 )
 from raytrain.rundir.records import MODEL
-from raytrain.rundir.storage import Store
+from raytrain.rundir.storage import COMPLETE, Store
 
 Where = Union[str, os.PathLike, Store]  # a checkpoint or run directory: a local path, a URI or a Store
 
@@ -57,7 +57,6 @@ LEGACY_STATE_FILE = "state.pt"
 MODEL_FILE = MODEL  # also the final model in the run directory
 POSITION_FILE = "position.json"
 STAGING = ".staging"
-COMPLETE = ".complete.json"  # an object store's checkpoint is complete once this is there (written last)
 # The files a checkpoint directory becomes complete with: written after every rank's shards.
 FINAL_FILES = (DCP_METADATA, MODEL_FILE, TRAIN_STATE_FILE, POSITION_FILE)
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints reported to it
@@ -74,12 +73,10 @@ def write_train_state(directory: str | os.PathLike, train_state: dict[str, Any])
 
 def _completed_by(store: Store) -> tuple[tuple[str, ...], ...]:
     """The sets of files, any one of which makes a checkpoint directory of `store` complete (the
-    first file is the one named when none is there). Where a directory is renamed into place
-    whole: its train state with its position and DCP's metadata, or an earlier version's single
-    state file. On an object store: its marker, written last."""
-    if store.renames:
-        return (TRAIN_STATE_FILE, POSITION_FILE, DCP_METADATA), (LEGACY_STATE_FILE,)
-    return ((COMPLETE,),)
+    first file is the one named when none is there): where a directory is renamed into place
+    whole, its train state with its position and DCP's metadata, or an earlier version's single
+    state file (`Store.complete_with`: on an object store, its marker, written last)."""
+    return store.complete_with(((TRAIN_STATE_FILE, POSITION_FILE, DCP_METADATA), (LEGACY_STATE_FILE,)))
 
 
 def _whole(store: Store, present: Callable[[str], bool]) -> bool:

@@ -184,10 +184,10 @@ def check_local(store: Any) -> bool:
     return created
 
 
-def check_store(store: Any) -> None:
+def check_store(store: Any) -> bool:
     """Before anything starts: credentials, the bucket, and a write, read and delete round
     trip under this location; one StorageError naming what is wrong and the fix (an
-    unreachable endpoint is not retried here)."""
+    unreachable endpoint is not retried here). False: an object store has no directory to create."""
     quick = dataclasses.replace(store, retry_s=0.0)
     _check_credentials(quick)
     probe = f".raytrain-check-{os.getpid()}-{time.time_ns()}"
@@ -213,6 +213,7 @@ def check_store(store: Any) -> None:
             "requests were not signed (no credentials?); give credentials (AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY, a profile, or a role)",
         )
+    return False
 
 
 def _check_credentials(store: Any) -> None:

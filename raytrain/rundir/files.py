@@ -233,11 +233,7 @@ def lock_text(store: Store) -> str:
     """The lock file's text, LOCK_MAX_BYTES at most (FileNotFoundError: there is none). One
     larger, or a directory, is `LockUnreadable`; any other error a StorageError naming the path."""
     try:
-        if store.local:  # opened here: pyarrow's error for a directory is a bare OSError
-            with open(store.path / LOCK_FILE, "rb") as handle:
-                data = handle.read(LOCK_MAX_BYTES + 1)
-        else:
-            data = store.read_range(LOCK_FILE, 0, LOCK_MAX_BYTES + 1)
+        data = store.read_range(LOCK_FILE, 0, LOCK_MAX_BYTES + 1)
     except (FileNotFoundError, StorageError):
         raise
     except IsADirectoryError:

@@ -13,7 +13,7 @@ and the position: `checkpoints.FINAL_FILES`). Then:
   invisible until every byte of it is stored, and one whose upload failed is never seen (nor
   does it touch the previous one). The staged files are removed once uploaded.
 
-One `Publish` does either, as its store answers (`Store.renames`). Both run in the background
+One `Publish` does either, as its store does (`Store.publish`). Both run in the background
 (Ray Train's upload thread for rank 0, a thread of their own elsewhere): the training loop
 waits only for the state to be copied to host memory.
 """
@@ -21,7 +21,6 @@ waits only for the state to be copied to host memory.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -30,19 +29,12 @@ from typing import Callable
 
 from raytrain.errors import StorageError
 from raytrain.rundir import checkpoints as ckpt
-from raytrain.rundir.files import storage_errors
 from raytrain.rundir.storage import Store
 
 # How long the coordinator waits for the other ranks' shards to appear in the store: their
 # uploads run in parallel with its own, and a rank that failed ends the attempt anyway.
 SHARDS_WAIT_S = 1800.0
 POLL_S = 0.5
-
-
-def publish_local(staging: Path, final: Path) -> None:
-    """Rename a complete staging directory into the run directory."""
-    with storage_errors(final, "publish the checkpoint"):
-        os.rename(staging, final)
 
 
 class Publish:
@@ -64,7 +56,9 @@ class Publish:
         fence: Callable[[], None] | None = None,
     ):
         self.staging, self.target = Path(staging), target
-        self.fence = fence  # raises when the run's driver is gone: the checkpoint is not published
+        # Called just before the checkpoint becomes visible; raises when the run's driver no longer holds
+        # the run (a resume may have chosen, and its workers be loading, another checkpoint): none is published.
+        self.fence = fence or (lambda: None)
         self.wait_written, self.rank, self.coordinator, self.step = wait_written, rank, coordinator, step
         self.done = threading.Event()
         self.error: BaseException | None = None
@@ -73,12 +67,7 @@ class Publish:
         """Publish (in the calling thread), then `then()`; errors are kept for `wait` and raised."""
         try:
             self.wait_written()
-            if self.target.renames:
-                if self.coordinator:
-                    self._fence()
-                    publish_local(self.staging, self.target.path)
-            else:
-                self._upload_all()
+            self.target.publish(self)
             if then is not None:
                 then()
         except BaseException as exc:
@@ -87,22 +76,18 @@ class Publish:
         finally:
             self.done.set()
 
-    def _upload_all(self) -> None:
+    def upload(self) -> None:
+        """Publish on an object store: every rank uploads its own files; the coordinator waits for the
+        others', uploads the final files, and writes the marker last."""
         self._upload(self._own_files())
         if self.coordinator:
             self._wait_for_shards()
             self._upload([name for name in ckpt.FINAL_FILES if (self.staging / name).is_file()])
-            self._fence()
+            self.fence()
             self._write_marker()
             shutil.rmtree(self.staging, ignore_errors=True)
         else:
             _remove_if_empty(self.staging)
-
-    def _fence(self) -> None:
-        """Just before the checkpoint becomes visible: a driver that no longer holds the run (a
-        resume may have chosen, and its workers be loading, another checkpoint) publishes none."""
-        if self.fence is not None:
-            self.fence()
 
     def start(self, then: Callable[[], None] | None = None) -> threading.Thread:
         """Publish in a background thread (its error is raised by `wait`); `then` once published."""
@@ -178,4 +163,4 @@ def _remove_if_empty(directory: Path) -> None:
 
 Upload = Publish  # the name an object store's part had
 
-__all__ = ["SHARDS_WAIT_S", "Publish", "Upload", "publish_local"]
+__all__ = ["SHARDS_WAIT_S", "Publish", "Upload"]

@@ -3,8 +3,9 @@
 `Store` is a location — `/data/runs/digits-1`, `s3://bucket/runs/digits-1`,
 `gs://bucket/runs/digits-1`, or any URI `pyarrow.fs.FileSystem.from_uri` resolves (the
 endpoint and region from the standard AWS variables or the URI's query,
-`?endpoint_override=HOST:PORT&scheme=http`) — with the operations every run file needs,
-done as each kind of storage allows:
+`?endpoint_override=HOST:PORT&scheme=http`) — with the operations every run file needs, done
+as each kind allows. Each kind is a class, `LocalStore` and `ObjectStore`; `Store.of` is the one
+place that picks one, and `Store` declares what each does its own way: callers never ask which.
 
 - a whole-file write is atomic: a local file is written under a temporary name and renamed;
   an object is uploaded from memory and becomes visible, complete, when its upload closes;
@@ -16,11 +17,6 @@ done as each kind of storage allows:
   for up to `retry_s` seconds, and then raise `StorageUnavailable`; permanent ones (no
   credentials, a missing bucket, access denied) raise a `StorageError` at once, naming the
   location and the fix.
-
-What differs between the kinds is answered here, so that callers never ask which kind a Store
-is: how a file becomes visible (`staged_file`, `write_locally`), a local path for tools that
-need one (`local_dir`, `local_copy`), how often to look (`poll_s`) and whether to batch appends
-(`appends_in_place`), and where Ray keeps its own files (`ray_storage`).
 
 Paths inside a store are relative names with `/` (`checkpoint_x/.metadata`). A Store pickles
 as its URI: each process builds its own file system object (credentials come from that
@@ -38,17 +34,17 @@ import shutil
 import tempfile
 import urllib.parse
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ClassVar, ContextManager, Iterator
 
 from raytrain.rundir.faults import (
-    DEFAULT_RETRY_S,
     RETRY_ENV,
     StorageUnavailable,
-    classify,
-    default_retry_s,
+    check_local,
+    check_store,
     local_errors,
     retried,
     storage_error,
+    storage_errors,
     without_credentials,
 )
 from raytrain.rundir.s3 import open_store, put_if_absent
@@ -57,6 +53,8 @@ from raytrain.rundir.s3 import open_store, put_if_absent
 POLL_S = 1.0
 # Where an object store's run keeps this node's own files (`Store.local_dir`); default: the temp directory.
 NODE_DIR_ENV = "RAYTRAIN_NODE_DIR"
+COMPLETE = ".complete.json"  # an object store's checkpoint is complete once this is there (written last)
+Sets = tuple[tuple[str, ...], ...]  # sets of file names, any one of which makes a directory complete
 
 
 def is_uri(location: str | os.PathLike) -> bool:
@@ -81,71 +79,14 @@ class Store:
         if is_uri(text):
             parts = urllib.parse.urlsplit(text)
             path = "/" + parts.path.strip("/") if parts.path.strip("/") else ""
-            text = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
-        else:
-            text = os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
-        return Store(text, retry_s)
+            return ObjectStore(urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, "")), retry_s)
+        return LocalStore(os.path.abspath(os.path.expanduser(text.removeprefix("file://"))), retry_s)
 
     def __reduce__(self):  # the URI travels, not a file system object
-        return (Store, (self.uri, self.retry_s))
-
-    # -- where ----------------------------------------------------------------------------------
-
-    @property
-    def local(self) -> bool:
-        return not is_uri(self.uri)
-
-    @property
-    def path(self) -> Path:
-        """The local directory (local stores only)."""
-        if not self.local:
-            raise ValueError(f"{self} is not a local path")
-        return Path(self.uri)
-
-    def __truediv__(self, name: str) -> "Store":
-        if self.local:
-            return Store(str(Path(self.uri) / name), self.retry_s)
-        parts = urllib.parse.urlsplit(self.uri)
-        path = parts.path.rstrip("/") + "/" + str(name).strip("/")
-        return Store(urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, "")), self.retry_s)
-
-    @property
-    def name(self) -> str:
-        return Path(self.uri).name if self.local else urllib.parse.urlsplit(self.uri).path.rstrip("/").split("/")[-1]
-
-    @property
-    def parent(self) -> "Store":
-        if self.local:
-            return Store(str(Path(self.uri).parent), self.retry_s)
-        parts = urllib.parse.urlsplit(self.uri)
-        path = parts.path.rstrip("/").rsplit("/", 1)[0]
-        return Store(urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, "")), self.retry_s)
-
-    @property
-    def scheme(self) -> str:
-        return "" if self.local else urllib.parse.urlsplit(self.uri).scheme
-
-    def __str__(self) -> str:
-        """For messages: the path, or the URI without credentials or query."""
-        return self.uri if self.local else without_credentials(self.uri).split("?", 1)[0]
-
-    @property
-    def public_uri(self) -> str:
-        """The location to give back to raytrain (`--storage`, `--resume`): the URI with its
-        query, without credentials."""
-        return self.uri if self.local else without_credentials(self.uri)
+        return (type(self), (self.uri, self.retry_s))
 
     def __fspath__(self) -> str:  # a local store stands for its directory wherever a path is taken
         return str(self.path)
-
-    @functools.cached_property
-    def _resolved(self) -> tuple[Any, str]:
-        import pyarrow.fs as pafs
-
-        if self.local:
-            return pafs.LocalFileSystem(), self.uri
-        fs, path = open_store(self.uri, str(self))
-        return fs, path.rstrip("/")
 
     @property
     def fs(self):
@@ -160,44 +101,27 @@ class Store:
     def fs_path(self, name: str = "") -> str:
         return f"{self.root}/{name.strip('/')}" if name else self.root
 
-    # -- reading --------------------------------------------------------------------------------
-
-    def read_bytes(self, name: str = "") -> bytes:
-        """The whole file (FileNotFoundError if there is none)."""
-        if self.local:
-            return (self.path / name).read_bytes()
-        return self._retry("read", name, lambda: _read_all(self.fs, self.fs_path(name)))
-
     def read_text(self, name: str = "") -> str:
         return self.read_bytes(name).decode(errors="replace")
 
-    def read_range(self, name: str, start: int, length: int) -> bytes:
-        """`length` bytes from `start` (a ranged GET on an object store)."""
-
-        def read() -> bytes:
-            with self.fs.open_input_file(self.fs_path(name)) as handle:
-                handle.seek(start)
-                return handle.read(length)
-
-        return read() if self.local else self._retry("read", name, read)
-
     def info(self, name: str = ""):
         """pyarrow's FileInfo (type NotFound when there is nothing)."""
-        if self.local:
-            return self.fs.get_file_info(self.fs_path(name))
-        return self._retry("look at", name, lambda: self.fs.get_file_info(self.fs_path(name)))
+        return self._retry("look at", name, self.fs.get_file_info, self.fs_path(name))
+
+    def exists(self, name: str = "") -> bool:
+        return self.info(name).type.name != "NotFound"
+
+    def is_file(self, name: str) -> bool:
+        return self.info(name).type.name == "File"
+
+    def delete(self, name: str) -> None:
+        """Remove a file; nothing when it is already gone."""
+        with contextlib.suppress(FileNotFoundError):
+            self._retry("delete", name, self.fs.delete_file, self.fs_path(name))
 
     def size(self, name: str) -> int | None:
         info = self.info(name)
         return info.size if info.type.name == "File" else None
-
-    def exists(self, name: str = "") -> bool:
-        if self.local:
-            return (self.path / name).exists()
-        return self.info(name).type.name != "NotFound"
-
-    def is_file(self, name: str) -> bool:
-        return (self.path / name).is_file() if self.local else self.info(name).type.name == "File"
 
     def list(self, name: str = "", recursive: bool = False) -> list[str]:
         """Names under `name` (relative to it; directories too; [] when there is nothing)."""
@@ -205,101 +129,12 @@ class Store:
 
         base = self.fs_path(name)
         selector = pafs.FileSelector(base, recursive=recursive, allow_not_found=True)
-        infos = (
-            self.fs.get_file_info(selector)
-            if self.local
-            else self._retry("list", name, self.fs.get_file_info, selector)
+        return sorted(
+            info.path[len(base) :].lstrip("/") for info in self._retry("list", name, self.fs.get_file_info, selector)
         )
-        return sorted(info.path[len(base) :].lstrip("/") for info in infos)
-
-    # -- writing --------------------------------------------------------------------------------
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        """Replace the file with `data` in one step: readers see the old content or the new."""
-        if self.local:
-            with self.staged_file(name) as tmp, self._local_errors(name, "write"), open(tmp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            return
-
-        def put() -> None:
-            with self.fs.open_output_stream(self.fs_path(name)) as out:
-                out.write(data)
-
-        self._retry("write", name, put)
 
     def write_text(self, name: str, text: str) -> None:
         self.write_bytes(name, text.encode())
-
-    def append_text(self, name: str, text: str) -> None:
-        """Add `text` at the end (an object is rewritten whole: one writer at a time)."""
-        if self.local:
-            with self._local_errors(name, "append to"), open(self.path / name, "a") as handle:
-                handle.write(text)
-            return
-        try:
-            before = self.read_bytes(name)
-        except FileNotFoundError:
-            before = b""
-        self.write_bytes(name, before + text.encode())
-
-    def make_dir(self) -> None:
-        """Create this directory (an object store needs none)."""
-        if self.local:
-            with self._local_errors("", "create the directory"):
-                self.path.mkdir(parents=True, exist_ok=True)
-
-    def delete(self, name: str) -> None:
-        """Remove a file; nothing when it is already gone."""
-        if self.local:
-            with contextlib.suppress(FileNotFoundError):
-                (self.path / name).unlink()
-            return
-        with contextlib.suppress(FileNotFoundError):
-            self._retry("delete", name, self.fs.delete_file, self.fs_path(name))
-
-    def delete_tree(self, name: str = "") -> None:
-        """Remove a directory and everything under it; nothing when it is already gone."""
-        if self.local:
-            shutil.rmtree(self.path / name, ignore_errors=True)
-            return
-        with contextlib.suppress(FileNotFoundError):
-            self._retry("delete", name, self.fs.delete_dir, self.fs_path(name))
-
-    def create_exclusive(self, name: str, data: bytes) -> bool:
-        """Create the file only if there is none (False: there is one). See the module's docstring
-        for what each kind of storage guarantees."""
-        if self.local:
-            try:
-                fd = os.open(self.path / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            except OSError as exc:
-                raise storage_error(exc, getattr(exc, "filename", None) or self.path / name, "create") from None
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-            return True
-        if self.scheme == "s3":
-            return self._retry("create", name, put_if_absent, self.fs, self.fs_path(name), data)
-        if self.exists(name):  # no conditional write through pyarrow here: a check, then a write
-            return False
-        self.write_bytes(name, data)
-        return True
-
-    # -- whole directories ----------------------------------------------------------------------
-
-    def upload(self, local_file: str | os.PathLike, name: str) -> None:
-        """Copy a local file to `name` (an object appears whole when its upload completes)."""
-        if self.local:
-            target = self.path / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(local_file, target)
-            return
-        import pyarrow.fs as pafs
-
-        here, there = pafs.LocalFileSystem(), self.fs_path(name)
-        self._retry("upload", name, pafs.copy_files, str(local_file), there, here, self.fs, use_threads=False)
 
     def download(self, name: str, local_dir: str | os.PathLike) -> Path:
         """Copy the directory `name` into `local_dir` (created); returns `local_dir`."""
@@ -312,44 +147,128 @@ class Store:
         )
         return local_dir
 
-    # -- what each kind needs (so that callers never ask which kind it is) -----------------------
+    def upload_from(self, local_dir: str | os.PathLike, patterns: tuple[str, ...] = ("**/*",)) -> None:
+        """Copy the files of `local_dir` matching `patterns` here by their relative names (none if it is this one)."""
+        local_dir = Path(local_dir).absolute()
+        if local_dir == self.path_or_store():
+            return
+        for path in sorted({path for pattern in patterns for path in local_dir.glob(pattern) if path.is_file()}):
+            self.upload(path, path.relative_to(local_dir).as_posix())
+
+    _local_errors = local_errors  # an OSError of a local file as one StorageError naming it
+
+    # What each kind does its own way. Where: `path` (a local store's directory), `name`, `parent`,
+    # `scheme`, `public_uri` (the location as raytrain takes it back), `/`, and `str()` (for messages).
+    poll_s: ClassVar[float]  # the least time between two looks at a file: none locally, POLL_S on an object store
+    appends_in_place: ClassVar[bool]  # `append_text` adds to the file; or rewrites an object whole: batch appends
+    local_dir: ClassVar[Path]  # this directory on this node: itself, or an object store's node-local stand-in
+
+    def read_bytes(self, name: str = "") -> bytes: ...  # the whole file (FileNotFoundError if there is none)
+    def read_range(self, name: str, start: int, length: int) -> bytes: ...  # `length` bytes from `start`
+    def write_bytes(self, name: str, data: bytes) -> None: ...  # replaced in one step: old content or new
+    def append_text(self, name: str, text: str) -> None: ...  # an object: one writer at a time
+    def make_dir(self) -> None:  # create this directory (an object store needs none)
+        pass
+
+    def delete_tree(self, name: str = "") -> None: ...  # a directory and all under it; nothing when gone
+    def create_exclusive(self, name: str, data: bytes) -> bool: ...  # only if there is none (False: there is)
+    def upload(self, local_file: str | os.PathLike, name: str) -> None: ...  # copy a local file to `name`
+    def release_local_dir(self) -> None:  # remove an object store's `local_dir` (a local one is the run)
+        pass
+
+    def ray_storage(self) -> dict[str, Any]: ...  # Ray's RunConfig storage options that put its files here
+    def staged_file(self, name: str) -> ContextManager[Path]: ...  # a path to write `name` at, whole once done
+    # A local directory: whose files (`patterns`) become this one's once the block ends without error; holding
+    # this one's files `names` (None: all). Itself, or a temporary one (uploaded after; or a copy).
+    def write_locally(self, patterns: tuple[str, ...] = ("**/*",)) -> ContextManager[Path]: ...
+    def local_copy(self, names: tuple[str, ...] | None = None) -> ContextManager[Path]: ...
+    def check(self) -> bool: ...  # that run files can be written here (StorageError if not); True: dir created
+    def path_or_store(self) -> "Path | Store": ...  # as callers that work on files take it: a directory's Path
+    # A checkpoint directory: the sets of files any one of which make it complete (`renamed` where it is renamed
+    # into place whole; on an object store, its marker, uploaded last); made visible (`Publish` staged it); how
+    # long to wait for that; Ray's latest (at `ray_path`) as a directory to resume from besides the listing.
+    def complete_with(self, renamed: Sets) -> Sets: ...
+    def publish(self, publish: Any) -> None: ...
+    def publish_wait_s(self, timeout_s: float | None, rename_s: float) -> float | None: ...
+    def resume_also(self, ray_path: str) -> Path | None: ...
+
+
+class LocalStore(Store):
+    """A directory on this file system (shared by the nodes of a run that has several)."""
+
+    local, scheme, poll_s, appends_in_place = True, "", 0.0, True  # a look costs nothing: no least time
 
     @property
-    def appends_in_place(self) -> bool:
-        """Whether `append_text` adds to the file (local) or rewrites it whole (an object: batch appends)."""
-        return self.local
+    def path(self) -> Path:
+        return Path(self.uri)
 
-    @property
-    def poll_s(self) -> float:
-        """The least time between two looks at a file here: none locally, POLL_S where each look is a request."""
-        return 0.0 if self.local else POLL_S
+    def __truediv__(self, name: str) -> "LocalStore":
+        return LocalStore(str(Path(self.uri) / name), self.retry_s)
 
-    @property
-    def local_dir(self) -> Path:
-        """This directory on this node: itself, or an object store's node-local stand-in (staging, heartbeats,
-        the files of tools that write to a path), removed by `release_local_dir`."""
-        if self.local:
-            return self.path
-        digest = hashlib.blake2b(str(self).encode(), digest_size=6).hexdigest()
-        return Path(os.environ.get(NODE_DIR_ENV) or tempfile.gettempdir()) / f"raytrain-node-{self.name}-{digest}"
+    def __str__(self) -> str:
+        return self.uri
 
-    def release_local_dir(self) -> None:
-        """Remove an object store's `local_dir` (a local directory is the run itself, and stays)."""
-        if not self.local:
-            shutil.rmtree(self.local_dir, ignore_errors=True)
+    name = property(lambda self: Path(self.uri).name)
+    parent = property(lambda self: LocalStore(str(Path(self.uri).parent), self.retry_s))
+    public_uri = property(__str__)
+    local_dir = path  # this directory on this node: itself
+    path_or_store = lambda self: self.path  # noqa: E731
+
+    @functools.cached_property
+    def _resolved(self) -> tuple[Any, str]:  # (file system, root), built in this process on first use
+        import pyarrow.fs as pafs
+
+        return pafs.LocalFileSystem(), self.uri
+
+    def _retry(self, doing: str, name: str, call, *args, **kwargs):  # a local file's errors are not transient
+        return call(*args, **kwargs)
+
+    def read_bytes(self, name: str = "") -> bytes:
+        return (self.path / name).read_bytes()
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        with open(self.path / name, "rb") as handle:  # a directory: IsADirectoryError (pyarrow's is a bare OSError)
+            handle.seek(start)
+            return handle.read(length)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        with self.staged_file(name) as tmp, self._local_errors(name, "write"), open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def append_text(self, name: str, text: str) -> None:
+        with self._local_errors(name, "append to"), open(self.path / name, "a") as handle:
+            handle.write(text)
+
+    def make_dir(self) -> None:
+        with self._local_errors("", "create the directory"):
+            self.path.mkdir(parents=True, exist_ok=True)
+
+    def delete_tree(self, name: str = "") -> None:
+        shutil.rmtree(self.path / name, ignore_errors=True)
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        try:
+            fd = os.open(self.path / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise storage_error(exc, getattr(exc, "filename", None) or self.path / name, "create") from None
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        return True
+
+    def upload(self, local_file: str | os.PathLike, name: str) -> None:
+        target = self.path / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(local_file, target)
 
     def ray_storage(self) -> dict[str, Any]:
-        """Ray's RunConfig storage options that put its files here (on a store, the file system built here)."""
-        return {"storage_path": self.uri} if self.local else {"storage_path": self.root, "storage_filesystem": self.fs}
+        return {"storage_path": self.uri}
 
     @contextlib.contextmanager
     def staged_file(self, name: str) -> Iterator[Path]:
-        """A local path to write `name` at; when the block ends it is visible whole (renamed, or uploaded)."""
-        if not self.local:
-            with tempfile.TemporaryDirectory(prefix="raytrain-stage-") as scratch:
-                yield Path(scratch, Path(name).name)
-                self.upload(Path(scratch, Path(name).name), name)
-            return
         target = self.path / name
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
@@ -361,32 +280,139 @@ class Store:
                 tmp.unlink()
 
     @contextlib.contextmanager
+    def local_copy(self, names: tuple[str, ...] | None = None) -> Iterator[Path]:
+        yield self.path
+
+    write_locally = local_copy  # the directory whose files become this one's: itself
+
+    check = check_local
+
+    def complete_with(self, renamed: Sets) -> Sets:
+        return renamed
+
+    def publish(self, publish: Any) -> None:
+        if publish.coordinator:  # the other ranks wrote theirs into its staging directory
+            publish.fence()
+            with storage_errors(self.path, "publish the checkpoint"):
+                os.rename(publish.staging, self.path)
+
+    def publish_wait_s(self, timeout_s: float | None, rename_s: float) -> float | None:
+        return min(rename_s, timeout_s or rename_s)
+
+    def resume_also(self, ray_path: str) -> Path:
+        return Path(ray_path)
+
+
+class ObjectStore(Store):
+    """A prefix of an object store: each look at a file is a request, transient errors are retried."""
+
+    local, poll_s, appends_in_place = False, POLL_S, False
+
+    @property
+    def path(self) -> Path:
+        raise ValueError(f"{self} is not a local path")
+
+    def _at(self, path: str) -> "ObjectStore":
+        parts = urllib.parse.urlsplit(self.uri)
+        return ObjectStore(urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, "")), self.retry_s)
+
+    def __truediv__(self, name: str) -> "ObjectStore":
+        return self._at(urllib.parse.urlsplit(self.uri).path.rstrip("/") + "/" + str(name).strip("/"))
+
+    name = property(lambda self: urllib.parse.urlsplit(self.uri).path.rstrip("/").split("/")[-1])
+    parent = property(lambda self: self._at(urllib.parse.urlsplit(self.uri).path.rstrip("/").rsplit("/", 1)[0]))
+    scheme = property(lambda self: urllib.parse.urlsplit(self.uri).scheme)
+
+    def __str__(self) -> str:  # for messages: the URI without credentials or query
+        return without_credentials(self.uri).split("?", 1)[0]
+
+    @property
+    def public_uri(self) -> str:  # to give back to raytrain (--storage, --resume): with its query, no credentials
+        return without_credentials(self.uri)
+
+    def path_or_store(self) -> "ObjectStore":
+        return self
+
+    @functools.cached_property
+    def _resolved(self) -> tuple[Any, str]:
+        fs, path = open_store(self.uri, str(self))
+        return fs, path.rstrip("/")
+
+    _retry = retried  # retried with backoff while the store's errors are transient (`faults.retried`)
+
+    def read_bytes(self, name: str = "") -> bytes:
+        def read() -> bytes:
+            with self.fs.open_input_stream(self.fs_path(name)) as handle:
+                return handle.readall()
+
+        return self._retry("read", name, read)
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        def read() -> bytes:  # a ranged GET
+            with self.fs.open_input_file(self.fs_path(name)) as handle:
+                handle.seek(start)
+                return handle.read(length)
+
+        return self._retry("read", name, read)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        def put() -> None:
+            with self.fs.open_output_stream(self.fs_path(name)) as out:
+                out.write(data)
+
+        self._retry("write", name, put)
+
+    def append_text(self, name: str, text: str) -> None:
+        try:
+            before = self.read_bytes(name)
+        except FileNotFoundError:
+            before = b""
+        self.write_bytes(name, before + text.encode())
+
+    def delete_tree(self, name: str = "") -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._retry("delete", name, self.fs.delete_dir, self.fs_path(name))
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        if self.scheme == "s3":
+            return self._retry("create", name, put_if_absent, self.fs, self.fs_path(name), data)
+        if self.exists(name):  # no conditional write through pyarrow here: a check, then a write
+            return False
+        self.write_bytes(name, data)
+        return True
+
+    def upload(self, local_file: str | os.PathLike, name: str) -> None:
+        import pyarrow.fs as pafs
+
+        here, there = pafs.LocalFileSystem(), self.fs_path(name)
+        self._retry("upload", name, pafs.copy_files, str(local_file), there, here, self.fs, use_threads=False)
+
+    @property
+    def local_dir(self) -> Path:
+        # staging, heartbeats, the files of tools that write to a path; removed by `release_local_dir`
+        digest = hashlib.blake2b(str(self).encode(), digest_size=6).hexdigest()
+        return Path(os.environ.get(NODE_DIR_ENV) or tempfile.gettempdir()) / f"raytrain-node-{self.name}-{digest}"
+
+    def release_local_dir(self) -> None:
+        shutil.rmtree(self.local_dir, ignore_errors=True)
+
+    def ray_storage(self) -> dict[str, Any]:
+        return {"storage_path": self.root, "storage_filesystem": self.fs}  # the file system built here
+
+    @contextlib.contextmanager
+    def staged_file(self, name: str) -> Iterator[Path]:
+        with tempfile.TemporaryDirectory(prefix="raytrain-stage-") as scratch:
+            yield Path(scratch, Path(name).name)
+            self.upload(Path(scratch, Path(name).name), name)
+
+    @contextlib.contextmanager
     def write_locally(self, patterns: tuple[str, ...] = ("**/*",)) -> Iterator[Path]:
-        """A local directory whose files (those matching `patterns`) are this one's once the block ends
-        without error: itself, or a temporary one that is uploaded, then removed."""
-        if self.local:
-            yield self.path
-            return
         with tempfile.TemporaryDirectory(prefix=f"raytrain-{self.name}-") as scratch:
             yield Path(scratch)
             self.upload_from(scratch, patterns)
 
-    def upload_from(self, local_dir: str | os.PathLike, patterns: tuple[str, ...] = ("**/*",)) -> None:
-        """Copy the files of `local_dir` matching `patterns` here, by the same relative names (nothing
-        when `local_dir` is this directory)."""
-        local_dir = Path(local_dir).absolute()
-        if self.local and local_dir == self.path:
-            return
-        for path in sorted({path for pattern in patterns for path in local_dir.glob(pattern) if path.is_file()}):
-            self.upload(path, path.relative_to(local_dir).as_posix())
-
     @contextlib.contextmanager
     def local_copy(self, names: tuple[str, ...] | None = None) -> Iterator[Path]:
-        """A local directory holding this one's files `names` (files or directories; None: all) that exist:
-        itself, or a temporary copy, removed after."""
-        if self.local:
-            yield self.path
-            return
         with tempfile.TemporaryDirectory(prefix="raytrain-copy-") as copy:
             for name in names if names is not None else ("",):
                 if name and self.is_file(name):
@@ -395,51 +421,19 @@ class Store:
                     self.download(name, Path(copy, name))
             yield Path(copy)
 
-    # -- before a run -----------------------------------------------------------------------------
+    check = check_store
 
-    def check(self) -> bool:
-        """Before anything starts, that run files can be written here (StorageError naming the fix if not):
-        True when it created the (local) directory (`faults.check_local`, `faults.check_store`)."""
-        from raytrain.rundir.faults import check_local, check_store
+    def complete_with(self, renamed: Sets) -> Sets:
+        return ((COMPLETE,),)
 
-        if self.local:
-            return check_local(self)
-        check_store(self)
-        return False
+    def publish(self, publish: Any) -> None:
+        publish.upload()  # every rank its own files; the coordinator the final ones, and the marker last
 
-    # -- what a run's checkpoints and heartbeats need of each kind of storage ----------------------
+    def publish_wait_s(self, timeout_s: float | None, rename_s: float) -> float | None:
+        return timeout_s
 
-    @property
-    def renames(self) -> bool:  # a whole directory appears renamed into place, not by a marker written last
-        return self.local
-
-    def local_path(self) -> Path | None:
-        return self.path if self.local else None
-
-    def path_or_store(self) -> "Path | Store":
-        """This location as callers that work on files take it: a local directory's Path, else the Store."""
-        return self.local_path() or self
-
-    # -- errors ---------------------------------------------------------------------------------
-
-    _retry = retried  # retried with backoff while the store's errors are transient (`faults.retried`)
-    _local_errors = local_errors  # an OSError of a local file as one StorageError naming it
+    def resume_also(self, ray_path: str) -> None:
+        return None  # Ray registers one here only once complete, and listing the run finds it
 
 
-def _read_all(fs, path: str) -> bytes:
-    with fs.open_input_stream(path) as handle:
-        return handle.readall()
-
-
-__all__ = [
-    "DEFAULT_RETRY_S",
-    "RETRY_ENV",
-    "NODE_DIR_ENV",
-    "POLL_S",
-    "Store",
-    "StorageUnavailable",
-    "classify",
-    "default_retry_s",
-    "is_uri",
-    "without_credentials",
-]
+__all__ = ["COMPLETE", "LocalStore", "ObjectStore", "RETRY_ENV", "Store", "StorageUnavailable", "is_uri"]

@@ -96,7 +96,7 @@ class Checkpointer:
         the checkpoint: the run is listed again, up to RELISTS times."""
         runner, files = training.runner, training.files
         for _ in range(RELISTS):
-            choice = ckpt.resume_choice(self.store, also=self.runtime.latest_checkpoint())
+            choice = ckpt.resume_choice(self.store, also=self.runtime.latest_checkpoint(self.store))
             saved, pruned = self._load_first(choice, runner)
             if not pruned:
                 break

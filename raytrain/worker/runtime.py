@@ -114,15 +114,10 @@ class Runtime:
         # StateDictStager; benchmarks/RESULTS.md §28), and torch 2.11 is what GPU machines have.
         return {"process_group": self._checkpoint_group}
 
-    def latest_checkpoint(self) -> Path | None:
-        """Ray's latest checkpoint when it is on this file system (on an object store Ray
-        registers one only once complete, and listing the run finds it)."""
-        import pyarrow.fs
-
+    def latest_checkpoint(self, store: Store) -> Path | None:
+        """Ray's latest checkpoint where listing the run `store` may not find it (`Store.resume_also`)."""
         latest = ray.train.get_checkpoint()
-        if latest is None or not isinstance(latest.filesystem, pyarrow.fs.LocalFileSystem):
-            return None
-        return Path(latest.path)
+        return None if latest is None else store.resume_also(latest.path)
 
     def report(
         self, metrics: dict[str, Any], name: str = "", staging: Path | None = None, publish=None, asynchronous=True
@@ -139,12 +134,13 @@ class Runtime:
         target = publish.target
         if not self.distributed:  # local mode: Ray keeps the checkpoint in memory only
             publish.run()
-            ray.train.report(metrics, checkpoint=_ray_checkpoint(target, self.distributed))
+            ray.train.report(metrics, checkpoint=Checkpoint(target.root, filesystem=target.fs))
             return
 
         def upload(checkpoint: Checkpoint, dir_name: str) -> Checkpoint:
             publish.run()
-            return _ray_checkpoint(target, self.distributed)
+            storage = ray.train.get_context().get_storage()  # Ray accepts its own file system object only
+            return Checkpoint(target.root, filesystem=storage.storage_filesystem)
 
         ray.train.report(
             metrics,
@@ -154,17 +150,6 @@ class Runtime:
             delete_local_checkpoint_after_upload=False,
             checkpoint_upload_mode=mode,
         )
-
-
-def _ray_checkpoint(target: Store, distributed: bool) -> Checkpoint:
-    """A published checkpoint as Ray Train takes it."""
-    local = target.local_path()
-    if local is not None:
-        return Checkpoint.from_directory(str(local))
-    if not distributed:
-        return Checkpoint(path=target.root, filesystem=target.fs)
-    storage = ray.train.get_context().get_storage()  # Ray accepts its own file system object only
-    return Checkpoint(path=target.root, filesystem=storage.storage_filesystem)
 
 
 def sum_over_default_group(values: list[float], device: torch.device) -> list[float]:
