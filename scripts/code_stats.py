@@ -23,6 +23,9 @@ from Python 3.12, which tokenizes inside f-strings, a name in an f-string's brac
 - the storage-kind branches of `rundir/checkpoints.py`: `if`, `while` and conditional
   expressions whose test holds a call or an attribute named in `STORAGE_KIND_NAMES` (`remote(d)`,
   `.local_dir`, `.renames`...), or a name its function bound from one (`store = remote(d)`);
+  and (issue 55) the branches on a `Store`'s kind, tests holding one of `STORE_KIND_NAMES`
+  (`.local`, `.renames`, `.local_path()`, `LocalFileSystem`...), inside `rundir/storage.py` and
+  outside it, listed as module:line when 10 or fewer;
 - the lines of `raytrain/worker/*.py` with the NAME token `sharded`;
 - the classes of `raytrain/worker/*.py` over `FIELD_LIMIT` (12) fields or `METHOD_LIMIT` (15)
   methods, each class definition on its own (inherited members not counted). Its fields: the
@@ -229,6 +232,8 @@ CHECKPOINTS_MODULE = "rundir.checkpoints"
 STORAGE_KIND_NAMES = frozenset(
     {"remote", "local_path", "local_dir", "renames", "LocalFileSystem", "is_local", "is_remote"}
 )
+# What tells a Store's kind: a test on one is a branch on the kind (`Store.of`, which picks it, asks `is_uri`).
+STORE_KIND_NAMES = frozenset({"local", "renames", "local_path", "LocalFileSystem"})
 FIELD_LIMIT, METHOD_LIMIT = 12, 15
 
 
@@ -257,15 +262,15 @@ def mode_lines(texts: dict[str, str]) -> list[str]:
     return worker_name_lines(texts, FAULT_TOLERANCE_NAMES, skip=PER_STEP_MODULES)
 
 
-def storage_branches(tree: ast.Module | None) -> list[int]:
+def storage_branches(tree: ast.Module | None, names: frozenset[str] = STORAGE_KIND_NAMES) -> list[int]:
     """The lines of the if/while tests and conditional expressions that hold a call or an
-    attribute named in STORAGE_KIND_NAMES, or a name their function bound from one
+    attribute named in `names`, or a name their function bound from one
     (`store = remote(d)` ... `if store is not None`)."""
 
     def named(node: ast.AST) -> bool:
         if isinstance(node, ast.Attribute):
-            return node.attr in STORAGE_KIND_NAMES
-        return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in STORAGE_KIND_NAMES
+            return node.attr in names
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names
 
     if tree is None:
         return []
@@ -285,6 +290,13 @@ def storage_branches(tree: ast.Module | None) -> list[int]:
                 if any(named(inner) for inner in test) or any(isinstance(n, ast.Name) and n.id in bound for n in test):
                     lines.add(node.lineno)
     return sorted(lines)
+
+
+def store_kind_branches(trees: dict[str, ast.Module]) -> tuple[list[str], list[str]]:
+    """module:line of the branches on a Store's kind inside rundir/storage.py, and outside it."""
+    found = [(m, line) for m, t in sorted(trees.items()) for line in storage_branches(t, STORE_KIND_NAMES)]
+    inside = [f"{m}:{line}" for m, line in found if m == STORAGE_MODULE]
+    return inside, [f"{m}:{line}" for m, line in found if m != STORAGE_MODULE]
 
 
 def _targets(target: ast.AST):
@@ -359,9 +371,12 @@ def _shape(shape: tuple[str, int, int] | None) -> str:
 def modes_and_classes(texts: dict[str, str], trees: dict[str, ast.Module]) -> dict:
     """Issue 46's figures of one tree."""
     shapes = class_shapes(trees)
+    inside, outside = store_kind_branches(trees)
     return {
         "mode": mode_lines(texts),
         "storage": storage_branches(trees.get(CHECKPOINTS_MODULE)),
+        "kind_inside": inside,
+        "kind_outside": outside,
         "sharded": worker_name_lines(texts, {"sharded"}),
         "large": [s for s in shapes if s[1] > FIELD_LIMIT or s[2] > METHOD_LIMIT],
         "most_fields": max(shapes, key=lambda s: s[1], default=None),
@@ -386,6 +401,11 @@ def modes_lines(before: dict | None, after: dict) -> list[str]:
         + pair(before and str(len(b["mode"])), f"{len(after['mode'])}{_listed(after['mode'])}"),
         f"Storage-kind branches in {CHECKPOINTS_MODULE}: "
         + pair(before and str(len(b["storage"])), str(len(after["storage"]))),
+        *(
+            f"Branches on a Store's kind {where} {STORAGE_MODULE}: "
+            + pair(before and str(len(b[key])), f"{len(after[key])}{_listed(after[key])}")
+            for where, key in (("inside", "kind_inside"), ("outside", "kind_outside"))
+        ),
         "Lines of raytrain/worker/ with `sharded`: "
         + pair(before and str(len(b["sharded"])), str(len(after["sharded"]))),
         f"Classes of raytrain/worker/ {large}: "

@@ -57,6 +57,28 @@ if other(directory):
     assert code_stats.storage_branches(None) == []
 
 
+def test_a_branch_on_a_stores_kind_is_counted_inside_the_storage_module_and_outside_it():
+    storage = """
+def of(text):
+    return ObjectStore(text) if is_uri(text) else LocalStore(text)  # the pick: is_uri is no kind name
+
+def read(self):
+    return self.path if self.local else self.fs
+"""
+    runtime = """
+def latest(latest):
+    if not isinstance(latest.filesystem, pyarrow.fs.LocalFileSystem):
+        return None
+    local = target.local_path()
+    if local is not None:
+        return local
+    if state.remote or store.local_dir:  # neither tells a Store's kind
+        return None
+"""
+    trees = {"rundir.storage": ast.parse(storage), "worker.runtime": ast.parse(runtime)}
+    assert code_stats.store_kind_branches(trees) == (["rundir.storage:6"], ["worker.runtime:3", "worker.runtime:6"])
+
+
 def test_a_class_counts_its_own_fields_and_methods():
     source = """
 class Shape:
@@ -103,10 +125,12 @@ def test_compare_prints_each_measure_before_and_after_with_the_classes_over_a_li
     before = {"worker.loop": "x = 1\n", "rundir.checkpoints": "y = 2\n"}
     after = {"worker.loop": WORKER + wide, "rundir.checkpoints": "if remote(d):\n    pass\n"}
     lines = code_stats.compare(before, after).splitlines()
-    assert lines[-6:] == [
+    assert lines[-8:] == [
         "Lines of raytrain/worker/ naming the fault-tolerance mode outside faults.per_step, faults.groups: "
         "0 before, 2 (worker.loop:6, worker.loop:7) after",
         "Storage-kind branches in rundir.checkpoints: 0 before, 1 after",
+        "Branches on a Store's kind inside rundir.storage: 0 before, 0 after",
+        "Branches on a Store's kind outside rundir.storage: 0 before, 0 after",
         "Lines of raytrain/worker/ with `sharded`: 0 before, 1 after",
         "Classes of raytrain/worker/ over 12 fields or 15 methods: 0 before, "
         "1 (worker.loop.Wide (13 fields, 1 methods)) after",
