@@ -5,17 +5,14 @@ by itself (rank 0 of 1 on its own device, no DDP: one worker's run, the same mat
 `raytrain train --workers 1`), then once more with each step's rows rotated by half (the
 pipeline's horizon: `raytrain.check.verdict`), while the others wait; then all N take the
 same steps from the same initial weights over the same rows. Every side is built from the
-trainer's own pieces (`StepRunner`, `open_source`, `rules.steps`), dropout layers in
-evaluation mode, `transform_batch` row by row (`RowByRow`), and records for every step the
-global loss (sample-weighted over every rank's rows, all-reduced) and the global gradient
-norm, before the step's update. The N-worker run under ddp also records every rank's
-fingerprint of its weights and optimizer state after each update, shared in one all-reduce
-(`replica_fingerprints`), so the verdict can say that the replicas stayed bit-identical.
+trainer's own pieces (`StepRunner`, `open_source`, `rules.steps`) and records every step's
+global loss and gradient norm before its update; under ddp the N-worker run also records every
+rank's fingerprint after each update (`replica_fingerprints`).
 
-When the runs differ, rank 0 decides what to probe (`raytrain.check.verdict`): a model with
-per-rank BatchNorm is run again for a few steps with --sync-batchnorm on all N workers, to
-see whether the gap closes; the in-process probes (`raytrain.check.probes`) run on rank 0.
-Rank 0's return value (an `Outcome`) reaches the driver as Ray Train's `return_value`.
+When the runs differ, a model with per-rank BatchNorm is run again for a few steps with
+--sync-batchnorm on all N workers, to see whether the gap closes, and the in-process probes
+(`raytrain.check.probes`) run on rank 0. Rank 0's `Outcome` reaches the driver as Ray Train's
+`return_value`.
 """
 
 from __future__ import annotations

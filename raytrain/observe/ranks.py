@@ -5,8 +5,7 @@ waits, but not in its *own* time (data wait, forward, optimizer step: `raytrain.
 Every step row of a multi-worker run carries each rank's own seconds per step over its log
 window (`RANK_STEP_S`, from `Watch.row_figures`); the world size may change, so a row's list is
 as long as its world. Here they are gathered by rank over the run, tabulated and plotted, with
-the run's straggler, eviction and replica-mismatch events. A module of its own, beside `report`
-(which calls it), so that each stays small.
+the run's straggler, eviction and replica-mismatch events.
 """
 
 from __future__ import annotations
