@@ -66,7 +66,7 @@ def build_on_meta(build: Callable[[], "nn.Module"]) -> "nn.Module":
 
 
 def is_meta(model: "nn.Module") -> bool:
-    return any(t.is_meta for t in _tensors(model))
+    return any(t.is_meta for _, t in named_tensors(model))
 
 
 def local_index(tensor: "torch.Tensor") -> tuple[slice, ...]:
@@ -107,10 +107,11 @@ def fill(model: "nn.Module", source: Source, fallback: Source | None = None) -> 
     return read
 
 
-def named_tensors(model: "nn.Module") -> Iterator[tuple[str, "torch.Tensor"]]:
-    """Parameters then buffers, each object under its first name (tied ones once)."""
-    yield from model.named_parameters()
-    yield from model.named_buffers()
+def named_tensors(model: "nn.Module", every_name: bool = False) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """Parameters then buffers, each object under its first name (tied ones once), or with
+    `every_name` under every name it has."""
+    yield from model.named_parameters(remove_duplicate=not every_name)
+    yield from model.named_buffers(remove_duplicate=not every_name)
 
 
 class WeightFiles:
@@ -119,15 +120,15 @@ class WeightFiles:
     def __init__(self, directory: str | os.PathLike):
         root = Path(directory)
         self.files: dict[str, Path] = {}
+        self._open: dict[Path, Any] = {}
         for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (TORCH_BIN, TORCH_BIN_INDEX)):
             if (root / index).is_file():
                 mapping = json.loads((root / index).read_text())["weight_map"]
                 self.files = {name: root / file for name, file in mapping.items()}
                 break
             if (root / single).is_file():
-                self.files = {name: root / single for name in _names_in(root / single)}
+                self.files = {name: root / single for name in self._handle(root / single).keys()}
                 break
-        self._open: dict[Path, Any] = {}
 
     def __bool__(self) -> bool:
         return bool(self.files)
@@ -154,17 +155,6 @@ class WeightFiles:
         return self._open[path]
 
 
-def _names_in(path: Path) -> list[str]:
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            return list(handle.keys())
-    import torch
-
-    return list(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
-
-
 class UnitInit:
     """Fresh weights, one unit at a time, from an unsharded meta `template` of the model: each
     unit (a block named in `blocks`, or the root: every module in no block) is made full-size
@@ -174,7 +164,7 @@ class UnitInit:
 
     def __init__(self, template: "nn.Module", blocks: list[str], init: Callable[["nn.Module"], Any] | None, seed: int):
         self.template, self.blocks, self.init, self.seed = template, sorted(blocks, key=len, reverse=True), init, seed
-        self.names = {name for name, _ in named_tensors_all(template)}
+        self.names = {name for name, _ in named_tensors(template, every_name=True)}
         self.current: tuple[str, dict[str, Any]] | None = None
 
     def has(self, name: str) -> bool:
@@ -219,18 +209,7 @@ class UnitInit:
             module.reset_parameters()
 
 
-def named_tensors_all(model: "nn.Module") -> Iterator[tuple[str, "torch.Tensor"]]:
-    """Every parameter and buffer under every name (tied ones under each)."""
-    yield from model.named_parameters(remove_duplicate=False)
-    yield from model.named_buffers(remove_duplicate=False)
-
-
 def unit_seed(seed: int, unit: str) -> int:
     """The seed of a unit's fresh weights: the run's seed and the unit's name, nothing else."""
     digest = hashlib.sha256(f"{seed}:{unit}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def _tensors(model: "nn.Module") -> Iterator["torch.Tensor"]:
-    yield from model.parameters()
-    yield from model.buffers()

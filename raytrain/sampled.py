@@ -102,6 +102,3 @@ class TokenWindows:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_mapped": None}
-
-
-__all__ = ["Sampled", "TokenWindows"]

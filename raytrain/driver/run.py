@@ -152,17 +152,11 @@ def check_validation_set(cfg: TrainConfig, sources: dict[str, Source]) -> None:
     if "val" in sources:
         return
     asked = [name for name in ("eval_every_steps", "eval_batches") if getattr(cfg, name) is not None]
+    why = (
+        "but the pipeline's build_datasets returns no 'val' dataset to validate on; return one, or leave the option out"
+    )
     if asked:
-        raise ConfigError(
-            [
-                (
-                    name,
-                    f"got {getattr(cfg, name)}, but the pipeline's build_datasets returns no 'val' dataset to "
-                    "validate on; return one, or leave the option out",
-                )
-                for name in asked
-            ]
-        )
+        raise ConfigError([(name, f"got {getattr(cfg, name)}, {why}") for name in asked])
 
 
 def replaced_options(pipe: Pipeline) -> list[str]:

@@ -46,12 +46,11 @@ def write_summary(
     if status is None:
         # A signal that came after the last epoch's model was written stopped nothing.
         done = (
-            error is None
-            and progress is not None
+            progress is not None
             and progress.status == "finished"
             and Budget.of(cfg).done(progress.epoch, progress.step)
         )
-        status = _status(error, fault, interrupted and not done)
+        status = _status(error, fault, interrupted and not (done and error is None))
     has_model = files.has(MODEL)
     at = progress or last
     events = files.events(since=started - 1)
@@ -78,14 +77,8 @@ def write_summary(
         model_path=(files.store / MODEL).public_uri if has_model and status == "finished" else None,
         error=None if error is None else first_line(str(fault if fault is not None else error)) or type(error).__name__,
     )
-    goodput = account(
-        wall_s=wall_time_s,
-        started=started,
-        events=events,
-        rows=rows,
-        progress=progress,
-        earlier=earlier.goodput if earlier else None,
-    )
+    prior = earlier.goodput if earlier else None
+    goodput = account(wall_s=wall_time_s, started=started, events=events, rows=rows, progress=progress, earlier=prior)
     summary.goodput = goodput.to_json() if goodput is not None else None
     if cfg.compile:
         graphs = progress.get("compile_graphs") if progress else None
@@ -96,9 +89,8 @@ def write_summary(
         summary.extra["cost"] = cost
     if progress is not None and progress.get("checkpoints"):
         # the loop's mean wait per checkpoint (its files are written while training goes on)
-        summary.extra["checkpoint_wait_s"] = round(
-            progress.get("checkpoint_wait_s", 0.0) / progress.get("checkpoints"), 4
-        )
+        wait_s = progress.get("checkpoint_wait_s", 0.0) / progress.get("checkpoints")
+        summary.extra["checkpoint_wait_s"] = round(wait_s, 4)
     try:
         files.write_summary(summary)
     except StorageError as exc:  # a full disk must not hide the run's own error
@@ -110,14 +102,8 @@ def _cost(progress: Any, cfg: TrainConfig) -> dict[str, Any] | None:
     """The cost view of the run's steady throughput (`raytrain.rules.flops`), on the last worker count."""
     if progress is None or not progress.world_sizes:
         return None
-    return flops.cost_view(
-        progress.get("flops_per_sample"),
-        progress.steady_samples_per_s,
-        progress.world_sizes[-1],
-        progress.get("device_name") or "",
-        cfg.precision,
-        cfg.peak_tflops,
-    )
+    figures = progress.get("flops_per_sample"), progress.steady_samples_per_s, progress.world_sizes[-1]
+    return flops.cost_view(*figures, progress.get("device_name") or "", cfg.precision, cfg.peak_tflops)
 
 
 def final_figures(rows: list[MetricsRow]) -> tuple[dict[str, Any], list[int] | None]:

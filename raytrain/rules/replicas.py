@@ -164,27 +164,6 @@ def quorum_wait_s(collective_timeout_s: float, join_timeout_s: float, heartbeat_
     return first_step + join_timeout_s + 2 * heartbeat_timeout_s
 
 
-__all__ = [
-    "FIRST_STEP_GRACE_S",
-    "PEER_WAIT_MIN_S",
-    "GROUP_STORE_ENV",
-    "GroupGenerations",
-    "REPLACES_ONE",
-    "STALL_GRACE_MIN_S",
-    "START_ENV",
-    "STARTS_WITH_GROUP",
-    "STEPS_OF_GRACE",
-    "group_of",
-    "new_shape_stall_after_s",
-    "peer_wait_s",
-    "quorum_wait_s",
-    "stall_after_s",
-    "starts_with_group",
-    "step_share",
-    "whole_groups",
-]
-
-
 def partial_start_line(size: int, replicas: int, not_waited: str | None, join_timeout_s: float) -> str:
     """Why replicas that started together do not all take the first step: `size` of `replicas`
     met; `not_waited`: why the others could not wait for them (None: they were not ready within
@@ -194,7 +173,5 @@ def partial_start_line(size: int, replicas: int, not_waited: str | None, join_ti
         if not_waited
         else f"they were not ready within the lighthouse's {join_timeout_s:g} s join wait"
     )
-    return (
-        f"Training starts with {size} of {replicas} replicas: {why}; "
-        "the others join when ready, healed from a live peer"
-    )
+    joins = "the others join when ready, healed from a live peer"
+    return f"Training starts with {size} of {replicas} replicas: {why}; {joins}"

@@ -1,18 +1,7 @@
-"""The one owner of a run directory's files (STORAGE/NAME/).
-
-- `files`: atomic writes, strict JSON, JSONL appends, the run lock, storage errors;
-- `host`: `host_id`, which host a process runs on (hosts may share a hostname);
-- `records`: the typed records (`MetricsRow`, `Event`, `Summary`, `Progress`) and file names;
-- `tail`: following a JSONL file while it grows;
-- `writer`: `RunWriter`, rank 0's writer during training (imported from there: it needs torch);
-- `storage`: `Store`, where the files live (a local directory or an object-store prefix) and
-  the operations on them, retried and with one message per error;
-- `checkpoints`: the checkpoint directories of a run, written and read back safely;
-- `publish`: a checkpoint made visible only when complete (a rename, or an upload with a
-  marker written last);
-- `export`: a run's or a checkpoint's weights as a plain state_dict (`raytrain export`);
-- `RunDir` (here): read and write the records of one run directory. Rank 0's writer in the
-  loop, the driver's summary, the report, the trackers and tune all go through it.
+"""The one owner of a run directory's files (STORAGE/NAME/); its modules: docs/architecture.md,
+the run directory row. `RunDir` (here) reads and writes the records of one run directory: rank 0's
+writer in the loop (`writer`, imported from there: it needs torch), the driver's summary, the
+report, the trackers and tune all go through it.
 
 Every run-file name is spelled in this package and nowhere else. Public: `RunDir` and the
 records it reads (`MetricsRow`, `Event`, `Summary`, `Progress`, `Kind`).
