@@ -6,8 +6,6 @@ runtime stands in for Ray and torch.distributed."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from raytrain.config import TrainConfig
@@ -38,7 +36,7 @@ class FakeRuntime:
 def checkpointer(runtime, lines=None, invocation="run-1", **options):
     cfg = TrainConfig(checkpoint_every="auto", checkpoint_min_steps=2, checkpoint_max_steps=40, **options)
     run_dir = "/tmp/unused-run-dir"
-    owner = Checkpointer(cfg, Recovery(cfg, run_dir, runtime), run_dir, invocation=invocation)
+    owner = Checkpointer(cfg, Recovery(cfg, run_dir, runtime), run_dir, None, Position(), invocation=invocation)
     owner.say = (lambda change: lines.append(change.line)) if lines is not None else None
     return owner
 
@@ -77,11 +75,11 @@ def test_the_interval_state_travels_in_the_checkpoint_and_a_restart_counts_a_fai
             return 0.1
 
     class Runner:  # what `contents` reads of the step machinery
-        rate, cfg = Rate(), TrainConfig()
+        rate = Rate()
         batch_plan = batch_plan_for(TrainConfig(), 1)
 
-    attempt = SimpleNamespace(runner=Runner(), position=Position(step=6), files=None)
-    saved = {**owner.contents(attempt), "position": {"step": 6, "world_sizes": [1]}}
+    owner.position.step = 6
+    saved = {**owner.contents(Runner()), "position": {"step": 6, "world_sizes": [1]}}
     assert saved["auto_interval"] == {"invocation": "run-1", "interval": owner.auto.state()}
     restarted = checkpointer(FakeRuntime(0, world_size=1))
     restarted.auto_restored(saved)

@@ -27,7 +27,7 @@ from raytrain.rules.schedule import run_schedule
 from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.worker import prefetch
 from raytrain.worker.checkpointer import Checkpointer
-from raytrain.worker.loop import Training
+from raytrain.worker.epoch import Training
 from raytrain.worker.optim import Rate
 from raytrain.worker.step import StepRunner
 
@@ -132,7 +132,7 @@ def train(
     )
     position, files = Position(), Files()
     recovery = Recovery(cfg, Path("."), runner.runtime)
-    checkpointer = Checkpointer(cfg, recovery, Path("."))
+    checkpointer = Checkpointer(cfg, recovery, Path("."), files, position)
     training = Training(cfg, recovery, files, runner, checkpointer, table, None, position, announced=True)
     for epoch in range(cfg.epochs):
         position.epoch, position.epoch_offset = epoch, 0

@@ -217,20 +217,18 @@ class FakeRunner:
 
 
 def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tmp_path, monkeypatch):
-    from raytrain.config import TrainConfig
-    from raytrain.faults.restart import Recovery
-    from raytrain.instruments.watch import Watch
+    from raytrain.faults.per_step import PerStep
     from raytrain.rules.position import Position
     from raytrain.rundir import RunDir
     from raytrain.rundir.writer import RunWriter
     from raytrain.worker import epoch
-    from raytrain.worker.epoch import Epochs
+    from raytrain.worker.epoch import Training
 
     monkeypatch.setattr(epoch, "plan_line", lambda runner: runner.describe_plan())
 
     def attempt(files, position, runner):
-        recovery = Recovery.__new__(Recovery)  # no Ray Train context: its line only
-        recovery.faults = Watch(TrainConfig())
+        recovery = PerStep.__new__(PerStep)  # no Ray Train context: its line only
+        recovery.group_size = 1
         training = SimpleNamespace(
             files=files, position=position, runner=runner, train_data=range(1000), recovery=recovery
         )
@@ -240,12 +238,12 @@ def test_every_change_of_the_quorums_size_is_one_event_line_with_the_new_plan(tm
     training = attempt(files, position, runner)
     for step, size in [(0, 3), (5, 3), (6, 2), (7, 2), (30, 3)]:
         position.step = step
-        Epochs.follow_quorum(training, size)
+        Training.follow_quorum(training, size)
         assert training.runner.batch_plan.world_size == size
     # A replacement healed with the survivors' position (sizes 3, 2) joins a quorum of 3: the same line.
     healed, other = Position(step=30, world_sizes=[3, 2]), tmp_path / "other"
     other.mkdir()
-    Epochs.follow_quorum(attempt(RunWriter(other, enabled=True), healed, FakeRunner(3)), 3)
+    Training.follow_quorum(attempt(RunWriter(other, enabled=True), healed, FakeRunner(3)), 3)
     events = RunDir(tmp_path).events()
     assert [(e.extra["previous_world_size"], e.extra["world_size"], e.step) for e in events] == [(3, 2, 6), (2, 3, 30)]
     assert (

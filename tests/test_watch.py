@@ -234,10 +234,10 @@ class _Ranks:
         raised = [None] * self.world
 
         def rank_compares(rank):
-            watch = Watch(TrainConfig(), invocation)
+            watch = Watch(TrainConfig(), self.recovery(rank), invocation)
             watch._my_host = agreement.ipv4(f"10.0.0.{rank + 1}")  # its node's address; no log sync yet
             try:
-                watch.compare(self.recovery(rank), files[rank], models[rank], None, step, lambda: Path(back))
+                watch.compare(files[rank], models[rank], None, step, lambda: Path(back))
             except Exception as exc:
                 raised[rank] = exc
 
@@ -340,8 +340,8 @@ class _Writer:
         pass
 
 
-class _Recovery:
-    """A restart-mode recovery's answers, without Ray."""
+class _Eviction:
+    """A restart-mode eviction's answers, without Ray (its eviction noted)."""
 
     shards_per_replica = 1
 
@@ -361,16 +361,17 @@ def test_a_straggler_is_evicted_once_and_only_when_enough_workers_are_left(worke
     from raytrain.instruments.watch import Watch
 
     cfg = TrainConfig(workers=workers, evict_stragglers=True, straggler_steps=10, straggler_evict_steps=20)
-    watch, files, recovery = Watch(cfg), _Writer(), _Recovery(4)
+    files, eviction = _Writer(), _Eviction(4)
+    watch = Watch(cfg, eviction)
     hosts = ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]  # ranks 2 and 3 share the slow host
     for step in (10, 20):
-        watch.after_sync(recovery, files, window([0.05, 0.05, 0.4, 0.4]), hosts, step)
+        watch.after_sync(files, window([0.05, 0.05, 0.4, 0.4]), hosts, step)
     decided = [extra for kind, _, extra in files.events if kind == "evicted"]
     assert len(decided) == 1 and decided[0]["host"] == "10.0.0.2" and decided[0]["evicted"] is evicts, files.events
     rank = decided[0]["rank"]
-    assert recovery.evicted == ([rank] if evicts else [])  # 2 left on 10.0.0.1: enough for MIN 2, not for 3
-    watch.after_sync(recovery, files, window([0.05, 0.05, 0.4, 0.4]), hosts, 30)
-    assert recovery.evicted.count(rank) == (1 if evicts else 0)  # each rank decided once
+    assert eviction.evicted == ([rank] if evicts else [])  # 2 left on 10.0.0.1: enough for MIN 2, not for 3
+    watch.after_sync(files, window([0.05, 0.05, 0.4, 0.4]), hosts, 30)
+    assert eviction.evicted.count(rank) == (1 if evicts else 0)  # each rank decided once
 
 
 @pytest.mark.parametrize(
@@ -391,20 +392,17 @@ def test_an_eviction_leaves_only_the_workers_whose_group_has_none_on_the_evicted
 def test_a_straggler_on_the_only_host_is_not_evicted_in_per_step_mode():
     """The issue's case: every worker on one host, per-step replicas of one worker each; the slow
     rank's host is everyone's, so the run would be left with no worker: it trains on."""
-    from raytrain.faults.per_step import PerStep as Mode
+    from raytrain.faults.per_step import GroupEviction
     from raytrain.instruments.watch import Watch
-
-    class PerStep(_Recovery):
-        group_size = 1
-        workers_left = Mode.workers_left  # per-step's own answer (its runtime needs Ray)
 
     cfg = TrainConfig(workers="2:3", fault_tolerance="per-step", evict_stragglers=True, straggler_steps=5,
                       straggler_evict_steps=10)  # fmt: skip
-    watch, files, recovery = Watch(cfg), _Writer(), PerStep(3)
+    files, eviction = _Writer(), GroupEviction(cfg, _Eviction(3).runtime, "run-1")  # per-step's own answers
+    watch = Watch(cfg, eviction)
     for step in (5, 10, 15):
-        watch.after_sync(recovery, files, window([0.05, 0.3, 0.05]), ["127.0.0.1"] * 3, step)
+        watch.after_sync(files, window([0.05, 0.3, 0.05]), ["127.0.0.1"] * 3, step)
     decided = [(message, extra) for kind, message, extra in files.events if kind == "evicted"]
-    assert len(decided) == 1 and decided[0][1]["evicted"] is False and recovery.evicted == [], decided
+    assert len(decided) == 1 and decided[0][1]["evicted"] is False and eviction.evicting is None, decided
     assert "0 worker(s) would be left" in decided[0][0]
 
 

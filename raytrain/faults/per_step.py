@@ -33,7 +33,6 @@ leaves (`raytrain.faults.groups`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import statistics
 from datetime import timedelta
@@ -51,27 +50,27 @@ from raytrain.faults.replacement import (
     group_scaling_policy,
     torchft_config,
 )
-from raytrain.faults.restart import Quorum, Recovery, RestartMode
+from raytrain.faults.restart import Eviction, Quorum, Recovery, RestartMode
 from raytrain.instruments.watch import StallWatch
 from raytrain.rules import replicas as rules
-from raytrain.rules import stragglers
 from raytrain.rules.budget import Budget
 from raytrain.rules.replicas import partial_start_line
 from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind
 from raytrain.rundir.storage import Store
-from raytrain.text import first_line
+from raytrain.text import first_line, sci
 from raytrain.worker.runtime import Runtime, group_barrier, hold_out_this_node
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
 
     from raytrain.config import TrainConfig
-    from raytrain.faults.restart import Restored, Runner
     from raytrain.instruments.window import LossWindow
+    from raytrain.rules.position import Position
     from raytrain.rundir.publish import Publish
     from raytrain.rundir.writer import RunWriter
     from raytrain.worker.state import TrainingState
+    from raytrain.worker.step import StepRunner
 
 
 class ReplicaRuntime(Runtime):
@@ -175,42 +174,19 @@ class ReplicaRuntime(Runtime):
         return [float(v) for v in tensor.tolist()]
 
 
-class PerStep(Recovery):
-    """Per-step fault tolerance's recovery (see the module's docstring)."""
+class GroupEviction(Eviction):
+    """Per-step's eviction (`raytrain.faults.restart.Eviction`): the straggler's replica group
+    leaves, and the others train on without it."""
 
-    each_reads_stop = True  # a replica reads the stop request itself rather than trusting the sync to carry it
-    rolls_back_every_node = False  # a lost replica costs the others no rollback
-
-    def __init__(self, cfg: "TrainConfig", run_dir: Store, *, invocation: str = "") -> None:
-        runtime = ReplicaRuntime(cfg.collective_timeout_s, Store.of(run_dir), cfg.replica_group_size)
-        super().__init__(cfg, run_dir, runtime, invocation=invocation)
-        self.evicting: int | None = None  # --evict-stragglers: the quorum rank whose group leaves
-        self.group_size = cfg.replica_group_size
-        self.quorum = Quorum(self.runtime.replicas, self.runtime.replica_rank)  # until the first step's quorum
-        self.healed = False
-        self.starts_with_group = rules.starts_with_group(os.environ)
-        self.not_waited: str | None = None  # why the replicas that started together did not all meet
-        self.held: TrainingState | None = None  # what a joining replica copies from this one
-        self.watch = StallWatch(lambda step, seconds: _leave_stalled(self.runtime, self.watch, step, seconds))
-        self._window: Any = None  # the loss window before the step (restored when it is not committed)
-        self.uncommitted_in_a_row = 0  # steps given up in a row: each doubles the peer wait
-
-    @property
-    def replica_count(self) -> int:
-        return self.runtime.replicas
-
-    @property
-    def shards_per_replica(self) -> int:
-        return self.group_size  # a group's workers hold one copy between them (HSDP), a replica of one all of it
-
-    def workers_left(self, rank: int, hosts: list[str]) -> int:
-        """The workers an eviction of `rank` leaves: the replica groups with no worker on its host
-        (its group leaves now; the others there are never replaced once they go)."""
-        return stragglers.workers_left(rank, hosts, self.group_size)
+    def __init__(self, cfg: "TrainConfig", runtime: ReplicaRuntime, invocation: str) -> None:
+        super().__init__(cfg, runtime, invocation)
+        # a group's workers hold one copy between them (HSDP), a replica of one all of it
+        self.group_size = self.shards_per_replica = cfg.replica_group_size
+        self.evicting: int | None = None  # the quorum rank whose group leaves
 
     def evict(self, rank: int, line: str) -> None:
-        """--evict-stragglers: the straggler's replica group leaves at the next step's start, where no
-        collective is under way (`leave_if_evicted`); the others train on without it."""
+        """The straggler's replica group leaves at the next step's start, where no collective is
+        under way (`leave_if_evicted`)."""
         self.evicting = rank
 
     def leave_if_evicted(self) -> None:
@@ -221,8 +197,30 @@ class PerStep(Recovery):
             return
         if runtime.world_rank == rank:
             with contextlib.suppress(Exception):  # leaving matters more than the note
-                hold_out_this_node(self.evict_key)
+                hold_out_this_node(self.key)
         os._exit(1)
+
+
+class PerStep(Recovery):
+    """Per-step fault tolerance's recovery (see the module's docstring)."""
+
+    each_reads_stop = True  # a replica reads the stop request itself rather than trusting the sync to carry it
+    announces_at_restore = False  # at its first quorum, unless healed into it
+    rolls_back_every_node = False  # a lost replica costs the others no rollback
+
+    def __init__(self, cfg: "TrainConfig", run_dir: Store, *, invocation: str = "") -> None:
+        runtime = ReplicaRuntime(cfg.collective_timeout_s, Store.of(run_dir), cfg.replica_group_size)
+        eviction = GroupEviction(cfg, runtime, invocation)
+        super().__init__(cfg, run_dir, runtime, invocation=invocation, eviction=eviction)
+        self.group_size = cfg.replica_group_size
+        self.quorum = Quorum(runtime.replicas, runtime.replica_rank)  # until the first step's quorum
+        self.healed = False
+        self.starts_with_group = rules.starts_with_group(os.environ)
+        self.not_waited: str | None = None  # why the replicas that started together did not all meet
+        self.held: TrainingState | None = None  # what a joining replica copies from this one
+        self.watch = StallWatch(lambda step, seconds: _leave_stalled(runtime, self.watch, step, seconds))
+        self._window: Any = None  # the loss window before the step (restored when it is not committed)
+        self.uncommitted_in_a_row = 0  # steps given up in a row: each doubles the peer wait
 
     # -- the attempt ----------------------------------------------------------------------
 
@@ -236,51 +234,48 @@ class PerStep(Recovery):
         if _finished(self.runtime, files, budget):
             return False
         if self.starts_with_group:
-            self.runtime.start_manager(self._live, self._heal)
+            self._start_manager()
         return True
 
-    def after_restore(self, training: "Restored") -> None:
-        """Ready to step: the model joins torchft's step (`raytrain.faults.groups`), and replicas
-        that start together meet here once restored, so that the first quorum holds every one
-        of them (or says why it could not wait: a replica lost while the group started, or one
-        slower than --collective-timeout-s)."""
-        runner = training.runner
-        self.held = runner.training_state(training.position)
+    def _start_manager(self) -> None:
+        """This replica's torchft Manager: a joining replica copies `held` from a live one, and
+        takes a live one's into its own."""
+
+        def heal(state: dict[str, Any]) -> None:
+            if state and self.held is not None:
+                self.held.load_live(state)
+                self.healed = True
+
+        self.runtime.start_manager(lambda: self.held.live() if self.held is not None else {}, heal)
+
+    def after_restore(self, state: "TrainingState") -> torch.nn.Module:
+        """Ready to step: the model joins torchft's step (`raytrain.faults.groups`; returned), and
+        replicas that start together meet here once restored, so that the first quorum holds
+        every one of them (or says why it could not wait: a replica lost while the group
+        started, or one slower than --collective-timeout-s)."""
+        self.held = state
         if self.runtime.manager is None:
-            self.runtime.start_manager(self._live, self._heal)
+            self._start_manager()
         self.watch.run_in_background()
-        joined = self.runtime.replica.join(runner.model, self.runtime.manager)
-        training.runner = dataclasses.replace(runner, model=joined)
+        joined = self.runtime.replica.join(state.model, self.runtime.manager)
         if self.starts_with_group and self.replica_count > 1:
             try:
                 group_barrier()
             except Exception as exc:  # a replica lost (Ray resets the barrier) or late: start without it
                 self.not_waited = f"{type(exc).__name__}: {first_line(str(exc))}"
+        return joined
 
-    def _live(self) -> dict[str, Any]:
-        return self.held.live() if self.held is not None else {}
-
-    def _heal(self, state: dict[str, Any]) -> None:
-        if state and self.held is not None:
-            self.held.load_live(state)
-            self.healed = True
-
-    def first_quorum(self, training: "Restored", quorum: Quorum) -> bool:
-        """A replica's first quorum: the attempt's line, and why not every replica that started
-        together is in it; a replacement healed into it says nothing of its own (the quorum's
-        line does). Alone in it after the others wrote the run's end: a replacement too late
-        to join (returns True)."""
+    def first_quorum(self, quorum: Quorum, files: "RunWriter", budget: Budget) -> str | None:
+        """A replica's first quorum: why not every replica that started together is in it (said
+        after the attempt's line; a replacement healed into it says nothing of its own, the
+        quorum's line does). Alone in it after the others wrote the run's end: a replacement
+        too late to join (None)."""
         alone = quorum.size == self.group_size < self.replica_count  # the same on a group's workers
-        if alone and _finished(self.runtime, training.files, Budget.of(training.cfg)):
-            return True
-        if self.healed:
-            training.announced = True
-            return False
-        training.announce()
-        if self.starts_with_group and quorum.size < self.replica_count:
-            line = partial_start_line(quorum.size, self.replica_count, self.not_waited, JOIN_TIMEOUT_S)
-            training.files.event(Kind.QUORUM, line, world_size=quorum.size)
-        return False
+        if alone and _finished(self.runtime, files, budget):
+            return None
+        if self.starts_with_group and quorum.size < self.replica_count and not self.healed:
+            return partial_start_line(quorum.size, self.replica_count, self.not_waited, JOIN_TIMEOUT_S)
+        return ""
 
     def close(self) -> None:
         self.runtime.shutdown()
@@ -291,7 +286,7 @@ class PerStep(Recovery):
         """The quorum of the step at `step` (a joining replica heals first). From here to the
         commit the stall watch runs: the wait for the quorum is not this replica's work."""
         self.healed = False
-        self.leave_if_evicted()
+        self.eviction.leave_if_evicted()
         runtime, manager = self.runtime, self.runtime.manager
         runtime.wait_for_peers(runtime.timeout_s)  # a quorum, and a heal, wait the whole timeout
         manager.start_quorum()
@@ -313,7 +308,7 @@ class PerStep(Recovery):
         limit_s = rules.new_shape_stall_after_s(self.runtime.peer_wait_s, self.runtime.timeout_s)
         self.watch.shaped((rows, self.quorum.size, self.quorum.rank), limit_s)
 
-    def commit(self, runner: "Runner") -> bool:
+    def commit(self, runner: "StepRunner") -> bool:
         """Whether every participant finished the step (then, and only then, apply it); a step
         not committed counts for nothing (`StepRunner.discard_step`)."""
         committed = False
@@ -325,6 +320,21 @@ class PerStep(Recovery):
         if not committed:
             runner.discard_step(self._window)
         return committed
+
+    def quorum_line(self, previous: int, now: int, position: "Position", plan: str, lr: float) -> str:
+        """`Quorum 3 → 2 replicas at step 40 (epoch 1, 1,280 samples into it): <plan>; lr now …`:
+        the line of a quorum whose size changed from `previous` to `now`."""
+        k = self.group_size
+        if k > 1:  # replica groups of several workers: counted in workers, and in groups
+            what = f"workers ({previous // k} → {now // k} replica groups of {k})"
+            lost, back = "a worker was lost, and its group with it; the other groups go on", "a group rejoined"
+        else:
+            what, lost, back = "replicas", "a replica was lost; the survivors go on", "a replica rejoined"
+        why = lost if now < previous else f"{back}, healed from a live peer"
+        return (
+            f"Quorum {previous} → {now} {what} at step {position.step} (epoch {position.epoch + 1}, "
+            f"{position.epoch_offset:,} samples into it; {why}): {plan}; lr now {sci(lr)}"
+        )
 
     def sum_at_epoch_end(self, values: list[float]) -> list[float] | None:
         """Nothing: no collective outside a step."""
@@ -412,4 +422,4 @@ class PerStepMode(RestartMode):
         return self.retries.decide(error, failure_config.max_failures)
 
 
-__all__ = ["PerStep", "PerStepMode", "ReplicaRuntime", "StallWatch"]
+__all__ = ["GroupEviction", "PerStep", "PerStepMode", "ReplicaRuntime", "StallWatch"]

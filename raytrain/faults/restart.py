@@ -1,21 +1,23 @@
 """How a worker recovers from a failure: one recovery object per fault-tolerance mode, built
 once where the worker starts (`recovery_for`), and the only place that knows the mode.
 
-The loop (`raytrain.worker.loop`, `raytrain.worker.epoch`) and the checkpoints
-(`raytrain.worker.checkpointer`) ask the recovery object what differs between modes:
+The loop (`raytrain.worker.epoch`) and the checkpoints (`raytrain.worker.checkpointer`) ask the
+recovery object what differs between modes:
 
-- how an attempt opens (`open`) and is ready to step once restored (`after_restore`), and
-  the first quorum of a worker that had nothing to say before it (`first_quorum`);
+- how an attempt opens (`open`), is ready to step once restored (`after_restore`: the model it
+  steps with; `announces_at_restore`), and the first quorum of a worker that had nothing to say
+  before it (`first_quorum`);
 - each step's quorum (`start_step`) and whether to apply the step (`commit`);
 - what is summed at an epoch's end (`sum_at_epoch_end`) and whether each worker reads a stop
   request itself (`each_reads_stop`);
 - who writes a checkpoint (`writes_checkpoints`), whether every rank writes its part
-  (`distributed_checkpoints`), and how it is published (`publish`, `publish_wait_s`);
+  (`distributed_checkpoints`), how it is published (`publish`, `publish_wait_s`), and
+  --checkpoint-every auto's interval for its rollbacks (`auto_interval`);
 - its collectives, its model's wrapper and its evaluation share: those of its runtime
   (`raytrain.worker.runtime.Runtime`, or per-step's `ReplicaRuntime`);
-- which ranks hold the same shard of different replicas (`shards_per_replica`), and what
-  evicting a straggler leaves (`workers_left`) and does (`evict`), for its watch of slow and
-  silent faults (`raytrain.instruments.watch`).
+- its watch of slow and silent faults (`faults`: `raytrain.instruments.watch.Watch`), built with
+  its `Eviction`: which ranks hold the same shard of different replicas, and what evicting a
+  straggler leaves and does.
 
 `Recovery` is restart mode's (`--fault-tolerance restart`): a failure restarts the whole
 worker group from the last checkpoint, so every rank takes and commits every step, and Ray
@@ -32,25 +34,28 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 from raytrain.faults.evict import evicting_policy
 from raytrain.instruments.watch import StragglerEvicted, Watch
 from raytrain.rules import agreement, stragglers
+from raytrain.rules.interval import AutoInterval
 from raytrain.rundir.storage import Store
-from raytrain.text import sci
 from raytrain.worker.network import BoundTorchConfig
 from raytrain.worker.runtime import Runtime, hold_out_this_node, run_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
 
+    import torch
+
     from raytrain.config import TrainConfig
     from raytrain.instruments.window import LossWindow
     from raytrain.rules.budget import Budget
-    from raytrain.rules.position import Position
     from raytrain.rundir.publish import Publish
     from raytrain.rundir.writer import RunWriter
+    from raytrain.worker.state import TrainingState
+    from raytrain.worker.step import StepRunner
 
 # How long rank 0 waits at the end of a run for Ray's upload step to publish its last checkpoint.
 PUBLISH_WAIT_S = 60.0
@@ -64,71 +69,55 @@ class Quorum:
     rank: int
 
 
-class Runner(Protocol):
-    """What a recovery object asks of the step machinery (`raytrain.worker.step.StepRunner`)."""
+class Eviction:
+    """What the watch (`raytrain.instruments.watch.Watch`) asks of the mode: which ranks hold one
+    copy of the model between them, and what evicting a straggler (--evict-stragglers) leaves and
+    does. Restart mode's: the whole group restarts without the straggler's host."""
 
-    model: Any
+    group_size = 1  # workers that hold one copy of the model between them (per-step's replica groups)
 
-    def training_state(self, position: "Position") -> Any: ...
+    def __init__(self, cfg: "TrainConfig", runtime: Runtime, invocation: str) -> None:
+        """`invocation`: this run of the driver (its evictions are its own)."""
+        self.runtime = runtime
+        self.key = run_key(cfg.storage, cfg.name, invocation)  # where a straggler's node is written down
+        # `raytrain.rules.agreement.shards_per_replica`; a restarting group keeps its size
+        self.shards_per_replica = agreement.shards_per_replica(cfg.strategy, runtime.world_size)
 
-    def discard_step(self, window_before: Any) -> None: ...
+    def workers_left(self, rank: int, hosts: list[str]) -> int:
+        """The workers an eviction of `rank` leaves: those of the groups with no worker on its host."""
+        return stragglers.workers_left(rank, hosts, self.group_size)
 
-
-class Restored(Protocol):
-    """What a recovery object asks of an attempt (`raytrain.worker.loop.Training`)."""
-
-    cfg: "TrainConfig"
-    files: "RunWriter"
-    runner: Runner
-    position: "Position"
-    announced: bool
-
-    def announce(self) -> None: ...
+    def evict(self, rank: int, line: str) -> None:
+        """Every rank at once: the straggler's worker writes its node down for the controller
+        (`raytrain.faults.evict` keeps the run off it), then the attempt ends on every rank; Ray
+        Train restarts the group at the size the other nodes hold."""
+        try:
+            if self.runtime.world_rank == rank:
+                hold_out_this_node(self.key)
+        finally:
+            self.runtime.all_reduce_sum([0.0])  # written down before any rank leaves (or its failure raises)
+        raise StragglerEvicted(line)
 
 
 class Recovery:
     """Restart mode's recovery (see the module's docstring); the base of every mode's."""
 
     healed = False  # the last quorum loaded the live state from a peer
-    group_size = 1  # workers that hold one copy of the model between them (per-step's replica groups)
     each_reads_stop = False  # every rank learns of a stop request by the sync
+    announces_at_restore = True  # every worker starts with the others: the attempt is said once restored
     rolls_back_every_node = True  # a failure of any node rolls the whole run back (auto's failure rate)
 
     def __init__(
-        self, cfg: "TrainConfig", run_dir: Store, runtime: Runtime | None = None, *, invocation: str = ""
-    ) -> None:
+        self, cfg: "TrainConfig", run_dir: Store, runtime: Runtime | None = None, *, invocation: str = "",
+        eviction: Eviction | None = None,
+    ) -> None:  # fmt: skip
         """`runtime`: this worker's (None: Ray Train's worker, or local mode's process); `invocation`:
-        this run of the driver (its evictions are its own)."""
+        this run of the driver; `eviction`: the mode's (None: restart's)."""
         self.runtime = runtime if runtime is not None else Runtime(cfg.gpu)
+        self.replica_count = self.runtime.world_size  # the copies of the model training in parallel (workers)
         self._every = Quorum(self.runtime.world_size, self.runtime.world_rank)
-        self.faults = Watch(cfg, invocation)  # slow and silent faults: stragglers, replicas that differ
-        self._strategy = cfg.strategy
-        self.evict_key = run_key(cfg.storage, cfg.name, invocation)  # where a straggler's node is written down
-
-    @property
-    def shards_per_replica(self) -> int:
-        """The ranks that hold one copy of the model between them (`raytrain.rules.agreement.shards_per_replica`)."""
-        return agreement.shards_per_replica(self._strategy, self.runtime.world_size)
-
-    def workers_left(self, rank: int, hosts: list[str]) -> int:
-        """The workers an eviction of `rank` leaves: those on other hosts (the group restarts without its host)."""
-        return stragglers.workers_left(rank, hosts)
-
-    def evict(self, rank: int, line: str) -> None:
-        """--evict-stragglers, every rank at once: the straggler's worker writes its node down for the
-        controller (`raytrain.faults.evict` keeps the run off it), then the attempt ends on every
-        rank; Ray Train restarts the group at the size the other nodes hold."""
-        try:
-            if self.runtime.world_rank == rank:
-                hold_out_this_node(self.evict_key)
-        finally:
-            self.runtime.all_reduce_sum([0.0])  # written down before any rank leaves (or its failure raises)
-        raise StragglerEvicted(line)
-
-    @property
-    def replica_count(self) -> int:
-        """The copies of the model training in parallel: every worker's."""
-        return self.runtime.world_size
+        self.eviction = eviction or Eviction(cfg, self.runtime, invocation)
+        self.faults = Watch(cfg, self.eviction, invocation)  # slow and silent faults: stragglers, replicas that differ
 
     # -- the attempt ----------------------------------------------------------------------
 
@@ -138,16 +127,14 @@ class Recovery:
         files.clear_staging()
         return True
 
-    def after_restore(self, training: Restored) -> None:
-        """Restored: ready to step. The attempt's line, at once (every worker starts with the others)."""
-        training.announce()
-        training.position.trains_with(self.runtime.world_size)
+    def after_restore(self, state: "TrainingState") -> "torch.nn.Module":
+        """Restored into `state`: ready to step; returns the model to step with (as built)."""
+        return state.model
 
-    def first_quorum(self, training: Restored, quorum: Quorum) -> bool:
-        """The first quorum of a worker that has not said its attempt's line; returns whether
-        the run was finished elsewhere (never: every worker says it once restored)."""
-        training.announce()
-        return False
+    def first_quorum(self, quorum: Quorum, files: "RunWriter", budget: "Budget") -> str | None:
+        """The first quorum of a worker that has not said its attempt's line: the line said after
+        the attempt's ("": none), or None when the others finished the run (never here)."""
+        return ""
 
     def close(self) -> None:
         """The attempt ended (for good, or to be restarted)."""
@@ -162,24 +149,9 @@ class Recovery:
         """Under --compile, the step entered takes `rows` over its workers (what per-step's stall
         watch allows a step depends on it: a new shape compiles again)."""
 
-    def commit(self, runner: Runner) -> bool:
+    def commit(self, runner: "StepRunner") -> bool:
         """Whether to apply the step: always (a failure restarts the group from a checkpoint)."""
         return True
-
-    def quorum_line(self, previous: int, now: int, position: "Position", plan: str, lr: float) -> str:
-        """`Quorum 3 → 2 replicas at step 40 (epoch 1, 1,280 samples into it): <plan>; lr now …`:
-        the line of a quorum whose size changed from `previous` to `now` (per-step)."""
-        k = self.group_size
-        if k > 1:  # replica groups of several workers: counted in workers, and in groups
-            what = f"workers ({previous // k} → {now // k} replica groups of {k})"
-            lost, back = "a worker was lost, and its group with it; the other groups go on", "a group rejoined"
-        else:
-            what, lost, back = "replicas", "a replica was lost; the survivors go on", "a replica rejoined"
-        why = lost if now < previous else f"{back}, healed from a live peer"
-        return (
-            f"Quorum {previous} → {now} {what} at step {position.step} (epoch {position.epoch + 1}, "
-            f"{position.epoch_offset:,} samples into it; {why}): {plan}; lr now {sci(lr)}"
-        )
 
     def sum_at_epoch_end(self, values: list[float]) -> list[float] | None:
         """`values` summed over the workers at an epoch's end (None: not shared)."""
@@ -197,6 +169,11 @@ class Recovery:
         """Whether every rank writes and reads its part of a checkpoint together (DCP over the
         process group), rather than one process writing and reading all of it."""
         return self.runtime.distributed
+
+    def auto_interval(self, state: dict[str, Any] | None, **options: Any) -> AutoInterval:
+        """--checkpoint-every auto's interval from `state` (a checkpoint's, or rank 0's) with the
+        run's `options`, for the failures that roll this worker back: any node's, or its own."""
+        return AutoInterval.from_state(state, per_step=not self.rolls_back_every_node, **options)
 
     def publish(
         self, publish: "Publish", metrics: dict[str, Any], name: str, staging: "Path", asynchronous: bool,
@@ -276,4 +253,4 @@ def stall_reporter(run_dir: Any, collective_timeout_s: float) -> Callable[[BaseE
     return report
 
 
-__all__ = ["PUBLISH_WAIT_S", "Quorum", "Recovery", "RestartMode", "Restored", "Runner", "stall_reporter"]
+__all__ = ["PUBLISH_WAIT_S", "Eviction", "Quorum", "Recovery", "RestartMode", "stall_reporter"]

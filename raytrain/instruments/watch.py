@@ -2,12 +2,12 @@
 (`raytrain.rules.stragglers`), a replica whose weights silently differ
 (`raytrain.instruments.agreement`) and, per-step, a replica stuck in its step (`StallWatch`).
 
-The recovery object holds one `Watch` (`raytrain.faults.restart.Recovery.faults`): its mode
-says which ranks hold the same shard (`Recovery.shards_per_replica`), how many workers an
-eviction leaves (`Recovery.workers_left`) and what an eviction does (`Recovery.evict`). The
-loop hands it each sync's figures, every rank's own time and host (`after_sync`), and asks it
-to compare the replicas when due and before every checkpoint (`compare`). Every rank keeps the
-same watch over the same figures, so every rank reaches the same decisions.
+The recovery object holds one `Watch` (`raytrain.faults.restart.Recovery.faults`), built with
+its mode's eviction (`raytrain.faults.restart.Eviction`): which ranks hold the same shard, how
+many workers an eviction leaves and what an eviction does. The loop hands it each sync's
+figures, every rank's own time and host (`after_sync`), and asks it to compare the replicas
+when due and before every checkpoint (`compare`). Every rank keeps the same watch over the same
+figures, so every rank reaches the same decisions.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 from raytrain.instruments.agreement import ReplicaMismatch, ReplicaMismatchRecurred, mismatch_line, shared_fingerprints
 from raytrain.rules import agreement
@@ -28,18 +28,6 @@ from raytrain.rundir.records import RANK_STEP_S, Kind
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
     from raytrain.rundir.writer import RunWriter
-    from raytrain.worker.runtime import Runtime
-
-
-class Recovery(Protocol):
-    """What the watch asks of the recovery object (`raytrain.faults.restart.Recovery`)."""
-
-    runtime: "Runtime"
-    shards_per_replica: int
-
-    def workers_left(self, rank: int, hosts: list[str]) -> int: ...
-
-    def evict(self, rank: int, line: str) -> None: ...
 
 
 class StragglerEvicted(RuntimeError):
@@ -51,8 +39,10 @@ class Watch:
     """Stragglers found at each sync and the replicas compared, on every rank alike (the writing rank
     writes the events)."""
 
-    def __init__(self, cfg: "TrainConfig", invocation: str = "") -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: "TrainConfig", eviction: Any, invocation: str = "") -> None:
+        """`eviction`: the mode's (`raytrain.faults.restart.Eviction`): its runtime, the ranks that
+        hold one copy of the model, and what evicting a rank leaves and does."""
+        self.cfg, self.eviction = cfg, eviction
         self.invocation = invocation  # this run of the driver: its attempts' mismatches are compared
         evict_after = cfg.straggler_evict_steps if cfg.evict_stragglers else None
         self.stragglers = StragglerWatch(cfg.straggler_factor, cfg.straggler_steps, evict_after)
@@ -76,11 +66,9 @@ class Watch:
             self._my_host = agreement.ipv4(node_address())
         return self._my_host
 
-    def after_sync(
-        self, recovery: "Recovery", files: "RunWriter", times: list[RankTimes], hosts: list[str], step: int
-    ) -> None:
+    def after_sync(self, files: "RunWriter", times: list[RankTimes], hosts: list[str], step: int) -> None:
         """A sync's figures, the same on every rank: the writing rank says a straggler found, or
-        gone; under --evict-stragglers every rank finds the one to evict (`Recovery.evict`)."""
+        gone; under --evict-stragglers every rank finds the one to evict (`Eviction.evict`)."""
         self.last = times
         if len(times) < 2:
             return
@@ -90,7 +78,8 @@ class Watch:
         if rank is None:
             return
         self.stragglers.evicted.add(rank)  # decided once, whatever comes of it
-        steps, left, least = self.stragglers.slow_steps[rank], recovery.workers_left(rank, hosts), self.cfg.min_workers
+        steps, least = self.stragglers.slow_steps[rank], self.cfg.min_workers
+        left = self.eviction.workers_left(rank, hosts)
         why = f"a straggler for {steps} steps running (--straggler-evict-steps {self.cfg.straggler_evict_steps})"
         if left < least:
             line = (
@@ -104,7 +93,7 @@ class Watch:
         )
         files.event(Kind.EVICTED, line, step=step, rank=rank, host=hosts[rank], slow_steps=steps, evicted=True)
         files.flush()
-        recovery.evict(rank, line)
+        self.eviction.evict(rank, line)
 
     def row_figures(self) -> dict[str, Any]:
         """What a metrics row holds of the last sync: each rank's own seconds per step."""
@@ -112,21 +101,20 @@ class Watch:
             return {}
         return {RANK_STEP_S: [round(t.step_s, 6) for t in self.last]}
 
-    def replicas_due(self, recovery: "Recovery", step: int, checkpoint_now: bool) -> bool:
+    def replicas_due(self, step: int, checkpoint_now: bool) -> bool:
         """Whether the replicas are compared after the step to `step` (there are several)."""
-        replicas = recovery.runtime.world_size // max(1, recovery.shards_per_replica)
+        replicas = self.eviction.runtime.world_size // max(1, self.eviction.shards_per_replica)
         return replicas > 1 and agreement.check_due(step, self.cfg.replica_check_steps, checkpoint_now)
 
     def compare(
-        self, recovery: "Recovery", files: "RunWriter", model: Any, optimizer: Any, step: int,
-        last_checkpoint: Callable[[], Any],
-    ) -> list[int]:  # fmt: skip
+        self, files: "RunWriter", model: Any, optimizer: Any, step: int, last_checkpoint: Callable[[], Any]
+    ) -> list[int]:
         """Every rank's fingerprint after the step to `step`. On a mismatch the writing rank
         writes the event (naming `last_checkpoint()`, the directory the run goes back to, or None)
         and every rank raises `ReplicaMismatch`; `ReplicaMismatchRecurred`, not retried, when an
         earlier attempt met the same one after going back there (the writing rank reads the events
         and one more all-reduce tells every rank: they stop together)."""
-        runtime, shards = recovery.runtime, recovery.shards_per_replica
+        runtime, shards = self.eviction.runtime, self.eviction.shards_per_replica
         every, hosts = shared_fingerprints(runtime, model, optimizer, self.my_host)
         odd = agreement.odd_ranks(every, shards)
         if not odd:

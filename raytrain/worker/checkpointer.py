@@ -24,10 +24,11 @@ staged, published and pruned, and where an attempt continues from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from raytrain.errors import CheckpointError, pipeline_code
 from raytrain.rules import resume
@@ -38,37 +39,36 @@ from raytrain.rundir.files import storage_errors
 from raytrain.rundir.publish import Publish
 from raytrain.rundir.records import Kind
 from raytrain.rundir.storage import Store
+from raytrain.worker.state import take
 
 if TYPE_CHECKING:  # pragma: no cover
     from raytrain.config import TrainConfig
-    from raytrain.rules.position import Position
     from raytrain.rundir.writer import RunWriter
     from raytrain.worker.runtime import Runtime
     from raytrain.worker.state import Save
     from raytrain.worker.step import StepRunner
 
+DIVERGED_CHECKPOINT_WAIT_S = 60.0  # how long a diverged (or disagreeing) rank waits for the checkpoint being written
 # How many times a restore lists the run again when the checkpoint it was loading was pruned
 # meanwhile (each time a newer one had been published: a writer saves at most every step).
 RELISTS = 5
 
 
-class Checkpointed(Protocol):
-    """What a checkpoint is taken of and restored into: one attempt's (`raytrain.worker.loop.Training`)."""
-
-    runner: "StepRunner"  # model, optimizer, scaler and the rules of the attempt
-    position: Position
-    files: "RunWriter"
-
-
 class Checkpointer:
     """A worker's checkpoints (see the module's docstring)."""
 
-    def __init__(self, cfg: "TrainConfig", recovery: Any, store: Store, *, invocation: str = "") -> None:
+    def __init__(
+        self, cfg: "TrainConfig", recovery: Any, store: Store, files: "RunWriter", position: Position, *,
+        invocation: str = "",
+    ) -> None:  # fmt: skip
+        """`recovery`: the mode's worker half (who writes, how published); `files`: the run's files;
+        `position`: where the attempt is, which a restore sets and every checkpoint holds."""
         self.cfg, self.invocation = cfg, invocation  # invocation: this driver's run of the job
+        self.files, self.position = files, position
         self.auto: AutoInterval | None = None  # --checkpoint-every auto, once restored
         self.saved_step, self.tick = 0, None  # the last checkpoint's step; when the last step ended
         self.say = None  # rank 0's event line (the run files, once restored)
-        self.recovery, self.store = recovery, Store.of(store)  # the recovery object: who writes, how published
+        self.recovery, self.store = recovery, Store.of(store)
         self._save: Save | None = None  # this rank's checkpoint being written
         self._publish: Publish | None = None  # ... and being published
 
@@ -88,13 +88,13 @@ class Checkpointer:
         every = self.cfg.checkpoint_every_steps
         return bool(every) and step % every == 0 and not last
 
-    def restore(self, training: Checkpointed) -> dict[str, Any] | None:
+    def restore(self, runner: "StepRunner") -> dict[str, Any] | None:
         """Continue from the furthest checkpoint of the run (`raytrain.rundir.checkpoints.resume_choice`)
-        that loads on every rank; returns its train state (None: a fresh start). One a rank
-        cannot load is passed over on every rank, and said once. One pruned while it was being
-        loaded (a per-step run's quorum writes on while a replacement restores) is no fault of
-        the checkpoint: the run is listed again, up to RELISTS times."""
-        runner, files = training.runner, training.files
+        that loads on every rank into `runner` and the position; returns its train state (None: a
+        fresh start). One a rank cannot load is passed over on every rank, and said once. One
+        pruned while it was being loaded (a per-step run's quorum writes on while a replacement
+        restores) is no fault of the checkpoint: the run is listed again, up to RELISTS times."""
+        files = self.files
         for _ in range(RELISTS):
             choice = ckpt.resume_choice(self.store, also=self.runtime.latest_checkpoint(self.store))
             saved, pruned = self._load_first(choice, runner)
@@ -109,6 +109,7 @@ class Checkpointer:
             files.event(Kind.SKIPPED, choice.skipped_line(), checkpoints=choice.names)
         if saved is None and choice.passed_over:
             raise resume.unusable(files.store, choice.passed_over)
+        take(self.position, Position.restored(saved))
         if self.cfg.checkpoint_every == "auto":
             self.say = lambda change: files.event(Kind.NOTE, change.line, interval_steps=change.after)
             self.auto_restored(saved)
@@ -162,40 +163,39 @@ class Checkpointer:
     def auto_from(self, state: dict[str, Any] | None) -> AutoInterval:
         """auto's interval from `state` (a checkpoint's, or rank 0's), with this run's options."""
         cfg = self.cfg
-        return AutoInterval.from_state(
+        return self.recovery.auto_interval(
             state,
             mtbf_hours=cfg.mtbf_hours,
             nodes=self.runtime.nodes,
             min_steps=cfg.checkpoint_min_steps,
             max_steps=cfg.checkpoint_max_steps,
-            per_step=not self.recovery.rolls_back_every_node,
         )
 
     def tell(self, change: IntervalChange | None) -> None:
         if change is not None and self.say is not None:
             self.say(change)
 
-    def contents(self, training: Checkpointed) -> dict[str, Any]:
-        """The rules the run had at the attempt's position, beside its training state."""
-        runner, position = training.runner, training.position
+    def contents(self, runner: "StepRunner") -> dict[str, Any]:
+        """The rules the run had at the attempt's position (`runner`'s), beside its training state."""
+        position = self.position
         auto = {"auto_interval": {"invocation": self.invocation, "interval": self.auto.state()}} if self.auto else {}
         return {
             **auto,
             "scheduler": {
                 "samples_seen": position.samples_seen,
                 "peak_lr": runner.rate.peak_lr,
-                "schedule": runner.cfg.schedule,
+                "schedule": self.cfg.schedule,
                 "rate_multipliers": runner.rate.multipliers,
             },
             "batch_plan": dataclasses.asdict(runner.batch_plan),
             "lr": runner.rate.at(position.samples_seen),
         }
 
-    def save(self, training: Checkpointed, metrics: dict[str, Any]) -> None:
-        """Report `metrics` with a checkpoint of the attempt's step (with a restarting group, a
-        barrier on every rank); the files are written while training goes on, and the time the
-        loop waited is counted."""
-        runner, position = training.runner, training.position
+    def save(self, runner: "StepRunner", metrics: dict[str, Any]) -> None:
+        """Report `metrics` with a checkpoint of the attempt's step, trained by `runner` (with a
+        restarting group, a barrier on every rank); the files are written while training goes on,
+        and the time the loop waited is counted."""
+        position = self.position
         runner.measures.heartbeat.mark(position.step, "report")
         started, runtime = time.perf_counter(), self.runtime
         self.finish()  # one in flight at a time: bounded host memory and local disk
@@ -205,7 +205,7 @@ class Checkpointer:
             distributed, staging = recovery.distributed_checkpoints, ckpt.staging_dir(self.store) / name
             with storage_errors(staging, "write the checkpoint"):
                 state = runner.training_state(position)
-                save = self._save = state.save(staging, runtime, self.contents(training), distributed=distributed)
+                save = self._save = state.save(staging, runtime, self.contents(runner), distributed=distributed)
                 if not self.cfg.checkpoint_async:
                     save.wait()
 
@@ -215,7 +215,7 @@ class Checkpointer:
 
             publish = self._publish = Publish(
                 staging, self.store / name, wait_written, rank=runtime.world_rank if distributed else None,
-                coordinator=runtime.is_rank0 or not distributed, step=position.step, fence=training.files.driver.check,
+                coordinator=runtime.is_rank0 or not distributed, step=position.step, fence=self.files.driver.check,
             )  # fmt: skip
             recovery.publish(publish, metrics, name, staging, self.cfg.checkpoint_async, self.prune)
         if not self.cfg.checkpoint_async:
@@ -250,6 +250,14 @@ class Checkpointer:
                 save.wait(timeout_s)
         if publish is not None:
             publish.wait(self.recovery.publish_wait_s(publish, self.store, timeout_s))
+
+    def last_good(self) -> Any:
+        """The run's last complete checkpoint (None: none yet), once the one being written in the
+        background is finished, so that a run ending here (diverged, its replicas disagreeing) names
+        it. That one was saved after a finite loss and agreeing replicas."""
+        with contextlib.suppress(Exception):
+            self.finish(timeout_s=DIVERGED_CHECKPOINT_WAIT_S)
+        return ckpt.latest_complete(self.store)
 
 
 def _in_build_optimizer(pipeline: Any, load: Any) -> None:

@@ -1,6 +1,7 @@
-"""An epoch of one attempt (`raytrain.worker.loop.Training`): its steps, what follows each
-step (the sync, the metrics row, the checkpoint), and the epoch's end (validation, its row,
-the reported checkpoint).
+"""One attempt of a worker (`Training`): what it trains with and where it is, built and restored
+(`Training.begin`), and its one loop over epochs (`Training.run`): each epoch's steps, what
+follows each step (the sync, the metrics row, the checkpoint), and the epoch's end (validation,
+its row, the reported checkpoint).
 
 One way through an epoch, `train_epoch`, whatever the fault tolerance: the recovery object's
 policy of the step (`Recovery.start_step`, `Recovery.commit`: `raytrain.faults.restart`) is
@@ -10,33 +11,38 @@ replicas for per-step fault tolerance.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from raytrain import hooks
+from raytrain.config import TrainConfig
 from raytrain.data.draws import Draws
+from raytrain.data.sources import Source, cost_notes, data_digest, open_source
 from raytrain.data.stream import Stream, StreamEpoch
 from raytrain.data.table import Table
 from raytrain.instruments.phases import SteadyClock
 from raytrain.instruments.window import TrainingDiverged, divergence_message, sync
-from raytrain.rules import steps
+from raytrain.pipeline import Pipeline, overrides
+from raytrain.rules import resume, steps
+from raytrain.rules.attempt import Attempt
+from raytrain.rules.batch import batch_plan_for
 from raytrain.rules.budget import Budget, evaluation_due
-from raytrain.rules.position import Position
-from raytrain.rundir import checkpoints
+from raytrain.rules.position import Position, progress
 from raytrain.rundir.records import EPOCH_LOSS, Kind, MetricsRow
+from raytrain.rundir.writer import RunWriter
 from raytrain.worker import prefetch
-from raytrain.worker.step import plan_line
+from raytrain.worker.checkpointer import Checkpointer
+from raytrain.worker.optim import describe_optimizer
+from raytrain.worker.state import unwrap
+from raytrain.worker.step import StepRunner, plan_line
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raytrain.config import TrainConfig
-    from raytrain.rundir.writer import RunWriter
-    from raytrain.worker.checkpointer import Checkpointer
+    from raytrain.rundir.heartbeats import Heartbeat
     from raytrain.worker.runtime import Runtime
-    from raytrain.worker.step import StepRunner
 
 Data = Table | Stream | Draws  # a dataset on a worker
-DIVERGED_CHECKPOINT_WAIT_S = 60.0  # how long a diverged (or disagreeing) rank waits for the checkpoint being written
 
 
 class EpochResult(NamedTuple):
@@ -46,21 +52,106 @@ class EpochResult(NamedTuple):
     finished_elsewhere: bool = False  # per-step: a replacement found the others done with the run
 
 
-class Epochs:
-    """An attempt's epochs: the one loop over an epoch's steps, what follows each step, and the
-    epoch's end. `raytrain.worker.loop.Training` holds what they use."""
+@dataclass
+class Training:
+    """One attempt of this worker: what it trains with and where it is. `run` is its one loop
+    over epochs (`train_epoch` over each one's steps); how a failure is recovered from is the
+    recovery object's (`raytrain.faults.restart`)."""
 
-    cfg: "TrainConfig"
-    recovery: Any  # raytrain.faults.restart.Recovery
-    runtime: "Runtime"
-    files: "RunWriter"
-    runner: "StepRunner"
-    checkpointer: "Checkpointer"
+    cfg: TrainConfig
+    recovery: Any  # the mode's worker half (`raytrain.faults.restart.Recovery` or a subclass)
+    files: RunWriter
+    runner: StepRunner  # the model, optimizer and rules of the current quorum
+    checkpointer: Checkpointer  # holds the position too, which it restores and saves
     train_data: Data
     val_data: Data | None
     position: Position
-    announced: bool
-    steady_clock: SteadyClock | None
+    saved: dict[str, Any] | None = None  # the checkpoint's train state (None: a fresh start)
+    attempt: Attempt | None = None
+    announced: bool = False
+    steady_clock: SteadyClock | None = None  # times the steady steps (on a GPU, by CUDA events)
+
+    @property
+    def runtime(self) -> "Runtime":
+        return self.recovery.runtime
+
+    @classmethod
+    def begin(
+        cls,
+        cfg: TrainConfig,
+        pipeline: Pipeline,
+        recovery: Any,
+        files: RunWriter,
+        heartbeat: "Heartbeat",
+        sources: dict[str, Source],
+        checkpointer: Checkpointer,
+    ) -> "Training":
+        """Build for this attempt's workers (per-step: replicas), then restore: the furthest
+        checkpoint that loads (`Checkpointer.restore`); then ready to step (`Recovery.after_restore`),
+        the attempt said at once where every worker starts with the others."""
+        runtime, workers = recovery.runtime, recovery.replica_count
+        heartbeat.mark(0, "data")
+        train_data = open_source("train", sources["train"], runtime.get_object, cfg.skip_nan_rows)
+        val = sources.get("val")
+        val_data = open_source("val", val, runtime.get_object, cfg.skip_nan_rows) if val is not None else None
+        runner = StepRunner.build(pipeline, cfg, runtime, heartbeat, batch_plan_for(cfg, workers), len(train_data))
+        saved = checkpointer.restore(runner)
+        position, now = checkpointer.position, data_digest(train_data)
+        resume.check_same_data(position.data, now, position.step, mid_epoch=bool(position.epoch_offset))
+        position.data = now
+        attempt = Attempt.of(saved is not None, position.world_sizes, workers)
+        runner.model = recovery.after_restore(runner.training_state(position))
+        training = cls(cfg, recovery, files, runner, checkpointer, train_data, val_data, position, saved, attempt)
+        if recovery.announces_at_restore:
+            training.announce()
+            position.trains_with(runtime.world_size)
+        return training
+
+    def run(self) -> None:
+        """Epochs to the budget's end — the last epoch, or the last step of --max-steps, mid-epoch
+        if need be — or to a stop request; then the final model, or the mark of a stop."""
+        budget, position = Budget.of(self.cfg), self.position
+        while not budget.done(position.epoch, position.step):
+            epoch = self.train_epoch()
+            if epoch.finished_elsewhere:
+                return
+            if position.epoch_offset < len(self.train_data):  # inside the epoch
+                if budget.steps_done(position.step):  # the step budget's end: validated and checkpointed here
+                    self.end_at_step_budget(epoch)
+                break  # or asked to stop: checkpointed at this step
+            self.end_epoch(epoch)
+            if epoch.stopped:
+                break
+        if not budget.done(position.epoch, position.step):
+            self.files.interrupted(progress(position, self.runner.measures.telemetry, "interrupted"))
+        else:
+            weights = self.runner.training_state(position).weights()  # a collective under fsdp: every rank gathers
+            self.files.finish(weights, progress(position, self.runner.measures.telemetry, "finished"))
+        self.checkpointer.finish()  # the last checkpoint's files, written in the background
+
+    def announce(self, healed: bool = False, after: str = "", size: int = 0) -> None:
+        """Rank 0 says what this attempt is (with the plan and rate it trains with, against the
+        checkpoint's rate) and what the data costs the run, then `after` (a quorum line, of
+        `size` workers). A replica `healed` into a live quorum says nothing: the quorum's line does."""
+        files, runner, position, saved = self.files, self.runner, self.position, self.saved
+        self.announced = True
+        if healed:
+            return
+        lr_before = saved.get("lr", math.nan) if saved else math.nan
+        world_size = self.runtime.world_size
+        lr_now = runner.rate.at(position.samples_seen)
+        event = self.attempt.event(position, world_size, plan_line(runner), lr_now, lr_before)
+        files.start_attempt(event, position.step)
+        for note in cost_notes(self.train_data, world_size):
+            files.event(Kind.DATA, note)
+        note = hooks.optimizer_note(unwrap(runner.model), runner.optimizer)
+        if note:
+            files.event(Kind.NOTE, note)
+        if overrides(runner.pipeline, "build_optimizer"):  # config.yaml says what the pipeline's optimizer is
+            details = {"build_optimizer": describe_optimizer(runner.optimizer)}
+            files.update_config(resume.recorded_config(files.rundir.config(), ["build_optimizer"], details))
+        if after:
+            files.event(Kind.QUORUM, after, world_size=size)
 
     def train_epoch(self) -> EpochResult:
         """Train the rest of the current epoch: to its end, to the step budget (--max-steps), or to
@@ -81,8 +172,11 @@ class Epochs:
             self.files.enabled = recovery.runtime.is_rank0
             if recovery.healed:  # the position (and the epoch's loss so far) came from a live peer
                 start, samples_before = time.perf_counter(), position.samples_seen
-            if not self.announced and recovery.first_quorum(self, quorum):  # a replacement too late to join
-                return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True)
+            if not self.announced:  # this worker's first quorum (per-step)
+                after = recovery.first_quorum(quorum, self.files, budget)
+                if after is None:  # a replacement too late to join
+                    return EpochResult(math.nan, math.nan, stopped=False, finished_elsewhere=True)
+                self.announce(recovery.healed, after, quorum.size)
             if quorum != split:
                 recovery.faults.follow(quorum)
                 self.follow_quorum(quorum.size)
@@ -144,7 +238,7 @@ class Epochs:
         previous = position.world_sizes[-1] if position.world_sizes else size
         if size != previous:
             runner, lr = self.runner, self.runner.rate.at(position.samples_seen)
-            line = self.recovery.quorum_line(previous, size, position, plan_line(runner), lr)
+            line = self.recovery.quorum_line(previous, size, position, plan_line(runner), lr)  # per-step only
             self.files.event(Kind.QUORUM, line, world_size=size, previous_world_size=previous, step=position.step)
         position.trains_with(size)
 
@@ -156,9 +250,9 @@ class Epochs:
         Returns whether the run was asked to stop. Per-step, each replica reads the stop request
         itself rather than trusting the sync to carry it."""
         cfg, runner, position, files, stop = self.cfg, self.runner, self.position, self.files, False
-        faults = self.recovery.faults
-        if runner.measures.memory is not None and not runner.measures.memory_said:
-            runner.measures.say_memory(runner.runtime, files, note=runner.prepared.strategy.memory_note)
+        faults, measures = self.recovery.faults, runner.measures
+        if measures.memory is not None and not measures.memory_said:
+            measures.say_memory(self.runtime, files, note=runner.prepared.strategy.memory_note)
         if files.live_due():  # about once a second, where rank 0 is in the epoch (the driver's progress bar)
             files.live(
                 epoch=position.epoch + 1,
@@ -166,7 +260,7 @@ class Epochs:
                 samples_seen=position.samples_seen,
                 epoch_rows=len(self.train_data),
                 global_batch_size=runner.batch_plan.global_batch_size,
-                world_size=runner.runtime.world_size,
+                world_size=self.runtime.world_size,
                 loss=runner.window.mean_loss(),
             )
         checkpoint_now = self.checkpointer.due(position.step, last)
@@ -179,22 +273,23 @@ class Epochs:
             if count:
                 position.epoch_loss = position.epoch_loss_so_far()
                 position.epoch_loss.add(loss, count)
-                runner.measures.synced(loss)
+                measures.synced(loss)
             if not last:
-                rate = runner.measures.lap(position.samples_seen)
+                rate = measures.lap(position.samples_seen)
                 validation = self.validate(between_steps=True) if evaluate_now else {}
                 row = self.metrics_row(loss=loss, samples_per_s=rate, extra={**validation, **faults.row_figures()})
                 files.metrics(row)
                 if evaluate_now:
                     files.evaluation(row)
             checkpoint_now = checkpoint_now or (stop and not last)
-        if faults.replicas_due(self.recovery, position.step, checkpoint_now or last):
+        if faults.replicas_due(position.step, checkpoint_now or last):
             # Before the checkpoint (the epoch's or the run's last, its caller's): a published one's
             # replicas agreed. Here, at the sync, where every replica is (per-step, inside the step).
-            self.compare_replicas()
+            # On a mismatch the run goes back to the last checkpoint, whose replicas agreed.
+            faults.compare(files, runner.model, runner.optimizer, position.step, self.checkpointer.last_good)
         if checkpoint_now:
             row = self.metrics_row(loss=float("nan"), samples_per_s=0.0)
-            self.checkpointer.save(self, row.to_json())
+            self.checkpointer.save(runner, row.to_json())
         return stop
 
     def sync_ranks(self, stop_requested: bool = False, driver_gone: str | None = None) -> tuple[float, int, bool]:
@@ -208,38 +303,22 @@ class Epochs:
             faults.my_host, measures.compiled(), driver_gone,
         )  # fmt: skip
         if diverged:
-            last_good = self.last_good_checkpoint()
+            last_good = self.checkpointer.last_good()
             raise TrainingDiverged(
                 divergence_message(
                     diverged,
                     stopped_at=position.step,
-                    lr=runner.cfg.lr,
+                    lr=self.cfg.lr,
                     peak_lr=runner.rate.peak_lr,
-                    precision=runner.cfg.precision,
+                    precision=self.cfg.precision,
                     last_good=str(last_good) if last_good else None,
                 )
             )
         if self.steady_clock is not None:  # the sync waited for the steps' kernels: their times are in
-            self.steady_clock.settle(runner.measures.telemetry)
-        faults.after_sync(self.recovery, self.files, times, hosts, position.step)
+            self.steady_clock.settle(measures.telemetry)
+        faults.after_sync(self.files, times, hosts, position.step)
         measures.note_compiled(compiled, self.files, position.step)
         return loss, count, stop
-
-    def last_good_checkpoint(self) -> Any:
-        """The run's last complete checkpoint (None: none yet), once the one being written in the
-        background is finished, so that a run ending here (diverged, its replicas disagreeing) names
-        it. That one was saved after a finite loss and agreeing replicas."""
-        with contextlib.suppress(Exception):
-            self.checkpointer.finish(timeout_s=DIVERGED_CHECKPOINT_WAIT_S)
-        return checkpoints.latest_complete(self.checkpointer.store)
-
-    def compare_replicas(self) -> None:
-        """The replicas' fingerprints compared (`raytrain.instruments.watch.Watch.compare`); on a
-        mismatch the run goes back to the last checkpoint, whose replicas agreed."""
-        runner = self.runner
-        self.recovery.faults.compare(
-            self.recovery, self.files, runner.model, runner.optimizer, self.position.step, self.last_good_checkpoint
-        )
 
     def end_epoch(self, epoch: EpochResult) -> None:
         """Validate, write the epoch's row and report it with a checkpoint."""
@@ -248,7 +327,7 @@ class Epochs:
         position.epoch, position.epoch_offset = position.epoch + 1, 0
         row = self.closing_row(epoch, val_metrics)
         self.files.epoch_end(row, self.cfg.epochs)
-        self.checkpointer.save(self, row.to_json())
+        self.checkpointer.save(self.runner, row.to_json())
 
     def end_at_step_budget(self, epoch: EpochResult) -> None:
         """The step budget (--max-steps) ran out inside an epoch: validate, write the run's last row
@@ -256,7 +335,7 @@ class Epochs:
         row = self.closing_row(epoch, self.validate())
         self.files.metrics(row)
         self.files.evaluation(row, final=True)
-        self.checkpointer.save(self, row.to_json())
+        self.checkpointer.save(self.runner, row.to_json())
 
     def closing_row(self, epoch: EpochResult, val_metrics: dict) -> MetricsRow:
         """The row that closes an epoch (or the run, inside one): its `loss` is the last window's, as
@@ -276,7 +355,7 @@ class Epochs:
             epoch=position.epoch if position.epoch_offset == 0 else position.epoch + 1,
             step=position.step,
             samples_seen=position.samples_seen,
-            world_size=runner.runtime.world_size,
+            world_size=self.runtime.world_size,
             global_batch_size=runner.batch_plan.global_batch_size,
             lr=runner.rate.at(position.samples_seen),
             loss=loss,

@@ -221,9 +221,14 @@ class TrainingState:
         """Take a live peer's state (per-step mode), the position included."""
         self.holding.load_live_state(self.model, self.optimizer, {"model": live["model"], "optim": live["optimizer"]})
         load_scaler(self.scaler, live["scaler"])
-        for part, restored in ((self.position, Position.restored(live)), (self.telemetry, Telemetry.restored(live))):
-            for name in (f.name for f in dataclasses.fields(part)):
-                setattr(part, name, getattr(restored, name))
+        take(self.position, Position.restored(live))
+        take(self.telemetry, Telemetry.restored(live))
+
+
+def take(part: Any, restored: Any) -> None:
+    """`restored`'s fields into `part` (a position, a telemetry), the object the attempt holds."""
+    for name in (f.name for f in dataclasses.fields(part)):
+        setattr(part, name, getattr(restored, name))
 
 
 @dataclass
