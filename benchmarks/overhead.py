@@ -58,7 +58,7 @@ import raytrain  # noqa: E402
 from benchmarks import startup_phases  # noqa: E402
 from benchmarks.start_common import echo, head_command, start_template, timed_process  # noqa: E402
 
-TARGETS = {"mlp": 0.97, "cnn": 1.0, "first_step_s": 10.0, "end_to_end_s": 12.0, "fingerprint_share": 0.01}
+TARGETS = {"mlp": 0.97, "cnn": 0.95, "first_step_s": 10.0, "end_to_end_s": 12.0, "fingerprint_share": 0.01}
 # The steps between two replica checks by default for digits: an epoch (1,437 rows at global batch 64).
 DIGITS_STEPS_PER_EPOCH = 23
 # With `raytrain up` running: end to end against the template, and the first step (issue 32).
@@ -275,10 +275,11 @@ def report(rounds: list[dict]) -> str:
     for kind, label in kinds if rounds[0]["throughput"] else ():
         ours = median([r["throughput"][kind]["raytrain"] for r in rounds])
         theirs = median([r["throughput"][kind]["template"] for r in rounds])
-        ratio = median([r["throughput"][kind]["raytrain"] / r["throughput"][kind]["template"] for r in rounds])
-        target = TARGETS[kind]
-        met = "yes" if ratio >= target else "no"
-        lines.append(f"| {label} | {theirs:,.0f} | {ours:,.0f} | {ratio:.3f} | ≥ {target} | {met} |")
+        ratios = [r["throughput"][kind]["raytrain"] / r["throughput"][kind]["template"] for r in rounds]
+        target, met = TARGETS[kind], "yes" if min(ratios) >= TARGETS[kind] else "no"  # in every round
+        lines.append(
+            f"| {label} | {theirs:,.0f} | {ours:,.0f} | {median(ratios):.3f} | ≥ {target} each round | {met} |"
+        )
     starts = (("first_step_s", "time to the first step, s"), ("end_to_end_s", "train digits, end to end, s"))
     both = all("raytrain" in r["start"] and "template" in r["start"] for r in rounds)
     for key, label in starts if both else ():

@@ -7,14 +7,18 @@ the pipeline's hooks under their rule, the batch plan's weight, the rate set eve
 through the bare loop a user writes (slice, forward, backward, AdamW). Timed in CPU time of the
 thread (`time.thread_time`), so other work on a busy machine does not land in the figure; min
 and median over rounds, after 50 warm-up steps each. And the Python calls of a step of the step
-path (`sys.setprofile`), a count that noise does not move. Usage:
+path (`sys.setprofile`), a count that noise does not move. The step path runs with its instruments
+on (the heartbeat's marks, the phase timer, the rank's own time: what a run does) and off (each
+phase block a `nullcontext`: the step as if nothing watched it), round by round with the bare loop.
+Usage:
 
-    python benchmarks/step_cost.py [--rounds 7] [--steps 400]
+    python benchmarks/step_cost.py [--rounds 7] [--steps 400] [--instruments both|on|off]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -66,7 +70,7 @@ def setup(steps_per_round: int):
     return pipe, cfg, table
 
 
-def raytrain_step_s(pipe, cfg, table: Table, n: int) -> float:
+def raytrain_step_s(pipe, cfg, table: Table, n: int, instruments: bool = True) -> tuple[float, float]:
     torch.manual_seed(0)
     plan = resolve_batch_plan(1, batch_size_per_worker=BATCH)
     model = pipe.build_model(cfg)
@@ -84,6 +88,9 @@ def raytrain_step_s(pipe, cfg, table: Table, n: int) -> float:
         measures=Measures(Heartbeat(Path("."), 0, enabled=False), torch.device("cpu"), cfg.time_phases),
         prepared=Prepared.plain(model, cfg.precision),
     )
+    if not instruments:  # blocks that mark no heartbeat, lap no timer and count no own time
+        phases = runner.measures.step_phases
+        phases.data = phases.forward = phases.backward = phases.optimizer = contextlib.nullcontext()
     training = Training(cfg, Recovery(cfg, ".", runner.runtime), None, runner, None, table, None, Position())
     data = table.epoch(0, 0, 0, 0, 1)
     planned = steps.epoch_steps(len(table), BATCH)[: n + WARMUP]
@@ -134,19 +141,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--instruments", choices=["both", "on", "off"], default="both")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pipe, cfg, table = setup(args.steps)
-    rounds = [raytrain_step_s(pipe, cfg, table, args.steps) for _ in range(args.rounds)]
-    ours, calls = sorted(seconds for seconds, _ in rounds), rounds[-1][1]
-    bare = sorted(bare_step_s(pipe, cfg, table, args.steps) for _ in range(args.rounds))
-    mid = args.rounds // 2
+    kinds = {"both": ["on", "off"]}.get(args.instruments, [args.instruments])
+    rounds: dict[str, list] = {kind: [] for kind in [*kinds, "bare"]}
+    for _ in range(args.rounds):  # round by round, so that a busier moment weighs on every contender
+        for kind in kinds:
+            rounds[kind].append(raytrain_step_s(pipe, cfg, table, args.steps, instruments=kind == "on"))
+        rounds["bare"].append((bare_step_s(pipe, cfg, table, args.steps), 0.0))
+    mid, bare = args.rounds // 2, sorted(seconds for seconds, _ in rounds["bare"])
     print(
-        f"CPU time per step, min / median of {args.rounds} rounds of {args.steps} steps: raytrain "
-        f"{ours[0] * 1e6:.0f} / {ours[mid] * 1e6:.0f} µs, bare loop {bare[0] * 1e6:.0f} / {bare[mid] * 1e6:.0f} µs; "
-        f"raytrain's own cost {(ours[0] - bare[0]) * 1e6:.0f} µs per step (from the minima); "
-        f"{calls:.0f} Python calls per step in raytrain's step path"
+        f"CPU time per step, min / median of {args.rounds} rounds of {args.steps} steps: "
+        f"bare loop {bare[0] * 1e6:.0f} / {bare[mid] * 1e6:.0f} µs"
     )
+    for kind in kinds:
+        ours, calls = sorted(seconds for seconds, _ in rounds[kind]), rounds[kind][-1][1]
+        print(
+            f"raytrain, instruments {kind}: {ours[0] * 1e6:.0f} / {ours[mid] * 1e6:.0f} µs; its own cost "
+            f"{(ours[0] - bare[0]) * 1e6:.0f} µs per step (from the minima); {calls:.0f} Python calls per step"
+        )
 
 
 if __name__ == "__main__":

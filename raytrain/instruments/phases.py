@@ -59,9 +59,8 @@ class Measures:
         self.first_step = step
 
     def phases(self, step: int, timed: bool) -> "StepPhases":
-        """The instrumentation of the step at `step`: the attempt's, its blocks made once (a step
-        that syncs nothing allocates nothing for it); `timed`: a steady step, whose phase times
-        add to the telemetry's."""
+        """The instrumentation of the step at `step` (the attempt's, made once); `timed`: a steady
+        step, whose phase times add to the telemetry's."""
         phases, timer = self.step_phases, self.step_phases.timer
         phases.step_index, phases.current = step, "data"
         timer.totals, timer.last = self.telemetry.phase_time_s if timed else None, time.perf_counter()
@@ -296,10 +295,8 @@ class StepPhases:
         self.own = own if own is not None else OwnTime()
         self.current = "data"  # the last phase marked: where a failure happened
         self.data, self.forward = _Block(self, "data", "data_wait"), _Block(self, "forward", None)
-        self.backward, self.optimizer = (
-            _Block(self, "backward", "forward_backward"),
-            _Block(self, "optimizer", "optimizer"),
-        )
+        self.backward = _Block(self, "backward", "forward_backward")
+        self.optimizer = _Block(self, "optimizer", "optimizer")
 
 
 class _Block:

@@ -193,9 +193,8 @@ class StepRunner:
         self.window.restore(window_before)
 
     def raise_device_failure(self, exc: Exception, phase: StepPhases | str) -> None:
-        """`exc`, when it is the device's out-of-memory or device-side assert error, raised as the
-        user's (`raytrain.parallel.device`: never retried), named with this rank and the phase (a
-        try block, not a context manager: the step enters none)."""
+        """`exc`, if the device's out-of-memory or device-side assert error, raised as the user's
+        (`raytrain.parallel.device`: never retried), named with this rank and the phase."""
         where = phase if isinstance(phase, str) else PHASE_WORDS.get(phase.current, phase.current)
         failure = device.device_failure(exc, self.runtime.world_rank, where, self.runtime.device)
         if failure is not None:
@@ -267,7 +266,9 @@ class StepRunner:
             output = hooks.call(
                 self.pipeline, "compute_loss", self.model, Batch(batch), passthrough=strategy.is_collective_failure
             )
-        return split_loss(output)
+        if isinstance(output, tuple):  # (loss, metrics), else the loss alone
+            return output[0], dict(output[1] or {})
+        return output, {}
 
 
 def plan_line(runner: StepRunner) -> str:
@@ -292,14 +293,6 @@ class Batch(dict):
         raise KeyError(
             f"{key!r}: the batch has no such column; it has {', '.join(map(repr, self))} (columns of the dataset)"
         )
-
-
-def split_loss(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-    """A pipeline's compute_loss returns loss or (loss, metrics)."""
-    if isinstance(output, tuple):
-        loss, metrics = output
-        return loss, dict(metrics or {})
-    return output, {}
 
 
 def _in_step(batches, runtime):
