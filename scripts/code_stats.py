@@ -27,12 +27,13 @@ from Python 3.12, which tokenizes inside f-strings, a name in an f-string's brac
   (`.local`, `.renames`, `.local_path()`, `LocalFileSystem`...), inside `rundir/storage.py` and
   outside it, listed as module:line when 10 or fewer;
 - the lines of `raytrain/worker/*.py` with the NAME token `sharded`;
-- the classes of `raytrain/worker/*.py` over `FIELD_LIMIT` (12) fields or `METHOD_LIMIT` (15)
-  methods, each class definition on its own (inherited members not counted). Its fields: the
-  names it assigns as `self.X = ...`, `self.X: T = ...` or in a tuple of targets in its methods,
-  its class-level annotations but `ClassVar`s, and its class-level assignments to names
-  (`per_step = False`; dunders such as `__slots__` left out). Its methods: every function
-  directly in its body (properties, dunders, static and class methods included).
+- the classes of the core's packages (`CLASS_PACKAGES`: `raytrain/worker/*.py`, `faults/*.py`,
+  `instruments/*.py`) over `FIELD_LIMIT` (12) fields or `METHOD_LIMIT` (15) methods, each class
+  definition on its own (inherited members not counted). Its fields: the names it assigns as
+  `self.X = ...`, `self.X: T = ...` or in a tuple of targets in its methods, its class-level
+  annotations but `ClassVar`s, and its class-level assignments to names (`per_step = False`;
+  dunders such as `__slots__` left out). Its methods: every function directly in its body
+  (properties, dunders, static and class methods included).
 
 Exit status 1 when there is an import cycle.
 """
@@ -235,11 +236,13 @@ STORAGE_KIND_NAMES = frozenset(
 # What tells a Store's kind: a test on one is a branch on the kind (`Store.of`, which picks it, asks `is_uri`).
 STORE_KIND_NAMES = frozenset({"local", "renames", "local_path", "LocalFileSystem"})
 FIELD_LIMIT, METHOD_LIMIT = 12, 15
+CLASS_PACKAGES = ("worker", "faults", "instruments")  # whose classes are held to the limits
 
 
-def _worker_file(module: str) -> bool:
-    """A module of `raytrain/worker/*.py` (the package's __init__ included)."""
-    return module == "worker" or (module.startswith("worker.") and module.count(".") == 1)
+def _worker_file(module: str, packages: tuple[str, ...] = ("worker",)) -> bool:
+    """A module of `raytrain/worker/*.py` (the package's __init__ included), or of `packages`'."""
+    package = module.split(".")[0]
+    return package in packages and (module == package or module.count(".") == 1)
 
 
 def name_lines(text: str, names: frozenset[str] | set[str]) -> list[int]:
@@ -353,10 +356,10 @@ def class_fields(node: ast.ClassDef) -> set[str]:
 
 
 def class_shapes(trees: dict[str, ast.Module]) -> list[tuple[str, int, int]]:
-    """(module.Class, fields, methods) of every class of raytrain/worker/*.py, nested ones too."""
+    """(module.Class, fields, methods) of every class of the CLASS_PACKAGES' modules, nested ones too."""
     shapes = []
     for m, t in sorted(trees.items()):
-        if not _worker_file(m):
+        if not _worker_file(m, CLASS_PACKAGES):
             continue
         for node in (n for n in ast.walk(t) if isinstance(n, ast.ClassDef)):
             methods = sum(isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef) for s in node.body)
@@ -408,7 +411,7 @@ def modes_lines(before: dict | None, after: dict) -> list[str]:
         ),
         "Lines of raytrain/worker/ with `sharded`: "
         + pair(before and str(len(b["sharded"])), str(len(after["sharded"]))),
-        f"Classes of raytrain/worker/ {large}: "
+        f"Classes of raytrain/{'/, '.join(CLASS_PACKAGES)}/ {large}: "
         + pair(
             before and f"{len(b['large'])}{_listed([_shape(s) for s in b['large']])}",
             f"{len(after['large'])}{_listed([_shape(s) for s in after['large']])}",
