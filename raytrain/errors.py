@@ -143,7 +143,6 @@ def find_error(error: BaseException | None, kind: "type[Any] | tuple[type[Any], 
             return cause
         if isinstance(current, kind):
             return current
-        stack.append(getattr(current, "_base_exc", None))  # Ray Train's UserExceptionWithTraceback
         stack.append(getattr(current, "controller_failure", None))  # Ray Train's ControllerError
         stack.append(cause)
         stack.append(current.__cause__)
@@ -231,9 +230,9 @@ def summarize_on_raise(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def attached_summary(error: BaseException) -> ErrorSummary | None:
-    """The ErrorSummary a worker attached to `error` (inside Ray Train's wrapper), if any."""
-    base = getattr(error, "_base_exc", error)  # Ray Train's UserExceptionWithTraceback
-    summary = getattr(base, SUMMARY_ATTRIBUTE, None)
+    """The ErrorSummary a worker attached to `error`, if any (Ray Train hands back the worker's own
+    exception: its poll unwraps the wrapper the worker's thread raised in)."""
+    summary = getattr(error, SUMMARY_ATTRIBUTE, None)
     return summary if isinstance(summary, ErrorSummary) else None
 
 

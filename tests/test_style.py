@@ -51,45 +51,54 @@ PRIVATE_RAY_NAMES = {
         "ray.data._internal.stats.DatasetStats",  # the new dataset's (empty) stats
         "ray.data.dataset.Dataset._logical_plan",  # the plan a dataset holds: no public getter
     },
+    # Ray Train's controller started with raytrain's controller class and signal handling.
     "raytrain.driver.failfast": {
         # In the copy of Ray's controller start (COPIED_RAY_CODE), as Ray writes them.
         "ray._common.constants.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR",
-        "ray._raylet.RAY_NODE_ID_KEY",
         "ray.train.v2._internal.constants.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE",
         "ray.train.v2._internal.constants.get_env_vars_to_propagate",
+        # Overridden, no public equivalent: where `fit` hands the controller its failure and
+        # scaling policies and callbacks (RunConfig(callbacks=...) only adds to Ray's, and
+        # DatasetsCallback must be replaced), and Ray's controller class, which this copy replaces
+        # (Ray takes none), and whose SIGINT handler raytrain's signal handling replaces.
+        "ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._initialize_and_run_controller",
+    },
+    # The one module that imports Ray's private names for raytrain's driver and fault tolerance
+    # (failfast, resources, evict, replacement take them from it).
+    "raytrain.faults.ray_internals": {
         # Ray's datasets callback without its dataset manager, for a trainer without datasets.
         "ray.train.v2._internal.callbacks.DatasetsCallback",
-        # The failure policy around Ray's: the controller takes only an _internal FailurePolicy,
-        # and `fit` builds Ray's from FailureConfig (create_failure_policy) with no hook.
-        "ray.train.v2._internal.execution.failure_handling.FailureDecision",
-        "ray.train.v2._internal.execution.failure_handling.FailurePolicy",
-        # Overridden, no public equivalent: RunConfig(callbacks=...) only adds to Ray's callbacks,
-        # and DatasetsCallback must be replaced;
-        "ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._create_default_callbacks",
-        # where `fit` hands the controller its failure and scaling policies and callbacks (and
-        # Ray's controller class, which this copy replaces: Ray takes none);
-        "ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._initialize_and_run_controller",
-        # raytrain's signal handling keeps the controller to abort it, in place of Ray's handler.
-        "ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._register_sigint_handler",
-    },
-    # --evict-stragglers: the evicted nodes kept out where the controller decides (no hook or option
-    # of Ray 2.60 excludes a live node from a run).
-    "raytrain.faults.evict": {
-        "ray._raylet.RAY_NODE_ID_KEY",  # the label every node has: its id (no public name in 2.60)
-        # every new worker group's label selector (on_controller_start_worker_group): no public hook
-        "ray.train.v2._internal.execution.callback.ControllerCallback",
-        # the elastic policy counting no worker on an evicted node: `fit` builds Ray's, no hook
-        "ray.train.v2._internal.execution.scaling_policy.ElasticScalingPolicy",
-    },
-    # Ray Train's controller of a per-step run, its callbacks and its elastic policy in whole groups.
-    "raytrain.faults.replacement": {
-        # ReplicaGroups' hooks (a worker or replica group started, a resize about to run): UserCallback has none
+        # The controller's hooks: a worker or replica group started or polled, a failure or a
+        # resize about to be acted on, a new worker group's label selector
+        # (on_controller_start_worker_group): UserCallback has only after_report and after_exception.
         "ray.train.v2._internal.execution.callback.ControllerCallback",
         "ray.train.v2._internal.execution.callback.ReplicaGroupCallback",
         "ray.train.v2._internal.execution.callback.WorkerGroupCallback",
-        "ray.train.v2._internal.execution.controller.TrainController",  # GroupController's base
-        "ray.train.v2._internal.execution.failure_handling.FailureDecision",  # ReplacementRetries' answer
-        # GroupController's overrides; no hook, public or _internal, reaches what each changes:
+        "ray.train.v2._internal.execution.controller.TrainController",  # started by raytrain, GroupController's base
+        # The failure policy's answer (FailFastPolicy, ReplacementRetries): the controller takes only
+        # an _internal policy, and `fit` builds Ray's from FailureConfig (create_failure_policy), no hook.
+        "ray.train.v2._internal.execution.failure_handling.FailureDecision",
+        # The elastic policy counting no worker on an evicted node, or in whole groups: `fit`
+        # builds Ray's (create_scaling_policy), no hook; and the decisions it answers.
+        "ray.train.v2._internal.execution.scaling_policy.ElasticScalingPolicy",
+        "ray.train.v2._internal.execution.scaling_policy.NoopDecision",
+        "ray.train.v2._internal.execution.scaling_policy.ResizeDecision",
+        "ray.train.v2._internal.execution.worker_group.poll.WorkerGroupPollStatus",  # a poll's status, rebuilt
+        "ray.train.v2._internal.execution.worker_group.poll.WorkerStatus",  # a waiting worker's: finished
+        # Ray Train's torchft backend, a private class (TorchftConfig.backend_cls), subclassed for a
+        # lighthouse that asks for no CPU: no option or hook sets the lighthouse actor's resources.
+        "ray.train.v2.torch.torchft_config._TorchftBackend",
+        # An elastic run's view of the cluster refreshed (driver.resources): the coordinator reads
+        # the nodes only every 20 s.
+        "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator.get_or_create_autoscaling_coordinator",
+        # The nodes a run evicted, written by a worker and read by the controller (faults.evict):
+        # Ray's key-value store in the GCS, which both reach; Ray 2.60 has no public one.
+        "ray.experimental.internal_kv._internal_kv_list",
+        "ray.experimental.internal_kv._internal_kv_put",
+    },
+    # Ray Train's controller of a per-step run and its elastic policy in whole groups: overrides
+    # where no hook, public or _internal, reaches what each changes.
+    "raytrain.faults.replacement": {
         # a replacement kept in place at the running size (a scaling policy decides without the
         # poll's status, and before_controller_execute_resize_decision cannot change a decision);
         "ray.train.v2._internal.execution.controller.controller.TrainController._execute_resize_decision",
@@ -98,37 +107,12 @@ PRIVATE_RAY_NAMES = {
         "ray.train.v2._internal.execution.controller.controller.TrainController._poll_workers",
         # a group without room left waiting instead of Ray's unbounded wait in replace_replica_group;
         "ray.train.v2._internal.execution.controller.controller.TrainController._replace_bad_workers",
-        # the waiting groups forgotten when a whole new worker group starts (they start with it).
+        # the waiting groups forgotten when a whole new worker group starts (they start with it);
         "ray.train.v2._internal.execution.controller.controller.TrainController._start_worker_group",
-        # The elastic policy in whole groups: `fit` builds Ray's (create_scaling_policy), no hook.
-        "ray.train.v2._internal.execution.scaling_policy.ElasticScalingPolicy",
-        "ray.train.v2._internal.execution.scaling_policy.NoopDecision",
-        "ray.train.v2._internal.execution.scaling_policy.ResizeDecision",
+        # the workers the cluster can hold, counted in whole groups;
         "ray.train.v2._internal.execution.scaling_policy.elastic.ElasticScalingPolicy._count_possible_workers",
-        "ray.train.v2._internal.execution.worker_group.poll.WorkerGroupPollStatus",  # a poll's status, rebuilt
-        "ray.train.v2._internal.execution.worker_group.poll.WorkerStatus",  # a waiting worker's: finished
-        # Ray Train's torchft backend, a private class (TorchftConfig.backend_cls), subclassed for a
-        # lighthouse that asks for no CPU: no option or hook sets the lighthouse actor's resources.
-        "ray.train.v2.torch.torchft_config._TorchftBackend",
+        # the lighthouse actor created with no CPU asked (see ray_internals' _TorchftBackend).
         "ray.train.v2.torch.torchft_config._TorchftBackend._maybe_create_lighthouse_actor",
-    },
-    # An elastic run's view of the cluster refreshed: the coordinator reads the nodes only every 20 s.
-    "raytrain.driver.resources": {
-        "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator.get_or_create_autoscaling_coordinator",
-        # where the refresh runs: before a failure is acted on, and after the group's polls
-        "ray.train.v2._internal.execution.callback.ControllerCallback",
-        "ray.train.v2._internal.execution.callback.WorkerGroupCallback",
-    },
-    "raytrain.driver.session": {
-        "ray._private.worker._global_node",  # the session's log directory: no public API gives it
-    },
-    "raytrain.errors": {
-        # the user's exception inside Ray Train's wrapper (poll.py reads it so too): no public attribute
-        "ray.train.v2._internal.exceptions.UserExceptionWithTraceback._base_exc",
-    },
-    "raytrain.tune.driver": {
-        # what the scheduler's public `metric` property gives (Tune checks results for it)
-        "ray.tune.schedulers.trial_scheduler.TrialScheduler._metric",
     },
     "raytrain.worker.network": {
         # Ray Train's torch backend, a private class (TorchConfig.backend_cls), subclassed to run a
@@ -137,13 +121,6 @@ PRIVATE_RAY_NAMES = {
         # or hook of Ray 2.60 runs in a worker before it (a runtime_env's worker_process_setup_hook
         # is read from ray.init's job config only, not from RunConfig.worker_runtime_env).
         "ray.train.torch.config._TorchBackend",
-    },
-    "raytrain.worker.runtime": {
-        # the nodes a run evicted, written by a worker and read by the controller (raytrain.faults.evict):
-        # Ray's key-value store in the GCS, which both reach; Ray 2.60 has no public one
-        "ray.experimental.internal_kv._internal_kv_initialized",
-        "ray.experimental.internal_kv._internal_kv_list",
-        "ray.experimental.internal_kv._internal_kv_put",
     },
 }
 # The Ray release the names above were read from: another one fails
@@ -184,6 +161,16 @@ def _copies_of_ray_code() -> dict[str, str]:
 
 def test_private_ray_names_are_the_listed_ones_in_the_listed_modules():
     assert _private_ray_names() == PRIVATE_RAY_NAMES
+
+
+def test_the_node_id_label_raytrain_writes_is_rays():
+    """`ray.io/node-id`, Ray's documented default label of a node, written as a value (a label
+    selector's key) where Ray's own code reads a private constant."""
+    import ray._raylet
+
+    from raytrain.faults.ray_internals import NODE_ID_LABEL
+
+    assert NODE_ID_LABEL == ray._raylet.RAY_NODE_ID_KEY
 
 
 def test_the_private_names_were_read_from_the_installed_ray():

@@ -16,23 +16,19 @@ import threading
 from typing import Any, Callable
 
 from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.callbacks import DatasetsCallback
-from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
 from raytrain.driver import interrupts
 from raytrain.errors import NOT_RETRIED, find_error
 from raytrain.faults.evict import KeepEvictedOut
+from raytrain.faults.ray_internals import NODE_ID_LABEL, DatasetsCallback, FailureDecision, TrainController
 
 
-class FailFastPolicy(FailurePolicy):
-    def __init__(
-        self,
-        inner: FailurePolicy,
-        mode: Any,
-        on_worker_failure: Callable[[BaseException], None] | None = None,
-    ):
-        super().__init__(inner.failure_config)
-        self.inner = inner
+class FailFastPolicy:
+    """A failure policy of Ray Train's controller, which asks it only `make_decision`."""
+
+    def __init__(self, inner: Any, mode: Any, on_worker_failure: Callable[[BaseException], None] | None = None):
+        self.inner = inner  # Ray's policy, built from FailureConfig
+        self.failure_config = inner.failure_config
         self.mode = mode  # the fault-tolerance mode (`raytrain.faults`): its decision comes before Ray's
         # Told of every failure that is not the user's (a worker died, a node was lost): where
         # raytrain says what the dead worker could not (`stall_reporter`).
@@ -63,20 +59,16 @@ class FailFastTrainer(TorchTrainer):
         self.on_worker_failure = mode.on_worker_failure(run_dir)
         self.evict_key = evict_key  # --evict-stragglers: the run's evicted nodes (raytrain.faults.evict)
 
-    def _create_default_callbacks(self):
-        """Ray's, but with no dataset manager when the trainer has no datasets (raytrain's
-        workers read their own shards: `raytrain.data.sources`): Ray Train starts one more actor
-        process per run for it, about 4 CPU seconds of imports for nothing. What else the
-        callback does, handing the driver's Ray Data context to the workers, it still does."""
-        callbacks = super()._create_default_callbacks()
-        if self.datasets:
-            return callbacks
-        return [
-            _WithoutDatasetManager(self.train_run_context, {}) if type(callback) is DatasetsCallback else callback
-            for callback in callbacks
-        ]
-
     def _initialize_and_run_controller(self, **kwargs):
+        if not self.datasets:
+            # Ray's callbacks, but with no dataset manager (raytrain's workers read their own
+            # shards: `raytrain.data.sources`): Ray Train starts one more actor process per run for
+            # it, about 4 CPU seconds of imports for nothing. What else the callback does, handing
+            # the driver's Ray Data context to the workers, it still does.
+            kwargs["callbacks"] = [
+                _WithoutDatasetManager(self.train_run_context, {}) if type(callback) is DatasetsCallback else callback
+                for callback in kwargs["callbacks"]
+            ]
         if self.scaling_config.elasticity_enabled:
             from raytrain.driver.resources import FreshResources
 
@@ -85,13 +77,11 @@ class FailFastTrainer(TorchTrainer):
         if self.evict_key is not None:  # an elastic run: keep evicted stragglers' nodes out
             kwargs["callbacks"] = [*kwargs["callbacks"], KeepEvictedOut(self.evict_key)]
         controller = self.mode.controller(self.scaling_config, kwargs, self.evict_key)
-        if controller is None:
-            return super()._initialize_and_run_controller(**kwargs)
-        return self._run_controller(controller, kwargs)
+        return self._run_controller(controller or TrainController, kwargs)
 
     def _run_controller(self, controller_cls, kwargs):
         """`DataParallelTrainer._initialize_and_run_controller` of Ray 2.60, with raytrain's
-        controller class (Ray's takes none)."""
+        controller class (Ray's takes none) and raytrain's signal handling in place of Ray's."""
         # A copy of ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._initialize_and_run_controller
         # (tests/test_style.py holds the digest of the source it was made from).
         import ray
@@ -106,13 +96,10 @@ class FailFastTrainer(TorchTrainer):
             RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE
         )
         here = ray.get_runtime_context().get_node_id()  # the controller runs beside the driver
-        controller = ray.remote(
-            num_cpus=0, label_selector={ray._raylet.RAY_NODE_ID_KEY: here}, runtime_env={"env_vars": env_vars}
-        )(controller_cls).remote(**kwargs)
-        if threading.current_thread() is threading.main_thread():
-            self._register_sigint_handler(controller)
+        controller = ray.remote(num_cpus=0, label_selector={NODE_ID_LABEL: here}, runtime_env={"env_vars": env_vars})(
+            controller_cls
+        ).remote(**kwargs)
+        if threading.current_thread() is threading.main_thread():  # Tune runs trials in threads
+            interrupts.set_controller(controller)  # to abort it
         ray.get(controller.run.remote())
         return ray.get(controller.get_result.remote())
-
-    def _register_sigint_handler(self, controller) -> None:
-        interrupts.set_controller(controller)

@@ -86,10 +86,10 @@ def build_torch_trainer(
     from raytrain.driver.failfast import FailFastTrainer
     from raytrain.errors import summarize_on_raise
     from raytrain.faults import mode_of
+    from raytrain.faults.evict import run_key
     from raytrain.rules.network import INTERFACE_VARIABLES
     from raytrain.rundir.storage import RETRY_ENV, Store
     from raytrain.worker.loop import PAYLOAD, WorkerPayload, train_loop_per_worker
-    from raytrain.worker.runtime import run_key
 
     workers: int | tuple[int, int] = cfg.max_workers if not cfg.elastic else (cfg.min_workers, cfg.max_workers)
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}

@@ -237,10 +237,9 @@ def ray_logs_dir() -> str | None:
     with contextlib.suppress(Exception):
         import ray
 
-        if ray.is_initialized():
-            node = ray._private.worker._global_node  # no public API gives the session directory
-            if node is not None:
-                return node.get_logs_dir_path()
+        if ray.is_initialized():  # the session's directory is the temp dir's, by its name
+            context = ray.get_runtime_context()
+            return os.path.join(context.get_temp_dir(), context.get_session_name(), "logs")
     return None
 
 

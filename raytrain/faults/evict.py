@@ -3,11 +3,11 @@
 A worker decides (`raytrain.instruments.watch`): every rank holds the same figures after the log
 sync, so every rank finds the same straggler at the same step. The straggler's worker writes
 its Ray node id under the run's key (one per invocation of the driver) in Ray's internal
-key-value store (`raytrain.worker.runtime.hold_out_this_node`), then the attempt ends (restart
+key-value store (`hold_out_this_node`), then the attempt ends (restart
 mode: every rank raises and Ray Train restarts the group; per-step: the straggler's replica
 group leaves at the next step's start and the others train on).
 
-The controller reads the key (`raytrain.worker.runtime.evicted_nodes`) where it decides:
+The controller reads the key (`evicted_nodes`) where it decides:
 
 - `Evicting`, a mixin of Ray Train's elastic scaling policy, counts no worker on an evicted
   node: the group restarts at the size the other nodes hold;
@@ -22,9 +22,29 @@ from __future__ import annotations
 from typing import Any
 
 import ray
-from ray.train.v2._internal.execution.callback import ControllerCallback
 
-from raytrain.worker.runtime import evicted_nodes
+from raytrain.faults.ray_internals import NODE_ID_LABEL, ControllerCallback, ElasticScalingPolicy, kv_keys, kv_put
+
+EVICTED_NAMESPACE = "raytrain"  # Ray's internal key-value store: the nodes evicted from each run
+
+
+def run_key(storage: str, name: str | None, invocation: str) -> bytes:
+    """The key of the nodes one invocation of a run evicted, in Ray's internal key-value store:
+    a `--resume` starts with none."""
+    return f"evicted:{storage.rstrip('/')}/{name}/{invocation}".encode()
+
+
+def evicted_nodes(key: bytes) -> set[str]:
+    """The Ray node ids evicted from the run of `key` so far (one entry each under the key)."""
+    prefix = key + b"/"
+    return {entry[len(prefix) :].decode() for entry in kv_keys(prefix, EVICTED_NAMESPACE)}
+
+
+def hold_out_this_node(key: bytes) -> str:
+    """On a worker: add its Ray node to the run's evicted nodes; returns its id."""
+    node_id = ray.get_runtime_context().get_node_id()
+    kv_put(key + b"/" + node_id.encode(), b"1", EVICTED_NAMESPACE)
+    return node_id
 
 
 class Evicting:
@@ -41,8 +61,6 @@ class Evicting:
 
 def evicting_policy(scaling_config: Any, key: bytes, base: type | None = None) -> Any:
     """Ray Train's elastic scaling policy (or `base`, one of its subclasses) counting no evicted node."""
-    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
-
     policy_class = type("EvictingScalingPolicy", (Evicting, base or ElasticScalingPolicy), {"evicting_key": key})
     return policy_class(scaling_config=scaling_config)
 
@@ -58,7 +76,7 @@ class KeepEvictedOut(ControllerCallback):
             out = sorted(evicted_nodes(self.key))
         except Exception:  # noqa: BLE001 - the store unreachable: placed as Ray would, evicted again if slow
             return None
-        return {ray._raylet.RAY_NODE_ID_KEY: f"!in({', '.join(out)})"} if out else None
+        return {NODE_ID_LABEL: f"!in({', '.join(out)})"} if out else None
 
 
-__all__ = ["Evicting", "KeepEvictedOut", "evicting_policy"]
+__all__ = ["Evicting", "KeepEvictedOut", "evicted_nodes", "evicting_policy", "hold_out_this_node", "run_key"]

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from raytrain.faults.evict import hold_out_this_node
 from raytrain.faults.groups import replica_of, replica_process_group
 from raytrain.faults.replacement import (
     HEARTBEAT_TIMEOUT_S,
@@ -59,7 +60,7 @@ from raytrain.rundir import RunDir
 from raytrain.rundir.records import Event, Kind
 from raytrain.rundir.storage import Store
 from raytrain.text import first_line, sci
-from raytrain.worker.runtime import Runtime, group_barrier, hold_out_this_node
+from raytrain.worker.runtime import Runtime, group_barrier
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path

@@ -46,13 +46,22 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 from ray.train import ControllerError
-from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
-from ray.train.v2._internal.execution.controller import TrainController
-from ray.train.v2._internal.execution.failure_handling import FailureDecision
-from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
-from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
 from ray.train.v2.torch import torchft_config as ray_torchft
 
+from raytrain.faults.evict import evicted_nodes, evicting_policy
+from raytrain.faults.ray_internals import (
+    ControllerCallback,
+    ElasticScalingPolicy,
+    FailureDecision,
+    NoopDecision,
+    ReplicaGroupCallback,
+    ResizeDecision,
+    TrainController,
+    WorkerGroupCallback,
+    WorkerGroupPollStatus,
+    WorkerStatus,
+    _TorchftBackend,
+)
 from raytrain.rules import network
 from raytrain.rules.replicas import (
     GROUP_STORE_ENV,
@@ -253,8 +262,6 @@ class GroupController(TrainController):
         evicted one (`raytrain.faults.evict`: kept out to the run's end)."""
         from ray.util.placement_group import placement_group_table
 
-        from raytrain.worker.runtime import evicted_nodes
-
         worker_group = self.get_worker_group()
         placement_group = worker_group.get_worker_group_state().placement_group_handle.placement_group
         nodes = placement_group_table(placement_group).get("bundles_to_node_id") or {}
@@ -272,9 +279,6 @@ def group_scaling_policy(scaling_config, group_size: int, evict_key: bytes | Non
     replica group in place only at an unchanged worker count; a resize restarts every group
     from the last checkpoint (`TrainController._execute_resize_decision`): here only a growth
     past the size the run started with."""
-    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
-
-    from raytrain.faults.evict import evicting_policy
 
     class GroupScalingPolicy(ElasticScalingPolicy):
         def _count_possible_workers(self, reserved_resources) -> int:
@@ -320,7 +324,7 @@ LIGHTHOUSE_KWARGS = {
 }
 
 
-class _Backend(BindsInterfaces, ray_torchft._TorchftBackend):
+class _Backend(BindsInterfaces, _TorchftBackend):
     """Ray Train's torchft backend, bound to each node's interface (`raytrain.worker.network`),
     with a lighthouse that asks for no CPU. Ray 2.60 pins the
     lighthouse to the controller's node as an actor with the default request of 1 CPU for

@@ -36,13 +36,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from raytrain.faults.evict import evicting_policy
+from raytrain.faults.evict import evicting_policy, hold_out_this_node, run_key
 from raytrain.instruments.watch import StragglerEvicted, Watch
 from raytrain.rules import agreement, stragglers
 from raytrain.rules.interval import AutoInterval
 from raytrain.rundir.storage import Store
 from raytrain.worker.network import BoundTorchConfig
-from raytrain.worker.runtime import Runtime, hold_out_this_node, run_key
+from raytrain.worker.runtime import Runtime
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path

@@ -118,11 +118,14 @@ def _scheduler(options: TuneOptions, epochs: int, grace: int):
 
         def __init__(self) -> None:
             super().__init__()
-            self._metric, self._mode = options.metric, options.mode
             self.groups: dict[int, AsyncHyperBandScheduler] = {}
 
+        @property
+        def metric(self):  # Tune checks that results carry it
+            return options.metric
+
         def set_search_properties(self, metric, mode, **spec) -> bool:
-            return not (metric and metric != self._metric) and not (mode and mode != self._mode)
+            return not (metric and metric != options.metric) and not (mode and mode != options.mode)
 
         def _group(self, trial) -> AsyncHyperBandScheduler:
             key = trial.config["point"]["workers"]

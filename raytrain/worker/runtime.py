@@ -183,35 +183,6 @@ def _ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-EVICTED_NAMESPACE = "raytrain"  # Ray's internal key-value store: the nodes evicted from each run
-
-
-def run_key(storage: str, name: str | None, invocation: str) -> bytes:
-    """The key of the nodes one invocation of a run evicted, in Ray's internal key-value store
-    (`raytrain.faults.evict`): a `--resume` starts with none."""
-    return f"evicted:{storage.rstrip('/')}/{name}/{invocation}".encode()
-
-
-def evicted_nodes(key: bytes) -> set[str]:
-    """The Ray node ids evicted from the run of `key` so far (one entry each under the key)."""
-    from ray.experimental.internal_kv import _internal_kv_initialized, _internal_kv_list
-
-    if not _internal_kv_initialized():
-        return set()
-    prefix = key + b"/"
-    return {entry[len(prefix) :].decode() for entry in _internal_kv_list(prefix, namespace=EVICTED_NAMESPACE)}
-
-
-def hold_out_this_node(key: bytes) -> str:
-    """Add this worker's Ray node to the run's evicted nodes (`raytrain.faults.evict` keeps the run
-    off it); returns its id."""
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    node_id = ray.get_runtime_context().get_node_id()
-    _internal_kv_put(key + b"/" + node_id.encode(), b"1", overwrite=True, namespace=EVICTED_NAMESPACE)
-    return node_id
-
-
 def node_address() -> str:
     """This worker's host as the others reach it: its Ray node's address (the hostname where
     Ray is not running: local mode)."""
