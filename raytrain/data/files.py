@@ -10,9 +10,10 @@ Parquet, or whose columns differ from the dataset's first file is named with the
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from raytrain.errors import DataError
+from raytrain.text import first_line
 
 # Files looked at after a failure: the units being read then (a read task reads a few files,
 # and a few tasks run ahead of training), far fewer than a dataset may hold.
@@ -25,9 +26,8 @@ def explain_read_error(units: Any, ids: Sequence[int], name: str) -> DataError |
     or None when the dataset is not files or none of them explains the failure."""
     if getattr(units, "kind", None) != "files":
         return None
-    filesystem = getattr(units.source, "filesystem", None)
-    every = list(dict.fromkeys(p for p in map(_path, units.payload) if p))
-    paths = list(dict.fromkeys(p for p in (_path(units.payload[i]) for i in ids) if p))[:FILES_LOOKED_AT]
+    every, filesystem = _paths(units.payload), getattr(units.source, "filesystem", None)
+    paths = _paths(units.payload[i] for i in ids)[:FILES_LOOKED_AT]
     schemas: dict[str, Any] = {}
     for path in paths:
         try:
@@ -39,7 +39,7 @@ def explain_read_error(units: Any, ids: Sequence[int], name: str) -> DataError |
             )
         except Exception as exc:
             return DataError(
-                f"dataset {name!r}: file {path} cannot be read as Parquet ({_error_line(exc)}): it is truncated, "
+                f"dataset {name!r}: file {path} cannot be read as Parquet ({first_line(exc)}): it is truncated, "
                 "damaged or not Parquet. Replace it, or move it out of the dataset's directory"
             )
     for path in every[:3]:  # a few more, so that the columns most files have are known
@@ -55,8 +55,7 @@ def odd_columns(units: Any, name: str) -> DataError | None:
     the columns of all, so such a file can show only as nulls in a column of another."""
     if getattr(units, "kind", None) != "files":
         return None
-    filesystem = getattr(units.source, "filesystem", None)
-    paths = list(dict.fromkeys(p for p in map(_path, units.payload) if p))[:FILES_LOOKED_AT]
+    paths, filesystem = _paths(units.payload)[:FILES_LOOKED_AT], getattr(units.source, "filesystem", None)
     schemas = {}
     for path in paths:
         with contextlib.suppress(Exception):  # a file that cannot be read is named where it is read
@@ -109,10 +108,6 @@ def _schema(path: str, filesystem: Any) -> Any:
     return pq.read_schema(path, filesystem=filesystem)
 
 
-def _path(row: Any) -> str | None:
-    return row.get(PATH_KEY) if isinstance(row, dict) else None
-
-
-def _error_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+def _paths(rows: Iterable[Any]) -> list[str]:
+    """The files of Parquet manifest rows, each once, in order."""
+    return list(dict.fromkeys(row[PATH_KEY] for row in rows if isinstance(row, dict) and row.get(PATH_KEY)))

@@ -118,8 +118,7 @@ def sample_columns(sample: Any, name: str, index: int) -> dict[str, np.ndarray]:
         ):
             raise DataError(
                 f"dataset {name!r}: sample {index}, field {key!r} is a {type(value).__name__} ({str(value)[:60]!r}); "
-                "a torch "
-                "Dataset must yield tensors, numpy arrays or numbers (for images, e.g. torchvision's "
+                "a torch Dataset must yield tensors, numpy arrays or numbers (for images, e.g. torchvision's "
                 "transforms.ToTensor())"
             )
         columns[key] = array

@@ -1,22 +1,11 @@
 """The strategy as an object: how the model is held on the workers, and what follows from it.
 
 `Ddp` (every rank holds the whole model; one process without a group is held the same way)
-and `Fsdp` (FSDP2: each rank holds its shards) answer the same questions, so that the step
-and the training state ask them instead of branching on the strategy's name:
-
-- the precision policy: the step's autocast (`autocast`: torch.autocast under ddp for bf16
-  and fp16; nothing under fsdp, where FSDP2's `mp_policy` casts the parameters), and fp16's
-  gradient scaler (`grad_scaler`: under fsdp one whose overflow check spans every shard);
-- what `raytrain.worker.state` holds of the model: its plain weights (`weights`), the module
-  DCP reads and writes by parameter name (`dcp_target`), what a healing replica copies from
-  a live one (`live_state`, `load_live_state`), whether any rank holds all of it
-  (`holds_whole_model`: a checkpoint's plain model.pt, its train state's "sharded"), and an
-  earlier version's single-file checkpoint refused where it cannot be resharded
-  (`check_legacy`).
-
-`compute_dtype` is --precision's one map to torch (autocast, FSDP2's policy, the torchrun
-baseline); `unwrap` the user's module inside DDP and torch.compile; `local_part` a sharded
-tensor's local shard.
+and `Fsdp` (FSDP2: each rank holds its shards) answer the same questions (`Holding`: the
+precision policy, and what `raytrain.worker.state` holds of the model), so that the step and
+the training state ask them instead of branching on the strategy's name. `compute_dtype` is
+--precision's one map to torch; `unwrap` the user's module inside DDP and torch.compile;
+`local_part` a sharded tensor's local shard.
 """
 
 from __future__ import annotations
@@ -194,16 +183,11 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     """This rank's shards of the model and of the optimizer's state, as plain tensors (a peer
     group's rank of the same index loads them: `load_local_state`)."""
     optim = optimizer.state_dict()
-    return {
-        "model": {name: local_part(value) for name, value in model.state_dict().items()},
-        "optim": {
-            "state": {
-                index: {key: local_part(value) for key, value in entry.items()}
-                for index, entry in optim["state"].items()
-            },
-            "param_groups": optim["param_groups"],
-        },
+    shards = {
+        index: {key: local_part(value) for key, value in entry.items()} for index, entry in optim["state"].items()
     }
+    weights = {name: local_part(value) for name, value in model.state_dict().items()}
+    return {"model": weights, "optim": {"state": shards, "param_groups": optim["param_groups"]}}
 
 
 def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

@@ -108,6 +108,3 @@ def _key(rank: int) -> str:
 
 def _done(rank: int) -> str:
     return f"raytrain/group-watch/done/{rank}"
-
-
-__all__ = ["GroupWatch", "average_across_groups"]
