@@ -86,11 +86,7 @@ def odd_ranks(fingerprints: list[int], shards_per_replica: int) -> list[int]:
 def check_due(step: int, every: int | None, checkpoint_now: bool, default_most_steps: int = 1000) -> bool:
     """Whether the replicas are compared after the step to `step`: every `every` steps when given
     (0: never); by default before every checkpoint and at least every `default_most_steps` steps."""
-    if every == 0:
-        return False
-    if every is not None:
-        return step % every == 0 or checkpoint_now
-    return checkpoint_now or step % default_most_steps == 0
+    return every != 0 and (checkpoint_now or step % (every or default_most_steps) == 0)
 
 
 def recurs(earlier: list[Event], invocation: str, step: int, odd: list[int], checkpoint: str | None) -> bool:

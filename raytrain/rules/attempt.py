@@ -55,12 +55,8 @@ class Attempt(enum.Enum):
         plan = f"{plan_text}; lr now {sci(lr_now)} {lr_change}"
         if self is Attempt.RESIZE:
             previous = position.world_sizes[-1]
-            message = f"Resized {previous} → {world_size} workers at {where}: {plan}"
-            return Event(
-                Kind.RESIZE,
-                message,
-                extra={"world_size": world_size, "previous_world_size": previous, "step": position.step},
-            )
+            extra = {"world_size": world_size, "previous_world_size": previous, "step": position.step}
+            return Event(Kind.RESIZE, f"Resized {previous} → {world_size} workers at {where}: {plan}", extra=extra)
         message = f"Restarted from the checkpoint at {where} with {world_size} workers: {plan}"
         return Event(Kind.RESTORE, message, extra={"world_size": world_size, "step": position.step})
 
@@ -89,11 +85,8 @@ def describe_plan(
     schedule_text = resume.hook_text("lr_factor") if overrides(pipeline, "lr_factor") else cfg.schedule
     if cfg.schedule == "step" and schedule_text == "step":
         schedule_text += f" ×{cfg.lr_gamma:g} at epochs {', '.join(f'{m:g}' for m in cfg.lr_milestones or [])}"
-    optimizer = (
-        resume.hook_text("build_optimizer", optimizer_detail)
-        if overrides(pipeline, "build_optimizer")
-        else cfg.optimizer
-    )
+    own = overrides(pipeline, "build_optimizer")
+    optimizer = resume.hook_text("build_optimizer", optimizer_detail) if own else cfg.optimizer
     return (
         f"{batch_plan.describe()}; lr {sci(schedule.peak_lr)} = {sci(cfg.lr)} × {factor:.3g} "
         f"({rule}, reference batch {cfg.reference_batch_size}); {warmup}; {schedule_text}; {optimizer}; {backend}; "

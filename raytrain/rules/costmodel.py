@@ -105,8 +105,7 @@ def ring_allreduce_s(
 
 def default_overlap(grad_bytes: float, bucket_mb: float) -> float:
     """Share of the all-reduce DDP can overlap with backward: all buckets but the last ready."""
-    buckets = num_buckets(grad_bytes, bucket_mb)
-    return 1.0 - 1.0 / buckets
+    return 1.0 - 1.0 / num_buckets(grad_bytes, bucket_mb)
 
 
 def num_buckets(grad_bytes: float, bucket_mb: float) -> int:
@@ -165,18 +164,7 @@ def predict(
     hidden = min(share * comm, backward_fraction * step_time_s)
     step_n = step_time_s + comm - hidden
     speedup = 1.0 if gpus == 1 else gpus * step_time_s / step_n
-    return Prediction(
-        gpus=gpus,
-        nodes=nodes,
-        link=link,
-        bandwidth_GBps=bandwidth,
-        step_time_s=step_time_s,
-        comm_s=comm,
-        hidden_s=hidden,
-        step_time_n_s=step_n,
-        speedup=speedup,
-        efficiency=speedup / gpus,
-    )
+    return Prediction(gpus, nodes, link, bandwidth, step_time_s, comm, hidden, step_n, speedup, speedup / gpus)
 
 
 def _check(**values: float | None) -> None:
@@ -204,8 +192,7 @@ def describe(p: Prediction, grad_bytes: float) -> str:
         f"{p.gpus} GPUs on {plural(p.nodes, 'node')} over {p.link} ({p.bandwidth_GBps:g} GB/s effective): "
         f"all-reduce of {grad_bytes / 1e6:.1f} MB takes {p.comm_s * 1e3:.2f} ms per step, "
         f"{p.hidden_s * 1e3:.2f} ms of it under backward; step {p.step_time_s * 1e3:.1f} → "
-        f"{p.step_time_n_s * 1e3:.1f} ms; "
-        f"speedup {p.speedup:.2f}× ({p.efficiency:.1%} efficiency)"
+        f"{p.step_time_n_s * 1e3:.1f} ms; speedup {p.speedup:.2f}× ({p.efficiency:.1%} efficiency)"
     )
 
 

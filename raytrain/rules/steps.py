@@ -16,22 +16,13 @@ import numpy as np
 def split_range(count: int, parts: int) -> list[tuple[int, int]]:
     """Split `count` items into `parts` contiguous ranges whose sizes differ by at most 1."""
     base, extra = divmod(count, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    starts = [i * base + min(i, extra) for i in range(parts + 1)]  # the first `extra` ranges hold one more
+    return list(zip(starts, starts[1:]))
 
 
 def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    """The global order of rows in `epoch`: a permutation that depends on (seed, epoch) only.
-
-    It does not depend on the worker count, which is what lets an interrupted epoch
-    continue at another size from a stored offset.
-    """
-    rng = np.random.default_rng([seed, epoch])
-    return rng.permutation(num_rows)
+    """The global order of rows in `epoch`: a permutation of (seed, epoch) only, never of the worker count."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
 # A sampled epoch's draws come in blocks of this many positions, each block from its own

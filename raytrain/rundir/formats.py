@@ -128,10 +128,6 @@ def dcp_errors() -> tuple[type[BaseException], ...]:
     return (Exception, CheckpointException)
 
 
-def _reason(exc: BaseException) -> str:
-    return dcp_failure(exc)
-
-
 def dcp_metadata(directory: Path, shown: Any = None):
     """DCP's metadata in `directory`; CheckpointError naming the checkpoint (`shown`: as stored,
     where `directory` is a copy) when it cannot be read."""
@@ -141,7 +137,7 @@ def dcp_metadata(directory: Path, shown: Any = None):
         return FileSystemReader(str(directory)).read_metadata()
     except Exception as exc:
         where = shown or directory
-        raise CheckpointError(f"checkpoint {where}: its {DCP_METADATA} cannot be read ({_reason(exc)})") from None
+        raise CheckpointError(f"checkpoint {where}: its {DCP_METADATA} cannot be read ({dcp_failure(exc)})") from None
 
 
 def read_dcp(directory: Path, only: str | None = None) -> dict[str, Any]:
@@ -159,7 +155,7 @@ def read_dcp(directory: Path, only: str | None = None) -> dict[str, Any]:
         with single_process():
             dcp.load(flat, checkpoint_id=str(directory), no_dist=True)
     except dcp_errors() as exc:
-        raise CheckpointError(f"checkpoint {directory}: its shards cannot be read ({_reason(exc)})") from None
+        raise CheckpointError(f"checkpoint {directory}: its shards cannot be read ({dcp_failure(exc)})") from None
     return _unflatten(flat, metadata.planner_data)
 
 
