@@ -155,10 +155,8 @@ class OptimizationSection:
         if milestones is None:
             return
         if self.schedule != "step":
-            yield (
-                "lr_milestones",
-                f"got {milestones}; milestones apply to --schedule step only (the schedule is {self.schedule})",
-            )
+            why = f"milestones apply to --schedule step only (the schedule is {self.schedule})"
+            yield "lr_milestones", f"got {milestones}; {why}"
             return
         if not all(isinstance(m, (int, float)) and not isinstance(m, bool) for m in milestones):
             yield "lr_milestones", f"got {milestones}; give epochs as numbers, e.g. --lr-milestones 30,60"

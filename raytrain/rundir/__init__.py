@@ -20,21 +20,17 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from raytrain.errors import CheckpointError, StorageError
-from raytrain.rundir.faults import storage_error, storage_errors
+from raytrain.rundir.faults import storage_error
 from raytrain.rundir.files import (
     LOCK_BEAT_S,
-    LOCK_FILE,
     STOP_FILE,
     RunLock,
     RunLocked,
-    append_jsonl,
     dumps,
     parse_jsonl,
-    read_json,
     read_jsonl,
     strict,
     takeover_line,
-    write_atomic,
     write_json,
     write_yaml,
 )
@@ -42,7 +38,6 @@ from raytrain.rundir.records import (
     CONFIG,
     EPOCH_LOSS,
     EVENTS,
-    HEARTBEATS,
     LIVE,
     METRICS,
     MODEL,
@@ -57,7 +52,7 @@ from raytrain.rundir.records import (
     StoredRun,
     Summary,
 )
-from raytrain.rundir.storage import StorageUnavailable, Store, is_uri
+from raytrain.rundir.storage import StorageUnavailable, Store
 from raytrain.rundir.tail import Tail
 
 
@@ -268,15 +263,12 @@ __all__ = [
     "CONFIG",
     "EPOCH_LOSS",
     "EVENTS",
-    "HEARTBEATS",
     "LIVE",
-    "LOCK_FILE",
     "METRICS",
     "MODEL",
     "PLOTS",
     "PROGRESS",
     "REPORT",
-    "STOP_FILE",
     "SUMMARY",
     "Event",
     "Kind",
@@ -291,16 +283,10 @@ __all__ = [
     "StorageUnavailable",
     "Summary",
     "Tail",
-    "append_jsonl",
     "dumps",
-    "is_uri",
-    "parse_jsonl",
-    "read_json",
     "read_jsonl",
     "storage_error",
-    "storage_errors",
     "strict",
-    "write_atomic",
     "write_json",
     "write_yaml",
 ]

@@ -4,14 +4,10 @@
   flushed and renamed over the target, so a reader sees the old file or the new one;
 - `append_jsonl`: one JSON line per call (a torn last line is skipped by `read_jsonl`);
 - JSON is strict: NaN and infinities become null (`strict`);
-- `RunLock`: one run per name at a time, taken over from a dead holder on this host, hosts told
-  apart by `raytrain.rundir.host.host_id` (on an object store through a conditional create:
-  `raytrain.rundir.storage`); a lock it cannot read whole (`parse_lock`) is named with the fix,
-  never taken over; the driver's lock names it (`owner`) and is never rewritten: the driver
-  refreshes a beat file of its own beside it (`beat_name`), so a driver that lost the lock
-  touches nothing the next holder reads;
-- `DriverWatch`: a worker's look at that lock and its owner's beat: a run whose driver is gone,
-  or that another driver now holds, gets no more writes from it (`DriverGone`);
+- `RunLock`: one run per name at a time; the driver's lock names it (`owner`) and is never
+  rewritten: the driver refreshes a beat file of its own beside it (`beat_name`), so a driver
+  that lost the lock touches nothing the next holder reads;
+- `DriverWatch`: a worker's look at that lock and its owner's beat (`DriverGone`);
 - every OSError becomes a `StorageError` naming the path and the errno, with what to do.
 """
 
@@ -347,11 +343,9 @@ class DriverWatch:
         here = holder is not None and holder.get("host_id") == host_id()
         alive = pid_alive(holder["pid"]) if holder is not None and here else None
         silent_s, limit_s = started - self.beat_seen, self.silent_limit_s
-        return self._gone(
-            resume.driver_gone(holder, self.owner, same_host=here, pid_alive=alive, silent_s=silent_s, limit_s=limit_s)
+        why = resume.driver_gone(
+            holder, self.owner, same_host=here, pid_alive=alive, silent_s=silent_s, limit_s=limit_s
         )
-
-    def _gone(self, why: str | None) -> str | None:
         if why is not None and self.on_gone is not None:
             self.on_gone(why)
         return why
