@@ -19,7 +19,7 @@ from raytrain.errors import StorageError
 from raytrain.rundir import Event, MetricsRow, RunDir, RunLock, RunLocked, StorageUnavailable, Store, formats
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.files import DriverWatch, LockUnreadable, read_beat
-from raytrain.rundir.publish import Upload
+from raytrain.rundir.publish import Publish
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +109,7 @@ def _stage(directory: Path, step: int) -> None:
 def test_a_checkpoint_is_invisible_until_its_marker_and_a_failed_upload_leaves_the_last_one(s3, bucket, tmp_path):
     run = Store.of(s3.uri(bucket, "runs/ck"))
     _stage(tmp_path / "a", 4)
-    Upload(tmp_path / "a", run / "checkpoint_s000000004_x", lambda: None, rank=None, coordinator=True, step=4).run()
+    Publish(tmp_path / "a", run / "checkpoint_s000000004_x", lambda: None, rank=None, coordinator=True, step=4).run()
     assert [c.name for c in ckpt.checkpoint_dirs(run)] == ["checkpoint_s000000004_x"]
     assert ckpt.load_state(ckpt.latest_complete(run))["model"]["w"].tolist() == [4.0] * 4
 
@@ -121,10 +121,10 @@ def test_a_checkpoint_is_invisible_until_its_marker_and_a_failed_upload_leaves_t
     def failed_write() -> None:
         raise StorageError(28, "disk full while writing the checkpoint")
 
-    upload = Upload(tmp_path / "b", run / "checkpoint_s000000008_y", failed_write, rank=None, coordinator=True, step=8)
+    upload = Publish(tmp_path / "b", run / "checkpoint_s000000008_y", failed_write, rank=None, coordinator=True, step=8)
     with pytest.raises(StorageError):
         upload.run()
-    run_parts = Upload(
+    run_parts = Publish(
         tmp_path / "b", run / "checkpoint_s000000008_y", lambda: None, rank=None, coordinator=True, step=8
     )
     run_parts._upload(run_parts._own_files())  # the shards reach the store, the marker never does

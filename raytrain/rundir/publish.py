@@ -161,6 +161,4 @@ def _remove_if_empty(directory: Path) -> None:
         pass
 
 
-Upload = Publish  # the name an object store's part had
-
-__all__ = ["SHARDS_WAIT_S", "Publish", "Upload"]
+__all__ = ["SHARDS_WAIT_S", "Publish"]
