@@ -149,7 +149,7 @@ def test_an_untimed_step_marks_the_heartbeat_but_neither_syncs_nor_times():
 
 def test_the_loss_window_sums_finite_losses_and_notes_the_first_bad_step():
     window = LossWindow.on(torch.device("cpu"))
-    window.add(torch.tensor(2.0), 3, step_index=5)
+    window.add(torch.tensor([2.0], dtype=torch.float64), 3, step_index=5)  # one element, of another dtype
     window.add(torch.tensor(math.nan), 1, step_index=6)
     window.add(torch.tensor(math.inf), 1, step_index=7)
     assert float(window.loss_sum) == 6.0 and window.loss_count == 5
