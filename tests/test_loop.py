@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from design import METRICS_KEYS
 
 from raytrain.data.sources import cost_notes
 from raytrain.data.table import Table
@@ -231,17 +232,7 @@ def test_an_epochs_end_writes_its_row_and_its_line(tmp_path):
     writer.epoch_end(row, epochs=3)
     _, metrics = lines(tmp_path / "metrics.jsonl")
     assert metrics["epoch_end"] is True and metrics["val_loss"] == 0.25
-    assert {
-        "epoch",
-        "step",
-        "samples_seen",
-        "world_size",
-        "global_batch_size",
-        "lr",
-        "loss",
-        "samples_per_s",
-        "time_s",
-    } <= set(metrics)
+    assert METRICS_KEYS <= set(metrics)
     (event,) = lines(tmp_path / "events.jsonl")
     assert event["kind"] == "epoch" and event["epoch"] == 2
     # each loss named for what it is the mean of: the epoch, and the last window (the steps since the row before)

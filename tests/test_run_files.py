@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from design import METRICS_KEYS
 from hosts import skip_reason
 
 from raytrain.driver.summary import write_summary
@@ -85,17 +86,7 @@ def test_records_round_trip_with_the_keys_design_fixes(tmp_path):
     run.append_metrics(step)
     run.append_metrics(end)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert set(lines[0]) == {
-        "epoch",
-        "step",
-        "samples_seen",
-        "world_size",
-        "global_batch_size",
-        "lr",
-        "loss",
-        "samples_per_s",
-        "time_s",
-    }
+    assert set(lines[0]) == METRICS_KEYS
     assert (
         lines[1]["epoch_end"] is True and lines[1]["loss"] is None and lines[1]["own"] == 1
     )  # strict JSON, extra kept

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from design import METRICS_KEYS
 from rt_test_pipelines import RecordingPipeline, read_jsonl
 
 import raytrain
@@ -39,17 +40,7 @@ def test_digits_two_workers_trains_and_leaves_run_files(digits_two_worker_run, t
     assert "Cost: 7.55 MFLOP per sample (forward + backward)" in (run_dir / "report.md").read_text()
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    for key in (
-        "epoch",
-        "step",
-        "samples_seen",
-        "world_size",
-        "global_batch_size",
-        "lr",
-        "loss",
-        "samples_per_s",
-        "time_s",
-    ):
+    for key in METRICS_KEYS:
         assert all(key in row for row in rows), key
     epoch_rows = [row for row in rows if row.get("epoch_end")]
     assert [row["epoch"] for row in epoch_rows] == [1, 2, 3, 4]
