@@ -16,7 +16,7 @@ import torch
 from raytrain import hooks
 from raytrain.errors import CheckpointError, PipelineError, UsageError, weights_mismatch
 from raytrain.rundir.checkpoints import load_model_weights
-from raytrain.rundir.files import storage_errors
+from raytrain.rundir.faults import storage_errors
 from raytrain.rundir.formats import save_torch
 from raytrain.rundir.records import CONFIG, MODEL
 from raytrain.rundir.storage import Store, is_uri

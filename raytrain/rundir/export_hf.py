@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raytrain.errors import UsageError
-from raytrain.rundir.files import storage_errors
+from raytrain.rundir.faults import storage_errors
 from raytrain.rundir.storage import Store, is_uri
 
 INSTALL = "pip install 'raytrain[hf]'"

@@ -2,7 +2,7 @@
 
 - `write_atomic` / `write_json` / `write_yaml`: a temporary file in the same directory,
   flushed and renamed over the target, so a reader sees the old file or the new one;
-- `append_jsonl`: one JSON line per call (a torn last line is skipped by `read_jsonl`);
+- JSONL: a torn or foreign line is skipped by `read_jsonl`;
 - JSON is strict: NaN and infinities become null (`strict`);
 - `RunLock`: one run per name at a time; the driver's lock names it (`owner`) and is never
   rewritten: the driver refreshes a beat file of its own beside it (`beat_name`), so a driver
@@ -29,7 +29,7 @@ import yaml
 
 from raytrain.errors import EXIT_FAILED, StorageError, UserError
 from raytrain.rules import resume
-from raytrain.rundir.faults import retry_window_s, storage_error, storage_errors
+from raytrain.rundir.faults import retry_window_s, storage_error
 from raytrain.rundir.host import host_id
 from raytrain.rundir.storage import Store
 
@@ -68,11 +68,6 @@ def write_json(path: str | os.PathLike, value: Any) -> None:
 
 def write_yaml(path: str | os.PathLike, values: dict[str, Any]) -> None:
     write_atomic(path, yaml.safe_dump(values, sort_keys=False))
-
-
-def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
-    with storage_errors(path, "append to"), open(path, "a") as handle:
-        handle.write(dumps(record) + "\n")
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -427,12 +422,3 @@ def takeover_line(run_dir: "Store", holder: dict[str, Any]) -> str:
         f"raytrain: run {run_dir.name!r} {held}; its workers, if any still run, are fenced: this run's lock names "
         "another driver, so they stop at their next sync and publish no checkpoint"
     )
-
-
-def read_json(path: str | os.PathLike) -> dict[str, Any]:
-    """A JSON object from `path`, or {} if it is missing, torn or not an object."""
-    try:
-        value = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}

@@ -20,7 +20,8 @@ import torch
 from raytrain.rundir import RunDir, formats
 from raytrain.rundir import checkpoints as ckpt
 from raytrain.rundir.buffered import BufferedLogs
-from raytrain.rundir.files import DriverWatch, dumps, storage_errors
+from raytrain.rundir.faults import storage_errors
+from raytrain.rundir.files import DriverWatch, dumps
 from raytrain.rundir.records import EPOCH_LOSS, EVENTS, LIVE, METRICS, MODEL, Event, Kind, MetricsRow, Progress
 from raytrain.rundir.storage import Store
 

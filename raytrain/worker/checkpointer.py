@@ -35,7 +35,7 @@ from raytrain.rules import resume
 from raytrain.rules.interval import AutoInterval, IntervalChange
 from raytrain.rules.position import Position
 from raytrain.rundir import checkpoints as ckpt
-from raytrain.rundir.files import storage_errors
+from raytrain.rundir.faults import storage_errors
 from raytrain.rundir.publish import Publish
 from raytrain.rundir.records import Kind
 from raytrain.rundir.storage import Store
