@@ -107,15 +107,13 @@ def where(pipeline: Any, hook: str) -> str:
     has no traceback to point into), when its source can be found."""
     target = getattr(type(pipeline), hook, None)
     target = inspect.unwrap(target) if callable(target) else target
+    source = target if inspect.isfunction(target) else type(pipeline)
     try:
-        path = inspect.getsourcefile(target if inspect.isfunction(target) else type(pipeline))
-        line = inspect.getsourcelines(target if inspect.isfunction(target) else type(pipeline))[1]
+        path, line = inspect.getsourcefile(source), inspect.getsourcelines(source)[1]
     except (OSError, TypeError):
         return ""
-    if not path:
-        return ""
-    owner = hook if inspect.isfunction(target) else f"class {type(pipeline).__name__}"
-    return f"\n  at {path}:{line}, in {owner}"
+    owner = hook if source is target else f"class {type(pipeline).__name__}"
+    return f"\n  at {path}:{line}, in {owner}" if path else ""
 
 
 # The hooks that are attributes, not methods: checked once, when the pipeline is loaded.

@@ -187,11 +187,8 @@ def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:
         except ValueError:
             problems.append(f"--pipeline-arg {key}: got {value!r}; expected {known[name].words(none=True)}")
     for name, option in known.items():
-        if (
-            option.required
-            and name not in values
-            and not any(p.startswith(f"--pipeline-arg {name}:") for p in problems)
-        ):
+        said = any(p.startswith(f"--pipeline-arg {name}:") for p in problems)  # a value given, but unconvertible
+        if option.required and name not in values and not said:
             problems.append(f"needs --pipeline-arg {name}=VALUE ({option.words(none=True)})")
     if not problems:
         try:

@@ -108,11 +108,8 @@ def head_processes(record: dict[str, Any]) -> list[int]:
         with contextlib.suppress(psutil.Error, OSError):
             if process.environ().get(MARKER_ENV) == marker:
                 ours.add(info["pid"])
-    grown = True
-    while grown:
-        more = {pid for pid, parent in table.items() if parent in ours} - ours - spared
+    while more := {pid for pid, parent in table.items() if parent in ours} - ours - spared:  # descendants
         ours |= more
-        grown = bool(more)
     return sorted(ours)
 
 

@@ -48,11 +48,8 @@ class Interrupted(Exception):
 
         self.signum, self.run_dir = signum, Store.of(run_dir)
         name = signal.Signals(signum).name
-        again = (
-            f"raytrain train {spec or 'PIPELINE'} --name {self.run_dir.name}"
-            + (f" --storage {self.run_dir.parent.public_uri}" if cfg is not None else "")
-            + " --resume"
-        )
+        storage = f" --storage {self.run_dir.parent.public_uri}" if cfg is not None else ""
+        again = f"raytrain train {spec or 'PIPELINE'} --name {self.run_dir.name}{storage} --resume"
         super().__init__(f"stopped by {name}; the run is resumable from its last checkpoint: {again}")
 
     @property

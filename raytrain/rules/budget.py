@@ -64,20 +64,16 @@ class Budget:
 
     def samples(self, epoch_rows: int, global_batch_size: int) -> int:
         """The run's length in samples (what the schedule spans), at `global_batch_size`."""
-        lengths = []
-        if self.epochs is not None:
-            lengths.append(self.epochs * epoch_rows)
+        lengths = [self.epochs * epoch_rows] if self.epochs is not None else []
         if self.max_steps is not None:
             lengths.append(samples_after_steps(self.max_steps, epoch_rows, global_batch_size))
         return min(lengths)
 
     def total_steps(self, epoch_rows: int, global_batch_size: int) -> int:
         """The optimizer steps the run takes in all at `global_batch_size`."""
-        totals = []
+        totals = [self.max_steps] if self.max_steps is not None else []
         if self.epochs is not None:
             totals.append(self.epochs * steps_per_epoch(epoch_rows, global_batch_size))
-        if self.max_steps is not None:
-            totals.append(self.max_steps)
         return min(totals)
 
     def describe(self) -> str:
