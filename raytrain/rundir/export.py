@@ -37,7 +37,10 @@ def export_weights(
     Face save_pretrained directory: `raytrain.rundir.export_hf`). `pipeline_args` (KEY=VALUE
     pairs or a mapping) replace the run's own pipeline options for the check."""
     weights = plain_weights(source)
-    checked = check_against_pipeline(pipeline, Store.of(source), weights, pipeline_args) if pipeline else ""
+    checked = ""
+    if pipeline:  # the run's own options (its config.yaml, for a run or one of its checkpoints) build the model
+        pipe, _, _ = loaded_model(pipeline, Store.of(source), weights, pipeline_args)
+        checked = f"; checked: loads into {pipe.name}'s model with strict=True"
     if is_uri(output):  # straight to an object store
         target = Store.of(output)
         buffer = io.BytesIO()
@@ -67,13 +70,6 @@ def strip_wrappers(key: str) -> str:
     while key.startswith(WRAPPER_PREFIXES):
         key = key.split(".", 1)[1]
     return key
-
-
-def check_against_pipeline(spec: str, source: Store, weights: dict, pipeline_args: Any = None) -> str:
-    """Load the weights into the pipeline's model with strict=True (the run's own options, from
-    its config.yaml when the source is a run or one of its checkpoints, build the model)."""
-    pipe, _, _ = loaded_model(spec, source, weights, pipeline_args)
-    return f"; checked: loads into {pipe.name}'s model with strict=True"
 
 
 def run_config(source: Store) -> dict[str, Any]:
