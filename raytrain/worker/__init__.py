@@ -1,8 +1,8 @@
 """The worker (internal: not part of raytrain's public API): what runs on every Ray Train worker.
 
-- `loop`: the per-worker function and one attempt of it (`Training`): restore → build → loop → report;
-- `epoch`: the one epoch loop, a step of it (`Epochs.take_step`), what follows each step, and
-  the epoch's end;
+- `loop`: the per-worker function: restore → build → loop → report;
+- `epoch`: one attempt of it (`Training`): its one epoch loop, a step of it (`Training.take_step`),
+  what follows each step, and the epoch's end;
 - `step`: one optimizer step's mechanics, validation, and the pipeline's hooks around them (`StepRunner`);
 - `checkpointer`: the one owner of the worker's checkpoints: when, what, where, and restore;
 - `state`: the training state, the one owner of what a checkpoint, a healed replica and an
