@@ -1,5 +1,6 @@
 """How a worker recovers from a failure: one recovery object per fault-tolerance mode, built
-once where the worker starts (`recovery_for`), and the only place that knows the mode.
+once where the worker starts (`raytrain.worker.loop.train_loop_per_worker`, from the class its
+payload carries), and the only place that knows the mode.
 
 The loop (`raytrain.worker.epoch`) and the checkpoints (`raytrain.worker.checkpointer`) ask the
 recovery object what differs between modes:

@@ -231,14 +231,15 @@ class Training:
     def follow_quorum(self, size: int) -> None:
         """The runner for a quorum of `size` (its batch plan and rate), and one event line when the
         size differs from the one the run last trained with (the position says it, the same on
-        every member, a healed one included)."""
+        every member, a healed one included): per-step's (`PerStep.quorum_line`); a restarting
+        group trains at its restored size from the start (`Recovery.announces_at_restore`)."""
         position = self.position
         if size != self.runner.batch_plan.world_size:
             self.runner = self.runner.for_quorum(size, len(self.train_data))
         previous = position.world_sizes[-1] if position.world_sizes else size
         if size != previous:
             runner, lr = self.runner, self.runner.rate.at(position.samples_seen)
-            line = self.recovery.quorum_line(previous, size, position, plan_line(runner), lr)  # per-step only
+            line = self.recovery.quorum_line(previous, size, position, plan_line(runner), lr)
             self.files.event(Kind.QUORUM, line, world_size=size, previous_world_size=previous, step=position.step)
         position.trains_with(size)
 
