@@ -20,16 +20,8 @@ Statistic = Literal["median", "best"]
 STATISTICS = get_args(Statistic)
 BASELINE_TIMEOUT_S = 1800
 # Train options bench decides itself (one run per worker count, its own storage layout).
-BENCH_OWNED = (
-    "workers",
-    "epochs",
-    "max_steps",
-    "storage",
-    "name",
-    "resume",
-    "checkpoint_every_steps",
-    "max_failures",
-    "timing_warmup_steps",
+BENCH_OWNED = tuple(
+    "workers epochs max_steps storage name resume checkpoint_every_steps max_failures timing_warmup_steps".split()
 )
 
 

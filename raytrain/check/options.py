@@ -11,24 +11,10 @@ from raytrain.errors import ConfigError
 DEFAULT_STEPS = 20
 # Train options the check does not take: it writes no run (no name, storage, checkpoints,
 # trackers or progress), compares the restart mode's DDP, and runs each side once.
-CHECK_SKIPPED = (
-    "resume",
-    "name",
-    "storage",
-    "max_failures",
-    "fault_tolerance",
-    "checkpoint_every_steps",
-    "num_checkpoints_to_keep",
-    "checkpoint_async",
-    "log_every_steps",
-    "progress",
-    "progress_interval_s",
-    "mlflow_uri",
-    "mlflow_experiment",
-    "wandb_project",
-    "time_phases",
-    "timing_warmup_steps",
-    "peak_tflops",
+CHECK_SKIPPED = tuple(
+    "resume name storage max_failures fault_tolerance checkpoint_every_steps num_checkpoints_to_keep checkpoint_async "
+    "log_every_steps progress progress_interval_s mlflow_uri mlflow_experiment wandb_project time_phases "
+    "timing_warmup_steps peak_tflops".split()
 )
 
 

@@ -284,12 +284,8 @@ def render_markdown(run: RunRecord, plots: dict[str, Path]) -> str:
         for key, path in plots.items():
             lines += [f"![{key}]({PLOTS}/{path.name})", ""]
     if cfg:
-        lines += [
-            "## Configuration",
-            "",
-            *markdown_table(["option", "value"], [(key, _fmt(value, "option")) for key, value in flatten(cfg).items()]),
-            "",
-        ]
+        options = [(key, _fmt(value, "option")) for key, value in flatten(cfg).items()]
+        lines += ["## Configuration", "", *markdown_table(["option", "value"], options), ""]
     plan = next((e.message for e in run.events if e.kind == Kind.PLAN), None)
     if plan:
         lines += [f"Batch plan and learning rate: `{plan}`", ""]

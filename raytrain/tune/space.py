@@ -53,13 +53,8 @@ def sweep_base_config(cfg: TrainConfig, space: SearchSpace, pipeline_name: str) 
     if space.workers is None:
         low, high = parse_workers(cfg.workers)
         if low != high or high == 0:
-            problems.append(
-                (
-                    "workers",
-                    f"got {cfg.workers!r}; a sweep compares fixed worker counts (at least 1): give them, e.g. "
-                    "--workers 1,2,4",
-                )
-            )
+            why = f"got {cfg.workers!r}; a sweep compares fixed worker counts (at least 1)"
+            problems.append(("workers", f"{why}: give them, e.g. --workers 1,2,4"))
     if problems:
         raise ConfigError(problems)
     workers = space.workers if space.workers is not None else [cfg.max_workers]
@@ -100,29 +95,16 @@ def check_trials(base: TrainConfig, space: SearchSpace, options: TuneOptions) ->
         except ConfigError as exc:
             problems += [p for p in exc.problems if p not in problems]
     if not MODES[base.fault_tolerance].reports_each_epoch:
-        problems.append(
-            (
-                "fault_tolerance",
-                "got per-step: a sweep's trials report every epoch to Ray Tune, which a per-step run does not; sweep "
-                "with --fault-tolerance restart (the default)",
-            )
-        )
+        why = "got per-step: a sweep's trials report every epoch to Ray Tune, which a per-step run does not"
+        problems.append(("fault_tolerance", f"{why}; sweep with --fault-tolerance restart (the default)"))
     if base.epochs is None:
-        problems.append(
-            (
-                "max_steps",
-                f"got {base.max_steps} without --epochs: a sweep compares its trials at epoch ends (ASHA stops them "
-                "there); give --epochs too (with --max-steps, whichever comes first)",
-            )
+        why = (
+            f"got {base.max_steps} without --epochs: a sweep compares its trials at epoch ends (ASHA stops them there)"
         )
+        problems.append(("max_steps", f"{why}; give --epochs too (with --max-steps, whichever comes first)"))
     elif options.early_stop and options.grace_period_epochs is not None and options.grace_period_epochs > base.epochs:
-        problems.append(
-            (
-                "grace_period",
-                f"got {options.grace_period_epochs} epochs, longer than the {base.epochs} epochs of each trial; "
-                "lower it or raise --epochs",
-            )
-        )
+        why = f"got {options.grace_period_epochs} epochs, longer than the {base.epochs} epochs of each trial"
+        problems.append(("grace_period", f"{why}; lower it or raise --epochs"))
     if problems:
         raise ConfigError(problems)
     return points
