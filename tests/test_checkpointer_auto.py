@@ -11,7 +11,6 @@ import pytest
 from raytrain.config import TrainConfig
 from raytrain.faults.restart import Recovery
 from raytrain.rules.batch import batch_plan_for
-from raytrain.rules.position import Position
 from raytrain.worker.checkpointer import Checkpointer
 
 
@@ -36,7 +35,7 @@ class FakeRuntime:
 def checkpointer(runtime, lines=None, invocation="run-1", **options):
     cfg = TrainConfig(checkpoint_every="auto", checkpoint_min_steps=2, checkpoint_max_steps=40, **options)
     run_dir = "/tmp/unused-run-dir"
-    owner = Checkpointer(cfg, Recovery(cfg, run_dir, runtime), run_dir, None, Position(), invocation=invocation)
+    owner = Checkpointer(cfg, Recovery(cfg, run_dir, runtime), run_dir, None, invocation=invocation)
     owner.say = (lambda change: lines.append(change.line)) if lines is not None else None
     return owner
 

@@ -22,7 +22,6 @@ from raytrain.instruments.window import LossWindow
 from raytrain.parallel.strategy import Prepared
 from raytrain.pipeline import Pipeline
 from raytrain.rules.batch import batch_plan_for
-from raytrain.rules.position import Position
 from raytrain.rules.schedule import run_schedule
 from raytrain.rundir.heartbeats import Heartbeat
 from raytrain.worker import prefetch
@@ -130,9 +129,10 @@ def train(
         measures=Measures(Heartbeat(Path("."), 0, enabled=False), device),
         prepared=Prepared.plain(model, cfg.precision),
     )
-    position, files = Position(), Files()
+    files = Files()
     recovery = Recovery(cfg, Path("."), runner.runtime)
-    checkpointer = Checkpointer(cfg, recovery, Path("."), files, position)
+    checkpointer = Checkpointer(cfg, recovery, Path("."), files)
+    position = checkpointer.position
     training = Training(cfg, recovery, files, runner, checkpointer, table, None, position, announced=True)
     for epoch in range(cfg.epochs):
         position.epoch, position.epoch_offset = epoch, 0

@@ -58,13 +58,11 @@ class Checkpointer:
     """A worker's checkpoints (see the module's docstring)."""
 
     def __init__(
-        self, cfg: "TrainConfig", recovery: Any, store: Store, files: "RunWriter", position: Position, *,
-        invocation: str = "",
-    ) -> None:  # fmt: skip
-        """`recovery`: the mode's worker half (who writes, how published); `files`: the run's files;
-        `position`: where the attempt is, which a restore sets and every checkpoint holds."""
-        self.cfg, self.invocation = cfg, invocation  # invocation: this driver's run of the job
-        self.files, self.position = files, position
+        self, cfg: "TrainConfig", recovery: Any, store: Store, files: "RunWriter", *, invocation: str = ""
+    ) -> None:
+        """`recovery`: the mode's worker half (who writes, how published); `files`: the run's files."""
+        self.cfg, self.invocation, self.files = cfg, invocation, files  # invocation: this driver's run of the job
+        self.position = Position()  # where the attempt is: a restore sets it, every checkpoint holds it
         self.auto: AutoInterval | None = None  # --checkpoint-every auto, once restored
         self.saved_step, self.tick = 0, None  # the last checkpoint's step; when the last step ended
         self.say = None  # rank 0's event line (the run files, once restored)

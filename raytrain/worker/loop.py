@@ -24,7 +24,6 @@ from raytrain.errors import NOT_RETRIED, find_error, find_user_error
 from raytrain.parallel.device import device_failure
 from raytrain.pipeline import Pipeline
 from raytrain.rules.budget import Budget
-from raytrain.rules.position import Position
 from raytrain.rules.stall import diagnose
 from raytrain.rundir.heartbeats import Heartbeat, read_heartbeats
 from raytrain.rundir.records import HEARTBEATS
@@ -61,7 +60,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     runtime = recovery.runtime
     files = RunWriter(run_dir, enabled=runtime.is_rank0, driver=payload.invocation)
     heartbeat = Heartbeat(run_dir.local_dir / HEARTBEATS, runtime.world_rank, enabled=runtime.world_size > 1)
-    checkpointer = Checkpointer(cfg, recovery, run_dir, files, Position(), invocation=payload.invocation)
+    checkpointer = Checkpointer(cfg, recovery, run_dir, files, invocation=payload.invocation)
     try:
         files.driver.check()  # an attempt its ended driver's controller restarted: before it writes a file
         if recovery.open(files, Budget.of(cfg)):
