@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from raytrain.faults.ray_internals import ControllerCallback, WorkerGroupCallback, autoscaling_coordinator
+from raytrain.faults.ray_internals import ControllerCallback, WorkerGroupCallback, get_or_create_autoscaling_coordinator
 
 REFRESH_S = 5.0  # the view's age at most while the group runs: a new node is seen within this
 REQUESTER = "raytrain-fresh-resources"  # asks for nothing: its reservation is always empty
@@ -45,7 +45,7 @@ class FreshResources(ControllerCallback, WorkerGroupCallback):
         self.last = self.clock()
         try:
             if self.coordinator is None:
-                self.coordinator = autoscaling_coordinator()
+                self.coordinator = get_or_create_autoscaling_coordinator()
             self.coordinator.get_reserved_resources.remote(REQUESTER, recompute=True)
         except Exception:  # noqa: BLE001 - a stale view costs time, never the run
             self.coordinator = None

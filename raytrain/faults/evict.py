@@ -3,9 +3,9 @@
 A worker decides (`raytrain.instruments.watch`): every rank holds the same figures after the log
 sync, so every rank finds the same straggler at the same step. The straggler's worker writes
 its Ray node id under the run's key (one per invocation of the driver) in Ray's internal
-key-value store (`hold_out_this_node`), then the attempt ends (restart
-mode: every rank raises and Ray Train restarts the group; per-step: the straggler's replica
-group leaves at the next step's start and the others train on).
+key-value store (`hold_out_this_node`), then the attempt ends (restart mode: every rank raises
+and Ray Train restarts the group; per-step: the straggler's replica group leaves at the next
+step's start and the others train on).
 
 The controller reads the key (`evicted_nodes`) where it decides:
 
@@ -23,7 +23,13 @@ from typing import Any
 
 import ray
 
-from raytrain.faults.ray_internals import NODE_ID_LABEL, ControllerCallback, ElasticScalingPolicy, kv_keys, kv_put
+from raytrain.faults.ray_internals import (
+    NODE_ID_LABEL,
+    ControllerCallback,
+    ElasticScalingPolicy,
+    _internal_kv_list,
+    _internal_kv_put,
+)
 
 EVICTED_NAMESPACE = "raytrain"  # Ray's internal key-value store: the nodes evicted from each run
 
@@ -36,14 +42,16 @@ def run_key(storage: str, name: str | None, invocation: str) -> bytes:
 
 def evicted_nodes(key: bytes) -> set[str]:
     """The Ray node ids evicted from the run of `key` so far (one entry each under the key)."""
+    if not ray.is_initialized():
+        return set()
     prefix = key + b"/"
-    return {entry[len(prefix) :].decode() for entry in kv_keys(prefix, EVICTED_NAMESPACE)}
+    return {entry[len(prefix) :].decode() for entry in _internal_kv_list(prefix, namespace=EVICTED_NAMESPACE)}
 
 
 def hold_out_this_node(key: bytes) -> str:
     """On a worker: add its Ray node to the run's evicted nodes; returns its id."""
     node_id = ray.get_runtime_context().get_node_id()
-    kv_put(key + b"/" + node_id.encode(), b"1", EVICTED_NAMESPACE)
+    _internal_kv_put(key + b"/" + node_id.encode(), b"1", overwrite=True, namespace=EVICTED_NAMESPACE)
     return node_id
 
 
@@ -77,6 +85,3 @@ class KeepEvictedOut(ControllerCallback):
         except Exception:  # noqa: BLE001 - the store unreachable: placed as Ray would, evicted again if slow
             return None
         return {NODE_ID_LABEL: f"!in({', '.join(out)})"} if out else None
-
-
-__all__ = ["Evicting", "KeepEvictedOut", "evicted_nodes", "evicting_policy", "hold_out_this_node", "run_key"]

@@ -75,8 +75,9 @@ from raytrain.worker.network import BindsInterfaces
 
 logger = logging.getLogger(__name__)
 
-# The controller's callback, for its failure policy: Ray hands the controller each of them as
-# its own copy, so the policy finds the callback here (one controller per process).
+# The controller's callback, for its failure and scaling policies: Ray hands the controller each
+# of them as its own copy, so the policies find the callback here (one controller per process;
+# None before its group starts).
 _RUNNING: "ReplicaGroups | None" = None
 
 # How long the controller's extra poll waits for a worker's answer (a live worker answers at
@@ -295,7 +296,7 @@ def group_scaling_policy(scaling_config, group_size: int, evict_key: bytes | Non
 
         def make_decision_for_non_running_worker_group(self):
             decision = super().make_decision_for_non_running_worker_group()
-            groups = running()
+            groups = _RUNNING
             live = groups.worker_group if groups is not None else None
             status = live.get_latest_poll_status() if live is not None else None
             if isinstance(decision, NoopDecision) and status is not None and partial_loss(status):
@@ -376,7 +377,7 @@ class ReplacementRetries:
         self.retried = 0
 
     def decide(self, error: BaseException, max_failures: int) -> FailureDecision | None:
-        groups = running()  # the callback taking groups out
+        groups = _RUNNING  # the callback taking groups out
         if groups is not None and groups.counted_already(set(getattr(error, "worker_failures", None) or {})):
             return FailureDecision.RETRY
         if lost_while_replacing(error):
@@ -385,21 +386,3 @@ class ReplacementRetries:
                 FailureDecision.RETRY if max_failures == -1 or self.retried <= max_failures else FailureDecision.RAISE
             )
         return None
-
-
-def running() -> "ReplicaGroups | None":
-    """The callback of the controller running in this process (None before its group starts)."""
-    return _RUNNING
-
-
-__all__ = [
-    "GroupController",
-    "ReplacementRetries",
-    "ReplicaGroups",
-    "group_scaling_policy",
-    "lost_while_replacing",
-    "mark_group",
-    "mark_start",
-    "running",
-    "torchft_config",
-]

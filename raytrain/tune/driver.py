@@ -120,9 +120,7 @@ def _scheduler(options: TuneOptions, epochs: int, grace: int):
             super().__init__()
             self.groups: dict[int, AsyncHyperBandScheduler] = {}
 
-        @property
-        def metric(self):  # Tune checks that results carry it
-            return options.metric
+        metric = property(lambda self: options.metric)  # Tune checks that results carry it
 
         def set_search_properties(self, metric, mode, **spec) -> bool:
             return not (metric and metric != options.metric) and not (mode and mode != options.mode)

@@ -4,7 +4,7 @@ its own Ray node address (`raytrain.rules.network`), before Ray Train creates th
 Ray Train sets MASTER_ADDR to rank 0's node address and then calls `init_process_group` on
 every worker (its TorchConfig backend's `on_start`); gloo's and NCCL's own choice of interface
 is made inside that call, from the worker's environment. raytrain's backends
-(`BoundTorchConfig` here; per-step mode's in `raytrain.faults.per_step`) first run
+(`BoundTorchConfig` here; per-step mode's in `raytrain.faults.replacement`) first run
 `bind_to_node_interface` on every worker of the group, then Ray's `on_start`. An interface
 variable naming an interface a worker's host lacks stops the group before it forms (one message
 naming the variable, the host, its interfaces and the fix; `check_host_interfaces` says the same
