@@ -35,6 +35,10 @@ from Python 3.12, which tokenizes inside f-strings, a name in an f-string's brac
   dunders such as `__slots__` left out). Its methods: every function directly in its body
   (properties, dunders, static and class methods included).
 
+Issue 55's count of Ray's private surface: the private Ray names each module uses, as
+tests/test_style.py counts them (`tests/ray_surface.py`, which reads the installed Ray), summed
+over the modules (a name used in two modules counts twice).
+
 Exit status 1 when there is an import cycle.
 """
 
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import io
 import subprocess
 import sys
@@ -421,6 +426,25 @@ def modes_lines(before: dict | None, after: dict) -> list[str]:
     ]
 
 
+def private_ray_names(texts: dict[str, str]) -> dict[str, set[str]] | None:
+    """Module -> the private Ray names it uses (tests/ray_surface.py), for the modules that use
+    any; None where there is no tests/ray_surface.py to count them with (a copy of the script)."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "ray_surface.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("ray_surface", path)
+    surface = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(surface)
+    found = {module: surface.private_ray_names(text) for module, text in texts.items()}
+    return {module: names for module, names in found.items() if names}
+
+
+def private_count(found: dict[str, set[str]] | None) -> str:
+    if found is None:
+        return "not counted (no tests/ray_surface.py)"
+    return f"{sum(len(names) for names in found.values())} in {len(found)} modules"
+
+
 def worker_core(texts: dict[str, str], trees: dict[str, ast.Module]) -> list[str]:
     local, bundle = local_branches(trees), bundle_functions(trees)
     readers = {option: option_readers(trees, option) for option in TRACED_OPTIONS}
@@ -464,6 +488,7 @@ def report(texts: dict[str, str], longest: int) -> tuple[str, int]:
         f"Top-level names defined in more than one module: {len(twice)}"
         + "".join(f"\n- {n}: {', '.join(sorted(ms))}" for n, ms in sorted(twice.items()))
     ]
+    lines += [f"Private Ray names: {private_count(private_ray_names(texts))}"]
     lines += worker_core(texts, trees)
     return "\n".join(lines), len(found)
 
@@ -544,6 +569,8 @@ def compare(before: dict[str, str], after: dict[str, str]) -> str:
         f"Lines of raytrain/worker/: {kb[0]:,} before, {ka[0]:,} after",
         f"`.local` outside rundir/storage.py: {kb[1]} in {kb[2]} modules before, {ka[1]} in {ka[2]} modules after",
         f"Functions taking two or more of the runner/position/files/data bundle: {kb[3]} before, {ka[3]} after",
+        f"Private Ray names: {private_count(private_ray_names(before))} before, "
+        f"{private_count(private_ray_names(after))} after",
         *modes_lines(xb, xa),
     ]
     return "\n".join(out)

@@ -142,6 +142,25 @@ def test_compare_prints_each_measure_before_and_after_with_the_classes_over_a_li
     ]
 
 
+def test_private_ray_names_are_counted_per_module_as_test_style_counts_them():
+    texts = {
+        "driver.a": "from ray.train.v2._internal.execution.controller import TrainController\n",
+        "driver.b": "import ray\nnode = ray._private.worker._global_node\n",
+        "driver.c": "from ray.train.v2._internal.execution.controller import TrainController\nx = 1\n",
+        "worker.d": "import ray\nray.train.report({})\n",  # public: not counted
+    }
+    found = code_stats.private_ray_names(texts)
+    assert found == {
+        "driver.a": {"ray.train.v2._internal.execution.controller.TrainController"},
+        "driver.b": {"ray._private.worker._global_node"},
+        "driver.c": {"ray.train.v2._internal.execution.controller.TrainController"},
+    }
+    assert code_stats.private_count(found) == "3 in 3 modules"  # a name in two modules counts twice
+    assert code_stats.private_count(None) == "not counted (no tests/ray_surface.py)"
+    lines = code_stats.compare({"worker.d": texts["worker.d"]}, texts).splitlines()
+    assert "Private Ray names: 0 in 0 modules before, 3 in 3 modules after" in lines
+
+
 @pytest.mark.parametrize("given", ["-5", "0", "ten"])
 def test_longest_takes_a_positive_count_of_functions(given, capsys):
     with pytest.raises(SystemExit) as done:
