@@ -58,11 +58,7 @@ class DataSection:
     their order are the same either way."""
 
     def own_problems(self) -> Iterable[tuple[str, str]]:
-        if self.data_partitions < 1:
-            yield (
-                "data_partitions",
-                f"got {self.data_partitions}; must be a positive integer, e.g. --data-partitions 24",
-            )
+        yield from positive_int("data_partitions", self.data_partitions, 24)
         if self.shuffle_window_rows is not None and self.shuffle_window_rows < 0:
             yield (
                 "shuffle_window_rows",
@@ -163,19 +159,15 @@ class FaultToleranceSection:
     def own_problems(self) -> Iterable[tuple[str, str]]:
         yield from positive_int("num_checkpoints_to_keep", self.num_checkpoints_to_keep, 2)
         if self.checkpoint_every_steps < 0:
-            yield (
-                "checkpoint_every_steps",
-                f"got {self.checkpoint_every_steps}; must be 0 (epoch ends only) or a positive step count",
-            )
+            why = f"got {self.checkpoint_every_steps}; must be 0 (epoch ends only) or a positive step count"
+            yield "checkpoint_every_steps", why
         yield from self._auto_interval_problems()
         if self.max_failures < -1:
             yield "max_failures", f"got {self.max_failures}; must be 0 or more (-1 retries forever)"
         yield from positive_int("replica_group_size", self.replica_group_size, 2)
         if not 0 < self.collective_timeout_s < math.inf:
-            yield (
-                "collective_timeout_s",
-                f"got {self.collective_timeout_s}; must be a positive number of seconds, e.g. 600",
-            )
+            why = f"got {self.collective_timeout_s}; must be a positive number of seconds, e.g. 600"
+            yield "collective_timeout_s", why
 
     def _auto_interval_problems(self) -> Iterable[tuple[str, str]]:
         """--checkpoint-every auto and its inputs (raytrain.rules.interval)."""
@@ -280,15 +272,11 @@ class ObserveSection:
         yield from positive_int("eval_batches", self.eval_batches, 20)
         yield from positive_int("log_every_steps", self.log_every_steps, 10)
         if self.timing_warmup_steps < 0:
-            yield (
-                "timing_warmup_steps",
-                f"got {self.timing_warmup_steps}; must be 0 or more, e.g. --timing-warmup-steps 3",
-            )
+            why = f"got {self.timing_warmup_steps}; must be 0 or more, e.g. --timing-warmup-steps 3"
+            yield "timing_warmup_steps", why
         if not 0 < self.progress_interval_s < math.inf:
-            yield (
-                "progress_interval_s",
-                f"got {self.progress_interval_s}; must be a positive number of seconds, e.g. 10",
-            )
+            why = f"got {self.progress_interval_s}; must be a positive number of seconds, e.g. 10"
+            yield "progress_interval_s", why
         if self.peak_tflops is not None and not 0 < self.peak_tflops < math.inf:
             yield "peak_tflops", f"got {self.peak_tflops}; must be a positive number of TFLOP/s, e.g. --peak-tflops 989"
 
@@ -316,10 +304,8 @@ class WatchSection:
 
     def own_problems(self) -> Iterable[tuple[str, str]]:
         if not 1 < self.straggler_factor < math.inf:
-            yield (
-                "straggler_factor",
-                f"got {self.straggler_factor}; must be a ratio above 1, e.g. --straggler-factor 1.5",
-            )
+            why = f"got {self.straggler_factor}; must be a ratio above 1, e.g. --straggler-factor 1.5"
+            yield "straggler_factor", why
         yield from positive_int("straggler_steps", self.straggler_steps, 20)
         yield from positive_int("straggler_evict_steps", self.straggler_evict_steps, 200)
         # The default cannot be told from the same value given; any other, from any layer, was
@@ -333,10 +319,8 @@ class WatchSection:
                 f"leave --straggler-evict-steps at its default {default}",
             )
         if self.replica_check_steps is not None and self.replica_check_steps < 0:
-            yield (
-                "replica_check_steps",
-                f"got {self.replica_check_steps}; must be 0 (off) or a positive step count, e.g. 1000",
-            )
+            why = f"got {self.replica_check_steps}; must be 0 (off) or a positive step count, e.g. 1000"
+            yield "replica_check_steps", why
 
 
 @dataclass(kw_only=True)
