@@ -161,7 +161,5 @@ class OptimizationSection:
         if not all(isinstance(m, (int, float)) and not isinstance(m, bool) for m in milestones):
             yield "lr_milestones", f"got {milestones}; give epochs as numbers, e.g. --lr-milestones 30,60"
         elif any(b <= a for a, b in zip(milestones, milestones[1:])) or milestones[0] <= 0:
-            yield (
-                "lr_milestones",
-                f"got {milestones}; epochs must be positive and increasing, e.g. --lr-milestones 30,60",
-            )
+            why = f"got {milestones}; epochs must be positive and increasing, e.g. --lr-milestones 30,60"
+            yield "lr_milestones", why
