@@ -296,7 +296,7 @@ def test_augmentation_row_by_row_gives_each_row_the_same_draws_however_the_rows_
         noise = torch.randn(batch["x"].shape, generator=torch.Generator().manual_seed(hash(tuple(key)) % 2**31))
         return {**batch, "x": batch["x"] + noise}
 
-    runner = SimpleNamespace(cfg=SimpleNamespace(seed=3), transform=transform)
+    runner = SimpleNamespace(cfg=SimpleNamespace(seed=3), row_transform=transform)
     table = Table({"x": np.arange(40, dtype=np.float32).reshape(10, 4)})
     step = Step(index=0, start=0, end=10)
 
@@ -309,6 +309,17 @@ def test_augmentation_row_by_row_gives_each_row_the_same_draws_however_the_rows_
     assert not torch.equal(
         one, torch.from_numpy(table.columns["x"])[torch.from_numpy(table.epoch(3, 0, 0, 0, 1).order)]
     )
+
+
+def test_the_check_runner_leaves_each_share_as_the_rows_transform_made_it():
+    # The step runner applies transform_batch to each rank's share; the check's runner must not,
+    # or an augmenting pipeline's rows are transformed twice, per rank, and 2 workers differ from 1.
+    from raytrain.check.worker import CheckRunner
+    from raytrain.worker.step import StepRunner
+
+    batch = {"x": torch.ones(2, 3)}
+    assert CheckRunner.transform(None, batch, [3, 0, 0, 1, 0]) is batch
+    assert CheckRunner.row_transform is StepRunner.transform
 
 
 def test_dropout_layers_are_put_in_evaluation_mode_and_counted():

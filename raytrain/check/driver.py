@@ -107,9 +107,10 @@ def fit_check(
     from raytrain.driver.launch import apply_train_timers
     from raytrain.driver.session import WORKER_ENV, ray_logs_dir
     from raytrain.errors import explain_worker_errors, summarize_on_raise
-    from raytrain.worker.network import BoundTorchConfig
+    from raytrain.faults import mode_of
 
     apply_train_timers(run)
+    mode = mode_of(run)  # restart: check_configs refuses the others
     payload = CheckPayload(run, reference, pipe, sources, opts.steps, tolerance)
     resources = {"CPU": run.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
     # The check writes no run: Ray Train's own records go to a directory removed after.
@@ -118,13 +119,14 @@ def fit_check(
             summarize_on_raise(check_loop_per_worker),
             train_loop_config={PAYLOAD: payload},
             scaling_config=ScalingConfig(num_workers=run.max_workers, use_gpu=use_gpu, resources_per_worker=resources),
-            torch_config=BoundTorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=run.collective_timeout_s),
+            torch_config=mode.torch_config(use_gpu),
             run_config=RunConfig(
                 name="check",
                 storage_path=storage,
                 logging_config=LoggingConfig(log_level="INFO" if run.verbose else "ERROR"),
                 worker_runtime_env={"env_vars": dict(WORKER_ENV)},
             ),
+            mode=mode,
         )
         try:
             result = trainer.fit()

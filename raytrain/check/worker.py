@@ -209,8 +209,10 @@ class CheckRunner(StepRunner):
     (`RowByRow`), not to each rank's share as a whole."""
 
     exact = True  # no TF32: its 10-bit mantissa would swamp reduction-order differences
+    row_transform = StepRunner.transform  # transform_batch on one row, seeded by its place (`RowByRow`)
 
-    def augment(self, batch: dict[str, torch.Tensor], micro_index: int, step_index: int) -> dict[str, torch.Tensor]:
+    def transform(self, batch: dict[str, torch.Tensor], key: list[int]) -> dict[str, torch.Tensor]:
+        """The share as it is: the data has applied transform_batch to it row by row."""
         return batch
 
     def epoch_data(self, train: Table | Stream, position: Position) -> "TableEpoch | StreamEpoch | RowByRow":
@@ -230,7 +232,7 @@ class RowByRow:
     checked row by row.)"""
 
     data: TableEpoch | StreamEpoch
-    runner: StepRunner
+    runner: CheckRunner
     epoch: int
 
     def rows(self, step: steps.Step) -> list[tuple]:
@@ -245,7 +247,9 @@ class RowByRow:
         places = [(*piece[:-2], place) for piece in rows for place in range(piece[-2], piece[-1])][:count]
         seed = self.runner.cfg.seed
         one_by_one = [
-            self.runner.transform({name: value[i : i + 1] for name, value in batch.items()}, [seed, self.epoch, *place])
+            self.runner.row_transform(
+                {name: value[i : i + 1] for name, value in batch.items()}, [seed, self.epoch, *place]
+            )
             for i, place in enumerate(places)
         ]
         return {name: torch.cat([row[name] for row in one_by_one]) for name in one_by_one[0]}, count
