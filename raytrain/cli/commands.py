@@ -12,7 +12,7 @@ from raytrain import fields
 from raytrain.cli.options import read_run_options, resumed_options
 from raytrain.config import TrainConfig, merge_layers
 from raytrain.errors import ConfigError, UsageError
-from raytrain.pipeline import parse_pipeline_args
+from raytrain.pipeline import load_pipeline, parse_pipeline_args
 from raytrain.rules.accounting import goodput_phrase
 from raytrain.rundir import RunDir, Store
 from raytrain.rundir.records import PLOTS, REPORT
@@ -21,7 +21,6 @@ from raytrain.text import plural
 
 def cmd_train(args: argparse.Namespace) -> int:
     from raytrain.driver.run import fit
-    from raytrain.pipeline import load_pipeline
 
     spec, file_values, flags = read_run_options(args)
     if flags.get("resume") or file_values.get("resume"):
@@ -67,7 +66,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from raytrain.errors import EXIT_FAILED
-    from raytrain.pipeline import load_pipeline
     from raytrain.tune import tune
     from raytrain.tune.options import SWEPT, LrDraws, TuneOptions, parse_search_space
 
@@ -94,7 +92,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from raytrain.bench import BenchOptions, bench_config, run_bench, worker_counts
     from raytrain.bench.predict import PredictOptions, predict_speedups
-    from raytrain.pipeline import load_pipeline
 
     given = vars(args)
     own = {option.name for option in (*fields.options(BenchOptions), *fields.options(PredictOptions))}
@@ -127,7 +124,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from raytrain.check.driver import run_check
     from raytrain.check.options import CheckOptions
-    from raytrain.pipeline import load_pipeline
 
     own = {option.name for option in fields.options(CheckOptions)}
     opts = CheckOptions(**_given(args, CheckOptions))
@@ -156,7 +152,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_data(args: argparse.Namespace) -> int:
     from raytrain.data.write import write_datasets
     from raytrain.driver.session import ray_session
-    from raytrain.pipeline import load_pipeline
 
     pipe = load_pipeline(args.pipeline)
     values = {"pipeline_args": getattr(args, "pipeline_args", []), "workers": 1}
