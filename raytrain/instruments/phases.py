@@ -37,8 +37,8 @@ class Measures:
     count_flops: bool = False  # rank 0 counts the FLOPs of its next micro-batch with rows (once per attempt)
     telemetry: Telemetry = field(default_factory=Telemetry)
     throughput: Throughput = field(default_factory=lambda: Throughput(time.perf_counter(), 0))
-    memory: dict[str, int] | None = None  # bytes of this rank's state, after the attempt's first step
-    memory_said: bool = False
+    # Bytes of this rank's state, after the attempt's first step, until said ({} once said).
+    memory: dict[str, int] | None = None
     compiled_from: tuple[int, float] | None = None  # --compile: this process's graphs, compile seconds before
     compile_said: bool = False
     first_step: int = 0  # the attempt's first step: where it was restored
@@ -161,8 +161,7 @@ class Measures:
 
         from raytrain.rundir.records import Kind
 
-        self.memory_said = True
-        mine = {**(self.memory or {}), "peak_rss": _peak_rss_bytes(psutil.Process())}
+        mine, self.memory = {**(self.memory or {}), "peak_rss": _peak_rss_bytes(psutil.Process())}, {}
         if self.device.type == "cuda":  # what the GPU's allocator held at most: activations included
             mine["peak_gpu_allocated"] = torch.cuda.max_memory_allocated(self.device)
         every = runtime.all_gather_object(mine)

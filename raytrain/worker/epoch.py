@@ -252,7 +252,7 @@ class Training:
         itself rather than trusting the sync to carry it."""
         cfg, runner, position, files, stop = self.cfg, self.runner, self.position, self.files, False
         faults, measures = self.recovery.faults, runner.measures
-        if measures.memory is not None and not measures.memory_said:
+        if measures.memory:  # measured after the attempt's first step, not said yet
             measures.say_memory(self.runtime, files, note=runner.prepared.strategy.memory_note)
         if files.live_due():  # about once a second, where rank 0 is in the epoch (the driver's progress bar)
             files.live(
