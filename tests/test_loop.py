@@ -350,3 +350,24 @@ def test_steady_steps_on_the_cpu_are_timed_by_the_host_at_once():
     assert telemetry.steady_steps == 1 and telemetry.steady_samples == 32 and telemetry.steady_time_s >= 0
     clock.settle(telemetry)  # nothing pending on a CPU
     assert telemetry.steady_steps == 1
+
+
+def test_the_state_held_is_measured_after_the_first_step_and_said_once(tmp_path):
+    from types import SimpleNamespace
+
+    from raytrain.instruments.phases import Measures
+    from raytrain.rundir.heartbeats import Heartbeat
+
+    measures = Measures(Heartbeat(tmp_path / "heartbeats", 0, enabled=False), torch.device("cpu"))
+    said = []
+    files = SimpleNamespace(event=lambda kind, line, **figures: said.append((kind, line, figures)))
+    runtime = SimpleNamespace(all_gather_object=lambda mine: [mine, mine])  # two ranks
+    assert not measures.memory  # nothing to say before the first step
+    measures.note_state(lambda: {"parameters": 4 << 20, "gradients": 4 << 20, "optimizer": 8 << 20})
+    assert measures.memory
+    measures.say_memory(runtime, files)
+    measures.note_state(lambda: pytest.fail("measured again"))  # the next steps measure nothing
+    assert not measures.memory and len(said) == 1
+    kind, line, figures = said[0]
+    assert kind == Kind.MEMORY and line.startswith("memory per worker after the first step: 4 MiB parameters")
+    assert figures["optimizer"] == [8 << 20, 8 << 20] and len(figures["peak_rss"]) == 2
