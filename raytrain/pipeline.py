@@ -7,6 +7,7 @@ import difflib
 import importlib
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -199,6 +200,11 @@ def parse_pipeline_args(pipeline: Pipeline, raw: dict[str, Any] | None) -> Any:
                 raise
             problems.append(str(exc.__cause__))
     raise PipelineError(f"pipeline {pipeline.name}: " + "; ".join(problems))
+
+
+def dated_name(spec: str, form: str = "{}") -> str:
+    """A run's default name: the spec's last dotted part, lowercased, in `form`, then when it starts."""
+    return f"{form.format(spec.split(':')[-1].split('.')[-1].lower() or 'run')}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def load_pipeline(spec: "str | Pipeline") -> Pipeline:

@@ -30,11 +30,10 @@ def run_bench(
     alternate raytrain-first and baselines-first; each figure is the round picked by
     `opts.statistic` (a loaded machine slows single runs by several times).
     """
-    from raytrain.pipeline import load_pipeline
+    from raytrain.pipeline import dated_name, load_pipeline
 
     pipe = load_pipeline(pipeline)
-    stem = pipeline.split(":")[-1].split(".")[-1].lower()
-    name = opts.name if opts.name is not None else f"bench-{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = opts.name if opts.name is not None else dated_name(pipeline, "bench-{}")
     where = Store.of(opts.storage) / name
     if where.exists("bench.json"):
         raise ConfigError([("name", f"bench {name!r} already exists in {where.parent}; choose another --name")])

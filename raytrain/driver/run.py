@@ -25,7 +25,7 @@ from raytrain.driver.summary import explain_failure, write_summary
 from raytrain.errors import ConfigError, RunFailed, find_user_error
 from raytrain.observe.tracking import RunTracker
 from raytrain.parallel.strategy import check_compiler
-from raytrain.pipeline import Pipeline, load_pipeline, overrides, set_plan
+from raytrain.pipeline import Pipeline, dated_name, load_pipeline, overrides, set_plan
 from raytrain.rules import batch, resume
 from raytrain.rundir import RunDir, Store, StoredRun, checkpoints, claimed, strict
 from raytrain.rundir.checkpoints import forget_missing, model_shapes
@@ -131,8 +131,7 @@ def resolve_config(pipe: Pipeline, cfg: TrainConfig, pipeline_name: str) -> Trai
     """Fill what depends on the run as a whole: the name, and the reference batch frozen once."""
     changes: dict[str, Any] = {}
     if cfg.name is None:
-        stem = pipeline_name.split(":")[-1].split(".")[-1].lower() or "run"
-        changes["name"] = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        changes["name"] = dated_name(pipeline_name)
     if cfg.reference_batch_size is None:
         changes["reference_batch_size"] = batch.default_reference_batch_size(
             max(1, cfg.max_workers),

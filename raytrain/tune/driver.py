@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -27,7 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from raytrain.config import TrainConfig
+from raytrain.environ import scoped_env
 from raytrain.errors import ConfigError
+from raytrain.observe.trackers import log_level
 from raytrain.pipeline import Pipeline, load_pipeline
 from raytrain.rules.head import EMBEDDED_TRIAL_DRIVER_SLOTS, TRIAL_DRIVER_RESOURCE
 from raytrain.rundir.storage import Store
@@ -228,7 +231,12 @@ def tune(
             tuner, console = _build_tuner(
                 pipeline, base, space, options, runs, concurrency, resources, sweep, total, echo
             )
-            with _quiet_tune(base.verbose):
+            # The console gets raytrain's lines, not Tune's: Tune's new output engine prints its own
+            # banner and table even at verbose=0 (the legacy one stays silent), and Tune logs each
+            # failed trial's whole traceback, which raytrain reports as one line (the cause and the
+            # run directory; the traceback stays in tune/<trial>/error.txt). -v keeps Tune's logs.
+            quiet = log_level("ray.tune", logging.CRITICAL) if not base.verbose else contextlib.nullcontext()
+            with scoped_env({"RAY_AIR_NEW_OUTPUT": "0"}), quiet:
                 tuner.fit()
             leaked = _free_leaked_placement_groups(pgs_before, echo)
             wall = time.time() - started
@@ -323,27 +331,6 @@ def _build_tuner(pipeline, base, space, options, runs: list[SweepRun], concurren
         run_config=ray_tune.RunConfig(name="tune", **sweep.ray_storage(), verbose=0, callbacks=[console]),
     )
     return tuner, console
-
-
-@contextlib.contextmanager
-def _quiet_tune(verbose: bool):
-    """The console gets raytrain's lines, not Tune's: Tune's new output engine prints its own
-    banner and table even at verbose=0 (the legacy one stays silent), and Tune logs each failed
-    trial's whole traceback, which raytrain reports as one line (the cause and the run
-    directory; the traceback stays in tune/<trial>/error.txt). -v keeps Tune's logs."""
-    import logging
-
-    from raytrain.environ import scoped_env
-
-    tune_logger = logging.getLogger("ray.tune")
-    level = tune_logger.level
-    if not verbose:
-        tune_logger.setLevel(logging.CRITICAL)
-    try:
-        with scoped_env({"RAY_AIR_NEW_OUTPUT": "0"}):
-            yield
-    finally:
-        tune_logger.setLevel(level)
 
 
 def _placement_groups() -> dict[str, str]:

@@ -15,12 +15,12 @@ import dataclasses
 import itertools
 import json
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from raytrain.config import TrainConfig, parse_workers
 from raytrain.errors import ConfigError
+from raytrain.pipeline import dated_name
 from raytrain.rules.batch import batch_plan_for, default_reference_batch_size, lr_scale
 from raytrain.text import sci
 from raytrain.tune.options import SWEPT, SearchSpace, TuneOptions
@@ -60,8 +60,7 @@ def sweep_base_config(cfg: TrainConfig, space: SearchSpace, pipeline_name: str) 
     workers = space.workers if space.workers is not None else [cfg.max_workers]
     changes: dict[str, Any] = {"workers": max(workers)}
     if cfg.name is None:
-        stem = pipeline_name.split(":")[-1].split(".")[-1].lower() or "run"
-        changes["name"] = f"{stem}-tune-{time.strftime('%Y%m%d-%H%M%S')}"
+        changes["name"] = dated_name(pipeline_name, "{}-tune")
     if cfg.reference_batch_size is None:
         changes["reference_batch_size"] = default_reference_batch_size(
             max(workers), global_batch_size=cfg.global_batch_size, batch_size_per_worker=cfg.batch_size_per_worker
