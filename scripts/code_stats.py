@@ -376,12 +376,40 @@ def _shape(shape: tuple[str, int, int] | None) -> str:
     return f"{shape[0]} ({shape[1]} fields, {shape[2]} methods)" if shape else "none"
 
 
+MODE_PACKAGE = "faults"  # the fault-tolerance modes' own package (issue 55)
+MODE_VALUES = frozenset({"restart", "per-step"})
+MODE_CLASSES = frozenset({"Recovery", "RestartMode", "PerStep", "PerStepMode", "ReplicaRuntime"})
+
+
+def mode_tests(trees: dict[str, ast.Module]) -> list[str]:
+    """module:line of every comparison with a mode's name or with a `fault_tolerance` value, and
+    every isinstance/issubclass against a mode's class, outside the modes' own package."""
+    found = set()
+    for m, tree in trees.items():
+        if m == MODE_PACKAGE or m.startswith(MODE_PACKAGE + "."):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    if (isinstance(side, ast.Constant) and side.value in MODE_VALUES) or (
+                        getattr(side, "attr", getattr(side, "id", None)) == "fault_tolerance"
+                    ):
+                        found.add((m, node.lineno))
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in {"isinstance", "issubclass"}:
+                classes = node.args[1:2]
+                classes = classes[0].elts if classes and isinstance(classes[0], ast.Tuple) else classes
+                if any(getattr(c, "id", getattr(c, "attr", None)) in MODE_CLASSES for c in classes):
+                    found.add((m, node.lineno))
+    return [f"{m}:{line}" for m, line in sorted(found)]
+
+
 def modes_and_classes(texts: dict[str, str], trees: dict[str, ast.Module]) -> dict:
     """Issue 46's figures of one tree."""
     shapes = class_shapes(trees)
     inside, outside = store_kind_branches(trees)
     return {
         "mode": mode_lines(texts),
+        "mode_tests": mode_tests(trees),
         "storage": storage_branches(trees.get(CHECKPOINTS_MODULE)),
         "kind_inside": inside,
         "kind_outside": outside,
@@ -407,6 +435,8 @@ def modes_lines(before: dict | None, after: dict) -> list[str]:
     return [
         f"Lines of raytrain/worker/ naming the fault-tolerance mode outside {', '.join(PER_STEP_MODULES)}: "
         + pair(before and str(len(b["mode"])), f"{len(after['mode'])}{_listed(after['mode'])}"),
+        f"Lines of raytrain/ outside {MODE_PACKAGE}/ comparing the mode or testing its classes: "
+        + pair(before and str(len(b["mode_tests"])), f"{len(after['mode_tests'])}{_listed(after['mode_tests'])}"),
         f"Storage-kind branches in {CHECKPOINTS_MODULE}: "
         + pair(before and str(len(b["storage"])), str(len(after["storage"]))),
         *(

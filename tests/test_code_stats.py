@@ -128,9 +128,10 @@ def test_compare_prints_each_measure_before_and_after_with_the_classes_over_a_li
     before = {"worker.loop": "x = 1\n", "rundir.checkpoints": "y = 2\n"}
     after = {"worker.loop": WORKER + wide, "rundir.checkpoints": "if remote(d):\n    pass\n"}
     lines = code_stats.compare(before, after).splitlines()
-    assert lines[-8:] == [
+    assert lines[-9:] == [
         "Lines of raytrain/worker/ naming the fault-tolerance mode outside faults.per_step, faults.groups: "
         "0 before, 2 (worker.loop:6, worker.loop:7) after",
+        "Lines of raytrain/ outside faults/ comparing the mode or testing its classes: 0 before, 0 after",
         "Storage-kind branches in rundir.checkpoints: 0 before, 1 after",
         "Branches on a Store's kind inside rundir.storage: 0 before, 0 after",
         "Branches on a Store's kind outside rundir.storage: 0 before, 0 after",
@@ -188,3 +189,16 @@ def test_a_revision_outside_git_is_named_with_exit_2_not_a_traceback(tmp_path):
     assert f"error: --rev HEAD: git cannot read it in {copy} (fatal: not a git repository" in done.stderr
     assert "it needs a git clone and a revision of its history: leave it out for the working tree" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_mode_compared_or_its_class_tested_outside_the_modes_package_is_counted():
+    source = """
+if cfg.fault_tolerance == "x":
+    pass
+if mode != "per-step":
+    pass
+ok = isinstance(recovery, (Recovery, int))
+fine = isinstance(recovery, int) or name == "other"
+"""
+    trees = {m: ast.parse(source) for m in ("tune.space", "faults.per_step", "faults")}
+    assert code_stats.mode_tests(trees) == ["tune.space:2", "tune.space:4", "tune.space:6"]
