@@ -325,36 +325,21 @@ def check_embedded_capacity(cfg: ClusterSection, echo: Callable[[str], None] = p
     cpus = os.cpu_count() or 1
     need = cfg.max_workers * cfg.cpus_per_worker
     if need > MAX_WORKERS_PER_CPU * cpus:
-        raise ConfigError(
-            [
-                (
-                    "workers",
-                    (
-                        f"got {cfg.workers} workers × {cfg.cpus_per_worker:g} CPU = {need:g} CPUs, but this machine "
-                        f"has {cpus} and an embedded "
-                        "Ray runs every worker here; use at most "
-                        f"{int(MAX_WORKERS_PER_CPU * cpus // cfg.cpus_per_worker)} "
-                        "(or fewer --cpus-per-worker), or join a cluster with --address"
-                    ),
-                )
-            ]
+        most = int(MAX_WORKERS_PER_CPU * cpus // cfg.cpus_per_worker)
+        why = (
+            f"got {cfg.workers} workers × {cfg.cpus_per_worker:g} CPU = {need:g} CPUs, but this machine has {cpus} "
+            f"and an embedded Ray runs every worker here; use at most {most} (or fewer --cpus-per-worker), or join a "
+            "cluster with --address"
         )
+        raise ConfigError([("workers", why)])
     available = psutil.virtual_memory().available
     if cfg.max_workers * WORKER_BASE_MEMORY_BYTES > available:
-        raise ConfigError(
-            [
-                (
-                    "workers",
-                    (
-                        f"got {cfg.workers} workers; each takes about {WORKER_BASE_MEMORY_BYTES / 2**30:.1f} GiB "
-                        "before any data and this "
-                        f"machine has {available / 2**30:.1f} GiB available; use at most "
-                        f"{max(1, int(available // WORKER_BASE_MEMORY_BYTES))}, "
-                        "or join a cluster with --address"
-                    ),
-                )
-            ]
+        why = (
+            f"got {cfg.workers} workers; each takes about {WORKER_BASE_MEMORY_BYTES / 2**30:.1f} GiB before any data "
+            f"and this machine has {available / 2**30:.1f} GiB available; use at most "
+            f"{max(1, int(available // WORKER_BASE_MEMORY_BYTES))}, or join a cluster with --address"
         )
+        raise ConfigError([("workers", why)])
     if need > cpus:
         echo(
             f"raytrain: note: {cfg.max_workers} workers × {cfg.cpus_per_worker:g} CPU on a {cpus}-CPU machine: "
@@ -382,15 +367,8 @@ def resolve_gpu(cfg: ClusterSection) -> bool:
 
     gpus = ray.cluster_resources().get("GPU", 0)
     if cfg.gpu and not gpus:
-        raise ConfigError(
-            [
-                (
-                    "gpu",
-                    "was asked for, but the Ray cluster has no GPUs; drop --gpu or connect to a cluster with GPUs "
-                    "(--address)",
-                )
-            ]
-        )
+        why = "was asked for, but the Ray cluster has no GPUs; drop --gpu or connect to a cluster with GPUs (--address)"
+        raise ConfigError([("gpu", why)])
     use_gpu = bool(gpus) if cfg.gpu is None else cfg.gpu
     if use_gpu:
         note_gpu_capacity(cfg, gpus)
@@ -407,15 +385,10 @@ def note_gpu_capacity(cfg: ClusterSection, gpus: float, echo: Callable[[str], No
         return
     nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
     if nodes <= 1 and not cfg.address and not os.environ.get("RAY_ADDRESS"):
+        fewer = f"{int(gpus)}{':' + str(cfg.max_workers) if cfg.elastic and cfg.max_workers > gpus else ''}"
+        why = f"got {cfg.workers} with GPUs, one GPU each, but this machine has {gpus:g}; use --workers {fewer}"
         raise ConfigError(
-            [
-                (
-                    "workers",
-                    f"got {cfg.workers} with GPUs, one GPU each, but this machine has {gpus:g}; use --workers "
-                    f"{int(gpus)}{':' + str(cfg.max_workers) if cfg.elastic and cfg.max_workers > gpus else ''}, "
-                    "--no-gpu to train on CPUs, or join a cluster with more GPUs (--address)",
-                )
-            ]
+            [("workers", f"{why}, --no-gpu to train on CPUs, or join a cluster with more GPUs (--address)")]
         )
     echo(
         f"raytrain: note: the cluster has {gpus:g} GPUs and {cfg.min_workers} workers need one each: training "

@@ -267,9 +267,9 @@ def _write_sweep_yaml(sweep_dir, spec, base, space, options, points, runs, concu
 def _embedded_ray_cpus(base: TrainConfig, worker_counts: list[int]) -> int | None:
     """Logical CPUs for an embedded Ray (None when joining one), checked against the largest
     trial before anything starts."""
-    import ray
+    from raytrain.driver.session import will_embed_ray
 
-    if ray.is_initialized() or base.address or os.environ.get("RAY_ADDRESS"):
+    if not will_embed_ray(base):
         return None
     cores = os.cpu_count() or 1
     num_cpus = embedded_cpus(trial_cpus(max(worker_counts), base.cpus_per_worker), cores)
