@@ -285,15 +285,11 @@ def _embedded_ray_cpus(base: TrainConfig, worker_counts: list[int]) -> int | Non
 
 def _check_metric_source(pipe: Pipeline, base: TrainConfig, options: TuneOptions, build_datasets) -> None:
     if options.metric.startswith("val_") and "val" not in build_datasets(pipe, base):
-        raise ConfigError(
-            [
-                (
-                    "metric",
-                    f"got {options.metric!r}, but pipeline {pipe.name} has no 'val' dataset; use --metric loss, or "
-                    "add a 'val' dataset to the pipeline",
-                )
-            ]
+        why = (
+            f"got {options.metric!r}, but pipeline {pipe.name} has no 'val' dataset; use --metric loss, or add a 'val' "
+            "dataset to the pipeline"
         )
+        raise ConfigError([("metric", why)])
 
 
 def _build_tuner(pipeline, base, space, options, runs: list[SweepRun], concurrency, resources, sweep, total, echo):
