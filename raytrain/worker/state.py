@@ -88,17 +88,9 @@ class TrainingState:
             "sharded": not self.holding.holds_whole_model,  # the key as every version has written it
             **rules,
         }
-        if distributed:
-            save = Save(
-                directory,
-                future=dcp.async_save(
-                    self._dcp_part(runtime.world_rank, runtime.world_size),
-                    checkpoint_id=str(directory),
-                    **runtime.dcp_options(),
-                ),
-            )
-        else:
-            save = Save(directory)
+        part = self._dcp_part(runtime.world_rank, runtime.world_size) if distributed else None
+        future = dcp.async_save(part, checkpoint_id=str(directory), **runtime.dcp_options()) if distributed else None
+        save = Save(directory, future=future)
         writes = _snapshot(self._dcp_state()) if not distributed else None
 
         def write() -> None:
@@ -115,22 +107,19 @@ class TrainingState:
             except BaseException as exc:  # surfaced by Save.wait
                 save.errors.append(exc)
 
-        if distributed and rank0:
-            # rank 0's small files wait for the shards, so the directory is whole when listed
-            waiter = save.future
+        # rank 0's small files wait for the shards, so the directory is whole when listed
+        def write_after_shards() -> None:
+            try:
+                future.result()
+            except BaseException as exc:
+                save.errors.append(exc)
+                return
+            write()
 
-            def write_after_shards() -> None:
-                try:
-                    waiter.result()
-                except BaseException as exc:
-                    save.errors.append(exc)
-                    return
-                write()
-
-            save.thread = threading.Thread(target=write_after_shards, name="raytrain-checkpoint", daemon=True)
-        elif not distributed:
-            save.thread = threading.Thread(target=write, name="raytrain-checkpoint", daemon=True)
-        if save.thread is not None:
+        if rank0 or not distributed:
+            save.thread = threading.Thread(
+                target=write_after_shards if distributed else write, name="raytrain-checkpoint", daemon=True
+            )
             save.thread.start()
         return save
 
