@@ -118,11 +118,7 @@ def build_torch_trainer(
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
             logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "ERROR"),
             worker_runtime_env={
-                "env_vars": {
-                    **WORKER_ENV,
-                    **nccl_env(mode),
-                    **_passed_on(RETRY_ENV, *INTERFACE_VARIABLES),
-                }
+                "env_vars": {**WORKER_ENV, **nccl_env(mode), **_passed_on(RETRY_ENV, *INTERFACE_VARIABLES)}
             },
             callbacks=list(callbacks),
         ),

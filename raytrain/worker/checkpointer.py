@@ -117,17 +117,12 @@ class Checkpointer:
         """Load the first of `choice`'s checkpoints that loads on every rank of the group: its train
         state (None: none did), and whether the group stopped at one pruned since the listing."""
         runtime, distributed = self.runtime, self.recovery.distributed_checkpoints
+        optimizer = functools.partial(_in_build_optimizer, runner.pipeline)
         for directory, train_state in choice.usable:
             state = runner.training_state(Position.restored(train_state))
             unusable = pruned = 0.0
             try:
-                state.load(
-                    directory,
-                    runtime,
-                    self.cfg.seed,
-                    distributed=distributed,
-                    load_optimizer=functools.partial(_in_build_optimizer, runner.pipeline),
-                )
+                state.load(directory, runtime, self.cfg.seed, distributed=distributed, load_optimizer=optimizer)
             except CheckpointError as error:
                 if ckpt.gone(directory):
                     pruned = 1.0
