@@ -81,19 +81,17 @@ class Watch:
         steps, least = self.stragglers.slow_steps[rank], self.cfg.min_workers
         left = self.eviction.workers_left(rank, hosts)
         why = f"a straggler for {steps} steps running (--straggler-evict-steps {self.cfg.straggler_evict_steps})"
-        if left < least:
-            line = (
-                f"Not evicting rank {rank} (host {hosts[rank]}), {why}: without it {left} worker(s) would be left, "
-                f"fewer than --workers' MIN {least}; it trains on"
-            )
-            files.event(Kind.EVICTED, line, step=step, rank=rank, host=hosts[rank], slow_steps=steps, evicted=False)
-            return
+        evicted = left >= least
         line = (
             f"Evicting rank {rank} (host {hosts[rank]}), {why}: the run goes on without that host, never taking it back"
+            if evicted
+            else f"Not evicting rank {rank} (host {hosts[rank]}), {why}: without it {left} worker(s) would be left, "
+            f"fewer than --workers' MIN {least}; it trains on"
         )
-        files.event(Kind.EVICTED, line, step=step, rank=rank, host=hosts[rank], slow_steps=steps, evicted=True)
-        files.flush()
-        self.eviction.evict(rank, line)
+        files.event(Kind.EVICTED, line, step=step, rank=rank, host=hosts[rank], slow_steps=steps, evicted=evicted)
+        if evicted:
+            files.flush()
+            self.eviction.evict(rank, line)
 
     def row_figures(self) -> dict[str, Any]:
         """What a metrics row holds of the last sync: each rank's own seconds per step."""
