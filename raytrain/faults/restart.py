@@ -3,22 +3,11 @@ once where the worker starts (`raytrain.worker.loop.train_loop_per_worker`, from
 payload carries), and the only place that knows the mode.
 
 The loop (`raytrain.worker.epoch`) and the checkpoints (`raytrain.worker.checkpointer`) ask the
-recovery object what differs between modes:
-
-- how an attempt opens (`open`), is ready to step once restored (`after_restore`: the model it
-  steps with; `announces_at_restore`), and the first quorum of a worker that had nothing to say
-  before it (`first_quorum`);
-- each step's quorum (`start_step`) and whether to apply the step (`commit`);
-- what is summed at an epoch's end (`sum_at_epoch_end`) and whether each worker reads a stop
-  request itself (`each_reads_stop`);
-- who writes a checkpoint (`writes_checkpoints`), whether every rank writes its part
-  (`distributed_checkpoints`), how it is published (`publish`, `publish_wait_s`), and
-  --checkpoint-every auto's interval for its rollbacks (`auto_interval`);
-- its collectives, its model's wrapper and its evaluation share: those of its runtime
-  (`raytrain.worker.runtime.Runtime`, or per-step's `ReplicaRuntime`);
-- its watch of slow and silent faults (`faults`: `raytrain.instruments.watch.Watch`), built with
-  its `Eviction`: which ranks hold the same shard of different replicas, and what evicting a
-  straggler leaves and does.
+recovery object what differs between modes: how an attempt opens, restores and forms its first
+quorum; each step's quorum and commit; what is summed at an epoch's end; who writes, publishes
+and rolls back to checkpoints; its runtime (`raytrain.worker.runtime.Runtime`, or per-step's
+`ReplicaRuntime`: collectives, model wrapper, evaluation share); and its watch of slow and silent
+faults (`raytrain.instruments.watch.Watch`), built with its `Eviction`.
 
 `Recovery` is restart mode's (`--fault-tolerance restart`): a failure restarts the whole
 worker group from the last checkpoint, so every rank takes and commits every step, and Ray
