@@ -31,11 +31,8 @@ starts a new generation on a new store; the group's other workers see the loss a
 (`raytrain.parallel.hsdp.GroupWatch`: the old store closing tells them too), and their
 replacements join the new generation.
 
-A replacement that cannot be placed (its node gone for good, no room elsewhere) would stop
-Ray's controller in a wait without a limit; `GroupController`, the controller of every
-per-step run, leaves such a group waiting while the others train, and starts it again when
-there is room. An elastic per-step run (`--workers MIN:MAX`) starts with whole groups
-(`group_scaling_policy`).
+A replacement that cannot be placed waits while the others train (`GroupController`). An
+elastic per-step run (`--workers MIN:MAX`) starts with whole groups (`group_scaling_policy`).
 """
 
 from __future__ import annotations
@@ -318,11 +315,6 @@ def group_scaling_policy(scaling_config, group_size: int, evict_key: bytes | Non
 # (measured here: about 1 s lost per failure at 1000 ms).
 JOIN_TIMEOUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 1.0
-LIGHTHOUSE_KWARGS = {
-    "min_replicas": 1,
-    "join_timeout_ms": int(JOIN_TIMEOUT_S * 1000),
-    "heartbeat_timeout_ms": int(HEARTBEAT_TIMEOUT_S * 1000),
-}
 
 
 class _Backend(BindsInterfaces, _TorchftBackend):
@@ -361,7 +353,11 @@ def torchft_config(use_gpu: bool, timeout_s: float, min_groups: int = 1):
     groups a quorum takes a step with (an elastic run's MIN, in groups; a fixed run's
     survivors go on whatever is lost)."""
     return _TorchftConfig(
-        lighthouse_kwargs={**LIGHTHOUSE_KWARGS, "min_replicas": min_groups},
+        lighthouse_kwargs={
+            "min_replicas": min_groups,
+            "join_timeout_ms": int(JOIN_TIMEOUT_S * 1000),
+            "heartbeat_timeout_ms": int(HEARTBEAT_TIMEOUT_S * 1000),
+        },
         backend="nccl" if use_gpu else "gloo",
         timeout_s=timeout_s,  # seconds as given: Ray makes a timedelta of them (0.5 stays 0.5)
     )
