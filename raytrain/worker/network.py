@@ -3,18 +3,13 @@ its own Ray node address (`raytrain.rules.network`), before Ray Train creates th
 
 Ray Train sets MASTER_ADDR to rank 0's node address and then calls `init_process_group` on
 every worker (its TorchConfig backend's `on_start`); gloo's and NCCL's own choice of interface
-is made inside that call, from the worker's environment. raytrain's backends
-(`BoundTorchConfig` here; per-step mode's in `raytrain.faults.replacement`) first run
-`bind_to_node_interface` on every worker of the group, then Ray's `on_start`. An interface
-variable naming an interface a worker's host lacks stops the group before it forms (one message
-naming the variable, the host, its interfaces and the fix; `check_host_interfaces` says the same
-on the driver before an embedded Ray starts). On NCCL, which connects only at a group's first
-collective, a one-element all-reduce follows the group's start, so that a bad interface fails
-there and not in DDP's first broadcast. A group that still cannot connect (a variable set to
-the wrong interface, a node address no interface holds, a firewall) is said in one message that
-names the host, the address it tried and the fix: a `ProcessGroupNetworkError` (exit status 2,
-never retried) when the interfaces are wrong, else an error Ray's failure policy may retry (a
-firewall; a host cut off while the group formed).
+is made inside that call, from the worker's environment, so raytrain's backends
+(`BoundTorchConfig` here; per-step mode's in `raytrain.faults.replacement`) bind first
+(`BindsInterfaces`). A group that cannot form is said in one message naming the host, the
+address it tried and the fix: a `ProcessGroupNetworkError` (exit status 2, never retried) when
+the interfaces are wrong (`check_host_interfaces` says the same on the driver before an
+embedded Ray starts), else an error Ray's failure policy may retry (a firewall; a host cut off
+while the group formed).
 """
 
 from __future__ import annotations
@@ -73,7 +68,8 @@ def bind_to_node_interface() -> WorkerNetwork:
 
 def connect_now() -> None:
     """In a worker: a one-element all-reduce over its process group (NCCL's on the worker's GPU).
-    NCCL connects at a group's first collective, not when it is created."""
+    NCCL connects at a group's first collective, not when it is created: a bad interface fails
+    here, not in DDP's first broadcast."""
     import ray.train.torch
     import torch
     import torch.distributed as dist
