@@ -89,10 +89,8 @@ def hold_port() -> socket.socket:
 def ray_session(
     cfg: TrainConfig, *, num_cpus: int | None = None, resources: dict[str, float] | None = None
 ) -> Iterator[None]:
-    """Join the Ray given by --address/RAY_ADDRESS or already initialized; else start an
-    embedded local one (loopback only, isolated from other Rays on the host) and stop it after.
-
-    `num_cpus` and `resources` (custom resources) apply to an embedded Ray only."""
+    """The module's `ray_session` (a Ray already initialized is joined too); `num_cpus` and
+    `resources` (custom resources) apply to an embedded Ray only."""
     import ray
     from ray.data import DataContext
 
@@ -348,8 +346,7 @@ def check_embedded_capacity(cfg: ClusterSection, echo: Callable[[str], None] = p
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+    with hold_port() as sock:
         return sock.getsockname()[1]
 
 

@@ -12,8 +12,7 @@ position over the next quorum.
 `PerStep` is this mode's recovery object (`raytrain.faults.restart`): the quorum, the commit,
 healing, a replacement's first quorum, and checkpoints the quorum's rank 0 writes straight to
 the run directory (Ray's report is a barrier over every worker, which a lost replica would hold
-up). `ReplicaRuntime`, the runtime the loop sees here, ranks this replica by its place in the
-current quorum; its collectives go through the Manager.
+up); the loop sees this replica through `ReplicaRuntime`.
 
 Replicas that start together (a fresh start, a resume, a restart of every replica) start their
 Managers before they restore and meet at a barrier once restored, so the first quorum holds

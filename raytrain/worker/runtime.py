@@ -188,9 +188,7 @@ def node_address() -> str:
     Ray is not running: local mode)."""
     import socket
 
-    if ray.is_initialized():
-        return ray.util.get_node_ip_address()
-    return socket.gethostname()
+    return ray.util.get_node_ip_address() if ray.is_initialized() else socket.gethostname()
 
 
 def local_device(gpu: bool | None, cuda_visible: bool | None = None) -> torch.device:
