@@ -155,11 +155,10 @@ def _scheduler(options: TuneOptions, epochs: int, grace: int):
         def on_trial_complete(self, tune_controller, trial, result) -> None:
             self._group(trial).on_trial_complete(tune_controller, trial, result)
 
-        def on_trial_error(self, tune_controller, trial) -> None:
-            self._group(trial).on_trial_remove(tune_controller, trial)
-
         def on_trial_remove(self, tune_controller, trial) -> None:
             self._group(trial).on_trial_remove(tune_controller, trial)
+
+        on_trial_error = on_trial_remove
 
         def debug_string(self) -> str:
             return "ASHA per worker count: " + "; ".join(
