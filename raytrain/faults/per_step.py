@@ -225,12 +225,9 @@ class PerStep(Recovery):
     # -- the attempt ----------------------------------------------------------------------
 
     def open(self, files: "RunWriter", budget: "Budget") -> bool:
-        """A replacement that came up after the others finished the run: nothing to join (a
-        group's workers go by its rank 0's reading, so that they all go or all stay). Replicas
-        that start together start their Managers before they restore, so that the first of
-        them to ask for a quorum waits for the others; a replacement once built, so that its
-        restore holds up no live quorum. It leaves the staging directory alone: the live
-        quorum may be writing there."""
+        """Not for a replacement that came up after the others finished the run (`_finished`).
+        The Manager starts as the module's docstring says; the staging directory is left alone:
+        the live quorum may be writing there."""
         if _finished(self.runtime, files, budget):
             return False
         if self.starts_with_group:
@@ -357,8 +354,7 @@ class PerStep(Recovery):
         self, publish: "Publish", metrics: dict[str, Any], name: str, staging: "Path", asynchronous: bool,
         prune: Callable[[], None],
     ) -> None:  # fmt: skip
-        """The writer publishes and prunes by itself: Ray's report is a barrier over every
-        worker, which a lost replica would hold up."""
+        """The writer publishes and prunes by itself (see the module's docstring)."""
         publish.start(then=prune)
 
     def publish_wait_s(self, publish: "Publish", store: Store, timeout_s: float | None) -> float | None:
