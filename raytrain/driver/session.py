@@ -4,7 +4,7 @@
   foreign address fails in seconds, not minutes), or start an embedded local one bound to
   loopback, isolated from other Rays on the host, and stop it after;
 - capacity: a worker count this machine can never hold is refused before anything starts;
-- Ray Train's timers for a run (`apply_train_timers`), and the workers' environment.
+- the environment every worker gets (`WORKER_ENV`).
 """
 
 from __future__ import annotations
