@@ -155,7 +155,32 @@ def test_the_sync_carries_every_ranks_compile_figures_and_nothing_more_without_c
     # missing, not "no graph", and nothing is said from it (a rank would read as eager).
     vectors.clear()
     own = sync(Rank(0), Quiet(), LossWindow.on(torch.device("cpu")), 10, compiled=(2, 0.5))
-    assert own.compiled == []
+    assert own.compiled == [] and own.diverged == {}  # the others' missing slots are no divergence either
+
+
+def test_the_sync_names_each_rank_whose_loss_went_bad_and_at_which_step_step_0_included():
+    from raytrain.instruments.window import sync
+
+    vectors = []
+
+    class Rank(OneRank):
+        world_size = 3
+
+        def __init__(self, rank, summed=None):
+            self.world_rank, self.summed = rank, summed
+
+        def all_reduce_sum(self, values):
+            vectors.append(values)
+            return self.summed or values
+
+    windows = [LossWindow.on(torch.device("cpu")) for _ in range(3)]
+    windows[1].add(torch.tensor(float("nan")), 4, step_index=0)  # rank 1's first step
+    windows[2].add(torch.tensor(2.0), 4, step_index=0)
+    windows[2].add(torch.tensor(float("inf")), 4, step_index=7)
+    for rank in range(3):
+        sync(Rank(rank), Quiet(), windows[rank], 10)
+    summed = [sum(column) for column in zip(*vectors)]
+    assert sync(Rank(0, summed), Quiet(), LossWindow.on(torch.device("cpu")), 10).diverged == {1: 0, 2: 7}
 
 
 def test_a_torch_without_dynamos_counters_leaves_compile_not_counted_never_failed(monkeypatch):

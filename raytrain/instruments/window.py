@@ -158,7 +158,10 @@ def sync(
     world, rank = runtime.world_size, runtime.world_rank
     # Sum-reduce: each rank fills only its own slots of the per-rank vectors (others 0).
     slots = [0.0] * world
-    slots[rank] = float(window.first_bad_step.item())
+    # A bad step as step + 1: a slot left 0 is a rank with none, or one a failed reduction lost
+    # (per-step: its own group's figures only), never a divergence at step 0.
+    bad = float(window.first_bad_step.item())
+    slots[rank] = bad + 1.0 if math.isfinite(bad) else 0.0
     mine = own.take() if own is not None else RankTimes(0.0, 0.0, 0)
     times = [0.0] * (3 * world)
     times[3 * rank : 3 * rank + 3] = [mine.compute_s, mine.data_s, float(mine.steps)]
@@ -178,7 +181,7 @@ def sync(
     total, count, stop = totals[0], int(totals[1]), totals[2] > 0
     bad_steps, shared = totals[3 : 3 + world], totals[3 + world : 3 + 4 * world]
     window.clear()
-    diverged = {r: int(bad) for r, bad in enumerate(bad_steps) if math.isfinite(bad)}
+    diverged = {r: int(bad) - 1 for r, bad in enumerate(bad_steps) if bad > 0}
     ranks = [RankTimes(shared[3 * r], shared[3 * r + 1], int(shared[3 * r + 2])) for r in range(world)]
     addresses = [agreement.address(value) for value in agreement.from_slots(totals[3 + 4 * world :], world)]
     shared_compiles = totals[len(totals) - len(compiles) :] if compiles else []
