@@ -695,3 +695,15 @@ def test_gpu_on_a_cluster_without_gpus(ray_session, capsys, tmp_path):
 def test_doctor_with_an_empty_storage_is_refused_not_the_default_checked_instead(capsys):
     code, out, err = cli(capsys, "doctor", "--storage", "")
     assert_usage_error(code, out, err, "raytrain doctor: Invalid configuration: --storage: is empty; give a directory")
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_the_command_line_is_parsed_before_ray_is_imported():
+    """Ray reads RAY_AUTH_MODE when it is imported; a command joining `raytrain up`'s head sets it
+    after parsing (driver.head.join_recorded_head), so building the parser must not import Ray."""
+    import subprocess
+    import sys
+
+    code = "import sys; from raytrain.cli.parser import build_parser; build_parser(); print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

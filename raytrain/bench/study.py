@@ -15,7 +15,6 @@ from raytrain.bench.options import BENCH_OWNED, BenchError, BenchOptions, Planne
 from raytrain.bench.render import METHOD, render_text, write_bench_files
 from raytrain.config import TrainConfig
 from raytrain.errors import ConfigError
-from raytrain.faults import mode_class
 from raytrain.rules.batch import resolve_batch_plan
 from raytrain.rundir import PROGRESS, RunDir, Store
 from raytrain.text import plural
@@ -149,6 +148,8 @@ def bench_config(
     values = {k: v for k, v in train_values.items() if k not in BENCH_OWNED}
     # A failure spoils a measurement: none is recovered (run_raytrain refuses a run that
     # recovered one; per-step mode needs room for one replacement to start at all).
+    from raytrain.faults import mode_class  # imports Ray: the CLI's parser imports this module
+
     failures = mode_class(values.get("fault_tolerance")).min_failures
     values.update(workers=workers, epochs=epochs, storage=str(storage), name=name, max_failures=failures)
     values["time_phases"] = True
