@@ -126,20 +126,24 @@ def test_a_sequential_model_compiles_in_place_and_every_ranks_graphs_are_counted
     torch._dynamo.reset()
 
 
+class Rank(OneRank):
+    """One of three ranks whose sums are `summed` (None: its own values, a failed reduction)."""
+
+    world_size = 3
+    vectors: list = []  # every rank's reduced values, in order
+
+    def __init__(self, rank, summed=None):
+        self.world_rank, self.summed = rank, summed
+
+    def all_reduce_sum(self, values):
+        self.vectors.append(values)
+        return self.summed or values
+
+
 def test_the_sync_carries_every_ranks_compile_figures_and_nothing_more_without_compile():
     from raytrain.instruments.window import sync
 
-    vectors = []
-
-    class Rank(OneRank):
-        world_size = 3
-
-        def __init__(self, rank, summed=None):
-            self.world_rank, self.summed = rank, summed
-
-        def all_reduce_sum(self, values):
-            vectors.append(values)
-            return self.summed or values
+    vectors = Rank.vectors = []
 
     def synced(compiled):
         vectors.clear()
@@ -161,17 +165,7 @@ def test_the_sync_carries_every_ranks_compile_figures_and_nothing_more_without_c
 def test_the_sync_names_each_rank_whose_loss_went_bad_and_at_which_step_step_0_included():
     from raytrain.instruments.window import sync
 
-    vectors = []
-
-    class Rank(OneRank):
-        world_size = 3
-
-        def __init__(self, rank, summed=None):
-            self.world_rank, self.summed = rank, summed
-
-        def all_reduce_sum(self, values):
-            vectors.append(values)
-            return self.summed or values
+    vectors = Rank.vectors = []
 
     windows = [LossWindow.on(torch.device("cpu")) for _ in range(3)]
     windows[1].add(torch.tensor(float("nan")), 4, step_index=0)  # rank 1's first step
