@@ -124,3 +124,83 @@ def test_scenario_checks_name_each_input():
     names = [name for name, _ in bad.check()]
     assert names == ["workers", "gpus_per_node", "step_s", "stall_s", "recovery_s.restart"]
     assert scenario().check() == []
+
+
+# -- detection and preemptions ----------------------------------------------------------------
+
+
+def test_detection_adds_to_each_rollback_and_not_to_a_ride_out():
+    # One node, a 10,000 s MTBF, a save every 99 steps of 1 s: a segment of L = 100 s takes, by hand,
+    # M·e^((R + D)/M)·(e^(L/M) − 1) = 10,000 · e^0.0052 · (e^0.01 − 1) = 101.02564 s of wall time.
+    one = Scenario(workers=8, node_mtbf_s=1e4, step_s=1.0, stall_s=1.0, recovery_s={"restart": 37.0})
+    p = goodput.predict_mode(Scenario(**{**one.__dict__, "detection_s": 15.0}), "restart", 99)
+    assert p.goodput == pytest.approx(99 / 101.02564, abs=1e-6)
+    assert p.recovery == pytest.approx(52.0 / 1e4)  # a rollback per 10,000 s, 37 + 15 s each
+    # Per-step at 128 nodes: only the head node's rollbacks wait for the head; the others' failures
+    # are found by the survivors' own peer wait, whatever the head's health checks cost.
+    quick, slow = scenario(), scenario(detection_s=65.0)
+    for mode, rollbacks_per_s in (("restart", 128 / (500 * HOUR_S)), ("per-step", 1 / (500 * HOUR_S))):
+        added = goodput.predict_mode(slow, mode, 100).recovery - goodput.predict_mode(quick, mode, 100).recovery
+        assert added == pytest.approx(65.0 * rollbacks_per_s, rel=1e-9)
+
+
+def test_a_preemption_without_notice_is_a_failure():
+    # A failure every 2 days a node and half a preemption a day: a node-day MTBF, no preemptions.
+    preempted = scenario(node_mtbf_s=2 * 86400.0, preemptions_per_node_day=0.5, detection_s=15.0)
+    failing = scenario(node_mtbf_s=86400.0, detection_s=15.0)
+    for mode in goodput.MODES:
+        got, want = goodput.best(preempted, mode), goodput.best(failing, mode)
+        assert got.interval_steps == want.interval_steps
+        assert (got.goodput, got.stalls, got.recovery, got.redone) == pytest.approx(
+            (want.goodput, want.stalls, want.recovery, want.redone), rel=1e-12
+        )
+        assert got.failures_per_day == pytest.approx(want.failures_per_day / 2)  # failures only
+
+
+def test_a_notice_that_covers_a_save_turns_a_rollback_into_a_save_and_a_restart():
+    # 128 nodes, a tenth of a preemption a day each; a step 2 s, a save stalls 20 s: the notice must
+    # cover 22 s. With 30 s, each preemption pauses the job 20 + 37 s and loses nothing (no detection).
+    noticed = scenario(preemptions_per_node_day=0.1, preemption_notice_s=30.0, detection_s=15.0)
+    assert goodput.notice_needed_s(noticed) == 22.0
+    assert goodput.notice_needed_s(scenario(write_s=8.0)) == 30.0  # the node's shard durable too
+    paused = 128 * 0.1 / 86400 * (20.0 + 37.0)
+    p = goodput.predict_mode(noticed, "restart", 300)
+    mtbf = 500 * HOUR_S / 128  # the failures alone roll back
+    assert p.goodput == pytest.approx(goodput.restart_goodput(600.0, 20.0, mtbf, 52.0) * (1 - paused), rel=1e-12)
+    assert p.stalls == pytest.approx(20.0 * p.goodput / 600.0 + 128 * 0.1 / 86400 * 20.0, rel=1e-12)
+    assert goodput.restart_mtbf_s(noticed, "restart") == pytest.approx(mtbf)
+    # 21 s is a second short of the save: the preemption rolls back like a failure, with detection.
+    short = scenario(preemptions_per_node_day=0.1, preemption_notice_s=21.0, detection_s=15.0)
+    none = scenario(preemptions_per_node_day=0.1, detection_s=15.0)
+    assert goodput.best(short, "restart") == goodput.best(none, "restart")
+    assert goodput.best(noticed, "restart").goodput > goodput.best(none, "restart").goodput + 0.005
+
+
+def test_per_step_with_notice_keeps_the_step_in_flight():
+    # Per-step rides out another node's preemption either way; a notice that covers the step under
+    # way (2 s) spares the step retaken, and only one that covers a save spares the head node's rollback.
+    def per_step(notice_s: float) -> goodput.ModeGoodput:
+        return goodput.predict_mode(
+            scenario(preemptions_per_node_day=1.0, preemption_notice_s=notice_s), "per-step", 500
+        )
+
+    none, step_only, save = per_step(0.0), per_step(2.0), per_step(22.0)
+    assert none.goodput < step_only.goodput < save.goodput
+    spared_steps = 127 * 1.0 / 86400 * 2.0  # the others' preemptions, a step each
+    assert none.redone - step_only.redone == pytest.approx(spared_steps, rel=0.02)
+    assert none.recovery == pytest.approx(step_only.recovery, rel=1e-12)  # the same wait either way
+
+
+def test_the_notice_saves_more_the_more_nodes():
+    def saved(workers: int) -> float:
+        with_notice = scenario(workers=workers, preemptions_per_node_day=0.2, preemption_notice_s=60.0)
+        without = scenario(workers=workers, preemptions_per_node_day=0.2)
+        return goodput.best(with_notice, "restart").goodput - goodput.best(without, "restart").goodput
+
+    gains = [saved(n) for n in (8, 512, 16_384)]
+    assert gains == sorted(gains) and gains[0] > 0 and gains[-1] > 0.02
+
+
+def test_negative_detection_and_preemption_inputs_are_named():
+    bad = scenario(detection_s=-1.0, preemptions_per_node_day=-0.5, preemption_notice_s=math.inf)
+    assert [name for name, _ in bad.check()] == ["detection_s", "preemptions_per_node_day", "preemption_notice_s"]

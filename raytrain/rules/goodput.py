@@ -10,6 +10,10 @@ that was durable, and every worker starts again after `recovery_s`. Under the pe
 failed node's replicas are replaced while the others go on: the survivors wait, retake the one
 step in flight, and train one node short while the replacement starts; only the loss of the
 node holding the driver and the lighthouse (one node's rate) restarts the job from the last save.
+A rollback waits `detection_s` more: the head declares a silent node dead before the restart is
+placed. Preemptions come on top of the failures; one whose notice covers a save (the step under
+way, the stall, the write) loses no step: the job pauses for the save and the restart instead
+(per-step: the node's replicas leave at a step boundary). Without such a notice it is a failure.
 
 `restart_goodput` is Daly's exact expression for that process (Daly 2006, "A higher order
 estimate of the optimum checkpoint interval for restart dumps", FGCS 22); `daly_interval_s` his
@@ -23,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 HOUR_S = 3600.0
+DAY_S = 86400.0
 MODES = ("restart", "per-step", "per-step-groups")
 """The fault-tolerance modes the planner compares: --fault-tolerance restart, per-step (a
 replica group per worker) and per-step with replica groups (--replica-group-size K)."""
@@ -92,6 +97,15 @@ class Scenario:
     """Per-step modes: from a failure to its replacement training (the group one node short meanwhile)."""
     group_size: int = 8
     """per-step-groups: the workers of one replica group (a lost node takes out the groups it holds)."""
+    detection_s: float = 0.0
+    """From a node going silent (lost, frozen, cut off) to the head acting on it: a rollback's
+    restart is placed only once Ray declares the node dead, so every rollback waits this long. A
+    failure the per-step modes ride out does not: the survivors find it by their own peer wait,
+    which their `recovery_s` already holds, not by the head."""
+    preemptions_per_node_day: float = 0.0
+    """Preemptions (a spot or preemptible node reclaimed) per node per day, besides the failures."""
+    preemption_notice_s: float = 0.0
+    """The warning a preemption gives (a drain's deadline, SIGTERM's grace); 0: none."""
 
     @property
     def nodes(self) -> int:
@@ -109,7 +123,14 @@ class Scenario:
         for name in ("node_mtbf_s", "step_s"):
             if not 0 < getattr(self, name) < math.inf:
                 found.append((name, f"got {getattr(self, name)}; must be a positive number"))
-        for name in ("stall_s", "write_s", "replace_s"):
+        for name in (
+            "stall_s",
+            "write_s",
+            "replace_s",
+            "detection_s",
+            "preemptions_per_node_day",
+            "preemption_notice_s",
+        ):
             if not 0 <= getattr(self, name) < math.inf:
                 found.append((name, f"got {getattr(self, name)}; must be 0 or more"))
         for mode, seconds in self.recovery_s.items():
@@ -138,46 +159,62 @@ class ModeGoodput:
     failures_per_day: float
 
 
-def _rates(s: Scenario, mode: str) -> tuple[float, float]:
-    """(failures per second that restart the job, failures per second the survivors ride out)."""
-    per_node = 1.0 / s.node_mtbf_s
+def notice_needed_s(s: Scenario) -> float:
+    """The shortest notice that keeps every step of a preempted node: the step under way, then a
+    save's stall and its write (the node's shard must be durable before the node goes)."""
+    return s.step_s + s.stall_s + s.write_s
+
+
+Pause = tuple[float, float, float, float]
+"""Events the job pauses for without losing a save: (per second, then stall, recovery and redone
+seconds each)."""
+
+
+def events(s: Scenario, mode: str) -> tuple[float, list[Pause]]:
+    """(events per second that roll the job back to its last durable save, the pauses).
+
+    Rolled back: every failure under `restart`, the head node's under the per-step modes (it holds
+    the driver and the lighthouse), and a preemption whose notice is shorter than a save. Paused:
+    a preemption with that notice (a save, then the restart without the node), and under the
+    per-step modes another node's failure (the survivors' wait, the lost node's share of the job
+    times its replacement's start, the step retaken) or preemption (the same without the step
+    retaken, when its notice covers the step under way)."""
+    failed, preempted = 1.0 / s.node_mtbf_s, s.preemptions_per_node_day / DAY_S
+    saved = s.preemption_notice_s >= notice_needed_s(s)
+    rollback = failed + (0.0 if saved else preempted)  # per node
+    save_and_restart = (preempted if saved else 0.0, s.stall_s, s.recovery_s.get("restart", 0.0), 0.0)
     if mode == "restart" or s.nodes == 1:
-        return s.nodes * per_node, 0.0
-    return per_node, (s.nodes - 1) * per_node  # the head node's loss restarts; the others' are replaced
-
-
-def _ride_out_cost(s: Scenario, mode: str) -> tuple[float, float]:
-    """(recovery, redone) seconds of job time one failure ridden out costs: the survivors' wait,
-    the share of the job the lost node held times its replacement's start, the step retaken."""
+        return s.nodes * rollback, [(s.nodes * save_and_restart[0], *save_and_restart[1:])]
     held = max(s.gpus_per_node, s.group_size if mode == "per-step-groups" else 1)
-    share = min(1.0, held / s.workers)
-    return s.recovery_s.get(mode, 0.0) + share * s.replace_s, s.step_s
+    wait_s = s.recovery_s.get(mode, 0.0) + min(1.0, held / s.workers) * s.replace_s
+    left = s.preemption_notice_s >= s.step_s  # the node's replicas leave at the step boundary
+    others = s.nodes - 1
+    return rollback, [
+        save_and_restart,
+        (others * (failed + (0.0 if left else preempted)), 0.0, wait_s, s.step_s),
+        (others * (preempted if left else 0.0), 0.0, wait_s, 0.0),
+    ]
 
 
 def restart_mtbf_s(s: Scenario, mode: str) -> float:
-    """The mean time between failures that send the job back to its last save."""
-    return 1.0 / _rates(s, mode)[0]
+    """The mean time between the events that send the job back to its last save."""
+    return 1.0 / events(s, mode)[0]
 
 
 def predict_mode(s: Scenario, mode: str, interval_steps: int) -> ModeGoodput:
     """`mode`'s expected goodput with a save every `interval_steps` steps."""
-    restart_rate, ride_rate = _rates(s, mode)
-    recover_s, redo_s = _ride_out_cost(s, mode)
-    ridden = min(1.0, ride_rate * (recover_s + redo_s))  # wall share spent riding out failures
-    mtbf = 1.0 / restart_rate
+    rollback_rate, pauses = events(s, mode)
+    paused = min(1.0, sum(rate * (stall + recover + redo) for rate, stall, recover, redo in pauses))  # wall share
+    rollback_s = s.recovery_s.get("restart", 0.0) + s.detection_s
     # A failure while a save is written rolls back one save further: in Daly's expression, as
     # `write_s` more of recovery (first order: the work lost grows by write_s on average).
-    recovery = s.recovery_s.get("restart", 0.0) + s.write_s
     tau = interval_steps * s.step_s
-    kept = restart_goodput(tau, s.stall_s, mtbf, recovery) * (1.0 - ridden)
-    per_day = (restart_rate + ride_rate) * 86400.0
+    kept = restart_goodput(tau, s.stall_s, 1.0 / rollback_rate, rollback_s + s.write_s) * (1.0 - paused)
+    per_day = s.nodes * DAY_S / s.node_mtbf_s
     if kept <= 0.0:  # no segment ever completes: the wall time goes to recovering and redoing
         return ModeGoodput(mode, s.workers, interval_steps, 0.0, 0.0, 1.0, 0.0, per_day)
-    segment_wall = tau / kept  # wall time per kept segment
-    restarts = segment_wall * restart_rate
-    rides = segment_wall * ride_rate
-    stalls = s.stall_s / segment_wall
-    recovery_share = (restarts * s.recovery_s.get("restart", 0.0) + rides * recover_s) / segment_wall
+    stalls = s.stall_s * kept / tau + sum(rate * stall for rate, stall, _, _ in pauses)
+    recovery_share = rollback_rate * rollback_s + sum(rate * recover for rate, _, recover, _ in pauses)
     redone = max(0.0, 1.0 - kept - stalls - recovery_share)
     return ModeGoodput(mode, s.workers, interval_steps, kept, stalls, recovery_share, redone, per_day)
 
