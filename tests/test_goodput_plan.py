@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -87,6 +88,9 @@ def test_cli_plan(capsys, tmp_path):
         (["--replica-group-size", "0"], "--replica-group-size: got 0; need at least 1"),
         (["--storage-gbps", "0"], "--storage-gbps: got 0.0; must be a positive number of GB/s"),
         (["--run", "/nonexistent/run"], "--run: no summary.json in /nonexistent/run"),
+        (["--detection-s", "-1"], "--detection-s: got -1.0; must be 0 or more"),
+        (["--preemptions-per-node-day", "-0.5"], "--preemptions-per-node-day: got -0.5; must be 0 or more"),
+        (["--preemption-notice-s", "inf"], "--preemption-notice-s: got inf; must be 0 or more"),
         (
             ["--replica-group-size", "3", "--workers", "8,10"],
             "--replica-group-size: got 3 with --workers 8,10: 8, 10 are not a whole number of groups of 3",
@@ -141,3 +145,67 @@ def test_plan_names_a_corrupt_summary_as_such_not_as_missing(capsys, tmp_path):
 def test_the_default_group_size_fits_a_count_below_it():
     (four,) = scenarios(PlanOptions(workers="4"))
     assert four.group_size == 4
+
+
+def test_the_plan_shows_what_a_preemption_notice_saves(tmp_path):
+    lines = []
+    opts = PlanOptions(
+        workers="8,16384",
+        step_time_s=2.0,
+        checkpoint_stall_s=20.0,
+        preemptions_per_node_day=0.1,
+        preemption_notice_s=30.0,
+        plot=str(tmp_path / "g.png"),
+    )
+    predictions = run_plan(opts, echo=lines.append)
+    text = "\n".join(lines)
+    assert "+ 15 s to find a silent node" in text and "0.1 preemptions per node-day, 30 s notice" in text
+    header = next(line for line in text.splitlines() if line.startswith("workers"))
+    assert header.split()[5:8] == ["goodput", "no", "notice"]
+    largest = scenarios(opts)[-1]
+    assert (largest.detection_s, largest.preemption_notice_s) == (15.0, 30.0)
+    without = goodput.best(replace(largest, preemption_notice_s=0.0), "restart").goodput
+    with_notice = predictions[3]
+    assert (with_notice.workers, with_notice.mode) == (16384, "restart")
+    assert with_notice.goodput > without + 0.1  # 205 preemptions a day, each a rollback without notice
+    row = next(line for line in text.splitlines() if line.startswith("  16384") and " restart " in line)
+    assert f"{with_notice.goodput:.1%} {without:.1%}" in " ".join(row.split())  # goodput, then without notice
+    assert lines[-2] == (
+        "The 30 s notice keeps every preempted step; goodput without it → with it, at 16384 workers "
+        f"(205 preemptions a day): restart {without:.1%} → {with_notice.goodput:.1%}, per-step "
+        f"{goodput.best(replace(largest, preemption_notice_s=0.0), 'per-step').goodput:.1%} → "
+        f"{predictions[4].goodput:.1%}, per-step-groups "
+        f"{goodput.best(replace(largest, preemption_notice_s=0.0), 'per-step-groups').goodput:.1%} → "
+        f"{predictions[5].goodput:.1%}."
+    )
+
+
+@pytest.mark.parametrize(
+    "notice_s, says",
+    [
+        (0.0, "Without notice a preemption is a failure; a notice of 22 s"),
+        (21.0, "A 21 s notice is too short to save: a preemption still rolls back to the last save; a notice of 22 s"),
+    ],
+)
+def test_a_notice_too_short_to_save_names_the_one_that_would(tmp_path, notice_s, says):
+    lines = []
+    opts = PlanOptions(
+        workers="16384",
+        step_time_s=2.0,
+        checkpoint_stall_s=20.0,
+        preemptions_per_node_day=0.1,
+        preemption_notice_s=notice_s,
+        plot=str(tmp_path / "g.png"),
+    )
+    (restart, *_) = run_plan(opts, echo=lines.append)
+    assert lines[-2].startswith(says)
+    noticed = goodput.best(replace(scenarios(opts)[0], preemption_notice_s=22.0), "restart").goodput
+    assert f"restart {restart.goodput:.1%} → {noticed:.1%}" in lines[-2] and noticed > restart.goodput + 0.1
+    assert ("no notice" in lines[1]) == (notice_s > 0)
+
+
+def test_without_preemptions_the_table_is_as_before(tmp_path):
+    lines = []
+    run_plan(PlanOptions(workers="8", detection_s=65.0, plot=str(tmp_path / "g.png")), echo=lines.append)
+    assert "+ 65 s to find a silent node" in lines[0] and "preemption" not in lines[0]
+    assert "notice" not in "\n".join(lines)

@@ -8,7 +8,7 @@ its recovery per failure); an option given explicitly wins over both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -54,6 +54,15 @@ class PlanOptions:
     """per-step with replica groups: the survivors' wait at a failure."""
     replace_s: float = 8.0
     """Per-step modes: seconds from a failure to its replacement training (measured here: 8)."""
+    detection_s: float = 15.0
+    """Seconds from a node going silent (lost, frozen, cut off) to the head acting on it, added to every restart
+    from the last save (15: a head raytrain starts, or one given docs/cluster.md's health checks; a head with Ray's
+    defaults takes 50–65 s). Not to per-step's failures ridden out: the survivors' own peer wait finds those."""
+    preemptions_per_node_day: float = 0.0
+    """Preemptions (spot or preemptible nodes reclaimed) per node per day, besides the failures of --mtbf-hours."""
+    preemption_notice_s: float = 0.0
+    """Seconds of warning a preemption gives (a drain's deadline, SIGTERM's grace); 0: none. A notice shorter than
+    a step, a save's stall and its write leaves the preemption a failure."""
     replica_group_size: int | None = None
     """per-step with replica groups: workers per group (default 8, or all the workers when fewer; a given size
     must divide each worker count, as train requires)."""
@@ -127,6 +136,9 @@ def scenarios(opts: PlanOptions) -> list[Scenario]:
             recovery_s={mode: costs[mode] for mode in MODES},
             replace_s=opts.replace_s,
             group_size=min(DEFAULT_GROUP_SIZE, n) if opts.replica_group_size is None else opts.replica_group_size,
+            detection_s=opts.detection_s,
+            preemptions_per_node_day=opts.preemptions_per_node_day,
+            preemption_notice_s=opts.preemption_notice_s,
         )
         for n in planned_counts(opts.workers)
     ]
@@ -162,6 +174,7 @@ OPTION_OF = {
     "stall_s": "checkpoint_stall_s",
     "write_s": "checkpoint_gb",
     "group_size": "replica_group_size",
+    "detection_s": "detection_s",
     "recovery_s.restart": "recovery_restart_s",
     "recovery_s.per-step": "recovery_per_step_s",
     "recovery_s.per-step-groups": "recovery_groups_s",
@@ -174,20 +187,33 @@ def run_plan(opts: PlanOptions, echo: Callable[[str], None] = print) -> list[Mod
     built = scenarios(opts)
     costs, source = inputs(opts)
     predictions = [goodput.best(s, mode) for s in built for mode in MODES]
+    preempted = opts.preemptions_per_node_day > 0
     echo(
         f"Goodput on paper ({source}): a step {costs['step_s']:.3g} s, a save stalls {costs['stall_s']:.3g} s"
-        f" and is durable {built[0].write_s:.3g} s later; recovery: restart {costs['restart']:.3g} s, per-step "
-        f"{costs['per-step']:.3g} s, per-step-groups {costs['per-step-groups']:.3g} s (+ the lost node's share of a "
-        f"{opts.replace_s:.3g} s replacement); node MTBF {_hours(opts.mtbf_hours)} h, {opts.gpus_per_node} GPUs a node."
+        f" and is durable {built[0].write_s:.3g} s later; recovery: restart {costs['restart']:.3g} s + "
+        f"{opts.detection_s:.3g} s to find a silent node, per-step {costs['per-step']:.3g} s, per-step-groups "
+        f"{costs['per-step-groups']:.3g} s (+ the lost node's share of a {opts.replace_s:.3g} s replacement); node "
+        f"MTBF {_hours(opts.mtbf_hours)} h, {opts.gpus_per_node} GPUs a node"
+        + (
+            f"; {opts.preemptions_per_node_day:g} preemptions per node-day, {opts.preemption_notice_s:.3g} s notice."
+            if preempted
+            else "."
+        )
     )
-    header = ["workers", "nodes", "failures/day", "mode", "interval", "goodput", "stalls", "recovery", "redone"]
+    # goodput were the same preemptions to come without notice: what the notice is worth
+    unnoticed = [goodput.best(replace(s, preemption_notice_s=0.0), mode) for s in built for mode in MODES]
+    compared = preempted and opts.preemption_notice_s > 0
+    header = ["workers", "nodes", "failures/day", "mode", "interval", "goodput"]
+    header += ["no notice"] * compared + ["stalls", "recovery", "redone"]
     rows = [
         [p.workers, -(-p.workers // opts.gpus_per_node), f"{p.failures_per_day:.2f}", p.mode]
         + [f"{p.interval_steps:,} steps ({_duration(p.interval_steps * costs['step_s'])})"]
-        + [f"{share:.1%}" for share in (p.goodput, p.stalls, p.recovery, p.redone)]
-        for p in predictions
+        + [f"{share:.1%}" for share in (p.goodput, *[q.goodput] * compared, p.stalls, p.recovery, p.redone)]
+        for p, q in zip(predictions, unnoticed)
     ]
     echo("\n".join(text_table(header, rows, left=(3, 4))))
+    if preempted:
+        echo(notice_saves(built[-1], opts.preemption_notice_s))
     starved = sorted({p.workers for p in predictions if p.goodput < 0.0005})
     if starved:
         fewest = next(s for s in built if s.workers == starved[0])
@@ -200,6 +226,28 @@ def run_plan(opts: PlanOptions, echo: Callable[[str], None] = print) -> list[Mod
     path = draw(predictions, Path(opts.plot))
     echo(f"Goodput against worker count: {path}")
     return predictions
+
+
+def notice_saves(largest: Scenario, notice_s: float) -> str:
+    """What a notice saves at the largest worker count, per mode: the notice given, or where it is too
+    short to keep a preempted node's steps, the shortest that would."""
+    needed = goodput.notice_needed_s(largest)
+    noticed = replace(largest, preemption_notice_s=max(notice_s, needed))
+    gains = ", ".join(
+        f"{mode} {goodput.best(replace(largest, preemption_notice_s=0.0), mode).goodput:.1%} → "
+        f"{goodput.best(noticed, mode).goodput:.1%}"
+        for mode in MODES
+    )
+    at = f"at {largest.workers} workers ({largest.nodes * largest.preemptions_per_node_day:,.3g} preemptions a day)"
+    if notice_s >= needed:
+        return f"The {notice_s:.3g} s notice keeps every preempted step; goodput without it → with it, {at}: {gains}."
+    short = (
+        "Without notice a preemption is a failure"
+        if notice_s == 0
+        else f"A {notice_s:.3g} s notice is too short to save: a preemption still rolls back to the last save"
+    )
+    why = "the step under way, a save's stall and its write"
+    return f"{short}; a notice of {needed:.3g} s ({why}) would take goodput, {at}: {gains}."
 
 
 def _hours(hours: float) -> str:
