@@ -63,6 +63,11 @@ PRIVATE_RAY_NAMES = {
         # (Ray takes none), and whose SIGINT handler raytrain's signal handling replaces.
         "ray.train.v2.api.data_parallel_trainer.DataParallelTrainer._initialize_and_run_controller",
     },
+    "raytrain.driver.session": {
+        # The system config the joined head was started with (its health checks: what a run and
+        # `raytrain doctor` say of them); Ray 2.60 has no public read of a cluster's system config.
+        "ray._private.state.state",
+    },
     # The one module that imports Ray's private names for raytrain's driver and fault tolerance
     # (failfast, resources, evict, replacement take them from it).
     "raytrain.faults.ray_internals": {

@@ -8,6 +8,8 @@ sees the same directory (a file written here is read back on each node). On a mu
 cluster it also checks the network between the hosts: a hostname that resolves to loopback,
 interfaces named differently, an interface variable some host cannot use (from the probes'
 facts), and whether every node reaches every other's node address on a free port (`network`).
+On a head it did not start, it names health-check settings that declare a silent node dead
+later than raytrain's would (Ray's defaults: a minute), with the fix.
 Exit status 0 when a run will work (notes do not change it), 1 when something will not, each
 problem printed with its fix.
 """
@@ -24,7 +26,8 @@ from typing import Any, Callable, Mapping, Sequence
 from raytrain.doctor.network import check_reachability
 from raytrain.doctor.probe import PROBE_TIMEOUT_S, probe_nodes
 from raytrain.doctor.storage import NETWORK_FS, StorageState, describe_storage, inspect_storage, remove_marker
-from raytrain.driver.session import address_problem, join_problem
+from raytrain.driver.session import NODE_HEALTH_CONFIG, address_problem, head_system_config, join_problem
+from raytrain.rules.head import slow_death_note
 from raytrain.rules.network import NodeNetwork, Unreachable, interface_holding, network_findings
 
 
@@ -91,6 +94,8 @@ def run_doctor(
         network = assess_network(nodes, probes, os.environ, unreachable, unchecked)
         report.problems += network.problems
         report.notes += network.notes
+        if address or not started_here:  # the embedded Ray a run starts has raytrain's health checks
+            report.notes += head_health_notes(head_system_config())
         total_gpus = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in nodes)
         backend = "nccl (GPU workers, --gpu auto)" if total_gpus else "gloo (CPU workers; the cluster has no GPU)"
         echo(f"Backend a run will use: {backend}")
@@ -142,6 +147,18 @@ def describe_node(node: dict, facts: dict[str, Any] | None) -> str:
         held = interface_holding(facts.get("node_address") or node.get("NodeManagerAddress", ""), facts["interfaces"])
         line += f"; interface {held}" if held else "; no interface holds its address"
     return line
+
+
+def head_health_notes(system_config: dict | None) -> list[str]:
+    """What the head's health-check settings cost (`raytrain.rules.head.slow_death_note`), from
+    its system config (None: not readable here)."""
+    if system_config is None:
+        return [
+            "the head's health-check settings cannot be read through Ray Client; run doctor with the head's GCS "
+            "address (HOST:6379) to check how soon it declares a silent node dead"
+        ]
+    note = slow_death_note(system_config, NODE_HEALTH_CONFIG)
+    return [note] if note else []
 
 
 def describe_reachability(count: int, unreachable: list[Unreachable], unchecked: dict[str, str]) -> str:

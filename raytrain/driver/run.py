@@ -20,7 +20,14 @@ from raytrain.config import TrainConfig
 from raytrain.data.sources import Source, StreamSource, build_datasets, prepare_datasets
 from raytrain.driver import interrupts
 from raytrain.driver.launch import build_torch_trainer
-from raytrain.driver.session import check_embedded_capacity, ray_logs_dir, ray_session, resolve_gpu, will_embed_ray
+from raytrain.driver.session import (
+    check_embedded_capacity,
+    note_slow_node_death,
+    ray_logs_dir,
+    ray_session,
+    resolve_gpu,
+    will_embed_ray,
+)
 from raytrain.driver.summary import explain_failure, write_summary
 from raytrain.errors import ConfigError, RunFailed, find_user_error
 from raytrain.observe.tracking import RunTracker
@@ -93,6 +100,8 @@ def fit(
                 f"raytrain: {cfg.name} — {pipe.name} on {describe_workers(cfg)} "
                 f"({'GPU, nccl' if use_gpu else 'CPU, gloo'}); run directory {run_dir}"
             )
+            if not embedded:  # an embedded Ray has raytrain's health checks
+                note_slow_node_death(echo)
             started, ends = time.time(), interrupts.EndsWhenDone(echo)
             example = sources.get("val", sources["train"]).sample  # a tracker's example of the model's input
             with tracker.follow(since=started, train_rows=sources["train"].rows, also=[ends], example=example):

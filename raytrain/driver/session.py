@@ -28,6 +28,7 @@ from raytrain.rules.head import (
     Diagnosis,
     address_form_problem,
     join_failure,
+    slow_death_note,
     split_host_port,
     tried_address,
 )
@@ -45,7 +46,8 @@ EMBEDDED_WORKER_NICENESS = "0"
 # "Exposure"); their ports are read from these variables, and no setting moves the address.
 METRICS_PORT_VARIABLES = ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")
 # How soon the head declares a silent node dead (a host lost, frozen or cut off): Ray's
-# defaults (a check every 3 s, each given 10 s, 5 misses) take 50–65 s, during which a
+# defaults (a check every 3 s, each given 10 s, 5 misses) take 62–65 s
+# (`raytrain.rules.head.seconds_to_declare_dead`), during which a
 # restarting run waits for the node's workers and an elastic one cannot shrink. With these a
 # cut-off node was declared dead 15 s after the cut (benchmarks/RESULTS.md section 30); a node
 # busy enough to miss five 2 s answers in a row is not the common case.
@@ -156,6 +158,27 @@ def _join_cluster(address: str, runtime_env: dict, quiet: dict, from_env: bool) 
         cause = str(exc).splitlines()[0][:200]
         what, fix = join_problem(address, exc)
         raise refused(f"cannot join the Ray cluster at {address!r}: {what} (Ray: {cause}); {fix}") from None
+
+
+def head_system_config() -> dict | None:
+    """The system config of the head this driver joined: only the keys its `ray start
+    --system-config` (or ray.init's `_system_config`) was given; None where it cannot be read
+    (through Ray Client). Ray 2.60 has no public read of it."""
+    try:
+        from ray._private.state import state
+
+        return state.get_system_config()
+    except Exception:  # noqa: BLE001 - what is said of it is advice: a head not read gets none
+        return None
+
+
+def note_slow_node_death(echo: Callable[[str], None]) -> None:
+    """Say once, in a run's plan, that the head it joined declares a silent node dead late
+    (`raytrain.rules.head.slow_death_note`), with the fix."""
+    config = head_system_config()
+    note = slow_death_note(config, NODE_HEALTH_CONFIG) if config is not None else None
+    if note:
+        echo(f"raytrain: note: {note}")
 
 
 def token_source(environ: Mapping[str, str] | None = None, home: Path | None = None) -> str:

@@ -20,12 +20,19 @@ An --address (or RAY_ADDRESS) is judged by its text first (`address_form_problem
 its port's range), then the driver asks whether anything answers there, and a ray.init that
 failed is explained from Ray's words and whether a head answers (`join_failure`): the token is
 named only when a head answered and refused this process.
+
+A head started without raytrain's health-check settings (Ray's defaults: a bare `ray start
+--head`, a KubeRay head with default rayStartParams) declares a silent node dead only a minute
+after it goes silent: `seconds_to_declare_dead` says when, `slow_death_note` what
+`raytrain doctor` and a run joining it say.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -248,4 +255,51 @@ def join_failure(address: str, error: str, *, answers: bool, sends: str) -> Diag
         "RAY_AUTH_MODE (a plain ray.init(), or raytrain without --address) writes a new ~/.ray/auth_token where "
         "none exists, which then differs from the cluster's. Otherwise check the versions: the same Ray and Python "
         "as the cluster"
+    )
+
+
+# -- how soon the head declares a silent node dead ----------------------------------------------
+
+# Ray's defaults for the head's node health checks, as Ray 2.60 is built (a process that has
+# joined no Ray reads them from ray._raylet.Config; tests/test_head_health.py checks that).
+RAY_HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 5000,
+    "health_check_period_ms": 3000,
+    "health_check_timeout_ms": 10000,
+    "health_check_failure_threshold": 5,
+}
+
+
+def seconds_to_declare_dead(system_config: Mapping[str, Any]) -> tuple[float, float]:
+    """The fewest and most seconds from a node going silent (cut off or frozen: each check waits
+    its full timeout) to the head declaring it dead, under the head's `system_config` (the keys
+    it was started with; Ray's defaults for the others).
+
+    The GCS declares a node dead after `failure_threshold` failed checks in a row, each given
+    `timeout_ms`, the next one started `period_ms` after one fails; the first failing check
+    starts at most `period_ms` after the silence began (the initial delay is a new node's)."""
+    settings = {**RAY_HEALTH_CHECKS, **{k: v for k, v in system_config.items() if k in RAY_HEALTH_CHECKS}}
+    period_s, timeout_s = settings["health_check_period_ms"] / 1000, settings["health_check_timeout_ms"] / 1000
+    misses = settings["health_check_failure_threshold"]
+    fewest_s = misses * timeout_s + (misses - 1) * period_s
+    return fewest_s, fewest_s + period_s
+
+
+def slow_death_note(system_config: Mapping[str, Any], fix: Mapping[str, int]) -> str | None:
+    """What to say of a head that declares a silent node dead later than it would with the
+    health-check settings `fix` (raytrain's), and the fix; None when it does not. A run still
+    works on it: a restart only waits longer for the lost node's workers."""
+    fewest_s, most_s = seconds_to_declare_dead(system_config)
+    fix_fewest_s, fix_most_s = seconds_to_declare_dead(fix)
+    if most_s <= fix_most_s:
+        return None
+    keys = [key for key in RAY_HEALTH_CHECKS if key != "health_check_initial_delay_ms"]
+    given = ", ".join(f"{key}={system_config[key]}" for key in keys if key in system_config)
+    defaults = ", ".join(f"{key}={RAY_HEALTH_CHECKS[key]}" for key in keys if key not in system_config)
+    found = "; ".join(filter(None, [given, defaults and f"Ray's defaults: {defaults}"]))
+    return (
+        f"the Ray head declares a silent node (cut off or frozen) dead {fewest_s:g}–{most_s:g} s after it goes "
+        f"silent ({found}); until then a restart waits for that node's workers and an elastic run cannot shrink. "
+        f"Fix: start the head with `ray start --head --system-config='{json.dumps(dict(fix), separators=(',', ':'))}'` "
+        f"({fix_fewest_s:g}–{fix_most_s:g} s; on KubeRay, the head's rayStartParams: docs/cluster.md)"
     )
