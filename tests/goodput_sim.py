@@ -5,9 +5,12 @@ It walks a wall clock event by event, independently of the formulas: every node 
 exponential failure clock (node 0 holds the driver and the lighthouse); the run computes an
 interval, stalls for a save, and the save becomes durable `write_s` later. A failure that
 restarts the job drops every save not yet durable, rolls the work back to the last durable one
-and spends the restart's recovery (a failure during it starts the recovery again); one the
-per-step modes ride out pauses whatever the job is doing for the survivors' wait, the lost
-node's share of its replacement's start and the step retaken.
+and spends the detection and the restart's recovery (a failure during them starts them again);
+one the per-step modes ride out pauses whatever the job is doing for the survivors' wait, the
+lost node's share of its replacement's start and the step retaken. Every node has a preemption
+clock too: a preemption is a failure, unless its notice covers the step under way, a save's
+stall and its write (then the job pauses for a save and the restart) or, on a node the per-step
+modes ride out, the step under way (then the job pauses as for a failure, less the step).
 """
 
 from __future__ import annotations
@@ -35,17 +38,22 @@ class Simulated:
 def simulate(s: Scenario, mode: str, interval_steps: int, hours: float, seed: int) -> Simulated:
     rng = random.Random(seed)
     horizon = hours * 3600.0
-    clocks = [(rng.expovariate(1.0 / s.node_mtbf_s), node) for node in range(s.nodes)]
+    means = {"failed": s.node_mtbf_s}  # between events of each kind, per node
+    if s.preemptions_per_node_day:
+        means["preempted"] = 86400.0 / s.preemptions_per_node_day
+    clocks = [(rng.expovariate(1.0 / means[kind]), node, kind) for node in range(s.nodes) for kind in means]
     heapq.heapify(clocks)
     tau = interval_steps * s.step_s
     held = max(s.gpus_per_node, s.group_size if mode == "per-step-groups" else 1)
-    ride_cost = s.recovery_s[mode] + min(1.0, held / s.workers) * s.replace_s + s.step_s if mode != "restart" else 0
+    wait_s = s.recovery_s.get(mode, 0.0) + min(1.0, held / s.workers) * s.replace_s
+    saved = s.preemption_notice_s >= s.step_s + s.stall_s + s.write_s
+    left_early = s.preemption_notice_s >= s.step_s  # a node per-step rides out leaves at the step boundary
     t, work = 0.0, 0.0
     saves: list[tuple[float, float]] = [(0.0, 0.0)]  # (work saved, when durable), in order
     phase, left = "compute", tau
-    restarts = ridden = made = dropped = 0
+    restarts = ridden = made = dropped = noticed = 0
     while t < horizon:
-        failure_at, node = clocks[0]
+        failure_at, node, kind = clocks[0]
         if failure_at >= t + left:
             t += left
             if phase == "compute":
@@ -60,19 +68,23 @@ def simulate(s: Scenario, mode: str, interval_steps: int, hours: float, seed: in
             else:  # recovered
                 phase, left = "compute", tau
             continue
-        heapq.heapreplace(clocks, (failure_at + rng.expovariate(1.0 / s.node_mtbf_s), node))
+        heapq.heapreplace(clocks, (failure_at + rng.expovariate(1.0 / means[kind]), node, kind))
         left -= failure_at - t
         t = failure_at
-        if mode == "restart" or node == 0 or s.nodes == 1:
+        rolls_back = mode == "restart" or node == 0 or s.nodes == 1
+        if kind == "preempted" and rolls_back and saved:
+            noticed += 1
+            left += s.stall_s + s.recovery_s["restart"]
+        elif rolls_back:
             restarts += 1
             durable = [save for save in saves if save[1] <= t]
             dropped += len(saves) - len(durable)
             saves = durable
             work = saves[-1][0]
-            phase, left = "recover", s.recovery_s["restart"]
+            phase, left = "recover", s.recovery_s["restart"] + s.detection_s
         else:
             ridden += 1
-            left += ride_cost
+            left += wait_s + (0.0 if kind == "preempted" and left_early else s.step_s)
     durable = [save for save in saves if save[1] <= horizon]
     dropped += len(saves) - len(durable)
-    return Simulated(horizon, durable[-1][0], (made - dropped) * s.stall_s, restarts, ridden)
+    return Simulated(horizon, durable[-1][0], (made - dropped + noticed) * s.stall_s, restarts, ridden + noticed)

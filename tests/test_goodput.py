@@ -83,8 +83,10 @@ def test_restart_interval_follows_the_job_mtbf_per_step_the_head_nodes():
     restart = goodput.best_interval_steps(s, "restart")
     per_step = goodput.best_interval_steps(s, "per-step")
     assert restart == round(goodput.daly_interval_s(20.0, 500 * HOUR_S / 128) / 2.0)
-    # Under per-step only the head node's loss rolls back: its interval is the one-node interval.
-    assert per_step == round(goodput.daly_interval_s(20.0, 500 * HOUR_S) / 2.0)
+    # Under per-step only the head node's loss rolls back: its interval is the one-node interval
+    # (the others' failures, ridden out, pause the job a little longer between rollbacks).
+    assert goodput.restart_mtbf_s(s, "per-step") == pytest.approx(500 * HOUR_S, rel=1e-3)
+    assert per_step == round(goodput.daly_interval_s(20.0, goodput.restart_mtbf_s(s, "per-step")) / 2.0)
     assert per_step > 10 * restart
 
 
@@ -163,17 +165,31 @@ def test_a_notice_that_covers_a_save_turns_a_rollback_into_a_save_and_a_restart(
     noticed = scenario(preemptions_per_node_day=0.1, preemption_notice_s=30.0, detection_s=15.0)
     assert goodput.notice_needed_s(noticed) == 22.0
     assert goodput.notice_needed_s(scenario(write_s=8.0)) == 30.0  # the node's shard durable too
-    paused = 128 * 0.1 / 86400 * (20.0 + 37.0)
+    rollbacks, saves = 128 / (500 * HOUR_S), 128 * 0.1 / 86400  # the failures alone roll back
+    assert goodput.events(noticed, "restart") == (pytest.approx(rollbacks), [(pytest.approx(saves), 20.0, 37.0, 0.0)])
+    exposed = goodput.exposed_rate(rollbacks, [(saves, 20.0, 37.0, 0.0)])
+    assert exposed == pytest.approx(rollbacks / (1 - saves * 57.0), rel=1e-3)  # 0.8 % of the time paused
     p = goodput.predict_mode(noticed, "restart", 300)
-    mtbf = 500 * HOUR_S / 128  # the failures alone roll back
-    assert p.goodput == pytest.approx(goodput.restart_goodput(600.0, 20.0, mtbf, 52.0) * (1 - paused), rel=1e-12)
-    assert p.stalls == pytest.approx(20.0 * p.goodput / 600.0 + 128 * 0.1 / 86400 * 20.0, rel=1e-12)
-    assert goodput.restart_mtbf_s(noticed, "restart") == pytest.approx(mtbf)
+    want = goodput.restart_goodput(600.0, 20.0, 1 / exposed, 37.0 + 15.0) * rollbacks / exposed
+    assert p.goodput == pytest.approx(want, rel=1e-12)
+    assert p.stalls == pytest.approx(20.0 * p.goodput / 600.0 + saves * 20.0, rel=1e-12)
+    assert goodput.restart_mtbf_s(noticed, "restart") == pytest.approx(1 / exposed)
     # 21 s is a second short of the save: the preemption rolls back like a failure, with detection.
     short = scenario(preemptions_per_node_day=0.1, preemption_notice_s=21.0, detection_s=15.0)
     none = scenario(preemptions_per_node_day=0.1, detection_s=15.0)
     assert goodput.best(short, "restart") == goodput.best(none, "restart")
     assert goodput.best(noticed, "restart").goodput > goodput.best(none, "restart").goodput + 0.005
+
+
+def test_pauses_lengthen_the_time_a_rollback_can_strike():
+    assert goodput.exposed_rate(0.001, []) == 0.001
+    # By hand: with B = 1/2, B = e^(−(λ + μ − μB)·c) holds for (0.001 + 0.002/2)·c = ln 2, and the
+    # rate is λ + μ(1 − B) = 0.002 (the pauses take 69 % of the wall time).
+    assert goodput.exposed_rate(0.001, [(0.002, 0.0, math.log(2) / 0.002, 0.0)]) == pytest.approx(0.002, rel=1e-12)
+    # Short pauses: the rate over the share of the time not paused (2 %), two kinds as one.
+    assert goodput.exposed_rate(1e-5, [(1e-3, 5.0, 10.0, 0.0), (1e-3, 0.0, 0.0, 5.0)]) == pytest.approx(
+        1e-5 / 0.98, rel=1e-4
+    )
 
 
 def test_per_step_with_notice_keeps_the_step_in_flight():

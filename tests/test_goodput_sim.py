@@ -22,12 +22,13 @@ HARSH = Scenario(
     stall_s=60.0,
     recovery_s={"restart": 600.0, "per-step": 5.0, "per-step-groups": 30.0},
 )
+ASYNC = Scenario(**{**HARSH.__dict__, "write_s": 120.0})
 CASES = {
     "restart": (HARSH, "restart"),
-    "restart, async write": (Scenario(**{**HARSH.__dict__, "write_s": 120.0}), "restart"),
-    "per-step": (Scenario(**{**HARSH.__dict__, "write_s": 120.0}), "per-step"),
+    "restart, async write": (ASYNC, "restart"),
+    "per-step": (ASYNC, "per-step"),
     "per-step-groups": (
-        Scenario(**{**HARSH.__dict__, "write_s": 120.0, "group_size": 32, "replace_s": 300.0}),
+        Scenario(**{**ASYNC.__dict__, "group_size": 32, "replace_s": 300.0}),
         "per-step-groups",
     ),
     "llama3 scale": (
@@ -35,6 +36,24 @@ CASES = {
         "restart",
     ),
     "one node": (Scenario(workers=8, node_mtbf_s=5 * HOUR_S, step_s=0.5, stall_s=20.0), "per-step"),
+    # A preemption every 2 node-days on top (with notice, a quarter of the wall time goes to the
+    # saves and restarts they cost: the pauses lengthen the time a rollback can strike), and a
+    # minute to find a silent node: a notice of 182 s covers the step, the save's stall and its
+    # write; one of 10 s only the step.
+    **{
+        f"{mode}, preempted, {notice_s:g} s notice": (
+            Scenario(
+                **{
+                    **ASYNC.__dict__,
+                    "detection_s": 60.0,
+                    "preemptions_per_node_day": 0.5,
+                    "preemption_notice_s": notice_s,
+                }
+            ),
+            mode,
+        )
+        for mode, notice_s in (("restart", 0.0), ("restart", 182.0), ("per-step", 10.0), ("per-step", 182.0))
+    },
 }
 
 

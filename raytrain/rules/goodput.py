@@ -14,6 +14,7 @@ A rollback waits `detection_s` more: the head declares a silent node dead before
 placed. Preemptions come on top of the failures; one whose notice covers a save (the step under
 way, the stall, the write) loses no step: the job pauses for the save and the restart instead
 (per-step: the node's replicas leave at a step boundary). Without such a notice it is a failure.
+A pause (a failure ridden out, a preemption saved) lengthens the wall time a rollback can strike.
 
 `restart_goodput` is Daly's exact expression for that process (Daly 2006, "A higher order
 estimate of the optimum checkpoint interval for restart dumps", FGCS 22); `daly_interval_s` his
@@ -196,20 +197,40 @@ def events(s: Scenario, mode: str) -> tuple[float, list[Pause]]:
     ]
 
 
+def exposed_rate(rate: float, pauses: list[Pause]) -> float:
+    """Rollbacks per second of the job's progress, `rate` a second of wall time: a pause lengthens the
+    wall time a rollback can strike, less what the rollback cancels (it ends the pause it strikes).
+
+    A segment of progress L then completes unstruck with probability e^(−L·(λ + μ(1 − B))), μ the
+    pauses' rate and B the transform at λ of the pauses a pause starts (one that strikes a pause
+    lengthens it): B = Σ μᵢ/μ · e^(−(λ + μ − μB)·cᵢ), its one root in [0, 1], cᵢ each pause's
+    seconds. Small pauses give λ / (1 − the paused share)."""
+    mu = sum(per_s for per_s, *_ in pauses)
+    if mu == 0:
+        return rate
+    low, high = 0.0, 1.0  # the root, by bisection: B − Σ(...) is concave, below 0 at 0, above at 1
+    for _ in range(100):
+        b = (low + high) / 2
+        starts = sum(per_s / mu * math.exp(-(rate + mu - mu * b) * sum(costs)) for per_s, *costs in pauses)
+        low, high = (b, high) if b < starts else (low, b)
+    return rate + mu * (1.0 - low)
+
+
 def restart_mtbf_s(s: Scenario, mode: str) -> float:
-    """The mean time between the events that send the job back to its last save."""
-    return 1.0 / events(s, mode)[0]
+    """The mean progress (the job's working time) between the events that send it back to its last save."""
+    return 1.0 / exposed_rate(*events(s, mode))
 
 
 def predict_mode(s: Scenario, mode: str, interval_steps: int) -> ModeGoodput:
     """`mode`'s expected goodput with a save every `interval_steps` steps."""
     rollback_rate, pauses = events(s, mode)
-    paused = min(1.0, sum(rate * (stall + recover + redo) for rate, stall, recover, redo in pauses))  # wall share
+    exposed = exposed_rate(rollback_rate, pauses)
     rollback_s = s.recovery_s.get("restart", 0.0) + s.detection_s
     # A failure while a save is written rolls back one save further: in Daly's expression, as
-    # `write_s` more of recovery (first order: the work lost grows by write_s on average).
+    # `write_s` more of recovery (first order: the work lost grows by write_s on average). The
+    # exponents count rollbacks per second of progress; an attempt still lasts 1/rate of wall time.
     tau = interval_steps * s.step_s
-    kept = restart_goodput(tau, s.stall_s, 1.0 / rollback_rate, rollback_s + s.write_s) * (1.0 - paused)
+    kept = restart_goodput(tau, s.stall_s, 1.0 / exposed, rollback_s + s.write_s) * rollback_rate / exposed
     per_day = s.nodes * DAY_S / s.node_mtbf_s
     if kept <= 0.0:  # no segment ever completes: the wall time goes to recovering and redoing
         return ModeGoodput(mode, s.workers, interval_steps, 0.0, 0.0, 1.0, 0.0, per_day)
