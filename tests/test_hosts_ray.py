@@ -1,8 +1,8 @@
 """Two real hosts (tests/hosts.py): a network stack each, interfaces named differently, a hostname
 that resolves to loopback. With nothing set by hand, `raytrain train --address` trains across
 them; with an interface variable that cannot work, the run stops at once with one message (exit 2);
-`raytrain doctor --address` names both hostnames on loopback and the differing interface names, as
-notes (exit 0)."""
+`raytrain doctor --address` names both hostnames on loopback, the differing interface names and
+the head's health checks (a bare `ray start --head`: Ray's), as notes (exit 0)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def train_on_first_host(hosts: Hosts, storage, name: str, **env: str):
 def test_two_hosts_with_differently_named_interfaces_train_with_nothing_set_by_hand(two_hosts, tmp_path):
     done = train_on_first_host(two_hosts, tmp_path, "two-hosts")
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    # A bare `ray start --head`: Ray's health checks, said once after the plan line.
+    assert done.stdout.count("raytrain: note: the Ray head declares a silent node (cut off or frozen) dead 62–65") == 1
     summary = json.loads((tmp_path / "two-hosts" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["world_sizes"] == [2], summary
 
@@ -86,6 +88,9 @@ def test_doctor_names_each_hostname_on_loopback_and_the_differing_interfaces_as_
         f"{first.interface} on {first.address} ({name}); {second.interface} on {second.address} ({name})"
     ) in out
     assert "Between nodes: each of the 2 nodes reached every other's address on a free port" in out
+    assert (
+        "note: the Ray head declares a silent node (cut off or frozen) dead 62–65 s after it goes silent (Ray's" in out
+    )
 
 
 def test_joins_from_another_host_and_after_another_driver_and_a_refused_token_is_named(two_hosts, tmp_path):
