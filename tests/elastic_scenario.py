@@ -3,13 +3,16 @@
 Run as a script (its own Ray cluster, so not inside the shared test Ray):
     python tests/elastic_scenario.py OUT_DIR
 By default 3 nodes of 1 CPU, --workers 2:3, restarting; ELASTIC_GROUPS=1: 2 nodes of 2 CPUs,
---workers 2:4, per-step recovery in replica groups of 2 (one group per node).
+--workers 2:4, per-step recovery in replica groups of 2 (one group per node). ELASTIC_DRAIN=1:
+the node is drained first (a preemption notice, reason PREEMPTION, a 30 s deadline), and removed
+once the run has left it.
 Writes OUT_DIR/result.json with the run's summary and what the driver observed.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -17,6 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+DRAIN_DEADLINE_S = 30  # the notice a drain gives (ELASTIC_DRAIN=1)
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> float:
@@ -57,6 +63,7 @@ def main(out: Path) -> None:
     # ELASTIC_GROUPS=1: per-step recovery in replica groups of 2 (fsdp within each), one group
     # per node of 2 CPUs, --workers 2:4; otherwise one worker per node, --workers 2:3.
     groups = os.environ.get("ELASTIC_GROUPS") == "1"
+    drain = os.environ.get("ELASTIC_DRAIN") == "1"  # a drain notice before the node goes
     node_cpus = 2 if groups else 1
     nodes = [cluster.add_node(num_cpus=node_cpus) for _ in range(2 if groups else 3)]
     pythonpath = os.pathsep.join(sys.path)
@@ -117,12 +124,25 @@ def main(out: Path) -> None:
         # The node goes once there is a checkpoint to resize from (a loss before it is a restart).
         wait_for(lambda: any(run_dir.glob("checkpoint_*")), 240, "the first checkpoint")
         removed_at = time.time()
-        cluster.remove_node(nodes[-1])
+        if drain:  # a preemption notice first: the run leaves the node at a step boundary
+            drain_node = [str(Path(sys.executable).with_name("ray")), "drain-node", "--address", cluster.address]
+            notice = subprocess.run(
+                [*drain_node, "--node-id", nodes[-1].node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                 "--reason-message", "spot reclaim", "--deadline-remaining-seconds", str(DRAIN_DEADLINE_S)],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            observed["drain"] = notice.stderr[-2000:] if notice.returncode else "accepted"
+            wait_for(lambda: any(e["kind"] == "preempted" for e in events(run_dir)), 60, "the preemption notice")
+            observed["notice_s"] = round(time.time() - removed_at, 1)
+        else:
+            cluster.remove_node(nodes[-1])
         observed["shrink_s"] = wait_for(
             lambda: any(e["kind"] == resized and e["world_size"] == small for e in events(run_dir)),
             240,
             f"the resize to {small}",
         )
+        if drain:  # the node is taken (before its deadline: the run has left it)
+            cluster.remove_node(nodes[-1])
         time.sleep(5)
         added_at = time.time()
         cluster.add_node(num_cpus=node_cpus)

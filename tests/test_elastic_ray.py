@@ -26,8 +26,29 @@ pytestmark = pytest.mark.ray
 SCENARIO = Path(__file__).with_name("elastic_scenario.py")
 
 
+def test_workers_2_to_3_leaves_a_drained_node_at_a_checkpoint_and_grows_back(tmp_path):
+    """The node is drained (a preemption notice, 30 s deadline) before it goes: the run checkpoints
+    at the next sync, restarts without it from that step (no step lost or taken twice), is not
+    charged a failure, and grows back when a node joins."""
+    summary, events = _shrinks_and_grows_back(tmp_path, drain=True)
+    assert summary["failures_recovered"] == 0 and summary["preemptions"] == 1, summary
+    notice = next(e for e in events if e["kind"] == "preempted")
+    assert notice["checkpoint_step"] == notice["step"] and notice["deadline_s"] <= 30, notice
+    assert notice["message"].startswith("Preemption notice for rank ") and len(notice["ranks"]) == 1, notice
+    shrink = next(e for e in events if e["kind"] == "resize" and e["world_size"] == 2)
+    assert shrink["step"] == notice["step"]  # restarted from the notice's checkpoint: nothing redone
+
+
+# Scenario stage (docs/testing.md): a node lost without notice stays in CI through per-step's
+# tests (tests/test_replicas_ray.py, tests/test_hsdp_ray.py) and the real hosts' stage.
+@pytest.mark.scenario
 def test_workers_2_to_3_shrinks_on_node_loss_and_grows_back(tmp_path):
-    env = {**os.environ, "ELASTIC_STRATEGY": "fsdp"}
+    summary, _ = _shrinks_and_grows_back(tmp_path, drain=False)
+    assert summary["failures_recovered"] == 1  # the node loss; growing is not a failure
+
+
+def _shrinks_and_grows_back(tmp_path, drain: bool):
+    env = {**os.environ, "ELASTIC_STRATEGY": "fsdp", "ELASTIC_DRAIN": "1" if drain else "0"}
     done = subprocess.run(
         [sys.executable, str(SCENARIO), str(tmp_path)], capture_output=True, text=True, timeout=1200, env=env
     )
@@ -37,7 +58,6 @@ def test_workers_2_to_3_shrinks_on_node_loss_and_grows_back(tmp_path):
     summary = result["summary"]
     assert summary["status"] == "finished"
     assert summary["world_sizes"] == [3, 2, 3]
-    assert summary["failures_recovered"] == 1  # the node loss; growing is not a failure
     assert summary["samples_seen"] == 12 * 960  # every epoch complete, none repeated
 
     rows = [json.loads(line) for line in (tmp_path / "elastic" / "metrics.jsonl").read_text().splitlines()]
@@ -54,6 +74,7 @@ def test_workers_2_to_3_shrinks_on_node_loss_and_grows_back(tmp_path):
     assert any(m.startswith("global 48 = 3 workers") and "fsdp over the root" in m for m in messages)
     assert any(m.startswith("Resized 3 → 2 workers") and m.endswith("unchanged") for m in messages)
     assert any(m.startswith("Resized 2 → 3 workers") and m.endswith("unchanged") for m in messages)
+    return summary, [json.loads(line) for line in (tmp_path / "elastic" / "events.jsonl").read_text().splitlines()]
 
 
 # Scenario stage (docs/testing.md): per-step recovery, a group out and healed, and a node lost and

@@ -302,12 +302,14 @@ def test_a_worker_whose_host_lacks_the_named_interface_stops_the_group_before_it
 
 
 def test_on_nccl_the_backend_connects_at_once_with_a_one_element_all_reduce():
+    from raytrain.instruments.notice import catch_notices
+
     group = FakeGroup(workers())
     Backend().on_start(group, Nccl())
-    assert group.ran == [bind_to_node_interface, connect_now]
+    assert group.ran == [catch_notices, bind_to_node_interface, connect_now]
     group = FakeGroup(workers())
     Backend().on_start(group, None)  # gloo connects as the group forms
-    assert group.ran == [bind_to_node_interface]
+    assert group.ran == [catch_notices, bind_to_node_interface]  # notices caught in each worker's main thread
 
 
 def test_a_failure_to_connect_at_ncclss_first_all_reduce_is_named_like_one_while_the_group_forms():

@@ -352,8 +352,8 @@ class _Eviction:
     def workers_left(self, rank, hosts):
         return stragglers.workers_left(rank, hosts)
 
-    def evict(self, rank, line):
-        self.evicted.append(rank)
+    def leave(self, ranks, error):
+        self.evicted.extend(ranks)
 
 
 @pytest.mark.parametrize("workers, evicts", [("2:4", True), ("3:4", False)])
@@ -402,7 +402,7 @@ def test_a_straggler_on_the_only_host_is_not_evicted_in_per_step_mode():
     for step in (5, 10, 15):
         watch.after_sync(files, window([0.05, 0.3, 0.05]), ["127.0.0.1"] * 3, step)
     decided = [(message, extra) for kind, message, extra in files.events if kind == "evicted"]
-    assert len(decided) == 1 and decided[0][1]["evicted"] is False and eviction.evicting is None, decided
+    assert len(decided) == 1 and decided[0][1]["evicted"] is False and not eviction.evicting, decided
     assert "0 worker(s) would be left" in decided[0][0]
 
 

@@ -57,7 +57,7 @@ class FailFastTrainer(TorchTrainer):
         super().__init__(*args, **kwargs)
         self.mode = mode  # the run's fault-tolerance mode
         self.on_worker_failure = mode.on_worker_failure(run_dir)
-        self.evict_key = evict_key  # --evict-stragglers: the run's evicted nodes (raytrain.faults.evict)
+        self.evict_key = evict_key  # the run's nodes held out: evicted stragglers, preempted (raytrain.faults.evict)
 
     def _initialize_and_run_controller(self, **kwargs):
         if not self.datasets:
@@ -74,7 +74,7 @@ class FailFastTrainer(TorchTrainer):
 
             kwargs["callbacks"] = [*kwargs["callbacks"], FreshResources()]
         kwargs["failure_policy"] = FailFastPolicy(kwargs["failure_policy"], self.mode, self.on_worker_failure)
-        if self.evict_key is not None:  # an elastic run: keep evicted stragglers' nodes out
+        if self.evict_key is not None:  # keep the nodes held out out
             kwargs["callbacks"] = [*kwargs["callbacks"], KeepEvictedOut(self.evict_key)]
         controller = self.mode.controller(self.scaling_config, kwargs, self.evict_key)
         return self._run_controller(controller or TrainController, kwargs)

@@ -49,6 +49,10 @@ def apply_train_timers(cfg: TrainConfig) -> None:
         # before a report would hang the others with no error.
         "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(cfg.collective_timeout_s),
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(REPORT_POLL_INTERVAL_S),
+        # Ray Train's preemption watcher (an actor per worker group, polling every 5 s) would hold the
+        # group until a drained node's deadline; raytrain's workers read the notice themselves, at
+        # the sync, and leave at a step boundary after a checkpoint (raytrain.instruments.notice).
+        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     }
     if cfg.elastic:
         timers["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(ELASTIC_START_TIMEOUT_S)
@@ -124,5 +128,5 @@ def build_torch_trainer(
         ),
         mode=mode,
         run_dir=run_dir,
-        evict_key=run_key(cfg.storage, cfg.name, invocation) if cfg.evict_stragglers else None,
+        evict_key=run_key(cfg.storage, cfg.name, invocation),
     )

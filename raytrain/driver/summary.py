@@ -67,6 +67,7 @@ def write_summary(
         world_sizes=(progress.world_sizes if progress else None)
         or sorted({row.world_size for row in rows if row.world_size}),
         failures_recovered=counts.failures_recovered,
+        preemptions=counts.preemptions,
         resumes=counts.resumes,
         interruptions=counts.interruptions,
         checkpoints_skipped=counts.checkpoints_skipped,

@@ -175,27 +175,30 @@ class ReplicaRuntime(Runtime):
 
 
 class GroupEviction(Eviction):
-    """Per-step's eviction (`raytrain.faults.restart.Eviction`): the straggler's replica group
-    leaves, and the others train on without it."""
+    """Per-step's eviction (`raytrain.faults.restart.Eviction`): the leaving rank's replica group
+    leaves (a straggler's, or one with a preemption notice), and the others train on without it."""
+
+    checkpoints_first = False  # the others train on: nothing rolls back
 
     def __init__(self, cfg: "TrainConfig", runtime: ReplicaRuntime, invocation: str) -> None:
         super().__init__(cfg, runtime, invocation)
         # a group's workers hold one copy between them (HSDP), a replica of one all of it
         self.group_size = self.shards_per_replica = cfg.replica_group_size
-        self.evicting: int | None = None  # the quorum rank whose group leaves
+        self.evicting: set[int] = set()  # the quorum ranks whose groups leave
 
-    def evict(self, rank: int, line: str) -> None:
-        """The straggler's replica group leaves at the next step's start, where no collective is
+    def leave(self, ranks: list[int], error: Exception) -> None:
+        """The leaving ranks' replica groups leave at the next step's start, where no collective is
         under way (`leave_if_evicted`)."""
-        self.evicting = rank
+        self.evicting = set(ranks)
 
     def leave_if_evicted(self) -> None:
-        """The straggler writes its node down (the controller leaves its group waiting for room:
-        `raytrain.faults.replacement.GroupController`), and its group leaves."""
-        rank, runtime, self.evicting = self.evicting, self.runtime, None  # ranks change with the next quorum
-        if rank is None or runtime.world_rank // self.group_size != rank // self.group_size:
+        """The leaving ranks write their nodes down (the controller leaves their groups waiting for
+        room: `raytrain.faults.replacement.GroupController`), and their groups leave."""
+        ranks, runtime, self.evicting = self.evicting, self.runtime, set()  # ranks change with the next quorum
+        mine = runtime.world_rank // self.group_size
+        if not any(rank // self.group_size == mine for rank in ranks):
             return
-        if runtime.world_rank == rank:
+        if runtime.world_rank in ranks:
             with contextlib.suppress(Exception):  # leaving matters more than the note
                 hold_out_this_node(self.key)
         os._exit(1)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from raytrain.faults.evict import evicting_policy, hold_out_this_node, run_key
-from raytrain.instruments.watch import StragglerEvicted, Watch
+from raytrain.instruments.watch import Preempted, Watch
 from raytrain.rules import agreement, stragglers
 from raytrain.rules.interval import AutoInterval
 from raytrain.rundir.storage import Store
@@ -61,15 +61,17 @@ class Quorum:
 
 class Eviction:
     """What the watch (`raytrain.instruments.watch.Watch`) asks of the mode: which ranks hold one
-    copy of the model between them, and what evicting a straggler (--evict-stragglers) leaves and
-    does. Restart mode's: the whole group restarts without the straggler's host."""
+    copy of the model between them, and what a rank leaving does: a straggler evicted
+    (--evict-stragglers), or ranks with a preemption notice. Restart mode's: the whole group
+    restarts without their hosts, after a checkpoint at the notice's step."""
 
     group_size = 1  # workers that hold one copy of the model between them (per-step's replica groups)
+    checkpoints_first = True  # a notice's step is checkpointed before its ranks leave: a rollback follows
 
     def __init__(self, cfg: "TrainConfig", runtime: Runtime, invocation: str) -> None:
         """`invocation`: this run of the driver (its evictions are its own)."""
         self.runtime = runtime
-        self.key = run_key(cfg.storage, cfg.name, invocation)  # where a straggler's node is written down
+        self.key = run_key(cfg.storage, cfg.name, invocation)  # where a leaving rank's node is written down
         # `raytrain.rules.agreement.shards_per_replica`; a restarting group keeps its size
         self.shards_per_replica = agreement.shards_per_replica(cfg.strategy, runtime.world_size)
 
@@ -77,16 +79,16 @@ class Eviction:
         """The workers an eviction of `rank` leaves: those of the groups with no worker on its host."""
         return stragglers.workers_left(rank, hosts, self.group_size)
 
-    def evict(self, rank: int, line: str) -> None:
-        """Every rank at once: the straggler's worker writes its node down for the controller
-        (`raytrain.faults.evict` keeps the run off it), then the attempt ends on every rank; Ray
-        Train restarts the group at the size the other nodes hold."""
+    def leave(self, ranks: list[int], error: Exception) -> None:
+        """Every rank at once: the leaving ranks' workers write their nodes down for the controller
+        (`raytrain.faults.evict` keeps the run off them), then the attempt ends on every rank with
+        `error`; Ray Train restarts the group at the size the other nodes hold."""
         try:
-            if self.runtime.world_rank == rank:
+            if self.runtime.world_rank in ranks:
                 hold_out_this_node(self.key)
         finally:
             self.runtime.all_reduce_sum([0.0])  # written down before any rank leaves (or its failure raises)
-        raise StragglerEvicted(line)
+        raise error
 
 
 class Recovery:
@@ -212,13 +214,18 @@ class RestartMode:
 
     def controller(self, scaling_config: Any, kwargs: dict[str, Any], evict_key: bytes | None) -> type | None:
         """Sets the controller's policies and callbacks in `kwargs`; returns its class (None: Ray's)."""
-        if evict_key is not None:  # an elastic run: no worker counted on an evicted straggler's node
+        if scaling_config.elasticity_enabled:  # an elastic run: no worker counted on a node held out
             kwargs["scaling_policy"] = evicting_policy(scaling_config, evict_key)
         return None
 
     def failure_decision(self, error: BaseException, failure_config: Any) -> Any:
-        """The controller's decision on a failure that is not the user's (None: Ray's policy decides)."""
-        return None
+        """The controller's decision on a failure that is not the user's (None: Ray's policy decides):
+        ranks that left on a preemption notice, after its checkpoint, are restarted whatever
+        --max-failures (a preemption is not a failure)."""
+        from raytrain.errors import find_error
+        from raytrain.faults.ray_internals import FailureDecision
+
+        return FailureDecision.RETRY if find_error(error, (Preempted,)) is not None else None
 
 
 def stall_reporter(run_dir: Any, collective_timeout_s: float) -> Callable[[BaseException], None]:

@@ -20,6 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from raytrain.instruments.agreement import ReplicaMismatch, ReplicaMismatchRecurred, mismatch_line, shared_fingerprints
+from raytrain.instruments.notice import checkpoint_fits, notice_line
 from raytrain.rules import agreement
 from raytrain.rules import replicas as replica_rules
 from raytrain.rules.stragglers import RankTimes, StragglerWatch
@@ -33,6 +34,12 @@ if TYPE_CHECKING:  # pragma: no cover
 class StragglerEvicted(RuntimeError):
     """--evict-stragglers took a straggler's host out of the run: the attempt ends, and the run
     goes on without that host (a failure, retried as any worker's)."""
+
+
+class Preempted(RuntimeError):
+    """Ranks had a preemption notice (`raytrain.instruments.notice`): the attempt ended at a step
+    boundary after its checkpoint, and the run goes on without their node (not a failure: retried
+    whatever --max-failures)."""
 
 
 class Watch:
@@ -49,6 +56,9 @@ class Watch:
         self.last: list[RankTimes] = []  # the last sync's figures
         self.quorum: Any = None  # the workers of the figures (`raytrain.faults.restart.Quorum`)
         self._my_host: int | None = None
+        self.hosts: list[str] = []  # the last sync's, each rank's node address
+        self.leaving: dict[int, float] = {}  # the ranks with a preemption notice, until they leave
+        self.leaving_line = ""
 
     def follow(self, quorum: Any) -> None:
         """The quorum the next steps take; a new one (per-step, a replica lost or back) holds other
@@ -68,8 +78,8 @@ class Watch:
 
     def after_sync(self, files: "RunWriter", times: list[RankTimes], hosts: list[str], step: int) -> None:
         """A sync's figures, the same on every rank: the writing rank says a straggler found, or
-        gone; under --evict-stragglers every rank finds the one to evict (`Eviction.evict`)."""
-        self.last = times
+        gone; under --evict-stragglers every rank finds the one to evict (`Eviction.leave`)."""
+        self.last, self.hosts = times, hosts
         if len(times) < 2:
             return
         for found in self.stragglers.observe(times, hosts):
@@ -91,7 +101,36 @@ class Watch:
         files.event(Kind.EVICTED, line, step=step, rank=rank, host=hosts[rank], slow_steps=steps, evicted=evicted)
         if evicted:
             files.flush()
-            self.eviction.evict(rank, line)
+            self.eviction.leave([rank], StragglerEvicted(line))
+
+    def on_notice(self, files: "RunWriter", leaving: dict[int, float], step: int, save_s: float | None) -> bool:
+        """A sync's preemption notices (`leaving`: {rank: seconds left}, the same on every rank),
+        decided once: the writing rank says it (a `preempted` event); returns whether the step is
+        checkpointed before those ranks leave (`leave`): the mode checkpoints first
+        (`Eviction.checkpoints_first`), and the earliest deadline leaves time for a save like the
+        slowest so far (`save_s`; None: none yet)."""
+        if not leaving or self.leaving:
+            return False
+        self.leaving = leaving
+        nodes = self.eviction.runtime.all_gather_object(_node_id())  # once per notice, not per step
+        ranks, left_s = sorted(leaving), min(leaving.values())
+        saves = self.eviction.checkpoints_first and checkpoint_fits(left_s, save_s)
+        named = sorted({self.hosts[r] for r in ranks})
+        self.leaving_line = line = notice_line(
+            ranks, named, left_s, step, saves, self.eviction.checkpoints_first, save_s
+        )
+        files.event(
+            Kind.PREEMPTED, line, step=step, ranks=ranks, hosts=named, nodes=sorted({nodes[r] for r in ranks}),
+            deadline_s=None if math.isinf(left_s) else round(left_s, 1), checkpoint_step=step if saves else None,
+        )  # fmt: skip
+        files.flush()
+        return saves
+
+    def leave(self) -> None:
+        """After `on_notice` (and its checkpoint): the ranks with a notice leave, as the mode has them."""
+        leaving, self.leaving = self.leaving, {}  # once: a per-step quorum's ranks change when they have left
+        if leaving:
+            self.eviction.leave(sorted(leaving), Preempted(self.leaving_line))
 
     def row_figures(self) -> dict[str, Any]:
         """What a metrics row holds of the last sync: each rank's own seconds per step."""
@@ -190,3 +229,9 @@ class StallWatch:
         thread = threading.Thread(target=watch, name="raytrain-stall-watch", daemon=True)
         thread.start()
         return thread
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""

@@ -13,6 +13,7 @@ def goodput_section(goodput: Goodput) -> list[str]:
         f"**{goodput.goodput:.1%}** of the wall time went to steps that were kept "
         f"({goodput.kept_steps_s:,.1f} s of {goodput.wall_s:,.1f} s: the final position's steps at the steady "
         f"{goodput.step_s * 1e3:,.1f} ms a step; {goodput.failures} failure(s) or resize(s), "
+        f"{goodput.preemptions} preemption(s), "
         f"{goodput.checkpoints} checkpoint(s) kept)."
         if goodput.goodput is not None
         else "No wall time to account."

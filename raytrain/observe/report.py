@@ -325,6 +325,8 @@ def _headline(run: RunRecord) -> str:
         parts.append(f"workers {' → '.join(map(str, sizes))}")
     if s:
         parts.append(f"{plural(s.failures_recovered, 'failure')} recovered")
+        if s.preemptions:
+            parts.append(f"{plural(s.preemptions, 'preemption')} trained through")
         if s.goodput and is_number(s.goodput.get("goodput")):
             parts.append(f"goodput {s.goodput['goodput']:.0%}")
         if s.resumes:

@@ -56,26 +56,30 @@ def account(
         + [_Mark(e.time, _attempt_step(e)) for e in events if e.kind in ATTEMPTS],
         key=lambda mark: mark.time,
     )
-    start = recovery = redone = 0.0
-    failures = 0
-    first = True
+    start = recovery = redone = preemption = 0.0
+    failures = preemptions = 0
+    first, noticed = True, False
     for event in events:
         if event.time < started:
             continue
-        if event.kind in ATTEMPTS and first:
+        if event.kind == Kind.PREEMPTED:  # the next restart or lost replica comes of it, not of a failure
+            noticed = True
+        elif event.kind in ATTEMPTS and first:
             first = False
             start = max(0.0, event.time - started) + _after(event, marks, step_s)
         elif event.kind in ATTEMPTS or (event.kind == Kind.QUORUM and event.recovers_a_failure):
-            failures += 1
             back = _before(event, marks, started)
             at = _attempt_step(event)
             gap = max(0.0, event.time - back.time - max(0, at - back.step) * step_s)
             if event.kind == Kind.QUORUM:  # the survivors go on: one step taken again
-                redone += step_s
-                recovery += max(0.0, gap - step_s)
+                lost, again = step_s, max(0.0, gap - step_s)
             else:
-                redone += max(0, back.step - at) * step_s
-                recovery += gap + _after(event, marks, step_s)
+                lost, again = max(0, back.step - at) * step_s, gap + _after(event, marks, step_s)
+            redone += lost
+            if noticed:
+                preemptions, preemption, noticed = preemptions + 1, preemption + again, False
+            else:
+                failures, recovery = failures + 1, recovery + again
     earlier = earlier or {}
     kept = progress.step * step_s
     stalls = float(progress.get("checkpoint_wait_s") or 0.0)
@@ -84,7 +88,9 @@ def account(
     recovery += earlier.get("recovery_s") or 0.0
     redone += earlier.get("redone_s") or 0.0
     failures += earlier.get("failures") or 0
-    other = wall_s - kept - stalls - start - recovery - redone - (validation or 0.0)
+    preemption += earlier.get("preemption_s") or 0.0
+    preemptions += earlier.get("preemptions") or 0
+    other = wall_s - kept - stalls - start - recovery - preemption - redone - (validation or 0.0)
     return Goodput(
         goodput=round(kept / wall_s, 4) if wall_s > 0 else None,
         wall_s=round(wall_s, 3),
@@ -93,10 +99,12 @@ def account(
         start_s=round(start, 3),
         checkpoint_stall_s=round(stalls, 3),
         recovery_s=round(recovery, 3),
+        preemption_s=round(preemption, 3),
         redone_s=round(redone, 3),
         validation_s=None if validation is None else round(float(validation), 3),
         other_s=round(max(0.0, other), 3),
         failures=failures,
+        preemptions=preemptions,
         checkpoints=int(progress.get("checkpoints") or 0),
     )
 
@@ -135,6 +143,7 @@ def shares(goodput: Goodput) -> list[tuple[str, float | None, float | None]]:
         ("start", goodput.start_s),
         ("checkpoint stalls", goodput.checkpoint_stall_s),
         ("recovery", goodput.recovery_s),
+        ("preemptions", goodput.preemption_s),
         ("steps redone", goodput.redone_s),
         ("validation", goodput.validation_s),
         ("other", goodput.other_s),

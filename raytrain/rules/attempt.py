@@ -103,6 +103,7 @@ class Tally:
     resumes: int = 0  # 1 when this invocation continued the run from a checkpoint (--resume)
     interruptions: int = 0  # 1 when it was stopped by SIGINT/SIGTERM
     checkpoints_skipped: int = 0  # unusable checkpoints passed over for an earlier one
+    preemptions: int = 0  # restarts and lost replicas that came of a preemption notice, not of a failure
 
 
 def tally(events: Sequence[Event], *, interrupted: bool = False, stop_requested_at: float | None = None) -> Tally:
@@ -110,11 +111,15 @@ def tally(events: Sequence[Event], *, interrupted: bool = False, stop_requested_
     (a fresh one, or a resume from a checkpoint); every later restart or shrink is a failure
     recovered — a start again from scratch too (no checkpoint yet), unless it has more workers —
     but one after a stop was asked (`stop_requested_at`, a time.time()) comes of the stop, not
-    of a failure. A growth is never a failure."""
-    failures, resumes, size = 0, 0, None
+    of a failure, and one after a preemption notice (a `preempted` event) is a preemption. A growth
+    is never a failure."""
+    failures, resumes, preemptions, size, noticed = 0, 0, 0, None, False
     skipped: set[str] = set()
     for event in events:
         after_stop = stop_requested_at is not None and (event.time or 0) >= stop_requested_at
+        if event.kind == Kind.PREEMPTED:
+            noticed = True
+            continue
         if event.kind in (Kind.PLAN, Kind.RESTORE, Kind.RESIZE) and size is None:
             size, resumes = event.extra.get("world_size", 0), int(event.kind != Kind.PLAN)
             continue
@@ -123,6 +128,6 @@ def tally(events: Sequence[Event], *, interrupted: bool = False, stop_requested_
             continue
         again = event.kind == Kind.PLAN and event.extra.get("world_size", 0) <= (size or 0)
         if not after_stop and (event.recovers_a_failure or again):
-            failures += 1
+            preemptions, failures, noticed = preemptions + noticed, failures + (not noticed), False
         size = event.extra.get("world_size", size)
-    return Tally(failures, resumes, int(interrupted), len(skipped))
+    return Tally(failures, resumes, int(interrupted), len(skipped), preemptions)

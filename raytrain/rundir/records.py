@@ -50,6 +50,7 @@ class Kind:
     NOTE = "note"  # something about the run's setup worth knowing (an optimizer that leaves parameters out)
     STRAGGLER = "straggler"  # a rank every step waits for (or, `ended`, no longer): raytrain.rules.stragglers
     EVICTED = "evicted"  # --evict-stragglers: a straggler's host taken out of the run
+    PREEMPTED = "preempted"  # a preemption notice (a drain, SIGTERM): its ranks leave at a step boundary
     REPLICA_MISMATCH = "replica_mismatch"  # replicas' weights differ: back to a checkpoint, or stop (`recurred`)
     COMPILE = "compile"  # --compile: the graphs each rank built by its first compiled steps, or that it runs eager
 
@@ -160,6 +161,8 @@ class Summary(_Record):
     world_sizes: list[int] = field(default_factory=list)
     failures_recovered: int = 0
     """Worker or node failures the run trained on after (restarts, shrinks, lost replicas)."""
+    preemptions: int = 0
+    """Preemption notices (a drain, SIGTERM) the run left a node on and trained on after: not failures."""
     resumes: int = 0
     """1 when this invocation continued the run from a checkpoint (--resume)."""
     interruptions: int = 0
@@ -211,6 +214,8 @@ class Goodput(_Record):
     """The loop's wait at the saves the position kept."""
     recovery_s: float = 0.0
     """From the last record before each failure (or resize) to training again, less the steps redone."""
+    preemption_s: float = 0.0
+    """The same for each preemption notice the run left a node on (`preemptions`), apart from failures."""
     redone_s: float = 0.0
     """Steps trained again after a failure (those since the checkpoint restored; one under per-step)."""
     validation_s: float | None = None
@@ -218,7 +223,9 @@ class Goodput(_Record):
     other_s: float = 0.0
     """The rest: warm-up steps beyond the steady step time, epoch ends, the final save."""
     failures: int = 0
-    """Interruptions accounted: restarts, resizes and quorums that lost a replica."""
+    """Interruptions accounted: restarts, resizes and quorums that lost a replica (preemptions apart)."""
+    preemptions: int = 0
+    """Restarts and lost replicas that came of a preemption notice (a `preempted` event)."""
     checkpoints: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 

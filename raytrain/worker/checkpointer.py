@@ -69,6 +69,7 @@ class Checkpointer:
         self.recovery, self.store = recovery, Store.of(store)
         self._save: Save | None = None  # this rank's checkpoint being written
         self._publish: Publish | None = None  # ... and being published
+        self.slowest_save_s: float | None = None  # the slowest save's wait so far (None: none yet)
 
     @property
     def runtime(self) -> "Runtime":
@@ -215,6 +216,7 @@ class Checkpointer:
             self.finish()
         stall_s = time.perf_counter() - started
         runner.measures.checkpointed(stall_s)
+        self.slowest_save_s = max(stall_s, self.slowest_save_s or 0.0)
         if self.auto is not None:
             self.after_save(position.step, stall_s)
 

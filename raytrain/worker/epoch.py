@@ -22,6 +22,7 @@ from raytrain.data.draws import Draws
 from raytrain.data.sources import Source, cost_notes, data_digest, open_source
 from raytrain.data.stream import Stream, StreamEpoch
 from raytrain.data.table import Table
+from raytrain.instruments.notice import BOARD as notices
 from raytrain.instruments.phases import SteadyClock
 from raytrain.instruments.window import TrainingDiverged, divergence_message, sync
 from raytrain.pipeline import Pipeline, overrides
@@ -269,7 +270,7 @@ class Training:
         if position.step % cfg.log_every_steps == 0 or last or checkpoint_now or evaluate_now:
             # Every checkpoint follows a sync: weights are saved only after their loss was seen finite.
             asked = files.stop_requested(anyone=self.recovery.each_reads_stop)
-            loss, count, stop = self.sync_ranks(stop_requested=asked, driver_gone=files.driver_gone())
+            loss, count, stop, leaving = self.sync_ranks(stop_requested=asked, driver_gone=files.driver_gone())
             stop = stop or asked
             if count:
                 position.epoch_loss = position.epoch_loss_so_far()
@@ -283,6 +284,11 @@ class Training:
                 if evaluate_now:
                     files.evaluation(row)
             checkpoint_now = checkpoint_now or (stop and not last)
+            # A preemption notice: at an epoch's last step its end comes first, and the next sync
+            # carries the notice again.
+            if leaving and not last:
+                saves = faults.on_notice(files, leaving, position.step, self.checkpointer.slowest_save_s)
+                checkpoint_now = saves if self.recovery.eviction.checkpoints_first else checkpoint_now
         if faults.replicas_due(position.step, checkpoint_now or last):
             # Before the checkpoint (the epoch's or the run's last, its caller's): a published one's
             # replicas agreed. Here, at the sync, where every replica is (per-step, inside the step).
@@ -291,17 +297,23 @@ class Training:
         if checkpoint_now:
             row = self.metrics_row(loss=float("nan"), samples_per_s=0.0)
             self.checkpointer.save(runner, row.to_json())
+        if faults.leaving:
+            self.checkpointer.finish()  # written and published before the ranks with a notice leave
+            faults.leave()
         return stop
 
-    def sync_ranks(self, stop_requested: bool = False, driver_gone: str | None = None) -> tuple[float, int, bool]:
+    def sync_ranks(
+        self, stop_requested: bool = False, driver_gone: str | None = None
+    ) -> tuple[float, int, bool, dict[int, float]]:
         """The sync (`raytrain.instruments.window.sync`): the mean loss since the last one, the samples
-        it covers and whether to stop; every rank's compile figures noted. A NaN/inf loss on any
-        rank ends the run here (TrainingDiverged), before its weights are saved."""
+        it covers, whether to stop and the ranks with a preemption notice (`raytrain.instruments.notice`);
+        every rank's compile figures noted. A NaN/inf loss on any rank ends the run here
+        (TrainingDiverged), before its weights are saved."""
         runner, position = self.runner, self.position
         measures, faults = runner.measures, self.recovery.faults
-        loss, count, stop, diverged, times, hosts, compiled = sync(
+        loss, count, stop, diverged, times, hosts, compiled, leaving = sync(
             runner.runtime, measures.heartbeat, runner.window, position.step, stop_requested, measures.own,
-            faults.my_host, measures.compiled(), driver_gone,
+            faults.my_host, measures.compiled(), driver_gone, notices.seconds_left(),
         )  # fmt: skip
         if diverged:
             last_good = self.checkpointer.last_good()
@@ -319,7 +331,7 @@ class Training:
             self.steady_clock.settle(measures.telemetry)
         faults.after_sync(self.files, times, hosts, position.step)
         measures.note_compiled(compiled, self.files, position.step)
-        return loss, count, stop
+        return loss, count, stop, leaving
 
     def end_epoch(self, epoch: EpochResult) -> None:
         """Validate, write the epoch's row and report it with a checkpoint."""

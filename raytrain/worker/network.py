@@ -92,6 +92,9 @@ class BindsInterfaces:
     followed by `connect_now`."""
 
     def on_start(self, worker_group: Any, backend_config: Any) -> None:
+        from raytrain.instruments.notice import catch_notices
+
+        worker_group.execute(catch_notices)  # in each worker's main thread, where a signal handler is set
         workers = worker_group.execute(bind_to_node_interface)
         problems = list(dict.fromkeys(problem for worker in workers for problem in worker.problems))
         if problems:  # every attempt would fail alike, on this host

@@ -1,0 +1,146 @@
+"""A preemption notice: this worker's node will be taken away, or this worker was asked to end.
+
+Two ways a reclaim announces itself before it happens:
+
+- Ray's drain of the node (`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
+  --deadline-remaining-seconds N`, what autoscaler v2 asks for a spot reclaim and what a
+  KubeRay `preStop` hook can ask, docs/cluster.md). It kills nothing: the caller does, at the
+  deadline. A thread polls the GCS's draining nodes for this worker's node once a second (one
+  small call; Ray Train's own watcher, which raytrain turns off, polls every 5 s);
+- SIGTERM to the worker process (Kubernetes' pod termination, before its SIGKILL). The handler
+  is installed in each worker's main thread, where raytrain's torch backend binds the interfaces
+  (`raytrain.worker.network`); it notes the notice instead of ending the process, and a second
+  SIGTERM ends it as Ray's own handler would.
+
+The notice is read where the ranks already sync (`raytrain.instruments.window.sync`): no
+collective is added to a step. What the run does with it is its fault-tolerance mode's
+(`raytrain.faults.restart.Eviction.leave`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+POLL_S = 1.0
+# What a SIGTERM leaves before the SIGKILL, unless RAYTRAIN_SIGTERM_GRACE_S says: Kubernetes'
+# default terminationGracePeriodSeconds.
+SIGTERM_GRACE_ENV = "RAYTRAIN_SIGTERM_GRACE_S"
+DEFAULT_SIGTERM_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Notice:
+    """What announced the end: `source` ("drain" or "SIGTERM") and when the node or process is gone
+    (`deadline`, a time.time(); inf: not said)."""
+
+    source: str
+    deadline: float
+
+    def seconds_left(self, now: float) -> float:
+        return max(0.0, self.deadline - now)
+
+
+class NoticeBoard:
+    """This process's notice (None: none), posted by the drain poll or the SIGTERM handler, read at
+    each sync (`seconds_left`)."""
+
+    def __init__(self) -> None:
+        self.notice: Notice | None = None
+        self._polling: threading.Thread | None = None
+        self._ray_handler: Any = None
+
+    def post(self, notice: Notice) -> None:
+        """The earliest deadline wins."""
+        if self.notice is None or notice.deadline < self.notice.deadline:
+            self.notice = notice
+
+    def seconds_left(self, now: float | None = None) -> float | None:
+        """Seconds until this worker is gone (inf: no deadline given); None: no notice."""
+        notice = self.notice
+        return None if notice is None else notice.seconds_left(time.time() if now is None else now)
+
+    def watch_drain(self, node_id: str, draining: Callable[[], dict[str, int]], poll_s: float = POLL_S) -> None:
+        """Poll `draining()` ({node id: deadline in ms, 0: none}, Ray's GCS) for `node_id`, once."""
+        if self._polling is not None:
+            return
+
+        def poll() -> None:
+            while True:
+                try:
+                    deadline_ms = draining().get(node_id)
+                except Exception:  # noqa: BLE001 - the GCS unreachable a moment: asked again
+                    deadline_ms = None
+                if deadline_ms is not None:
+                    self.post(Notice("drain", deadline_ms / 1000 if deadline_ms else math.inf))
+                time.sleep(poll_s)
+
+        self._polling = threading.Thread(target=poll, name="raytrain-drain-notice", daemon=True)
+        self._polling.start()
+
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.notice is not None and self.notice.source == "SIGTERM" and callable(self._ray_handler):
+            self._ray_handler(signum, frame)  # asked twice: end now, as Ray would
+            return
+        self.post(Notice("SIGTERM", time.time() + sigterm_grace_s(os.environ)))
+
+    def catch_sigterm(self) -> None:
+        """In the process's main thread: SIGTERM posts a notice (see the module's docstring)."""
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous != self.on_sigterm:
+            self._ray_handler = previous
+            signal.signal(signal.SIGTERM, self.on_sigterm)
+
+
+def sigterm_grace_s(environ: Any) -> float:
+    """The seconds a SIGTERM leaves (RAYTRAIN_SIGTERM_GRACE_S, else Kubernetes' default 30)."""
+    try:
+        return max(0.0, float(environ.get(SIGTERM_GRACE_ENV, DEFAULT_SIGTERM_GRACE_S)))
+    except ValueError:
+        return DEFAULT_SIGTERM_GRACE_S
+
+
+def checkpoint_fits(seconds_left: float, save_s: float | None) -> bool:
+    """Whether a checkpoint saved now is written before the deadline: twice the slowest save so far
+    and a second to spare (`save_s`; None: none saved yet, and a first save is tried)."""
+    return save_s is None or seconds_left >= 2 * save_s + 1.0
+
+
+def notice_line(
+    ranks: list[int], hosts: list[str], seconds_left: float, step: int, saves: bool, checkpoints_first: bool,
+    save_s: float | None,
+) -> str:  # fmt: skip
+    """The event line of a preemption notice seen at the sync after `step`."""
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} (host {', '.join(hosts)})"
+    when = "no deadline given" if math.isinf(seconds_left) else f"{seconds_left:.0f} s before the deadline"
+    if not checkpoints_first:
+        then = "their replica group leaves at the next step's start, and the others train on without a rollback"
+    elif saves:
+        then = f"checkpointed at step {step}, the run restarts without that node: no step is lost or taken twice"
+    else:
+        then = (
+            f"too little time to checkpoint (the slowest save took {save_s:.1f} s): the run restarts without that "
+            "node from its last checkpoint"
+        )
+    return f"Preemption notice for {who}, {when}: {then}"
+
+
+BOARD = NoticeBoard()  # the process's; a Ray Train worker runs one rank
+
+
+def catch_notices() -> None:
+    """On a Ray Train worker, in its main thread (the backend's `execute`): SIGTERM and this node's
+    drain post notices to `BOARD`."""
+    import ray
+    from ray._private.state import state
+
+    BOARD.catch_sigterm()
+    BOARD.watch_drain(ray.get_runtime_context().get_node_id(), state.get_draining_nodes)
+
+
+__all__ = ["BOARD", "Notice", "NoticeBoard", "catch_notices", "checkpoint_fits", "notice_line", "sigterm_grace_s"]

@@ -1,0 +1,224 @@
+"""Preemption notices (raytrain.instruments.notice): a node's drain or a SIGTERM, carried by the
+sync, said once as a `preempted` event, and what each mode does with the ranks that leave —
+restart: a checkpoint at that step, then a restart without their node that is not a failure;
+per-step: their replica group leaves at the next step's start. Without Ray."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+
+import pytest
+import torch
+
+from raytrain.config import TrainConfig
+from raytrain.instruments.notice import Notice, NoticeBoard, checkpoint_fits, notice_line, sigterm_grace_s
+from raytrain.instruments.window import LossWindow, sync
+from raytrain.rundir.records import Event, Kind
+
+BEAT = type("Beat", (), {"mark": lambda self, step, phase: None})()
+
+
+def synced_over(world: int, notices: dict[int, float | None]):
+    """Every rank's sync vector summed, as the all-reduce would, read back on rank 0."""
+    vectors = []
+
+    class Runtime:
+        world_size = world
+
+        def __init__(self, rank):
+            self.world_rank = rank
+
+        def all_reduce_sum(self, values):
+            vectors.append(values)
+            return values
+
+    for rank in range(world):
+        sync(Runtime(rank), BEAT, LossWindow.on(torch.device("cpu")), 10, leaving_s=notices.get(rank))
+    summed = [sum(column) for column in zip(*vectors)]
+
+    class Summed(Runtime):
+        def all_reduce_sum(self, values):
+            return summed
+
+    return sync(Summed(0), BEAT, LossWindow.on(torch.device("cpu")), 10, leaving_s=notices.get(0))
+
+
+def test_the_sync_carries_each_ranks_notice_and_its_seconds_left():
+    assert synced_over(3, {}).leaving == {}
+    leaving = synced_over(3, {1: 25.0, 2: math.inf}).leaving
+    assert leaving == {1: pytest.approx(25.0), 2: math.inf}  # a drain without a deadline stays inf
+    assert synced_over(2, {0: 0.0}).leaving == {0: 0.0}  # past its deadline: still a notice
+
+
+def test_the_board_keeps_the_earliest_deadline_and_polls_only_its_own_node():
+    board = NoticeBoard()
+    assert board.seconds_left() is None
+    board.post(Notice("SIGTERM", 130.0))
+    board.post(Notice("drain", 120.0))
+    board.post(Notice("drain", 150.0))
+    assert board.notice == Notice("drain", 120.0) and board.seconds_left(now=100.0) == 20.0
+    drains = iter([{"other": 5_000}, {"mine": 0}])
+    polled = NoticeBoard()
+    polled.watch_drain("mine", lambda: next(drains, {"mine": 0}), poll_s=0.01)
+    deadline = time.monotonic() + 5
+    while polled.notice is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert polled.notice == Notice("drain", math.inf)  # this node, drained without a deadline
+
+
+def test_sigterm_posts_a_notice_with_the_grace_and_a_second_one_ends_as_ray_would(monkeypatch):
+    ended = []
+    board = NoticeBoard()
+    monkeypatch.setattr(signal, "getsignal", lambda sig: lambda *a: ended.append(a))
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: None)
+    board.catch_sigterm()
+    monkeypatch.setenv("RAYTRAIN_SIGTERM_GRACE_S", "45")
+    board.on_sigterm(signal.SIGTERM, None)
+    assert board.notice.source == "SIGTERM" and 44 < board.seconds_left() <= 45 and not ended
+    board.on_sigterm(signal.SIGTERM, None)
+    assert len(ended) == 1
+    assert sigterm_grace_s({}) == 30.0 and sigterm_grace_s({"RAYTRAIN_SIGTERM_GRACE_S": "x"}) == 30.0
+
+
+def test_a_checkpoint_is_tried_only_when_the_deadline_leaves_room_for_one():
+    assert checkpoint_fits(30.0, None)  # none saved yet: tried
+    assert checkpoint_fits(30.0, 5.0) and checkpoint_fits(math.inf, 100.0)
+    assert not checkpoint_fits(10.0, 5.0)  # twice the slowest save and a second: 11 s
+    line = notice_line([2], ["10.0.0.2"], 10.0, 40, False, True, 5.0)
+    assert "too little time to checkpoint (the slowest save took 5.0 s)" in line and "last checkpoint" in line
+    assert "checkpointed at step 40" in notice_line([2], ["10.0.0.2"], 28.0, 40, True, True, None)
+    assert "replica group leaves" in notice_line([1], ["b"], math.inf, 40, False, False, None)
+
+
+class _Writer:
+    enabled = True
+
+    def __init__(self):
+        self.events = []
+
+    def event(self, kind, message, **extra):
+        self.events.append((kind, message, extra))
+
+    def flush(self):
+        pass
+
+
+class _Runtime:
+    world_size, world_rank = 4, 0
+
+    def all_gather_object(self, value):
+        return [f"node-{r // 2}" for r in range(4)]
+
+
+class _Eviction:
+    checkpoints_first, shards_per_replica = True, 1
+    runtime = _Runtime()
+
+    def __init__(self):
+        self.left = []
+
+    def leave(self, ranks, error):
+        self.left.append((ranks, error))
+
+
+@pytest.mark.parametrize("left_s, saves", [(28.0, True), (3.0, False)])
+def test_a_notice_is_said_once_checkpointed_if_it_fits_and_its_ranks_leave_once(left_s, saves):
+    from raytrain.instruments.watch import Preempted, Watch
+
+    files, eviction = _Writer(), _Eviction()
+    watch = Watch(TrainConfig(workers="2:4"), eviction)
+    watch.after_sync(files, [], ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"], 40)
+    assert watch.on_notice(files, {2: left_s, 3: left_s}, 40, save_s=2.0) is saves
+    assert watch.on_notice(files, {2: left_s, 3: left_s}, 41, save_s=2.0) is False  # decided once
+    ((kind, line, extra),) = files.events
+    assert kind == Kind.PREEMPTED and extra["ranks"] == [2, 3] and extra["hosts"] == ["10.0.0.2"]
+    assert extra["nodes"] == ["node-1"] and extra["deadline_s"] == left_s
+    assert extra["checkpoint_step"] == (40 if saves else None)
+    watch.leave()
+    watch.leave()
+    [(ranks, error)] = eviction.left
+    assert ranks == [2, 3] and isinstance(error, Preempted) and str(error) == line
+
+
+def test_restart_mode_holds_the_leaving_nodes_out_then_every_rank_ends_the_attempt(monkeypatch):
+    from raytrain.faults import restart
+    from raytrain.instruments.watch import Preempted
+
+    held, reduced = [], []
+    monkeypatch.setattr(restart, "hold_out_this_node", lambda key: held.append(key))
+    runtime = type("R", (), {"world_size": 4, "all_reduce_sum": lambda self, v: reduced.append(v) or v})()
+    for rank in range(4):
+        runtime.world_rank = rank
+        eviction = restart.Eviction(TrainConfig(workers="2:4"), runtime, "run-1")
+        with pytest.raises(Preempted):
+            eviction.leave([2, 3], Preempted("notice"))
+    assert len(held) == 2 and len(reduced) == 4  # the two leaving ranks' node, and a barrier on every rank
+
+
+def test_a_preempted_attempt_is_restarted_whatever_max_failures():
+    from raytrain.faults import mode_of
+    from raytrain.faults.ray_internals import FailureDecision
+    from raytrain.instruments.watch import Preempted
+
+    mode = mode_of(TrainConfig(max_failures=0))
+    wrapped = RuntimeError("a worker group error")
+    wrapped.__cause__ = Preempted("notice")
+    assert mode.failure_decision(wrapped, None) is FailureDecision.RETRY
+    assert mode.failure_decision(RuntimeError("a worker died"), None) is None  # Ray's policy decides
+
+
+def test_per_step_the_leaving_ranks_groups_leave_at_the_next_steps_start(monkeypatch):
+    from raytrain.faults import per_step
+
+    exits = []
+    monkeypatch.setattr(per_step.os, "_exit", lambda status: exits.append(status))
+    monkeypatch.setattr(per_step, "hold_out_this_node", lambda key: exits.append("held"))
+    cfg = TrainConfig(workers="2:4", fault_tolerance="per-step", replica_group_size=2, max_failures=3,
+                      strategy="fsdp")  # fmt: skip
+    for rank, leaves in [(0, False), (1, False), (2, True), (3, True)]:
+        runtime = type("R", (), {"world_size": 4, "world_rank": rank})()
+        eviction = per_step.GroupEviction(cfg, runtime, "run-1")
+        eviction.leave([2], Exception("notice"))  # nothing happens inside the step
+        assert exits == []
+        eviction.leave_if_evicted()
+        assert exits == ([*(["held"] if rank == 2 else []), 1] if leaves else []), (rank, exits)
+        exits.clear()
+        eviction.leave_if_evicted()  # once: the next quorum's ranks are others
+        assert exits == []
+
+
+def event(kind, t, step, **extra):
+    return Event.from_json({"kind": kind, "message": kind, "time": t, "step": step, **extra})
+
+
+def test_a_restart_after_a_notice_is_a_preemption_not_a_failure():
+    from raytrain.rules.attempt import tally
+
+    events = [
+        event(Kind.PLAN, 0.0, 0, world_size=3),
+        event(Kind.PREEMPTED, 10.0, 40),
+        event(Kind.RESIZE, 20.0, 40, world_size=2, previous_world_size=3),
+        event(Kind.RESIZE, 60.0, 80, world_size=3, previous_world_size=2),  # grown back: neither
+        event(Kind.RESIZE, 90.0, 96, world_size=2, previous_world_size=3),  # a loss without notice
+    ]
+    counts = tally(events)
+    assert (counts.failures_recovered, counts.preemptions) == (1, 1)
+
+
+def test_goodput_counts_preemptions_on_their_own_line():
+    from raytrain.rules.accounting import account, shares
+    from raytrain.rundir.records import MetricsRow, Progress
+
+    events = [
+        event(Kind.PLAN, 100.0, 0, world_size=3),
+        event(Kind.PREEMPTED, 140.0, 40),
+        event(Kind.RESIZE, 150.0, 40, world_size=2, previous_world_size=3),
+    ]
+    rows = [MetricsRow.from_json({"epoch": 1, "time_s": 100.0 + s, "step": s}) for s in (10, 20, 30, 40, 41 + 10, 60)]
+    progress = Progress(step=60, steady_steps=50, extra={"steady_time_s": 50.0})
+    goodput = account(wall_s=70.0, started=100.0, events=events, rows=rows, progress=progress)
+    assert goodput.failures == 0 and goodput.recovery_s == 0.0
+    assert goodput.preemptions == 1 and goodput.preemption_s > 0 and goodput.redone_s == 0.0
+    assert ("preemptions", goodput.preemption_s) in [(name, seconds) for name, seconds, _ in shares(goodput)]
