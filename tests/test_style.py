@@ -119,6 +119,11 @@ PRIVATE_RAY_NAMES = {
         # the lighthouse actor created with no CPU asked (see ray_internals' _TorchftBackend).
         "ray.train.v2.torch.torchft_config._TorchftBackend._maybe_create_lighthouse_actor",
     },
+    "raytrain.instruments.notice": {
+        # The nodes being drained, with their deadlines (a preemption notice): what Ray Train's own
+        # preemption watcher reads too; Ray 2.60 has no public read of the GCS's draining nodes.
+        "ray._private.state.state",
+    },
     "raytrain.worker.network": {
         # Ray Train's torch backend, a private class (TorchConfig.backend_cls), subclassed to run a
         # step on every worker before its on_start creates the process group: gloo and NCCL choose
