@@ -188,28 +188,30 @@ def run_plan(opts: PlanOptions, echo: Callable[[str], None] = print) -> list[Mod
     costs, source = inputs(opts)
     predictions = [goodput.best(s, mode) for s in built for mode in MODES]
     preempted = opts.preemptions_per_node_day > 0
+    preemptions = (
+        f"; {opts.preemptions_per_node_day:g} preemptions per node-day, {opts.preemption_notice_s:.3g} s notice"
+    )
     echo(
         f"Goodput on paper ({source}): a step {costs['step_s']:.3g} s, a save stalls {costs['stall_s']:.3g} s"
         f" and is durable {built[0].write_s:.3g} s later; recovery: restart {costs['restart']:.3g} s + "
         f"{opts.detection_s:.3g} s to find a silent node, per-step {costs['per-step']:.3g} s, per-step-groups "
         f"{costs['per-step-groups']:.3g} s (+ the lost node's share of a {opts.replace_s:.3g} s replacement); node "
-        f"MTBF {_hours(opts.mtbf_hours)} h, {opts.gpus_per_node} GPUs a node"
-        + (
-            f"; {opts.preemptions_per_node_day:g} preemptions per node-day, {opts.preemption_notice_s:.3g} s notice."
-            if preempted
-            else "."
-        )
+        f"MTBF {_hours(opts.mtbf_hours)} h, {opts.gpus_per_node} GPUs a node{preemptions if preempted else ''}."
     )
-    # goodput were the same preemptions to come without notice: what the notice is worth
-    unnoticed = [goodput.best(replace(s, preemption_notice_s=0.0), mode) for s in built for mode in MODES]
     compared = preempted and opts.preemption_notice_s > 0
+    # the same preemptions without notice, at their own best interval: what the notice is worth
+    unnoticed = [
+        [goodput.best(replace(s, preemption_notice_s=0.0), mode).goodput] if compared else []
+        for s in built
+        for mode in MODES
+    ]
     header = ["workers", "nodes", "failures/day", "mode", "interval", "goodput"]
     header += ["no notice"] * compared + ["stalls", "recovery", "redone"]
     rows = [
         [p.workers, -(-p.workers // opts.gpus_per_node), f"{p.failures_per_day:.2f}", p.mode]
         + [f"{p.interval_steps:,} steps ({_duration(p.interval_steps * costs['step_s'])})"]
-        + [f"{share:.1%}" for share in (p.goodput, *[q.goodput] * compared, p.stalls, p.recovery, p.redone)]
-        for p, q in zip(predictions, unnoticed)
+        + [f"{share:.1%}" for share in (p.goodput, *without, p.stalls, p.recovery, p.redone)]
+        for p, without in zip(predictions, unnoticed)
     ]
     echo("\n".join(text_table(header, rows, left=(3, 4))))
     if preempted:
