@@ -9,6 +9,11 @@ checkpoint and trains at 4, the second host meets its fault:
 - `partition`: its link down for `--down-s`, then up;
 - `frozen`: every process of it stopped for `--down-s`, then continued;
 - `lost`: every process of it killed; after `--down-s` it boots again;
+- `drain`: a preemption notice first, Ray's drain of its node (reason PREEMPTION, a
+  `--notice-s` deadline, as autoscaler v2 or a KubeRay `preStop` hook asks it); at the deadline
+  every process of it killed; after `--down-s` it boots again (a new node);
+- `sigterm`: the notice as Kubernetes gives it, SIGTERM to one of its training workers (its
+  grace `--notice-s`); at the end of the grace every process of it killed, then as `drain`;
 - `slow`: its training workers stopped 3/4 of every 0.2 s (SIGSTOP, SIGCONT), as on a slow or
   overloaded host, for `--down-s` or until the run evicts it. With `--evict-stragglers` the run
   has `--evict-stragglers --straggler-steps 5 --straggler-evict-steps 10`; the row adds the
@@ -19,12 +24,14 @@ checkpoint and trains at 4, the second host meets its fault:
 Each row says: the exit status; the worker counts the run trained with; seconds from the fault
 to training again on the host left (`again_s`: the first step recorded after the fault by a
 run that had seen the fault: at 2 workers, or per-step a step past the one in flight); the
-longest pause between two steps around the fault (`pause_s`, what the survivors waited); seconds
+longest pause between two steps around the fault (`pause_s`, what the survivors waited); the
+step indices a restart took again (`steps_again`; restart mode, from the ids each step recorded); seconds
 from the fault's end to training at 4 again (`back_s`); and whether every id was trained exactly
 once in every epoch (`exactly_once`), from the ids each step recorded, with the steps a restart
 took again counted once.
 
-    python benchmarks/real_hosts.py OUT [--faults partition,frozen,lost] [--modes restart,per-step,per-step-groups]
+    python benchmarks/real_hosts.py OUT [--faults partition,frozen,lost,drain,sigterm]
+        [--modes restart,per-step,per-step-groups]
         [--ray-defaults]   # the cluster's health checks as Ray's defaults, not raytrain's
         [--evict-stragglers]   # with --faults slow
 
@@ -113,16 +120,17 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
     raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
 
 
-def trained_ids(records: Path) -> dict[int, list[int]]:
+def trained_ids(records: Path) -> tuple[dict[int, list[int]], int | None]:
     """The ids each epoch trained, a step taken again counted once: its last taking. Restart
     mode takes again the steps after the checkpoint it resumed from (what came after a step's
     first taking is void); per-step takes again a step that was not committed, in the same
-    processes (`tests/test_replicas_ray.committed_ids`)."""
+    processes (`tests/test_replicas_ray.committed_ids`). Also the step indices taken again (restart
+    mode; None per-step)."""
     rows = sorted((row for path in records.glob("ids-*.jsonl") for row in read_jsonl(path)), key=lambda r: r["time"])
     if rows and "pid" in rows[0]:
         from test_replicas_ray import committed_ids
 
-        return committed_ids(records)
+        return committed_ids(records), None
     # The records in attempts: a new one starts at a step already taken (a smaller step, or
     # the same step again by a rank that took it, or at another size). Within an attempt
     # every rank records step s before any records s + 1 (the step's all-reduce is between).
@@ -138,13 +146,15 @@ def trained_ids(records: Path) -> dict[int, list[int]]:
             top, ranks, size = row["step"], set(), row["world_size"]
         ranks.add(row["rank"])
     taken: list[dict] = []
+    again: set[int] = set()
     for attempt in attempts:  # each voids what earlier ones took from its first step on
         first = min((row["step"] for row in attempt), default=0)
+        again |= {row["step"] for row in taken if row["step"] >= first}
         taken = [row for row in taken if row["step"] < first] + attempt
     per_epoch: dict[int, list[int]] = defaultdict(list)
     for row in taken:
         per_epoch[row["epoch"]].extend(row["ids"])
-    return per_epoch
+    return per_epoch, len(again)
 
 
 def train_worker_pids(host) -> list[int]:
@@ -176,6 +186,34 @@ def slowed(host, run_dir: Path, down_s: float) -> tuple[float, float]:
         with contextlib.suppress(TimeoutError):
             wait_for(lambda: events(run_dir, "evicted"), down_s, "an eviction")
     return began, time.time()
+
+
+def noticed(host, head_address: str, fault: str, notice_s: float) -> float:
+    """A preemption notice for `host`: its node drained (reason PREEMPTION, `notice_s` deadline), or
+    SIGTERM to one of its training workers (grace `notice_s`); returns when it was given."""
+    import signal
+
+    at = time.time()
+    if fault == "sigterm":
+        os.kill(train_worker_pids(host)[0], signal.SIGTERM)
+        return at
+    find = (
+        "import ray; ray.init(address=%r, logging_level='ERROR'); "
+        "print(next(n['NodeID'] for n in ray.nodes() if n['Alive'] and n['NodeManagerAddress'] == %r))"
+    )
+    found = host.run([sys.executable, "-c", find % (head_address, host.address)], timeout=120)
+    if found.returncode:
+        raise RuntimeError(f"the host's node id: {found.stderr[-2000:]}")
+    at = time.time()
+    drained = host.run(
+        [str(Path(sys.executable).with_name("ray")), "drain-node", "--address", head_address,
+         "--node-id", found.stdout.split()[-1], "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+         "--reason-message", "spot reclaim", "--deadline-remaining-seconds", str(int(notice_s))],
+        timeout=60,
+    )  # fmt: skip
+    if drained.returncode:
+        raise RuntimeError(f"ray drain-node failed: {drained.stderr[-2000:]}")
+    return at
 
 
 def slow_figures(run_dir: Path, began: float) -> dict:
@@ -218,6 +256,12 @@ def case(out: Path, fault: str, mode: str, args: argparse.Namespace) -> dict:
             victim = hosts[1]
             if fault == "slow":
                 fault_at, ended_at = slowed(victim, run_dir, args.down_s)
+            elif fault in ("drain", "sigterm"):
+                fault_at = noticed(victim, hosts.head_address, fault, args.notice_s)
+                time.sleep(args.notice_s)
+                victim.lose()  # taken at the deadline
+                time.sleep(args.down_s)
+                ended_at = victim.boot()
             else:
                 start, end = {"partition": (victim.cut, victim.heal), "frozen": (victim.freeze, victim.thaw)}.get(
                     fault, (victim.lose, victim.boot)
@@ -267,7 +311,7 @@ def case(out: Path, fault: str, mode: str, args: argparse.Namespace) -> dict:
         row["pause_s"] = round(max((b - a for a, b in zip(times, times[1:])), default=0.0), 1)
         back = [m for m in steps if m["time_s"] > ended_at and m["world_size"] == 4]
         row["back_s"] = round(back[0]["time_s"] - ended_at, 1) if back else None
-    per_epoch = trained_ids(out / "records")
+    per_epoch, row["steps_again"] = trained_ids(out / "records")
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     complete = sorted(per_epoch)[: summary.get("epochs", len(per_epoch))]
     row["exactly_once"] = bool(complete) and all(sorted(per_epoch[e]) == list(range(ROWS)) for e in complete)
@@ -292,6 +336,7 @@ def main() -> int:
     parser.add_argument("--faults", default="partition,frozen,lost")
     parser.add_argument("--modes", default="restart,per-step", help="restart, per-step, per-step-groups (HSDP)")
     parser.add_argument("--down-s", type=float, default=60.0, help="how long the fault lasts")
+    parser.add_argument("--notice-s", type=float, default=30.0, help="drain, sigterm: the notice's deadline")
     parser.add_argument("--step-s", type=float, default=0.5, help="each step's pace until the run is back at 4")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--back-wait-s", type=float, default=180.0, help="the longest wait for 4 workers again")
@@ -311,7 +356,8 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             (args.out / "rows.json").write_text(json.dumps(rows, indent=2))
-    keys = ["fault", "mode", "exit", "sizes", "again_s", "pause_s", "back_s", "exactly_once", "node_starts", "case_s"]
+    keys = ["fault", "mode", "exit", "sizes", "again_s", "pause_s", "back_s", "steps_again", "exactly_once"]
+    keys += ["node_starts", "case_s"]
     if "slow" in args.faults:
         keys[4:7] = ["straggler", "named_s", "evicted_s"]
     print("| " + " | ".join(keys) + " |")

@@ -33,7 +33,8 @@ def test_workers_2_to_3_leaves_a_drained_node_at_a_checkpoint_and_grows_back(tmp
     summary, events = _shrinks_and_grows_back(tmp_path, drain=True)
     assert summary["failures_recovered"] == 0 and summary["preemptions"] == 1, summary
     notice = next(e for e in events if e["kind"] == "preempted")
-    assert notice["checkpoint_step"] == notice["step"] and notice["deadline_s"] <= 30, notice
+    assert notice["checkpoint_step"] == notice["step"] and notice["reason"] == "drain", notice
+    assert 0 < notice["deadline"] - notice["time"] <= 30, notice
     assert notice["message"].startswith("Preemption notice for rank ") and len(notice["ranks"]) == 1, notice
     shrink = next(e for e in events if e["kind"] == "resize" and e["world_size"] == 2)
     assert shrink["step"] == notice["step"]  # restarted from the notice's checkpoint: nothing redone

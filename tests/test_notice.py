@@ -109,7 +109,7 @@ class _Runtime:
     world_size, world_rank = 4, 0
 
     def all_gather_object(self, value):
-        return [f"node-{r // 2}" for r in range(4)]
+        return [(f"node-{r // 2}", "drain" if r >= 2 else None) for r in range(4)]
 
 
 class _Eviction:
@@ -133,8 +133,9 @@ def test_a_notice_is_said_once_checkpointed_if_it_fits_and_its_ranks_leave_once(
     assert watch.on_notice(files, {2: left_s, 3: left_s}, 40, save_s=2.0) is saves
     assert watch.on_notice(files, {2: left_s, 3: left_s}, 41, save_s=2.0) is False  # decided once
     ((kind, line, extra),) = files.events
-    assert kind == Kind.PREEMPTED and extra["ranks"] == [2, 3] and extra["hosts"] == ["10.0.0.2"]
-    assert extra["nodes"] == ["node-1"] and extra["deadline_s"] == left_s
+    assert kind == Kind.PREEMPTED and extra["ranks"] == [2, 3] and extra["host"] == "10.0.0.2"  # one per node
+    assert extra["node"] == "node-1" and extra["reason"] == "drain"
+    assert extra["deadline"] == pytest.approx(time.time() + left_s, abs=2)
     assert extra["checkpoint_step"] == (40 if saves else None)
     watch.leave()
     watch.leave()
@@ -222,3 +223,55 @@ def test_goodput_counts_preemptions_on_their_own_line():
     assert goodput.failures == 0 and goodput.recovery_s == 0.0
     assert goodput.preemptions == 1 and goodput.preemption_s > 0 and goodput.redone_s == 0.0
     assert ("preemptions", goodput.preemption_s) in [(name, seconds) for name, seconds, _ in shares(goodput)]
+
+
+def test_a_silent_workers_node_is_suspected_held_out_and_let_back_once_it_answers(monkeypatch):
+    """Restart mode: a worker whose poll hung past raytrain's limit fails the attempt, and its
+    node is held out of the restart until it runs a task again (or the head declares it dead)."""
+    from types import SimpleNamespace
+
+    from raytrain.faults import evict
+    from raytrain.faults.ray_internals import WorkerHealthCheckTimeoutError
+
+    store: dict[bytes, bytes] = {}
+    monkeypatch.setattr(evict, "_internal_kv_put", lambda k, v, overwrite, namespace: store.__setitem__(k, v))
+    monkeypatch.setattr(evict, "_internal_kv_del", lambda k, namespace: store.pop(k))
+    monkeypatch.setattr(
+        evict, "_internal_kv_list", lambda prefix, namespace: [k for k in store if k.startswith(prefix)]
+    )
+    monkeypatch.setattr(evict.ray, "is_initialized", lambda: True)
+    suspects = evict.Suspects(b"run")
+    monkeypatch.setattr(suspects, "_probe", lambda: None)  # probed below, by hand
+    workers = [SimpleNamespace(distributed_context=SimpleNamespace(world_rank=r), metadata=SimpleNamespace(node_id=n))
+               for r, n in enumerate(["a", "a", "b", "b"])]  # fmt: skip
+    suspects.after_worker_group_start(SimpleNamespace(get_workers=lambda: workers))
+    ok, hung = SimpleNamespace(error=None), SimpleNamespace(error=WorkerHealthCheckTimeoutError("hung 10 s"))
+    suspects.after_worker_group_poll_status(SimpleNamespace(worker_statuses={0: ok, 1: ok, 2: ok, 3: ok}))
+    assert evict.evicted_nodes(b"run") == set()
+    suspects.after_worker_group_poll_status(SimpleNamespace(worker_statuses={0: ok, 1: ok, 2: hung, 3: hung}))
+    assert evict.evicted_nodes(b"run") == {"b"}  # the restart is placed off it
+    selector = evict.KeepEvictedOut(b"run").on_controller_start_worker_group(scaling_config=None, num_workers=2)
+    assert selector == {"ray.io/node-id": "!in(b)"}
+
+    answers = iter([False, True])
+    monkeypatch.setattr(evict, "_answers", lambda node, timeout_s: next(answers))
+    monkeypatch.setattr(evict.ray, "nodes", lambda: [{"NodeID": "a", "Alive": True}, {"NodeID": "b", "Alive": True}])
+    monkeypatch.setattr(evict, "PROBE_EVERY_S", 0.0)
+    evict.Suspects._probe(suspects)  # silent once, then it answers: no longer held out
+    assert evict.evicted_nodes(b"run") == set()
+    store[b"run/c"] = b"1"  # an evicted straggler's node stays out whatever answers
+    assert evict.evicted_nodes(b"run") == {"c"}
+
+
+def test_restart_mode_takes_a_worker_silent_for_10_s_as_gone_and_ray_trains_watcher_is_off(monkeypatch):
+    from raytrain.driver import launch
+
+    keys = ("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
+    for key in keys:
+        monkeypatch.setenv(key, "0")  # restored after the test, as apply_train_timers writes them
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(launch, "_TIMERS_SET_HERE", set())
+    launch.apply_train_timers(TrainConfig(workers="2:4"))
+    assert [launch.os.environ.get(k) for k in keys] == ["10.0", "0"]
+    launch.apply_train_timers(TrainConfig(workers="2:4", fault_tolerance="per-step", max_failures=3))
+    assert keys[0] not in launch.os.environ  # per-step: the peers' wait finds a silent replica

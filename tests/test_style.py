@@ -100,6 +100,11 @@ PRIVATE_RAY_NAMES = {
         # Ray's key-value store in the GCS, which both reach; Ray 2.60 has no public one.
         "ray.experimental.internal_kv._internal_kv_list",
         "ray.experimental.internal_kv._internal_kv_put",
+        # ... and a suspected node's entry removed once it answers (faults.evict.Suspects).
+        "ray.experimental.internal_kv._internal_kv_del",
+        # A worker whose poll hung past its limit (faults.evict.Suspects suspects its node): the
+        # error Ray Train's worker group gives it, in a poll status; no public type.
+        "ray.train.v2._internal.exceptions.WorkerHealthCheckTimeoutError",
     },
     # Ray Train's controller of a per-step run and its elastic policy in whole groups: overrides
     # where no hook, public or _internal, reaches what each changes.

@@ -19,7 +19,7 @@ from ray.train.torch import TorchTrainer
 
 from raytrain.driver import interrupts
 from raytrain.errors import NOT_RETRIED, find_error
-from raytrain.faults.evict import KeepEvictedOut
+from raytrain.faults.evict import KeepEvictedOut, Suspects
 from raytrain.faults.ray_internals import NODE_ID_LABEL, DatasetsCallback, FailureDecision, TrainController
 
 
@@ -74,8 +74,10 @@ class FailFastTrainer(TorchTrainer):
 
             kwargs["callbacks"] = [*kwargs["callbacks"], FreshResources()]
         kwargs["failure_policy"] = FailFastPolicy(kwargs["failure_policy"], self.mode, self.on_worker_failure)
-        if self.evict_key is not None:  # keep the nodes held out out
+        if self.evict_key is not None:  # the run's nodes held out stay out; silent ones are suspected
             kwargs["callbacks"] = [*kwargs["callbacks"], KeepEvictedOut(self.evict_key)]
+            if self.mode.silent_worker_s is not None:
+                kwargs["callbacks"].append(Suspects(self.evict_key))
         controller = self.mode.controller(self.scaling_config, kwargs, self.evict_key)
         return self._run_controller(controller or TrainController, kwargs)
 

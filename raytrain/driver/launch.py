@@ -56,6 +56,14 @@ def apply_train_timers(cfg: TrainConfig) -> None:
     }
     if cfg.elastic:
         timers["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(ELASTIC_START_TIMEOUT_S)
+    from raytrain.faults import mode_class
+
+    silent_s = mode_class(cfg.fault_tolerance).silent_worker_s
+    if silent_s is not None:  # a worker that stops answering is taken as gone (raytrain.faults.evict.Suspects)
+        timers["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(silent_s)
+    for key in _TIMERS_SET_HERE - set(timers):  # an earlier run's in this process, not this one's
+        os.environ.pop(key, None)
+        _TIMERS_SET_HERE.discard(key)
     for key, value in timers.items():
         if key not in os.environ or key in _TIMERS_SET_HERE:
             os.environ[key] = value

@@ -1,4 +1,6 @@
-"""Hosts evicted for being stragglers (`--evict-stragglers`), kept out of the run to its end.
+"""Nodes a run holds out: evicted for being stragglers (`--evict-stragglers`) or left on a
+preemption notice (`raytrain.instruments.notice`), kept out to the run's end; and nodes whose
+workers went silent, suspected until they answer again (`Suspects`).
 
 A worker decides (`raytrain.instruments.watch`): every rank holds the same figures after the log
 sync, so every rank finds the same straggler at the same step. The straggler's worker writes
@@ -27,11 +29,21 @@ from raytrain.faults.ray_internals import (
     NODE_ID_LABEL,
     ControllerCallback,
     ElasticScalingPolicy,
+    WorkerGroupCallback,
+    WorkerHealthCheckTimeoutError,
+    _internal_kv_del,
     _internal_kv_list,
     _internal_kv_put,
 )
 
 EVICTED_NAMESPACE = "raytrain"  # Ray's internal key-value store: the nodes evicted from each run
+SUSPECTED = b"~suspected"  # after a run's key: its nodes suspected, until they answer
+# A worker whose poll by the controller (every 0.25 s: raytrain.driver.launch) has not answered
+# for this long is taken as gone, its node suspected: a host cut off, frozen or lost is then
+# left without waiting for the head to declare its node dead (Ray's default health checks:
+# 50-65 s). Ray Train's own default is 600 s. Restart mode's (`RestartMode.silent_worker_s`).
+SILENT_WORKER_S = 10.0
+PROBE_EVERY_S = 2.0  # a suspected node's answer asked for this often, each given as long
 
 
 def run_key(storage: str, name: str | None, invocation: str) -> bytes:
@@ -41,10 +53,14 @@ def run_key(storage: str, name: str | None, invocation: str) -> bytes:
 
 
 def evicted_nodes(key: bytes) -> set[str]:
-    """The Ray node ids evicted from the run of `key` so far (one entry each under the key)."""
+    """The Ray node ids the run of `key` holds out now (one entry each under the key): those evicted
+    or left, and those suspected."""
     if not ray.is_initialized():
         return set()
-    prefix = key + b"/"
+    return _listed(key + b"/") | _listed(key + SUSPECTED + b"/")
+
+
+def _listed(prefix: bytes) -> set[str]:
     return {entry[len(prefix) :].decode() for entry in _internal_kv_list(prefix, namespace=EVICTED_NAMESPACE)}
 
 
@@ -85,3 +101,64 @@ class KeepEvictedOut(ControllerCallback):
         except Exception:  # noqa: BLE001 - the store unreachable: placed as Ray would, evicted again if slow
             return None
         return {NODE_ID_LABEL: f"!in({', '.join(out)})"} if out else None
+
+
+class Suspects(WorkerGroupCallback):
+    """Nodes whose workers went silent, held out of the next worker group until they answer again.
+
+    The controller polls every worker; one whose poll has hung past `SILENT_WORKER_S` fails the
+    attempt (Ray Train's WorkerHealthCheckTimeoutError), and its node is written down as suspected
+    under the run's key: the restart is placed without it (`KeepEvictedOut`, `Evicting`) at once,
+    rather than once the head has declared it dead. A thread in the controller asks each suspected
+    node for a trivial task every `PROBE_EVERY_S`; one that answers is no longer suspected (a false
+    suspicion cost a smaller restart, and an elastic run grows back), one the head declared dead is
+    gone (a node that comes back is a new one)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.node_of: dict[int, str] = {}  # world rank -> its Ray node id, of the running group
+        self._probing: Any = None
+
+    def after_worker_group_start(self, worker_group: Any) -> None:
+        self.node_of = {w.distributed_context.world_rank: w.metadata.node_id for w in worker_group.get_workers()}
+
+    def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+        silent = {
+            self.node_of[rank]
+            for rank, status in worker_group_status.worker_statuses.items()
+            if isinstance(status.error, WorkerHealthCheckTimeoutError) and rank in self.node_of
+        }
+        for node in silent:
+            _internal_kv_put(
+                self.key + SUSPECTED + b"/" + node.encode(), b"1", overwrite=True, namespace=EVICTED_NAMESPACE
+            )
+        if silent and (self._probing is None or not self._probing.is_alive()):
+            import threading
+
+            self._probing = threading.Thread(target=self._probe, name="raytrain-suspects", daemon=True)
+            self._probing.start()
+
+    def _probe(self) -> None:
+        import time
+
+        prefix = self.key + SUSPECTED + b"/"
+        while suspected := _listed(prefix):
+            alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+            for node in suspected:
+                if node not in alive or _answers(node, PROBE_EVERY_S):
+                    _internal_kv_del(prefix + node.encode(), namespace=EVICTED_NAMESPACE)
+            time.sleep(PROBE_EVERY_S)
+
+
+@ray.remote(num_cpus=0)
+def _answer() -> bool:
+    return True
+
+
+def _answers(node: str, timeout_s: float) -> bool:
+    """Whether `node` runs a trivial task within `timeout_s`."""
+    ref = _answer.options(label_selector={NODE_ID_LABEL: node}).remote()
+    ready, _ = ray.wait([ref], timeout=timeout_s)
+    if not ready:
+        ray.cancel(ref, force=True)
+    return bool(ready)

@@ -396,6 +396,7 @@ class PerStepMode(RestartMode):
     nccl_error_handling = "2"
     min_failures = 1  # a replacement is a recovered failure
     reports_each_epoch = False  # the writer publishes by itself: Ray's report is a barrier a lost replica holds up
+    silent_worker_s = None  # the survivors' quorum leaves a silent replica behind: the peers' wait finds it
 
     def __init__(self, cfg: "TrainConfig") -> None:
         super().__init__(cfg)

@@ -12,8 +12,9 @@ overrides (`raytrain.driver.failfast`, `raytrain.faults.replacement`).
 from __future__ import annotations
 
 from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import get_or_create_autoscaling_coordinator
-from ray.experimental.internal_kv import _internal_kv_list, _internal_kv_put
+from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_list, _internal_kv_put
 from ray.train.v2._internal.callbacks import DatasetsCallback
+from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.failure_handling import FailureDecision

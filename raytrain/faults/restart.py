@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from raytrain.faults.evict import evicting_policy, hold_out_this_node, run_key
+from raytrain.faults.evict import SILENT_WORKER_S, evicting_policy, hold_out_this_node, run_key
 from raytrain.instruments.watch import Preempted, Watch
 from raytrain.rules import agreement, stragglers
 from raytrain.rules.interval import AutoInterval
@@ -198,6 +198,9 @@ class RestartMode:
     # hang; Ray Train restarts the group, and the driver names the stalled rank from the heartbeats.
     nccl_error_handling = "3"
     reports_each_epoch = True  # every worker reports each epoch's metrics to Ray (what a Tune trial reads)
+    # How long a worker's poll may go unanswered before it is taken as gone and its node suspected
+    # (`raytrain.faults.evict.Suspects`; None: Ray Train's 600 s).
+    silent_worker_s: float | None = SILENT_WORKER_S
     min_failures = 0  # the --max-failures it needs
 
     def __init__(self, cfg: "TrainConfig") -> None:

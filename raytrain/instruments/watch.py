@@ -20,7 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from raytrain.instruments.agreement import ReplicaMismatch, ReplicaMismatchRecurred, mismatch_line, shared_fingerprints
-from raytrain.instruments.notice import checkpoint_fits, notice_line
+from raytrain.instruments.notice import BOARD, checkpoint_fits, notice_line
 from raytrain.rules import agreement
 from raytrain.rules import replicas as replica_rules
 from raytrain.rules.stragglers import RankTimes, StragglerWatch
@@ -105,24 +105,28 @@ class Watch:
 
     def on_notice(self, files: "RunWriter", leaving: dict[int, float], step: int, save_s: float | None) -> bool:
         """A sync's preemption notices (`leaving`: {rank: seconds left}, the same on every rank),
-        decided once: the writing rank says it (a `preempted` event); returns whether the step is
-        checkpointed before those ranks leave (`leave`): the mode checkpoints first
+        decided once: the writing rank says it (a `preempted` event per node); returns whether the
+        step is checkpointed before those ranks leave (`leave`): the mode checkpoints first
         (`Eviction.checkpoints_first`), and the earliest deadline leaves time for a save like the
         slowest so far (`save_s`; None: none yet)."""
         if not leaving or self.leaving:
             return False
         self.leaving = leaving
-        nodes = self.eviction.runtime.all_gather_object(_node_id())  # once per notice, not per step
-        ranks, left_s = sorted(leaving), min(leaving.values())
+        # Each rank's node and what noticed it (a drain, SIGTERM): once per notice, not per step.
+        told = self.eviction.runtime.all_gather_object((_node_id(), BOARD.notice.source if BOARD.notice else None))
+        ranks, left_s, now = sorted(leaving), min(leaving.values()), time.time()
         saves = self.eviction.checkpoints_first and checkpoint_fits(left_s, save_s)
-        named = sorted({self.hosts[r] for r in ranks})
         self.leaving_line = line = notice_line(
-            ranks, named, left_s, step, saves, self.eviction.checkpoints_first, save_s
+            ranks, sorted({self.hosts[r] for r in ranks}), left_s, step, saves, self.eviction.checkpoints_first, save_s
         )
-        files.event(
-            Kind.PREEMPTED, line, step=step, ranks=ranks, hosts=named, nodes=sorted({nodes[r] for r in ranks}),
-            deadline_s=None if math.isinf(left_s) else round(left_s, 1), checkpoint_step=step if saves else None,
-        )  # fmt: skip
+        for node in dict.fromkeys(told[r][0] for r in ranks):
+            on_node = [r for r in ranks if told[r][0] == node]
+            left = min(leaving[r] for r in on_node)
+            files.event(
+                Kind.PREEMPTED, line, step=step, node=node, host=self.hosts[on_node[0]], ranks=on_node,
+                reason=told[on_node[0]][1], deadline=None if math.isinf(left) else round(now + left, 1),
+                checkpoint_step=step if saves else None,
+            )  # fmt: skip
         files.flush()
         return saves
 
