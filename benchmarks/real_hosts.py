@@ -25,7 +25,8 @@ Each row says: the exit status; the worker counts the run trained with; seconds 
 to training again on the host left (`again_s`: the first step recorded after the fault by a
 run that had seen the fault: at 2 workers, or per-step a step past the one in flight); the
 longest pause between two steps around the fault (`pause_s`, what the survivors waited); the
-step indices a restart took again (`steps_again`; restart mode, from the ids each step recorded); seconds
+step indices the fault's restarts took again (`steps_again`; restart mode, from the ids each step
+recorded; a growth's restart after the fault's end is not counted); seconds
 from the fault's end to training at 4 again (`back_s`); and whether every id was trained exactly
 once in every epoch (`exactly_once`), from the ids each step recorded, with the steps a restart
 took again counted once.
@@ -120,12 +121,12 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
     raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
 
 
-def trained_ids(records: Path) -> tuple[dict[int, list[int]], int | None]:
+def trained_ids(records: Path) -> tuple[dict[int, list[int]], list[tuple[float, int]] | None]:
     """The ids each epoch trained, a step taken again counted once: its last taking. Restart
     mode takes again the steps after the checkpoint it resumed from (what came after a step's
     first taking is void); per-step takes again a step that was not committed, in the same
-    processes (`tests/test_replicas_ray.committed_ids`). Also the step indices taken again (restart
-    mode; None per-step)."""
+    processes (`tests/test_replicas_ray.committed_ids`). Also, restart mode, each attempt's start
+    and the step indices it took again (None per-step)."""
     rows = sorted((row for path in records.glob("ids-*.jsonl") for row in read_jsonl(path)), key=lambda r: r["time"])
     if rows and "pid" in rows[0]:
         from test_replicas_ray import committed_ids
@@ -146,15 +147,15 @@ def trained_ids(records: Path) -> tuple[dict[int, list[int]], int | None]:
             top, ranks, size = row["step"], set(), row["world_size"]
         ranks.add(row["rank"])
     taken: list[dict] = []
-    again: set[int] = set()
+    again: list[tuple[float, int]] = []
     for attempt in attempts:  # each voids what earlier ones took from its first step on
         first = min((row["step"] for row in attempt), default=0)
-        again |= {row["step"] for row in taken if row["step"] >= first}
+        again.append((attempt[0]["time"], len({row["step"] for row in taken if row["step"] >= first})))
         taken = [row for row in taken if row["step"] < first] + attempt
     per_epoch: dict[int, list[int]] = defaultdict(list)
     for row in taken:
         per_epoch[row["epoch"]].extend(row["ids"])
-    return per_epoch, len(again)
+    return per_epoch, again
 
 
 def train_worker_pids(host) -> list[int]:
@@ -311,7 +312,9 @@ def case(out: Path, fault: str, mode: str, args: argparse.Namespace) -> dict:
         row["pause_s"] = round(max((b - a for a, b in zip(times, times[1:])), default=0.0), 1)
         back = [m for m in steps if m["time_s"] > ended_at and m["world_size"] == 4]
         row["back_s"] = round(back[0]["time_s"] - ended_at, 1) if back else None
-    per_epoch, row["steps_again"] = trained_ids(out / "records")
+    per_epoch, attempts = trained_ids(out / "records")
+    if attempts is not None and fault_at is not None:  # the fault's restarts, not a growth's after it
+        row["steps_again"] = sum(n for started, n in attempts if fault_at <= started <= ended_at)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     complete = sorted(per_epoch)[: summary.get("epochs", len(per_epoch))]
     row["exactly_once"] = bool(complete) and all(sorted(per_epoch[e]) == list(range(ROWS)) for e in complete)

@@ -51,6 +51,27 @@ def test_a_failed_host_is_a_failure_handled_and_taken_back_when_it_returns(tmp_p
     assert row["back_s"] is not None, row
 
 
+@pytest.mark.parametrize("mode", ["restart", "per-step"])
+@pytest.mark.parametrize("fault", ["drain", "sigterm"])
+def test_a_preemption_notice_loses_no_step_and_the_run_goes_on_before_the_deadline(tmp_path, mode, fault):
+    """The second host drained (reason PREEMPTION, 30 s deadline) or one of its workers sent
+    SIGTERM, then the host killed at the deadline, on a head with Ray's default health checks:
+    restart mode takes no step twice and trains on the first host within 15 s of the notice;
+    per-step's survivors pause at most two usual steps (the pace, 0.5 s)."""
+    args = argparse.Namespace(
+        down_s=20.0, step_s=0.5, epochs=30, back_wait_s=120.0, ray_defaults=True, collective_timeout_s=None,
+        notice_s=30.0,
+    )  # fmt: skip
+    row = real_hosts.case(tmp_path / f"{mode}-{fault}", fault, mode, args)
+    print(row)
+    assert row["exit"] == 0 and row["status"] == "finished" and row["exactly_once"], row
+    assert row["sizes"].split("→")[:2] == ["4", "2"] and row["back_s"] is not None and row["back_s"] <= 60, row
+    if mode == "restart":
+        assert row["steps_again"] == 0 and row["again_s"] <= 15, row
+    else:
+        assert row["pause_s"] <= 2 * args.step_s, row
+
+
 def test_a_slow_host_is_named_and_with_evict_stragglers_the_run_goes_on_without_it(tmp_path):
     """The second host's training workers stopped 3/4 of every 0.2 s: the straggler event names
     that host, the run resizes without it and never takes it back, and every id is trained once."""
