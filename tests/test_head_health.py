@@ -74,3 +74,29 @@ def test_doctor_notes_a_slow_head_says_nothing_of_raytrains_and_names_one_it_can
     assert head_health_notes(dict(EMBEDDED_SYSTEM_CONFIG)) == []
     (unread,) = head_health_notes(None)
     assert "cannot be read through Ray Client" in unread and "HOST:6379" in unread
+
+
+def test_the_kuberay_head_of_the_docs_has_raytrains_health_checks_once_its_shell_reads_them():
+    """docs/cluster.md's RayCluster: KubeRay writes `--system-config=VALUE` into the head's shell
+    command, so the value carries its own quotes."""
+    import shlex
+    from pathlib import Path
+
+    import yaml
+
+    docs = (Path(__file__).parents[1] / "docs" / "cluster.md").read_text()
+    manifest = re.search(r"```yaml\n(.*?)```", docs[docs.index("## KubeRay") :], re.S).group(1)
+    spec = yaml.safe_load(manifest)["spec"]
+    flag = f"--system-config={spec['headGroupSpec']['rayStartParams']['system-config']}"
+    (word,) = shlex.split(flag)
+    assert json.loads(word.split("=", 1)[1]) == NODE_HEALTH_CONFIG
+    pod = spec["workerGroupSpecs"][0]["template"]["spec"]
+    (worker,) = pod["containers"]
+    hook = worker["lifecycle"]["preStop"]["exec"]["command"][-1]
+    drain = shlex.split(hook.replace("$HOSTNAME", "pod-0").split("&&")[0])
+    assert drain[:2] == ["ray", "drain-node"]
+    from ray.scripts.scripts import drain_node  # the installed Ray's command parses the hook's flags
+
+    given = drain_node.make_context("drain-node", drain[2:]).params
+    assert given["reason"] == "DRAIN_NODE_REASON_PREEMPTION" and given["deadline_remaining_seconds"] == 45
+    assert given["deadline_remaining_seconds"] < pod["terminationGracePeriodSeconds"]
