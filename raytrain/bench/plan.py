@@ -57,7 +57,7 @@ class PlanOptions:
     detection_s: float = 15.0
     """Seconds from a node going silent (lost, frozen, cut off) to the head acting on it, added to every restart
     from the last save (15: a head raytrain starts, or one given docs/cluster.md's health checks; a head with Ray's
-    defaults takes 50–65 s). Not to per-step's failures ridden out: the survivors' own peer wait finds those."""
+    defaults takes 62–65 s). Not to per-step's failures ridden out: the survivors' own peer wait finds those."""
     preemptions_per_node_day: float = 0.0
     """Preemptions (spot or preemptible nodes reclaimed) per node per day, besides the failures of --mtbf-hours."""
     preemption_notice_s: float = 0.0

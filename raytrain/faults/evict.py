@@ -41,7 +41,7 @@ SUSPECTED = b"~suspected"  # after a run's key: its nodes suspected, until they 
 # A worker whose poll by the controller (every 0.25 s: raytrain.driver.launch) has not answered
 # for this long is taken as gone, its node suspected: a host cut off, frozen or lost is then
 # left without waiting for the head to declare its node dead (Ray's default health checks:
-# 50-65 s). Ray Train's own default is 600 s. Restart mode's (`RestartMode.silent_worker_s`).
+# 62-65 s). Ray Train's own default is 600 s. Restart mode's (`RestartMode.silent_worker_s`).
 SILENT_WORKER_S = 10.0
 PROBE_EVERY_S = 2.0  # a suspected node's answer asked for this often, each given as long
 
