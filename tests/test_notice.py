@@ -20,7 +20,7 @@ from raytrain.rundir.records import Event, Kind
 BEAT = type("Beat", (), {"mark": lambda self, step, phase: None})()
 
 
-def synced_over(world: int, notices: dict[int, float | None]):
+def synced_over(world: int, notices: dict[int, Notice]):
     """Every rank's sync vector summed, as the all-reduce would, read back on rank 0."""
     vectors = []
 
@@ -35,21 +35,24 @@ def synced_over(world: int, notices: dict[int, float | None]):
             return values
 
     for rank in range(world):
-        sync(Runtime(rank), BEAT, LossWindow.on(torch.device("cpu")), 10, leaving_s=notices.get(rank))
+        sync(Runtime(rank), BEAT, LossWindow.on(torch.device("cpu")), 10, notice=notices.get(rank))
     summed = [sum(column) for column in zip(*vectors)]
 
     class Summed(Runtime):
         def all_reduce_sum(self, values):
             return summed
 
-    return sync(Summed(0), BEAT, LossWindow.on(torch.device("cpu")), 10, leaving_s=notices.get(0))
+    return sync(Summed(0), BEAT, LossWindow.on(torch.device("cpu")), 10, notice=notices.get(0))
 
 
-def test_the_sync_carries_each_ranks_notice_and_its_seconds_left():
+def test_the_sync_carries_each_ranks_notice_what_gave_it_and_its_deadline():
     assert synced_over(3, {}).leaving == {}
-    leaving = synced_over(3, {1: 25.0, 2: math.inf}).leaving
-    assert leaving == {1: pytest.approx(25.0), 2: math.inf}  # a drain without a deadline stays inf
-    assert synced_over(2, {0: 0.0}).leaving == {0: 0.0}  # past its deadline: still a notice
+    now = time.time()
+    leaving = synced_over(3, {1: Notice("drain", now + 25.0), 2: Notice("SIGTERM", math.inf)}).leaving
+    assert sorted(leaving) == [1, 2] and leaving[1].source == "drain" and leaving[2].source == "SIGTERM"
+    assert leaving[1].deadline == pytest.approx(now + 25.0, abs=1) and leaving[2].deadline == math.inf
+    (late,) = synced_over(2, {0: Notice("drain", now - 5)}).leaving.values()  # past its deadline: still a notice
+    assert late.seconds_left(time.time()) == 0.0
 
 
 def test_the_board_keeps_the_earliest_deadline_and_polls_only_its_own_node():
@@ -108,9 +111,6 @@ class _Writer:
 class _Runtime:
     world_size, world_rank = 4, 0
 
-    def all_gather_object(self, value):
-        return [(f"node-{r // 2}", "drain" if r >= 2 else None) for r in range(4)]
-
 
 class _Eviction:
     checkpoints_first, shards_per_replica = True, 1
@@ -124,18 +124,22 @@ class _Eviction:
 
 
 @pytest.mark.parametrize("left_s, saves", [(28.0, True), (3.0, False)])
-def test_a_notice_is_said_once_checkpointed_if_it_fits_and_its_ranks_leave_once(left_s, saves):
+def test_a_notice_is_said_once_checkpointed_if_it_fits_and_its_ranks_leave_once(monkeypatch, left_s, saves):
+    from raytrain.instruments import watch as watching
     from raytrain.instruments.watch import Preempted, Watch
 
+    monkeypatch.setattr(watching, "_node_ids", lambda: {"10.0.0.2": "node-b"})
     files, eviction = _Writer(), _Eviction()
     watch = Watch(TrainConfig(workers="2:4"), eviction)
     watch.after_sync(files, [], ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"], 40)
-    assert watch.on_notice(files, {2: left_s, 3: left_s}, 40, save_s=2.0) is saves
-    assert watch.on_notice(files, {2: left_s, 3: left_s}, 41, save_s=2.0) is False  # decided once
-    ((kind, line, extra),) = files.events
-    assert kind == Kind.PREEMPTED and extra["ranks"] == [2, 3] and extra["host"] == "10.0.0.2"  # one per node
-    assert extra["node"] == "node-1" and extra["reason"] == "drain"
-    assert extra["deadline"] == pytest.approx(time.time() + left_s, abs=2)
+    deadline = time.time() + left_s
+    leaving = {2: Notice("drain", deadline), 3: Notice("drain", deadline)}
+    assert watch.on_notice(files, leaving, 40, save_s=2.0) is saves
+    assert watch.on_notice(files, leaving, 41, save_s=2.0) is False  # decided once
+    ((kind, line, extra),) = files.events  # one per node
+    assert kind == Kind.PREEMPTED and extra["ranks"] == [2, 3] and extra["host"] == "10.0.0.2"
+    assert extra["node"] == "node-b" and extra["reason"] == "drain"
+    assert extra["deadline"] == pytest.approx(deadline, abs=0.1)
     assert extra["checkpoint_step"] == (40 if saves else None)
     watch.leave()
     watch.leave()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 POLL_S = 1.0
+DRAIN, SIGTERM = "drain", "SIGTERM"  # what gave a notice
 # What a SIGTERM leaves before the SIGKILL, unless RAYTRAIN_SIGTERM_GRACE_S says: Kubernetes'
 # default terminationGracePeriodSeconds.
 SIGTERM_GRACE_ENV = "RAYTRAIN_SIGTERM_GRACE_S"
@@ -77,17 +78,17 @@ class NoticeBoard:
                 except Exception:  # noqa: BLE001 - the GCS unreachable a moment: asked again
                     deadline_ms = None
                 if deadline_ms is not None:
-                    self.post(Notice("drain", deadline_ms / 1000 if deadline_ms else math.inf))
+                    self.post(Notice(DRAIN, deadline_ms / 1000 if deadline_ms else math.inf))
                 time.sleep(poll_s)
 
         self._polling = threading.Thread(target=poll, name="raytrain-drain-notice", daemon=True)
         self._polling.start()
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
-        if self.notice is not None and self.notice.source == "SIGTERM" and callable(self._ray_handler):
+        if self.notice is not None and self.notice.source == SIGTERM and callable(self._ray_handler):
             self._ray_handler(signum, frame)  # asked twice: end now, as Ray would
             return
-        self.post(Notice("SIGTERM", time.time() + sigterm_grace_s(os.environ)))
+        self.post(Notice(SIGTERM, time.time() + sigterm_grace_s(os.environ)))
 
     def catch_sigterm(self) -> None:
         """In the process's main thread: SIGTERM posts a notice (see the module's docstring)."""
@@ -143,4 +144,14 @@ def catch_notices() -> None:
     BOARD.watch_drain(ray.get_runtime_context().get_node_id(), state.get_draining_nodes)
 
 
-__all__ = ["BOARD", "Notice", "NoticeBoard", "catch_notices", "checkpoint_fits", "notice_line", "sigterm_grace_s"]
+__all__ = [
+    "BOARD",
+    "DRAIN",
+    "SIGTERM",
+    "Notice",
+    "NoticeBoard",
+    "catch_notices",
+    "checkpoint_fits",
+    "notice_line",
+    "sigterm_grace_s",
+]

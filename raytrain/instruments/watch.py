@@ -20,7 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from raytrain.instruments.agreement import ReplicaMismatch, ReplicaMismatchRecurred, mismatch_line, shared_fingerprints
-from raytrain.instruments.notice import BOARD, checkpoint_fits, notice_line
+from raytrain.instruments.notice import checkpoint_fits, notice_line
 from raytrain.rules import agreement
 from raytrain.rules import replicas as replica_rules
 from raytrain.rules.stragglers import RankTimes, StragglerWatch
@@ -57,7 +57,7 @@ class Watch:
         self.quorum: Any = None  # the workers of the figures (`raytrain.faults.restart.Quorum`)
         self._my_host: int | None = None
         self.hosts: list[str] = []  # the last sync's, each rank's node address
-        self.leaving: dict[int, float] = {}  # the ranks with a preemption notice, until they leave
+        self.leaving: dict[int, Any] = {}  # the ranks with a preemption notice, until they leave
         self.leaving_line = ""
 
     def follow(self, quorum: Any) -> None:
@@ -103,31 +103,32 @@ class Watch:
             files.flush()
             self.eviction.leave([rank], StragglerEvicted(line))
 
-    def on_notice(self, files: "RunWriter", leaving: dict[int, float], step: int, save_s: float | None) -> bool:
-        """A sync's preemption notices (`leaving`: {rank: seconds left}, the same on every rank),
-        decided once: the writing rank says it (a `preempted` event per node); returns whether the
-        step is checkpointed before those ranks leave (`leave`): the mode checkpoints first
-        (`Eviction.checkpoints_first`), and the earliest deadline leaves time for a save like the
-        slowest so far (`save_s`; None: none yet)."""
+    def on_notice(self, files: "RunWriter", leaving: dict[int, Any], step: int, save_s: float | None) -> bool:
+        """A sync's preemption notices (`leaving`: {rank: `raytrain.instruments.notice.Notice`}, the
+        same on every rank), decided once: the writing rank says it (a `preempted` event per node);
+        returns whether the step is checkpointed before those ranks leave (`leave`): the mode
+        checkpoints first (`Eviction.checkpoints_first`), and the earliest deadline leaves time for a
+        save like the slowest so far (`save_s`; None: none yet)."""
         if not leaving or self.leaving:
             return False
-        self.leaving = leaving
-        # Each rank's node and what noticed it (a drain, SIGTERM): once per notice, not per step.
-        told = self.eviction.runtime.all_gather_object((_node_id(), BOARD.notice.source if BOARD.notice else None))
-        ranks, left_s, now = sorted(leaving), min(leaving.values()), time.time()
+        self.leaving, now = leaving, time.time()
+        ranks, left_s = sorted(leaving), min(notice.seconds_left(now) for notice in leaving.values())
         saves = self.eviction.checkpoints_first and checkpoint_fits(left_s, save_s)
+        hosts = sorted({self.hosts[r] for r in ranks})
         self.leaving_line = line = notice_line(
-            ranks, sorted({self.hosts[r] for r in ranks}), left_s, step, saves, self.eviction.checkpoints_first, save_s
+            ranks, hosts, left_s, step, saves, self.eviction.checkpoints_first, save_s
         )
-        for node in dict.fromkeys(told[r][0] for r in ranks):
-            on_node = [r for r in ranks if told[r][0] == node]
-            left = min(leaving[r] for r in on_node)
-            files.event(
-                Kind.PREEMPTED, line, step=step, node=node, host=self.hosts[on_node[0]], ranks=on_node,
-                reason=told[on_node[0]][1], deadline=None if math.isinf(left) else round(now + left, 1),
-                checkpoint_step=step if saves else None,
-            )  # fmt: skip
-        files.flush()
+        if files.enabled:
+            nodes = _node_ids()
+            for host in hosts:
+                on_host = [r for r in ranks if self.hosts[r] == host]
+                first = min((leaving[r] for r in on_host), key=lambda notice: notice.deadline)
+                files.event(
+                    Kind.PREEMPTED, line, step=step, node=nodes.get(host), host=host, ranks=on_host,
+                    reason=first.source, deadline=None if math.isinf(first.deadline) else round(first.deadline, 1),
+                    checkpoint_step=step if saves else None,
+                )  # fmt: skip
+            files.flush()
         return saves
 
     def leave(self) -> None:
@@ -235,7 +236,10 @@ class StallWatch:
         return thread
 
 
-def _node_id() -> str:
+def _node_ids() -> dict[str, str]:
+    """Each live Ray node's id by its address (empty outside Ray)."""
     import ray
 
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    if not ray.is_initialized():
+        return {}
+    return {node["NodeManagerAddress"]: node["NodeID"] for node in ray.nodes() if node.get("Alive")}

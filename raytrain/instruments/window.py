@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 from raytrain.errors import EXIT_FAILED, UserError
+from raytrain.instruments.notice import DRAIN, SIGTERM, Notice
 from raytrain.rules import agreement
 from raytrain.rules.stragglers import RankTimes
 from raytrain.rundir.files import DriverGone
@@ -127,9 +128,9 @@ class Synced(NamedTuple):
     hosts: list[str]  # each rank's node address (IPv4; "?" for another kind)
     # --compile: each rank's graphs built and seconds compiling; [] without, or where a reduction lost a rank's
     compiled: list[tuple[int, float]]
-    # {rank: seconds until its node or process is gone (inf: no deadline)} of the ranks with a
-    # preemption notice (`raytrain.instruments.notice`); empty when none has one
-    leaving: dict[int, float]
+    # {rank: its preemption notice (`raytrain.instruments.notice`): what gave it, its deadline as
+    # this rank's time.time()} of the ranks with one; empty when none has one
+    leaving: dict[int, Notice]
 
 
 class OwnFigures(Protocol):
@@ -148,14 +149,14 @@ def sync(
     host: int = 0,
     compiled: tuple[int, float] | None = None,
     driver_gone: str | None = None,
-    leaving_s: float | None = None,
+    notice: Notice | None = None,
 ) -> Synced:
     """One collective at the logging cadence (every rank calls it at the same steps, after the
     step to `step`): the mean loss, whether to stop, the ranks that diverged, every rank's own
     time (`own`: this rank's since the last call, taken) and its host (`host`: this rank's IPv4
     address as an integer, `raytrain.rules.agreement.ipv4`) and, under --compile, its graphs
     built and seconds compiling (`compiled`: the same on every rank, given or not). The window is
-    cleared. `leaving_s`: this rank's preemption notice, the seconds it has left (None: none).
+    cleared. `notice`: this rank's preemption notice (None: none).
     A driver gone (`driver_gone`: why, rank 0's look) ends the attempt on every rank here
     (DriverGone), before the metrics row or a checkpoint is written."""
     # In the step just taken; from here on a GPU waits for its device, which may wait in the
@@ -172,9 +173,11 @@ def sync(
     times = [0.0] * (3 * world)
     times[3 * rank : 3 * rank + 3] = [mine.compute_s, mine.data_s, float(mine.steps)]
     hosts = agreement.to_slots(host, rank, world)
-    leaving = [0.0] * world  # seconds left + 1, capped: a slot left 0 is a rank with no notice
-    if leaving_s is not None:
-        leaving[rank] = min(leaving_s, NO_DEADLINE_S) + 1.0
+    # Seconds left + 1, capped, negative for SIGTERM: a slot left 0 is a rank with no notice.
+    leaving = [0.0] * world
+    if notice is not None:
+        left = min(notice.seconds_left(time.time()), NO_DEADLINE_S) + 1.0
+        leaving[rank] = -left if notice.source == SIGTERM else left
     compiles = [0.0] * (2 * world if compiled is not None else 0)
     if compiled is not None:  # graphs + 1: a slot left 0 is a rank whose figures a failed reduction lost
         compiles[2 * rank : 2 * rank + 2] = [compiled[0] + 1.0, compiled[1]]
@@ -199,7 +202,12 @@ def sync(
     built = [(int(shared_compiles[2 * r]) - 1, shared_compiles[2 * r + 1]) for r in range(world)] if compiles else []
     if any(graphs < 0 for graphs, _ in built):  # per-step: some replica's figures missing, none said from this sync
         built = []
-    leaving_ranks = {r: (math.inf if s - 1.0 >= NO_DEADLINE_S else s - 1.0) for r, s in enumerate(notices) if s > 0}
+    now = time.time()
+    leaving_ranks = {
+        r: Notice(SIGTERM if s < 0 else DRAIN, math.inf if abs(s) - 1.0 >= NO_DEADLINE_S else now + abs(s) - 1.0)
+        for r, s in enumerate(notices)
+        if s != 0
+    }
     return Synced(
         (total / count if count else float("nan")), count, stop, diverged, ranks, addresses, built, leaving_ranks
     )

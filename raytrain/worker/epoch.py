@@ -304,7 +304,7 @@ class Training:
 
     def sync_ranks(
         self, stop_requested: bool = False, driver_gone: str | None = None
-    ) -> tuple[float, int, bool, dict[int, float]]:
+    ) -> tuple[float, int, bool, dict[int, Any]]:
         """The sync (`raytrain.instruments.window.sync`): the mean loss since the last one, the samples
         it covers, whether to stop and the ranks with a preemption notice (`raytrain.instruments.notice`);
         every rank's compile figures noted. A NaN/inf loss on any rank ends the run here
@@ -313,7 +313,7 @@ class Training:
         measures, faults = runner.measures, self.recovery.faults
         loss, count, stop, diverged, times, hosts, compiled, leaving = sync(
             runner.runtime, measures.heartbeat, runner.window, position.step, stop_requested, measures.own,
-            faults.my_host, measures.compiled(), driver_gone, notices.seconds_left(),
+            faults.my_host, measures.compiled(), driver_gone, notices.notice,
         )  # fmt: skip
         if diverged:
             last_good = self.checkpointer.last_good()
