@@ -133,7 +133,7 @@ def test_a_notice_is_said_once_checkpointed_if_it_fits_and_its_ranks_leave_once(
     watch = Watch(TrainConfig(workers="2:4"), eviction)
     watch.after_sync(files, [], ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"], 40)
     deadline = time.time() + left_s
-    leaving = {2: Notice("drain", deadline), 3: Notice("drain", deadline)}
+    leaving = {3: Notice("drain", deadline)}  # rank 2, on the same host, has not seen it yet
     assert watch.on_notice(files, leaving, 40, save_s=2.0) is saves
     assert watch.on_notice(files, leaving, 41, save_s=2.0) is False  # decided once
     ((kind, line, extra),) = files.events  # one per node
