@@ -260,6 +260,11 @@ class RaysBackend:
         if self.error is not None:
             raise self.error
 
+    def on_shutdown(self, worker_group, backend_config):
+        import os
+
+        self.shutdown_wait_s = os.environ.get("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S")
+
 
 class Nccl:
     backend = "nccl"
@@ -267,6 +272,18 @@ class Nccl:
 
 class Backend(BindsInterfaces, RaysBackend):
     pass
+
+
+def test_ray_waits_3_s_not_30_for_the_workers_to_destroy_their_process_group(monkeypatch):
+    """After a host was cut off its workers never answer: Ray's 30 s wait was most of a restart."""
+    monkeypatch.setenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "0")
+    monkeypatch.delenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S")
+    backend = Backend()
+    backend.on_shutdown(FakeGroup(workers()), None)
+    assert backend.shutdown_wait_s == "3"
+    monkeypatch.setenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "45")  # one the user gave wins
+    backend.on_shutdown(FakeGroup(workers()), None)
+    assert backend.shutdown_wait_s == "45"
 
 
 def test_the_backend_binds_every_worker_before_rays_on_start_and_names_a_failure_to_connect():
