@@ -45,7 +45,7 @@ def test_a_head_with_rays_defaults_is_named_with_its_cost_and_the_fix():
         "(Ray's defaults: health_check_period_ms=3000, health_check_timeout_ms=10000, "
         "health_check_failure_threshold=5)" in note
     )
-    assert "a restart waits for that node's workers" in note
+    assert "until then Ray counts that node and its workers as alive" in note
     given = re.search(r"`ray start --head --system-config='(.*)'` \(14–15 s; on KubeRay", note)
     assert given and json.loads(given.group(1)) == NODE_HEALTH_CONFIG
     assert slow_death_note(json.loads(given.group(1)), NODE_HEALTH_CONFIG) is None  # the fix silences it

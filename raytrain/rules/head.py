@@ -299,7 +299,8 @@ def slow_death_note(system_config: Mapping[str, Any], fix: Mapping[str, int]) ->
     found = "; ".join(filter(None, [given, defaults and f"Ray's defaults: {defaults}"]))
     return (
         f"the Ray head declares a silent node (cut off or frozen) dead {fewest_s:g}–{most_s:g} s after it goes "
-        f"silent ({found}); until then a restart waits for that node's workers and an elastic run cannot shrink. "
+        f"silent ({found}); until then Ray counts that node and its workers as alive (a restart-mode run leaves "
+        "a host silent for 10 s without waiting for it). "
         f"Fix: start the head with `ray start --head --system-config='{json.dumps(dict(fix), separators=(',', ':'))}'` "
         f"({fix_fewest_s:g}–{fix_most_s:g} s; on KubeRay, the head's rayStartParams: docs/cluster.md)"
     )
