@@ -113,8 +113,8 @@ class Watch:
             return False
         # A node goes whole: its other ranks leave with the noticed one (each polls on its own).
         noticed = {self.hosts[r] for r in leaving} - {"?"}
-        first = min(leaving.values(), key=lambda notice: notice.deadline)
-        leaving = {r: leaving.get(r, first) for r, host in enumerate(self.hosts) if host in noticed} | leaving
+        earliest = min(leaving.values(), key=lambda notice: notice.deadline)
+        leaving = {r: earliest for r, host in enumerate(self.hosts) if host in noticed} | leaving
         self.leaving, now = leaving, time.time()
         ranks, left_s = sorted(leaving), min(notice.seconds_left(now) for notice in leaving.values())
         saves = self.eviction.checkpoints_first and checkpoint_fits(left_s, save_s)
