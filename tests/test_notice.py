@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from raytrain.config import TrainConfig
-from raytrain.instruments.notice import Notice, NoticeBoard, checkpoint_fits, notice_line, sigterm_grace_s
+from raytrain.instruments.notice import (
+    Leaving,
+    Notice,
+    NoticeBoard,
+    checkpoint_fits,
+    leaving,
+    notice_line,
+    sigterm_grace_s,
+    slots,
+)
 from raytrain.instruments.window import LossWindow, sync
 from raytrain.rundir.records import Event, Kind
 
@@ -45,14 +54,20 @@ def synced_over(world: int, notices: dict[int, Notice]):
     return sync(Summed(0), BEAT, LossWindow.on(torch.device("cpu")), 10, notice=notices.get(0))
 
 
-def test_the_sync_carries_each_ranks_notice_what_gave_it_and_its_deadline():
+def test_the_sync_carries_each_ranks_notice_what_gave_it_and_its_seconds_left():
     assert synced_over(3, {}).leaving == {}
     now = time.time()
     leaving = synced_over(3, {1: Notice("drain", now + 25.0), 2: Notice("SIGTERM", math.inf)}).leaving
     assert sorted(leaving) == [1, 2] and leaving[1].source == "drain" and leaving[2].source == "SIGTERM"
-    assert leaving[1].deadline == pytest.approx(now + 25.0, abs=1) and leaving[2].deadline == math.inf
+    assert leaving[1].seconds_left == pytest.approx(25.0, abs=1) and leaving[2].seconds_left == math.inf
     (late,) = synced_over(2, {0: Notice("drain", now - 5)}).leaving.values()  # past its deadline: still a notice
-    assert late.seconds_left(time.time()) == 0.0
+    assert late.seconds_left == 0.0
+
+
+def test_a_notice_without_a_deadline_survives_a_float32_reduction():
+    """Per-step on a GPU sums in float32: the no-deadline mark and one more must stay exact."""
+    shared = slots(Notice("drain", math.inf), 1, 2, time.time())
+    assert leaving(torch.tensor(shared, dtype=torch.float32).tolist()) == {1: Leaving("drain", math.inf)}
 
 
 def test_the_board_keeps_the_earliest_deadline_and_polls_only_its_own_node():
@@ -82,6 +97,14 @@ def test_sigterm_posts_a_notice_with_the_grace_and_a_second_one_ends_as_ray_woul
     assert board.notice.source == "SIGTERM" and 44 < board.seconds_left() <= 45 and not ended
     board.on_sigterm(signal.SIGTERM, None)
     assert len(ended) == 1
+    drained = NoticeBoard()  # a drain first (a KubeRay preStop), then SIGTERM twice: the second ends it
+    monkeypatch.setattr(signal, "getsignal", lambda sig: signal.SIG_DFL)
+    drained.catch_sigterm()
+    drained.post(Notice("drain", time.time() + 10))
+    drained.on_sigterm(signal.SIGTERM, None)
+    assert drained.notice.source == "drain"  # the earlier deadline kept
+    with pytest.raises(SystemExit):
+        drained.on_sigterm(signal.SIGTERM, None)
     assert sigterm_grace_s({}) == 30.0 and sigterm_grace_s({"RAYTRAIN_SIGTERM_GRACE_S": "x"}) == 30.0
 
 
@@ -114,10 +137,11 @@ class _Runtime:
 
 class _Eviction:
     checkpoints_first, shards_per_replica = True, 1
-    runtime = _Runtime()
 
-    def __init__(self):
+    def __init__(self, summed=None):
         self.left = []
+        self.runtime = _Runtime()
+        self.runtime.all_reduce_sum = summed
 
     def leave(self, ranks, error):
         self.left.append((ranks, error))
@@ -129,17 +153,19 @@ def test_a_notice_is_said_once_checkpointed_if_it_fits_and_its_ranks_leave_once(
     from raytrain.instruments.watch import Preempted, Watch
 
     monkeypatch.setattr(watching, "_node_ids", lambda: {"10.0.0.2": "node-b"})
-    files, eviction = _Writer(), _Eviction()
+    # Rank 2, on the same node, sees the drain only when it looks at the notice (a node goes
+    # whole); rank 1's slowest save is 2 s (this rank's: none yet): every rank decides on 2 s.
+    on_the_notice = slots(Notice("drain", time.time() + left_s), 2, 4, time.time()) + [0.0, 2.0, 0.0, 0.0]
+    files, eviction = _Writer(), _Eviction(lambda values: on_the_notice)
     watch = Watch(TrainConfig(workers="2:4"), eviction)
     watch.after_sync(files, [], ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"], 40)
-    deadline = time.time() + left_s
-    leaving = {3: Notice("drain", deadline)}  # rank 2, on the same host, has not seen it yet
-    assert watch.on_notice(files, leaving, 40, save_s=2.0) is saves
-    assert watch.on_notice(files, leaving, 41, save_s=2.0) is False  # decided once
+    leaving = {3: Leaving("drain", left_s)}
+    assert watch.on_notice(files, leaving, 40, save_s=None) is saves
+    assert watch.on_notice(files, leaving, 41, save_s=None) is False  # decided once
     ((kind, line, extra),) = files.events  # one per node
     assert kind == Kind.PREEMPTED and extra["ranks"] == [2, 3] and extra["host"] == "10.0.0.2"
     assert extra["node"] == "node-b" and extra["reason"] == "drain"
-    assert extra["deadline"] == pytest.approx(deadline, abs=0.1)
+    assert extra["deadline"] == pytest.approx(time.time() + left_s, abs=1)
     assert extra["checkpoint_step"] == (40 if saves else None)
     watch.leave()
     watch.leave()
@@ -239,13 +265,18 @@ def test_a_silent_workers_node_is_suspected_held_out_and_let_back_once_it_answer
 
     store: dict[bytes, bytes] = {}
     monkeypatch.setattr(evict, "_internal_kv_put", lambda k, v, overwrite, namespace: store.__setitem__(k, v))
-    monkeypatch.setattr(evict, "_internal_kv_del", lambda k, namespace: store.pop(k))
+
+    def delete(key, del_by_prefix=False, namespace=None):
+        for k in [k for k in store if k == key or (del_by_prefix and k.startswith(key))]:
+            store.pop(k)
+
+    monkeypatch.setattr(evict, "_internal_kv_del", delete)
     monkeypatch.setattr(
         evict, "_internal_kv_list", lambda prefix, namespace: [k for k in store if k.startswith(prefix)]
     )
     monkeypatch.setattr(evict.ray, "is_initialized", lambda: True)
     suspects = evict.Suspects(b"run")
-    monkeypatch.setattr(suspects, "_probe", lambda: None)  # probed below, by hand
+    monkeypatch.setattr(suspects, "_probe", lambda: None)  # the thread's loop: probed below, once at a time
     workers = [SimpleNamespace(distributed_context=SimpleNamespace(world_rank=r), metadata=SimpleNamespace(node_id=n))
                for r, n in enumerate(["a", "a", "b", "b"])]  # fmt: skip
     suspects.after_worker_group_start(SimpleNamespace(get_workers=lambda: workers))
@@ -260,11 +291,15 @@ def test_a_silent_workers_node_is_suspected_held_out_and_let_back_once_it_answer
     answers = iter([False, True])
     monkeypatch.setattr(evict, "_answers", lambda node, timeout_s: next(answers))
     monkeypatch.setattr(evict.ray, "nodes", lambda: [{"NodeID": "a", "Alive": True}, {"NodeID": "b", "Alive": True}])
-    monkeypatch.setattr(evict, "PROBE_EVERY_S", 0.0)
-    evict.Suspects._probe(suspects)  # silent once, then it answers: no longer held out
+    suspects.probe_once()  # silent: still held out
+    assert evict.evicted_nodes(b"run") == {"b"}
+    suspects.probe_once()  # it answers: no longer held out
     assert evict.evicted_nodes(b"run") == set()
     store[b"run/c"] = b"1"  # an evicted straggler's node stays out whatever answers
+    store[b"other/d"] = b"1"
     assert evict.evicted_nodes(b"run") == {"c"}
+    evict.forget_run(b"run")  # the driver ends: the run's entries go, another run's stay
+    assert list(store) == [b"other/d"]
 
 
 def test_restart_mode_takes_a_worker_silent_for_10_s_as_gone_and_ray_trains_watcher_is_off(monkeypatch):

@@ -19,7 +19,7 @@ from ray.train.torch import TorchTrainer
 
 from raytrain.driver import interrupts
 from raytrain.errors import NOT_RETRIED, find_error
-from raytrain.faults.evict import KeepEvictedOut, Suspects
+from raytrain.faults.evict import KeepEvictedOut, Suspects, forget_run
 from raytrain.faults.ray_internals import NODE_ID_LABEL, DatasetsCallback, FailureDecision, TrainController
 
 
@@ -79,7 +79,11 @@ class FailFastTrainer(TorchTrainer):
             if self.mode.silent_worker_s is not None:
                 kwargs["callbacks"].append(Suspects(self.evict_key))
         controller = self.mode.controller(self.scaling_config, kwargs, self.evict_key)
-        return self._run_controller(controller or TrainController, kwargs)
+        try:
+            return self._run_controller(controller or TrainController, kwargs)
+        finally:
+            if self.evict_key is not None:  # the nodes this run held out are its own
+                forget_run(self.evict_key)
 
     def _run_controller(self, controller_cls, kwargs):
         """`DataParallelTrainer._initialize_and_run_controller` of Ray 2.60, with raytrain's

@@ -21,6 +21,10 @@ The controller reads the key (`evicted_nodes`) where it decides:
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+import time
 from typing import Any
 
 import ray
@@ -44,6 +48,8 @@ SUSPECTED = b"~suspected"  # after a run's key: its nodes suspected, until they 
 # 62-65 s). Ray Train's own default is 600 s. Restart mode's (`RestartMode.silent_worker_s`).
 SILENT_WORKER_S = 10.0
 PROBE_EVERY_S = 2.0  # a suspected node's answer asked for this often, each given as long
+
+logger = logging.getLogger(__name__)
 
 
 def run_key(storage: str, name: str | None, invocation: str) -> bytes:
@@ -129,25 +135,39 @@ class Suspects(WorkerGroupCallback):
             if isinstance(status.error, WorkerHealthCheckTimeoutError) and rank in self.node_of
         }
         for node in silent:
-            _internal_kv_put(
-                self.key + SUSPECTED + b"/" + node.encode(), b"1", overwrite=True, namespace=EVICTED_NAMESPACE
-            )
-        if silent and (self._probing is None or not self._probing.is_alive()):
-            import threading
-
+            with contextlib.suppress(Exception):  # the store unreachable: Ray's own failure handling goes on
+                _internal_kv_put(
+                    self.key + SUSPECTED + b"/" + node.encode(), b"1", overwrite=True, namespace=EVICTED_NAMESPACE
+                )
+        if silent and self._probing is None:  # one thread for the run, from the first suspicion on
             self._probing = threading.Thread(target=self._probe, name="raytrain-suspects", daemon=True)
             self._probing.start()
 
     def _probe(self) -> None:
-        import time
-
-        prefix = self.key + SUSPECTED + b"/"
-        while suspected := _listed(prefix):
-            alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
-            for node in suspected:
-                if node not in alive or _answers(node, PROBE_EVERY_S):
-                    _internal_kv_del(prefix + node.encode(), namespace=EVICTED_NAMESPACE)
+        while True:
+            try:
+                self.probe_once()
+            except Exception:  # noqa: BLE001 - the GCS unreachable a moment: asked again
+                logger.warning("raytrain could not probe its suspected nodes; it will try again", exc_info=True)
             time.sleep(PROBE_EVERY_S)
+
+    def probe_once(self) -> None:
+        """Every suspected node that answers, or that the head declared dead, is no longer held out."""
+        prefix = self.key + SUSPECTED + b"/"
+        suspected = _listed(prefix)
+        if not suspected:
+            return
+        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        for node in suspected:
+            if node not in alive or _answers(node, PROBE_EVERY_S):
+                _internal_kv_del(prefix + node.encode(), namespace=EVICTED_NAMESPACE)
+
+
+def forget_run(key: bytes) -> None:
+    """The nodes the run of `key` held out, forgotten from Ray's key-value store (its driver ends)."""
+    with contextlib.suppress(Exception):  # the cluster gone with the run: nothing left to forget
+        for prefix in (key + b"/", key + SUSPECTED + b"/"):
+            _internal_kv_del(prefix, del_by_prefix=True, namespace=EVICTED_NAMESPACE)
 
 
 @ray.remote(num_cpus=0)

@@ -5,15 +5,18 @@ Two ways a reclaim announces itself before it happens:
 - Ray's drain of the node (`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
   --deadline-remaining-seconds N`, what autoscaler v2 asks for a spot reclaim and what a
   KubeRay `preStop` hook can ask, docs/cluster.md). It kills nothing: the caller does, at the
-  deadline. A thread polls the GCS's draining nodes for this worker's node once a second (one
-  small call; Ray Train's own watcher, which raytrain turns off, polls every 5 s);
+  deadline. On each node one worker (its local rank 0) polls the GCS's draining nodes for its
+  node once a second (one small call; Ray Train's own watcher, which raytrain turns off, polls
+  every 5 s), and at a notice every worker asks once for its own (`NoticeBoard.poll_now`): a
+  node goes whole;
 - SIGTERM to the worker process (Kubernetes' pod termination, before its SIGKILL). The handler
   is installed in each worker's main thread, where raytrain's torch backend binds the interfaces
   (`raytrain.worker.network`); it notes the notice instead of ending the process, and a second
   SIGTERM ends it as Ray's own handler would.
 
-The notice is read where the ranks already sync (`raytrain.instruments.window.sync`): no
-collective is added to a step. What the run does with it is its fault-tolerance mode's
+The notice is read where the ranks already sync (`raytrain.instruments.window.sync`, each rank's
+`slots`): no collective is added to a step; one more, at the notice, shares what the other ranks
+then know (`raytrain.instruments.watch.Watch.on_notice`). What the run does with it is its fault-tolerance mode's
 (`raytrain.faults.restart.Eviction.leave`).
 """
 
@@ -25,10 +28,13 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 POLL_S = 1.0
 DRAIN, SIGTERM = "drain", "SIGTERM"  # what gave a notice
+# A notice without a deadline, as a collective carries it: float32 (per-step on a GPU) holds it
+# and it plus one exactly.
+NO_DEADLINE_S = 1e6
 # What a SIGTERM leaves before the SIGKILL, unless RAYTRAIN_SIGTERM_GRACE_S says: Kubernetes'
 # default terminationGracePeriodSeconds.
 SIGTERM_GRACE_ENV = "RAYTRAIN_SIGTERM_GRACE_S"
@@ -47,6 +53,35 @@ class Notice:
         return max(0.0, self.deadline - now)
 
 
+class Leaving(NamedTuple):
+    """A rank's notice as the ranks share it: what gave it and the seconds it had left then (inf: no
+    deadline), the same on every rank."""
+
+    source: str
+    seconds_left: float
+
+
+def slots(notice: Notice | None, rank: int, world: int, now: float) -> list[float]:
+    """A rank's share of a sum over `world` ranks: its notice's seconds left + 1, capped, negative
+    for SIGTERM, in its own slot (a slot left 0 is a rank with none)."""
+    shared = [0.0] * world
+    if notice is not None:
+        left = min(notice.seconds_left(now), NO_DEADLINE_S) + 1.0
+        shared[rank] = -left if notice.source == SIGTERM else left
+    return shared
+
+
+def leaving(summed: list[float]) -> dict[int, Leaving]:
+    """The ranks with a notice, from `slots` summed over the ranks."""
+    return {
+        rank: Leaving(
+            SIGTERM if value < 0 else DRAIN, math.inf if abs(value) - 1.0 >= NO_DEADLINE_S else abs(value) - 1.0
+        )
+        for rank, value in enumerate(summed)
+        if value != 0
+    }
+
+
 class NoticeBoard:
     """This process's notice (None: none), posted by the drain poll or the SIGTERM handler, read at
     each sync (`seconds_left`)."""
@@ -55,6 +90,8 @@ class NoticeBoard:
         self.notice: Notice | None = None
         self._polling: threading.Thread | None = None
         self._ray_handler: Any = None
+        self._sigterms = 0
+        self._asked: Callable[[], None] | None = None  # one look at this node's drain (`poll_now`)
 
     def post(self, notice: Notice) -> None:
         """The earliest deadline wins."""
@@ -66,28 +103,42 @@ class NoticeBoard:
         notice = self.notice
         return None if notice is None else notice.seconds_left(time.time() if now is None else now)
 
-    def watch_drain(self, node_id: str, draining: Callable[[], dict[str, int]], poll_s: float = POLL_S) -> None:
-        """Poll `draining()` ({node id: deadline in ms, 0: none}, Ray's GCS) for `node_id`, once."""
-        if self._polling is not None:
-            return
+    def watch_drain(
+        self, node_id: str, draining: Callable[[], dict[str, int]], poll: bool = True, poll_s: float = POLL_S
+    ) -> None:
+        """Look at `draining()` ({node id: deadline in ms, 0: none}, Ray's GCS) for `node_id` when asked
+        (`poll_now`) and, with `poll`, every `poll_s` in a thread of its own (started once)."""
 
-        def poll() -> None:
+        def ask() -> None:
+            try:
+                deadline_ms = draining().get(node_id)
+            except Exception:  # noqa: BLE001 - the GCS unreachable a moment: asked again
+                return
+            if deadline_ms is not None:
+                self.post(Notice(DRAIN, deadline_ms / 1000 if deadline_ms else math.inf))
+
+        def polling() -> None:
             while True:
-                try:
-                    deadline_ms = draining().get(node_id)
-                except Exception:  # noqa: BLE001 - the GCS unreachable a moment: asked again
-                    deadline_ms = None
-                if deadline_ms is not None:
-                    self.post(Notice(DRAIN, deadline_ms / 1000 if deadline_ms else math.inf))
+                ask()
                 time.sleep(poll_s)
 
-        self._polling = threading.Thread(target=poll, name="raytrain-drain-notice", daemon=True)
-        self._polling.start()
+        self._asked = ask
+        if poll and self._polling is None:
+            self._polling = threading.Thread(target=polling, name="raytrain-drain-notice", daemon=True)
+            self._polling.start()
+
+    def poll_now(self) -> None:
+        """One look at this node's drain now (nothing outside a Ray Train worker)."""
+        if self._asked is not None:
+            self._asked()
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
-        if self.notice is not None and self.notice.source == SIGTERM and callable(self._ray_handler):
-            self._ray_handler(signum, frame)  # asked twice: end now, as Ray would
-            return
+        self._sigterms += 1
+        if self._sigterms > 1:  # asked twice: end now, as Ray would
+            if callable(self._ray_handler):
+                self._ray_handler(signum, frame)
+                return
+            raise SystemExit(128 + signum)
         self.post(Notice(SIGTERM, time.time() + sigterm_grace_s(os.environ)))
 
     def catch_sigterm(self) -> None:
@@ -136,21 +187,26 @@ BOARD = NoticeBoard()  # the process's; a Ray Train worker runs one rank
 
 def catch_notices() -> None:
     """On a Ray Train worker, in its main thread (the backend's `execute`): SIGTERM and this node's
-    drain post notices to `BOARD`."""
+    drain post notices to `BOARD` (the drain polled by the node's first worker)."""
     import ray
+    import ray.train
     from ray._private.state import state
 
     BOARD.catch_sigterm()
-    BOARD.watch_drain(ray.get_runtime_context().get_node_id(), state.get_draining_nodes)
+    first_on_node = ray.train.get_context().get_local_rank() == 0
+    BOARD.watch_drain(ray.get_runtime_context().get_node_id(), state.get_draining_nodes, poll=first_on_node)
 
 
 __all__ = [
     "BOARD",
     "DRAIN",
     "SIGTERM",
+    "Leaving",
     "Notice",
     "NoticeBoard",
     "catch_notices",
+    "leaving",
+    "slots",
     "checkpoint_fits",
     "notice_line",
     "sigterm_grace_s",

@@ -20,7 +20,9 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from raytrain.instruments.agreement import ReplicaMismatch, ReplicaMismatchRecurred, mismatch_line, shared_fingerprints
-from raytrain.instruments.notice import checkpoint_fits, notice_line
+from raytrain.instruments.notice import BOARD, checkpoint_fits, notice_line
+from raytrain.instruments.notice import leaving as shared_notices
+from raytrain.instruments.notice import slots as notice_slots
 from raytrain.rules import agreement
 from raytrain.rules import replicas as replica_rules
 from raytrain.rules.stragglers import RankTimes, StragglerWatch
@@ -104,32 +106,38 @@ class Watch:
             self.eviction.leave([rank], StragglerEvicted(line))
 
     def on_notice(self, files: "RunWriter", leaving: dict[int, Any], step: int, save_s: float | None) -> bool:
-        """A sync's preemption notices (`leaving`: {rank: `raytrain.instruments.notice.Notice`}, the
-        same on every rank), decided once: the writing rank says it (a `preempted` event per node);
-        returns whether the step is checkpointed before those ranks leave (`leave`): the mode
-        checkpoints first (`Eviction.checkpoints_first`), and the earliest deadline leaves time for a
-        save like the slowest so far (`save_s`; None: none yet)."""
+        """A sync's preemption notices (`leaving`: {rank: `raytrain.instruments.notice.Leaving`}, the
+        same on every rank), decided once on every rank alike: the writing rank says it (a
+        `preempted` event per node); returns whether the step is checkpointed before those ranks
+        leave (`leave`). One all-reduce, at the notice only, adds the ranks on a noticed node that
+        had not seen it yet (a node goes whole) and every rank's slowest save (`save_s`, this
+        rank's; None: none yet): the mode checkpoints first (`Eviction.checkpoints_first`) when the
+        earliest deadline leaves time for a save like the slowest."""
         if not leaving or self.leaving:
             return False
-        # A node goes whole: its other ranks leave with the noticed one (each polls on its own).
-        noticed = {self.hosts[r] for r in leaving} - {"?"}
-        earliest = min(leaving.values(), key=lambda notice: notice.deadline)
-        leaving = {r: earliest for r, host in enumerate(self.hosts) if host in noticed} | leaving
-        self.leaving, now = leaving, time.time()
-        ranks, left_s = sorted(leaving), min(notice.seconds_left(now) for notice in leaving.values())
-        saves = self.eviction.checkpoints_first and checkpoint_fits(left_s, save_s)
+        runtime = self.eviction.runtime
+        world, rank = runtime.world_size, runtime.world_rank
+        BOARD.poll_now()
+        saves_s = [0.0] * world
+        saves_s[rank] = save_s or 0.0
+        shared = runtime.all_reduce_sum(notice_slots(BOARD.notice, rank, world, time.time()) + saves_s)
+        self.leaving = leaving = shared_notices(shared[:world]) | leaving
+        slowest_s = max(shared[world:]) or None
+        ranks, left_s = sorted(leaving), min(notice.seconds_left for notice in leaving.values())
+        saves = self.eviction.checkpoints_first and checkpoint_fits(left_s, slowest_s)
         hosts = sorted({self.hosts[r] for r in ranks})
         self.leaving_line = line = notice_line(
-            ranks, hosts, left_s, step, saves, self.eviction.checkpoints_first, save_s
+            ranks, hosts, left_s, step, saves, self.eviction.checkpoints_first, slowest_s
         )
         if files.enabled:
-            nodes = _node_ids()
+            nodes, now = _node_ids(), time.time()
             for host in hosts:
                 on_host = [r for r in ranks if self.hosts[r] == host]
-                first = min((leaving[r] for r in on_host), key=lambda notice: notice.deadline)
+                first = min((leaving[r] for r in on_host), key=lambda notice: notice.seconds_left)
                 files.event(
                     Kind.PREEMPTED, line, step=step, node=nodes.get(host), host=host, ranks=on_host,
-                    reason=first.source, deadline=None if math.isinf(first.deadline) else round(first.deadline, 1),
+                    reason=first.source,
+                    deadline=None if math.isinf(first.seconds_left) else round(now + first.seconds_left, 1),
                     checkpoint_step=step if saves else None,
                 )  # fmt: skip
             files.flush()
@@ -241,9 +249,13 @@ class StallWatch:
 
 
 def _node_ids() -> dict[str, str]:
-    """Each live Ray node's id by its address (empty outside Ray)."""
+    """Each live Ray node's id by its address, where it is the only one there (empty outside Ray)."""
     import ray
 
     if not ray.is_initialized():
         return {}
-    return {node["NodeManagerAddress"]: node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+    found: dict[str, list[str]] = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            found.setdefault(node["NodeManagerAddress"], []).append(node["NodeID"])
+    return {address: ids[0] for address, ids in found.items() if len(ids) == 1}

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 from raytrain.errors import EXIT_FAILED, UserError
-from raytrain.instruments.notice import DRAIN, SIGTERM, Notice
+from raytrain.instruments import notice as notices
 from raytrain.rules import agreement
 from raytrain.rules.stragglers import RankTimes
 from raytrain.rundir.files import DriverGone
@@ -39,7 +39,6 @@ class TrainingDiverged(UserError, FloatingPointError):
 # Losses wait in a list and are summed on the device this many at a time: a step costs a
 # list append instead of a handful of tiny kernels (benchmarks/RESULTS.md, section 15).
 FOLD_EVERY = 64
-NO_DEADLINE_S = 1e9  # a notice without a deadline, as the sync carries it
 
 
 @dataclass
@@ -128,9 +127,9 @@ class Synced(NamedTuple):
     hosts: list[str]  # each rank's node address (IPv4; "?" for another kind)
     # --compile: each rank's graphs built and seconds compiling; [] without, or where a reduction lost a rank's
     compiled: list[tuple[int, float]]
-    # {rank: its preemption notice (`raytrain.instruments.notice`): what gave it, its deadline as
-    # this rank's time.time()} of the ranks with one; empty when none has one
-    leaving: dict[int, Notice]
+    # {rank: its preemption notice, what gave it and its seconds left (`raytrain.instruments.notice.Leaving`)}
+    # of the ranks with one; empty when none has one
+    leaving: dict[int, notices.Leaving]
 
 
 class OwnFigures(Protocol):
@@ -149,7 +148,7 @@ def sync(
     host: int = 0,
     compiled: tuple[int, float] | None = None,
     driver_gone: str | None = None,
-    notice: Notice | None = None,
+    notice: notices.Notice | None = None,
 ) -> Synced:
     """One collective at the logging cadence (every rank calls it at the same steps, after the
     step to `step`): the mean loss, whether to stop, the ranks that diverged, every rank's own
@@ -173,11 +172,7 @@ def sync(
     times = [0.0] * (3 * world)
     times[3 * rank : 3 * rank + 3] = [mine.compute_s, mine.data_s, float(mine.steps)]
     hosts = agreement.to_slots(host, rank, world)
-    # Seconds left + 1, capped, negative for SIGTERM: a slot left 0 is a rank with no notice.
-    leaving = [0.0] * world
-    if notice is not None:
-        left = min(notice.seconds_left(time.time()), NO_DEADLINE_S) + 1.0
-        leaving[rank] = -left if notice.source == SIGTERM else left
+    leaving = notices.slots(notice, rank, world, time.time())
     compiles = [0.0] * (2 * world if compiled is not None else 0)
     if compiled is not None:  # graphs + 1: a slot left 0 is a rank whose figures a failed reduction lost
         compiles[2 * rank : 2 * rank + 2] = [compiled[0] + 1.0, compiled[1]]
@@ -188,7 +183,7 @@ def sync(
         + [float(driver_gone is not None)]
     )
     totals, gone = totals[:-1], totals[-1] > 0
-    totals, notices = totals[: len(totals) - world], totals[len(totals) - world :]
+    totals, noticed = totals[: len(totals) - world], totals[len(totals) - world :]
     if gone:
         why = driver_gone or "rank 0 found this attempt's driver gone"
         raise DriverGone(f"{why}; this attempt stops without writing more")
@@ -202,15 +197,10 @@ def sync(
     built = [(int(shared_compiles[2 * r]) - 1, shared_compiles[2 * r + 1]) for r in range(world)] if compiles else []
     if any(graphs < 0 for graphs, _ in built):  # per-step: some replica's figures missing, none said from this sync
         built = []
-    now = time.time()
-    leaving_ranks = {
-        r: Notice(SIGTERM if s < 0 else DRAIN, math.inf if abs(s) - 1.0 >= NO_DEADLINE_S else now + abs(s) - 1.0)
-        for r, s in enumerate(notices)
-        if s != 0
-    }
     return Synced(
-        (total / count if count else float("nan")), count, stop, diverged, ranks, addresses, built, leaving_ranks
-    )
+        (total / count if count else float("nan")), count, stop, diverged, ranks, addresses, built,
+        notices.leaving(noticed),
+    )  # fmt: skip
 
 
 def divergence_message(

@@ -285,7 +285,7 @@ class Training:
                     files.evaluation(row)
             checkpoint_now = checkpoint_now or (stop and not last)
             # A preemption notice: at an epoch's last step its end comes first, and the next sync
-            # carries the notice again.
+            # carries the notice again. A deadline too short for a save skips one due here too.
             if leaving and not last:
                 saves = faults.on_notice(files, leaving, position.step, self.checkpointer.slowest_save_s)
                 checkpoint_now = saves if self.recovery.eviction.checkpoints_first else checkpoint_now
@@ -298,7 +298,8 @@ class Training:
             row = self.metrics_row(loss=float("nan"), samples_per_s=0.0)
             self.checkpointer.save(runner, row.to_json())
         if faults.leaving:
-            self.checkpointer.finish()  # written and published before the ranks with a notice leave
+            if checkpoint_now:
+                self.checkpointer.finish()  # written and published before the ranks with a notice leave
             faults.leave()
         return stop
 
