@@ -314,3 +314,20 @@ def test_restart_mode_takes_a_worker_silent_for_10_s_as_gone_and_ray_trains_watc
     assert [launch.os.environ.get(k) for k in keys] == ["10.0", "0"]
     launch.apply_train_timers(TrainConfig(workers="2:4", fault_tolerance="per-step", max_failures=3))
     assert keys[0] not in launch.os.environ  # per-step: the peers' wait finds a silent replica
+
+
+@pytest.mark.slow  # starts two Python processes
+def test_one_process_per_node_polls_the_drain_whatever_the_address_several_nodes_share(tmp_path, monkeypatch):
+    """Ray Train's local rank counts workers by address; the poller is chosen by node id instead."""
+    import subprocess
+    import sys
+
+    from raytrain.instruments import notice
+
+    monkeypatch.setattr(notice, "_NODE_LOCK", None)
+    assert notice.first_on_node("node-a", str(tmp_path))  # this process holds node-a's lock from here on
+    ask = "import sys; from raytrain.instruments import notice; print(notice.first_on_node(*sys.argv[1:]))"
+    other = [subprocess.run([sys.executable, "-c", ask, node, str(tmp_path)], capture_output=True, text=True)
+             for node in ("node-a", "node-b")]  # fmt: skip
+    assert [o.stdout.strip() for o in other] == ["False", "True"], [o.stderr[-500:] for o in other]
+    notice._NODE_LOCK.close()

@@ -5,7 +5,7 @@ Two ways a reclaim announces itself before it happens:
 - Ray's drain of the node (`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
   --deadline-remaining-seconds N`, what autoscaler v2 asks for a spot reclaim and what a
   KubeRay `preStop` hook can ask, docs/cluster.md). It kills nothing: the caller does, at the
-  deadline. On each node one worker (its local rank 0) polls the GCS's draining nodes for its
+  deadline. On each node one worker (the first to take its lock) polls the GCS's draining nodes for its
   node once a second (one small call; Ray Train's own watcher, which raytrain turns off, polls
   every 5 s), and at a notice every worker asks once for its own (`NoticeBoard.poll_now`): a
   node goes whole;
@@ -189,12 +189,34 @@ def catch_notices() -> None:
     """On a Ray Train worker, in its main thread (the backend's `execute`): SIGTERM and this node's
     drain post notices to `BOARD` (the drain polled by the node's first worker)."""
     import ray
-    import ray.train
     from ray._private.state import state
 
     BOARD.catch_sigterm()
-    first_on_node = ray.train.get_context().get_local_rank() == 0
-    BOARD.watch_drain(ray.get_runtime_context().get_node_id(), state.get_draining_nodes, poll=first_on_node)
+    node_id = ray.get_runtime_context().get_node_id()
+    BOARD.watch_drain(node_id, state.get_draining_nodes, poll=first_on_node(node_id))
+
+
+_NODE_LOCK: Any = None  # held while this process lives: it polls its node's drain
+
+
+def first_on_node(node_id: str, directory: str | None = None) -> bool:
+    """Whether this process is the first of its Ray node's to ask (a lock file named by the node id,
+    held until the process ends): it polls the node's drain. Ray Train's local rank will not do:
+    it counts workers by address, which several nodes may share."""
+    global _NODE_LOCK
+    import fcntl
+    import tempfile
+
+    if _NODE_LOCK is not None:
+        return True
+    handle = open(os.path.join(directory or tempfile.gettempdir(), f"raytrain-drain-{node_id}.lock"), "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        return False
+    _NODE_LOCK = handle
+    return True
 
 
 __all__ = [
@@ -208,6 +230,7 @@ __all__ = [
     "leaving",
     "slots",
     "checkpoint_fits",
+    "first_on_node",
     "notice_line",
     "sigterm_grace_s",
 ]
