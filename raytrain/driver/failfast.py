@@ -79,11 +79,12 @@ class FailFastTrainer(TorchTrainer):
             if self.mode.silent_worker_s is not None:
                 kwargs["callbacks"].append(Suspects(self.evict_key))
         controller = self.mode.controller(self.scaling_config, kwargs, self.evict_key)
-        try:
-            return self._run_controller(controller or TrainController, kwargs)
-        finally:
-            if self.evict_key is not None:  # the nodes this run held out are its own
-                forget_run(self.evict_key)
+        result = self._run_controller(controller or TrainController, kwargs)
+        # The nodes this run held out are its own. Only after a run that ended, not one whose
+        # head died: Ray's client would wait for the head rather than fail the call.
+        if self.evict_key is not None:
+            forget_run(self.evict_key)
+        return result
 
     def _run_controller(self, controller_cls, kwargs):
         """`DataParallelTrainer._initialize_and_run_controller` of Ray 2.60, with raytrain's

@@ -164,7 +164,8 @@ class Suspects(WorkerGroupCallback):
 
 
 def forget_run(key: bytes) -> None:
-    """The nodes the run of `key` held out, forgotten from Ray's key-value store (its driver ends)."""
+    """The nodes the run of `key` held out, forgotten from Ray's key-value store (its controller
+    returned; a run that failed leaves its few entries, under a key no later run reads)."""
     with contextlib.suppress(Exception):  # the cluster gone with the run: nothing left to forget
         for prefix in (key + b"/", key + SUSPECTED + b"/"):
             _internal_kv_del(prefix, del_by_prefix=True, namespace=EVICTED_NAMESPACE)
