@@ -192,8 +192,10 @@ def catch_notices() -> None:
     from ray._private.state import state
 
     BOARD.catch_sigterm()
-    node_id = ray.get_runtime_context().get_node_id()
-    BOARD.watch_drain(node_id, state.get_draining_nodes, poll=first_on_node(node_id))
+    context = ray.get_runtime_context()
+    node_id = context.get_node_id()
+    session_dir = os.path.join(context.get_temp_dir(), context.get_session_name())  # the node's, gone with it
+    BOARD.watch_drain(node_id, state.get_draining_nodes, poll=first_on_node(node_id, session_dir))
 
 
 _NODE_LOCK: Any = None  # held while this process lives: it polls its node's drain
@@ -209,6 +211,7 @@ def first_on_node(node_id: str, directory: str | None = None) -> bool:
 
     if _NODE_LOCK is not None:
         return True
+    os.makedirs(directory or tempfile.gettempdir(), exist_ok=True)
     handle = open(os.path.join(directory or tempfile.gettempdir(), f"raytrain-drain-{node_id}.lock"), "a")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
