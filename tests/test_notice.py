@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from test_watch import _Writer  # the writing rank's files, in memory
 
 from raytrain.config import TrainConfig
 from raytrain.instruments.notice import (
@@ -116,19 +117,6 @@ def test_a_checkpoint_is_tried_only_when_the_deadline_leaves_room_for_one():
     assert "too little time to checkpoint (the slowest save took 5.0 s)" in line and "last checkpoint" in line
     assert "checkpointed at step 40" in notice_line([2], ["10.0.0.2"], 28.0, 40, True, True, None)
     assert "replica group leaves" in notice_line([1], ["b"], math.inf, 40, False, False, None)
-
-
-class _Writer:
-    enabled = True
-
-    def __init__(self):
-        self.events = []
-
-    def event(self, kind, message, **extra):
-        self.events.append((kind, message, extra))
-
-    def flush(self):
-        pass
 
 
 class _Runtime:
