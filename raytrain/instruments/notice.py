@@ -84,7 +84,7 @@ def leaving(summed: list[float]) -> dict[int, Leaving]:
 
 class NoticeBoard:
     """This process's notice (None: none), posted by the drain poll or the SIGTERM handler, read at
-    each sync (`seconds_left`)."""
+    each sync."""
 
     def __init__(self) -> None:
         self.notice: Notice | None = None
@@ -97,11 +97,6 @@ class NoticeBoard:
         """The earliest deadline wins."""
         if self.notice is None or notice.deadline < self.notice.deadline:
             self.notice = notice
-
-    def seconds_left(self, now: float | None = None) -> float | None:
-        """Seconds until this worker is gone (inf: no deadline given); None: no notice."""
-        notice = self.notice
-        return None if notice is None else notice.seconds_left(time.time() if now is None else now)
 
     def watch_drain(
         self, node_id: str, draining: Callable[[], dict[str, int]], poll: bool = True, poll_s: float = POLL_S
